@@ -1,0 +1,29 @@
+# Two entry points: `make demo` (the main job) and `make test` (the suite CI runs).
+# Each creates .venv on first use. torch is pinned here, and only here, to the CPU wheel
+# that lies on local disk; pyproject.toml declares torch>=2.4 so pip never upgrades it.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/unbroken demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/mypy src
+
+test: lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,107 @@
+"""`unbroken <verb>`: parses arguments, calls the library, prints. No logic lives here.
+
+Each command group has one ``_add_<group>`` function that registers its sub-parsers and
+sets ``func`` to a small handler; handlers import the library lazily so ``unbroken --help``
+stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+__all__ = ["main"]
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+# --- lifeline 2: checkpoints -------------------------------------------------------------
+
+
+def _add_ckpt(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ckpt", help="inspect, verify and export checkpoints")
+    cs = p.add_subparsers(dest="ckpt_cmd", required=True)
+    ls = cs.add_parser("ls", help="table of checkpoints: step, size, age, status")
+    ls.add_argument("dir", help="checkpoint root (local path or fsspec URL)")
+    ls.add_argument("--archive", default=None, help="remote archive URL to list as well")
+    ls.set_defaults(func=_ckpt_ls)
+    ins = cs.add_parser("inspect", help="print a checkpoint's manifest in human form")
+    ins.add_argument("dir")
+    ins.add_argument("--step", type=int, default=None, help="default: newest committed")
+    ins.set_defaults(func=_ckpt_inspect)
+    ver = cs.add_parser("verify", help="verify checksums; exit 1 on damage")
+    ver.add_argument("dir")
+    ver.add_argument("--step", type=int, default=None, help="default: every committed step")
+    ver.set_defaults(func=_ckpt_verify)
+
+
+def _ckpt_ls(a: argparse.Namespace) -> int:
+    from unbroken.ckpt import cli_support
+
+    print(cli_support.format_listing(a.dir, archive=a.archive))
+    return 0
+
+
+def _ckpt_inspect(a: argparse.Namespace) -> int:
+    from unbroken.ckpt import cli_support
+
+    print(cli_support.format_manifest(a.dir, a.step))
+    return 0
+
+
+def _ckpt_verify(a: argparse.Namespace) -> int:
+    from unbroken.ckpt import cli_support
+
+    ok, report = cli_support.verify_report(a.dir, a.step)
+    print(report)
+    return 0 if ok else 1
+
+
+# --- the demo (the main job) ---------------------------------------------------------------
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="train a tiny GPT, SIGKILL it, resume, prove bit-identity")
+    p.add_argument("--dir", default="demo-run", help="working directory (default: ./demo-run)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: 200)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_demo)
+
+
+def _demo(a: argparse.Namespace) -> int:
+    from unbroken import demo
+
+    return demo.run_demo(a.dir, steps=a.steps, seed=a.seed)
+
+
+# -------------------------------------------------------------------------------------------
+
+_GROUPS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_ckpt]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="unbroken", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for add in _GROUPS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except (ValueError, RuntimeError, FileNotFoundError, PermissionError) as e:
+        print(f"unbroken: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
