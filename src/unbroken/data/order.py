@@ -1,0 +1,355 @@
+"""The epoch order: a pure function of (dataset fingerprint, seed, epoch) -> sample ids.
+
+Two levels (DESIGN.md D-ORDER, D-SHUFFLE):
+
+1. **Shards** are permuted every epoch (one seeded permutation of ``num_shards``).
+2. The permuted shards are laid end to end into one *stream*; the stream is cut into
+   fixed **windows** of ``shuffle_window`` samples and each window is permuted by an RNG
+   keyed by ``(fingerprint, seed, epoch, window index)``.
+
+So "which sample sits at position ``p`` of epoch ``e``" needs only the shard permutation
+(``O(num_shards)`` cumulative counts) and the permutation of the one window that holds
+``p`` (``O(shuffle_window)``); nothing ever materialises the order of the whole epoch, and a
+reader touches one window (a contiguous run of at most a few shards) at a time (D-IO).
+
+Several datasets can be mixed with weights (:class:`MixtureOrder`): mixture positions are
+dealt out in blocks whose per-source counts follow the weights exactly (cumulative floors), and
+the slots inside a block are permuted by an RNG keyed by the block. Source ``i`` then supplies
+its own :class:`EpochOrder` stream, continuing into fresh source epochs when it is exhausted.
+
+:class:`Partition` splits the positions of one run (from a resume point to the epoch end)
+across ranks and into batches. Nothing here depends on world size, worker count, prefetch
+depth or batch size except :class:`Partition`, which only *reads* the global order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+
+import numpy as np
+import xxhash
+
+__all__ = [
+    "LAST_BATCH_POLICIES",
+    "EpochOrder",
+    "MixtureOrder",
+    "Partition",
+    "default_shuffle_window",
+    "seeded_rng",
+]
+
+# Seed-material tags keep the RNG streams of different uses apart.
+_TAG_SHARDS = 1
+_TAG_WINDOW = 2
+_TAG_MIX = 3
+# Cap of the default window: a permutation of 4 Mi samples is 32 MiB, per worker.
+_MAX_DEFAULT_WINDOW = 1 << 22
+_WINDOW_CACHE = 2
+
+LAST_BATCH_POLICIES = ("pad", "drop", "short")
+
+
+def seeded_rng(fingerprint: str, seed: int, *parts: int) -> np.random.Generator:
+    """A numpy Generator keyed by ``(fingerprint, seed, *parts)``; same key, same stream."""
+    fp = xxhash.xxh3_64_intdigest(fingerprint.encode())
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([fp, seed, *parts])))
+
+
+def default_shuffle_window(counts: Sequence[int] | np.ndarray) -> int:
+    """Four times the largest shard (so a window mixes >= 4 shards), capped at 4 Mi samples."""
+    arr = np.asarray(counts, dtype=np.int64)
+    total = int(arr.sum())
+    if total == 0:
+        return 1
+    return max(1, min(total, 4 * int(arr.max()), _MAX_DEFAULT_WINDOW))
+
+
+def _check_seed(seed: int, epoch: int) -> None:
+    if not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be a non-negative int; pass e.g. seed=0")
+    if not isinstance(epoch, (int, np.integer)) or epoch < 0:
+        raise ValueError(f"epoch={epoch!r} must be a non-negative int")
+
+
+class EpochOrder:
+    """The order of one epoch of one dataset, computed lazily window by window.
+
+    ``counts[i]`` is the number of samples of shard ``i`` in manifest order; sample ids are
+    global indexes in manifest order (shard ``i`` holds ids ``starts[i] .. starts[i+1]-1``).
+    ``salt`` extends the seed material (the mixture uses it to key source epochs).
+    """
+
+    def __init__(
+        self,
+        counts: Sequence[int] | np.ndarray,
+        fingerprint: str,
+        seed: int,
+        epoch: int,
+        *,
+        shuffle: bool = True,
+        shuffle_window: int | None = None,
+        salt: tuple[int, ...] = (),
+    ) -> None:
+        _check_seed(seed, epoch)
+        arr = np.asarray(counts, dtype=np.int64)
+        if arr.ndim != 1 or arr.size == 0 or (arr < 0).any():
+            raise ValueError(
+                f"counts must be a non-empty 1-D sequence of non-negative sample counts, got {arr!r}"
+            )
+        if shuffle_window is not None and shuffle_window < 1:
+            raise ValueError(
+                f"shuffle_window={shuffle_window} must be >= 1 (or None for the default)"
+            )
+        self.fingerprint = fingerprint
+        self.seed = int(seed)
+        self.epoch = int(epoch)
+        self.shuffle = shuffle
+        self._salt = tuple(int(s) for s in salt)
+        self.counts = arr
+        self.length = int(arr.sum())
+        self.starts = np.zeros(arr.size + 1, dtype=np.int64)
+        np.cumsum(arr, out=self.starts[1:])
+        if shuffle:
+            rng = seeded_rng(fingerprint, self.seed, _TAG_SHARDS, self.epoch, *self._salt)
+            self.shard_order = rng.permutation(arr.size).astype(np.int64)
+            self.window = max(1, min(shuffle_window or default_shuffle_window(arr), self.length))
+        else:
+            self.shard_order = np.arange(arr.size, dtype=np.int64)
+            self.window = max(1, self.length)
+        # Cumulative counts of the shards in this epoch's order: stream index -> shard slot.
+        self._stream_starts = np.zeros(arr.size + 1, dtype=np.int64)
+        np.cumsum(arr[self.shard_order], out=self._stream_starts[1:])
+        self._windows: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    @property
+    def num_windows(self) -> int:
+        return -(-self.length // self.window)
+
+    def window_permutation(self, k: int) -> np.ndarray:
+        """Permutation of window ``k`` (cached for the last couple of windows)."""
+        perm = self._windows.get(k)
+        if perm is not None:
+            self._windows.move_to_end(k)
+            return perm
+        lo = k * self.window
+        size = min(self.window, self.length - lo)
+        if size <= 0:
+            raise IndexError(f"window {k} is past the end of an epoch of {self.length} samples")
+        if self.shuffle:
+            rng = seeded_rng(self.fingerprint, self.seed, _TAG_WINDOW, self.epoch, k, *self._salt)
+            perm = rng.permutation(size)
+        else:
+            perm = np.arange(size, dtype=np.int64)
+        self._windows[k] = perm
+        if len(self._windows) > _WINDOW_CACHE:
+            self._windows.popitem(last=False)
+        return perm
+
+    def stream_index(self, positions: np.ndarray) -> np.ndarray:
+        """Position in the epoch -> index in the stream of permuted shards laid end to end."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size and (pos.min() < 0 or pos.max() >= self.length):
+            raise IndexError(f"positions must lie in [0, {self.length}), got {pos.min()}..{pos.max()}")
+        if not self.shuffle:
+            return pos.copy()
+        out = np.empty_like(pos)
+        win = pos // self.window
+        for k in np.unique(win):
+            sel = win == k
+            lo = int(k) * self.window
+            out[sel] = lo + self.window_permutation(int(k))[pos[sel] - lo]
+        return out
+
+    def ids(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Sample ids (manifest order) at the given positions of this epoch."""
+        t = self.stream_index(np.asarray(positions, dtype=np.int64))
+        slot = np.searchsorted(self._stream_starts, t, side="right") - 1
+        shard = self.shard_order[slot]
+        return self.starts[shard] + (t - self._stream_starts[slot])
+
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sample ids -> (shard index, index inside the shard)."""
+        ids = np.asarray(ids, dtype=np.int64)
+        shard = np.searchsorted(self.starts, ids, side="right") - 1
+        return shard, ids - self.starts[shard]
+
+    def __getitem__(self, p: int) -> int:
+        return int(self.ids(np.array([p]))[0])
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class MixtureOrder:
+    """Weighted, deterministic interleaving of several sources for one mixture epoch.
+
+    Positions are dealt in blocks of ``block`` slots. The number of slots source ``i`` gets
+    in the first ``b`` blocks is ``floor(b*block*S_i) - floor(b*block*S_{i-1})`` where ``S`` are
+    the cumulative normalised weights (exact fractions), so the realised share never drifts
+    from the weights by more than one sample per source, and the count before any block is
+    known in O(num_sources) without scanning earlier blocks. Each block's slots are permuted by
+    an RNG keyed by ``(fingerprints, seed, epoch, block)``.
+    """
+
+    def __init__(
+        self,
+        weights: Sequence[float],
+        fingerprint: str,
+        seed: int,
+        epoch: int,
+        length: int,
+        *,
+        block: int = 4096,
+    ) -> None:
+        _check_seed(seed, epoch)
+        if len(weights) < 1 or any(not (w > 0) or not math.isfinite(w) for w in weights):
+            raise ValueError(f"mixture weights must be positive finite numbers, got {list(weights)}")
+        if block < 1:
+            raise ValueError(f"mix block={block} must be >= 1")
+        fracs = [Fraction(w).limit_denominator(1 << 30) for w in weights]
+        total = sum(fracs)
+        norm = [f / total for f in fracs]
+        if min(norm) * block < 1:
+            raise ValueError(
+                f"mixture weight {float(min(norm)):.3g} is below 1/block = 1/{block}: that source "
+                f"would get no slot in some blocks; raise the weight or pass a larger mix block"
+            )
+        self.weights = tuple(float(f) for f in norm)
+        self.cum = [sum(norm[: i + 1], Fraction(0)) for i in range(len(norm))]
+        self.block = int(block)
+        self.length = int(length)
+        self.fingerprint = fingerprint
+        self.seed = int(seed)
+        self.epoch = int(epoch)
+        self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+    def _before(self, b: int) -> np.ndarray:
+        """Per-source slot counts in blocks ``0..b-1``."""
+        n = b * self.block
+        d = [0] + [math.floor(n * c) for c in self.cum]
+        return np.diff(np.asarray(d, dtype=np.int64))
+
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source of each slot, source-local offset of each slot) for block ``b``."""
+        hit = self._blocks.get(b)
+        if hit is not None:
+            return hit
+        base = self._before(b)
+        counts = self._before(b + 1) - base
+        src = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        rng = seeded_rng(self.fingerprint, self.seed, _TAG_MIX, self.epoch, b)
+        src = src[rng.permutation(src.size)]
+        # rank of each slot among the slots of its own source, plus the count before the block
+        onehot = src[None, :] == np.arange(len(counts))[:, None]
+        rank = (np.cumsum(onehot, axis=1) - 1)[src, np.arange(src.size)]
+        hit = (src, base[src] + rank)
+        self._blocks[b] = hit
+        if len(self._blocks) > _WINDOW_CACHE:
+            self._blocks.popitem(last=False)
+        return hit
+
+    def assign(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Mixture positions -> (source index, position in that source's stream)."""
+        pos = np.asarray(positions, dtype=np.int64)
+        src = np.empty_like(pos)
+        off = np.empty_like(pos)
+        blk = pos // self.block
+        for b in np.unique(blk):
+            sel = blk == b
+            s, o = self._block(int(b))
+            slot = pos[sel] - int(b) * self.block
+            src[sel] = s[slot]
+            off[sel] = o[slot]
+        return src, off
+
+
+@dataclass(frozen=True)
+class Partition:
+    """One run's share of an epoch: positions ``[start, epoch_len)`` over ranks and batches.
+
+    A *global step* takes the next ``world_size * batch_size`` positions of the run; rank
+    ``r`` gets the positions ``start + step*G + r + world_size*j`` for ``j < batch_size``
+    (interleaved, so a short last step is split evenly). Positions are counted from the
+    run's ``start`` (the resume point), not from 0, so a run can resume at any position
+    with any world size. ``samples_consumed`` after ``k`` whole global steps is
+    ``start + k*G`` (capped at ``epoch_len``): consumption is counted in whole global steps,
+    which is what every rank has delivered at an optimizer-step boundary.
+
+    ``last_batch`` decides the final global step when ``epoch_len - start`` is not a multiple
+    of ``G``: ``"pad"`` fills it with the first positions of the epoch again (every rank gets
+    the same number of full batches, at most ``G-1`` samples repeat; DistributedSampler's
+    policy), ``"drop"`` drops those ``< G`` samples for this epoch, ``"short"`` yields a
+    shorter last step (ranks whose share is empty skip it, so use it only when ranks need
+    not stay in lockstep).
+    """
+
+    start: int
+    epoch_len: int
+    batch_size: int
+    rank: int = 0
+    world_size: int = 1
+    last_batch: str = "pad"
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"rank={self.rank} world_size={self.world_size}: need 0 <= rank < world_size"
+            )
+        if self.last_batch not in LAST_BATCH_POLICIES:
+            raise ValueError(
+                f"last_batch={self.last_batch!r} is not one of {LAST_BATCH_POLICIES}"
+            )
+        if not 0 <= self.start <= self.epoch_len:
+            raise ValueError(
+                f"start={self.start} must lie in [0, epoch_len={self.epoch_len}]; the resume "
+                "state is past the end of this epoch"
+            )
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def num_steps(self) -> int:
+        """Global steps of this run until the epoch ends."""
+        rest = self.epoch_len - self.start
+        if self.last_batch == "drop":
+            return rest // self.global_batch
+        return -(-rest // self.global_batch)
+
+    @property
+    def end(self) -> int:
+        """One past the last (possibly padded) position of the run."""
+        if self.last_batch == "pad":
+            return self.start + self.num_steps * self.global_batch
+        if self.last_batch == "drop":
+            return self.start + self.num_steps * self.global_batch
+        return self.epoch_len
+
+    def num_batches(self) -> int:
+        """Batches this rank yields (``short`` may give the last step no share)."""
+        steps = self.num_steps
+        if steps and self.last_batch == "short":
+            first_of_last = self.start + (steps - 1) * self.global_batch
+            if first_of_last + self.rank >= self.epoch_len:
+                return steps - 1
+        return steps
+
+    def batch_positions(self, step: int) -> np.ndarray:
+        """Epoch positions of this rank's batch at global ``step`` (padding wrapped to 0..)."""
+        lo = self.start + step * self.global_batch + self.rank
+        pos = lo + self.world_size * np.arange(self.batch_size, dtype=np.int64)
+        pos = pos[pos < self.end]
+        if self.last_batch == "pad" and pos.size and pos[-1] >= self.epoch_len:
+            pos = np.where(pos >= self.epoch_len, (pos - self.epoch_len) % max(1, self.epoch_len), pos)
+        return pos
+
+    def consumed_after(self, steps: int) -> int:
+        """Global samples consumed in the epoch after ``steps`` whole global steps."""
+        return min(self.epoch_len, self.start + steps * self.global_batch)
