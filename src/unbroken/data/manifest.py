@@ -1,0 +1,291 @@
+"""`dataset.json`: the manifest of a packed (tar) or tokenized (tokens) dataset.
+
+On disk (written atomically, last, so a dataset is visible only when complete)::
+
+    {
+      "format": "unbroken-dataset", "version": 1,
+      "kind": "tar" | "tokens",
+      "fingerprint": "<xxh3_128 hex>",
+      "num_samples": 123,
+      "shards": [
+        {"name": "shard-000000.tar", "samples": 61, "bytes": 268435456,
+         "checksum": "<xxh3_128 hex>", "index": "shard-000000.tar.idx",
+         "index_bytes": 4096, "index_checksum": "<xxh3_128 hex>"},
+        ...
+      ],
+      # kind == "tokens" only:
+      "dtype": "uint16" | "uint32", "eos_id": 0, "seq_len": 1024 | null,
+      "vocab_size": 8192
+    }
+
+For a tokens dataset a *sample* is one sequence of ``seq_len + 1`` tokens when ``seq_len`` is
+set (so ``ShardInfo.samples`` counts sequences), else one document. The fingerprint changes
+whenever any shard's content, name, sample count or order changes (see :func:`fingerprint`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import fsspec
+
+from unbroken._fs import atomic_write_bytes, hasher
+
+__all__ = [
+    "MANIFEST_NAME",
+    "DatasetManifest",
+    "ManifestError",
+    "ShardInfo",
+    "fingerprint",
+    "join_path",
+]
+
+MANIFEST_NAME = "dataset.json"
+_FORMAT = "unbroken-dataset"
+_VERSION = 1
+_KINDS = ("tar", "tokens")
+_DTYPES = ("uint16", "uint32")
+
+
+class ManifestError(ValueError):
+    """A dataset.json that is missing, malformed, of an unknown version or inconsistent."""
+
+
+def join_path(root: str, name: str) -> str:
+    """Join a file name onto a local dir or an fsspec URL, keeping ``s3://`` intact."""
+    if "://" in root:
+        return root.rstrip("/") + "/" + name
+    return os.path.join(root, name)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard file and its index file, with sizes and xxh3-128 checksums.
+
+    ``index`` is the index file name (tar: the ``.idx`` offset index; tokens: the document
+    offset index), relative to the dataset root like ``name``.
+    """
+
+    name: str
+    samples: int
+    bytes: int
+    checksum: str
+    index: str
+    index_bytes: int
+    index_checksum: str
+    documents: int | None = None
+    """tokens only: documents in this shard (``samples`` counts sequences when packed)."""
+    tokens: int | None = None
+    """tokens only: tokens in this shard, EOS separators included."""
+
+    def __post_init__(self) -> None:
+        for fname in ("name", "index"):
+            v = getattr(self, fname)
+            if not v or "/" in v or v in (".", ".."):
+                raise ManifestError(f"shard {fname}={v!r} must be a plain file name")
+        if self.samples < 0 or self.bytes < 0 or self.index_bytes < 0:
+            raise ManifestError(f"shard {self.name}: negative size or sample count")
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {k: v for k, v in d.items() if v is not None}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ShardInfo:
+        return cls(
+            name=str(d["name"]),
+            samples=int(d["samples"]),
+            bytes=int(d["bytes"]),
+            checksum=str(d["checksum"]),
+            index=str(d["index"]),
+            index_bytes=int(d["index_bytes"]),
+            index_checksum=str(d["index_checksum"]),
+            documents=None if d.get("documents") is None else int(d["documents"]),
+            tokens=None if d.get("tokens") is None else int(d["tokens"]),
+        )
+
+
+def fingerprint(
+    kind: str, shards: tuple[ShardInfo, ...] | list[ShardInfo], *, seq_len: int | None = None
+) -> str:
+    """Hash over kind, seq_len and, per shard in order, (name, samples, checksum).
+
+    The shard checksum covers every byte of the shard, so any content change changes the
+    fingerprint; seq_len is included because it changes what a sample *is*.
+    """
+    h = hasher()
+    h.update(f"{_FORMAT}/{_VERSION}/{kind}/{seq_len}\n".encode())
+    for s in shards:
+        h.update(f"{s.name}\t{s.samples}\t{s.checksum}\n".encode())
+    return str(h.hexdigest())
+
+
+@dataclass(frozen=True)
+class DatasetManifest:
+    """The content of ``dataset.json``; build with :meth:`create`, read with :meth:`load`."""
+
+    kind: str
+    shards: tuple[ShardInfo, ...]
+    fingerprint: str
+    num_samples: int
+    dtype: str | None = None
+    eos_id: int | None = None
+    seq_len: int | None = None
+    vocab_size: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Free-form provenance (tool, options); not part of the fingerprint."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ManifestError(f"kind={self.kind!r} is not one of {_KINDS}")
+        names = [s.name for s in self.shards]
+        if len(set(names)) != len(names):
+            raise ManifestError("shard names in the manifest are not unique")
+        if self.num_samples != sum(s.samples for s in self.shards):
+            raise ManifestError(
+                f"num_samples={self.num_samples} differs from the sum over shards "
+                f"({sum(s.samples for s in self.shards)})"
+            )
+        if self.kind == "tokens":
+            if self.dtype not in _DTYPES:
+                raise ManifestError(f"tokens dataset: dtype={self.dtype!r} not in {_DTYPES}")
+            if self.eos_id is None:
+                raise ManifestError("tokens dataset: eos_id is required")
+            if self.seq_len is not None and self.seq_len < 1:
+                raise ManifestError(f"tokens dataset: seq_len={self.seq_len} must be >= 1")
+
+    @classmethod
+    def create(
+        cls,
+        kind: str,
+        shards: list[ShardInfo] | tuple[ShardInfo, ...],
+        *,
+        dtype: str | None = None,
+        eos_id: int | None = None,
+        seq_len: int | None = None,
+        vocab_size: int | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> DatasetManifest:
+        """Build a manifest, computing ``num_samples`` and the fingerprint."""
+        shards = tuple(shards)
+        return cls(
+            kind=kind,
+            shards=shards,
+            fingerprint=fingerprint(kind, shards, seq_len=seq_len),
+            num_samples=sum(s.samples for s in shards),
+            dtype=dtype,
+            eos_id=eos_id,
+            seq_len=seq_len,
+            vocab_size=vocab_size,
+            extra=dict(extra or {}),
+        )
+
+    # --- serialization -------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "kind": self.kind,
+            "fingerprint": self.fingerprint,
+            "num_samples": self.num_samples,
+            "shards": [s.to_json() for s in self.shards],
+        }
+        if self.kind == "tokens":
+            d.update(
+                dtype=self.dtype,
+                eos_id=self.eos_id,
+                seq_len=self.seq_len,
+                vocab_size=self.vocab_size,
+            )
+        if self.extra:
+            d["extra"] = self.extra
+        return d
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n"
+
+    @classmethod
+    def from_json(cls, d: Any, *, source: str = "<dict>") -> DatasetManifest:
+        """Parse and validate; every error names ``source`` and the offending field."""
+        if not isinstance(d, dict) or d.get("format") != _FORMAT:
+            raise ManifestError(
+                f"{source}: not an unbroken dataset manifest (missing 'format': {_FORMAT!r}); "
+                "create it with `unbroken pack`, `unbroken index` or `unbroken tokenize`"
+            )
+        if d.get("version") != _VERSION:
+            raise ManifestError(
+                f"{source}: manifest version {d.get('version')!r} is not supported (this "
+                f"unbroken reads version {_VERSION}); upgrade unbroken or re-create the dataset"
+            )
+        try:
+            shards = tuple(ShardInfo.from_json(s) for s in d["shards"])
+            m = cls(
+                kind=str(d["kind"]),
+                shards=shards,
+                fingerprint=str(d["fingerprint"]),
+                num_samples=int(d["num_samples"]),
+                dtype=d.get("dtype"),
+                eos_id=None if d.get("eos_id") is None else int(d["eos_id"]),
+                seq_len=None if d.get("seq_len") is None else int(d["seq_len"]),
+                vocab_size=None if d.get("vocab_size") is None else int(d["vocab_size"]),
+                extra=dict(d.get("extra") or {}),
+            )
+        except ManifestError as e:
+            raise ManifestError(f"{source}: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestError(f"{source}: malformed manifest field ({e!r})") from None
+        want = fingerprint(m.kind, m.shards, seq_len=m.seq_len)
+        if want != m.fingerprint:
+            raise ManifestError(
+                f"{source}: fingerprint {m.fingerprint} does not match its shard list "
+                f"({want}); the manifest was edited or damaged - re-create it"
+            )
+        return m
+
+    @classmethod
+    def load(cls, root: str) -> DatasetManifest:
+        """Read ``<root>/dataset.json`` (root: a local dir, an fsspec URL, or the json path)."""
+        path = root if root.endswith(".json") else join_path(root, MANIFEST_NAME)
+        try:
+            with fsspec.open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{path}: no dataset manifest; create one with `unbroken pack`, "
+                "`unbroken index` or `unbroken tokenize`"
+            ) from None
+        try:
+            d = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{path}: malformed JSON ({e}); re-create the manifest") from None
+        return cls.from_json(d, source=path)
+
+    def save(self, root: str) -> str:
+        """Atomically write ``<root>/dataset.json`` (local dir or fsspec URL); returns path."""
+        path = join_path(root, MANIFEST_NAME)
+        data = self.dumps().encode()
+        if "://" in root and not root.startswith("file://"):
+            # Object stores publish a PUT atomically; no temp+rename needed (or possible).
+            with fsspec.open(path, "wb") as f:
+                f.write(data)
+        else:
+            local = path[len("file://") :] if path.startswith("file://") else path
+            atomic_write_bytes(local, data)
+        return path
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def shard_path(self, root: str, i: int) -> str:
+        return join_path(root, self.shards[i].name)
+
+    def index_path(self, root: str, i: int) -> str:
+        return join_path(root, self.shards[i].index)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all shard and index files (what staging copies, manifest excluded)."""
+        return sum(s.bytes + s.index_bytes for s in self.shards)

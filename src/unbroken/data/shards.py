@@ -1,0 +1,575 @@
+"""Tar shards in WebDataset layout, their per-shard offset index, a fast writer and a reader.
+
+A shard is a plain (uncompressed) POSIX tar whose members are ``<key>.<ext>``; consecutive
+members with the same key form one sample, exactly as ``webdataset`` groups them, so
+``webdataset.WebDataset`` reads our shards unchanged and we read theirs.
+
+Beside each shard lies ``<shard>.idx``, a little-endian binary offset index (all integers
+unsigned 64-bit)::
+
+    header (72 bytes): magic b"UBIDX\\x01\\x00\\x00", num_samples N, num_members M,
+                       strings_bytes S, tar_bytes, tar checksum (32 ASCII hex, xxh3_128)
+    member_start[N+1]  first member of sample i is member_start[i]
+    key_off[N+1]       key of sample i is strings[key_off[i]:key_off[i+1]] (UTF-8)
+    data_offset[M]     byte offset of member j's data inside the tar
+    data_size[M]       byte length of member j's data
+    ext_off[M+1]       extension of member j is strings[ext_off[j]:ext_off[j+1]]
+    strings[S]
+
+so sample *i* is found in O(1) and read with one ``pread`` of its contiguous byte span.
+The tar size and checksum in the header tie an index to exactly one shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import re
+import struct
+import tarfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from unbroken._fs import (
+    HashingWriter,
+    atomic_write_bytes,
+    checksum_file,
+    temp_sibling,
+)
+
+__all__ = [
+    "INDEX_SUFFIX",
+    "ShardError",
+    "ShardIndex",
+    "ShardReader",
+    "TarShardWriter",
+    "index_tar",
+    "sample_tar_bytes",
+    "split_member_name",
+    "tar_end_bytes",
+    "tar_header",
+    "verify_shard",
+]
+
+log = logging.getLogger(__name__)
+
+INDEX_SUFFIX = ".idx"
+_MAGIC = b"UBIDX\x01\x00\x00"
+_HEADER = struct.Struct("<8sQQQQ32s")
+_BLOCK = 512
+_RECORD = 10240  # tarfile pads archives to 20 blocks; we do too, for identical tools' output
+_ZEROS = bytes(_RECORD)
+_MTIME = 0  # fixed so that the same input gives byte-identical shards
+_FLUSH = 8 << 20
+# webdataset's rule: key = path prefix + basename up to its first dot, ext = the rest.
+_NAME_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
+
+
+class ShardError(ValueError):
+    """A shard or index that is truncated, corrupt, mismatched or otherwise unusable."""
+
+
+def split_member_name(name: str) -> tuple[str, str] | None:
+    """``"a/0001.seg.png" -> ("a/0001", "seg.png")``; None if there is no extension."""
+    m = _NAME_RE.match(name)
+    return (m.group(1), m.group(2)) if m else None
+
+
+# --- tar headers -------------------------------------------------------------------------
+
+
+def _template() -> tuple[bytes, bytes, bytes, int]:
+    """The constant parts of a ustar regular-file header and their byte sum."""
+    ti = tarfile.TarInfo("x")
+    ti.mode, ti.uid, ti.gid, ti.mtime, ti.uname, ti.gname = 0o644, 0, 0, _MTIME, "", ""
+    buf = ti.tobuf(format=tarfile.USTAR_FORMAT)
+    p1, p2, p3 = buf[100:124], buf[136:148], buf[156:512]
+    return p1, p2, p3, sum(p1) + sum(p2) + sum(p3) + 8 * 32  # chksum counted as spaces
+
+
+_P1, _P2, _P3, _BASE_SUM = _template()
+_MAX_USTAR_SIZE = 0o77777777777
+
+
+def tar_header(name: str, size: int) -> bytes:
+    """The header block(s) of a regular file member; byte-equal to tarfile's ustar output.
+
+    Built from a precomputed template (a few concatenations, no TarInfo object) because pack
+    writes one per member; names over 100 bytes or huge sizes fall back to tarfile's PAX.
+    """
+    bname = name.encode()
+    if len(bname) <= 100 and size <= _MAX_USTAR_SIZE:
+        sz = b"%011o\0" % size
+        chk = _BASE_SUM + sum(bname) + sum(sz)
+        return b"".join((bname.ljust(100, b"\0"), _P1, sz, _P2, b"%06o\0 " % chk, _P3))
+    ti = tarfile.TarInfo(name)
+    ti.size, ti.mode, ti.uid, ti.gid, ti.mtime, ti.uname, ti.gname = size, 0o644, 0, 0, 0, "", ""
+    return ti.tobuf(format=tarfile.PAX_FORMAT, encoding="utf-8", errors="strict")
+
+
+# --- the index ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """Offsets of every sample's members in one tar shard (see the module docstring)."""
+
+    member_start: Sequence[int]
+    key_off: Sequence[int]
+    data_offset: Sequence[int]
+    data_size: Sequence[int]
+    ext_off: Sequence[int]
+    strings: bytes
+    tar_bytes: int
+    tar_checksum: str
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.member_start) - 1
+
+    def key(self, i: int) -> str:
+        return self.strings[self.key_off[i] : self.key_off[i + 1]].decode()
+
+    def ext(self, j: int) -> str:
+        return self.strings[self.ext_off[j] : self.ext_off[j + 1]].decode()
+
+    def span(self, i: int) -> tuple[int, int]:
+        """Byte range ``[start, end)`` covering all data of sample ``i`` (headers between)."""
+        a, b = self.member_start[i], self.member_start[i + 1]
+        return self.data_offset[a], self.data_offset[b - 1] + self.data_size[b - 1]
+
+    @classmethod
+    def build(
+        cls,
+        samples: Sequence[tuple[str, Sequence[tuple[str, int, int]]]],
+        tar_bytes: int,
+        tar_checksum: str,
+    ) -> ShardIndex:
+        """From ``[(key, [(ext, data_offset, data_size), ...]), ...]``."""
+        # Keys and extensions are stored in two separate runs so that each offset array is
+        # monotone and its own sentinel ends the last string.
+        keys = b"".join(k.encode() for k, _ in samples)
+        key_off = [0]
+        for k, _ in samples:
+            key_off.append(key_off[-1] + len(k.encode()))
+        member_start = [0]
+        offs: list[int] = []
+        sizes: list[int] = []
+        ext_parts: list[bytes] = []
+        ext_off = [len(keys)]
+        for _, members in samples:
+            for ext, off, size in members:
+                eb = ext.encode()
+                ext_parts.append(eb)
+                ext_off.append(ext_off[-1] + len(eb))
+                offs.append(off)
+                sizes.append(size)
+            member_start.append(len(offs))
+        return cls(
+            member_start=member_start,
+            key_off=key_off,
+            data_offset=offs,
+            data_size=sizes,
+            ext_off=ext_off,
+            strings=keys + b"".join(ext_parts),
+            tar_bytes=tar_bytes,
+            tar_checksum=tar_checksum,
+        )
+
+    def to_bytes(self) -> bytes:
+        u64 = np.uint64
+        head = _HEADER.pack(
+            _MAGIC,
+            self.num_samples,
+            len(self.data_offset),
+            len(self.strings),
+            self.tar_bytes,
+            self.tar_checksum.encode().ljust(32, b"0")[:32],
+        )
+        arrays = [
+            np.asarray(a, dtype=u64).astype("<u8", copy=False).tobytes()
+            for a in (
+                self.member_start,
+                self.key_off,
+                self.data_offset,
+                self.data_size,
+                self.ext_off,
+            )
+        ]
+        return b"".join([head, *arrays, self.strings])
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, source: str) -> ShardIndex:
+        if len(data) < _HEADER.size or data[:8] != _MAGIC:
+            raise ShardError(
+                f"{source}: not an unbroken shard index (bad magic or too short); "
+                "rebuild it with `unbroken index DIR`"
+            )
+        _, n, m, s, tar_bytes, chk = _HEADER.unpack_from(data)
+        want = _HEADER.size + 8 * (2 * (n + 1) + 2 * m + (m + 1)) + s
+        if len(data) != want:
+            raise ShardError(
+                f"{source}: index is {len(data)} bytes, its header says {want} "
+                "(truncated or damaged); rebuild it with `unbroken index DIR`"
+            )
+        pos = _HEADER.size
+        out: list[list[int]] = []
+        for count in (n + 1, n + 1, m, m, m + 1):
+            out.append(np.frombuffer(data, dtype="<u8", count=count, offset=pos).tolist())
+            pos += 8 * count
+        strings = bytes(data[pos : pos + s])
+        ms, ko, do, ds, eo = out
+        if ms[0] != 0 or ms[-1] != m or any(a > b for a, b in zip(ms, ms[1:], strict=False)):
+            raise ShardError(f"{source}: index member table is inconsistent; rebuild it")
+        return cls(ms, ko, do, ds, eo, strings, int(tar_bytes), chk.decode("ascii", "replace"))
+
+    @classmethod
+    def load(cls, path: str) -> ShardIndex:
+        with open(path, "rb") as f:
+            return cls.from_bytes(f.read(), source=path)
+
+
+# --- writing -------------------------------------------------------------------------------
+
+
+def _nbytes(data: Any) -> int:
+    return len(data) if isinstance(data, bytes | bytearray) else memoryview(data).nbytes
+
+
+def sample_tar_bytes(key: str, members: Sequence[tuple[str, int]]) -> int:
+    """Bytes a sample occupies in a tar: headers + data + padding (for shard planning)."""
+    total = 0
+    for ext, size in members:
+        name = f"{key}.{ext}"
+        hdr = _BLOCK if len(name.encode()) <= 100 else len(tar_header(name, size))
+        total += hdr + size + (-size % _BLOCK)
+    return total
+
+
+def tar_end_bytes(body: int) -> int:
+    """Bytes after the last member: two zero blocks, then padding to a full tar record."""
+    return 2 * _BLOCK + (-(body + 2 * _BLOCK) % _RECORD)
+
+
+def _disk_full(path: str, written: int, e: OSError) -> RuntimeError:
+    return RuntimeError(
+        f"{path}: disk full after writing {written} bytes ({os.strerror(e.errno or 0)}); "
+        f"free space on {os.path.dirname(os.path.abspath(path))} or write elsewhere, then "
+        "re-run the same command to resume"
+    )
+
+
+class TarShardWriter:
+    """Writes one shard into a temporary sibling; :meth:`commit` publishes it.
+
+    Headers come from a template, data is gathered into large buffered writes and hashed as
+    it is written (no second read). Commit order: tar fsync -> rename, then the index is
+    published atomically; an index therefore exists only next to a complete shard, and it
+    names that shard's checksum, so a stale index is detected.
+    """
+
+    def __init__(self, path: str, *, fsync: bool = True) -> None:
+        self.path = path
+        self.index_path = path + INDEX_SUFFIX
+        self._tmp = temp_sibling(path)
+        self._w = HashingWriter(self._tmp, fsync=fsync)
+        self._fsync = fsync
+        self._buf: list[Any] = []
+        self._buffered = 0
+        self._pos = 0
+        self._samples: list[tuple[str, list[tuple[str, int, int]]]] = []
+        self._done = False
+
+    def add(self, key: str, members: Sequence[tuple[str, Any]]) -> None:
+        """Append one sample: ``members`` is ``[(ext, bytes-like), ...]`` in tar order."""
+        buf = self._buf
+        pos = self._pos
+        out: list[tuple[str, int, int]] = []
+        for ext, data in members:
+            n = _nbytes(data)
+            hdr = tar_header(f"{key}.{ext}", n)
+            buf.append(hdr)
+            pos += len(hdr)
+            out.append((ext, pos, n))
+            buf.append(data)
+            pad = -n % _BLOCK
+            if pad:
+                buf.append(_ZEROS[:pad])
+            pos += n + pad
+        self._samples.append((key, out))
+        self._buffered += pos - self._pos
+        self._pos = pos
+        if self._buffered >= _FLUSH:
+            self._flush()
+
+    @property
+    def bytes_written(self) -> int:
+        return self._pos
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    def _flush(self) -> None:
+        if not self._buf:
+            return
+        data = b"".join(self._buf)
+        self._buf.clear()
+        self._buffered = 0
+        try:
+            self._w.write(data)
+        except OSError as e:
+            self.abort()
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _disk_full(self.path, self._w.size, e) from e
+            raise
+
+    def commit(self) -> tuple[int, str, ShardIndex, bytes]:
+        """Finish and publish; returns ``(tar_bytes, tar_checksum, index, index_bytes)``."""
+        self._buf.append(_ZEROS[: tar_end_bytes(self._pos)])
+        self._pos += tar_end_bytes(self._pos)
+        self._flush()
+        try:
+            self._w.close()
+        except OSError as e:
+            self.abort()
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _disk_full(self.path, self._w.size, e) from e
+            raise
+        idx = ShardIndex.build(self._samples, self._w.size, self._w.digest)
+        raw = idx.to_bytes()
+        os.replace(self._tmp, self.path)
+        self._done = True
+        try:
+            atomic_write_bytes(self.index_path, raw, fsync=self._fsync)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise _disk_full(self.index_path, 0, e) from e
+            raise
+        return self._w.size, self._w.digest, idx, raw
+
+    def abort(self) -> None:
+        """Drop the temporary file; the published path is left untouched."""
+        if self._done:
+            return
+        self._done = True
+        with contextlib.suppress(OSError):
+            self._w.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._tmp)
+
+    def __enter__(self) -> TarShardWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+# --- indexing foreign shards -------------------------------------------------------------
+
+
+def index_tar(path: str) -> ShardIndex:
+    """Scan a tar (ours or webdataset's) and build its index, grouping like webdataset.
+
+    Raises :class:`ShardError` naming the file (and member) for a truncated or corrupt tar,
+    a compressed one, or a duplicate extension within a sample.
+    """
+    size = os.path.getsize(path)
+    samples: list[tuple[str, list[tuple[str, int, int]]]] = []
+    skipped = 0
+    try:
+        with tarfile.open(path, "r:") as tf:
+            for ti in tf:
+                if not ti.isreg():
+                    continue
+                name = ti.name
+                if "/" not in name and name.startswith("__") and name.endswith("__"):
+                    continue  # webdataset metadata member
+                kv = split_member_name(name)
+                if kv is None:
+                    skipped += 1
+                    continue
+                key, ext = kv
+                if ti.offset_data + ti.size > size:
+                    raise ShardError(
+                        f"{path}: member {name!r} needs bytes up to {ti.offset_data + ti.size} "
+                        f"but the file has {size} (truncated tar); re-create or re-copy it"
+                    )
+                if samples and samples[-1][0] == key:
+                    if any(e == ext for e, _, _ in samples[-1][1]):
+                        raise ShardError(
+                            f"{path}: sample {key!r} has extension {ext!r} twice; every "
+                            "member of a sample needs a distinct extension"
+                        )
+                    samples[-1][1].append((ext, ti.offset_data, ti.size))
+                else:
+                    samples.append((key, [(ext, ti.offset_data, ti.size)]))
+            end = tf.offset
+    except tarfile.TarError as e:
+        raise ShardError(
+            f"{path}: corrupt, truncated or compressed tar ({e}); shards must be plain "
+            "uncompressed tar - re-create or re-copy it"
+        ) from None
+    with open(path, "rb") as f:
+        f.seek(end)
+        tail = f.read(_BLOCK)
+    if len(tail) < _BLOCK or tail.count(0) != _BLOCK:
+        raise ShardError(
+            f"{path}: no end-of-archive marker at byte {end} (the tar is truncated); "
+            "re-create or re-copy it"
+        )
+    if skipped:
+        log.warning("%s: skipped %d members without a <key>.<ext> name", path, skipped)
+    _, digest = checksum_file(path)
+    return ShardIndex.build(samples, size, digest)
+
+
+def verify_shard(path: str, index_path: str | None = None, *, checksum: str | None = None) -> None:
+    """Full check: the tar's size and checksum match its index (and ``checksum`` if given)."""
+    index_path = index_path or path + INDEX_SUFFIX
+    idx = ShardIndex.load(index_path)
+    size, digest = checksum_file(path)
+    if size != idx.tar_bytes or digest != idx.tar_checksum:
+        raise ShardError(
+            f"{path}: content (size {size}, checksum {digest}) does not match its index "
+            f"{index_path} (size {idx.tar_bytes}, checksum {idx.tar_checksum}); the shard is "
+            "damaged or the index is stale - re-copy the shard or run `unbroken index`"
+        )
+    if checksum is not None and digest != checksum:
+        raise ShardError(
+            f"{path}: checksum {digest} differs from the manifest's {checksum}; re-copy it"
+        )
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+class ShardReader:
+    """Read one tar shard: ``reader[i]`` in O(1) via the index, or iterate sequentially.
+
+    A sample is ``{"__key__": key, ext: bytes, ...}``. Without an index file the tar is
+    scanned once on open (as ``unbroken index`` would). Opening checks the index against the
+    shard's size and the tar headers of its first and last members, so a mismatched index
+    fails loudly instead of returning garbage; :meth:`verify` checks every byte.
+    """
+
+    def __init__(self, path: str, index_path: str | None = None) -> None:
+        self.path = path
+        if index_path is None:
+            cand = path + INDEX_SUFFIX
+            index_path = cand if os.path.exists(cand) else None
+        self.index_path = index_path
+        if index_path is None:
+            log.warning("%s: no index file; scanning the tar (run `unbroken index`)", path)
+            self.index = index_tar(path)
+        else:
+            self.index = ShardIndex.load(index_path)
+        self._fd = os.open(path, os.O_RDONLY)
+        try:
+            self._check()
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def _check(self) -> None:
+        size = os.fstat(self._fd).st_size
+        idx = self.index
+        if size != idx.tar_bytes:
+            raise ShardError(
+                f"{self.path}: shard is {size} bytes but its index {self.index_path} describes "
+                f"{idx.tar_bytes}; the index belongs to another shard or the shard is "
+                "truncated - run `unbroken index` or re-copy the shard"
+            )
+        m = len(idx.data_offset)
+        for j in {0, m - 1} if m else ():
+            off = idx.data_offset[j]
+            block = os.pread(self._fd, _BLOCK, off - _BLOCK) if off >= _BLOCK else b""
+            try:
+                ti = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+                ok = ti.size == idx.data_size[j]
+            except (tarfile.HeaderError, ValueError):
+                ok = False
+            if not ok:
+                s = int(np.searchsorted(np.asarray(idx.member_start), j, side="right")) - 1
+                raise ShardError(
+                    f"{self.path}: member {idx.key(s)}.{idx.ext(j)} is not where the index "
+                    f"{self.index_path} says (offset {off}); the index does not match this "
+                    "shard - run `unbroken index` or re-copy both files"
+                )
+
+    def __len__(self) -> int:
+        return self.index.num_samples
+
+    def key(self, i: int) -> str:
+        return self.index.key(i)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        n = self.index.num_samples
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"{self.path}: sample {i} out of range (0..{n - 1})")
+        start, end = self.index.span(i)
+        data = os.pread(self._fd, end - start, start)
+        if len(data) != end - start:
+            raise ShardError(
+                f"{self.path}: short read of sample {self.index.key(i)!r} (the file shrank); "
+                "re-copy the shard"
+            )
+        return self._sample(i, data, start)
+
+    def _sample(self, i: int, data: Any, base: int) -> dict[str, Any]:
+        idx = self.index
+        out: dict[str, Any] = {"__key__": idx.key(i)}
+        mv = memoryview(data)
+        for j in range(idx.member_start[i], idx.member_start[i + 1]):
+            a = idx.data_offset[j] - base
+            out[idx.ext(j)] = bytes(mv[a : a + idx.data_size[j]])
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """All samples in order, reading the file front to back through one mmap."""
+        n = self.index.num_samples
+        if n == 0:
+            return
+        with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            if hasattr(mm, "madvise"):
+                mm.madvise(mmap.MADV_SEQUENTIAL)
+            for i in range(n):
+                yield self._sample(i, mm, 0)
+
+    def verify(self, checksum: str | None = None) -> None:
+        """Read every byte: the shard must match its index (and ``checksum`` if given)."""
+        size, digest = checksum_file(self.path)
+        if size != self.index.tar_bytes or digest != self.index.tar_checksum:
+            raise ShardError(
+                f"{self.path}: checksum {digest} does not match its index "
+                f"({self.index.tar_checksum}); the shard is damaged - re-copy it"
+            )
+        if checksum is not None and digest != checksum:
+            raise ShardError(f"{self.path}: checksum {digest} != manifest {checksum}; re-copy it")
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # An fd does not survive pickling into a DataLoader worker; reopen there.
+        return {"path": self.path, "index_path": self.index_path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["path"], state["index_path"])  # type: ignore[misc]
