@@ -1,0 +1,142 @@
+"""Pickle-free encoding of state dicts: JSON for structure, tensors kept aside.
+
+``encode`` turns a nested state dict into a JSON tree plus a flat ``{key: tensor}`` dict
+(the tensors go to the DCP files); ``decode`` rebuilds the original objects from an
+allow-list of types, so loading a checkpoint can never execute code from it.
+
+Types: None, bool, int, float (NaN/inf kept), str, list, tuple, dict (any scalar keys),
+bytes, torch.Tensor, torch.dtype, torch.Size, torch.device, numpy arrays and scalars.
+Tagged values are JSON objects with the reserved key ``"__ub__"``.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["decode", "encode"]
+
+_TAG = "__ub__"
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _tensor_inline(t: torch.Tensor) -> dict[str, Any]:
+    t = t.detach().cpu().contiguous()
+    raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return {
+        _TAG: "tinline",
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "shape": list(t.shape),
+        "b64": _b64(raw),
+    }
+
+
+def encode(
+    obj: Any,
+    tensors: dict[str, torch.Tensor] | None,
+    path: tuple[str, ...] = (),
+) -> Any:
+    """Encode ``obj``; tensors go into ``tensors`` under a path key, or inline when None."""
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        if tensors is None:
+            return _tensor_inline(obj)
+        key = "/".join(p.replace("/", "%2F") for p in path)
+        if key in tensors:
+            raise ValueError(f"two tensors map to checkpoint key {key!r}; rename one state key")
+        tensors[key] = obj
+        return {_TAG: "tensor", "key": key}
+    if isinstance(obj, Mapping):
+        if all(isinstance(k, str) and not k.startswith(_TAG) for k in obj):
+            return {k: encode(v, tensors, (*path, k)) for k, v in obj.items()}
+        return {
+            _TAG: "dict",
+            "items": [
+                [encode(k, None, path), encode(v, tensors, (*path, str(k)))] for k, v in obj.items()
+            ],
+        }
+    if isinstance(obj, torch.Size):
+        return {_TAG: "size", "items": list(obj)}
+    if isinstance(obj, tuple):
+        return {
+            _TAG: "tuple",
+            "items": [encode(v, tensors, (*path, str(i))) for i, v in enumerate(obj)],
+        }
+    if isinstance(obj, list):
+        return [encode(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
+    if isinstance(obj, bytes | bytearray):
+        return {_TAG: "bytes", "b64": _b64(bytes(obj))}
+    if isinstance(obj, torch.dtype):
+        return {_TAG: "dtype", "name": str(obj).removeprefix("torch.")}
+    if isinstance(obj, torch.device):
+        return {_TAG: "device", "name": str(obj)}
+    if isinstance(obj, np.ndarray):
+        arr = np.ascontiguousarray(obj)
+        return {
+            _TAG: "ndarray",
+            "dtype": arr.dtype.str,
+            "shape": list(arr.shape),
+            "b64": _b64(arr.tobytes()),
+        }
+    if isinstance(obj, np.generic):
+        return {_TAG: "npscalar", "dtype": obj.dtype.str, "value": obj.item()}
+    where = "/".join(path) or "<root>"
+    raise TypeError(
+        f"cannot checkpoint state at {where!r}: type {type(obj).__module__}.{type(obj).__qualname__} "
+        "is not a tensor, number, string, list, tuple or dict; return plain values from "
+        "state_dict() (checkpoints are pickle-free so loading never runs code)"
+    )
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r} in checkpoint")
+    return dt
+
+
+def decode(obj: Any, tensors: Mapping[str, torch.Tensor] | None = None) -> Any:
+    """Inverse of :func:`encode`; ``tensors`` supplies the values of ``tensor`` references."""
+    if isinstance(obj, list):
+        return [decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    tag = obj.get(_TAG)
+    if tag is None:
+        return {k: decode(v, tensors) for k, v in obj.items()}
+    if tag == "tensor":
+        if tensors is None or obj["key"] not in tensors:
+            raise ValueError(f"checkpoint references tensor {obj['key']!r} that was not loaded")
+        return tensors[obj["key"]]
+    if tag == "tinline":
+        raw = bytearray(base64.b64decode(obj["b64"]))
+        flat = (
+            torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        )
+        return flat.view(_dtype(obj["dtype"])).reshape(obj["shape"]).clone()
+    if tag == "dict":
+        return {decode(k, tensors): decode(v, tensors) for k, v in obj["items"]}
+    if tag == "tuple":
+        return tuple(decode(v, tensors) for v in obj["items"])
+    if tag == "size":
+        return torch.Size(obj["items"])
+    if tag == "bytes":
+        return base64.b64decode(obj["b64"])
+    if tag == "dtype":
+        return _dtype(obj["name"])
+    if tag == "device":
+        return torch.device(obj["name"])
+    if tag == "ndarray":
+        arr = np.frombuffer(base64.b64decode(obj["b64"]), dtype=np.dtype(obj["dtype"]))
+        return arr.reshape(obj["shape"]).copy()
+    if tag == "npscalar":
+        return np.dtype(obj["dtype"]).type(obj["value"])
+    raise ValueError(f"unknown tag {tag!r} in checkpoint state (written by a newer unbroken?)")

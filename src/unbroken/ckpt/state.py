@@ -1,0 +1,150 @@
+"""``TrainState``: the one bundle a run must restore to continue on the same trajectory.
+
+State dict schema (what a checkpoint holds)::
+
+    {
+      "counters": {"step", "samples", "tokens", "micro_step"},
+      "components": {"model": ..., "optimizer": ..., "scheduler": ..., "ema": ...,
+                     "scaler": ..., "loader": ..., "metrics": ..., "extra.<name>": ...},
+      "rng": {python, numpy, numpy_generators, torch, cuda}      # per rank
+    }
+
+Saving is allowed only at an optimizer-step boundary (DESIGN C-COMPLETE): while
+``micro_step != 0`` the gradients of an unfinished accumulation cycle live only in
+``.grad`` buffers, and :meth:`TrainState.check_saveable` refuses with a clear error rather
+than silently dropping them. The counter is still saved so a resumed run knows where it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from unbroken.ckpt import rng as _rng
+
+__all__ = ["Stateful", "TrainState"]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """The protocol ``torch.distributed.checkpoint`` uses: every saved object speaks it."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+_COUNTERS = ("step", "samples", "tokens", "micro_step")
+
+
+def _named(kind: str, obj: Any) -> dict[str, Any]:
+    """``model=m`` -> {"model": m}; ``model={"g": g, "d": d}`` -> {"model.g": g, "model.d": d}."""
+    if obj is None:
+        return {}
+    if isinstance(obj, Mapping) and not isinstance(obj, Stateful):
+        return {f"{kind}.{name}": v for name, v in obj.items()}
+    return {kind: obj}
+
+
+class TrainState:
+    """Everything a run must restore: weights, optimizer, data position, RNG and the rest.
+
+    Args:
+        model, optimizer, scheduler: one object or a ``{name: obj}`` dict of several.
+        ema: EMA model (e.g. ``torch.optim.swa_utils.AveragedModel``).
+        scaler: AMP ``torch.amp.GradScaler``.
+        loader: the data loader (``unbroken.data.StatefulLoader`` or any ``Stateful``).
+        metrics: ``unbroken.metrics.MetricLog`` so the log continues without a repeated segment.
+        extras: any further ``Stateful`` objects, by name.
+        numpy_generators: ``np.random.Generator`` objects to capture with the RNG state.
+        capture_rng: capture python/numpy/torch/CUDA RNG (default True).
+
+    Counters ``step``, ``samples``, ``tokens`` and ``micro_step`` are plain attributes the
+    training loop updates.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        ema: Any = None,
+        scaler: Any = None,
+        loader: Any = None,
+        metrics: Any = None,
+        extras: Mapping[str, Any] | None = None,
+        numpy_generators: Mapping[str, np.random.Generator] | None = None,
+        capture_rng: bool = True,
+    ) -> None:
+        comps: dict[str, Any] = {}
+        for kind, obj in (
+            ("model", model),
+            ("optimizer", optimizer),
+            ("scheduler", scheduler),
+            ("ema", ema),
+            ("scaler", scaler),
+            ("loader", loader),
+            ("metrics", metrics),
+        ):
+            comps.update(_named(kind, obj))
+        for name, obj in (extras or {}).items():
+            comps[f"extra.{name}"] = obj
+        for name, obj in comps.items():
+            if not isinstance(obj, Stateful):
+                raise TypeError(
+                    f"TrainState component {name!r} is a {type(obj).__qualname__}, which has no "
+                    "state_dict()/load_state_dict(); wrap it in an object that has both, or "
+                    "keep it out of the checkpoint"
+                )
+        for name, g in (numpy_generators or {}).items():
+            if not isinstance(g, np.random.Generator):
+                raise TypeError(
+                    f"numpy_generators[{name!r}] is a {type(g).__qualname__}; pass "
+                    "np.random.Generator objects (np.random.default_rng(seed))"
+                )
+        self.components = comps
+        self.numpy_generators = dict(numpy_generators or {})
+        self.capture_rng = capture_rng
+        self.step = 0
+        self.samples = 0
+        self.tokens = 0
+        self.micro_step = 0
+
+    # --- the Stateful protocol ------------------------------------------------------------
+
+    def check_saveable(self) -> None:
+        if self.micro_step != 0:
+            raise RuntimeError(
+                f"refusing to checkpoint at step {self.step} in the middle of a gradient-"
+                f"accumulation cycle (micro_step={self.micro_step}): the partial gradients "
+                "would be lost. Save right after optimizer.step() and reset micro_step to 0."
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {
+            "counters": {k: int(getattr(self, k)) for k in _COUNTERS},
+            "components": {name: obj.state_dict() for name, obj in self.components.items()},
+        }
+        if self.capture_rng:
+            sd["rng"] = _rng.capture(self.numpy_generators)
+        return sd
+
+    def load_state_dict(self, sd: Mapping[str, Any], *, restore_rng: bool = True) -> None:
+        saved = sd["components"]
+        missing = sorted(set(self.components) - set(saved))
+        extra = sorted(set(saved) - set(self.components))
+        if missing or extra:
+            raise ValueError(
+                f"checkpoint components do not match this TrainState: missing from checkpoint "
+                f"{missing}, present only in checkpoint {extra}; construct TrainState with the "
+                "same components as the run that saved it"
+            )
+        for name, obj in self.components.items():
+            obj.load_state_dict(saved[name])
+        for k in _COUNTERS:
+            setattr(self, k, int(sd["counters"][k]))
+        if restore_rng and self.capture_rng and "rng" in sd:
+            _rng.restore(sd["rng"], self.numpy_generators)

@@ -1,0 +1,238 @@
+"""On-disk layout, the commit protocol, listing, quarantine and retention.
+
+Layout under a checkpoint root::
+
+    <root>/
+      step-00000100/              a committed checkpoint (visible only once complete)
+        manifest.json             written last: format, step, files (size + checksum),
+                                  tensors (dtype, shape, sum, norm, location), counters ...
+        .metadata                 DCP metadata (DCP's own tools read the directory)
+        __0_0.distcp ...          DCP tensor data, one or more files per rank
+        state-rank0.json          pickle-free non-tensor state of rank 0
+      .tmp-step-00000200.ab12cd34 a save in progress, or debris of a killed one
+      corrupt-step-00000300-checksum   quarantined by restore(); never deleted by us
+
+Commit protocol (C-ATOMIC): write everything into a temporary sibling, fsync each file,
+write ``manifest.json`` last and fsync it, fsync the directory, ``rename`` it to
+``step-N`` (atomic on POSIX), fsync the root. A SIGKILL at any instant leaves either the
+old set of committed steps or the old set plus the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from unbroken._fs import atomic_write_bytes, fsync_dir
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "CheckpointInfo",
+    "CorruptCheckpoint",
+    "Store",
+]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "unbroken-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_TMP_PREFIX = ".tmp-step-"
+
+
+class CorruptCheckpoint(Exception):
+    """A committed checkpoint failed verification; ``reason`` is a short slug."""
+
+    def __init__(self, step: int, reason: str, detail: str) -> None:
+        super().__init__(f"step {step}: {reason}: {detail}")
+        self.step = step
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: str
+    size: int
+    mtime: float
+
+
+class Store:
+    """A checkpoint root directory: names, commit, listing, quarantine, retention."""
+
+    def __init__(self, root: str) -> None:
+        if "://" in root and not root.startswith("file://"):
+            raise ValueError(
+                f"checkpoint root {root!r} is a remote URL; write checkpoints to a local or "
+                "shared filesystem path and use archive='s3://...' for remote copies"
+            )
+        self.root = os.path.abspath(root.removeprefix("file://"))
+
+    # --- names --------------------------------------------------------------------------
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.root, f"step-{step:08d}")
+
+    def ensure_root(self) -> None:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise RuntimeError(
+                f"cannot create checkpoint directory {self.root!r}: {e.strerror}; pass a "
+                "writable path"
+            ) from e
+        if not os.access(self.root, os.W_OK):
+            raise PermissionError(f"checkpoint directory {self.root!r} is not writable")
+
+    # --- listing ------------------------------------------------------------------------
+
+    def _entries(self) -> list[str]:
+        try:
+            return os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        except NotADirectoryError as e:
+            raise ValueError(f"checkpoint root {self.root!r} is a file, not a directory") from e
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending. A ``step-N`` directory counts only with a manifest."""
+        out = []
+        for name in self._entries():
+            m = _STEP_RE.match(name)
+            if m and os.path.isfile(os.path.join(self.root, name, MANIFEST)):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def uncommitted(self) -> list[str]:
+        """``step-N`` directories without a manifest: never produced by our commit."""
+        return sorted(
+            n
+            for n in self._entries()
+            if _STEP_RE.match(n) and not os.path.isfile(os.path.join(self.root, n, MANIFEST))
+        )
+
+    def temp_dirs(self) -> list[str]:
+        return sorted(n for n in self._entries() if n.startswith(_TMP_PREFIX))
+
+    def info(self, step: int) -> CheckpointInfo:
+        d = self.step_dir(step)
+        size = 0
+        for e in os.scandir(d):
+            if e.is_file():
+                size += e.stat().st_size
+        return CheckpointInfo(step, d, size, os.path.getmtime(os.path.join(d, MANIFEST)))
+
+    def has_foreign_content(self) -> bool:
+        """True when the root holds anything at all (a sign it was meant to hold checkpoints)."""
+        return bool(self._entries())
+
+    # --- manifest -------------------------------------------------------------------------
+
+    def read_manifest(self, step: int) -> dict[str, Any]:
+        path = os.path.join(self.step_dir(step), MANIFEST)
+        try:
+            with open(path, "rb") as f:
+                m = json.loads(f.read())
+        except FileNotFoundError as e:
+            raise CorruptCheckpoint(step, "no-manifest", f"{path} is missing") from e
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptCheckpoint(step, "bad-manifest", f"{path} is not valid JSON ({e})") from e
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            raise CorruptCheckpoint(step, "bad-manifest", f"{path} is not an unbroken manifest")
+        if m.get("version") != FORMAT_VERSION:
+            raise CorruptCheckpoint(
+                step,
+                "bad-manifest",
+                f"{path} has format version {m.get('version')!r}; this unbroken reads "
+                f"version {FORMAT_VERSION} (upgrade unbroken)",
+            )
+        if m.get("step") != step:
+            raise CorruptCheckpoint(
+                step, "bad-manifest", f"{path} says step {m.get('step')!r}, directory says {step}"
+            )
+        for key in ("files", "tensors", "ranks"):
+            if not isinstance(m.get(key), dict | list):
+                raise CorruptCheckpoint(step, "bad-manifest", f"{path} lacks {key!r}")
+        return m
+
+    # --- commit ---------------------------------------------------------------------------
+
+    def begin(self, step: int) -> str:
+        self.ensure_root()
+        tmp = os.path.join(self.root, f"{_TMP_PREFIX}{step:08d}.{uuid.uuid4().hex[:8]}")
+        os.mkdir(tmp)
+        return tmp
+
+    def commit(self, tmp: str, step: int, manifest: dict[str, Any]) -> str:
+        """Write the manifest last, fsync, and atomically publish ``tmp`` as ``step-N``."""
+        atomic_write_bytes(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1).encode())
+        fsync_dir(tmp)
+        final = self.step_dir(step)
+        if os.path.exists(final):
+            raise FileExistsError(f"checkpoint {final} already exists; refusing to overwrite it")
+        os.rename(tmp, final)
+        fsync_dir(self.root)
+        return final
+
+    def abort(self, tmp: str) -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    # --- damage -----------------------------------------------------------------------------
+
+    def quarantine(self, step: int, reason: str) -> str:
+        src = self.step_dir(step)
+        dst = os.path.join(self.root, f"corrupt-step-{step:08d}-{reason}")
+        if os.path.exists(dst):
+            dst = f"{dst}.{int(time.time())}"
+        os.rename(src, dst)
+        fsync_dir(self.root)
+        return dst
+
+    def remove_debris(self) -> list[str]:
+        """Delete temp directories left by killed saves (never visible as checkpoints)."""
+        removed = []
+        for name in self.temp_dirs():
+            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            removed.append(name)
+        if removed:
+            log.warning(
+                "removed %d stale temporary checkpoint dir(s) left by an interrupted save: %s",
+                len(removed),
+                ", ".join(removed),
+            )
+        return removed
+
+    # --- retention ----------------------------------------------------------------------------
+
+    def prune(
+        self, keep_last: int | None, keep_every: int | None, protect: Iterable[int]
+    ) -> list[int]:
+        """Delete committed steps beyond ``keep_last`` except multiples of ``keep_every`` and
+        ``protect``. Only ``step-N`` directories are touched; foreign files never are."""
+        if keep_last is None:
+            return []
+        steps = self.steps()
+        keep = set(steps[-keep_last:]) | set(protect)
+        if keep_every:
+            keep |= {s for s in steps if s % keep_every == 0}
+        gone = [s for s in steps if s not in keep]
+        for s in gone:
+            # Rename first so a kill mid-delete never leaves a half-deleted "committed" step.
+            doomed = os.path.join(self.root, f"{_TMP_PREFIX}{s:08d}.deleting")
+            os.rename(self.step_dir(s), doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        if gone:
+            fsync_dir(self.root)
+        return gone
