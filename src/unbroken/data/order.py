@@ -153,7 +153,9 @@ class EpochOrder:
         """Position in the epoch -> index in the stream of permuted shards laid end to end."""
         pos = np.asarray(positions, dtype=np.int64)
         if pos.size and (pos.min() < 0 or pos.max() >= self.length):
-            raise IndexError(f"positions must lie in [0, {self.length}), got {pos.min()}..{pos.max()}")
+            raise IndexError(
+                f"positions must lie in [0, {self.length}), got {pos.min()}..{pos.max()}"
+            )
         if not self.shuffle:
             return pos.copy()
         out = np.empty_like(pos)
@@ -207,7 +209,9 @@ class MixtureOrder:
     ) -> None:
         _check_seed(seed, epoch)
         if len(weights) < 1 or any(not (w > 0) or not math.isfinite(w) for w in weights):
-            raise ValueError(f"mixture weights must be positive finite numbers, got {list(weights)}")
+            raise ValueError(
+                f"mixture weights must be positive finite numbers, got {list(weights)}"
+            )
         if block < 1:
             raise ValueError(f"mix block={block} must be >= 1")
         fracs = [Fraction(w).limit_denominator(1 << 30) for w in weights]
@@ -302,9 +306,7 @@ class Partition:
                 f"rank={self.rank} world_size={self.world_size}: need 0 <= rank < world_size"
             )
         if self.last_batch not in LAST_BATCH_POLICIES:
-            raise ValueError(
-                f"last_batch={self.last_batch!r} is not one of {LAST_BATCH_POLICIES}"
-            )
+            raise ValueError(f"last_batch={self.last_batch!r} is not one of {LAST_BATCH_POLICIES}")
         if not 0 <= self.start <= self.epoch_len:
             raise ValueError(
                 f"start={self.start} must lie in [0, epoch_len={self.epoch_len}]; the resume "
@@ -347,7 +349,9 @@ class Partition:
         pos = lo + self.world_size * np.arange(self.batch_size, dtype=np.int64)
         pos = pos[pos < self.end]
         if self.last_batch == "pad" and pos.size and pos[-1] >= self.epoch_len:
-            pos = np.where(pos >= self.epoch_len, (pos - self.epoch_len) % max(1, self.epoch_len), pos)
+            pos = np.where(
+                pos >= self.epoch_len, (pos - self.epoch_len) % max(1, self.epoch_len), pos
+            )
         return pos
 
     def consumed_after(self, steps: int) -> int:

@@ -1,0 +1,457 @@
+"""`StreamingDataset`: an IterableDataset over packed tar shards or token shards.
+
+What a rank sees is fixed by the epoch order (:mod:`unbroken.data.order`) and by the
+partition of one *run* (the positions from the resume point to the epoch end):
+
+* global step ``s`` of a run covers positions ``start + s*G .. start + (s+1)*G - 1`` with
+  ``G = world_size * batch_size``; rank ``r`` takes every ``world_size``-th of them, starting
+  at offset ``r`` (:class:`~unbroken.data.order.Partition`);
+* the rank's ``b``-th batch is built by DataLoader worker ``b % num_workers``, which is the
+  order in which ``torch.utils.data.DataLoader`` (``in_order=True``) collects batches from
+  its workers. Workers yield whole, collated batches (the DataLoader runs with
+  ``batch_size=None``), so the batches a rank receives do not depend on ``num_workers`` or
+  ``prefetch_factor``.
+
+A worker reads only the samples of its own batches: per batch, reads are sorted by
+(shard, index), and a batch's samples come from one shuffle window, i.e. a contiguous run of a
+few shards (D-IO). Shards are dealt to workers afresh every epoch, because the shard order and
+the windows change with the epoch (D-SHUFFLE).
+
+Samples: a tar dataset yields ``{"__key__": str, "<ext>": bytes, ...}`` (as ``ShardReader``
+returns); a token dataset yields ``np.int64`` arrays of ``seq_len + 1`` tokens (inputs and
+shifted targets, nanoGPT-style). ``transform`` (a picklable callable) is applied to every
+sample in the worker.
+
+Several sources can be mixed with weights (``sources=[Source(a, 0.7), Source(b, 0.3)]``); the
+mixture is part of the deterministic order (:class:`~unbroken.data.order.MixtureOrder`).
+An epoch of a mixture has ``samples_per_epoch`` positions (default: the sum of the sources'
+sizes); a source that runs out within an epoch continues with a fresh shuffle of itself.
+
+Use it through :class:`unbroken.data.loader.StatefulLoader`, which adds batching, workers and
+the resume state. Iterated on its own (or by ``DataLoader(ds, batch_size=None)``) it yields the
+rank's samples one by one from :meth:`set_epoch`'s epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+import xxhash
+from torch.utils.data import IterableDataset, get_worker_info
+
+from unbroken.data.manifest import DatasetManifest
+from unbroken.data.order import EpochOrder, MixtureOrder, Partition, default_shuffle_window
+from unbroken.data.shards import ShardReader
+from unbroken.data.tokens import TokenShard, num_sequences
+
+__all__ = ["Source", "StreamingDataset"]
+
+log = logging.getLogger(__name__)
+
+# Open shard readers kept per worker: enough for a window's shards of every source.
+_MAX_OPEN = 32
+_ORDER_CACHE = 8
+
+
+@dataclass(frozen=True)
+class Source:
+    """One dataset directory in a (possibly single-element) mixture.
+
+    root: a local directory holding ``dataset.json`` (stage remote data first with
+        ``unbroken stage``; reads are random inside a window, so they belong on local disk).
+    weight: relative share of the mixture's positions (any positive scale; normalised).
+    seq_len: token datasets only: tokens per sequence (a sample is ``seq_len + 1`` tokens);
+        default: the ``seq_len`` the dataset was tokenized with.
+    """
+
+    root: str
+    weight: float = 1.0
+    seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.root, str) or not self.root:
+            raise ValueError(f"Source root={self.root!r} must be a non-empty path string")
+        if not self.weight > 0:
+            raise ValueError(f"Source {self.root}: weight={self.weight} must be > 0")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ValueError(f"Source {self.root}: seq_len={self.seq_len} must be >= 1")
+
+
+class _Reader:
+    """Sample access for one source: per-shard counts, fingerprint, batched reads."""
+
+    counts: np.ndarray
+    fingerprint: str
+    manifest: DatasetManifest
+
+    def __init__(self, root: str, manifest: DatasetManifest) -> None:
+        self.root = root
+        self.manifest = manifest
+        self._open: OrderedDict[int, Any] = OrderedDict()
+
+    def _set_counts(self, counts: list[int]) -> None:
+        self.counts = np.array(counts, dtype=np.int64)
+        self._starts = np.zeros(self.counts.size + 1, dtype=np.int64)
+        np.cumsum(self.counts, out=self._starts[1:])
+
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sample ids (manifest order) -> (shard, index in shard)."""
+        shard = np.searchsorted(self._starts, ids, side="right") - 1
+        return shard, ids - self._starts[shard]
+
+    def _path(self, shard: int) -> str:
+        return os.path.join(self.root, self.manifest.shards[shard].name)
+
+    def _shard(self, shard: int) -> Any:
+        r = self._open.get(shard)
+        if r is None:
+            r = self._open_shard(shard)
+            self._open[shard] = r
+            if len(self._open) > _MAX_OPEN:
+                _, old = self._open.popitem(last=False)
+                close = getattr(old, "close", None)
+                if close is not None:
+                    close()
+        else:
+            self._open.move_to_end(shard)
+        return r
+
+    def _open_shard(self, shard: int) -> Any:
+        raise NotImplementedError
+
+    def read(self, shard: int, local: np.ndarray) -> list[Any]:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open files are per process; a worker started by spawn/forkserver reopens lazily.
+        d = dict(self.__dict__)
+        d["_open"] = OrderedDict()
+        return d
+
+
+class _TarReader(_Reader):
+    def __init__(self, source: Source, root: str, manifest: DatasetManifest) -> None:
+        super().__init__(root, manifest)
+        if source.seq_len is not None:
+            raise ValueError(
+                f"{source.root}: seq_len={source.seq_len} applies to token datasets only; "
+                "this is a tar dataset - drop seq_len"
+            )
+        self._set_counts([s.samples for s in manifest.shards])
+        self.fingerprint = manifest.fingerprint
+
+    def _open_shard(self, shard: int) -> ShardReader:
+        info = self.manifest.shards[shard]
+        return ShardReader(self._path(shard), os.path.join(self.root, info.index))
+
+    def read(self, shard: int, local: np.ndarray) -> list[Any]:
+        r = self._shard(shard)
+        return [r[i] for i in local.tolist()]
+
+
+class _TokenReader(_Reader):
+    def __init__(
+        self, source: Source, root: str, manifest: DatasetManifest, default_seq_len: int | None
+    ) -> None:
+        super().__init__(root, manifest)
+        m = manifest
+        seq_len = source.seq_len or default_seq_len or m.seq_len
+        if seq_len is None:
+            raise ValueError(
+                f"{source.root}: token dataset without a seq_len (tokenized unpacked); pass "
+                "seq_len=... to StreamingDataset or Source"
+            )
+        self.seq_len = int(seq_len)
+        if self.seq_len == m.seq_len:
+            self._set_counts([s.samples for s in m.shards])
+            self.fingerprint = m.fingerprint
+        else:
+            counts = []
+            for i, s in enumerate(m.shards):
+                tokens = s.tokens if s.tokens is not None else TokenShard(self._path(i)).num_tokens
+                counts.append(num_sequences(tokens, self.seq_len))
+            self._set_counts(counts)
+            # A different seq_len makes different samples: it is a different dataset.
+            self.fingerprint = xxhash.xxh3_128_hexdigest(
+                f"{m.fingerprint}/seq_len={self.seq_len}".encode()
+            )
+        self._span = np.arange(self.seq_len + 1, dtype=np.int64)
+
+    def _open_shard(self, shard: int) -> TokenShard:
+        info = self.manifest.shards[shard]
+        return TokenShard(self._path(shard), os.path.join(self.root, info.index))
+
+    def read(self, shard: int, local: np.ndarray) -> list[Any]:
+        tok = self._shard(shard).tokens
+        # One gather for the whole group, then rows; int64 like nanoGPT's get_batch.
+        rows = np.asarray(tok[local[:, None] * self.seq_len + self._span], dtype=np.int64)
+        return list(rows)
+
+
+def _open_reader(source: Source, seq_len: int | None) -> _Reader:
+    if "://" in source.root and not source.root.startswith("file://"):
+        raise ValueError(
+            f"{source.root}: StreamingDataset reads a local directory; copy the dataset "
+            "to local disk first with `unbroken stage URL LOCAL_DIR`"
+        )
+    root = source.root.removeprefix("file://")
+    manifest = DatasetManifest.load(root)
+    if manifest.kind == "tar":
+        return _TarReader(source, root, manifest)
+    return _TokenReader(source, root, manifest, seq_len)
+
+
+def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if (rank is None) != (world_size is None):
+        raise ValueError(
+            f"rank={rank} world_size={world_size}: pass both or neither (neither: taken from "
+            "torch.distributed, or 0 and 1 when it is not initialized)"
+        )
+    if rank is None or world_size is None:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} world_size={world_size}: need 0 <= rank < world_size")
+    return int(rank), int(world_size)
+
+
+class StreamingDataset(IterableDataset):
+    """Deterministic, resumable stream over one or several packed datasets (module docstring).
+
+    Args:
+        sources: a dataset directory, a :class:`Source`, or a list of them to mix by weight.
+        seed: shuffle seed (non-negative int); with the fingerprint and epoch it fixes the order.
+        shuffle: ``False`` reads every epoch in manifest order.
+        shuffle_window: samples per shuffle window; default four times the largest shard (so
+            a window mixes at least four shards), capped at 4 Mi samples. Memory per worker
+            is ``8 * shuffle_window`` bytes.
+        transform: per-sample function run in the worker (decode, augment); picklable.
+        seq_len: token datasets: tokens per sequence (default: the tokenized ``seq_len``).
+        rank, world_size: this process's share; default from ``torch.distributed``.
+        samples_per_epoch: mixtures only: positions per epoch (default: sum of source sizes).
+        mix_block: mixtures only: slots per mixture block (the smallest weight must get >= 1).
+    """
+
+    def __init__(
+        self,
+        sources: str | Source | Sequence[str | Source],
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        shuffle_window: int | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        seq_len: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        samples_per_epoch: int | None = None,
+        mix_block: int = 4096,
+    ) -> None:
+        super().__init__()
+        if isinstance(sources, (str, Source)):
+            sources = [sources]
+        srcs = [s if isinstance(s, Source) else Source(s) for s in sources]
+        if not srcs:
+            raise ValueError("sources is empty; pass a dataset directory or a list of Source")
+        if not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} must be a non-negative int")
+        if shuffle_window is not None and shuffle_window < 1:
+            raise ValueError(f"shuffle_window={shuffle_window} must be >= 1 (or None)")
+        self.sources = tuple(srcs)
+        self.seed = seed
+        self.shuffle = shuffle
+        self.transform = transform
+        self.rank, self.world_size = _resolve_rank(rank, world_size)
+        self._readers = [_open_reader(s, seq_len) for s in srcs]
+        for s, r in zip(srcs, self._readers, strict=True):
+            if int(r.counts.sum()) == 0:
+                raise ValueError(f"{s.root}: the dataset holds no samples")
+        self.kind = self._readers[0].manifest.kind
+        self.shuffle_window = [
+            (shuffle_window or default_shuffle_window(r.counts)) if shuffle else 0
+            for r in self._readers
+        ]
+        sizes = [int(r.counts.sum()) for r in self._readers]
+        if len(srcs) == 1:
+            if samples_per_epoch is not None:
+                raise ValueError(
+                    "samples_per_epoch applies to mixtures of several sources; an epoch of one "
+                    f"dataset is its {sizes[0]} samples - drop samples_per_epoch"
+                )
+            self.epoch_length = sizes[0]
+            self.fingerprint = self._readers[0].fingerprint
+            self._weights: tuple[float, ...] = (1.0,)
+        else:
+            if samples_per_epoch is not None and samples_per_epoch < 1:
+                raise ValueError(f"samples_per_epoch={samples_per_epoch} must be >= 1")
+            self.epoch_length = int(samples_per_epoch or sum(sizes))
+            # Validates the weights against mix_block now, not in a worker.
+            probe = MixtureOrder([s.weight for s in srcs], "", 0, 0, 1, block=mix_block)
+            self._weights = probe.weights
+            parts = [
+                f"{r.fingerprint}:{w!r}" for r, w in zip(self._readers, self._weights, strict=True)
+            ]
+            self.fingerprint = xxhash.xxh3_128_hexdigest(
+                ("mix/" + ",".join(parts) + f"/{self.epoch_length}/{mix_block}").encode()
+            )
+        self.mix_block = mix_block
+        self._sizes = sizes
+        self._epoch = 0
+        self._orders: OrderedDict[tuple[int, ...], Any] = OrderedDict()
+
+    # --- the order ---------------------------------------------------------------------------
+
+    @property
+    def source_fingerprints(self) -> tuple[str, ...]:
+        return tuple(r.fingerprint for r in self._readers)
+
+    @property
+    def weights(self) -> tuple[float, ...]:
+        return self._weights
+
+    def _cached(self, key: tuple[int, ...], make: Callable[[], Any]) -> Any:
+        hit = self._orders.get(key)
+        if hit is None:
+            hit = make()
+            self._orders[key] = hit
+            if len(self._orders) > _ORDER_CACHE:
+                self._orders.popitem(last=False)
+        else:
+            self._orders.move_to_end(key)
+        return hit
+
+    def _source_order(self, i: int, epoch: int, salt: tuple[int, ...]) -> EpochOrder:
+        r = self._readers[i]
+        return self._cached(
+            (i, epoch, *salt),
+            lambda: EpochOrder(
+                r.counts,
+                r.fingerprint,
+                self.seed,
+                epoch,
+                shuffle=self.shuffle,
+                shuffle_window=self.shuffle_window[i] or None,
+                salt=salt,
+            ),
+        )
+
+    def lookup(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Epoch positions -> (source index, sample id in that source's manifest order)."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if len(self._readers) == 1:
+            return np.zeros_like(pos), self._source_order(0, epoch, ()).ids(pos)
+        mix: MixtureOrder = self._cached(
+            (-1, epoch),
+            lambda: MixtureOrder(
+                self._weights,
+                self.fingerprint,
+                self.seed,
+                epoch,
+                self.epoch_length,
+                block=self.mix_block,
+            ),
+        )
+        src, off = mix.assign(pos)
+        ids = np.empty_like(pos)
+        for i in np.unique(src).tolist():
+            sel = src == i
+            n = self._sizes[i]
+            rep, rest = np.divmod(off[sel], n)
+            part = np.empty_like(rest)
+            for k in np.unique(rep).tolist():
+                # (source, k): the k-th pass over source i inside this mixture epoch
+                m = rep == k
+                part[m] = self._source_order(i, epoch, (i, k)).ids(rest[m])
+            ids[sel] = part
+        return src, ids
+
+    def read(self, epoch: int, positions: np.ndarray) -> list[Any]:
+        """The samples at ``positions`` of ``epoch``, in that order, transformed."""
+        src, ids = self.lookup(epoch, positions)
+        out: list[Any] = [None] * len(ids)
+        for i in np.unique(src).tolist():
+            sel = np.flatnonzero(src == i)
+            reader = self._readers[i]
+            shard, local = reader.locate(ids[sel])
+            # sorted reads: sequential inside each shard
+            order = np.lexsort((local, shard))
+            sel, shard, local = sel[order], shard[order], local[order]
+            cuts = np.flatnonzero(np.diff(shard)) + 1
+            for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(sel)], strict=True):
+                samples = reader.read(int(shard[a]), local[a:b])
+                for dst, smp in zip(sel[a:b].tolist(), samples, strict=True):
+                    out[dst] = smp
+        if self.transform is not None:
+            fn = self.transform
+            for k, smp in enumerate(out):
+                try:
+                    out[k] = fn(smp)
+                except Exception as e:
+                    raise RuntimeError(
+                        f"transform {getattr(fn, '__name__', fn)!r} failed on "
+                        f"{_describe(smp)} (epoch {epoch}, position {int(positions[k])}): {e!r}"
+                    ) from e
+        return out
+
+    # --- iteration -----------------------------------------------------------------------
+
+    def partition(self, start: int, batch_size: int, last_batch: str = "pad") -> Partition:
+        """This rank's share of the run from position ``start`` to the epoch end."""
+        return Partition(
+            start, self.epoch_length, batch_size, self.rank, self.world_size, last_batch
+        )
+
+    def iter_batches(
+        self,
+        epoch: int,
+        start: int,
+        batch_size: int,
+        *,
+        last_batch: str = "pad",
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        worker_id: int = 0,
+        num_workers: int = 1,
+    ) -> Iterator[Any]:
+        """Batches ``worker_id, worker_id + num_workers, ...`` of this rank's run."""
+        if not 0 <= worker_id < num_workers:
+            raise ValueError(f"worker_id={worker_id} num_workers={num_workers}")
+        part = self.partition(start, batch_size, last_batch)
+        for b in range(worker_id, part.num_batches(), num_workers):
+            samples = self.read(epoch, part.batch_positions(b))
+            yield samples if collate_fn is None else collate_fn(samples)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Epoch used by plain iteration (``iter(ds)``); the loader tracks its own."""
+        if epoch < 0:
+            raise ValueError(f"epoch={epoch} must be >= 0")
+        self._epoch = int(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        for batch in self.iter_batches(self._epoch, 0, 1, worker_id=wid, num_workers=nw):
+            yield batch[0]
+
+    def __len__(self) -> int:
+        """Samples this rank yields in one plain epoch (padded so ranks stay equal)."""
+        return self.partition(0, 1).num_batches()
+
+    def __repr__(self) -> str:
+        roots = ", ".join(s.root for s in self.sources)
+        return (
+            f"StreamingDataset([{roots}], kind={self.kind}, samples/epoch={self.epoch_length}, "
+            f"seed={self.seed}, rank={self.rank}/{self.world_size})"
+        )
+
+
+def _describe(sample: Any) -> str:
+    if isinstance(sample, dict) and "__key__" in sample:
+        return f"sample {sample['__key__']!r}"
+    return f"a {type(sample).__name__} sample"
