@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 
-
 def build_tar_dataset(out: str, n: int, *, prefix: str = "s", shard_size: int = 12_000) -> str:
     """``n`` samples keyed ``<prefix><i:05d>`` with a 300-700 byte payload, ~10 per shard."""
     from unbroken.data.pack import pack  # lazily: this conftest serves every test

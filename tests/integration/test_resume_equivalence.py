@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from conftest import ids_collate
 
+from conftest import ids_collate
 from unbroken.data.dataset import Source, StreamingDataset
 from unbroken.data.loader import StatefulLoader
 from unbroken.data.order import Partition
