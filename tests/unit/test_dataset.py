@@ -1,0 +1,259 @@
+"""StreamingDataset and StatefulLoader: content, policies, state semantics, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+from conftest import build_tar_dataset, ids_collate, sample_id
+from unbroken.data.dataset import Source, StreamingDataset
+from unbroken.data.loader import StatefulLoader
+from unbroken.data.order import Partition
+from unbroken.data.shards import ShardReader
+from unbroken.data.tokens import TokenShard
+
+
+def _epoch_ids(loader: StatefulLoader) -> list[str]:
+    return [x for b in loader for x in b]
+
+
+def test_tar_samples_are_the_packed_bytes(stream_data):
+    root = stream_data("tar")
+    ds = StreamingDataset(root, seed=1)
+    by_key = {}
+    for s in ds._readers[0].manifest.shards:
+        for smp in ShardReader(os.path.join(root, s.name)):
+            by_key[smp["__key__"]] = smp
+    got = list(ds)
+    assert len(got) == len(by_key) == 203
+    for smp in got:
+        assert smp == by_key[smp["__key__"]]
+    assert [s["__key__"] for s in got] != sorted(by_key)  # shuffled
+
+
+def test_token_samples_are_windows_of_the_shard(stream_data):
+    root = stream_data("tokens")
+    ds = StreamingDataset(root, seed=2)
+    reader = ds._readers[0]
+    seqs = ds.read(0, np.arange(ds.epoch_length))
+    _, ids = ds.lookup(0, np.arange(ds.epoch_length))
+    shard, local = reader.locate(ids)
+    for seq, s, i in zip(seqs, shard.tolist(), local.tolist(), strict=True):
+        want = TokenShard(os.path.join(root, reader.manifest.shards[s].name)).sequence(i, 8)
+        assert seq.dtype == np.int64 and seq.shape == (9,)
+        np.testing.assert_array_equal(seq, want)
+    # another seq_len is another dataset: other counts, other fingerprint
+    ds16 = StreamingDataset(root, seq_len=16)
+    assert ds16.epoch_length < ds.epoch_length
+    assert ds16.fingerprint != ds.fingerprint
+
+
+def test_plain_dataloader_over_the_dataset_is_worker_independent(stream_data):
+    ds = StreamingDataset(stream_data("tar"), seed=5)
+    ref = [sample_id(s) for s in ds]
+    got = [sample_id(s) for s in DataLoader(ds, batch_size=None, num_workers=2)]
+    assert got == ref and sorted(ref) == sorted(set(ref))
+    assert len(ds) == 203
+
+
+@pytest.mark.parametrize(
+    "policy,batches,last_len", [("pad", 21, 10), ("drop", 20, 10), ("short", 21, 3)]
+)
+def test_last_batch_policies(stream_data, policy, batches, last_len):
+    ds = StreamingDataset(stream_data("tar"), seed=0)
+    ld = StatefulLoader(ds, 10, collate_fn=ids_collate, last_batch=policy)
+    assert len(ld) == batches
+    out = list(ld)
+    assert len(out) == batches and len(out[-1]) == last_len
+    flat = [x for b in out for x in b]
+    order = [sample_id(s) for s in ds.read(0, np.arange(203))]
+    if policy == "pad":  # the 7 missing slots repeat the epoch's first samples
+        assert flat == order + order[:7]
+    elif policy == "drop":
+        assert flat == order[:200]
+    else:
+        assert flat == order
+    assert ld.state_dict()["epoch"] == 1 and ld.state_dict()["samples_consumed"] == 0
+
+
+def test_drop_last_alias_and_conflicts(stream_data):
+    ds = StreamingDataset(stream_data("tar"))
+    assert StatefulLoader(ds, 10, drop_last=True).last_batch == "drop"
+    with pytest.raises(ValueError, match="drop_last=True contradicts"):
+        StatefulLoader(ds, 10, drop_last=True, last_batch="pad")
+    with pytest.raises(ValueError, match="persistent_workers=True needs num_workers"):
+        StatefulLoader(ds, 10, persistent_workers=True)
+    with pytest.raises(TypeError, match="needs a StreamingDataset"):
+        StatefulLoader([1, 2, 3], 1)  # type: ignore[arg-type]
+
+
+def test_state_counts_delivered_batches_not_prefetched_ones(stream_data):
+    ds = StreamingDataset(stream_data("tar"), seed=3, rank=1, world_size=2)
+    ld = StatefulLoader(ds, 4, collate_fn=ids_collate, num_workers=2, prefetch_factor=4)
+    it = iter(ld)
+    next(it)
+    time.sleep(0.3)  # let the workers run ahead
+    assert ld.state_dict()["samples_consumed"] == 8  # one global step of 2 ranks x 4
+    next(it), next(it)
+    sd = ld.state_dict()
+    assert sd["samples_consumed"] == 24 and sd["epoch"] == 0
+    assert json.loads(json.dumps(sd)) == sd
+    it.close()  # type: ignore[attr-defined]
+    assert ld.state_dict() == sd  # abandoning the iterator keeps the delivered position
+
+
+def test_resume_reads_only_the_samples_it_yields(stream_data):
+    """O(1) resume: no replay - the first batch after resume at 10% or 90% reads one batch."""
+    reads = Counter()
+
+    def counting(sample):
+        reads["n"] += 1
+        return sample
+
+    root = stream_data("tar")
+    for frac in (0.1, 0.9):
+        reads.clear()
+        ds = StreamingDataset(root, seed=4, transform=counting)
+        ld = StatefulLoader(ds, 5, collate_fn=ids_collate)
+        state = {**ld.state_dict(), "samples_consumed": int(frac * 203)}
+        t0 = time.perf_counter()
+        ld.load_state_dict(state)
+        first = next(iter(ld))
+        elapsed = time.perf_counter() - t0
+        assert reads["n"] == 5
+        order = [sample_id(s) for s in StreamingDataset(root, seed=4).read(0, np.arange(203))]
+        assert first == order[int(frac * 203) : int(frac * 203) + 5]
+        assert elapsed < 1.0  # the benchmark measures this properly; here: no replay
+
+
+def test_changed_dataset_is_refused_or_restarts_the_epoch(stream_data, tmp_path):
+    src = stream_data("tar_b")
+    root = str(tmp_path / "ds")
+    shutil.copytree(src, root)
+    ld = StatefulLoader(StreamingDataset(root, seed=0), 4, collate_fn=ids_collate)
+    ld.set_epoch(2)
+    it = iter(ld)
+    next(it), next(it)
+    state = ld.state_dict()
+    old_fp = state["fingerprint"]
+    shutil.rmtree(root)
+    build_tar_dataset(root, 62, prefix="b")  # one more sample: another dataset
+    ds2 = StreamingDataset(root, seed=0)
+    with pytest.raises(ValueError) as ei:
+        StatefulLoader(ds2, 4).load_state_dict(state)
+    msg = str(ei.value)
+    assert old_fp in msg and ds2.fingerprint in msg and "on_dataset_change='restart_epoch'" in msg
+    ld2 = StatefulLoader(ds2, 4, collate_fn=ids_collate, on_dataset_change="restart_epoch")
+    ld2.load_state_dict(state)
+    assert (ld2.epoch, ld2.samples_consumed) == (2, 0)
+    first = next(iter(ld2))
+    assert first == [sample_id(s) for s in ds2.read(2, np.arange(4))]
+
+
+def test_other_state_mismatches_are_named(stream_data):
+    root = stream_data("tar")
+    sd = StatefulLoader(StreamingDataset(root, seed=1), 4).state_dict()
+    with pytest.raises(
+        ValueError, match=r"seed=1 .* seed=2; construct StreamingDataset\(\.\.\., seed=1\)"
+    ):
+        StatefulLoader(StreamingDataset(root, seed=2), 4).load_state_dict(sd)
+    with pytest.raises(ValueError, match="shuffle_window=.*pass StreamingDataset"):
+        StatefulLoader(StreamingDataset(root, seed=1, shuffle_window=7), 4).load_state_dict(sd)
+    with pytest.raises(ValueError, match="missing or bad field"):
+        StatefulLoader(StreamingDataset(root, seed=1), 4).load_state_dict({"epoch": 1})
+    with pytest.raises(ValueError, match="outside this dataset's epoch"):
+        StatefulLoader(StreamingDataset(root, seed=1), 4).load_state_dict(
+            {**sd, "samples_consumed": 10_000}
+        )
+
+
+def test_epochs_set_epoch_and_automatic_advance(stream_data):
+    ds = StreamingDataset(stream_data("tar"), seed=9)
+    ld = StatefulLoader(ds, 16, collate_fn=ids_collate, last_batch="short")
+    e0, e1 = _epoch_ids(ld), _epoch_ids(ld)  # automatic: epoch 0 then epoch 1
+    assert ld.epoch == 2 and sorted(e0) == sorted(e1) and e0 != e1
+    ld.set_epoch(1)
+    assert _epoch_ids(ld) == e1
+    it = iter(ld)  # epoch 2, interrupted after one batch
+    first = next(it)
+    ld.set_epoch(2)  # same epoch: a resume, keeps the position
+    assert ld.samples_consumed == 16
+    it.close()  # type: ignore[attr-defined]
+    assert first + _epoch_ids(ld) == [sample_id(s) for s in ds.read(2, np.arange(203))]
+    with pytest.raises(ValueError, match="epoch=-1"):
+        ld.set_epoch(-1)
+
+
+def test_persistent_workers_match_fresh_workers_across_epochs_and_breaks(stream_data):
+    ds = StreamingDataset(stream_data("tar"), seed=6)
+    ref = StatefulLoader(ds, 8, collate_fn=ids_collate, last_batch="short")
+    want = [_epoch_ids(ref) for _ in range(3)]
+    ld = StatefulLoader(
+        ds, 8, collate_fn=ids_collate, last_batch="short", num_workers=2, persistent_workers=True
+    )
+    assert _epoch_ids(ld) == want[0]
+    dl = ld._dl
+    assert _epoch_ids(ld) == want[1]
+    assert ld._dl is dl  # the workers were kept across a complete epoch
+    it = iter(ld)
+    part = [x for _, b in zip(range(3), it, strict=False) for x in b]
+    it.close()  # type: ignore[attr-defined]
+    assert part + _epoch_ids(ld) == want[2]  # a break mid-epoch: workers rebuilt, no replay
+
+
+def test_mixture_follows_weights_and_refreshes_an_exhausted_source(stream_data):
+    a, b = stream_data("tar"), stream_data("tar_b")
+    ds = StreamingDataset([Source(a, 0.7), Source(b, 0.3)], seed=0, mix_block=64)
+    assert ds.epoch_length == 264
+    ids = [sample_id(s) for s in ds.read(0, np.arange(264))]
+    bs = [i for i in ids if i.startswith("b")]
+    # exact at every block boundary (the last, partial block is a random part of a block)
+    assert abs(sum(i.startswith("b") for i in ids[:256]) - 0.3 * 256) < 1
+    assert sorted(bs[:61]) == sorted(set(bs[:61])) and len(set(bs[:61])) == 61
+    assert len(set(bs[61:])) == len(bs[61:])  # second pass over b: fresh, no repeat inside
+    assert ids == [sample_id(s) for s in ds.read(0, np.arange(264))]
+    ds2 = StreamingDataset([Source(a, 0.5), Source(b, 0.5)], seed=0, mix_block=64)
+    assert ds2.fingerprint != ds.fingerprint  # weights are part of what a position means
+    sd = StatefulLoader(ds, 4).state_dict()
+    assert [s["weight"] for s in sd["sources"]] == pytest.approx([0.7, 0.3])
+
+
+def test_shards_are_dealt_to_workers_afresh_every_epoch(stream_data):
+    ds = StreamingDataset(stream_data("tar"), seed=0)
+    reader = ds._readers[0]
+
+    def shards_of_worker0(epoch):
+        part = Partition(0, ds.epoch_length, 8)
+        pos = np.concatenate([part.batch_positions(b) for b in range(0, part.num_batches(), 2)])
+        _, ids = ds.lookup(epoch, pos)
+        return set(reader.locate(ids)[0].tolist())
+
+    seen = [shards_of_worker0(e) for e in range(3)]
+    assert seen[0] != seen[1] and seen[1] != seen[2]
+
+
+def test_bad_inputs_name_the_fix(stream_data):
+    with pytest.raises(ValueError, match="unbroken stage"):
+        StreamingDataset("s3://bucket/data")
+    with pytest.raises(ValueError, match="token datasets only"):
+        StreamingDataset(Source(stream_data("tar"), seq_len=8))
+    with pytest.raises(ValueError, match="pass both or neither"):
+        StreamingDataset(stream_data("tar"), rank=1)
+    with pytest.raises(ValueError, match="samples_per_epoch applies to mixtures"):
+        StreamingDataset(stream_data("tar"), samples_per_epoch=5)
+    with pytest.raises(FileNotFoundError, match="no dataset manifest"):
+        StreamingDataset("/nonexistent/dir")
+
+    def broken(sample):
+        raise KeyError("jpg")
+
+    ds = StreamingDataset(stream_data("tar"), transform=broken)
+    with pytest.raises(RuntimeError, match=r"transform 'broken' failed on sample 's\d{5}'"):
+        next(iter(ds))
