@@ -11,7 +11,7 @@ import pytest
 
 
 def build_tar_dataset(out: str, n: int, *, prefix: str = "s", shard_size: int = 12_000) -> str:
-    """``n`` samples keyed ``<prefix><i:05d>`` with a 300-700 byte payload, ~10 per shard."""
+    """``n`` samples keyed ``<prefix><i:05d>`` with a 300-700 byte payload, 2-4 per shard."""
     from unbroken.data.pack import pack  # lazily: this conftest serves every test
 
     rng = np.random.default_rng(n)
@@ -69,7 +69,7 @@ def build_token_dataset(
 @pytest.fixture(scope="session")
 def stream_data(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
     """``stream_data(name)`` -> a dataset directory, built once per session:
-    ``tar`` (203 samples, ~20 shards), ``tar_b`` (61 samples, keys ``b*``),
+    ``tar`` (203 samples in ~55 shards of 2-4), ``tar_b`` (61 samples, keys ``b*``),
     ``tokens`` (seq_len 8, ~120 sequences in 5 shards)."""
     base = tmp_path_factory.mktemp("stream-data")
     built: dict[str, str] = {}

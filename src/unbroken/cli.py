@@ -76,9 +76,61 @@ def _demo(a: argparse.Namespace) -> int:
     return demo.run_demo(a.dir, steps=a.steps, seed=a.seed)
 
 
+# --- lifeline 1: data (streaming order, input-pipeline diagnosis) --------------------------
+
+
+def _add_data_inspect(ds: argparse._SubParsersAction) -> None:
+    p = ds.add_parser(
+        "inspect",
+        help="per-epoch shuffle statistics of a dataset's streaming order",
+        description="Print, per epoch, how well StreamingDataset shuffles DIR: mean absolute "
+        "displacement (vs a random permutation), Spearman correlation of original index and "
+        "position, share of consecutive samples from the same shard, correlation with the "
+        "previous epoch, and the start of the shard order.",
+    )
+    p.add_argument("dir", help="local dataset directory (holds dataset.json)")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed (default: 0)")
+    p.add_argument("--epochs", type=int, default=3, help="epochs to inspect (default: 3)")
+    p.add_argument(
+        "--shuffle-window", type=int, default=None, help="samples per window (default: 4 shards)"
+    )
+    p.add_argument("--seq-len", type=int, default=None, help="token datasets: tokens/sequence")
+    p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    p.set_defaults(func=_data_inspect)
+
+
+def _data_inspect(a: argparse.Namespace) -> int:
+    import json
+
+    from unbroken.data.dataset import StreamingDataset
+    from unbroken.data.quality import format_shuffle_stats, shuffle_stats
+
+    ds = StreamingDataset(
+        a.dir, seed=a.seed, shuffle_window=a.shuffle_window, seq_len=a.seq_len, rank=0, world_size=1
+    )
+    stats = shuffle_stats(ds, a.epochs)
+    if a.json:
+        for s in stats:
+            print(json.dumps(s.to_json()))
+    else:
+        print(format_shuffle_stats(ds, stats))
+    return 0
+
+
+# `unbroken data <cmd>`: each entry registers one sub-command; append yours here.
+_DATA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_data_inspect]
+
+
+def _add_data(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("data", help="inspect the streaming order; diagnose the input pipeline")
+    ds = p.add_subparsers(dest="data_cmd", required=True)
+    for add in _DATA_COMMANDS:
+        add(ds)
+
+
 # -------------------------------------------------------------------------------------------
 
-_GROUPS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_ckpt]
+_GROUPS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_ckpt, _add_data]
 
 
 def build_parser() -> argparse.ArgumentParser:
