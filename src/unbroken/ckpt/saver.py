@@ -66,6 +66,7 @@ class _HashingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.written: dict[str, tuple[int, str]] = {}
+        self.errors: list[BaseException] = []
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -78,6 +79,12 @@ class _HashingFileSystem(FileSystem):
         w = HashingWriter(str(path), fsync=False)
         try:
             yield w
+        except BaseException as e:
+            # DCP's extra writer threads drop exceptions, and its main thread wraps them in a
+            # CheckpointException: keep the original so the caller can see e.g. ENOSPC.
+            with self._lock:
+                self.errors.append(e)
+            raise
         finally:
             w.close()
             with self._lock:
@@ -161,6 +168,17 @@ def stats_match(expected: Mapping[str, float] | None, t: torch.Tensor) -> bool:
     return _close(got["sum"], expected["sum"], tol + 1e-30)
 
 
+def _first_cause(errors: list[BaseException]) -> BaseException:
+    """The OSError (e.g. ENOSPC) behind torch's wrapping RuntimeErrors, else the first error."""
+    for e in errors:
+        seen: BaseException | None = e
+        while seen is not None:
+            if isinstance(seen, OSError):
+                return seen
+            seen = seen.__cause__ or seen.__context__
+    return errors[0]
+
+
 def write_tensors(
     directory: str, tensors: Mapping[str, torch.Tensor], *, threads: int = 2
 ) -> tuple[dict[str, tuple[int, str]], list[ItemLocation], dict[str, Any]]:
@@ -183,8 +201,18 @@ def write_tensors(
         )
         with warnings.catch_warnings():  # single-process use is intended, not an accident
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.save(dict(tensors), storage_writer=writer, planner=_CompactPlanner())
+            try:
+                dcp.save(dict(tensors), storage_writer=writer, planner=_CompactPlanner())
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                if writer.fs.errors:
+                    raise _first_cause(writer.fs.errors) from e
+                raise
         stats = fut.result()
+    if writer.fs.errors:
+        raise _first_cause(writer.fs.errors)
+    missing = set(tensors) - {loc.key for loc in writer.locations}
+    if missing:  # a silently dead writer thread: never commit an incomplete checkpoint
+        raise RuntimeError(f"DCP wrote no data for {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     return dict(writer.fs.written), writer.locations, stats
 
 

@@ -1,0 +1,307 @@
+"""Checkpointer: save/restore, listing, retention, corruption fall-back, bad input."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from unbroken.ckpt import Checkpointer, CorruptCheckpoint, TrainState, read_checkpoint
+from unbroken.metrics import MetricLog, read_metrics
+
+
+def _state(seed: int = 0) -> tuple[TrainState, torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3)
+    return TrainState(model=m, optimizer=opt, scheduler=sched), m, opt
+
+
+def _train(st: TrainState, m: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    for _ in range(n):
+        m(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        st.components["scheduler"].step()
+        st.step += 1
+
+
+def _params(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def test_save_restore_round_trip_and_listing(tmp_path) -> None:
+    st, m, opt = _state()
+    ck = Checkpointer(str(tmp_path), st, keep_last=None)
+    assert ck.restore() is None and ck.latest() is None  # empty root: fresh start is fine
+    _train(st, m, opt, 3)
+    ck.save()
+    saved = _params(m)
+    saved_opt = opt.state_dict()["state"][0]["exp_avg"].clone()
+    _train(st, m, opt, 2)
+    ck.save()
+    assert [c.step for c in ck.list()] == [3, 5] and ck.latest() == 5
+    st2, m2, opt2 = _state(seed=1)
+    assert Checkpointer(str(tmp_path), st2).restore(3) == 3
+    assert all(torch.equal(saved[k], v) for k, v in m2.state_dict().items())
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], saved_opt)
+    assert st2.step == 3 and st2.components["scheduler"].state_dict()["last_epoch"] == 3
+    # the tensor files are an ordinary DCP checkpoint
+    sd = read_checkpoint(str(tmp_path), 3)
+    key = "components/model/0.weight"
+    target = {key: torch.empty_like(saved["0.weight"])}
+    dcp.load(target, checkpoint_id=str(tmp_path / "step-00000003"))
+    assert torch.equal(target[key], saved["0.weight"]) and torch.equal(sd["components"]["model"]["0.weight"], saved["0.weight"])
+
+
+def test_manifest_records_checksums_and_stats(tmp_path) -> None:
+    st, m, opt = _state()
+    Checkpointer(str(tmp_path), st).save(7)
+    man = json.loads((tmp_path / "step-00000007" / "manifest.json").read_text())
+    assert man["step"] == 7 and man["version"] == 1 and man["torch_version"] == torch.__version__
+    for name, f in man["files"].items():
+        assert os.path.getsize(tmp_path / "step-00000007" / name) == f["size"] and len(f["checksum"]) == 32
+    w = man["tensors"]["components/model/0.weight"]
+    assert w["shape"] == [32, 16] and w["dtype"] == "float32"
+    assert w["stats"]["sum"] == pytest.approx(float(m[0].weight.sum()), rel=1e-5)
+
+
+def test_retention_keep_last_and_keep_every_ignores_foreign_files(tmp_path) -> None:
+    st, m, opt = _state()
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "step-backup").mkdir()
+    ck = Checkpointer(str(tmp_path), st, every_steps=1, keep_last=2, keep_every=4)
+    for _ in range(9):
+        _train(st, m, opt, 1)
+        assert ck.maybe_save()
+    assert [c.step for c in ck.list()] == [4, 8, 9]
+    assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "step-backup").is_dir()
+    assert not ck.maybe_save()  # step 9 is already committed
+
+
+def test_every_seconds_triggers(tmp_path) -> None:
+    st, m, opt = _state()
+    ck = Checkpointer(str(tmp_path), st, every_seconds=0.5)
+    assert not ck.maybe_save()
+    time.sleep(0.6)
+    assert ck.maybe_save()
+
+
+def _flip(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def _truncate(path: str) -> None:
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def _data_file(d: str) -> str:
+    return os.path.join(d, sorted(n for n in os.listdir(d) if n.endswith(".distcp"))[0])
+
+
+DAMAGE: dict[str, tuple[str, Callable[[str], None]]] = {
+    "bitflip-tensor-file": ("checksum", lambda d: _flip(_data_file(d))),
+    "truncated-tensor-file": ("size", lambda d: _truncate(_data_file(d))),
+    "missing-tensor-file": ("missing-file", lambda d: os.unlink(_data_file(d))),
+    "bitflip-rank-state": ("checksum", lambda d: _flip(os.path.join(d, "state-rank0.json"))),
+    "missing-manifest": ("no-manifest", lambda d: os.unlink(os.path.join(d, "manifest.json"))),
+    "malformed-manifest": ("bad-manifest", lambda d: open(os.path.join(d, "manifest.json"), "w").write("{not json")),
+    "size-mismatch-in-manifest": (
+        "size",
+        lambda d: _rewrite_manifest(d, lambda m: m["files"][next(iter(m["files"]))].update(size=1)),
+    ),
+    "stats-mismatch": (
+        "stats",
+        lambda d: _rewrite_manifest(d, lambda m: m["tensors"]["components/model/0.weight"]["stats"].update(norm=1.0)),
+    ),
+}
+
+
+def _rewrite_manifest(d: str, edit: Callable[[dict], object]) -> None:
+    p = os.path.join(d, "manifest.json")
+    m = json.loads(open(p).read())
+    edit(m)
+    open(p, "w").write(json.dumps(m))
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_damaged_newest_is_quarantined_and_previous_restored(tmp_path, caplog, kind) -> None:
+    reason, damage = DAMAGE[kind]
+    st, m, opt = _state()
+    ck = Checkpointer(str(tmp_path), st)
+    _train(st, m, opt, 2)
+    ck.save()
+    good = _params(m)
+    _train(st, m, opt, 2)
+    ck.save()
+    damage(str(tmp_path / "step-00000004"))
+    st2, m2, _ = _state(seed=5)
+    with caplog.at_level(logging.WARNING):
+        assert Checkpointer(str(tmp_path), st2).restore() == 2
+    assert all(torch.equal(good[k], v) for k, v in m2.state_dict().items())
+    if kind == "missing-manifest":  # an uncommitted dir is never listed, only ignored
+        assert (tmp_path / "step-00000004").exists()
+        assert any("without manifest.json" in r.message for r in caplog.records)
+    else:
+        assert (tmp_path / f"corrupt-step-00000004-{reason}").is_dir()
+        warn = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warn) == 1 and "step 4" in warn[0] and reason in warn[0]
+
+
+def test_stale_temp_dir_is_removed_and_never_listed(tmp_path, caplog) -> None:
+    st, m, opt = _state()
+    ck = Checkpointer(str(tmp_path), st)
+    ck.save(1)
+    (tmp_path / ".tmp-step-00000002.deadbeef").mkdir()
+    (tmp_path / ".tmp-step-00000002.deadbeef" / "__0_0.distcp").write_bytes(b"half")
+    assert [c.step for c in ck.list()] == [1]
+    with caplog.at_level(logging.WARNING):
+        assert Checkpointer(str(tmp_path), _state()[0]).restore() == 1
+    assert not (tmp_path / ".tmp-step-00000002.deadbeef").exists()
+    assert any("stale temporary" in r.message for r in caplog.records)
+
+
+def test_all_damaged_is_an_error_unless_fresh_start_allowed(tmp_path) -> None:
+    st, m, opt = _state()
+    Checkpointer(str(tmp_path), st).save(1)
+    _flip(_data_file(str(tmp_path / "step-00000001")))
+    with pytest.raises(RuntimeError, match="allow_fresh_start"):
+        Checkpointer(str(tmp_path), _state()[0]).restore()
+    # the damaged one was quarantined, never deleted
+    assert (tmp_path / "corrupt-step-00000001-checksum").is_dir()
+    st2, m2, _ = _state(seed=3)
+    before = _params(m2)
+    assert Checkpointer(str(tmp_path), st2, allow_fresh_start=True).restore() is None
+    assert all(torch.equal(before[k], v) for k, v in m2.state_dict().items())  # untouched
+
+
+def test_verify_reports_damage_without_touching_state(tmp_path) -> None:
+    st, m, opt = _state()
+    ck = Checkpointer(str(tmp_path), st)
+    ck.save(1)
+    ck.verify(1)
+    _flip(_data_file(str(tmp_path / "step-00000001")))
+    with pytest.raises(CorruptCheckpoint, match="checksum"):
+        ck.verify(1)
+
+
+def test_bad_input_errors_name_the_problem(tmp_path) -> None:
+    st, m, opt = _state()
+    ck = Checkpointer(str(tmp_path), st)
+    ck.save(1)
+    with pytest.raises(ValueError, match=r"step 5.*committed steps: \[1\]"):
+        ck.restore(5)
+    with pytest.raises(FileExistsError, match="immutable"):
+        ck.save(1)
+    data_dir = tmp_path / "dataset"
+    data_dir.mkdir()
+    (data_dir / "shard-000000.tar").write_bytes(b"x")
+    with pytest.raises(RuntimeError, match="holds no valid checkpoint"):
+        Checkpointer(str(data_dir), st).restore()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        Checkpointer(str(a_file), st).restore()
+    with pytest.raises(ValueError, match="keep_last=0"):
+        Checkpointer(str(tmp_path), st, keep_last=0)
+    with pytest.raises(ValueError, match="remote URL"):
+        Checkpointer("s3://bucket/x", st)
+
+
+@contextlib.contextmanager
+def _tiny_disk(path: str, size: str) -> Iterator[str]:
+    os.makedirs(path, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)
+
+
+def _can_mount() -> bool:
+    return os.geteuid() == 0 and subprocess.run(["which", "mount"], capture_output=True).returncode == 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_disk_full_is_a_clear_error_and_keeps_previous(tmp_path, monkeypatch) -> None:
+    torch.manual_seed(0)
+    small = torch.nn.Linear(64, 64)
+    st = TrainState(model=small, extras={"big": _Blob(torch.zeros(0))})
+    root = str(tmp_path / "disk")
+    try:
+        ctx = _tiny_disk(root, "2m") if _can_mount() else contextlib.nullcontext(root)
+        with ctx:
+            _run_disk_full(root, st, small, monkeypatch, real=_can_mount())
+    except subprocess.CalledProcessError:  # no mount permission here: inject ENOSPC instead
+        _run_disk_full(root, st, small, monkeypatch, real=False)
+
+
+class _Blob:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.t = sd["t"]
+
+
+def _run_disk_full(root: str, st: TrainState, model: torch.nn.Module, monkeypatch, real: bool) -> None:
+    ck = Checkpointer(root, st, keep_last=None)
+    ck.save(1)
+    good = _params(model)
+    if real:
+        st.components["extra.big"].t = torch.ones(1 << 20)  # 4 MB > the 2 MB tmpfs
+    else:
+        from unbroken import _fs
+
+        def full(self, b):  # noqa: ANN001
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(_fs.HashingWriter, "write", full)
+    with pytest.raises(RuntimeError, match="disk full.*step 2.*previous checkpoints are intact"):
+        ck.save(2)
+    monkeypatch.undo()
+    assert os.listdir(root) == ["step-00000001"]  # no debris
+    st.components["extra.big"].t = torch.zeros(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    assert ck.restore() == 1
+    assert all(torch.equal(good[k], v) for k, v in model.state_dict().items())
+
+
+def test_metric_log_drops_entries_past_restored_step(tmp_path) -> None:
+    path = str(tmp_path / "m.jsonl")
+    ml = MetricLog(path)
+    st = TrainState(metrics=ml)
+    ck = Checkpointer(str(tmp_path / "ck"), st)
+    for s in range(1, 6):
+        ml.log(s, loss=1.0 / s)
+        st.step = s
+        if s == 3:
+            ck.save()
+    ml.close()
+    ml2 = MetricLog(path)
+    assert Checkpointer(str(tmp_path / "ck"), TrainState(metrics=ml2)).restore() == 3
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    ml2.log(4, loss=0.0)
+    with pytest.raises(ValueError, match="before the last logged step"):
+        ml2.log(2, loss=0.0)
+    ml2.close()
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4]
