@@ -117,8 +117,87 @@ def _data_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_data_bench(ds: argparse._SubParsersAction) -> None:
+    p = ds.add_parser(
+        "bench",
+        help="time each input-pipeline stage alone and name the one that limits",
+        description="Run each stage alone on DIR - shard read, decode/transform, collate, "
+        "worker transport, pin, H2D - print each one's samples/s next to the consumer's "
+        "rate, name the stage that limits, and suggest num_workers and prefetch_factor.",
+    )
+    p.add_argument("dir", help="local dataset directory (holds dataset.json)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per batch (default: 32)")
+    p.add_argument("--num-workers", type=int, default=None,
+                   help="DataLoader workers to evaluate (default: cores - 1)")
+    p.add_argument("--consume-rate", type=float, default=None,
+                   help="samples/s the model consumes (or use --timeline)")
+    p.add_argument("--timeline", default=None,
+                   help="RUN_DIR or data_steps.csv of a run: consumer rate from its compute time")
+    p.add_argument("--transform", default="basic",
+                   help="per-sample decode: 'basic' (by extension, default), 'none', or "
+                   "'package.module:function'")
+    p.add_argument("--seq-len", type=int, default=None, help="token datasets: tokens/sequence")
+    p.add_argument("--device", default=None,
+                   help="device for the pin and H2D stages (default: cuda when available)")
+    p.add_argument("--batches", type=int, default=50, help="batches to time (default: 50)")
+    p.add_argument("--max-seconds", type=float, default=20.0,
+                   help="time budget of the whole bench (default: 20)")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed of the order read")
+    p.add_argument("--out", default=None,
+                   help="RUN_DIR to write data_bench.json into (for `unbroken data report`)")
+    p.add_argument("--metrics", default=None, help="metric log (.jsonl) to append the rates to")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_data_bench)
+
+
+def _data_bench(a: argparse.Namespace) -> int:
+    import json
+
+    from unbroken.data.bottleneck import run_bench
+
+    report, path = run_bench(
+        a.dir, batch_size=a.batch_size, num_workers=a.num_workers,
+        consume_rate=a.consume_rate, timeline=a.timeline, transform=a.transform,
+        seq_len=a.seq_len, device=a.device, num_batches=a.batches,
+        max_seconds=a.max_seconds, seed=a.seed, out=a.out, metrics=a.metrics,
+    )
+    print(json.dumps(report.to_json()) if a.json else report.format())
+    if path is not None:
+        print(f"wrote {path}")
+    return 0
+
+
+def _add_data_report(ds: argparse._SubParsersAction) -> None:
+    p = ds.add_parser(
+        "report",
+        help="stall summary, sawtooth check and a PNG of a run's step timeline and stages",
+        description="Read RUN_DIR/data_steps.csv (StepTimer) and/or RUN_DIR/data_bench.json "
+        "(data bench --out), print the stall summary, the sawtooth verdict and the stage "
+        "table, and write a PNG (needs matplotlib: pip install 'unbroken[plot]').",
+    )
+    p.add_argument("run_dir", help="directory holding data_steps.csv and/or data_bench.json")
+    p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/data_report.png)")
+    p.add_argument("--num-workers", type=int, default=None,
+                   help="workers of the run, to relate a sawtooth period to (default: from "
+                   "the timeline header)")
+    p.add_argument("--no-plot", action="store_true", help="text only")
+    p.set_defaults(func=_data_report)
+
+
+def _data_report(a: argparse.Namespace) -> int:
+    from unbroken.data.report_plot import run_report
+
+    text, png = run_report(a.run_dir, out=a.out, num_workers=a.num_workers, plot=not a.no_plot)
+    print(text)
+    if png is not None:
+        print(f"wrote {png}")
+    return 0
+
+
 # `unbroken data <cmd>`: each entry registers one sub-command; append yours here.
-_DATA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_data_inspect]
+_DATA_COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_data_inspect, _add_data_bench, _add_data_report,
+]
 
 
 def _add_data(sub: argparse._SubParsersAction) -> None:
