@@ -207,9 +207,118 @@ def _add_data(sub: argparse._SubParsersAction) -> None:
         add(ds)
 
 
+# --- lifeline 2b: the elastic supervisor ----------------------------------------------------
+
+
+def _add_elastic(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="run a training script under torchrun with pre-flight, hang watchdog, "
+        "fault classification and restarts",
+        description="Exit codes: 0 finished, 1 supervisor error, 2 usage, 3 same failure "
+        "twice (see RUN_DIR/stop-report.txt), 4 restart budget used up, 5 no progress, "
+        "6 pre-flight never healthy, 7 preempted (SIGTERM/SIGINT; rerun to resume).",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
+    p.add_argument("--run-dir", default="unbroken-run",
+                   help="events.jsonl, recovery.jsonl, logs, beats, stack dumps (default: ./unbroken-run)")
+    p.add_argument("--nnodes", default="1", help="N or MIN:MAX nodes (default: 1)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (default: 1)")
+    p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
+    p.add_argument("--rdzv-endpoint", default="127.0.0.1:0",
+                   help="HOST:PORT of the rendezvous store, hosted by the supervisor on HOST "
+                   "(default: 127.0.0.1 on a free port; multi-node needs a fixed port)")
+    p.add_argument("--run-id", default="unbroken", help="job name shared by all nodes")
+    p.add_argument("--node", default="", help="this node's name (default: HOSTNAME-PID)")
+    p.add_argument("--max-restarts", type=int, default=10, help="restart budget (default: 10)")
+    p.add_argument("--backoff", type=float, default=1.0,
+                   help="seconds before the first restart, doubled per restart without progress")
+    p.add_argument("--backoff-max", type=float, default=60.0, help="backoff cap (default: 60 s)")
+    p.add_argument("--no-progress-limit", type=int, default=3,
+                   help="stop after N restarts in a row without a newer checkpoint (default: 3)")
+    p.add_argument("--hang-timeout", type=float, default=300.0,
+                   help="seconds without a beat before the workers count as hung (default: 300)")
+    p.add_argument("--startup-timeout", type=float, default=900.0,
+                   help="seconds from heartbeat.install() to the first beat (default: 900)")
+    p.add_argument("--poll-interval", type=float, default=0.5, help="watchdog period (default: 0.5 s)")
+    p.add_argument("--dump-grace", type=float, default=3.0,
+                   help="seconds hung workers get to write stack dumps (default: 3)")
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint root to probe in pre-flight")
+    p.add_argument("--data", default=None, help="dataset dir or dataset.json to validate in pre-flight")
+    p.add_argument("--min-free-bytes", type=int, default=256 << 20,
+                   help="free space needed before the first checkpoint (default: 256 MiB)")
+    p.add_argument("--preflight-timeout", type=float, default=30.0,
+                   help="seconds per pre-flight probe before it counts as hung (default: 30)")
+    p.add_argument("--preflight-max-wait", type=float, default=3600.0,
+                   help="wait this long for a healthy pre-flight, then exit 6 (default: 3600 s)")
+    p.add_argument("--last-call-timeout", type=float, default=5.0,
+                   help="after MIN nodes joined, wait this long for more (default: 5 s)")
+    p.add_argument("--join-timeout", type=float, default=600.0,
+                   help="rendezvous must reach MIN nodes within this (default: 600 s)")
+    p.add_argument("--node-timeout", type=float, default=5.0,
+                   help="a peer supervisor silent this long counts as a lost node (default: 5 s)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds the job gets to save before it is killed (default: 30)")
+    p.add_argument("--fault-rule", action="append", default=[], metavar="CLASS=REGEX",
+                   help="extra classification rule, checked before the built-in table (repeatable)")
+    p.add_argument("--torchrun-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument passed to torchrun as is (repeatable)")
+    p.add_argument("-q", "--quiet", action="store_true", help="do not echo the job's output")
+    p.set_defaults(func=_elastic_run)
+
+    pf = sub.add_parser("preflight", help="check storage, data, GPUs and rendezvous; exit 1 on failure")
+    pf.add_argument("--ckpt-dir", default=None, help="checkpoint root: reachable, writable, free space")
+    pf.add_argument("--data", default=None, help="dataset dir or dataset.json: present and valid")
+    pf.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT that must accept connections")
+    pf.add_argument("--nproc-per-node", type=int, default=None, help="GPUs needed when CUDA is present")
+    pf.add_argument("--min-free-bytes", type=int, default=256 << 20)
+    pf.add_argument("--gpu-min-free", type=float, default=0.9,
+                    help="fraction of each GPU's memory that must be free (default: 0.9)")
+    pf.add_argument("--timeout", type=float, default=30.0, help="seconds per probe (default: 30)")
+    pf.set_defaults(func=_elastic_preflight)
+
+
+def _elastic_run(a: argparse.Namespace) -> int:
+    from unbroken.elastic import faults
+    from unbroken.elastic.preflight import PreflightConfig
+    from unbroken.elastic.supervisor import RendezvousConfig, RunConfig, Supervisor, WatchdogConfig
+
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    cfg = RunConfig(
+        command=tuple(command),
+        run_dir=a.run_dir,
+        nproc_per_node=a.nproc_per_node,
+        module=a.module,
+        rdzv=RendezvousConfig(a.nnodes, a.rdzv_endpoint, a.run_id, a.node, a.last_call_timeout,
+                              a.join_timeout, a.node_timeout),
+        watchdog=WatchdogConfig(a.hang_timeout, a.startup_timeout, a.poll_interval, a.dump_grace),
+        policy=faults.RestartPolicy(a.max_restarts, a.backoff, a.backoff_max,
+                                    no_progress_limit=a.no_progress_limit),
+        preflight=PreflightConfig(a.ckpt_dir, a.data, a.min_free_bytes, timeout=a.preflight_timeout),
+        preflight_max_wait=a.preflight_max_wait,
+        shutdown_timeout=a.shutdown_timeout,
+        rules=(*(faults.parse_rule(r) for r in a.fault_rule), *faults.DEFAULT_RULES),
+        torchrun_args=tuple(a.torchrun_arg),
+        echo=not a.quiet,
+    )
+    return Supervisor(cfg).run()
+
+
+def _elastic_preflight(a: argparse.Namespace) -> int:
+    from unbroken.elastic import preflight
+
+    cfg = preflight.PreflightConfig(a.ckpt_dir, a.data, a.min_free_bytes, a.rdzv_endpoint,
+                                    a.nproc_per_node, a.gpu_min_free, a.timeout)
+    results = preflight.run_preflight(cfg)
+    print(preflight.format_results(results))
+    return 0 if all(r.ok for r in results) else 1
+
+
 # -------------------------------------------------------------------------------------------
 
-_GROUPS: list[Callable[[argparse._SubParsersAction], None]] = [_add_demo, _add_ckpt, _add_data]
+_GROUPS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_demo, _add_ckpt, _add_data, _add_elastic,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,58 @@
+"""Lifeline 2b: keep a torchrun job alive unattended (`unbroken run`, `unbroken preflight`).
+
+In the training loop, only two calls matter, both no-ops when not run under ``unbroken run``::
+
+    from unbroken.elastic import beat, mark
+    beat(step)                                  # every step: progress for the hang watchdog
+    mark("loaded", step=s, seconds=dt)          # after a restore (Checkpointer does this)
+
+Importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+from unbroken.elastic.faults import (
+    DEFAULT_RULES,
+    Action,
+    Classification,
+    FaultClass,
+    RestartPolicy,
+    Rule,
+    classify,
+)
+from unbroken.elastic.heartbeat import beat, install
+from unbroken.elastic.planner import daly_interval, expected_goodput, plan, young_interval
+from unbroken.elastic.preflight import CheckResult, PreflightConfig, run_preflight
+from unbroken.elastic.recovery import mark
+from unbroken.elastic.supervisor import (
+    RendezvousConfig,
+    RunConfig,
+    Supervisor,
+    WatchdogConfig,
+    run,
+)
+
+__all__ = [
+    "DEFAULT_RULES",
+    "Action",
+    "CheckResult",
+    "Classification",
+    "FaultClass",
+    "PreflightConfig",
+    "RendezvousConfig",
+    "RestartPolicy",
+    "Rule",
+    "RunConfig",
+    "Supervisor",
+    "WatchdogConfig",
+    "beat",
+    "classify",
+    "daly_interval",
+    "expected_goodput",
+    "install",
+    "mark",
+    "plan",
+    "run",
+    "run_preflight",
+    "young_interval",
+]

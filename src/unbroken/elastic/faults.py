@@ -1,0 +1,463 @@
+"""Classify a failed attempt and decide what to do about it (E-CLASSIFY), plus the restart
+policy (budget, exponential backoff, no-progress guard, deterministic-bug stop).
+
+Evidence comes from torchrun: its failure summary (rank, exit code or signal, error file),
+the ``@record`` error files (``TORCHELASTIC_ERROR_FILE``: message + Python call stack) and the
+tail of each rank's stderr. Failures that merely follow another one (siblings stopped with
+SIGTERM by the agent, "Connection closed by peer" from a collective whose partner died) are
+*collateral*; the first non-collateral failure is the primary one and is what gets classified.
+
+The patterns live in one ordered table, :data:`DEFAULT_RULES`; the first match wins. Users
+extend it by passing ``rules=[Rule(...), *DEFAULT_RULES]`` (or ``unbroken run --fault-rule
+storage=REGEX``).
+
+======================  ==================  ==============================================
+fault                   action              meaning
+======================  ==================  ==============================================
+process                 restart             CUDA error, OOM, collective timeout, segfault,
+                                            SIGKILL, hang, any other exception (first time)
+node_lost               wait_for_nodes      agent gone / rendezvous failed: relaunch and let
+                                            the rendezvous use spares or shrink within MIN
+storage                 preflight           EIO, ENOSPC, stale handle, read-only, hung
+                                            probe: pre-flight until healthy, then restart
+deterministic           stop                the same failure at the same step twice
+preemption              exit                SIGTERM: the job was asked to save; exit cleanly
+======================  ==================  ==============================================
+"""
+
+from __future__ import annotations
+
+import enum
+import glob
+import json
+import os
+import re
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "DEFAULT_RULES",
+    "EXIT_BUDGET",
+    "EXIT_DETERMINISTIC",
+    "EXIT_ERROR",
+    "EXIT_NO_PROGRESS",
+    "EXIT_OK",
+    "EXIT_PREEMPTED",
+    "EXIT_PREFLIGHT",
+    "EXIT_USAGE",
+    "Action",
+    "Classification",
+    "Decision",
+    "Evidence",
+    "FaultClass",
+    "RestartPolicy",
+    "RestartTracker",
+    "Rule",
+    "WorkerFailure",
+    "classify",
+    "collect_worker_failures",
+    "parse_rule",
+    "signature_of",
+]
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+"""The supervisor itself failed (a bug or an unusable environment)."""
+EXIT_USAGE = 2
+EXIT_DETERMINISTIC = 3
+"""The same failure happened at the same step twice; see RUN_DIR/stop-report.txt."""
+EXIT_BUDGET = 4
+"""``--max-restarts`` restarts were used up."""
+EXIT_NO_PROGRESS = 5
+"""``--no-progress-limit`` restarts in a row did not advance the checkpointed step."""
+EXIT_PREFLIGHT = 6
+"""Pre-flight stayed unhealthy for ``--preflight-max-wait`` seconds."""
+EXIT_PREEMPTED = 7
+"""SIGTERM/SIGINT: the job was asked to save and stopped; rerun the same command to resume."""
+
+
+class FaultClass(str, enum.Enum):
+    PROCESS = "process"
+    NODE_LOST = "node_lost"
+    STORAGE = "storage"
+    DETERMINISTIC = "deterministic"
+    PREEMPTION = "preemption"
+
+
+class Action(str, enum.Enum):
+    RESTART = "restart"
+    WAIT_FOR_NODES = "wait_for_nodes"
+    PREFLIGHT = "preflight"
+    STOP = "stop"
+    EXIT = "exit"
+
+
+_ACTION = {
+    FaultClass.PROCESS: Action.RESTART,
+    FaultClass.NODE_LOST: Action.WAIT_FOR_NODES,
+    FaultClass.STORAGE: Action.PREFLIGHT,
+    FaultClass.DETERMINISTIC: Action.STOP,
+    FaultClass.PREEMPTION: Action.EXIT,
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the classification table: a regex over the failure text and/or signals."""
+
+    name: str
+    fault: FaultClass
+    pattern: str | None = None
+    """Python regex searched in the primary failure's message, traceback and stderr tail."""
+    signals: tuple[str, ...] = ()
+    """Signal names (``"SIGSEGV"``) that match when the primary failure died of one."""
+
+    def __post_init__(self) -> None:
+        if not self.pattern and not self.signals:
+            raise ValueError(f"Rule {self.name!r} needs a pattern or signals; give at least one")
+        if self.pattern:
+            try:
+                re.compile(self.pattern)
+            except re.error as e:
+                raise ValueError(f"Rule {self.name!r}: bad regex {self.pattern!r}: {e}") from e
+
+    def matches(self, text: str, sig: str | None) -> bool:
+        if sig is not None and sig in self.signals:
+            return True
+        return self.pattern is not None and re.search(self.pattern, text) is not None
+
+
+_P, _N, _S = FaultClass.PROCESS, FaultClass.NODE_LOST, FaultClass.STORAGE
+
+DEFAULT_RULES: tuple[Rule, ...] = (
+    Rule("storage", _S, r"No space left on device|\bENOSPC\b|\[Errno 28\]|Input/output error"
+         r"|\bEIO\b|\[Errno 5\]|Stale file handle|\bESTALE\b|\[Errno 116\]|Read-only file system"
+         r"|\bEROFS\b|\[Errno 30\]|Disk quota exceeded|\bEDQUOT\b|\[Errno 122\]"
+         r"|Transport endpoint is not connected|\[Errno 107\]"),
+    Rule("oom", _P, r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"
+         r"|\bMemoryError\b|Cannot allocate memory"),
+    Rule("cuda", _P, r"CUDA error|cudaError\w*|CUDNN_STATUS_\w+|CUBLAS_STATUS_\w+|NCCL error"
+         r"|ncclUnhandledCudaError|illegal memory access|uncorrectable ECC|\bXid\b"),
+    Rule("collective_timeout", _P, r"Watchdog caught collective operation timeout"
+         r"|collective operation timeout|ProcessGroupNCCL.*[Tt]imeout|DistBackendError"
+         r"|Timed out waiting|Socket Timeout|gloo.*[Tt]imed out"),
+    Rule("peer_lost", _P, r"Connection closed by peer|Connection reset by peer"
+         r"|remote worker crashing|ncclRemoteError|Broken pipe"),
+    Rule("rendezvous", _N, r"Rendezvous(Timeout|Closed|Connection|State)?Error"
+         r"|RendezvousGracefulExitError|The node .* has closed the rendezvous"),
+    Rule("segfault", _P, signals=("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")),
+    Rule("killed", _P, signals=("SIGKILL",)),
+    Rule("exception", _P, r"\b[A-Z]\w*(Error|Exception)\b|Traceback \(most recent call last\)"),
+)
+"""The built-in classification table, most specific first (storage before generic errors)."""
+
+_COLLATERAL = re.compile(
+    r"Connection closed by peer|Connection reset by peer|remote worker crashing|ncclRemoteError"
+)
+
+
+def parse_rule(spec: str) -> Rule:
+    """``"storage=Lustre.*evicted"`` -> a user rule (CLI form ``CLASS=REGEX``)."""
+    cls, sep, pattern = spec.partition("=")
+    values = [c.value for c in FaultClass if c != FaultClass.DETERMINISTIC]
+    if not sep or cls.strip() not in values:
+        raise ValueError(
+            f"--fault-rule {spec!r}: expected CLASS=REGEX with CLASS one of {', '.join(values)}"
+        )
+    return Rule(f"user:{cls.strip()}", FaultClass(cls.strip()), pattern=pattern)
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One failed worker as torchrun reported it."""
+
+    rank: int
+    local_rank: int
+    exitcode: int
+    pid: int | None = None
+    message: str = ""
+    traceback: str = ""
+    stderr_tail: str = ""
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+    @property
+    def collateral(self) -> bool:
+        """Failed only because another worker failed first."""
+        if self.signal_name == "SIGTERM":
+            return True  # the agent stops the surviving siblings with SIGTERM
+        return bool(_COLLATERAL.search(self.message or self.stderr_tail[-2000:]))
+
+
+_BLOCK = re.compile(
+    r"rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*\n\s*exitcode\s*:\s*(-?\d+)\s*"
+    r"\(pid:\s*(\d+)\)[^\n]*\n\s*error_file:\s*(\S+)"
+)
+
+
+def _tail(path: str, nbytes: int = 8192) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - nbytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def collect_worker_failures(console: str, log_dir: str) -> list[WorkerFailure]:
+    """Worker failures of one torchrun run from its console output and ``--log-dir``.
+
+    torchrun's summary gives rank, exit code, pid and error file; the ``@record`` error
+    file gives the message and call stack; ``--tee`` log files give each rank's stderr.
+    """
+    found: dict[int, WorkerFailure] = {}
+    for m in _BLOCK.finditer(console):
+        rank, local, code, pid, efile = int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5]
+        if rank in found:
+            continue
+        msg, tb = _read_error_file(efile)
+        found[rank] = WorkerFailure(rank, local, code, pid, msg, tb, "")
+    # Error files of ranks the summary did not list (e.g. torchrun itself was killed).
+    for efile in glob.glob(os.path.join(log_dir, "**", "error.json"), recursive=True):
+        name = os.path.basename(os.path.dirname(efile))
+        local = int(name) if name.isdigit() else -1
+        if any(f.local_rank == local for f in found.values()):
+            continue
+        msg, tb = _read_error_file(efile)
+        found[10_000 + local] = WorkerFailure(-1, local, 1, None, msg, tb, "")
+    out = []
+    for f in found.values():
+        err = sorted(glob.glob(os.path.join(log_dir, "**", str(f.local_rank), "stderr.log"),
+                               recursive=True))
+        tail = _tail(err[-1]) if err else ""
+        out.append(WorkerFailure(f.rank, f.local_rank, f.exitcode, f.pid, f.message,
+                                 f.traceback, tail))
+    return sorted(out, key=lambda f: (f.collateral, f.rank))
+
+
+def _read_error_file(path: str) -> tuple[str, str]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        m = data.get("message", {})
+        if isinstance(m, dict):
+            return str(m.get("message", "")), str(m.get("extraInfo", {}).get("py_callstack", ""))
+        return str(m), ""
+    except (OSError, ValueError, AttributeError):
+        return "", ""
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything known about one failed attempt."""
+
+    kind: str
+    """``exit`` (torchrun exited non-zero), ``hang`` (watchdog), ``agent_lost`` (torchrun
+    killed by a signal we did not send), ``peer`` (another node failed) or ``preempted``."""
+    exit_code: int | None = None
+    failures: tuple[WorkerFailure, ...] = ()
+    console_tail: str = ""
+    step: int | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Classification:
+    fault: FaultClass
+    action: Action
+    rule: str
+    reason: str
+    signature: str | None = None
+    """What makes two failures 'the same' (None: environmental, never deterministic)."""
+    counts: bool = True
+    """Whether the restart this causes uses the restart budget (waiting for nodes does not)."""
+
+
+_NUMS = re.compile(r"0x[0-9a-fA-F]+|\d{5,}")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def signature_of(f: WorkerFailure) -> str:
+    """A stable fingerprint: exception line (long numbers masked) + innermost user frame."""
+    if f.signal_name and not f.message:
+        return f"signal {f.signal_name}"
+    text = f.message or _last_exception_line(f.stderr_tail) or f"exit {f.exitcode}"
+    frames = _FRAME.findall(f.traceback or f.stderr_tail)
+    user = [fr for fr in frames if "site-packages" not in fr[0] and "<frozen" not in fr[0]]
+    where = f" @ {os.path.basename(user[-1][0])}:{user[-1][1]}" if user else ""
+    return _NUMS.sub("#", text.strip().splitlines()[-1] if text.strip() else text) + where
+
+
+def _last_exception_line(text: str) -> str:
+    for line in reversed(text.strip().splitlines()):
+        s = line.strip()
+        if re.match(r"^(\[rank\d+\]:\s*)?[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b", s):
+            return re.sub(r"^\[rank\d+\]:\s*", "", s)
+    return ""
+
+
+def classify(ev: Evidence, rules: Sequence[Rule] = DEFAULT_RULES) -> Classification:
+    """Map the evidence of one failed attempt to a fault class and an action."""
+    if ev.kind == "preempted":
+        return _mk(FaultClass.PREEMPTION, "preempted", "SIGTERM/SIGINT received by the supervisor")
+    if ev.kind == "peer":
+        return _mk(_P, "peer", ev.detail or "another node failed; the group restarts")
+    if ev.kind == "agent_lost":
+        return _mk(_N, "agent_lost", ev.detail or "the torchrun agent on this node died")
+    if ev.kind == "hang":
+        return _mk(_P, "hang", ev.detail or "no progress beats within --hang-timeout",
+                   signature="hang")
+    primary = ev.failures[0] if ev.failures else None
+    if primary is not None and all(f.signal_name in ("SIGTERM", "SIGINT") for f in ev.failures):
+        return _mk(FaultClass.PREEMPTION, "sigterm",
+                   f"workers received {primary.signal_name} from outside the supervisor")
+    sig = primary.signal_name if primary else None
+    text = ev.console_tail[-4000:]
+    if primary is not None:
+        text = "\n".join((primary.message, primary.traceback, primary.stderr_tail))
+    for rule in rules:
+        if rule.matches(text, sig):
+            reason = _reason(primary, rule)
+            signature = None
+            if rule.fault is _P and primary is not None and not primary.collateral:
+                signature = signature_of(primary)
+            return _mk(rule.fault, rule.name, reason, signature=signature,
+                       counts=rule.fault is not FaultClass.NODE_LOST)
+    code = ev.exit_code
+    reason = f"exit code {code}" + (f" ({primary.signal_name})" if primary and sig else "")
+    return _mk(_P, "unknown", reason,
+               signature=signature_of(primary) if primary and not primary.collateral else None)
+
+
+def _reason(primary: WorkerFailure | None, rule: Rule) -> str:
+    if primary is None:
+        return f"{rule.name}: torchrun failed (no worker failure reported)"
+    what = primary.message or _last_exception_line(primary.stderr_tail)
+    if primary.signal_name:
+        what = f"died of {primary.signal_name}" + (f": {what}" if what else "")
+    return f"{rule.name}: rank {primary.rank}: {what or f'exit code {primary.exitcode}'}"[:300]
+
+
+def _mk(fault: FaultClass, rule: str, reason: str, *, signature: str | None = None,
+        counts: bool = True) -> Classification:
+    return Classification(fault, _ACTION[fault], rule, reason, signature, counts)
+
+
+# --- restart policy --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When to restart, how long to wait, and when to give up."""
+
+    max_restarts: int = 10
+    """Restarts allowed in this supervisor's life (waiting for nodes does not count)."""
+    backoff_initial: float = 1.0
+    """Seconds before the first restart; doubled per restart without progress."""
+    backoff_max: float = 60.0
+    """Cap on the backoff (seconds)."""
+    backoff_factor: float = 2.0
+    no_progress_limit: int = 3
+    """Stop after this many restarts in a row that did not advance the checkpointed step."""
+    same_failure_limit: int = 2
+    """Stop when the same failure (signature and step) has happened this many times."""
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts={self.max_restarts} is negative; pass >= 0")
+        if self.backoff_initial < 0 or self.backoff_max < self.backoff_initial:
+            raise ValueError(
+                f"backoff_initial={self.backoff_initial}, backoff_max={self.backoff_max}: need "
+                "0 <= backoff_initial <= backoff_max"
+            )
+        if self.backoff_factor < 1:
+            raise ValueError(f"backoff_factor={self.backoff_factor} < 1; pass >= 1")
+        if self.no_progress_limit < 1 or self.same_failure_limit < 2:
+            raise ValueError(
+                f"no_progress_limit={self.no_progress_limit} must be >= 1 and "
+                f"same_failure_limit={self.same_failure_limit} >= 2"
+            )
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    delay: float = 0.0
+    exit_code: int | None = None
+    """Set when the supervisor must stop (``action`` is STOP or EXIT)."""
+    reason: str = ""
+    fault: FaultClass | None = None
+
+
+@dataclass
+class RestartTracker:
+    """The supervisor's restart bookkeeping (``state_dict`` goes into RUN_DIR/supervisor.json)."""
+
+    policy: RestartPolicy
+    restarts: int = 0
+    no_progress: int = 0
+    best_progress: int | None = None
+    history: list[tuple[str, int | None]] = field(default_factory=list)
+
+    def decide(self, c: Classification, progress: int | None, step: int | None) -> Decision:
+        """Record one classified failure; ``progress`` is the checkpointed step now."""
+        p = self.policy
+        if c.action is Action.EXIT:
+            return Decision(Action.EXIT, 0.0, EXIT_PREEMPTED, c.reason, c.fault)
+        if c.signature is not None:
+            seen = sum(1 for s in self.history if s == (c.signature, step))
+            self.history.append((c.signature, step))
+            if seen + 1 >= p.same_failure_limit:
+                return Decision(
+                    Action.STOP, 0.0, EXIT_DETERMINISTIC,
+                    f"the same failure happened {seen + 1} times at step {step}: {c.signature}",
+                    FaultClass.DETERMINISTIC,
+                )
+        if not c.counts:
+            return Decision(c.action, self._delay(), None, c.reason, c.fault)
+        if progress is not None and (self.best_progress is None or progress > self.best_progress):
+            self.best_progress = progress
+            self.no_progress = 0
+        else:
+            self.no_progress += 1
+            if self.no_progress >= p.no_progress_limit:
+                return Decision(
+                    Action.STOP, 0.0, EXIT_NO_PROGRESS,
+                    f"{self.no_progress} restarts in a row without advancing the checkpointed "
+                    f"step (still {self.best_progress})", c.fault,
+                )
+        if self.restarts >= p.max_restarts:
+            return Decision(Action.STOP, 0.0, EXIT_BUDGET,
+                            f"restart budget used up ({p.max_restarts} restarts)", c.fault)
+        self.restarts += 1
+        return Decision(c.action, self._delay(), None, c.reason, c.fault)
+
+    def _delay(self) -> float:
+        p = self.policy
+        return min(p.backoff_max, p.backoff_initial * p.backoff_factor ** self.no_progress)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "restarts": self.restarts,
+            "no_progress": self.no_progress,
+            "best_progress": self.best_progress,
+            "history": [list(h) for h in self.history],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.restarts = int(state["restarts"])
+        self.no_progress = int(state["no_progress"])
+        bp = state.get("best_progress")
+        self.best_progress = None if bp is None else int(bp)
+        self.history = [(str(s), None if st is None else int(st))
+                        for s, st in state.get("history") or []]

@@ -1,0 +1,230 @@
+"""Progress beacons from the training loop, and the hang watchdog that reads them.
+
+:func:`beat` costs well under a microsecond of Python work and no system call: each process
+owns one 64-byte file mapped into memory (``MAP_SHARED``), and a beat is one ``pack_into``
+into that mapping. The page cache makes the bytes visible to the supervisor at once, and
+they survive the process being SIGKILLed. Beacon file layout (little endian)::
+
+    offset 0   header  magic "UBHB", version u32, pid i64, rank i64, attempt i64
+    offset 32  body    seq u64, step i64, time f64 (Unix seconds), seq u64 (again)
+
+A reader accepts the body when both ``seq`` copies agree (a torn read is retried);
+``seq == 0`` means "installed, no beat yet". Files live in
+``RUN_DIR/beats/a<attempt>/r<rank>-p<pid>.beat``.
+
+The first beat (or :func:`install`) also registers :mod:`faulthandler` on
+:data:`DUMP_SIGNAL`, writing every thread's Python stack to
+``RUN_DIR/stacks/a<attempt>-r<rank>-p<pid>.txt`` when the supervisor asks before killing a
+hung worker group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import mmap
+import os
+import signal
+import struct
+import time
+from dataclasses import dataclass
+from typing import IO
+
+from unbroken.elastic import recovery
+from unbroken.elastic._procs import is_alive, proc_state
+
+__all__ = [
+    "DUMP_SIGNAL",
+    "BeatRecord",
+    "beat",
+    "beat_dir",
+    "install",
+    "read_beats",
+    "request_stack_dumps",
+    "stack_dir",
+    "stalled",
+]
+
+log = logging.getLogger(__name__)
+
+DUMP_SIGNAL = signal.SIGUSR2
+"""Signal on which a worker writes its Python stacks (``faulthandler``)."""
+
+_MAGIC = b"UBHB"
+_VERSION = 1
+_HEAD = struct.Struct("<4sIqqq")
+_BODY = struct.Struct("<QqdQ")
+_SIZE = _HEAD.size + _BODY.size
+_NO_TARGET = 1 << 62
+
+
+def beat_dir(run_dir: str, attempt: int) -> str:
+    return os.path.join(run_dir, "beats", f"a{attempt}")
+
+
+def stack_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "stacks")
+
+
+class _Beacon:
+    __slots__ = ("mm", "seq", "target", "rank", "_stack_file")
+
+    def __init__(self, run_dir: str, attempt: int, rank: int, target: int) -> None:
+        d = beat_dir(run_dir, attempt)
+        os.makedirs(d, exist_ok=True)
+        pid = os.getpid()
+        path = os.path.join(d, f"r{rank}-p{pid}.beat")
+        with open(path, "w+b") as f:
+            f.write(_HEAD.pack(_MAGIC, _VERSION, pid, rank, attempt) + bytes(_BODY.size))
+            f.flush()
+            self.mm = mmap.mmap(f.fileno(), _SIZE)  # the mapping outlives the file object
+        self.seq = 0
+        self.target = target
+        self.rank = rank
+        sd = stack_dir(run_dir)
+        os.makedirs(sd, exist_ok=True)
+        # faulthandler writes through this fd from a signal handler; keep it open for life.
+        self._stack_file: IO[str] = open(  # noqa: SIM115
+            os.path.join(sd, f"a{attempt}-r{rank}-p{pid}.txt"), "w"
+        )
+        faulthandler.register(DUMP_SIGNAL, file=self._stack_file, all_threads=True, chain=False)
+
+    def caught_up(self, step: int) -> None:
+        self.target = _NO_TARGET
+        if self.rank == 0:
+            recovery.mark("caught_up", step=step)
+
+
+_beacon: _Beacon | None = None
+_disabled = False
+_pack = _BODY.pack_into
+_now = time.time
+
+
+def _reset_after_fork() -> None:
+    global _beacon, _disabled
+    _beacon, _disabled = None, False
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def install() -> bool:
+    """Create this process's beacon and stack-dump hook now (the first :func:`beat` does it
+    anyway). Call it early to get a stack dump even for a hang before the first step.
+    Returns False (and does nothing) when not running under ``unbroken run``."""
+    global _beacon, _disabled
+    if _beacon is not None:
+        return True
+    if _disabled:
+        return False
+    run_dir = os.environ.get(recovery.ENV_RUN_DIR)
+    if not run_dir:
+        _disabled = True
+        return False
+    attempt = int(os.environ.get(recovery.ENV_ATTEMPT, "0"))
+    rank = int(os.environ.get("RANK", "0"))
+    target = os.environ.get(recovery.ENV_CATCHUP)
+    try:
+        _beacon = _Beacon(run_dir, attempt, rank, int(target) if target else _NO_TARGET)
+    except OSError as e:
+        log.warning("heartbeat disabled: cannot create beacon under %s: %s", run_dir, e)
+        _disabled = True
+        return False
+    return True
+
+
+def beat(step: int) -> None:
+    """Record that the loop reached ``step``. Call once per step; no-op when unsupervised."""
+    b = _beacon
+    if b is None:
+        if _disabled or not install():
+            return
+        b = _beacon
+        if b is None:
+            return
+    b.seq += 1
+    _pack(b.mm, 32, b.seq, step, _now(), b.seq)
+    if step >= b.target:
+        b.caught_up(step)
+
+
+@dataclass(frozen=True)
+class BeatRecord:
+    path: str
+    pid: int
+    rank: int
+    attempt: int
+    seq: int
+    step: int
+    t: float
+    """Unix time of the last beat (0.0 if none yet)."""
+
+    @property
+    def started(self) -> bool:
+        return self.seq > 0
+
+
+def _read_one(path: str) -> BeatRecord | None:
+    for _ in range(5):
+        try:
+            with open(path, "rb") as f:
+                data = f.read(_SIZE)
+        except OSError:
+            return None
+        if len(data) < _SIZE:
+            return None
+        magic, version, pid, rank, attempt = _HEAD.unpack_from(data, 0)
+        if magic != _MAGIC or version != _VERSION:
+            return None
+        seq, step, t, seq2 = _BODY.unpack_from(data, _HEAD.size)
+        if seq == seq2:
+            return BeatRecord(path, pid, rank, attempt, seq, step if seq else -1, t if seq else 0.0)
+    return None  # writer too busy to catch a consistent copy; try at the next poll
+
+
+def read_beats(run_dir: str, attempt: int) -> list[BeatRecord]:
+    """Every beacon of an attempt (live or dead processes), sorted by rank."""
+    d = beat_dir(run_dir, attempt)
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return []
+    recs = [_read_one(os.path.join(d, n)) for n in names if n.endswith(".beat")]
+    return sorted((r for r in recs if r is not None), key=lambda r: (r.rank, r.pid))
+
+
+def stalled(beats: list[BeatRecord], now: float, hang_timeout: float) -> list[BeatRecord]:
+    """Live, started beacons whose last beat is older than ``hang_timeout`` seconds."""
+    return [b for b in beats if b.started and now - b.t > hang_timeout and is_alive(b.pid)]
+
+
+def request_stack_dumps(run_dir: str, beats: list[BeatRecord], grace: float) -> list[str]:
+    """Ask each live beacon owner for its stacks; wait up to ``grace`` s; return dump files.
+
+    A SIGSTOPped worker cannot run a signal handler, so it gets SIGCONT after the dump
+    signal: it then writes where it was stopped (it is killed right after anyway).
+    """
+    asked: list[str] = []
+    for b in beats:
+        if not is_alive(b.pid):
+            continue
+        path = os.path.join(stack_dir(run_dir), f"a{b.attempt}-r{b.rank}-p{b.pid}.txt")
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(b.pid, DUMP_SIGNAL)
+            if proc_state(b.pid) == "T":
+                os.kill(b.pid, signal.SIGCONT)
+            asked.append(path)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and not all(_nonempty(p) for p in asked):
+        time.sleep(0.05)
+    time.sleep(0.05)  # let a dump that just started finish its last thread
+    return [p for p in asked if _nonempty(p)]
+
+
+def _nonempty(path: str) -> bool:
+    try:
+        return os.path.getsize(path) > 0
+    except OSError:
+        return False

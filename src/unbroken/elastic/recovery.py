@@ -1,0 +1,287 @@
+"""The run's event log and the four recovery phases computed from it (E-MEASURED).
+
+Every process of a supervised run appends one JSON object per line to
+``RUN_DIR/events.jsonl`` (``O_APPEND``, one ``write`` per line, so lines from several
+processes never interleave on a local file system). The supervisor writes its own events;
+workers call :func:`mark`, e.g. the checkpointer's ``mark("loaded", step=s, seconds=x)``.
+
+Event schema (common keys ``t`` = Unix time, ``event``, ``attempt``, ``pid``, ``rank``)::
+
+    start         supervisor started (config)
+    preflight     ok, seconds, checks: [{name, ok, detail}]
+    launch        attempt, gen: a torchrun agent was started
+    workers_up    attempt, pids: the first worker processes of the attempt exist
+    loaded        step, seconds: a rank restored a checkpoint (from the Checkpointer)
+    saved         step, seconds: a rank committed a checkpoint (optional)
+    caught_up     step: rank 0's beats reached the step reached before the last failure
+    failure       attempt, t_fail, t_detect, kind, fault, action, reason, step, exit_code
+    hang          attempt, stalled ranks, stack dump files
+    stop          exit_code, reason
+    finish        exit_code
+
+Phases of failure *i* (attempt ``a`` failed, attempt ``a+1`` recovers):
+
+    detect    t_detect - t_fail              failure -> supervisor knows
+    relaunch  workers_up(a+1) - t_detect     classify, back off, pre-flight, torchrun, rendezvous
+    load      loaded(a+1) - workers_up(a+1)  interpreter, imports, process group, restore
+    catch_up  caught_up(a+1) - loaded(a+1)   recompute the steps lost since the checkpoint
+
+``loaded``/``caught_up`` of several ranks: the slowest rank ends the phase.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = [
+    "ENV_ATTEMPT",
+    "ENV_CATCHUP",
+    "ENV_RUN_DIR",
+    "EVENTS_FILE",
+    "Recovery",
+    "RunSummary",
+    "append_event",
+    "format_summary",
+    "load_events",
+    "mark",
+    "phases",
+    "summarize",
+]
+
+log = logging.getLogger(__name__)
+
+ENV_RUN_DIR = "UNBROKEN_RUN_DIR"
+"""Set by the supervisor for every worker: the run directory. Unset means 'not supervised'."""
+ENV_ATTEMPT = "UNBROKEN_ATTEMPT"
+"""The attempt number (0, 1, ...) of the torchrun agent that started this worker."""
+ENV_CATCHUP = "UNBROKEN_CATCHUP_STEP"
+"""The highest step reached before the last failure; beats at or past it end catch-up."""
+EVENTS_FILE = "events.jsonl"
+_RESERVED = frozenset({"t", "event", "attempt", "pid"})
+_warned = False
+
+
+def append_event(run_dir: str, record: dict[str, Any]) -> None:
+    """Append one JSON line to ``run_dir/events.jsonl`` with a single ``write``."""
+    line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
+    fd = os.open(os.path.join(run_dir, EVENTS_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def mark(event: str, **fields: Any) -> None:
+    """Record a phase event for the supervisor; a no-op when not run under ``unbroken run``.
+
+    Example: ``mark("loaded", step=1200, seconds=3.4)`` after a checkpoint restore. Never
+    raises for I/O errors (a logging problem must not stop training); logs one warning.
+    """
+    global _warned
+    run_dir = os.environ.get(ENV_RUN_DIR)
+    if not run_dir:
+        return
+    bad = _RESERVED.intersection(fields)
+    if bad:
+        raise ValueError(f"mark({event!r}): field names {sorted(bad)} are reserved; rename them")
+    record: dict[str, Any] = {
+        "t": time.time(),
+        "event": event,
+        "attempt": _int_env(ENV_ATTEMPT),
+        "pid": os.getpid(),
+        "rank": _int_env("RANK"),
+    }
+    record.update(fields)
+    try:
+        append_event(run_dir, record)
+    except OSError as e:
+        if not _warned:
+            log.warning("cannot append to %s/%s: %s; recovery events are lost", run_dir, EVENTS_FILE, e)
+            _warned = True
+
+
+def _int_env(name: str) -> int | None:
+    v = os.environ.get(name)
+    try:
+        return int(v) if v is not None else None
+    except ValueError:
+        return None
+
+
+def load_events(run_dir: str) -> list[dict[str, Any]]:
+    """All events of a run in file order; a torn last line (writer killed) is skipped."""
+    path = os.path.join(run_dir, EVENTS_FILE)
+    out: list[dict[str, Any]] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(rec, dict) and "event" in rec and "t" in rec:
+                    out.append(rec)
+    except FileNotFoundError:
+        return []
+    return out
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One failure and the time it cost, phase by phase (seconds; None = not reached)."""
+
+    index: int
+    attempt: int
+    fault: str
+    reason: str
+    step_at_failure: int | None
+    t_fail: float
+    detect: float
+    relaunch: float | None
+    load: float | None
+    catch_up: float | None
+    restore_seconds: float | None
+    """What the checkpointer itself reported for the restore (part of ``load``)."""
+    loaded_step: int | None
+
+    @property
+    def total(self) -> float | None:
+        parts = (self.detect, self.relaunch, self.load, self.catch_up)
+        return None if any(p is None for p in parts) else sum(p for p in parts if p is not None)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["total"] = self.total
+        return d
+
+
+def _first(events: Iterable[dict[str, Any]], name: str, attempt: int) -> dict[str, Any] | None:
+    for e in events:
+        if e["event"] == name and e.get("attempt") == attempt:
+            return e
+    return None
+
+
+def _last_of(events: Sequence[dict[str, Any]], name: str, attempt: int) -> dict[str, Any] | None:
+    """The slowest rank's *first* event of this name in the attempt: the phase ends when
+    every rank got there (later repeats, e.g. after a spare joined, do not count)."""
+    first: dict[Any, dict[str, Any]] = {}
+    for e in events:
+        if e["event"] == name and e.get("attempt") == attempt:
+            first.setdefault(e.get("rank"), e)
+    return max(first.values(), key=lambda e: e["t"]) if first else None
+
+
+def phases(events: Sequence[dict[str, Any]]) -> list[Recovery]:
+    """Per-failure recovery phases from a run's raw events (pure; see the module doc)."""
+    out: list[Recovery] = []
+    failures = [e for e in events if e["event"] == "failure"]
+    for i, f in enumerate(failures):
+        nxt = int(f["attempt"]) + 1
+        up = _first(events, "workers_up", nxt)
+        loaded = _last_of(events, "loaded", nxt)
+        caught = _last_of(events, "caught_up", nxt)
+        t_detect = float(f["t_detect"])
+        relaunch = up["t"] - t_detect if up else None
+        load = loaded["t"] - up["t"] if (loaded and up) else None
+        catch_up: float | None = None
+        if loaded and caught:
+            catch_up = max(0.0, caught["t"] - loaded["t"])
+        elif loaded and f.get("step") is not None and loaded.get("step") is not None:
+            if int(loaded["step"]) >= int(f["step"]):
+                catch_up = 0.0  # the checkpoint already held the step reached before the failure
+        restore = loaded.get("seconds") if loaded else None
+        out.append(
+            Recovery(
+                index=i,
+                attempt=int(f["attempt"]),
+                fault=str(f.get("fault", "?")),
+                reason=str(f.get("reason", "")),
+                step_at_failure=f.get("step"),
+                t_fail=float(f["t_fail"]),
+                detect=max(0.0, t_detect - float(f["t_fail"])),
+                relaunch=relaunch,
+                load=load,
+                catch_up=catch_up,
+                restore_seconds=float(restore) if restore is not None else None,
+                loaded_step=int(loaded["step"]) if loaded and loaded.get("step") is not None else None,
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    wall: float
+    lost: float
+    """Startup (first launch -> first worker ready) plus every recovery's phases."""
+    recoveries: list[Recovery]
+    trend_warning: str | None
+
+    @property
+    def goodput(self) -> float:
+        return 0.0 if self.wall <= 0 else max(0.0, 1.0 - self.lost / self.wall)
+
+
+def summarize(events: Sequence[dict[str, Any]], now: float | None = None) -> RunSummary:
+    """Wall time, time lost to startup and recoveries, goodput and a slow-down warning."""
+    if not events:
+        return RunSummary(0.0, 0.0, [], None)
+    t0 = min(e["t"] for e in events)
+    ends = [e["t"] for e in events if e["event"] in ("finish", "stop")]
+    t1 = max(ends) if ends else (now if now is not None else max(e["t"] for e in events))
+    recs = phases(events)
+    lost = 0.0
+    first_attempt = min((int(e["attempt"]) for e in events if e["event"] == "launch"), default=0)
+    ready = _last_of(events, "loaded", first_attempt) or _first(events, "workers_up", first_attempt)
+    if ready:
+        lost += ready["t"] - t0
+    for r in recs:
+        lost += sum(p for p in (r.detect, r.relaunch, r.load, r.catch_up) if p is not None)
+    return RunSummary(t1 - t0, min(lost, t1 - t0), recs, _trend(recs))
+
+
+def _trend(recs: Sequence[Recovery]) -> str | None:
+    totals = [r.total for r in recs if r.total is not None]
+    if len(totals) < 3:
+        return None
+    base = statistics.median(totals[:-1])
+    if base > 0 and totals[-1] > 1.5 * base:
+        return (
+            f"recoveries are getting slower: the last took {totals[-1]:.1f} s, "
+            f"{totals[-1] / base:.1f}x the median {base:.1f} s of the earlier ones"
+        )
+    return None
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def format_summary(summary: RunSummary) -> str:
+    """A plain-text table, one row per failure, then totals and goodput."""
+    head = f"{'#':>2} {'attempt':>7} {'fault':<13} {'step':>6} {'detect':>7} {'relaunch':>8} " \
+           f"{'load':>7} {'catch-up':>8} {'total':>7}  reason"
+    lines = ["recovery phases (seconds):", head]
+    for r in summary.recoveries:
+        lines.append(
+            f"{r.index:>2} {r.attempt:>7} {r.fault:<13} {str(r.step_at_failure):>6} "
+            f"{_fmt(r.detect):>7} {_fmt(r.relaunch):>8} {_fmt(r.load):>7} "
+            f"{_fmt(r.catch_up):>8} {_fmt(r.total):>7}  {r.reason[:60]}"
+        )
+    if not summary.recoveries:
+        lines.append("   (no failures)")
+    lines.append(
+        f"wall {summary.wall:.1f} s, lost to startup and recovery {summary.lost:.1f} s, "
+        f"goodput {summary.goodput:.1%}"
+    )
+    if summary.trend_warning:
+        lines.append("WARNING: " + summary.trend_warning)
+    return "\n".join(lines)

@@ -1,0 +1,475 @@
+"""`unbroken run`: keep a torchrun job alive unattended.
+
+One supervisor runs per node. Each attempt is a child ``torchrun`` (elastic agent, c10d
+rendezvous, ``--nnodes MIN:MAX``, ``--max-restarts 0``, see ``_attempt``) on a rendezvous
+store the supervisor hosts or joins (see ``_coord``). Around it the supervisor adds:
+
+1. pre-flight before the first start and before every restart (``preflight``);
+2. a hang watchdog over the workers' progress beats, with Python stack dumps before the kill
+   (``heartbeat``);
+3. classification of every failure and a restart policy (``faults``);
+4. the four recovery phases of each failure in ``RUN_DIR/events.jsonl``, a per-failure
+   ``RUN_DIR/recovery.jsonl`` and a summary table at the end (``recovery``).
+
+Exit codes: see :mod:`unbroken.elastic.faults` (``EXIT_*``): 0 finished, 1 supervisor error,
+2 usage, 3 same failure twice (deterministic bug), 4 restart budget used up, 5 no progress,
+6 pre-flight never healthy, 7 preempted (SIGTERM/SIGINT; the job was asked to save).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+from unbroken._fs import atomic_write_bytes
+from unbroken.elastic import faults, heartbeat, recovery
+from unbroken.elastic._attempt import Attempt
+from unbroken.elastic._coord import Coordinator
+from unbroken.elastic._procs import is_alive
+from unbroken.elastic.faults import Action, Classification, Evidence, FaultClass, RestartPolicy
+from unbroken.elastic.preflight import CheckResult, PreflightConfig, wait_until_healthy
+
+__all__ = ["RendezvousConfig", "RunConfig", "Supervisor", "WatchdogConfig", "run"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WatchdogConfig:
+    hang_timeout: float = 300.0
+    """Seconds without a beat from a live worker before the group is declared hung. Must
+    exceed the longest step, blocking save or evaluation between two beats."""
+    startup_timeout: float = 900.0
+    """Seconds a worker may stay between ``heartbeat.install()`` and its first beat."""
+    poll_interval: float = 0.5
+    """How often the supervisor looks at torchrun, the beats and the store (seconds)."""
+    dump_grace: float = 3.0
+    """Seconds hung workers get to write their stack dumps before the SIGKILL."""
+
+    def __post_init__(self) -> None:
+        if self.poll_interval <= 0 or self.hang_timeout <= 2 * self.poll_interval:
+            raise ValueError(
+                f"hang_timeout={self.hang_timeout} must exceed 2 x poll_interval="
+                f"{self.poll_interval} (> 0); raise --hang-timeout or lower --poll-interval"
+            )
+        if self.startup_timeout <= 0 or self.dump_grace < 0:
+            raise ValueError(
+                f"startup_timeout={self.startup_timeout} must be > 0 and "
+                f"dump_grace={self.dump_grace} >= 0"
+            )
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    nnodes: str = "1"
+    """``N`` or ``MIN:MAX`` nodes (torchrun's ``--nnodes``)."""
+    endpoint: str = "127.0.0.1:0"
+    """``host:port`` of the store; port 0 (single node only) hosts it on a free port."""
+    run_id: str = "unbroken"
+    node: str = ""
+    """This node's name among the supervisors (default ``<hostname>-<pid>``)."""
+    last_call_timeout: float = 5.0
+    """Once MIN nodes joined, wait this long for more before starting (seconds)."""
+    join_timeout: float = 600.0
+    """Give up a rendezvous that does not reach MIN nodes within this many seconds."""
+    node_timeout: float = 5.0
+    """A peer supervisor silent this long after a failure counts as a lost node."""
+
+    def __post_init__(self) -> None:
+        lo, hi = self.bounds
+        if lo < 1 or hi < lo:
+            raise ValueError(f"nnodes={self.nnodes!r}: need 1 <= MIN <= MAX, e.g. '1:2'")
+        host, sep, port = self.endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"rdzv endpoint {self.endpoint!r} is not HOST:PORT")
+        if hi > 1 and int(port) == 0:
+            raise ValueError(
+                f"nnodes={self.nnodes!r} spans nodes: pass --rdzv-endpoint HOST:PORT with a "
+                "fixed port that every node can reach"
+            )
+        if min(self.last_call_timeout, self.join_timeout, self.node_timeout) <= 0:
+            raise ValueError("last_call_timeout, join_timeout and node_timeout must be > 0")
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        lo, _, hi = self.nnodes.partition(":")
+        try:
+            return int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"nnodes={self.nnodes!r} is not N or MIN:MAX") from None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    command: tuple[str, ...]
+    """Training script and its arguments (a module name and arguments with ``module``)."""
+    run_dir: str = "unbroken-run"
+    nproc_per_node: int = 1
+    module: bool = False
+    rdzv: RendezvousConfig = field(default_factory=RendezvousConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    policy: RestartPolicy = field(default_factory=RestartPolicy)
+    preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    preflight_max_wait: float = 3600.0
+    """Seconds to keep waiting for a healthy pre-flight before exiting with code 6."""
+    shutdown_timeout: float = 30.0
+    """On SIGTERM: seconds the workers get to save before they are killed."""
+    rules: tuple[faults.Rule, ...] = faults.DEFAULT_RULES
+    torchrun_args: tuple[str, ...] = ()
+    echo: bool = True
+    """Copy torchrun's console to this process's stdout."""
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ValueError("no training command: use `unbroken run [options] -- train.py ARGS`")
+        if self.nproc_per_node < 1:
+            raise ValueError(f"nproc_per_node={self.nproc_per_node} must be >= 1")
+        if self.preflight_max_wait < 0 or self.shutdown_timeout < 0:
+            raise ValueError("preflight_max_wait and shutdown_timeout must be >= 0 seconds")
+
+
+@dataclass
+class _Outcome:
+    kind: str  # success | exit | agent_lost | hang | peer | preempted | stopped
+    rc: int | None = None
+    t_fail: float = 0.0
+    t_detect: float = 0.0
+    detail: str = ""
+    stop: tuple[int, str] | None = None
+
+
+class Supervisor:
+    """Runs :class:`RunConfig`'s command until it finishes or the policy gives up."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = os.path.abspath(cfg.run_dir)
+        self.node = cfg.rdzv.node or f"{socket.gethostname()}-{os.getpid()}"
+        self.tracker = faults.RestartTracker(cfg.policy)
+        self._signal: int | None = None
+        self._attempt: Attempt | None = None
+        self._max_step = -1
+        self._coord: Coordinator | None = None
+        self._failures: list[tuple[int, faults.Evidence, Classification]] = []
+        self._preflight_ok_at = float("-inf")
+
+    # --- bookkeeping ---------------------------------------------------------------------
+
+    def _event(self, name: str, **fields: Any) -> None:
+        rec: dict[str, Any] = {"t": time.time(), "event": name, "pid": os.getpid(),
+                               "node": self.node}
+        rec.update(fields)
+        recovery.append_event(self.run_dir, rec)
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if self._signal is not None and self._attempt is not None:
+            self._attempt.kill()  # second signal: stop waiting for the job to save
+        self._signal = signum
+
+    def _progress(self) -> int | None:
+        """The checkpointed step as the job reported it (``saved``/``loaded``), else the
+        highest step any attempt reached."""
+        steps = [int(e["step"]) for e in recovery.load_events(self.run_dir)
+                 if e["event"] in ("saved", "loaded") and e.get("step") is not None]
+        if steps:
+            return max(steps)
+        return self._max_step if self._max_step >= 0 else None
+
+    def _preflight_cfg(self, coord: Coordinator) -> PreflightConfig:
+        p = self.cfg.preflight
+        endpoint = None if coord.hosting else coord.endpoint
+        return PreflightConfig(p.ckpt_dir, p.data, p.min_free_bytes, endpoint,
+                               p.gpus if p.gpus is not None else self.cfg.nproc_per_node,
+                               p.gpu_min_free_fraction, p.timeout, p.node or self.node)
+
+    def _preflight(self, coord: Coordinator, *, wait: bool) -> tuple[bool, list[CheckResult]]:
+        def record(res: list[CheckResult], waited: float) -> None:
+            self._event("preflight", ok=all(r.ok for r in res), waited=round(waited, 3),
+                        checks=[{"name": r.name, "ok": r.ok, "detail": r.detail,
+                                 "seconds": round(r.seconds, 3)} for r in res if not r.skipped])
+
+        def stop() -> bool:
+            self._tick(coord)
+            return self._signal is not None or self._peer_stop(coord) is not None
+
+        ok, res = wait_until_healthy(
+            self._preflight_cfg(coord), max_wait=self.cfg.preflight_max_wait if wait else 0.0,
+            initial_delay=min(1.0, max(0.1, self.cfg.policy.backoff_initial)),
+            on_result=record, should_stop=stop,
+        )
+        self._preflight_ok_at = time.monotonic() if ok else float("-inf")
+        return ok, res
+
+    def _tick(self, coord: Coordinator) -> None:
+        try:
+            coord.tick()
+        except RuntimeError as e:
+            raise RuntimeError(f"lost the rendezvous store at {coord.endpoint}: {e}") from e
+
+    def _peer_stop(self, coord: Coordinator) -> tuple[int, str] | None:
+        try:
+            return coord.get_stop()
+        except RuntimeError:
+            return None
+
+    # --- one attempt ---------------------------------------------------------------------
+
+    def _torchrun_argv(self, coord: Coordinator, gen: int) -> list[str]:
+        c, r = self.cfg, self.cfg.rdzv
+        conf = (f"is_host=false,last_call_timeout={r.last_call_timeout:g},"
+                f"join_timeout={r.join_timeout:g}")
+        argv = ["--nnodes", r.nnodes, "--nproc-per-node", str(c.nproc_per_node),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", coord.endpoint,
+                "--rdzv-id", f"{r.run_id}-g{gen}", "--rdzv-conf", conf,
+                "--max-restarts", "0", "--monitor-interval", f"{min(0.1, c.watchdog.poll_interval):g}",
+                "--tee", "3", *c.torchrun_args]
+        if c.module:
+            argv.append("-m")
+        return [*argv, *c.command]
+
+    def _launch(self, coord: Coordinator, number: int, gen: int) -> Attempt:
+        target = self._max_step if self._failures and self._max_step >= 0 else None
+        att = Attempt(number=number, gen=gen, run_dir=self.run_dir,
+                      torchrun_argv=self._torchrun_argv(coord, gen), catchup_step=target,
+                      echo=self.cfg.echo)
+        self._attempt = att
+        self._event("launch", attempt=number, gen=gen, catchup_step=target, argv=att.argv)
+        log.info("attempt %d (generation %d) started: %s", number, gen, " ".join(att.argv))
+        return att
+
+    def _monitor(self, att: Attempt, coord: Coordinator) -> _Outcome:
+        w = self.cfg.watchdog
+        seen: set[int] = set()
+        alive: set[int] = set()
+        t_up: float | None = None
+        first_dead: float | None = None
+        last_poll = time.time()
+        while True:
+            rc = att.poll()
+            now = time.time()
+            if rc is not None:
+                if rc == 0:
+                    return _Outcome("success", 0)
+                kind = "agent_lost" if rc < 0 else "exit"
+                detail = f"torchrun killed by {_signame(-rc)}" if rc < 0 else ""
+                return _Outcome(kind, rc, first_dead or last_poll, now, detail)
+            if self._signal is not None:
+                return self._preempt(att)
+            self._tick(coord)
+            stop = self._peer_stop(coord)
+            if stop is not None:
+                att.kill()
+                return _Outcome("stopped", None, now, now, stop=stop)
+            if coord.gen() > att.gen:
+                att.kill()
+                return _Outcome("peer", None, now, now, "another node failed; joining its restart")
+            pids = set(att.worker_pids())
+            beats = heartbeat.read_beats(self.run_dir, att.number)
+            pids |= {b.pid for b in beats if is_alive(b.pid)}
+            if pids and t_up is None:
+                t_up = now
+                self._event("workers_up", attempt=att.number, pids=sorted(pids))
+            if first_dead is None and any(not is_alive(p) for p in alive):
+                first_dead = last_poll  # last time the first dead worker was seen alive
+            elif first_dead is not None and pids - seen:
+                first_dead = None  # torchrun replaced its workers (a spare joined): no failure
+            seen |= pids
+            alive = pids
+            for b in beats:
+                self._max_step = max(self._max_step, b.step)
+            hung = heartbeat.stalled(beats, now, w.hang_timeout)
+            if not hung and t_up is not None and now - t_up > w.startup_timeout:
+                hung = [b for b in beats if not b.started and is_alive(b.pid)]
+            if hung:
+                return self._hang(att, beats, hung, now)
+            last_poll = now
+            time.sleep(w.poll_interval)
+
+    def _hang(self, att: Attempt, beats: list[heartbeat.BeatRecord],
+              hung: list[heartbeat.BeatRecord], now: float) -> _Outcome:
+        started = [b.t for b in beats if b.started]
+        t_fail = max(started) if started else att.t_launch
+        ranks = sorted({b.rank for b in hung})
+        stacks = heartbeat.request_stack_dumps(self.run_dir, beats, self.cfg.watchdog.dump_grace)
+        detail = (f"ranks {ranks} made no progress for {now - t_fail:.1f} s "
+                  f"(--hang-timeout {self.cfg.watchdog.hang_timeout:g} s) at step "
+                  f"{max((b.step for b in beats), default=-1)}")
+        self._event("hang", attempt=att.number, ranks=ranks, stacks=stacks, detail=detail)
+        log.error("attempt %d hung: %s; stack dumps: %s", att.number, detail, stacks or "none")
+        att.kill()
+        return _Outcome("hang", None, t_fail, now, detail)
+
+    def _preempt(self, att: Attempt) -> _Outcome:
+        now = time.time()
+        log.warning("%s received: asking the job to save and stop (up to %g s)",
+                    _signame(self._signal or signal.SIGTERM), self.cfg.shutdown_timeout)
+        rc = att.terminate(self.cfg.shutdown_timeout + 5.0)
+        att.kill()
+        return _Outcome("preempted", rc, now, now, f"{_signame(self._signal or 15)} received")
+
+    # --- failures ------------------------------------------------------------------------
+
+    def _evidence(self, att: Attempt, out: _Outcome) -> Evidence:
+        console = att.console()
+        fails: tuple[faults.WorkerFailure, ...] = ()
+        if out.kind in ("exit", "agent_lost"):
+            fails = tuple(faults.collect_worker_failures(console, att.log_dir))
+        step = max((b.step for b in heartbeat.read_beats(self.run_dir, att.number)), default=-1)
+        return Evidence(out.kind, out.rc, fails, console[-8000:],
+                        step if step >= 0 else None, out.detail)
+
+    def _lost_peers(self, coord: Coordinator, t_fail: float) -> list[str]:
+        """Peers whose supervisors went silent around the failure (waits up to node_timeout)."""
+        deadline = t_fail + self.cfg.rdzv.node_timeout
+        while True:
+            self._tick(coord)
+            peers = coord.peers()
+            if all(t > t_fail for t in peers.values()):
+                return []
+            if time.time() >= deadline:
+                return sorted(n for n, t in peers.items() if t <= t_fail)
+            time.sleep(min(0.2, self.cfg.watchdog.poll_interval))
+
+    def _handle_failure(self, coord: Coordinator, att: Attempt, out: _Outcome) -> int | None:
+        """Classify, record, decide; returns an exit code or None to restart."""
+        ev = self._evidence(att, out)
+        c = faults.classify(ev, self.cfg.rules)
+        if self.cfg.rdzv.bounds[1] > 1 and c.fault is FaultClass.PROCESS and out.kind != "hang":
+            lost = self._lost_peers(coord, out.t_fail)
+            if lost:
+                c = Classification(FaultClass.NODE_LOST, Action.WAIT_FOR_NODES, "node_lost",
+                                   f"node(s) {', '.join(lost)} lost; continuing within "
+                                   f"--nnodes {self.cfg.rdzv.nnodes}", None, True)
+        if c.action is not Action.EXIT:
+            ok, res = self._preflight(coord, wait=False)
+            bad = [r for r in res if not r.ok and r.name in ("ckpt_dir", "data")]
+            if bad:
+                c = Classification(FaultClass.STORAGE, Action.PREFLIGHT, "preflight",
+                                   "; ".join(f"{r.name}: {r.detail}" for r in bad), None, True)
+        d = self.tracker.decide(c, self._progress(), ev.step)
+        self._failures.append((att.number, ev, c))
+        self._event("failure", attempt=att.number, gen=att.gen, kind=out.kind,
+                    t_fail=out.t_fail, t_detect=out.t_detect, exit_code=out.rc,
+                    fault=(d.fault or c.fault).value, rule=c.rule, action=d.action.value,
+                    reason=d.reason or c.reason, signature=c.signature, step=ev.step,
+                    delay=d.delay, restarts=self.tracker.restarts)
+        atomic_write_bytes(os.path.join(self.run_dir, "supervisor.json"),
+                           json.dumps(self.tracker.state_dict(), indent=1).encode())
+        log.warning("attempt %d failed: %s [%s -> %s] %s", att.number, out.kind,
+                    c.fault.value, d.action.value, d.reason or c.reason)
+        if d.exit_code is not None:
+            if d.action is Action.STOP:
+                self._write_stop_report(d)
+                try:
+                    coord.set_stop(d.exit_code, d.reason)
+                except RuntimeError:
+                    pass
+            return d.exit_code
+        self._sleep(d.delay, coord)
+        return None
+
+    def _sleep(self, seconds: float, coord: Coordinator) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and self._signal is None:
+            self._tick(coord)
+            time.sleep(min(self.cfg.watchdog.poll_interval, max(0.0, end - time.monotonic())))
+
+    def _write_stop_report(self, d: faults.Decision) -> None:
+        lines = [f"unbroken run stopped: {d.reason}",
+                 f"exit code {d.exit_code}; run directory {self.run_dir}", "", "failures:"]
+        for n, ev, c in self._failures:
+            lines.append(f"  attempt {n}: step {ev.step}: [{c.fault.value}/{c.rule}] {c.reason}")
+        n, ev, _c = self._failures[-1]
+        if ev.failures:
+            f = ev.failures[0]
+            lines += ["", f"last failure, rank {f.rank} (attempt {n}):",
+                      (f.traceback or f.stderr_tail or f.message).rstrip()[-4000:]]
+        lines += ["", f"logs: {os.path.join(self.run_dir, 'attempts', str(n))}",
+                  "Fix the cause, then rerun the same command: it resumes from the newest "
+                  "checkpoint."]
+        text = "\n".join(lines) + "\n"
+        atomic_write_bytes(os.path.join(self.run_dir, "stop-report.txt"), text.encode())
+        print(text, flush=True)
+
+    # --- main loop -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        os.makedirs(self.run_dir, exist_ok=True)
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        first = 1 + max((int(e["attempt"]) for e in recovery.load_events(self.run_dir)
+                         if e["event"] == "launch"), default=-1)
+        code = faults.EXIT_ERROR
+        try:
+            r = self.cfg.rdzv
+            host, _, port = r.endpoint.rpartition(":")
+            self._coord = Coordinator(host, int(port), r.run_id, self.node,
+                                      connect_timeout=r.join_timeout)
+            self._event("start", node=self.node, store=self._coord.endpoint,
+                        hosting=self._coord.hosting, command=list(self.cfg.command),
+                        nnodes=r.nnodes, nproc_per_node=self.cfg.nproc_per_node)
+            code = self._loop(self._coord, first)
+        finally:
+            if self._attempt is not None:
+                self._attempt.close()
+            for s, h in old.items():
+                signal.signal(s, h)
+            self._event("finish" if code == 0 else "stop", exit_code=code)
+            self._finish()
+        return code
+
+    def _loop(self, coord: Coordinator, number: int) -> int:
+        ok, _ = self._preflight(coord, wait=True)
+        if not ok:
+            return faults.EXIT_PREEMPTED if self._signal is not None else faults.EXIT_PREFLIGHT
+        gen = coord.gen()
+        while True:
+            att = self._launch(coord, number, gen)
+            out = self._monitor(att, coord)
+            att.close()
+            if out.kind == "success":
+                log.info("attempt %d finished successfully", number)
+                return faults.EXIT_OK
+            if out.stop is not None:
+                log.error("another node stopped the job: %s", out.stop[1])
+                return out.stop[0]
+            code = self._handle_failure(coord, att, out)
+            if code is not None:
+                return code
+            if self._signal is not None:
+                return faults.EXIT_PREEMPTED
+            gen = coord.bump(att.gen) if out.kind != "peer" else coord.gen()
+            fresh = time.monotonic() - self._preflight_ok_at < 5.0
+            ok = fresh or self._preflight(coord, wait=True)[0]
+            if not ok:
+                return faults.EXIT_PREEMPTED if self._signal is not None else faults.EXIT_PREFLIGHT
+            number += 1
+
+    def _finish(self) -> None:
+        events = recovery.load_events(self.run_dir)
+        summary = recovery.summarize(events)
+        lines = b"".join(json.dumps(r.to_json()).encode() + b"\n" for r in summary.recoveries)
+        atomic_write_bytes(os.path.join(self.run_dir, "recovery.jsonl"), lines)
+        print(recovery.format_summary(summary), flush=True)
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def run(command: Sequence[str], **kwargs: Any) -> int:
+    """Convenience: ``run(["train.py", "--lr", "3e-4"], run_dir="r", nproc_per_node=2)``."""
+    return Supervisor(RunConfig(tuple(command), **kwargs)).run()

@@ -1,0 +1,137 @@
+"""Test harness for `unbroken run`: start supervisors as real subprocesses, watch their run
+directories, and kill *everything* they started when the test ends (pass or fail).
+
+Every supervisor runs in its own session; torchrun and each worker run in sessions of their
+own (torchrun uses ``start_new_session``), so one ``killpg`` is not enough. Every process
+below a supervisor inherits ``UNBROKEN_RUN_DIR=<run dir>`` though, and that is what
+:meth:`Job.kill_all` hunts for in /proc.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from unbroken.elastic import heartbeat, recovery
+from unbroken.elastic._procs import kill_matching
+from unbroken.metrics import read_metrics
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_train.py")
+
+# Tight settings so the suite stays short on 2 busy cores.
+FAST = [
+    "--poll-interval", "0.1", "--hang-timeout", "3", "--dump-grace", "1.5",
+    "--backoff", "0.2", "--backoff-max", "1", "--preflight-timeout", "5",
+    "--preflight-max-wait", "60", "--node-timeout", "2", "--last-call-timeout", "1",
+    "--join-timeout", "60", "--shutdown-timeout", "5",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Job:
+    """One `unbroken run` supervisor process."""
+
+    def __init__(self, run_dir: str, sup_args: list[str], script_args: list[str],
+                 script: str = SCRIPT) -> None:
+        self.run_dir = os.path.abspath(run_dir)
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.out_path = os.path.join(self.run_dir, "supervisor.out")
+        self._out = open(self.out_path, "wb")  # noqa: SIM115 - closed in kill_all
+        argv = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", self.run_dir,
+                *FAST, *sup_args, "--", script, *script_args]
+        self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"supervisor did not exit within {timeout} s; output tail:\n{self.output()[-3000:]}"
+            ) from None
+
+    def output(self) -> str:
+        with open(self.out_path, "rb") as f:
+            return f.read().decode("utf-8", "replace")
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        ev = recovery.load_events(self.run_dir)
+        return ev if name is None else [e for e in ev if e["event"] == name]
+
+    def beats(self, attempt: int) -> list[heartbeat.BeatRecord]:
+        return heartbeat.read_beats(self.run_dir, attempt)
+
+    def recoveries(self) -> list[dict[str, Any]]:
+        with open(os.path.join(self.run_dir, "recovery.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def kill_all(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        kill_matching(recovery.ENV_RUN_DIR, self.run_dir, timeout=10.0)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self._out.close()
+
+
+@contextlib.contextmanager
+def jobs() -> Iterator[Callable[..., Job]]:
+    """``with jobs() as start: job = start(run_dir, sup_args, script_args)``; kills all."""
+    started: list[Job] = []
+
+    def start(*args: Any, **kwargs: Any) -> Job:
+        j = Job(*args, **kwargs)
+        started.append(j)
+        return j
+
+    try:
+        yield start
+    finally:
+        for j in started:
+            j.kill_all()
+
+
+def wait_until(pred: Callable[[], Any], timeout: float, what: str, job: Job | None = None) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        if job is not None and job.proc.poll() is not None:
+            raise AssertionError(
+                f"supervisor exited ({job.proc.returncode}) while waiting for {what}:\n"
+                f"{job.output()[-3000:]}"
+            )
+        time.sleep(0.05)
+    tail = job.output()[-3000:] if job is not None else ""
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{tail}")
+
+
+def live_beats(job: Job, attempt: int, min_step: int, ranks: int) -> list[heartbeat.BeatRecord]:
+    """Beacons of ``ranks`` live workers of ``attempt`` once all reached ``min_step``."""
+    bs = [b for b in job.beats(attempt) if b.started]
+    by_rank = {b.rank: b for b in bs}
+    if len(by_rank) >= ranks and all(b.step >= min_step for b in by_rank.values()):
+        return sorted(by_rank.values(), key=lambda b: b.rank)
+    return []
+
+
+def metric_steps(path: str) -> list[int]:
+    return [int(r["step"]) for r in read_metrics(path)]
+
+
+def metrics(path: str) -> list[dict[str, Any]]:
+    return read_metrics(path)

@@ -1,0 +1,127 @@
+"""Test-only training script for the supervisor tests: a tiny data-parallel regression on
+gloo with the project's MetricLog and heartbeat, checkpointed by rank 0.
+
+``--ckpt-kind unbroken`` uses the real ``unbroken.ckpt.Checkpointer`` (single-rank jobs only:
+its DCP save is a collective, so rank 0 saving alone while the other ranks train deadlocks;
+the hang watchdog test caught exactly that). ``--ckpt-kind file`` keeps a tiny progress file
+(step + weights, published with ``atomic_write_bytes``) and marks "loaded" itself.
+The other ranks receive the restored weights by broadcast. Every rank beats each step.
+
+    torchrun ... elastic_train.py --ckpt DIR --metrics FILE --steps N [--save-every K]
+        [--sleep S] [--raise-at STEP] [--ckpt-kind unbroken|file]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from unbroken._fs import atomic_write_bytes
+from unbroken.elastic import beat, install, mark
+from unbroken.metrics import MetricLog
+
+
+class _FileCkpt:
+    """Rank-0-only progress file: {"step", "model"}; restores the metric log too."""
+
+    def __init__(self, root: str, model: torch.nn.Module, metrics: MetricLog, every: int):
+        os.makedirs(root, exist_ok=True)
+        self.path = os.path.join(root, "progress.pt")
+        self.model, self.metrics, self.every = model, metrics, every
+        self.last_save_seconds = 0.0
+
+    def restore(self) -> int | None:
+        t0 = time.perf_counter()
+        if not os.path.exists(self.path):
+            return None
+        sd = torch.load(self.path, weights_only=True)
+        self.model.load_state_dict(sd["model"])
+        self.metrics.load_state_dict({"step": int(sd["step"])})
+        mark("loaded", step=int(sd["step"]), seconds=time.perf_counter() - t0)
+        return int(sd["step"])
+
+    def maybe_save(self, step: int) -> bool:
+        if step % self.every:
+            return False
+        t0 = time.perf_counter()
+        buf = io.BytesIO()
+        torch.save({"step": step, "model": self.model.state_dict()}, buf)
+        atomic_write_bytes(self.path, buf.getvalue())
+        self.last_save_seconds = time.perf_counter() - t0
+        return True
+
+
+@record
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--metrics", required=True)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--save-every", type=int, default=5)
+    ap.add_argument("--sleep", type=float, default=0.05)
+    ap.add_argument("--raise-at", type=int, default=None)
+    ap.add_argument("--ckpt-kind", choices=("unbroken", "file"), default="file")
+    a = ap.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    install()  # stack dumps work from here on, even before the first beat
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    metrics = MetricLog(a.metrics) if rank == 0 else None
+    ckpt: Any = None
+    if rank == 0 and metrics is not None:
+        if a.ckpt_kind == "unbroken":
+            from unbroken.ckpt import Checkpointer, TrainState  # DCP import costs ~1 s
+
+            state = TrainState(model=model, optimizer=opt, metrics=metrics)
+            ckpt = Checkpointer(a.ckpt, state, every_steps=a.save_every, keep_last=3)
+        else:
+            ckpt = _FileCkpt(a.ckpt, model, metrics, a.save_every)
+    start = torch.zeros(1, dtype=torch.int64)
+    if ckpt is not None:
+        start[0] = ckpt.restore() or 0  # marks "loaded" with step and seconds
+    dist.broadcast(start, 0)
+    for p in model.parameters():
+        dist.broadcast(p.data, 0)
+
+    for step in range(int(start[0]), a.steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(8, 4, generator=g)
+        y = x.sum(1, keepdim=True)
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            assert p.grad is not None
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        opt.step()
+        done = step + 1
+        if a.raise_at is not None and done == a.raise_at and rank == 0:
+            raise ValueError(f"boom at step {done}")
+        beat(done)
+        if ckpt is not None and metrics is not None:
+            metrics.log(done, loss=loss.item(), world_size=world,
+                        attempt=int(os.environ.get("UNBROKEN_ATTEMPT", "-1")))
+            if a.ckpt_kind == "unbroken":
+                state.step = done
+            if ckpt.maybe_save(done):
+                mark("saved", step=done, seconds=ckpt.last_save_seconds)
+        time.sleep(a.sleep)
+    dist.barrier()
+    if metrics is not None:
+        metrics.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""`unbroken run` end to end: real torchrun agents on 127.0.0.1, real gloo workers, real
+SIGKILL / SIGSTOP, a real storage outage, a real deterministic bug.
+
+Each test starts the supervisor as a subprocess and, whatever happens, kills every process
+it started (see scripts/elastic_harness.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+import elastic_harness as h  # noqa: E402
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def _script_args(tmp_path, steps: int, **extra: object) -> list[str]:
+    args = ["--ckpt", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "metrics.jsonl"),
+            "--steps", str(steps)]
+    for k, v in extra.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
+def _assert_continuous(path: str, steps: int) -> None:
+    got = h.metric_steps(path)
+    assert got == list(range(1, steps + 1)), f"metric log steps not 1..{steps} once each: {got}"
+
+
+def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
+    steps = 40
+    with h.jobs() as start:
+        job = start(str(tmp_path / "run"), ["--nproc-per-node", "2", "--ckpt-dir",
+                                            str(tmp_path / "ckpt")],
+                    _script_args(tmp_path, steps, save_every=5))
+        beats = h.wait_until(lambda: h.live_beats(job, 0, 12, ranks=2), 60, "step 12", job)
+        victim = beats[1]
+        t_kill = time.time()
+        os.kill(victim.pid, signal.SIGKILL)
+        assert job.wait(90) == 0, job.output()[-3000:]
+
+    fails = job.events("failure")
+    assert len(fails) == 1
+    f = fails[0]
+    assert (f["fault"], f["rule"], f["action"], f["kind"]) == ("process", "killed", "restart", "exit")
+    assert "SIGKILL" in f["reason"] and "rank 1" in f["reason"]
+    assert abs(f["t_fail"] - t_kill) < 1.0, (f["t_fail"], t_kill)
+    # The restart resumed from a checkpoint at or after step 10, not from scratch.
+    loaded = [e for e in job.events("loaded") if e["attempt"] == 1]
+    assert loaded and 10 <= loaded[0]["step"] <= f["step"]
+    caught = [e for e in job.events("caught_up") if e["attempt"] == 1]
+    assert caught and caught[0]["step"] >= f["step"]
+
+    (rec,) = job.recoveries()
+    assert 0 <= rec["detect"] < 3.0
+    assert 0 < rec["relaunch"] < 30.0
+    assert 0 < rec["load"] < 30.0
+    assert 0 <= rec["catch_up"] < 30.0
+    assert rec["total"] == pytest.approx(
+        rec["detect"] + rec["relaunch"] + rec["load"] + rec["catch_up"])
+    assert rec["restore_seconds"] is not None and rec["restore_seconds"] < rec["load"]
+    print("SIGKILL recovery phases:", {k: rec[k] for k in
+                                       ("detect", "relaunch", "load", "catch_up", "total")})
+    _assert_continuous(str(tmp_path / "metrics.jsonl"), steps)
+    assert "recovery phases (seconds)" in job.output()
+
+
+def test_sigstop_worker_is_a_hang_with_stack_dumps(tmp_path):
+    steps = 30
+    with h.jobs() as start:
+        job = start(str(tmp_path / "run"), ["--nproc-per-node", "2"],
+                    _script_args(tmp_path, steps, save_every=4))
+        beats = h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=2), 60, "step 8", job)
+        t_stop = time.time()
+        os.kill(beats[1].pid, signal.SIGSTOP)
+        hang = h.wait_until(lambda: job.events("hang"), 20, "hang event", job)[0]
+        assert hang["t"] - t_stop <= 3.0 + 2.0, "hang not detected within hang-timeout + 2 s"
+        assert job.wait(90) == 0, job.output()[-3000:]
+
+    assert hang["ranks"], hang
+    dumps = {os.path.basename(p): open(p).read() for p in hang["stacks"]}
+    assert len(dumps) == 2, hang["stacks"]  # the stopped worker dumps too (SIGCONT after ask)
+    for name, text in dumps.items():
+        assert "elastic_train.py" in text and "most recent call first" in text, (name, text)
+    (f,) = job.events("failure")
+    assert (f["fault"], f["rule"], f["kind"]) == ("process", "hang", "hang")
+    (rec,) = job.recoveries()
+    assert 3.0 <= rec["detect"] < 6.0  # a hang costs the hang timeout to detect
+    assert rec["relaunch"] is not None and rec["load"] is not None
+    _assert_continuous(str(tmp_path / "metrics.jsonl"), steps)
+
+
+def test_same_exception_at_same_step_twice_stops_with_report(tmp_path):
+    with h.jobs() as start:
+        job = start(str(tmp_path / "run"), ["--nproc-per-node", "1"],
+                    _script_args(tmp_path, 20, save_every=5, raise_at=7, ckpt_kind="unbroken"))
+        assert job.wait(90) == 3, job.output()[-3000:]
+
+    launches = job.events("launch")
+    assert len(launches) == 2, "must stop after the second identical failure"
+    f1, f2 = job.events("failure")
+    assert f1["action"] == "restart" and f1["step"] == 6 and "boom at step 7" in f1["reason"]
+    assert f2["action"] == "stop" and f2["fault"] == "deterministic"
+    assert f1["signature"] == f2["signature"] and "ValueError: boom at step 7" in f1["signature"]
+    # the real Checkpointer reported its restore to the supervisor
+    (loaded,) = [e for e in job.events("loaded") if e["attempt"] == 1]
+    assert loaded["step"] == 5 and loaded["seconds"] >= 0
+    report = open(os.path.join(job.run_dir, "stop-report.txt")).read()
+    assert "same failure happened 2 times at step 6" in report
+    assert "ValueError: boom at step 7" in report and "elastic_train.py" in report
+    assert job.events("stop")[-1]["exit_code"] == 3
+
+
+def test_storage_outage_waits_in_preflight_then_resumes(tmp_path):
+    steps = 30
+    ckpt = tmp_path / "ckpt"
+    with h.jobs() as start:
+        job = start(str(tmp_path / "run"), ["--nproc-per-node", "1", "--ckpt-dir", str(ckpt)],
+                    _script_args(tmp_path, steps, save_every=2, ckpt_kind="unbroken"))
+        h.wait_until(lambda: [e for e in job.events("saved") if e["step"] >= 4], 60,
+                     "a checkpoint at step >= 4", job)
+        # The checkpoint root becomes unusable (a file where the directory was): root
+        # cannot write through this, unlike a chmod.
+        moved = tmp_path / "ckpt.away"
+        os.rename(ckpt, moved)
+        ckpt.write_text("not a directory")
+        fail = h.wait_until(lambda: job.events("failure"), 30, "the failure", job)[0]
+        bad = h.wait_until(
+            lambda: [e for e in job.events("preflight") if not e["ok"] and e["t"] > fail["t"]][1:],
+            30, "two failing pre-flights after the failure", job)
+        assert "ckpt_dir" in bad[0]["checks"][0]["name"]
+        assert not [e for e in job.events("launch") if e["t"] > fail["t_detect"]], \
+            "restarted while the storage was down"
+        ckpt.unlink()
+        os.rename(moved, ckpt)
+        assert job.wait(90) == 0, job.output()[-3000:]
+
+    assert fail["fault"] == "storage" and fail["action"] == "preflight", fail
+    assert len(job.events("launch")) == 2
+    _assert_continuous(str(tmp_path / "metrics.jsonl"), steps)
