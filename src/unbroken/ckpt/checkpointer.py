@@ -23,6 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from unbroken.ckpt.saver import (
 from unbroken.ckpt.state import TrainState
 from unbroken.ckpt.store import FORMAT, FORMAT_VERSION, CheckpointInfo, CorruptCheckpoint, Store
 
-__all__ = ["Checkpointer", "load_verified", "read_checkpoint"]
+__all__ = ["Checkpointer", "Verified", "load_verified", "read_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +260,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         for s in candidates:
             try:
-                sd = load_verified(self.store, s)
+                ver = load_verified(self.store, s)
             except CorruptCheckpoint as e:
                 where = self.store.quarantine(s, e.reason)
                 log.warning(
@@ -272,7 +273,12 @@ class Checkpointer:
                 if step is not None:
                     raise
                 continue
-            self.state.load_state_dict(sd)
+            self.state.check_compatible(ver.decode(ver.tensors))
+            live: dict[str, torch.Tensor] = {}
+            current = self.state.state_dict()
+            current.pop("rng", None)
+            codec.encode(current, live)
+            self.state.load_state_dict(ver.decode(_into_live(ver.tensors, live)))
             dt = time.perf_counter() - t0
             self.last_restore_seconds = dt
             self._last_save_time = time.monotonic()
@@ -288,8 +294,27 @@ class Checkpointer:
         return None
 
 
-def load_verified(store: Store, step: int) -> dict[str, Any]:
-    """Read and fully verify ``step``; returns the decoded state dict (rng included)."""
+@dataclass(frozen=True)
+class Verified:
+    """A fully verified checkpoint, not yet applied: the encoded state tree, read-only
+    zero-copy tensor views (see :func:`read_tensors`) and the decoded RNG state."""
+
+    step: int
+    tree: Any
+    tensors: dict[str, torch.Tensor]
+    rng: Any
+
+    def decode(self, tensors: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+        """The state dict; with no ``tensors`` given, owned copies of every tensor."""
+        if tensors is None:
+            tensors = {k: v.clone() for k, v in self.tensors.items()}
+        sd = codec.decode(self.tree, tensors)
+        sd["rng"] = self.rng
+        return sd
+
+
+def load_verified(store: Store, step: int) -> Verified:
+    """Read and fully verify ``step`` (files, sizes, checksums, tensor statistics)."""
     m = store.read_manifest(step)
     d = store.step_dir(step)
     files: dict[str, Any] = m["files"]
@@ -328,10 +353,11 @@ def load_verified(store: Store, step: int) -> dict[str, Any]:
             raise CorruptCheckpoint(
                 step, "stats", f"tensor {k!r} in {d} does not match its recorded sum/norm"
             )
-    blob = json.loads(raw)
-    sd = codec.decode(blob["state"], tensors)
-    sd["rng"] = codec.decode(blob["rng"])
-    return sd
+    try:
+        blob = json.loads(raw)
+        return Verified(step, blob["state"], tensors, codec.decode(blob["rng"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpoint(step, "bad-state", f"{p}: {e!r}") from e
 
 
 def read_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
@@ -349,7 +375,29 @@ def read_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
         raise ValueError(
             f"no committed checkpoint for step {step} in {root!r}; committed steps: {steps}"
         )
-    return load_verified(store, step)
+    return load_verified(store, step).decode()
+
+
+def _into_live(
+    views: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Copy verified views into the live tensors of matching key, shape and dtype (memory
+    that is already paged in); clone the rest."""
+    out = {}
+    for k, v in views.items():
+        dst = live.get(k)
+        if (
+            dst is not None
+            and dst.shape == v.shape
+            and dst.dtype == v.dtype
+            and dst.device.type == "cpu"
+        ):
+            with torch.no_grad():
+                dst.copy_(v)
+            out[k] = dst
+        else:
+            out[k] = v.clone()
+    return out
 
 
 def _jsonable(obj: Any) -> bool:

@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import mmap
 import os
 import struct
 import sys
 import threading
 import warnings
+import zipfile
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,7 +37,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from unbroken._fs import HashingWriter, hasher
+from unbroken._fs import HashingWriter, checksum_bytes
 
 __all__ = ["ChecksumError", "ItemLocation", "read_tensors", "tensor_stats", "write_tensors"]
 
@@ -129,20 +131,42 @@ class _CompactPlanner(DefaultSavePlanner):
         return obj
 
 
+_ROW = 4096
+_ONES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _fast_sum(flat: torch.Tensor) -> float:
+    """Sum of a 1-D float32/float64 tensor as a matrix-vector product: memory-bound BLAS,
+    ~2.7x faster than ``torch.sum`` on CPU, with float64 accumulation across rows."""
+    ones = _ONES.get(flat.dtype)
+    if ones is None:
+        ones = _ONES[flat.dtype] = torch.ones(_ROW, dtype=flat.dtype)
+    n = flat.numel()
+    m = n - n % _ROW
+    total = 0.0
+    if m:
+        total += float((flat[:m].view(-1, _ROW) @ ones).sum(dtype=torch.float64))
+    if n > m:
+        total += float(flat[m:].sum(dtype=torch.float64))
+    return total
+
+
 def tensor_stats(t: torch.Tensor) -> dict[str, float] | None:
     """Sum and L2 norm: a semantic check of restored values beyond the byte checksum.
 
-    Reduced in float32 for floating tensors (float64 reductions cost ~15x more on CPU and
-    this runs on every save); :func:`stats_match` allows for reduction-order rounding.
+    Reduced in the tensor's precision (float64 reductions cost ~15x more on CPU and this
+    runs on every save and restore); :func:`stats_match` allows for rounding.
     """
     if t.is_complex() or t.numel() == 0:
         return None
     t = t.detach()
-    if t.is_floating_point():
-        acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+    if t.dtype in (torch.float32, torch.float64):
+        flat = t.reshape(-1)
+        return {"sum": _fast_sum(flat), "norm": float(torch.linalg.vector_norm(flat))}
+    if t.is_floating_point():  # 16-bit and 8-bit floats: accumulate in float32
         return {
-            "sum": float(torch.sum(t, dtype=acc)),
-            "norm": float(torch.linalg.vector_norm(t, dtype=acc)),
+            "sum": float(torch.sum(t, dtype=torch.float32)),
+            "norm": float(torch.linalg.vector_norm(t, dtype=torch.float32)),
         }
     t = t.to(torch.float64)  # integer and bool state is small (counters, masks)
     return {"sum": float(t.sum()), "norm": float(torch.linalg.vector_norm(t))}
@@ -212,84 +236,75 @@ def write_tensors(
         raise _first_cause(writer.fs.errors)
     missing = set(tensors) - {loc.key for loc in writer.locations}
     if missing:  # a silently dead writer thread: never commit an incomplete checkpoint
-        raise RuntimeError(f"DCP wrote no data for {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        raise RuntimeError(
+            f"DCP wrote no data for {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+        )
     return dict(writer.fs.written), writer.locations, stats
 
 
 # --- reading ---------------------------------------------------------------------------------
 
-_LOCAL = b"PK\x03\x04"
+
+def _locate_storage(mm: mmap.mmap, loc: ItemLocation, nbytes: int) -> int | None:
+    """Byte offset (in the file) of the single storage record of the ``torch.save`` blob at
+    ``loc``, or None when the blob is not the compact layout we write. Record sizes come
+    from the zip central directory (torch's writer uses data descriptors)."""
+    blob = memoryview(mm)[loc.offset : loc.offset + loc.length]
+    try:
+        zf = zipfile.ZipFile(_BlobView(blob))
+    except (zipfile.BadZipFile, ValueError):
+        return None
+    with zf:
+        infos = zf.infolist()
+    data = [i for i in infos if "/data/" in i.filename]
+    order = [i for i in infos if i.filename.endswith("/byteorder")]
+    if not (
+        len(data) == 1
+        and data[0].filename.endswith("/data/0")
+        and data[0].compress_type == zipfile.ZIP_STORED
+        and data[0].file_size == nbytes
+    ):
+        return None
+    start = _record_start(blob, data[0])
+    if order:
+        o = _record_start(blob, order[0])
+        if bytes(blob[o : o + order[0].file_size]) != sys.byteorder.encode():
+            return None
+    return None if start is None else loc.offset + start
 
 
-class _Fallback(Exception):
-    pass
+def _record_start(blob: memoryview, info: zipfile.ZipInfo) -> int | None:
+    h = info.header_offset
+    if bytes(blob[h : h + 4]) != b"PK\x03\x04":
+        return None
+    nlen, xlen = struct.unpack_from("<HH", blob, h + 26)
+    return h + 30 + nlen + xlen
 
 
-class _HashedFile:
-    """Sequential reader that hashes every byte it hands out."""
+class _BlobView(io.RawIOBase):
+    """Seekable read-only file over a memoryview (zipfile reads only the central dir)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the caller
-        self.h = hasher()
-        self.pos = 0
+    def __init__(self, mv: memoryview) -> None:
+        self.mv, self.pos = mv, 0
 
-    def into(self, mv: memoryview) -> None:
-        n = 0
-        while n < len(mv):
-            k = self.f.readinto(mv[n:])
-            if not k:
-                raise ChecksumError(self.path, f"truncated: ended at byte {self.pos + n}")
-            n += k
-        self.h.update(mv)
-        self.pos += n
+    def seekable(self) -> bool:
+        return True
 
-    def take(self, n: int) -> bytes:
-        buf = bytearray(n)
-        self.into(memoryview(buf))
-        return bytes(buf)
+    def readable(self) -> bool:
+        return True
 
+    def tell(self) -> int:
+        return self.pos
 
-def _read_item(
-    f: _HashedFile, end: int, dtype: torch.dtype, shape: list[int]
-) -> torch.Tensor | None:
-    """Consume one torch.save blob ending at ``end``; return its tensor, or None if the
-    layout is not the compact one we write (caller falls back to torch.load)."""
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    tensor: torch.Tensor | None = None
-    ok = True
-    while f.pos < end:
-        hdr = f.take(min(30, end - f.pos))
-        if hdr[:4] != _LOCAL or len(hdr) < 30:
-            f.take(end - f.pos)  # central directory and end records
-            break
-        flags, method = struct.unpack_from("<HH", hdr, 6)
-        csize, _usize, nlen, xlen = struct.unpack_from("<IIHH", hdr, 18)
-        name = f.take(nlen)
-        extra = f.take(xlen)
-        if csize == 0xFFFFFFFF:  # zip64: sizes live in the extra field (id 0x0001)
-            i = 0
-            while i + 4 <= len(extra):
-                hid, hlen = struct.unpack_from("<HH", extra, i)
-                if hid == 1:
-                    _u64, csize = struct.unpack_from("<QQ", extra, i + 4)
-                    break
-                i += 4 + hlen
-        if flags & 8 or method != 0:
-            ok = False
-            f.take(end - f.pos)
-            break
-        if name.endswith(b"/data/0") and tensor is None and csize == nbytes:
-            tensor = torch.empty(shape, dtype=dtype)
-            if nbytes:
-                f.into(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))  # type: ignore[arg-type]
-        else:
-            data = f.take(csize)
-            if name.endswith(b"/byteorder") and data != sys.byteorder.encode():
-                ok = False
-            elif b"/data/" in name:
-                ok = False  # several storages or an unexpected size: not our compact layout
-    return tensor if ok else None
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: len(self.mv) + pos}[whence]
+        return self.pos
+
+    def read(self, n: int | None = -1) -> bytes:
+        end = len(self.mv) if n is None or n < 0 else min(len(self.mv), self.pos + n)
+        data = bytes(self.mv[self.pos : end])
+        self.pos = end
+        return data
 
 
 def read_tensors(
@@ -298,54 +313,62 @@ def read_tensors(
     locations: list[ItemLocation],
     meta: Mapping[str, Mapping[str, Any]],
 ) -> dict[str, torch.Tensor]:
-    """Read every tensor of a checkpoint we wrote, verifying each data file's checksum.
+    """Map and verify every tensor of a checkpoint we wrote.
 
-    ``files``: ``{name: {"size", "checksum"}}``; ``meta``: ``{key: {"dtype", "shape"}}``.
-    Raises :class:`ChecksumError` on any mismatch. Only whole (unsharded) tensors are read
-    here; sharded checkpoints load through ``dcp.load``.
+    Each data file is memory-mapped read-only and its checksum verified over the mapping:
+    one pass over the page cache, no copy. The returned tensors are READ-ONLY views into the
+    mappings (zero-copy; the mapping lives as long as they do): callers must copy them into
+    live tensors or clone them, never hand them out (a write would fault). ``files``: ``{name: {"size", "checksum"}}``; ``meta``:
+    ``{key: {"dtype", "shape"}}``. Raises :class:`ChecksumError` on any mismatch. Whole
+    (unsharded) tensors only; sharded checkpoints load through ``dcp.load``.
     """
     by_file: dict[str, list[ItemLocation]] = {}
     for loc in locations:
         by_file.setdefault(loc.file, []).append(loc)
-    out: dict[str, torch.Tensor] = {}
 
     def one(name: str) -> dict[str, torch.Tensor]:
         path = os.path.join(directory, name)
         want = files.get(name)
         if want is None:
             raise ChecksumError(path, "data file is not listed in the manifest")
-        if not os.path.exists(path):
-            raise ChecksumError(path, "missing file")
-        size = os.path.getsize(path)
-        if size != want["size"]:
-            raise ChecksumError(path, f"size {size} != {want['size']} recorded in the manifest")
-        got: dict[str, torch.Tensor] = {}
-        fallback: list[ItemLocation] = []
-        f = _HashedFile(path)
         try:
-            for loc in sorted(by_file[name], key=lambda x: x.offset):
-                if loc.offset > f.pos:
-                    f.take(loc.offset - f.pos)
-                m = meta[loc.key]
-                dtype = getattr(torch, m["dtype"])
-                t = _read_item(f, loc.offset + loc.length, dtype, m["shape"])
-                if t is None:
-                    fallback.append(loc)
-                else:
-                    got[loc.key] = t
-            if f.pos < size:
-                f.take(size - f.pos)
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as e:
+            raise ChecksumError(path, "missing file") from e
+        try:
+            size = os.fstat(fd).st_size
+            if size != want["size"]:
+                raise ChecksumError(
+                    path, f"truncated or grown: {size} bytes, manifest says {want['size']}"
+                )
+            if size == 0:
+                return {}
+            flags = getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | flags, prot=mmap.PROT_READ)
         finally:
-            f.f.close()
-        if f.h.hexdigest() != want["checksum"]:
+            os.close(fd)
+        if checksum_bytes(mm) != want["checksum"]:
             raise ChecksumError(path, "checksum mismatch (bit rot or a torn write)")
-        for loc in fallback:
-            with open(path, "rb") as fh:
-                fh.seek(loc.offset)
-                blob = fh.read(loc.length)
-            got[loc.key] = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        got: dict[str, torch.Tensor] = {}
+        for loc in by_file[name]:
+            m = meta[loc.key]
+            dtype = getattr(torch, m["dtype"])
+            shape = m["shape"]
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            start = _locate_storage(mm, loc, nbytes)
+            if start is None:  # foreign layout: torch.load of this item's bytes (no pickle code)
+                blob = io.BytesIO(mm[loc.offset : loc.offset + loc.length])
+                got[loc.key] = torch.load(blob, map_location="cpu", weights_only=True)
+            elif nbytes == 0:
+                got[loc.key] = torch.empty(shape, dtype=dtype)
+            else:
+                with warnings.catch_warnings():  # read-only on purpose: views never escape
+                    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                    flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start)
+                got[loc.key] = flat.view(dtype).view(shape)
         return got
 
+    out: dict[str, torch.Tensor] = {}
     names = sorted(by_file)
     with ThreadPoolExecutor(max(1, min(len(names), 4))) as pool:
         for part in pool.map(one, names):

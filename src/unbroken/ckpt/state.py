@@ -132,7 +132,8 @@ class TrainState:
             sd["rng"] = _rng.capture(self.numpy_generators)
         return sd
 
-    def load_state_dict(self, sd: Mapping[str, Any], *, restore_rng: bool = True) -> None:
+    def check_compatible(self, sd: Mapping[str, Any]) -> None:
+        """Raise before anything is applied if ``sd`` has other components than this state."""
         saved = sd["components"]
         missing = sorted(set(self.components) - set(saved))
         extra = sorted(set(saved) - set(self.components))
@@ -142,6 +143,10 @@ class TrainState:
                 f"{missing}, present only in checkpoint {extra}; construct TrainState with the "
                 "same components as the run that saved it"
             )
+
+    def load_state_dict(self, sd: Mapping[str, Any], *, restore_rng: bool = True) -> None:
+        self.check_compatible(sd)
+        saved = sd["components"]
         for name, obj in self.components.items():
             obj.load_state_dict(saved[name])
         for k in _COUNTERS:
