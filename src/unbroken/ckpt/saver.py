@@ -268,7 +268,7 @@ def _locate_storage(mm: mmap.mmap, loc: ItemLocation, nbytes: int) -> int | None
     start = _record_start(blob, data[0])
     if order:
         o = _record_start(blob, order[0])
-        if bytes(blob[o : o + order[0].file_size]) != sys.byteorder.encode():
+        if o is None or bytes(blob[o : o + order[0].file_size]) != sys.byteorder.encode():
             return None
     return None if start is None else loc.offset + start
 
@@ -347,7 +347,7 @@ def read_tensors(
             mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | flags, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        if checksum_bytes(mm) != want["checksum"]:
+        if checksum_bytes(memoryview(mm)) != want["checksum"]:
             raise ChecksumError(path, "checksum mismatch (bit rot or a torn write)")
         got: dict[str, torch.Tensor] = {}
         for loc in by_file[name]:
