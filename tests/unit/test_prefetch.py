@@ -283,3 +283,25 @@ def test_cuda_prefetch_copies_transforms_and_counts_state() -> None:
     assert all(s != torch.cuda.default_stream() for s in seen_streams)  # side stream
     rest = [b["idx"] for b in it]
     assert rest == list(range(4, 12))
+
+
+def test_new_pass_after_break_rewinds_the_loader_to_the_delivered_batch() -> None:
+    loader = CountingLoader(9)
+    p = queued(loader, depth=3)
+    for b in p:
+        if b["idx"] == 2:
+            break
+    assert loader.pulled == 6  # three more were prefetched
+    # a new pass continues after the last delivered batch, skipping none
+    assert [b["idx"] for b in p] == list(range(3, 9))
+    # and a pass after a complete epoch starts the next epoch from its beginning
+    assert [b["idx"] for b in p] == list(range(9))
+
+
+def test_close_puts_the_loader_back_at_the_delivered_position() -> None:
+    loader = CountingLoader(9)
+    p = queued(loader, depth=2)
+    it = iter(p)
+    next(it)
+    p.close()
+    assert loader.state_dict() == {"yielded": 1} == p.state_dict()

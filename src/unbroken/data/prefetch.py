@@ -386,18 +386,29 @@ class DevicePrefetcher:
         while copier is not None and self._retiring and copier.done(self._retiring[0]):
             self._retiring.popleft()
 
-    def _drop_in_flight(self) -> None:
+    def _drop_in_flight(self, rewind: bool = True) -> None:
+        pulled_ahead = bool(self._queue)  # pulled from the loader, never delivered
         if self._copier is not None and (self._queue or self._retiring):
             self._copier.synchronize()
         self._queue.clear()
         self._retiring.clear()
-        self._it = None
+        it, self._it = self._it, None
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()  # run the wrapped iterator's cleanup now (e.g. stop DataLoader workers)
+        if rewind and pulled_ahead and self._delivered_state is not _NO_STATE:
+            # The loader counted the dropped batches as consumed; put it back at the last
+            # delivered one, so a new pass neither skips nor repeats a batch.
+            load = getattr(self._iterable, "load_state_dict", None)
+            if load is not None:
+                load(copy.deepcopy(self._delivered_state))
         self._exhausted = False
         self._done = False
         self._error = None
 
     def close(self) -> None:
-        """Drop in-flight batches (waits for their copies) and the wrapped iterator."""
+        """Drop in-flight batches (waits for their copies) and the wrapped iterator; a
+        Stateful loader is put back at the last delivered batch."""
         self._drop_in_flight()
 
     # -- Stateful ------------------------------------------------------------------------
@@ -430,7 +441,7 @@ class DevicePrefetcher:
                 f"DevicePrefetcher: the wrapped {type(self._iterable).__name__} has no "
                 "load_state_dict(); it cannot resume a data position"
             )
-        self._drop_in_flight()
+        self._drop_in_flight(rewind=False)
         load(state)
         self._delivered_state = _NO_STATE
 
