@@ -142,6 +142,12 @@ class _CudaCopier:
         self.pin_memory = pin_memory
         self.timed = False
 
+    def begin(self) -> None:
+        # A new pass: whatever the compute stream did before it (model init, constants a
+        # transform captures) must be visible to the side stream. Once per pass, so the
+        # copies still run ahead of the steps that follow.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
     def enqueue(self, host: Any) -> _InFlight:
         dev, stream = self.device, self.stream
         saw_cuda = False
@@ -194,6 +200,9 @@ class _HostCopier:
     def __init__(self, transform: Callable[[Any], Any] | None) -> None:
         self.transform = transform
         self.timed = False
+
+    def begin(self) -> None:
+        pass
 
     def enqueue(self, host: Any) -> _InFlight:
         batch = self.transform(host) if self.transform is not None else host
@@ -336,6 +345,7 @@ class DevicePrefetcher:
         self._done = False
         self._error = None
         if self._copier is not None:  # only the queued path pulls ahead of delivery
+            self._copier.begin()
             self._delivered_state = self._snapshot()
 
     def _finish(self) -> Any:
