@@ -154,10 +154,13 @@ class ShardIndex:
         """From ``[(key, [(ext, data_offset, data_size), ...]), ...]``."""
         # Keys and extensions are stored in two separate runs so that each offset array is
         # monotone and its own sentinel ends the last string.
-        keys = b"".join(k.encode() for k, _ in samples)
+        kbs = [k.encode() for k, _ in samples]
+        keys = b"".join(kbs)
         key_off = [0]
-        for k, _ in samples:
-            key_off.append(key_off[-1] + len(k.encode()))
+        pos = 0
+        for kb in kbs:
+            pos += len(kb)
+            key_off.append(pos)
         member_start = [0]
         offs: list[int] = []
         sizes: list[int] = []
@@ -239,7 +242,8 @@ class ShardIndex:
 
 
 def _nbytes(data: Any) -> int:
-    return len(data) if isinstance(data, bytes | bytearray) else memoryview(data).nbytes
+    t = type(data)
+    return len(data) if t is bytes or t is bytearray else memoryview(data).nbytes
 
 
 def sample_tar_bytes(key: str, members: Sequence[tuple[str, int]]) -> int:

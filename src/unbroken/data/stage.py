@@ -1,0 +1,313 @@
+"""`unbroken stage URL LOCAL_DIR`: copy a dataset to local disk before training, verified.
+
+Reads ``dataset.json`` at any fsspec URL (``s3://``, ``gs://``, ``file://``, a mounted path),
+then copies every shard and index file in parallel threads. Each file is written to a
+temporary sibling while its xxh3-128 checksum is computed on the fly, compared with the
+manifest, and only then renamed into place; a mismatch is re-fetched, then reported. Files
+already present and valid are skipped, so staging again is cheap and an interrupted staging
+resumes. ``dataset.json`` is written after all files and the completion marker
+``.unbroken-staged`` (holding the dataset fingerprint) last.
+
+Data files are not fsync'ed by default: a staged copy is a cache of the source; after a power
+loss the next ``stage`` re-verifies every checksum and re-fetches what is damaged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import mmap
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from unbroken._fs import (
+    HashingWriter,
+    atomic_write_bytes,
+    checksum_file,
+    is_temp_name,
+    temp_sibling,
+)
+from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ManifestError, join_path
+
+__all__ = ["MARKER_NAME", "StageResult", "stage"]
+
+log = logging.getLogger(__name__)
+
+MARKER_NAME = ".unbroken-staged"
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """Summary of one staging phase, for the job's own phase accounting."""
+
+    url: str
+    local_dir: str
+    seconds: float
+    bytes_total: int
+    bytes_copied: int
+    files_copied: int
+    files_skipped: int
+    files_refetched: int
+    waited: bool = False
+    """True when this process (LOCAL_RANK != 0 with ranks_local) only waited for rank 0."""
+
+    @property
+    def gb_per_s(self) -> float:
+        """Throughput of the bytes actually copied (GB = 1e9 bytes)."""
+        return self.bytes_copied / 1e9 / max(self.seconds, 1e-9)
+
+    def __str__(self) -> str:
+        if self.waited:
+            return f"staged by local rank 0 into {self.local_dir} (waited {self.seconds:.2f}s)"
+        return (
+            f"staged {self.url} -> {self.local_dir}: {self.files_copied} files copied "
+            f"({self.bytes_copied / 1e9:.3f} GB, {self.files_refetched} re-fetched), "
+            f"{self.files_skipped} already valid, in {self.seconds:.2f}s "
+            f"({self.gb_per_s:.2f} GB/s)"
+        )
+
+
+@dataclass(frozen=True)
+class _File:
+    name: str
+    size: int
+    checksum: str
+
+
+class _ChecksumMismatch(Exception):
+    pass
+
+
+def _read_manifest(fs: Any, root: str, url: str) -> tuple[DatasetManifest, bytes]:
+    path = root.rstrip("/") + "/" + MANIFEST_NAME
+    try:
+        with fs.open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{join_path(url, MANIFEST_NAME)}: no dataset manifest at the staging source; "
+            "pack or index the dataset there first"
+        ) from None
+    try:
+        return DatasetManifest.from_json(json.loads(raw), source=join_path(url, MANIFEST_NAME)), raw
+    except ValueError as e:
+        if isinstance(e, ManifestError):
+            raise
+        raise ManifestError(f"{join_path(url, MANIFEST_NAME)}: malformed JSON ({e})") from None
+
+
+def _valid_local(path: str, f: _File) -> bool:
+    try:
+        if os.path.getsize(path) != f.size:
+            return False
+        return checksum_file(path)[1] == f.checksum
+    except OSError:
+        return False
+
+
+def _is_local(fs: Any) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
+
+def _copy_local(src: str, w: HashingWriter, on_bytes: Callable[[int], None]) -> None:
+    # mmap: the checksum and the write both read the source's page-cache pages directly,
+    # one copy fewer than read()+write(); this is what keeps local staging near `cp`.
+    with open(src, "rb") as r:
+        size = os.fstat(r.fileno()).st_size
+        if size == 0:
+            return
+        with mmap.mmap(r.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            if hasattr(m, "madvise"):
+                m.madvise(mmap.MADV_SEQUENTIAL)
+            with memoryview(m) as mv:
+                for off in range(0, size, _CHUNK):
+                    with mv[off : off + _CHUNK] as chunk:
+                        w.write(chunk)
+                    on_bytes(min(_CHUNK, size - off))
+
+
+def _copy_stream(fs: Any, src: str, w: HashingWriter, on_bytes: Callable[[int], None]) -> None:
+    with fs.open(src, "rb", block_size=_CHUNK) as r:
+        while True:
+            data = r.read(_CHUNK)
+            if not data:
+                break
+            w.write(data)
+            on_bytes(len(data))
+
+
+def _copy_one(
+    fs: Any, src: str, dst: str, f: _File, fsync: bool, on_bytes: Callable[[int], None]
+) -> None:
+    """Copy src -> temp sibling of dst, hashing while writing; rename only if it verifies."""
+    tmp = temp_sibling(dst)
+    w = HashingWriter(tmp, fsync=fsync)
+    try:
+        if _is_local(fs):
+            _copy_local(fs._strip_protocol(src), w, on_bytes)
+        else:
+            _copy_stream(fs, src, w, on_bytes)
+        w.close()
+        if w.size != f.size or w.digest != f.checksum:
+            raise _ChecksumMismatch(
+                f"{src}: got {w.size} bytes with checksum {w.digest}, manifest says "
+                f"{f.size} bytes with {f.checksum}"
+            )
+        os.replace(tmp, dst)
+    except BaseException as e:
+        w.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise RuntimeError(
+                f"{dst}: disk full while staging ({os.strerror(errno.ENOSPC)}); free space on "
+                f"{os.path.dirname(os.path.abspath(dst))} or stage elsewhere, then re-run"
+            ) from e
+        raise
+
+
+def _wait_for_rank0(local_dir: str, fingerprint: str, timeout: float, url: str) -> float:
+    marker = os.path.join(local_dir, MARKER_NAME)
+    t0 = time.monotonic()
+    while True:
+        with contextlib.suppress(OSError):
+            with open(marker) as fh:
+                if fh.read().strip() == fingerprint:
+                    return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(
+                f"{marker}: local rank 0 did not finish staging {url} within {timeout:.0f}s; "
+                "check rank 0's log (or raise --wait-timeout)"
+            )
+        time.sleep(0.1)
+
+
+def stage(
+    url: str,
+    local_dir: str,
+    *,
+    workers: int = 8,
+    fsync: bool = False,
+    ranks_local: bool = False,
+    wait_timeout: float = 3600.0,
+    retries: int = 1,
+    progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> StageResult:
+    """Copy the dataset at ``url`` into ``local_dir``; returns a :class:`StageResult`.
+
+    ``workers`` parallel transfers; ``retries`` re-fetches of a file whose checksum does not
+    match before the error is raised; ``ranks_local``: only ``LOCAL_RANK`` 0 copies, the
+    other local ranks wait (up to ``wait_timeout`` seconds) for its completion marker.
+    """
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be >= 1")
+    t0 = time.perf_counter()
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    manifest, raw_manifest = _read_manifest(fs, root, url)
+    os.makedirs(local_dir, exist_ok=True)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    if ranks_local and local_rank != 0:
+        waited = _wait_for_rank0(local_dir, manifest.fingerprint, wait_timeout, url)
+        return StageResult(url, local_dir, waited, manifest.total_bytes, 0, 0, 0, 0, True)
+    marker = os.path.join(local_dir, MARKER_NAME)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(marker)
+    for name in os.listdir(local_dir):  # temporaries of an interrupted staging
+        if is_temp_name(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(local_dir, name))
+
+    files = [_File(s.name, s.bytes, s.checksum) for s in manifest.shards]
+    files += [_File(s.index, s.index_bytes, s.index_checksum) for s in manifest.shards]
+    need = 0
+    for f in files:
+        p = os.path.join(local_dir, f.name)
+        have = os.path.getsize(p) if os.path.exists(p) else -1
+        if have != f.size:
+            need += f.size
+    free = shutil.disk_usage(local_dir).free
+    if need > free:
+        raise RuntimeError(
+            f"{local_dir}: staging {url} needs {need:,} bytes but only {free:,} are free; "
+            "free space there or stage to another directory"
+        )
+
+    lock = threading.Lock()
+    stats = {"copied": 0, "skipped": 0, "refetched": 0, "bytes": 0}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=need, unit="B", unit_scale=True, unit_divisor=1000, desc="stage")
+
+    def on_bytes(n: int) -> None:
+        if bar is not None:
+            with lock:
+                bar.update(n)
+
+    def one(f: _File) -> None:
+        dst = os.path.join(local_dir, f.name)
+        if _valid_local(dst, f):
+            with lock:
+                stats["skipped"] += 1
+            return
+        src = root.rstrip("/") + "/" + f.name
+        for attempt in range(retries + 1):
+            try:
+                _copy_one(fs, src, dst, f, fsync, on_bytes)
+                break
+            except _ChecksumMismatch as e:
+                if attempt == retries:
+                    raise RuntimeError(
+                        f"{join_path(url, f.name)}: checksum mismatch after {retries + 1} "
+                        f"fetches ({e}); the source copy is damaged - re-pack or re-upload "
+                        "it, or re-create the manifest"
+                    ) from None
+                log.warning("%s: checksum mismatch, re-fetching (%s)", src, e)
+                with lock:
+                    stats["refetched"] += 1
+        with lock:
+            stats["copied"] += 1
+            stats["bytes"] += f.size
+
+    try:
+        # Largest first so one big shard does not start last and run alone.
+        order = sorted(files, key=lambda f: -f.size)
+        if workers == 1:
+            for f in order:
+                one(f)
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="unbroken-stage") as ex:
+                for fut in [ex.submit(one, f) for f in order]:
+                    fut.result()
+    finally:
+        if bar is not None:
+            bar.close()
+    atomic_write_bytes(os.path.join(local_dir, MANIFEST_NAME), raw_manifest, fsync=fsync)
+    atomic_write_bytes(marker, manifest.fingerprint.encode(), fsync=fsync)
+    res = StageResult(
+        url,
+        local_dir,
+        time.perf_counter() - t0,
+        manifest.total_bytes,
+        stats["bytes"],
+        stats["copied"],
+        stats["skipped"],
+        stats["refetched"],
+    )
+    log.info("%s", res)
+    return res
