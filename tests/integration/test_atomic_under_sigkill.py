@@ -1,6 +1,7 @@
 """C-ATOMIC: SIGKILL a saving process at >= 50 random instants; restore always works.
 
-A forked child saves checkpoints of a ~16 MB state in a loop (each save takes long enough
+A forked child saves checkpoints (synchronously, or in the background while its "training
+loop" keeps mutating the state) of a ~16 MB state in a loop (each save takes long enough
 that random kill times land in every phase: tensor writes, rank state, manifest, rename,
 retention). After each kill the parent restores: it must get a committed step whose
 contents verify, and no checkpoint may ever be quarantined (a torn commit would be).
@@ -14,6 +15,7 @@ import random
 import signal
 import time
 
+import pytest
 import torch
 
 from unbroken.ckpt import Checkpointer, TrainState
@@ -30,11 +32,11 @@ class _Counter:
         self.t = sd["t"]
 
 
-def _saver(root: str, start: int) -> None:
+def _saver(root: str, start: int, async_save: bool) -> None:
     torch.set_num_threads(1)
     c = _Counter()
     st = TrainState(extras={"c": c})
-    ck = Checkpointer(root, st, keep_last=2)
+    ck = Checkpointer(root, st, keep_last=2, async_save=async_save)
     step = start
     while True:
         step += 1
@@ -43,7 +45,8 @@ def _saver(root: str, start: int) -> None:
         ck.save()
 
 
-def test_sigkill_at_random_instants_never_tears(tmp_path) -> None:
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_sigkill_at_random_instants_never_tears(tmp_path, async_save: bool) -> None:
     root = str(tmp_path / "ck")
     ctx = mp.get_context("fork")
     rnd = random.Random(1234)
@@ -55,7 +58,7 @@ def test_sigkill_at_random_instants_never_tears(tmp_path) -> None:
     kills, restored = 0, []
     last = 0
     while kills < 50:
-        p = ctx.Process(target=_saver, args=(root, last))
+        p = ctx.Process(target=_saver, args=(root, last, async_save))
         p.start()
         time.sleep(rnd.uniform(0.0, 3 * save_s))
         os.kill(p.pid, signal.SIGKILL)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from unbroken.ckpt.checkpointer import Checkpointer, read_checkpoint
+from unbroken.ckpt.checkpointer import Checkpointer
 from unbroken.ckpt.state import Stateful, TrainState
 from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint
+from unbroken.ckpt.verify import read_checkpoint
 
 __all__ = [
     "CheckpointInfo",

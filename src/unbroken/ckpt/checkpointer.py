@@ -1,75 +1,96 @@
-"""``Checkpointer``: save, verify, restore with fall-back, and retention over a root dir.
+"""``Checkpointer``: save (sync or async), verify, restore with fall-back, retention, archive.
 
 Typical loop::
 
-    ckpt = Checkpointer("ckpts", state, every_steps=100, keep_last=3)
+    ckpt = Checkpointer("ckpts", state, every_steps=100, keep_last=3, async_save=True)
     start = ckpt.restore() or 0          # newest checkpoint that verifies, else None
     for step in range(start, total):
         train_one_step(); state.step = step + 1
         ckpt.maybe_save()                # at optimizer-step boundaries only
+    ckpt.close()                         # waits for the last background save
 
-Verification on restore (C-VERIFIED): manifest parses and matches its directory, every
-file exists with the recorded size and checksum, every tensor's sum/norm matches the
-recorded statistics. A checkpoint failing any check is renamed
-``corrupt-step-N-<reason>`` with one WARNING line, and the next older one is tried; the
-live training objects are touched only once a checkpoint has fully verified.
+Multi-rank jobs call the same methods on every rank at the same step (they are collective).
+Every rank writes its own DCP files; rank 0 commits once all ranks' data is durable.
+Restore is collective too: ranks agree on the newest checkpoint that verifies everywhere.
+
+Async saves (C-ASYNC): ``save()`` blocks only while tensors are copied into reusable host
+buffers (pinned when on CUDA); a background thread writes and commits with the same
+protocol. At most one save is in flight; a background error is raised by the next call
+(``save``/``maybe_save``/``wait``/``close``). Checkpoint collectives run on a dedicated gloo
+group so they never interleave with the training loop's collectives.
 """
 
 from __future__ import annotations
 
-import errno
+import atexit
 import json
 import logging
 import os
+import signal
+import sys
 import time
+import weakref
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import unbroken
-from unbroken._fs import atomic_write_bytes, checksum_bytes, checksum_file
-from unbroken.ckpt import codec
-from unbroken.ckpt.saver import (
-    ChecksumError,
-    ItemLocation,
-    read_tensors,
-    stats_match,
-    write_tensors,
-)
+from unbroken._fs import atomic_write_bytes, checksum_file
+from unbroken.ckpt import _dist, codec
+from unbroken.ckpt import rng as _rng
+from unbroken.ckpt.saver import ItemLocation, load_into, write_tensors
+from unbroken.ckpt.snapshot import Snapshotter
 from unbroken.ckpt.state import TrainState
 from unbroken.ckpt.store import FORMAT, FORMAT_VERSION, CheckpointInfo, CorruptCheckpoint, Store
+from unbroken.ckpt.verify import into_live, load_verified
 
-__all__ = ["Checkpointer", "Verified", "load_verified", "read_checkpoint"]
+__all__ = ["Checkpointer"]
 
 log = logging.getLogger(__name__)
 
 
 def _mark_loaded(step: int, seconds: float) -> None:
-    try:
-        from unbroken.elastic import recovery  # type: ignore[attr-defined]
-    except ImportError:  # the supervisor package is optional at this layer
-        return
-    mark = getattr(recovery, "mark", None)
-    if mark is not None:
-        mark("loaded", step=step, seconds=seconds)
+    from unbroken.elastic import recovery
+
+    recovery.mark("loaded", step=step, seconds=seconds)
+
+
+@dataclass
+class _Job:
+    step: int
+    tmp: str
+    tensors: dict[str, torch.Tensor]
+    sd: dict[str, Any]
+    rank_state: bytes
+    t0: float
+    blocked: float = 0.0
 
 
 class Checkpointer:
     """Crash-proof checkpoints of a :class:`TrainState` under ``root``.
 
     Args:
-        root: checkpoint directory (local or shared filesystem path).
+        root: checkpoint directory (a local path, or a shared filesystem for multi-node).
         state: the :class:`TrainState` to save and restore.
         every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0``.
-        every_seconds: ... or when this many seconds passed since the last save.
+        every_seconds: ... or when this many seconds passed since the last save (in a
+            multi-rank job rank 0 decides and the decision is broadcast).
         keep_last: committed checkpoints to keep (older ones are deleted after each commit;
             ``None`` keeps all). Default 3: the newest plus two fall-backs.
         keep_every: additionally keep every step divisible by this forever.
         allow_fresh_start: when the root holds files but no valid checkpoint, start from
             scratch instead of raising (default False: never silently restart a run).
-        io_threads: parallel writer threads (DCP ``thread_count``).
+        async_save: persist in a background thread; ``save()`` returns after the snapshot.
+        io_threads: parallel writer threads per rank (DCP ``thread_count``).
+        archive: fsspec URL (``s3://bucket/prefix``) for remote copies.
+        archive_every: upload every K-th committed checkpoint (default: every one).
+        save_on_sigterm: on SIGTERM (preemption) the next :meth:`maybe_save` saves
+            synchronously, flushes, and exits with status 143.
     """
 
     def __init__(
@@ -82,7 +103,11 @@ class Checkpointer:
         keep_last: int | None = 3,
         keep_every: int | None = None,
         allow_fresh_start: bool = False,
+        async_save: bool = False,
         io_threads: int = 2,
+        archive: str | None = None,
+        archive_every: int | None = None,
+        save_on_sigterm: bool = False,
     ) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(
@@ -92,6 +117,7 @@ class Checkpointer:
             ("every_steps", every_steps),
             ("keep_last", keep_last),
             ("keep_every", keep_every),
+            ("archive_every", archive_every),
         ):
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r} must be a positive integer or None")
@@ -106,10 +132,38 @@ class Checkpointer:
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.allow_fresh_start = allow_fresh_start
+        self.async_save = async_save
         self.io_threads = io_threads
+        self.archive_url = archive
+        self.archive_every = archive_every or 1
+        self._uploader: Any = None
+        self._archive: Any = None
+        if archive is not None:
+            from unbroken.ckpt.archive import Archive, BackgroundUploader
+
+            self._archive = Archive(archive)
+            self._uploader = BackgroundUploader(self._archive)
+        # Checkpoint collectives get their own group: a background save must never
+        # interleave with the training loop's collectives on the default group.
+        self._group = dist.new_group(backend="gloo") if _dist.is_dist() else None
+        self._snap = Snapshotter()
+        self._pool = (
+            ThreadPoolExecutor(1, thread_name_prefix="unbroken-ckpt") if async_save else None
+        )
+        self._inflight: Future[str] | None = None
         self._last_save_time = time.monotonic()
         self.last_save_seconds: float | None = None
+        self.last_blocked_seconds: float | None = None
+        self.last_wait_seconds: float = 0.0
         self.last_restore_seconds: float | None = None
+        self.preempted = False
+        if save_on_sigterm:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        atexit.register(_flush_at_exit, weakref.ref(self))
+
+    @property
+    def rank(self) -> int:
+        return _dist.rank()
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -131,86 +185,161 @@ class Checkpointer:
     def verify(self, step: int) -> None:
         """Fully verify one checkpoint; raises :class:`CorruptCheckpoint` on damage."""
         self._require_step(step)
-        load_verified(self.store, step)
+        load_verified(self.store, step, rank=_dist.rank(), world=_dist.world())
 
     # --- save -------------------------------------------------------------------------------
 
     def maybe_save(self, step: int | None = None) -> bool:
-        """Save if ``every_steps``/``every_seconds`` says so; returns whether it saved."""
+        """Save if ``every_steps``/``every_seconds`` (or a SIGTERM) says so."""
         step = self.state.step if step is None else step
+        self._raise_background_error()
+        if self.preempted:
+            self._final_save_and_exit(step)
         due = bool(self.every_steps and step % self.every_steps == 0)
         if self.every_seconds is not None:
             due = due or time.monotonic() - self._last_save_time >= self.every_seconds
-        if due and step not in self.store.steps():
+        due = _dist.broadcast(due, group=self._group)
+        if due and not os.path.exists(self.store.step_dir(step)):
             self.save(step)
             return True
         return False
 
     def save(self, step: int | None = None) -> str:
-        """Save the complete training state as ``step`` (default ``state.step``) and commit it."""
+        """Save the complete training state as ``step`` (default ``state.step``).
+
+        Sync: returns the committed directory. Async: returns the directory it will have
+        once committed (see :meth:`wait`).
+        """
         step = self.state.step if step is None else step
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step={step!r} must be a non-negative integer")
         self.state.check_saveable()
+        self.wait()
         if os.path.exists(self.store.step_dir(step)):
             raise FileExistsError(
                 f"checkpoint for step {step} already exists at {self.store.step_dir(step)}; "
                 "steps are immutable once committed"
             )
-        return self._save(step)
+        job = self._snapshot(step)
+        if self._pool is None:
+            return self._persist(job)
+        self._inflight = self._pool.submit(self._persist, job)
+        return self.store.step_dir(step)
 
-    def _save(self, step: int) -> str:
+    def wait(self) -> str | None:
+        """Block until the in-flight background save (if any) is committed; re-raise its
+        error. Returns its directory."""
+        fut, self._inflight = self._inflight, None
+        if fut is None:
+            return None
+        t0 = time.perf_counter()
+        done = fut.done()
+        try:
+            return fut.result()
+        finally:
+            self.last_wait_seconds = time.perf_counter() - t0
+            if not done and self.last_wait_seconds > 0.01:
+                log.info(
+                    "waited %.2f s for the previous checkpoint to finish writing",
+                    self.last_wait_seconds,
+                )
+
+    def _raise_background_error(self) -> None:
+        fut = self._inflight
+        if fut is not None and fut.done() and fut.exception() is not None:
+            self._inflight = None
+            raise RuntimeError(
+                f"background checkpoint save failed: {fut.exception()}"
+            ) from fut.exception()
+
+    def _snapshot(self, step: int) -> _Job:
         t0 = time.perf_counter()
         sd = self.state.state_dict()
-        rng = sd.pop("rng", None)
-        tensors: dict[str, torch.Tensor] = {}
-        tree = codec.encode(sd, tensors)
-        rank_state = json.dumps({"state": tree, "rng": codec.encode(rng, None)}).encode()
-        tmp = self.store.begin(step)
+        rng_state = sd.pop("rng", None)
+        live: dict[str, torch.Tensor] = {}
+        tree = codec.encode(sd, live)
+        tensors = self._snap.take(live) if self._pool is not None else live
+        rank_state = json.dumps({"state": tree, "rng": codec.encode(rng_state, None)}).encode()
+        tmp = self.store.begin(step) if self.rank == 0 else ""
+        tmp = _dist.broadcast(tmp, group=self._group)
+        blocked = time.perf_counter() - t0
+        self.last_blocked_seconds = blocked
+        return _Job(step, tmp, tensors, sd, rank_state, t0, blocked)
+
+    def _persist(self, job: _Job) -> str:
+        rank, world = _dist.rank(), _dist.world()
+        err: BaseException | None = None
+        files: dict[str, tuple[int, str]] = {}
+        locations: list[ItemLocation] = []
+        meta: dict[str, Any] = {}
         try:
-            files, locations, meta = write_tensors(tmp, tensors, threads=self.io_threads)
-            digest = atomic_write_bytes(os.path.join(tmp, "state-rank0.json"), rank_state)
-            files = {k: v for k, v in files.items() if not k.endswith(".tmp")}
-            files["state-rank0.json"] = (len(rank_state), digest)
-            files[".metadata"] = checksum_file(os.path.join(tmp, ".metadata"))
-            manifest = self._manifest(step, files, locations, meta, sd, time.perf_counter() - t0)
-            path = self.store.commit(tmp, step, manifest)
-        except OSError as e:
-            self.store.abort(tmp)
-            if e.errno == errno.ENOSPC:
+            files, locations, meta = write_tensors(
+                job.tmp, job.tensors, threads=self.io_threads, group=self._group
+            )
+            name = f"state-rank{rank}.json"
+            files[name] = (
+                len(job.rank_state),
+                atomic_write_bytes(os.path.join(job.tmp, name), job.rank_state),
+            )
+        except BaseException as e:  # noqa: BLE001 - reported collectively below
+            err = e
+        reports = _dist.gather((repr(err) if err else None, files), group=self._group)
+        failed = [(r, e) for r, (e, _) in enumerate(reports) if e]
+        path = self.store.step_dir(job.step)
+        if rank == 0:
+            if failed:
+                self.store.abort(job.tmp)
+            else:
+                try:
+                    all_files = {k: v for _, f in reports for k, v in f.items()}
+                    all_files[".metadata"] = checksum_file(os.path.join(job.tmp, ".metadata"))
+                    manifest = self._manifest(job, all_files, locations, meta, world)
+                    self.store.commit(job.tmp, job.step, manifest)
+                except BaseException as e:  # noqa: BLE001
+                    self.store.abort(job.tmp)
+                    failed = [(0, repr(e))]
+                    err = err or e
+        failed = _dist.broadcast(failed, group=self._group)
+        if failed:
+            if err is not None and isinstance(err, OSError) and err.errno == 28:
                 raise RuntimeError(
-                    f"disk full while writing checkpoint step {step} under {self.store.root!r}; "
-                    "the previous checkpoints are intact. Free space, or lower keep_last"
-                ) from e
-            raise
-        except BaseException:
-            self.store.abort(tmp)
-            raise
-        dt = time.perf_counter() - t0
+                    f"disk full while writing checkpoint step {job.step} under "
+                    f"{self.store.root!r}; the previous checkpoints are intact. Free space, "
+                    "or lower keep_last"
+                ) from err
+            if err is not None:
+                raise err
+            raise RuntimeError(
+                f"checkpoint step {job.step} failed on rank(s) {failed}; nothing was committed"
+            )
+        dt = time.perf_counter() - job.t0
         self._last_save_time = time.monotonic()
         self.last_save_seconds = dt
-        total = sum(s for s, _ in files.values())
-        log.info(
-            "saved step %d to %s: %.1f MB in %.2f s (%.2f GB/s)",
-            step,
-            path,
-            total / 1e6,
-            dt,
-            total / dt / 1e9,
-        )
-        gone = self.store.prune(self.keep_last, self.keep_every, protect=[step])
-        if gone:
-            log.info("retention removed steps %s", gone)
+        if rank == 0:
+            total = sum(s for _, f in reports for s, _ in f.values())
+            log.info(
+                "saved step %d to %s: %.1f MB in %.2f s (%.2f GB/s), loop blocked %.3f s",
+                job.step,
+                path,
+                total / 1e6,
+                dt,
+                total / dt / 1e9,
+                job.blocked,
+            )
+            gone = self.store.prune(self.keep_last, self.keep_every, protect=[job.step])
+            if gone:
+                log.info("retention removed steps %s", gone)
+            if self._uploader is not None and job.step % self.archive_every == 0:
+                self._uploader.submit(path, job.step)
         return path
 
     def _manifest(
         self,
-        step: int,
+        job: _Job,
         files: Mapping[str, tuple[int, str]],
         locations: Sequence[ItemLocation],
         meta: Mapping[str, Any],
-        sd: Mapping[str, Any],
-        seconds: float,
+        world: int,
     ) -> dict[str, Any]:
         tensors = {k: dict(v) for k, v in meta.items()}
         for loc in locations:
@@ -222,69 +351,113 @@ class Checkpointer:
                     "length": loc.length,
                 }
             )
-        loader = sd["components"].get("loader")
+        loader = job.sd["components"].get("loader")
         return {
             "format": FORMAT,
             "version": FORMAT_VERSION,
-            "step": step,
+            "step": job.step,
             "created": time.time(),
-            "world_size": 1,
-            "ranks": {"0": {"state": "state-rank0.json"}},
+            "world_size": world,
+            "ranks": {str(r): {"state": f"state-rank{r}.json"} for r in range(world)},
             "unbroken_version": unbroken.__version__,
             "torch_version": torch.__version__,
             "checksum_algo": "xxh3_128",
             "files": {k: {"size": s, "checksum": c} for k, (s, c) in sorted(files.items())},
             "tensors": tensors,
-            "counters": dict(sd["counters"]),
+            "counters": dict(job.sd["counters"]),
             "data_state": loader if _jsonable(loader) else None,
-            "save_seconds": round(seconds, 4),
+            "save_seconds": round(time.perf_counter() - job.t0, 4),
+            "blocked_seconds": round(job.blocked, 4),
         }
+
+    # --- shutdown and preemption --------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the in-flight save and pending uploads; re-raise a background error."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+            if self._uploader is not None:
+                self._uploader.close()
+                self._uploader = None
+
+    def _flush_quietly(self) -> None:
+        try:
+            self.close()
+        except BaseException as e:  # noqa: BLE001 - at interpreter exit, report and move on
+            log.error("checkpoint flush at exit failed: %s", e)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.preempted = True  # act at the next step boundary, never mid-step
+
+    def _final_save_and_exit(self, step: int) -> None:
+        log.warning("SIGTERM received: saving step %d synchronously, then exiting", step)
+        self.wait()
+        if not os.path.exists(self.store.step_dir(step)):
+            pool, self._pool = self._pool, None
+            try:
+                self.save(step)
+            finally:
+                self._pool = pool
+        self.close()
+        sys.exit(143)
 
     # --- restore ----------------------------------------------------------------------------
 
     def restore(self, step: int | None = None) -> int | None:
-        """Restore the newest checkpoint that verifies (or exactly ``step``).
+        """Restore the newest checkpoint that verifies on every rank (or exactly ``step``).
 
-        Returns the restored step, or None when the root holds nothing at all. Damaged
-        checkpoints are quarantined and the next older one is tried. A root that holds
-        files but no valid checkpoint raises, unless ``allow_fresh_start=True``.
+        Returns the restored step, or None when there is nothing to restore. Damaged
+        checkpoints are quarantined and the next older one is tried. When no local
+        checkpoint verifies and an archive is configured, the newest verified remote copy
+        is downloaded. A root that holds files but no valid checkpoint raises, unless
+        ``allow_fresh_start=True``.
         """
+        self.wait()
         if step is not None:
             self._require_step(step)
-        self.store.remove_debris()
-        for name in self.store.uncommitted():
-            log.warning(
-                "ignoring %s/%s: a step directory without manifest.json", self.store.root, name
-            )
-        candidates = [step] if step is not None else sorted(self.store.steps(), reverse=True)
+        rank, world = _dist.rank(), _dist.world()
         t0 = time.perf_counter()
-        for s in candidates:
-            try:
-                ver = load_verified(self.store, s)
-            except CorruptCheckpoint as e:
-                where = self.store.quarantine(s, e.reason)
-                log.warning(
-                    "checkpoint step %d is damaged (%s: %s); moved to %s, trying an older one",
-                    s,
-                    e.reason,
-                    e.detail,
-                    where,
-                )
+        for attempt in ("local", "archive"):
+            if attempt == "archive":
+                if self._archive is None:
+                    break
+                fetched = None
+                if rank == 0:
+                    from unbroken.ckpt.archive import fetch_newest_valid
+
+                    fetched = fetch_newest_valid(self._archive, self.store.root)
+                if _dist.broadcast(fetched, group=self._group) is None:
+                    break
+            if rank == 0:
+                self.store.remove_debris()
+                for name in self.store.uncommitted():
+                    log.warning(
+                        "ignoring %s/%s: a step directory without manifest.json",
+                        self.store.root,
+                        name,
+                    )
+            candidates = [step] if step is not None else sorted(self.store.steps(), reverse=True)
+            candidates = _dist.broadcast(candidates, group=self._group)
+            for s in candidates:
+                got = self._try_load(s, rank, world)
+                if got is not None:
+                    dt = time.perf_counter() - t0
+                    self.last_restore_seconds = dt
+                    self._last_save_time = time.monotonic()
+                    if rank == 0:
+                        log.info(
+                            "restored step %d from %s in %.2f s", s, self.store.step_dir(s), dt
+                        )
+                    _mark_loaded(s, dt)
+                    return s
                 if step is not None:
-                    raise
-                continue
-            self.state.check_compatible(ver.decode(ver.tensors))
-            live: dict[str, torch.Tensor] = {}
-            current = self.state.state_dict()
-            current.pop("rng", None)
-            codec.encode(current, live)
-            self.state.load_state_dict(ver.decode(_into_live(ver.tensors, live)))
-            dt = time.perf_counter() - t0
-            self.last_restore_seconds = dt
-            self._last_save_time = time.monotonic()
-            log.info("restored step %d from %s in %.2f s", s, self.store.step_dir(s), dt)
-            _mark_loaded(s, dt)
-            return s
+                    raise CorruptCheckpoint(
+                        s, "damaged", "the requested checkpoint failed verification"
+                    )
         if self.store.has_foreign_content() and not self.allow_fresh_start:
             raise RuntimeError(
                 f"{self.store.root!r} is not empty but holds no valid checkpoint (damaged ones "
@@ -293,111 +466,66 @@ class Checkpointer:
             )
         return None
 
-
-@dataclass(frozen=True)
-class Verified:
-    """A fully verified checkpoint, not yet applied: the encoded state tree, read-only
-    zero-copy tensor views (see :func:`read_tensors`) and the decoded RNG state."""
-
-    step: int
-    tree: Any
-    tensors: dict[str, torch.Tensor]
-    rng: Any
-
-    def decode(self, tensors: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
-        """The state dict; with no ``tensors`` given, owned copies of every tensor."""
-        if tensors is None:
-            tensors = {k: v.clone() for k, v in self.tensors.items()}
-        sd = codec.decode(self.tree, tensors)
-        sd["rng"] = self.rng
-        return sd
-
-
-def load_verified(store: Store, step: int) -> Verified:
-    """Read and fully verify ``step`` (files, sizes, checksums, tensor statistics)."""
-    m = store.read_manifest(step)
-    d = store.step_dir(step)
-    files: dict[str, Any] = m["files"]
-    try:
-        for name, f in files.items():
-            p = os.path.join(d, name)
-            if not os.path.isfile(p):
-                raise CorruptCheckpoint(step, "missing-file", f"{p} is missing")
-            if os.path.getsize(p) != f["size"]:
-                raise CorruptCheckpoint(
-                    step, "size", f"{p} has {os.path.getsize(p)} bytes, manifest says {f['size']}"
+    def _try_load(self, s: int, rank: int, world: int) -> int | None:
+        """Verify ``s`` on every rank; apply it only if all agree. Returns ``s`` or None."""
+        ver = None
+        why = None
+        try:
+            ver = load_verified(self.store, s, rank=rank, world=world)
+        except CorruptCheckpoint as e:
+            why = (e.reason, e.detail)
+        verdicts = _dist.gather(why, group=self._group)
+        bad = [(r, w) for r, w in enumerate(verdicts) if w]
+        if bad:
+            if rank == 0:
+                r, (reason, detail) = bad[0]
+                where = self.store.quarantine(s, reason)
+                log.warning(
+                    "checkpoint step %d is damaged (rank %d: %s: %s); moved to %s, trying an older one",
+                    s,
+                    r,
+                    reason,
+                    detail,
+                    where,
                 )
-        locs = [
-            ItemLocation(k, tuple(c["offsets"]), c["file"], c["offset"], c["length"])
-            for k, t in m["tensors"].items()
-            for c in t["chunks"]
-        ]
-        data_files = {n: files[n] for n in {loc.file for loc in locs}}
-        tensors = read_tensors(d, data_files, locs, m["tensors"])
-        rank_file = m["ranks"]["0"]["state"]
-        p = os.path.join(d, rank_file)
-        with open(p, "rb") as fh:
-            raw = fh.read()
-        if checksum_bytes(raw) != files[rank_file]["checksum"]:
-            raise CorruptCheckpoint(step, "checksum", f"{p}: checksum mismatch")
-        md = os.path.join(d, ".metadata")
-        if checksum_file(md)[1] != files[".metadata"]["checksum"]:
-            raise CorruptCheckpoint(step, "checksum", f"{md}: checksum mismatch")
-    except ChecksumError as e:
-        reason = "truncated" if "truncated" in e.reason else "checksum"
-        raise CorruptCheckpoint(step, reason, str(e)) from e
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpoint(step, "bad-manifest", f"{d}: {e!r}") from e
-    for k, t in tensors.items():
-        if not stats_match(m["tensors"][k].get("stats"), t):
-            raise CorruptCheckpoint(
-                step, "stats", f"tensor {k!r} in {d} does not match its recorded sum/norm"
-            )
-    try:
-        blob = json.loads(raw)
-        return Verified(step, blob["state"], tensors, codec.decode(blob["rng"]))
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpoint(step, "bad-state", f"{p}: {e!r}") from e
+            _dist.barrier(self._group)
+            return None
+        if ver is None:  # unreachable: no rank reported damage
+            return None
+        self._apply(ver, rank, world)
+        return s
 
-
-def read_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
-    """Verify and decode one checkpoint (default: the newest) without a TrainState.
-
-    Returns the state dict as saved: ``counters``, ``components`` and ``rng``.
-    """
-    store = Store(root)
-    steps = store.steps()
-    if not steps:
-        raise ValueError(f"{root!r} holds no committed checkpoint")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise ValueError(
-            f"no committed checkpoint for step {step} in {root!r}; committed steps: {steps}"
-        )
-    return load_verified(store, step).decode()
-
-
-def _into_live(
-    views: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Copy verified views into the live tensors of matching key, shape and dtype (memory
-    that is already paged in); clone the rest."""
-    out = {}
-    for k, v in views.items():
-        dst = live.get(k)
-        if (
-            dst is not None
-            and dst.shape == v.shape
-            and dst.dtype == v.dtype
-            and dst.device.type == "cpu"
-        ):
-            with torch.no_grad():
-                dst.copy_(v)
-            out[k] = dst
+    def _apply(self, ver: Any, rank: int, world: int) -> None:
+        self.state.check_compatible(ver.tree)  # component names only: plain JSON keys
+        current = self.state.state_dict()
+        current.pop("rng", None)
+        live: dict[str, torch.Tensor] = {}
+        codec.encode(current, live)
+        if ver.sharded or any(isinstance(t, DTensor) for t in live.values()):
+            load_into(self.store.step_dir(ver.step), live, group=self._group)
+            tensors = live
         else:
-            out[k] = v.clone()
-    return out
+            tensors = into_live(ver.tensors, live)
+        sd = ver.decode(tensors)
+        self.state.load_state_dict(sd, restore_rng=ver.rng is not None)
+        if ver.rng is None:
+            saved = ver.manifest["world_size"]
+            _rng.derive(self.state.seed, rank, ver.step, self.state.numpy_generators)
+            if rank == 0:
+                log.warning(
+                    "world size changed (%d -> %d ranks): per-rank RNG streams re-derived from "
+                    "(seed=%d, rank, step=%d)",
+                    saved,
+                    world,
+                    self.state.seed,
+                    ver.step,
+                )
+
+
+def _flush_at_exit(ref: weakref.ref[Checkpointer]) -> None:
+    ckpt = ref()
+    if ckpt is not None:
+        ckpt._flush_quietly()
 
 
 def _jsonable(obj: Any) -> bool:

@@ -21,6 +21,7 @@ import io
 import math
 import mmap
 import os
+import pickle
 import struct
 import sys
 import threading
@@ -33,13 +34,23 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.tensor import DTensor
 
 from unbroken._fs import HashingWriter, checksum_bytes
 
-__all__ = ["ChecksumError", "ItemLocation", "read_tensors", "tensor_stats", "write_tensors"]
+__all__ = [
+    "ChecksumError",
+    "ItemLocation",
+    "SafeReader",
+    "load_into",
+    "read_tensors",
+    "tensor_stats",
+    "write_tensors",
+]
 
 
 class ChecksumError(RuntimeError):
@@ -162,7 +173,10 @@ def tensor_stats(t: torch.Tensor) -> dict[str, float] | None:
     t = t.detach()
     if t.dtype in (torch.float32, torch.float64):
         flat = t.reshape(-1)
-        return {"sum": _fast_sum(flat), "norm": float(torch.linalg.vector_norm(flat))}
+        norm = float(torch.linalg.vector_norm(flat))
+        if math.isinf(norm):  # squares overflow float32 (e.g. Adam's exp_avg_sq)
+            norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
+        return {"sum": _fast_sum(flat), "norm": norm}
     if t.is_floating_point():  # 16-bit and 8-bit floats: accumulate in float32
         return {
             "sum": float(torch.sum(t, dtype=torch.float32)),
@@ -189,7 +203,7 @@ def stats_match(expected: Mapping[str, float] | None, t: torch.Tensor) -> bool:
         return False
     # |sum| <= sqrt(n) * norm bounds the reduction-order rounding of the sum.
     tol = 1e-5 * (t.numel() ** 0.5) * abs(norm) if math.isfinite(norm) else 0.0
-    return _close(got["sum"], expected["sum"], tol + 1e-30)
+    return _close(got["sum"], expected["sum"], tol + 1e-5 * abs(expected["sum"]) + 1e-30)
 
 
 def _first_cause(errors: list[BaseException]) -> BaseException:
@@ -203,43 +217,108 @@ def _first_cause(errors: list[BaseException]) -> BaseException:
     return errors[0]
 
 
-def write_tensors(
-    directory: str, tensors: Mapping[str, torch.Tensor], *, threads: int = 2
-) -> tuple[dict[str, tuple[int, str]], list[ItemLocation], dict[str, Any]]:
-    """Write ``tensors`` as a DCP checkpoint into ``directory``.
+def _meta(k: str, v: torch.Tensor) -> dict[str, Any]:
+    # A DTensor's global statistics would need collectives (not from a writer thread):
+    # sharded items are covered by the per-file checksums alone.
+    return {
+        "dtype": str(v.dtype).removeprefix("torch."),
+        "shape": list(v.shape),
+        "stats": None if isinstance(v, DTensor) else tensor_stats(v),
+        "sharded": isinstance(v, DTensor),
+    }
 
-    Returns ``(files, locations, stats)``: ``{file: (size, checksum)}`` of everything written,
-    where each item landed, and per-tensor shape/dtype/sum/norm (computed alongside the write).
+
+def write_tensors(
+    directory: str,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    threads: int = 2,
+    group: Any = None,
+) -> tuple[dict[str, tuple[int, str]], list[ItemLocation], dict[str, Any]]:
+    """Write ``tensors`` as a DCP checkpoint into ``directory`` (collective when
+    ``torch.distributed`` is initialised: every rank writes its own files).
+
+    Returns ``(files, locations, meta)``: ``{file: (size, checksum)}`` of what *this rank*
+    wrote, where each item landed (complete on the coordinator, rank 0 of ``group``), and
+    per-tensor dtype/shape/stats (computed alongside the write).
     """
     writer = _Writer(directory, thread_count=max(1, threads))
     with ThreadPoolExecutor(1) as pool:  # torch reductions release the GIL: overlap with I/O
-        fut = pool.submit(
-            lambda: {
-                k: {
-                    "dtype": str(v.dtype).removeprefix("torch."),
-                    "shape": list(v.shape),
-                    "stats": tensor_stats(v),
-                }
-                for k, v in tensors.items()
-            }
-        )
+        fut = pool.submit(lambda: {k: _meta(k, v) for k, v in tensors.items()})
         with warnings.catch_warnings():  # single-process use is intended, not an accident
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             try:
-                dcp.save(dict(tensors), storage_writer=writer, planner=_CompactPlanner())
+                dcp.save(
+                    dict(tensors),
+                    storage_writer=writer,
+                    planner=_CompactPlanner(),
+                    process_group=group,
+                )
             except BaseException as e:  # DCP's CheckpointException is a BaseException
                 if writer.fs.errors:
                     raise _first_cause(writer.fs.errors) from e
                 raise
-        stats = fut.result()
+        meta = fut.result()
     if writer.fs.errors:
         raise _first_cause(writer.fs.errors)
-    missing = set(tensors) - {loc.key for loc in writer.locations}
-    if missing:  # a silently dead writer thread: never commit an incomplete checkpoint
-        raise RuntimeError(
-            f"DCP wrote no data for {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
-        )
-    return dict(writer.fs.written), writer.locations, stats
+    if writer.locations:  # only the coordinator sees every rank's results
+        missing = set(tensors) - {loc.key for loc in writer.locations}
+        if missing:  # a silently dead writer thread: never commit an incomplete checkpoint
+            raise RuntimeError(
+                f"DCP wrote no data for {len(missing)} tensors, e.g. {sorted(missing)[:3]}"
+            )
+    written = {k: v for k, v in writer.fs.written.items() if not k.endswith(".tmp")}
+    return written, writer.locations, meta
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle; allow only the plain data classes it consists of,
+    so loading a checkpoint can never execute code from it."""
+
+    _MODULES = ("torch.distributed.checkpoint.", "collections")
+    _TORCH = {"Size", "strided", "contiguous_format", "channels_last", "preserve_format"}
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (
+            module.startswith(self._MODULES)
+            or module == "builtins"
+            and name in {"set", "frozenset", "slice"}
+        ):
+            return super().find_class(module, name)
+        if module == "pathlib" and name in {
+            "PosixPath",
+            "PurePosixPath",
+            "WindowsPath",
+            "PureWindowsPath",
+        }:
+            return super().find_class(module, name)  # StorageMeta.checkpoint_id
+        if module == "torch.serialization" and name == "_get_layout":  # name -> torch.layout
+            return super().find_class(module, name)
+        if module == "torch" and (
+            name in self._TORCH or isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+
+
+class SafeReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata is unpickled through an allow-list."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = os.path.join(str(self.path), ".metadata")
+        with open(path, "rb") as f:
+            metadata = _SafeUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_into(directory: str, live: Mapping[str, torch.Tensor], *, group: Any = None) -> None:
+    """``dcp.load`` into live (possibly sharded) tensors, re-sharding as needed."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is")
+        dcp.load(dict(live), storage_reader=SafeReader(directory), process_group=group)
 
 
 # --- reading ---------------------------------------------------------------------------------

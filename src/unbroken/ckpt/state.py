@@ -60,6 +60,8 @@ class TrainState:
         extras: any further ``Stateful`` objects, by name.
         numpy_generators: ``np.random.Generator`` objects to capture with the RNG state.
         capture_rng: capture python/numpy/torch/CUDA RNG (default True).
+        seed: the run's seed; when a checkpoint is restored with another world size,
+            per-rank RNG streams are re-derived from ``(seed, rank, step)``.
 
     Counters ``step``, ``samples``, ``tokens`` and ``micro_step`` are plain attributes the
     training loop updates.
@@ -78,6 +80,7 @@ class TrainState:
         extras: Mapping[str, Any] | None = None,
         numpy_generators: Mapping[str, np.random.Generator] | None = None,
         capture_rng: bool = True,
+        seed: int = 0,
     ) -> None:
         comps: dict[str, Any] = {}
         for kind, obj in (
@@ -108,6 +111,7 @@ class TrainState:
         self.components = comps
         self.numpy_generators = dict(numpy_generators or {})
         self.capture_rng = capture_rng
+        self.seed = int(seed)
         self.step = 0
         self.samples = 0
         self.tokens = 0
