@@ -284,3 +284,15 @@ def test_real_dataloader_sawtooth_is_detected_with_period_num_workers() -> None:
     assert st.period == workers
     assert 20.0 < st.wait_per_cycle_ms < 80.0
     assert timer.summary().stall_pct > 30.0
+
+
+def test_tensorboard_writer_is_a_sink_or_none(tmp_path: Any) -> None:
+    w = profile.tensorboard_writer(str(tmp_path / "tb"))
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        assert w is None  # tensorboard not installed: no sink, no error
+        return
+    assert hasattr(w, "add_scalar")
+    StepTimer(sinks=[w])  # accepted as a sink
+    w.close()
