@@ -1,0 +1,193 @@
+"""`pack` inputs (directory tree, JSONL, dicts), its bad-input errors, disk full, and resume."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+
+from unbroken._fs import HashingWriter
+from unbroken.data.manifest import DatasetManifest
+from unbroken.data.pack import pack
+from unbroken.data.shards import ShardReader
+
+
+def _tree(root: str, n: int = 40, seed: int = 0) -> dict[str, dict[str, bytes]]:
+    rng = np.random.default_rng(seed)
+    want: dict[str, dict[str, bytes]] = {}
+    for i in range(n):
+        key = f"part{i % 3}/{i:04d}"
+        os.makedirs(os.path.join(root, os.path.dirname(key)), exist_ok=True)
+        members = {"jpg": rng.bytes(int(rng.integers(10, 4000))), "json": b'{"i": %d}' % i}
+        for ext, data in members.items():
+            with open(os.path.join(root, f"{key}.{ext}"), "wb") as f:
+                f.write(data)
+        want[key] = members
+    return want
+
+
+def _read(root: str) -> list[dict[str, object]]:
+    m = DatasetManifest.load(root)
+    return [s for i in range(len(m.shards)) for s in ShardReader(m.shard_path(root, i))]
+
+
+def _files(root: str) -> dict[str, bytes]:
+    return {n: open(os.path.join(root, n), "rb").read() for n in sorted(os.listdir(root))}
+
+
+def test_directory_samples_grouped_by_key(tmp_path: str) -> None:
+    src, out = os.path.join(tmp_path, "src"), os.path.join(tmp_path, "out")
+    want = _tree(src)
+    open(os.path.join(src, ".DS_Store"), "w").write("junk")  # hidden files are skipped
+    res = pack(src, out, shard_size=20_000, workers=1, progress=False)
+    got = _read(out)
+    assert [g["__key__"] for g in got] == sorted(want)
+    for g in got:
+        assert {k: v for k, v in g.items() if k != "__key__"} == want[str(g["__key__"])]
+    assert res.shards_written == len(res.manifest.shards) > 3
+    assert not [n for n in os.listdir(out) if n.startswith(".tmp-")]
+
+
+def test_file_without_extension_cannot_be_grouped(tmp_path: str) -> None:
+    _tree(str(tmp_path), 4)
+    open(os.path.join(tmp_path, "part0", "README"), "w").write("x")
+    with pytest.raises(ValueError, match=r"part0/README: cannot group this file.*no extension"):
+        pack(str(tmp_path), os.path.join(tmp_path, "..", "o1"), progress=False)
+
+
+def test_missing_member_named_with_key_and_fix(tmp_path: str) -> None:
+    src = os.path.join(tmp_path, "src")
+    _tree(src, 6)
+    os.unlink(os.path.join(src, "part1", "0004.json"))
+    out = os.path.join(tmp_path, "out")
+    with pytest.raises(ValueError, match=r"sample 'part1/0004'.*missing \['json'\].*allow.partial"):
+        pack(src, out, workers=1, progress=False)
+    assert not os.path.exists(os.path.join(out, "dataset.json"))
+    res = pack(src, out, workers=1, allow_partial=True, progress=False)
+    assert res.manifest.num_samples == 6
+
+
+def test_sample_larger_than_shard_size(tmp_path: str) -> None:
+    samples = [{"__key__": "small", "bin": b"x"}, {"__key__": "huge", "bin": b"x" * 50_000}]
+    with pytest.raises(ValueError, match=r"sample 'huge' needs \d+ bytes.*larger --shard-size"):
+        pack(samples, str(tmp_path), shard_size=20_000, progress=False)
+    assert not os.path.exists(os.path.join(tmp_path, "dataset.json"))
+
+
+@pytest.mark.parametrize(
+    ("sample", "match"),
+    [
+        ({"__key__": "a.b", "x": b""}, "sample key 'a.b' is not usable"),
+        ({"__key__": "../up", "x": b""}, "sample key '../up' is not usable"),
+        ({"__key__": "k", "x": object()}, "member 'x' has type object"),
+        ({"__key__": "k"}, "has no members"),
+    ],
+)
+def test_bad_dict_samples(tmp_path: str, sample: dict[str, object], match: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        pack([sample], str(tmp_path), progress=False)
+
+
+def test_dict_values_are_encoded(tmp_path: str) -> None:
+    pack([{"txt": "héllo", "cls": 3, "json": {"b": 1, "a": [1]}}], str(tmp_path), progress=False)
+    assert _read(str(tmp_path)) == [
+        {"__key__": "000000000", "txt": "héllo".encode(), "cls": b"3", "json": b'{"a":[1],"b":1}'}
+    ]
+
+
+def test_jsonl_lines_become_samples(tmp_path: str) -> None:
+    src = os.path.join(tmp_path, "in.jsonl")
+    lines = [json.dumps({"text": "w" * i}) for i in range(200)]
+    with open(src, "w") as f:
+        f.write("\n".join(lines[:100]) + "\n\n" + "\n".join(lines[100:]) + "\n")
+    out = os.path.join(tmp_path, "out")
+    res = pack(src, out, shard_size=15_000, workers=2, progress=False)
+    got = _read(out)
+    assert [g["json"] for g in got] == [ln.encode() for ln in lines]
+    assert got[100]["__key__"] == "000000101"  # keys are source line numbers (0-based)
+    assert len(res.manifest.shards) > 3
+
+
+def _full_disk(limit: int) -> object:
+    """A HashingWriter.write that raises ENOSPC once ``limit`` bytes were written in total."""
+    orig = HashingWriter.write
+    total = [0]
+
+    def write(w: HashingWriter, b: object) -> int:
+        n = memoryview(b).nbytes  # type: ignore[arg-type]
+        if total[0] + n > limit:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        total[0] += n
+        return orig(w, b)
+
+    return write
+
+
+def test_disk_full_during_pack_leaves_no_partial_output(
+    tmp_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    samples = [{"__key__": f"s{i}", "bin": bytes(3000)} for i in range(200)]
+    monkeypatch.setattr(HashingWriter, "write", _full_disk(150_000))
+    with pytest.raises(RuntimeError, match=r"shard-0000\d\d\.tar: disk full.*free space"):
+        pack(samples, str(tmp_path), shard_size=50_000, workers=1, progress=False)
+    names = os.listdir(tmp_path)
+    assert "dataset.json" not in names and not [n for n in names if n.startswith(".tmp-")]
+    monkeypatch.undo()
+    res = pack(samples, str(tmp_path), shard_size=50_000, workers=1, progress=False)
+    assert res.shards_reused >= 1 and res.manifest.num_samples == 200  # resumes, not restarts
+
+
+def test_disk_full_on_a_real_tiny_tmpfs(tmp_path: str) -> None:
+    mnt = os.path.join(tmp_path, "mnt")
+    os.makedirs(mnt)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", mnt], capture_output=True
+    )
+    if r.returncode != 0:
+        pytest.skip(
+            f"cannot mount a tmpfs here ({r.stderr.decode().strip()}); ENOSPC is covered above"
+        )
+    try:
+        samples = [{"__key__": f"s{i}", "bin": bytes(3000)} for i in range(200)]
+        with pytest.raises(RuntimeError, match="disk full"):
+            pack(samples, mnt, shard_size=50_000, workers=1, progress=False)
+        assert "dataset.json" not in os.listdir(mnt)
+        assert not [n for n in os.listdir(mnt) if n.startswith(".tmp-")]
+    finally:
+        subprocess.run(["umount", mnt], check=False)
+
+
+def test_resume_keeps_verified_shards_and_rewrites_damaged_ones(tmp_path: str) -> None:
+    src, out, ref = (os.path.join(tmp_path, n) for n in ("src", "out", "ref"))
+    _tree(src, 60)
+    first = pack(src, out, shard_size=20_000, workers=1, progress=False)
+    n = len(first.manifest.shards)
+    pack(src, ref, shard_size=20_000, workers=1, progress=False)
+    os.unlink(os.path.join(out, "shard-000001.tar.idx"))  # as if killed before the index
+    with open(os.path.join(out, "shard-000002.tar"), "r+b") as f:  # bit rot
+        f.seek(700)
+        b = f.read(1)
+        f.seek(700)
+        f.write(bytes([b[0] ^ 1]))
+    open(os.path.join(out, ".tmp-shard-000003.tar.deadbeef"), "w").write("partial")
+    again = pack(src, out, shard_size=20_000, workers=1, progress=False)
+    assert (again.shards_written, again.shards_reused) == (2, n - 2)
+    assert again.manifest == first.manifest
+    assert _files(out) == _files(ref)
+
+
+def test_changed_input_invalidates_only_affected_shards(tmp_path: str) -> None:
+    src, out = os.path.join(tmp_path, "src"), os.path.join(tmp_path, "out")
+    _tree(src, 60)
+    first = pack(src, out, shard_size=20_000, workers=1, progress=False)
+    p = os.path.join(src, "part2", "0059.jpg")
+    with open(p, "r+b") as f:  # same size, new content, new mtime
+        f.write(b"changed!")
+    os.utime(p, ns=(1, 1))
+    again = pack(src, out, shard_size=20_000, workers=1, progress=False)
+    assert again.shards_written == 1 and again.manifest.fingerprint != first.manifest.fingerprint
+    assert _read(out)[-1]["jpg"][:8] == b"changed!"

@@ -1,0 +1,171 @@
+"""Token shards (format, document and sequence slicing) and `tokenize` end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from unbroken.data.manifest import DatasetManifest
+from unbroken.data.pack import pack
+from unbroken.data.shards import ShardError
+from unbroken.data.tokens import (
+    TokenShard,
+    TokenShardWriter,
+    dtype_for_vocab,
+    load_tokenizer,
+    num_sequences,
+    tokenize,
+)
+
+_WORDS = "the quick brown fox jumps over a lazy dog while seven wizards box nightly".split()
+
+
+def _docs(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(_WORDS, int(rng.integers(1, 60)))) for _ in range(n)]
+
+
+def _jsonl(path: str, docs: list[str]) -> str:
+    with open(path, "w") as f:
+        for d in docs:
+            f.write(json.dumps({"text": d, "id": 1}) + "\n")
+    return path
+
+
+def test_token_shard_documents_and_sequences(tmp_path: str) -> None:
+    p = os.path.join(tmp_path, "t.bin")
+    w = TokenShardWriter(p, "uint16", eos_id=0, fsync=False)
+    docs = [np.arange(1, 6), np.arange(10, 13), np.array([], dtype=np.int64), np.arange(20, 24)]
+    w.add(docs[0])
+    w.add_many(np.concatenate(docs[1:]), np.array([len(d) for d in docs[1:]]))
+    w.commit()
+    ts = TokenShard(p)
+    flat = [1, 2, 3, 4, 5, 0, 10, 11, 12, 0, 0, 20, 21, 22, 23, 0]
+    assert ts.tokens.tolist() == flat and ts.dtype == np.uint16 and ts.eos_id == 0
+    assert np.memmap(p, dtype=np.uint16).tolist() == flat  # plain nanoGPT-style .bin
+    assert ts.num_documents == 4
+    for i, d in enumerate(docs):
+        assert ts.document(i).tolist() == d.tolist()
+    assert ts.document(-1).tolist() == [20, 21, 22, 23]
+    # 16 tokens, seq_len 4: windows start at 0, 4, 8; the one at 12 lacks its 5th token.
+    assert ts.num_sequences(4) == 3 == num_sequences(16, 4)
+    assert ts.sequence(2, 4).tolist() == flat[8:13]
+    assert ts.num_sequences(5) == 3 and ts.sequence(2, 5).tolist() == flat[10:16]
+    with pytest.raises(IndexError, match="sequence 3 out of range"):
+        ts.sequence(3, 4)
+    ts.verify()
+
+
+def test_token_shard_damage_is_detected(tmp_path: str) -> None:
+    p = os.path.join(tmp_path, "t.bin")
+    w = TokenShardWriter(p, "uint32", eos_id=7, fsync=False)
+    w.add(np.arange(100))
+    w.commit()
+    with open(p, "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff")
+    with pytest.raises(ShardError, match=r"t\.bin: checksum .* damaged"):
+        TokenShard(p).verify()
+    with open(p, "r+b") as f:
+        f.truncate(40)
+    with pytest.raises(ShardError, match=r"t\.bin: 40 bytes but its index describes 101 tokens"):
+        TokenShard(p)
+    os.unlink(p + ".idx")
+    with pytest.raises(FileNotFoundError, match=r"t\.bin\.idx: token index missing"):
+        TokenShard(p)
+
+
+def test_dtype_choice_and_vocab_too_large_for_uint16() -> None:
+    assert dtype_for_vocab(65_536) == "uint16"
+    assert dtype_for_vocab(65_537) == "uint32"
+    with pytest.raises(ValueError, match="vocabulary of 70000 tokens is too large for uint16"):
+        dtype_for_vocab(70_000, "uint16")
+
+
+def test_tokenize_jsonl_with_trained_bpe_round_trips(tmp_path: str) -> None:
+    docs = _docs(300)
+    src = _jsonl(os.path.join(tmp_path, "c.jsonl"), docs)
+    out = os.path.join(tmp_path, "out")
+    res = tokenize(
+        src, out, train_bpe_vocab=300, seq_len=16, shard_size=4000, workers=1, progress=False
+    )
+    m = DatasetManifest.load(out)
+    assert m.kind == "tokens" and m.dtype == "uint16" and m.seq_len == 16 and len(m.shards) > 3
+    tok = load_tokenizer(os.path.join(out, "tokenizer.json"))
+    assert tok.token_to_id("<|endoftext|>") == m.eos_id
+    got: list[str] = []
+    for i, s in enumerate(m.shards):
+        ts = TokenShard(m.shard_path(out, i))
+        assert s.samples == ts.num_sequences(16) and s.documents == ts.num_documents
+        assert ts.num_tokens * 2 <= 4000
+        ends = ts.offsets[1:] - 1
+        assert (ts.tokens[ends] == m.eos_id).all()  # EOS after every document
+        got += [tok.decode(ts.document(d).tolist()) for d in range(ts.num_documents)]
+    assert got == docs
+    assert res.documents == 300 and res.tokens == sum(s.tokens or 0 for s in m.shards)
+    assert m.num_samples == sum(s.samples for s in m.shards)
+
+
+def test_tokenize_text_files_and_tar_shards(tmp_path: str) -> None:
+    docs = _docs(40, seed=1)
+    txt = os.path.join(tmp_path, "txt")
+    os.makedirs(txt)
+    for i, d in enumerate(docs):
+        open(os.path.join(txt, f"{i:03d}.txt"), "w").write(d)
+    tok = os.path.join(tmp_path, "tok.json")
+    a = tokenize(
+        txt,
+        os.path.join(tmp_path, "a"),
+        train_bpe_vocab=280,
+        tokenizer=tok,
+        workers=1,
+        progress=False,
+    )
+    tars = os.path.join(tmp_path, "tars")
+    pack([{"txt": d} for d in docs], tars, shard_size=20_000, progress=False)
+    b = tokenize(tars, os.path.join(tmp_path, "b"), tokenizer=tok, workers=1, progress=False)
+    ta = TokenShard(os.path.join(tmp_path, "a", "tokens-000000.bin"))
+    tb = TokenShard(os.path.join(tmp_path, "b", "tokens-000000.bin"))
+    assert ta.tokens.tolist() == tb.tokens.tolist() and a.documents == b.documents == 40
+    assert b.manifest.seq_len is None and b.manifest.num_samples == 40  # a sample = a document
+
+
+def test_tokenize_errors_name_file_and_fix(tmp_path: str) -> None:
+    src = _jsonl(os.path.join(tmp_path, "c.jsonl"), _docs(20))
+    out = os.path.join(tmp_path, "out")
+    with pytest.raises(
+        FileNotFoundError, match=r"nope\.json: tokenizer file not found.*--train-bpe"
+    ):
+        tokenize(src, out, tokenizer=os.path.join(tmp_path, "nope.json"), progress=False)
+    tok = os.path.join(tmp_path, "tok.json")
+    tokenize(src, out, train_bpe_vocab=300, tokenizer=tok, workers=1, progress=False)
+    with open(src, "a") as f:
+        f.write(json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(ValueError, match=r"c\.jsonl:21: no JSON string field 'text'.*--field"):
+        tokenize(src, out, tokenizer=tok, workers=1, progress=False)
+    big = _jsonl(os.path.join(tmp_path, "big.jsonl"), ["fox " * 3000])
+    with pytest.raises(ValueError, match=r"big\.jsonl:1: document of \d+ tokens exceeds"):
+        tokenize(big, out, tokenizer=tok, shard_size=1000, workers=1, progress=False)
+    with pytest.raises(ValueError, match="no end-of-text token.*--eos-token"):
+        tokenize(src, out, tokenizer=tok, eos_token="<nope>", workers=1, progress=False)
+
+
+def test_vocabulary_too_large_for_uint16_in_tokenize(tmp_path: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(70_000)}
+    vocab["<|endoftext|>"] = 70_000
+    vocab["[UNK]"] = 70_001
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = os.path.join(tmp_path, "big.json")
+    t.save(path)
+    src = _jsonl(os.path.join(tmp_path, "c.jsonl"), ["w1 w69999 w5", "w2"])
+    with pytest.raises(ValueError, match="too large for uint16"):
+        tokenize(src, os.path.join(tmp_path, "o"), tokenizer=path, dtype="uint16", progress=False)
+    res = tokenize(src, os.path.join(tmp_path, "o"), tokenizer=path, workers=1, progress=False)
+    ts = TokenShard(res.manifest.shard_path(os.path.join(tmp_path, "o"), 0))
+    assert res.manifest.dtype == "uint32" and ts.document(0).tolist() == [1, 69_999, 5]
