@@ -68,7 +68,7 @@ def dd_bandwidth(path: str, nbytes: int) -> float:
     return count * (64 << 20) / secs
 
 
-def timed(fn) -> float:  # noqa: ANN001
+def timed(fn) -> float:  # noqa: ANN001 - called at once, so late binding of loop vars is fine
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
@@ -105,23 +105,23 @@ def main() -> None:
         st = TrainState(model=model, optimizer=opt)
         st.step = r
         ck = Checkpointer(os.path.join(root, "ub"), st, keep_last=1)
-        res["ckpt_save"].append(timed(lambda: ck.save()))  # noqa: B023
+        res["ckpt_save"].append(timed(lambda: ck.save()))
         sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-        res["dcp_save"].append(timed(lambda: dcp.save(sd, checkpoint_id=os.path.join(root, "dcp"))))  # noqa: B023
-        res["torch_save"].append(timed(lambda: torch.save(sd, os.path.join(root, "t.pt"))))  # noqa: B023
+        res["dcp_save"].append(timed(lambda: dcp.save(sd, checkpoint_id=os.path.join(root, "dcp"))))
+        res["torch_save"].append(timed(lambda: torch.save(sd, os.path.join(root, "t.pt"))))
         res["dd"].append(nbytes / dd_bandwidth(os.path.join(root, "dd.bin"), nbytes))
         # --- loads (page-cached) ---
         st2 = TrainState(model=model, optimizer=opt)
         res["ckpt_load"].append(
             timed(lambda: Checkpointer(os.path.join(root, "ub"), st2).restore())
-        )  # noqa: B023
+        )
         target = {"model": model.state_dict(), "optim": opt.state_dict()}
         res["dcp_load"].append(
             timed(lambda: dcp.load(target, checkpoint_id=os.path.join(root, "dcp")))
-        )  # noqa: B023
+        )
         res["torch_load"].append(
             timed(lambda: torch.load(os.path.join(root, "t.pt"), weights_only=True))
-        )  # noqa: B023
+        )
         print(
             f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in res.items()), flush=True
         )

@@ -502,8 +502,8 @@ class Checkpointer:
         live: dict[str, torch.Tensor] = {}
         codec.encode(current, live)
         if ver.sharded or any(isinstance(t, DTensor) for t in live.values()):
-            load_into(self.store.step_dir(ver.step), live, group=self._group)
-            tensors = live
+            tensors = _dcp_targets(ver.manifest["tensors"], live)
+            load_into(self.store.step_dir(ver.step), tensors, group=self._group)
         else:
             tensors = into_live(ver.tensors, live)
         sd = ver.decode(tensors)
@@ -520,6 +520,24 @@ class Checkpointer:
                     self.state.seed,
                     ver.step,
                 )
+
+
+def _dcp_targets(saved: Mapping[str, Any], live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors for ``dcp.load``: live ones where they exist (re-sharded in place), fresh
+    ones for unsharded state the live objects do not hold yet (e.g. a new optimizer)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, t in saved.items():
+        if k in live:
+            out[k] = live[k]
+        elif t.get("sharded"):
+            raise ValueError(
+                f"checkpoint holds sharded tensor {k!r} but the live state has no tensor there; "
+                "create it before restore (for optimizers: "
+                "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict)"
+            )
+        else:
+            out[k] = torch.empty(t["shape"], dtype=getattr(torch, t["dtype"]))
+    return out
 
 
 def _flush_at_exit(ref: weakref.ref[Checkpointer]) -> None:
