@@ -35,6 +35,19 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
     ver.add_argument("dir")
     ver.add_argument("--step", type=int, default=None, help="default: every committed step")
     ver.set_defaults(func=_ckpt_verify)
+    exp = cs.add_parser(
+        "export",
+        help="write one component's consolidated weights to a .safetensors file",
+        description="Verify a checkpoint and write the tensors of one component (default: "
+        "model) to a safetensors file, keyed by the component's own state_dict names "
+        "(e.g. 0.weight). Needs safetensors: pip install 'unbroken[export]'.",
+    )
+    exp.add_argument("dir", help="checkpoint root")
+    exp.add_argument("--to", required=True, metavar="FILE", help="output .safetensors path")
+    exp.add_argument("--step", type=int, default=None, help="default: newest committed")
+    exp.add_argument("--component", default="model",
+                     help="TrainState component to export: model (default), ema, or model.NAME")
+    exp.set_defaults(func=_ckpt_export)
 
 
 def _ckpt_ls(a: argparse.Namespace) -> int:
@@ -57,6 +70,13 @@ def _ckpt_verify(a: argparse.Namespace) -> int:
     ok, report = cli_support.verify_report(a.dir, a.step)
     print(report)
     return 0 if ok else 1
+
+
+def _ckpt_export(a: argparse.Namespace) -> int:
+    from unbroken.ckpt import cli_support
+
+    print(cli_support.export_safetensors(a.dir, a.to, step=a.step, component=a.component))
+    return 0
 
 
 # --- the demo (the main job) ---------------------------------------------------------------

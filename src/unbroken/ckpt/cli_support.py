@@ -1,0 +1,352 @@
+"""What ``unbroken ckpt ls|inspect|verify|export`` print and write (the CLI only calls these).
+
+* :func:`format_listing`: one row per step with size, age and where it lives (local,
+  remote, both), plus quarantined, uncommitted and in-progress directories.
+* :func:`format_manifest`: a manifest in human form.
+* :func:`verify_report`: full verification of each step (never modifies the directory).
+* :func:`export_safetensors`: consolidated weights of one component for inference users,
+  keys as the model's own ``state_dict`` names (``0.weight``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import os
+import re
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from unbroken._fs import fsync_dir, temp_sibling
+from unbroken.ckpt.store import MANIFEST, CorruptCheckpoint, Store
+
+__all__ = ["export_safetensors", "format_listing", "format_manifest", "verify_report"]
+
+_COMPONENTS = "components/"
+_CORRUPT_RE = re.compile(r"^corrupt-step-(\d+)-(.+)$")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _age(t: float | None, now: float) -> str:
+    if t is None:
+        return "?"
+    s = max(0.0, now - t)
+    for unit, sec in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= sec:
+            return f"{s / sec:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        .rstrip()
+        for r in rows
+    ]
+
+
+def _is_remote(url: str) -> bool:
+    return "://" in url and not url.startswith("file://")
+
+
+def _manifest(store: Store, step: int) -> dict[str, Any]:
+    try:
+        return store.read_manifest(step)
+    except CorruptCheckpoint as e:
+        raise ValueError(f"cannot read the manifest of step {step} in {store.root!r}: {e}") from e
+
+
+def _pick_step(store: Store, step: int | None) -> int:
+    if not os.path.isdir(store.root):
+        raise FileNotFoundError(f"checkpoint directory {store.root!r} does not exist")
+    steps = store.steps()
+    if not steps:
+        raise ValueError(
+            f"{store.root!r} holds no committed checkpoint (no step-N/{MANIFEST}); "
+            "is this a checkpoint root?"
+        )
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise ValueError(
+            f"no committed checkpoint for step {step} in {store.root!r}; committed steps: {steps}"
+        )
+    return step
+
+
+# --- ls ------------------------------------------------------------------------------------
+
+
+def format_listing(directory: str, *, archive: str | None = None) -> str:
+    """Table of committed steps: step, size, age, status (local / remote / local+remote).
+
+    ``directory`` may itself be a remote URL (then only the archive is listed).
+    """
+    from unbroken.ckpt.archive import Archive
+
+    now = time.time()
+    local: dict[int, tuple[int, float]] = {}
+    notes: list[str] = []
+    if _is_remote(directory):
+        archive, store = archive or directory, None
+    else:
+        store = Store(directory)
+        if not os.path.isdir(store.root):
+            raise FileNotFoundError(f"checkpoint directory {store.root!r} does not exist")
+        for s in store.steps():
+            info = store.info(s)
+            local[s] = (info.size, info.mtime)
+        for name in sorted(os.listdir(store.root)):
+            m = _CORRUPT_RE.match(name)
+            if m:
+                notes.append(f"{name}: quarantined step {int(m.group(1))} ({m.group(2)})")
+        notes += [f"{n}: step directory without {MANIFEST} (not a checkpoint)" for n in store.uncommitted()]
+        notes += [f"{n}: save in progress, or debris of a killed one" for n in store.temp_dirs()]
+    remote: dict[int, tuple[int, float | None]] = {}
+    if archive is not None:
+        arch = Archive(archive)
+        for s in arch.steps():
+            try:
+                rinfo = arch.info(s)
+            except RuntimeError as e:
+                notes.append(f"remote step {s}: unreadable manifest ({e})")
+                continue
+            remote[s] = (rinfo.size, rinfo.created)
+    rows = [["STEP", "SIZE", "AGE", "STATUS"]]
+    for s in sorted(set(local) | set(remote)):
+        size, when = local[s] if s in local else remote[s]
+        where = "+".join(w for w, d in (("local", local), ("remote", remote)) if s in d)
+        rows.append([str(s), _size(size), _age(when, now), where])
+    where = store.root if store is not None else ""
+    if archive is not None:
+        where = f"{where} (archive {archive})" if where else f"archive {archive}"
+    out = [f"checkpoints in {where}"]
+    out += _table(rows, {0, 1}) if len(rows) > 1 else ["(no committed checkpoint)"]
+    if store is not None:
+        summary = f"{len(local)} local"
+        if archive is not None:
+            summary += f", {len(remote)} remote"
+        out.append(summary)
+    out += notes
+    return "\n".join(out)
+
+
+# --- inspect -------------------------------------------------------------------------------
+
+
+def _component(key: str) -> str:
+    rest = key.removeprefix(_COMPONENTS)
+    return rest.split("/", 1)[0] if rest != key else key.split("/", 1)[0]
+
+
+def _nbytes(t: Mapping[str, Any]) -> int:
+    dtype = getattr(torch, str(t.get("dtype")), None)
+    if not isinstance(dtype, torch.dtype):
+        return 0
+    return int(torch.Size(t.get("shape") or []).numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -> str:
+    """The manifest of ``step`` (default: newest) in human form."""
+    store = Store(directory)
+    step = _pick_step(store, step)
+    m = _manifest(store, step)
+    created = m.get("created")
+    when = (
+        datetime.datetime.fromtimestamp(float(created)).isoformat(sep=" ", timespec="seconds")
+        + f" ({_age(float(created), time.time())})"
+        if created is not None
+        else "?"
+    )
+    files: dict[str, Any] = m["files"]
+    tensors: dict[str, Any] = m["tensors"]
+    out = [
+        f"checkpoint {store.step_dir(step)}",
+        f"  step            {m['step']}",
+        f"  created         {when}",
+        f"  format          {m.get('format')} v{m.get('version')}, checksums {m.get('checksum_algo', '?')}",
+        f"  versions        unbroken {m.get('unbroken_version', '?')}, torch {m.get('torch_version', '?')}",
+        f"  world size      {m.get('world_size', '?')}",
+    ]
+    for k in ("save_seconds", "blocked_seconds"):
+        if k in m:
+            out.append(f"  {k.replace('_', ' '):<15} {m[k]} s")
+    counters = m.get("counters") or {}
+    out.append("  counters        " + (", ".join(f"{k}={v}" for k, v in counters.items()) or "-"))
+    data = m.get("data_state")
+    text = json.dumps(data, sort_keys=True) if data is not None else "- (no JSON-able loader state)"
+    out.append("  data state      " + (text if len(text) <= 200 else text[:197] + "..."))
+    out.append(f"  files           {len(files)} + {MANIFEST}, {_size(sum(f['size'] for f in files.values()))}")
+    rows = [["", "FILE", "SIZE", "CHECKSUM"]]
+    rows += [["  ", n, _size(f["size"]), f["checksum"]] for n, f in sorted(files.items())]
+    out += _table(rows, {2})
+    by_comp: dict[str, list[int]] = {}
+    for k, t in tensors.items():
+        c = by_comp.setdefault(_component(k), [0, 0])
+        c[0] += 1
+        c[1] += _nbytes(t)
+    total = sum(b for _, b in by_comp.values())
+    out.append(f"  tensors         {len(tensors)}, {_size(total)}")
+    rows = [["", "COMPONENT", "TENSORS", "BYTES"]]
+    rows += [["  ", c, str(n), _size(b)] for c, (n, b) in sorted(by_comp.items())]
+    out += _table(rows, {2, 3})
+    biggest = sorted(tensors.items(), key=lambda kv: -_nbytes(kv[1]))[:top]
+    if biggest:
+        out.append(f"  largest tensors (top {len(biggest)})")
+        rows = [["", "KEY", "SHAPE", "DTYPE", "BYTES"]]
+        rows += [
+            ["  ", k, "x".join(map(str, t.get("shape") or [])) or "()", str(t.get("dtype")),
+             _size(_nbytes(t))]
+            for k, t in biggest
+        ]
+        out += _table(rows, {4})
+    return "\n".join(out)
+
+
+# --- verify --------------------------------------------------------------------------------
+
+
+def verify_report(directory: str, step: int | None = None) -> tuple[bool, str]:
+    """Fully verify ``step`` (default: every committed step): sizes, checksums, tensor
+    statistics, state decoding. Read-only: nothing is quarantined. Returns ``(ok, text)``."""
+    from unbroken.ckpt.verify import load_verified
+
+    store = Store(directory)
+    if not os.path.isdir(store.root):
+        raise FileNotFoundError(f"checkpoint directory {store.root!r} does not exist")
+    steps = [_pick_step(store, step)] if step is not None else store.steps()
+    if not steps:
+        return False, f"{store.root}: no committed checkpoint to verify"
+    ok = True
+    rows = [["STEP", "RESULT", "SIZE", "TIME", "DETAIL"]]
+    for s in steps:
+        size = store.info(s).size
+        t0 = time.perf_counter()
+        try:
+            v = load_verified(store, s)
+            del v  # drop the read-only mappings at once
+            result, detail = "ok", ""
+        except CorruptCheckpoint as e:
+            ok = False
+            result, detail = f"DAMAGED ({e.reason})", e.detail
+        rows.append([str(s), result, _size(size), f"{time.perf_counter() - t0:.2f} s", detail])
+    out = [f"verifying {store.root}"] + _table(rows, {0, 2, 3})
+    bad = sum(1 for r in rows[1:] if r[1] != "ok")
+    out.append(
+        f"{len(steps)} checkpoint(s) verified, all intact"
+        if ok
+        else f"{bad} of {len(steps)} checkpoint(s) DAMAGED; Checkpointer.restore() would skip them"
+    )
+    return ok, "\n".join(out)
+
+
+# --- export --------------------------------------------------------------------------------
+
+
+def _chunked(directory: str, meta: Mapping[str, Any]) -> torch.Tensor:
+    """One tensor assembled from its DCP chunks (sharded saves write one chunk per shard);
+    each chunk is read with ``torch.load(weights_only=True)``: no code from the file runs."""
+    dtype = getattr(torch, meta["dtype"])
+    out = torch.empty(meta["shape"], dtype=dtype)
+    for c in meta["chunks"]:
+        with open(os.path.join(directory, c["file"]), "rb") as f:
+            f.seek(c["offset"])
+            blob = f.read(c["length"])
+        part = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        if len(c["offsets"]) != part.dim() or part.dtype != dtype:
+            raise ValueError(
+                f"chunk of {meta['shape']} {meta['dtype']} at offsets {c['offsets']} in "
+                f"{c['file']} holds a {list(part.shape)} {part.dtype} tensor; the manifest does "
+                "not describe this file"
+            )
+        region = out
+        for dim, (off, n) in enumerate(zip(c["offsets"], part.shape, strict=True)):
+            region = region.narrow(dim, off, n)
+        region.copy_(part)
+    return out
+
+
+def _export_name(rest: str) -> str:
+    """``a/b%2Fc`` (the codec's nested path) -> ``a.b/c``; flat state_dict keys pass as is."""
+    return ".".join(p.replace("%2F", "/") for p in rest.split("/"))
+
+
+def export_safetensors(
+    directory: str, out: str, *, step: int | None = None, component: str = "model"
+) -> str:
+    """Write ``component``'s tensors of a verified checkpoint to ``out`` (safetensors),
+    consolidated from any number of shards, keyed by the component's own state-dict names.
+
+    An EMA saved as ``torch.optim.swa_utils.AveragedModel`` is exported as the averaged
+    model's weights (``module.`` stripped, ``n_averaged`` dropped) so it loads into the base
+    model. Returns a one-line summary.
+    """
+    try:
+        from safetensors.torch import save_file
+    except ImportError as e:
+        raise RuntimeError(
+            "exporting needs safetensors: pip install 'unbroken[export]'"
+        ) from e
+    from unbroken.ckpt.verify import load_verified
+
+    store = Store(directory)
+    step = _pick_step(store, step)
+    try:
+        v = load_verified(store, step)
+    except CorruptCheckpoint as e:
+        raise RuntimeError(
+            f"checkpoint step {step} in {store.root!r} failed verification ({e}); export "
+            "another step with --step (see `unbroken ckpt verify`)"
+        ) from e
+    meta: dict[str, Any] = v.manifest["tensors"]
+    prefix = f"{_COMPONENTS}{component}/"
+    keys = sorted(k for k in meta if k.startswith(prefix))
+    if not keys:
+        have = sorted({_component(k) for k in meta if k.startswith(_COMPONENTS)})
+        raise ValueError(
+            f"checkpoint step {step} has no tensors for component {component!r}; "
+            f"components with tensors: {have}. Pass --component with one of them"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    d = store.step_dir(step)
+    for k in keys:
+        t = v.tensors[k].clone() if k in v.tensors else _chunked(d, meta[k])
+        tensors[_export_name(k[len(prefix):])] = t.contiguous()
+    del v
+    rest = [k for k in tensors if k != "n_averaged"]
+    if "n_averaged" in tensors and rest and all(k.startswith("module.") for k in rest):
+        tensors = {k.removeprefix("module."): tensors[k] for k in rest}
+    out = os.path.abspath(out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = temp_sibling(out)
+    try:
+        save_file(
+            tensors,
+            tmp,
+            metadata={"format": "pt", "unbroken_step": str(step), "component": component},
+        )
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(os.path.dirname(out))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    return (
+        f"exported {len(tensors)} tensors ({_size(total)}) of component {component!r} "
+        f"from step {step} to {out}"
+    )

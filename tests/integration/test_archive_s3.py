@@ -1,0 +1,288 @@
+"""Remote archive over a real S3 API: moto's ThreadedMotoServer on 127.0.0.1 + s3fs.
+
+Archive, lose the local disk, restore bit-identically from S3; a damaged remote object is
+detected and the older remote step is used; upload failures are retried and reported, never
+raised; local retention may delete a step while it uploads; remote retention.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from unbroken.ckpt import Checkpointer, TrainState
+from unbroken.ckpt.archive import Archive, ArchiveError, BackgroundUploader, fetch_newest_valid
+
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+_CREDS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in _CREDS.items():
+            mp.setenv(k, v)
+        mp.setattr(logging.getLogger("werkzeug"), "level", logging.ERROR)  # one line per request
+        port = _free_port()
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.stop()
+
+
+def _options(endpoint: str) -> dict[str, Any]:
+    # One botocore attempt and short timeouts: retrying is the Archive's job, and a test of
+    # failures must not sit in botocore's own backoff.
+    return {
+        "client_kwargs": {"endpoint_url": endpoint},
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 10},
+        "skip_instance_cache": True,
+    }
+
+
+@pytest.fixture
+def s3(endpoint: str) -> Any:
+    import s3fs
+
+    return s3fs.S3FileSystem(**_options(endpoint))
+
+
+@pytest.fixture
+def bucket(s3: Any) -> str:
+    name = f"ckpt-{uuid.uuid4().hex[:10]}"
+    s3.mkdir(name)
+    return name
+
+
+def _archive(endpoint: str, bucket: str, **kw: Any) -> Archive:
+    kw.setdefault("backoff_s", 0.01)
+    return Archive(f"s3://{bucket}/run1", storage_options=_options(endpoint), **kw)
+
+
+def _state(seed: int) -> tuple[TrainState, torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    return TrainState(model=m, optimizer=opt), m, opt
+
+
+def _train(st: TrainState, m: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    for _ in range(n):
+        m(torch.randn(16, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        st.step += 1
+
+
+def _snapshot(m: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": v.detach().clone() for k, v in m.state_dict().items()}
+    for i, s in opt.state_dict()["state"].items():
+        for k, v in s.items():
+            out[f"opt/{i}/{k}"] = torch.as_tensor(v).clone()
+    return out
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and _raw(a[k]) == _raw(b[k])
+        for k in a
+    )
+
+
+def _two_steps(root: str) -> dict[int, dict[str, torch.Tensor]]:
+    """Save steps 2 and 4 under ``root``; returns the exact tensors of each."""
+    st, m, opt = _state(0)
+    ck = Checkpointer(root, st, keep_last=None)
+    snaps = {}
+    for _ in range(2):
+        _train(st, m, opt, 2)
+        ck.save()
+        snaps[st.step] = _snapshot(m, opt)
+    return snaps
+
+
+def _restore(root: str) -> tuple[int | None, dict[str, torch.Tensor]]:
+    st, m, opt = _state(1)  # other initial values: restore must overwrite every tensor
+    _train(st, m, opt, 1)  # materialize optimizer state
+    step = Checkpointer(root, st).restore()
+    return step, _snapshot(m, opt)
+
+
+def test_archive_lose_local_disk_restore_bit_identical(endpoint: str, bucket: str, tmp_path) -> None:
+    root = str(tmp_path / "ckpt")
+    snaps = _two_steps(root)
+    arch = _archive(endpoint, bucket)
+    for step in (2, 4):
+        arch.upload(os.path.join(root, f"step-{step:08d}"), step)
+    arch.upload(os.path.join(root, "step-00000004"), 4)  # already there: a no-op
+    assert arch.steps() == [2, 4]
+    assert arch.info(4).size == sum(
+        os.path.getsize(os.path.join(root, "step-00000004", n))
+        for n in os.listdir(os.path.join(root, "step-00000004"))
+        if n != "manifest.json"
+    )
+
+    shutil.rmtree(root)  # the node is replaced: nothing local survives
+    assert fetch_newest_valid(arch, root) == 4
+    assert sorted(os.listdir(root)) == ["step-00000004"]  # no temp debris
+    step, got = _restore(root)
+    assert step == 4
+    assert _bits_equal(got, snaps[4])
+
+
+def test_corrupted_remote_object_is_detected_and_older_step_used(
+    endpoint: str, bucket: str, s3: Any, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = str(tmp_path / "ckpt")
+    snaps = _two_steps(root)
+    arch = _archive(endpoint, bucket)
+    for step in (2, 4):
+        arch.upload(os.path.join(root, f"step-{step:08d}"), step)
+    victim = sorted(n for n in s3.ls(f"{bucket}/run1/step-00000004") if n.endswith(".distcp"))[0]
+    data = bytearray(s3.cat_file(victim))
+    data[len(data) // 2] ^= 0x10  # one flipped bit, same size: only the checksum can tell
+    s3.pipe_file(victim, bytes(data))
+
+    with pytest.raises(ArchiveError) as ei:
+        arch.download(4, str(tmp_path / "probe"))
+    assert ei.value.damaged and "checksum mismatch" in ei.value.reason
+    assert os.path.basename(victim) in str(ei.value)
+
+    shutil.rmtree(root)
+    with caplog.at_level(logging.WARNING, logger="unbroken.ckpt.archive"):
+        assert fetch_newest_valid(arch, root) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "step 4" in warnings[0] and os.path.basename(victim) in warnings[0]
+    assert sorted(os.listdir(root)) == ["step-00000002"]
+    step, got = _restore(root)
+    assert step == 2 and _bits_equal(got, snaps[2])
+
+
+def test_truncated_remote_object_is_detected(endpoint: str, bucket: str, s3: Any, tmp_path) -> None:
+    root = str(tmp_path / "ckpt")
+    _two_steps(root)
+    arch = _archive(endpoint, bucket)
+    arch.upload(os.path.join(root, "step-00000004"), 4)
+    victim = f"{bucket}/run1/step-00000004/state-rank0.json"
+    s3.pipe_file(victim, s3.cat_file(victim)[:-7])
+    with pytest.raises(ArchiveError) as ei:
+        arch.download(4, str(tmp_path / "probe"))
+    assert ei.value.damaged and "state-rank0.json" in ei.value.file and "bytes" in ei.value.reason
+    assert fetch_newest_valid(arch, str(tmp_path / "fresh")) is None  # nothing else remote
+
+
+def test_damaged_local_checkpoint_is_never_committed_remotely(
+    endpoint: str, bucket: str, tmp_path
+) -> None:
+    root = str(tmp_path / "ckpt")
+    _two_steps(root)
+    d = os.path.join(root, "step-00000004")
+    name = sorted(n for n in os.listdir(d) if n.endswith(".distcp"))[0]
+    with open(os.path.join(d, name), "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    arch = _archive(endpoint, bucket)
+    with pytest.raises(ArchiveError) as ei:
+        arch.upload(d, 4)
+    assert ei.value.damaged and name in str(ei.value) and "not archived" in str(ei.value)
+    assert arch.steps() == []  # the manifest (commit marker) was never written
+
+
+def test_upload_failure_is_retried_and_reported_never_raised(
+    endpoint: str, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = str(tmp_path / "ckpt")
+    _two_steps(root)
+    missing = f"no-such-bucket-{uuid.uuid4().hex[:8]}"
+    up = BackgroundUploader(_archive(endpoint, missing, retries=2))
+    with caplog.at_level(logging.INFO, logger="unbroken.ckpt.archive"):
+        up.submit(os.path.join(root, "step-00000004"), 4)  # returns at once, raises nothing
+        assert up.flush(timeout=30)
+        up.close()
+    assert up.uploaded == []
+    assert len(up.errors) == 1
+    err = up.errors[0]
+    assert isinstance(err, ArchiveError) and not err.damaged
+    assert missing in str(err) and "after 3 attempt(s)" in err.reason
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any("retry 2/2" in m for m in msgs)
+    assert any(r.levelno == logging.WARNING and "upload of step 4 failed" in r.getMessage() for r in caplog.records)
+
+
+def test_transient_failure_recovers_and_local_retention_does_not_wait(
+    endpoint: str, s3: Any, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = str(tmp_path / "ckpt")
+    snaps = _two_steps(root)
+    late = f"late-{uuid.uuid4().hex[:8]}"  # the bucket appears only after the first attempts
+    up = BackgroundUploader(_archive(endpoint, late, retries=6, backoff_s=0.1))
+    step_dir = os.path.join(root, "step-00000004")
+    creator = threading.Timer(0.3, lambda: s3.mkdir(late))
+    with caplog.at_level(logging.INFO, logger="unbroken.ckpt.archive"):
+        up.submit(step_dir, 4)
+        shutil.rmtree(step_dir)  # local retention deletes the step while it still uploads
+        creator.start()
+        try:
+            assert up.flush(timeout=30)
+        finally:
+            creator.join()
+            up.close()
+    assert up.errors == [] and up.uploaded == [4]
+    assert any("retry 1/6" in r.getMessage() for r in caplog.records)  # it did fail first
+    fresh = str(tmp_path / "fresh")
+    assert fetch_newest_valid(_archive(endpoint, late), fresh) == 4
+    step, got = _restore(fresh)
+    assert step == 4 and _bits_equal(got, snaps[4])
+
+
+def test_remote_prune_keeps_the_right_steps_and_ignores_foreign_objects(
+    endpoint: str, bucket: str, s3: Any, tmp_path
+) -> None:
+    root = str(tmp_path / "ckpt")
+    st, m, opt = _state(0)
+    ck = Checkpointer(root, st, keep_last=None)
+    up = BackgroundUploader(_archive(endpoint, bucket), max_pending=10, keep_last=2, keep_every=3)
+    for step in range(1, 7):
+        ck.save(step)
+        up.submit(ck.store.step_dir(step), step)
+    s3.pipe_file(f"{bucket}/run1/notes.txt", b"foreign")
+    s3.pipe_file(f"{bucket}/run1/step-00000009/__0_0.distcp", b"half an upload, no manifest")
+    assert up.close(timeout=60)
+    assert up.errors == [] and up.uploaded == [1, 2, 3, 4, 5, 6]
+    arch = _archive(endpoint, bucket)
+    assert arch.steps() == [3, 5, 6]
+    left = {p.rsplit("/", 1)[-1] for p in s3.ls(f"{bucket}/run1", refresh=True)}
+    assert left == {"notes.txt", "step-00000003", "step-00000005", "step-00000006", "step-00000009"}
+    assert arch.prune(keep_last=1) == [3, 5]
+    assert arch.steps() == [6]
+    assert s3.cat_file(f"{bucket}/run1/notes.txt") == b"foreign"
