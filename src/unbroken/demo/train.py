@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from unbroken.ckpt import Checkpointer, TrainState
+from unbroken.elastic import beat
 from unbroken.demo.model import TinyGPT, synthetic_corpus
 from unbroken.metrics import MetricLog
 
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         state.tokens += len(ids_all) * ctx
         metrics.log(state.step, loss=loss_sum, ids=ids_all)
         ckpt.maybe_save()
+        beat(state.step)  # progress for the supervisor's hang watchdog (no-op without one)
     if state.step not in ckpt.store.steps():
         ckpt.save()
     metrics.close()
