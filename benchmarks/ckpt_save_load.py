@@ -74,11 +74,91 @@ def timed(fn) -> float:  # noqa: ANN001 - called at once, so late binding of loo
     return time.perf_counter() - t
 
 
+def stall_table(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str, saves: int) -> None:
+    """Training-loop stall per checkpoint, repeated saves (the first one allocates)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    nbytes = state_bytes(model, opt)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    flat = [t for t in _tensors(sd)]
+    bufs = [torch.empty_like(t, pin_memory=cuda) for t in flat]
+    out: dict[str, list[float]] = {}
+
+    def rec(name: str, secs: float) -> None:
+        out.setdefault(name, []).append(secs)
+
+    st = TrainState(model=model, optimizer=opt)
+    ck = Checkpointer(os.path.join(root, "ub-async"), st, async_save=True, keep_last=1)
+    stager = DefaultStager(StagingOptions(cuda, not cuda, cuda, cuda))
+    for i in range(saves):
+        rec(
+            "memcpy floor (copy into preallocated buffers)",
+            timed(lambda: [b.copy_(t) for b, t in zip(bufs, flat, strict=True)]),
+        )
+        st.step = i
+        rec("unbroken Checkpointer(async_save=True).save", timed(lambda: ck.save()))
+        ck.wait()
+        rec("torch.save", timed(lambda: torch.save(sd, os.path.join(root, "t.pt"))))
+        rec("dcp.save", timed(lambda: dcp.save(sd, checkpoint_id=os.path.join(root, f"dcp{i}"))))
+        fut: list = []
+        rec(
+            "dcp.async_save",
+            timed(
+                lambda: fut.append(dcp.async_save(sd, checkpoint_id=os.path.join(root, f"dcpa{i}")))
+            ),
+        )
+        fut[0].result()
+        fut.clear()
+        rec(
+            "dcp.async_save + DefaultStager",
+            timed(
+                lambda: fut.append(
+                    dcp.async_save(
+                        sd, checkpoint_id=os.path.join(root, f"dcps{i}"), async_stager=stager
+                    )
+                )
+            ),
+        )
+        r = fut[0]
+        (r.upload_completion if hasattr(r, "upload_completion") else r).result()
+        for d in (f"dcp{i}", f"dcpa{i}", f"dcps{i}"):
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    ck.close()
+    stager.close()
+    floor = statistics.median(out["memcpy floor (copy into preallocated buffers)"][1:])
+    print()
+    print(
+        f"| loop stall per checkpoint ({nbytes / 2**30:.2f} GiB, {'CUDA' if cuda else 'CPU'}) | first save (s) | later saves, median (s) | vs memcpy floor |"
+    )
+    print("|---|---|---|---|")
+    for name, v in out.items():
+        later = statistics.median(v[1:]) if len(v) > 1 else v[0]
+        print(f"| {name} | {v[0]:.3f} | {later:.3f} | {later / floor:.2f}x |")
+
+
+def _tensors(obj: object) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=2.0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="scratch directory on the disk to test")
+    ap.add_argument(
+        "--stall",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also measure loop stall over N repeated async saves",
+    )
     a = ap.parse_args()
     root = a.dir or tempfile.mkdtemp(prefix="ub-bench-", dir=os.environ.get("TMPDIR", "/tmp"))
     model, opt = make_state(a.gib)
@@ -146,6 +226,8 @@ def main() -> None:
     print()
     print(f"save bandwidth vs dd ceiling: {med['dd'] / med['ckpt_save'] * 100:.0f}% (goal >= 85%)")
     print(f"load speed-up vs dcp.load: {med['dcp_load'] / med['ckpt_load']:.2f}x (goal >= 2x)")
+    if a.stall:
+        stall_table(model, opt, root, a.stall)
     if not a.dir:
         shutil.rmtree(root, ignore_errors=True)
 
