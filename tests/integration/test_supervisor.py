@@ -144,3 +144,25 @@ def test_storage_outage_waits_in_preflight_then_resumes(tmp_path):
     assert fail["fault"] == "storage" and fail["action"] == "preflight", fail
     assert len(job.events("launch")) == 2
     _assert_continuous(str(tmp_path / "metrics.jsonl"), steps)
+
+
+def test_sigterm_lets_the_job_save_then_exits_7_and_a_rerun_resumes(tmp_path):
+    steps = 40
+    args = _script_args(tmp_path, steps, save_every=100)  # only the preemption save
+    with h.jobs() as start:
+        job = start(str(tmp_path / "run"), ["--nproc-per-node", "1"], args)
+        h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=1), 60, "step 8", job)
+        t_term = time.time()
+        os.kill(job.proc.pid, signal.SIGTERM)  # the scheduler preempts the job
+        assert job.wait(30) == 7, job.output()[-3000:]
+        (saved,) = job.events("saved")
+        assert saved["preempted"] and saved["t"] > t_term and saved["step"] >= 8
+        (f,) = job.events("failure")
+        assert (f["fault"], f["action"], f["kind"]) == ("preemption", "exit", "preempted")
+        assert not h.pids_of(job)  # nothing of the job survives
+
+        again = start(str(tmp_path / "run"), ["--nproc-per-node", "1"], args)
+        assert again.wait(90) == 0, again.output()[-3000:]
+    (loaded,) = [e for e in again.events("loaded") if e["attempt"] == 1]
+    assert loaded["step"] == saved["step"]  # resumed exactly where the preemption saved
+    _assert_continuous(str(tmp_path / "metrics.jsonl"), steps)

@@ -61,6 +61,11 @@ class Attempt:
         env[recovery.ENV_ATTEMPT] = str(number)
         env[ENV_TOKEN] = self.token
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # With the agent-shared TCPStore (torch's default) a node that joins a later round
+        # (a spare, or a node coming back) waits forever for MASTER_ADDR: rank 0 publishes
+        # it only in its first round (dynamic_rendezvous.next_rendezvous; cf. pytorch#123678).
+        # Publishing it per round, as before torch 2.4, makes scale-up work.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         env.pop(recovery.ENV_CATCHUP, None)
         if catchup_step is not None:
             env[recovery.ENV_CATCHUP] = str(catchup_step)

@@ -15,6 +15,8 @@ Keys under ``unbroken/<run_id>/``:
 ``nodes``          newline-separated node names (append-only)
 ``alive/<node>``   Unix time of that supervisor's last tick (node-loss verdicts)
 ``stop``           ``<exit code> <reason>``: one supervisor stopped the job; all stop
+``done/<node>``    that supervisor's exit code; the hosting supervisor keeps the store up
+                   until every live peer is done
 """
 
 from __future__ import annotations
@@ -112,6 +114,22 @@ class Coordinator:
             with contextlib.suppress(RuntimeError, ValueError):
                 out[n] = float(self._store.get(self._k(f"alive/{n}")))
         return out
+
+    def set_done(self, code: int) -> None:
+        self._store.set(self._k(f"done/{self.node}"), str(code))
+
+    def wait_peers_done(self, timeout: float, silent_after: float) -> list[str]:
+        """Block (at most ``timeout`` s) while a live peer has not said it is done: the store
+        lives in this process, and a peer still finishing must not lose it. Returns the peers
+        given up on."""
+        deadline = time.monotonic() + timeout
+        while True:
+            now = time.time()
+            waiting = [n for n, t in self.peers().items()
+                       if now - t < silent_after and not self._store.check([self._k(f"done/{n}")])]
+            if not waiting or time.monotonic() > deadline:
+                return waiting
+            time.sleep(0.1)
 
     def set_stop(self, code: int, reason: str) -> None:
         self._store.set(self._k("stop"), f"{code} {reason}")

@@ -251,6 +251,7 @@ class Supervisor:
         seen: set[int] = set()
         alive: set[int] = set()
         t_up: float | None = None
+        store_lost: float | None = None
         first_dead: float | None = None
         last_poll = time.time()
         while True:
@@ -264,12 +265,23 @@ class Supervisor:
                 return _Outcome(kind, rc, first_dead or last_poll, now, detail)
             if self._signal is not None:
                 return self._preempt(att)
-            self._tick(coord)
-            stop = self._peer_stop(coord)
+            try:
+                coord.tick()
+                stop = coord.get_stop()
+                newer = coord.gen() > att.gen
+                store_lost = None
+            except RuntimeError as e:
+                # The store host may be finishing a moment before us; only a lasting loss
+                # is fatal (torchrun's own rendezvous keep-alives fail soon after anyway).
+                store_lost = store_lost or now
+                if now - store_lost > 2 * self.cfg.rdzv.node_timeout:
+                    att.kill()
+                    raise RuntimeError(f"lost the rendezvous store at {coord.endpoint}: {e}") from e
+                stop, newer = None, False
             if stop is not None:
                 att.kill()
                 return _Outcome("stopped", None, now, now, stop=stop)
-            if coord.gen() > att.gen:
+            if newer:
                 att.kill()
                 return _Outcome("peer", None, now, now, "another node failed; joining its restart")
             pids = set(att.worker_pids())
@@ -419,6 +431,9 @@ class Supervisor:
                         hosting=self._coord.hosting, command=list(self.cfg.command),
                         nnodes=r.nnodes, nproc_per_node=self.cfg.nproc_per_node)
             code = self._loop(self._coord, first)
+        except RuntimeError as e:
+            log.error("supervisor failed: %s", e)
+            code = faults.EXIT_ERROR
         finally:
             if self._attempt is not None:
                 self._attempt.close()
@@ -426,7 +441,19 @@ class Supervisor:
                 signal.signal(s, h)
             self._event("finish" if code == 0 else "stop", exit_code=code)
             self._finish()
+            if self._coord is not None:
+                self._release_store(self._coord, code)
         return code
+
+    def _release_store(self, coord: Coordinator, code: int) -> None:
+        try:
+            coord.set_done(code)
+            if coord.hosting:
+                late = coord.wait_peers_done(timeout=60.0, silent_after=self.cfg.rdzv.node_timeout)
+                if late:
+                    log.warning("closing the rendezvous store while %s still run", late)
+        except RuntimeError as e:
+            log.debug("store already gone at exit: %s", e)
 
     def _loop(self, coord: Coordinator, number: int) -> int:
         ok, _ = self._preflight(coord, wait=True)

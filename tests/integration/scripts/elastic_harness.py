@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from unbroken.elastic import heartbeat, recovery
-from unbroken.elastic._procs import kill_matching
+from unbroken.elastic._procs import kill_matching, pids_with_env
 from unbroken.metrics import read_metrics
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_train.py")
@@ -127,6 +127,11 @@ def live_beats(job: Job, attempt: int, min_step: int, ranks: int) -> list[heartb
     if len(by_rank) >= ranks and all(b.step >= min_step for b in by_rank.values()):
         return sorted(by_rank.values(), key=lambda b: b.rank)
     return []
+
+
+def pids_of(job: Job) -> list[int]:
+    """Live processes (torchrun, workers) started under this job's run directory."""
+    return pids_with_env(recovery.ENV_RUN_DIR, job.run_dir)
 
 
 def metric_steps(path: str) -> list[int]:

@@ -6,6 +6,8 @@ its DCP save is a collective, so rank 0 saving alone while the other ranks train
 the hang watchdog test caught exactly that). ``--ckpt-kind file`` keeps a tiny progress file
 (step + weights, published with ``atomic_write_bytes``) and marks "loaded" itself.
 The other ranks receive the restored weights by broadcast. Every rank beats each step.
+On SIGTERM (preemption) rank 0 saves the step it just finished and the job stops cleanly
+(single-rank runs: the ranks do not agree on a common stopping step here).
 
     torchrun ... elastic_train.py --ckpt DIR --metrics FILE --steps N [--save-every K]
         [--sleep S] [--raise-at STEP] [--ckpt-kind unbroken|file]
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import signal
 import time
 from typing import Any
 
@@ -50,12 +53,15 @@ class _FileCkpt:
     def maybe_save(self, step: int) -> bool:
         if step % self.every:
             return False
+        self.save(step)
+        return True
+
+    def save(self, step: int) -> None:
         t0 = time.perf_counter()
         buf = io.BytesIO()
         torch.save({"step": step, "model": self.model.state_dict()}, buf)
         atomic_write_bytes(self.path, buf.getvalue())
         self.last_save_seconds = time.perf_counter() - t0
-        return True
 
 
 @record
@@ -70,6 +76,8 @@ def main() -> None:
     ap.add_argument("--ckpt-kind", choices=("unbroken", "file"), default="file")
     a = ap.parse_args()
 
+    preempted: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: preempted.append(signum))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     install()  # stack dumps work from here on, even before the first beat
@@ -114,8 +122,14 @@ def main() -> None:
                         attempt=int(os.environ.get("UNBROKEN_ATTEMPT", "-1")))
             if a.ckpt_kind == "unbroken":
                 state.step = done
-            if ckpt.maybe_save(done):
-                mark("saved", step=done, seconds=ckpt.last_save_seconds)
+            saved = ckpt.maybe_save(done)
+            if preempted and not saved:
+                ckpt.save(done)
+                saved = True
+            if saved:
+                mark("saved", step=done, seconds=ckpt.last_save_seconds, preempted=bool(preempted))
+        if preempted:
+            break
         time.sleep(a.sleep)
     dist.barrier()
     if metrics is not None:

@@ -1,0 +1,111 @@
+"""Two (or three) `unbroken run` supervisors as the nodes of one `--nnodes 1:2` job on
+127.0.0.1: losing a node's agent, losing a whole node, and a spare taking its place."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+import elastic_harness as h  # noqa: E402
+
+pytestmark = pytest.mark.timeout(200)
+
+
+def _start_node(start, tmp_path, name: str, port: int, steps: int, sleep: float = 0.08):
+    sup = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--run-id", "nodes", "--node", name]
+    script = ["--ckpt", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "metrics.jsonl"),
+              "--steps", str(steps), "--save-every", "3", "--sleep", str(sleep)]
+    job = start(str(tmp_path / f"run-{name}"), sup, script)
+    h.wait_until(lambda: job.events("start"), 60, f"supervisor {name} up", job)
+    return job
+
+
+def _wait_world(tmp_path, size: int, min_step: int, job) -> None:
+    path = str(tmp_path / "metrics.jsonl")
+    h.wait_until(
+        lambda: [r for r in h.metrics(path) if r["world_size"] == size and r["step"] >= min_step],
+        90, f"world size {size} at step >= {min_step}", job)
+
+
+def _check_log(tmp_path, steps: int) -> list[dict]:
+    recs = h.metrics(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in recs] == list(range(1, steps + 1)), [r["step"] for r in recs]
+    return recs
+
+
+def test_whole_node_lost_training_continues_on_the_other(tmp_path):
+    port, steps = h.free_port(), 70
+    with h.jobs() as start:
+        a = _start_node(start, tmp_path, "A", port, steps)
+        b = _start_node(start, tmp_path, "B", port, steps)
+        _wait_world(tmp_path, 2, 12, a)
+        b.kill_all()  # supervisor, agent and worker of node B: the node is gone
+        assert a.wait(120) == 0, a.output()[-4000:]
+
+    fails = a.events("failure")
+    assert fails and fails[0]["fault"] == "node_lost", fails
+    assert "B" in fails[0]["reason"]
+    recs = _check_log(tmp_path, steps)
+    assert recs[-1]["world_size"] == 1  # finished on the surviving node alone
+    assert any(r["world_size"] == 2 for r in recs)
+    assert a.events("start")[0]["hosting"] is True
+
+
+@pytest.mark.slow
+def test_agent_killed_on_one_node_both_rejoin(tmp_path):
+    port, steps = h.free_port(), 70
+    with h.jobs() as start:
+        a = _start_node(start, tmp_path, "A", port, steps)
+        b = _start_node(start, tmp_path, "B", port, steps)
+        _wait_world(tmp_path, 2, 12, a)
+        (launch,) = b.events("launch")
+        os.kill(int(_torchrun_pid(launch)), 9)  # only node B's torchrun agent dies
+        assert a.wait(120) == 0, a.output()[-4000:]
+        assert b.wait(30) == 0, b.output()[-4000:]
+
+    (fb,) = b.events("failure")
+    assert (fb["kind"], fb["fault"]) == ("agent_lost", "node_lost"), fb
+    (fa,) = a.events("failure")
+    assert fa["fault"] == "process" and fa["rule"] in ("peer_lost", "peer"), fa
+    assert fa["gen"] == fb["gen"] == 0
+    assert {e["gen"] for e in a.events("launch")} == {0, 1}
+    recs = _check_log(tmp_path, steps)
+    assert recs[-1]["world_size"] == 2  # B's supervisor brought its node back
+
+
+def _torchrun_pid(launch: dict) -> int:
+    """The pid of the torchrun process started by this launch (found by its log dir)."""
+    log_dir = launch["argv"][launch["argv"].index("--log-dir") + 1]
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"torch.distributed.run" in argv and log_dir.encode() in argv:
+            return int(name)
+    raise AssertionError(f"no torchrun process with --log-dir {log_dir}")
+
+
+@pytest.mark.slow
+def test_spare_node_replaces_a_lost_one(tmp_path):
+    port, steps = h.free_port(), 90
+    with h.jobs() as start:
+        a = _start_node(start, tmp_path, "A", port, steps)
+        b = _start_node(start, tmp_path, "B", port, steps)
+        _wait_world(tmp_path, 2, 10, a)
+        spare = _start_node(start, tmp_path, "C", port, steps)
+        h.wait_until(lambda: spare.events("launch"), 30, "spare agent waiting", spare)
+        b.kill_all()
+        assert a.wait(150) == 0, a.output()[-4000:]
+        assert spare.wait(30) == 0, spare.output()[-4000:]
+
+    recs = _check_log(tmp_path, steps)
+    assert recs[-1]["world_size"] == 2  # the spare took the lost node's place
+    assert spare.events("workers_up"), "the spare never ran workers"

@@ -1,0 +1,185 @@
+"""Recovery phases from events (E-MEASURED), `mark`, and the heartbeat beacons / watchdog
+helpers (beats from real processes, stack dumps from a real stopped process)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from unbroken.elastic import heartbeat, recovery
+from unbroken.elastic.heartbeat import BeatRecord
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _ev(t, event, **kw):
+    return {"t": t, "event": event, **kw}
+
+
+def _run(failure_step=12, loaded_step=10, caught=True):
+    ev = [
+        _ev(0.0, "start"), _ev(0.1, "launch", attempt=0), _ev(2.0, "workers_up", attempt=0),
+        _ev(4.0, "loaded", attempt=0, rank=0, step=0),
+        _ev(20.5, "failure", attempt=0, t_fail=20.0, t_detect=20.5, fault="process",
+            reason="killed", step=failure_step),
+        _ev(21.0, "launch", attempt=1), _ev(23.0, "workers_up", attempt=1),
+        _ev(25.0, "loaded", attempt=1, rank=1, step=loaded_step, seconds=0.4),
+        _ev(26.0, "loaded", attempt=1, rank=0, step=loaded_step, seconds=0.9),
+        _ev(40.0, "loaded", attempt=1, rank=0, step=loaded_step),  # a later reload (spare)
+    ]
+    if caught:
+        ev.append(_ev(29.0, "caught_up", attempt=1, rank=0, step=failure_step))
+    ev.append(_ev(50.0, "finish", exit_code=0))
+    return ev
+
+
+def test_phases_from_events():
+    (r,) = recovery.phases(_run())
+    assert (r.detect, r.relaunch, r.load, r.catch_up) == (0.5, 2.5, 3.0, 3.0)
+    assert r.total == 9.0 and r.restore_seconds == 0.9 and r.loaded_step == 10
+    (r,) = recovery.phases(_run(caught=False))
+    assert r.catch_up is None and r.total is None
+    (r,) = recovery.phases(_run(failure_step=10, caught=False))
+    assert r.catch_up == 0.0  # the checkpoint held the failure step: nothing to redo
+
+
+def test_summary_goodput_and_trend():
+    s = recovery.summarize(_run())
+    assert s.wall == 50.0 and s.lost == pytest.approx(4.0 + 9.0)
+    assert s.goodput == pytest.approx(1 - 13 / 50)
+    text = recovery.format_summary(s)
+    assert "goodput 74.0%" in text and "killed" in text and s.trend_warning is None
+    recs = [recovery.Recovery(i, i, "process", "", 1, 0.0, 1.0, t, 1.0, 1.0, None, 1)
+            for i, t in enumerate((2.0, 2.2, 1.8, 9.0))]
+    assert "getting slower" in (recovery._trend(recs) or "")
+
+
+def test_mark_is_a_noop_unsupervised_and_appends_when_supervised(tmp_path, monkeypatch):
+    monkeypatch.delenv(recovery.ENV_RUN_DIR, raising=False)
+    recovery.mark("loaded", step=3, seconds=0.1)
+    assert not os.listdir(tmp_path)
+    monkeypatch.setenv(recovery.ENV_RUN_DIR, str(tmp_path))
+    monkeypatch.setenv(recovery.ENV_ATTEMPT, "2")
+    monkeypatch.setenv("RANK", "1")
+    recovery.mark("loaded", step=3, seconds=0.1)
+    (e,) = recovery.load_events(str(tmp_path))
+    assert (e["event"], e["attempt"], e["rank"], e["step"], e["seconds"]) == ("loaded", 2, 1, 3, 0.1)
+    with pytest.raises(ValueError, match="reserved"):
+        recovery.mark("x", t=1)
+    with open(tmp_path / recovery.EVENTS_FILE, "a") as f:
+        f.write('{"t": 1, "event": "torn')  # a writer killed mid-line
+    assert len(recovery.load_events(str(tmp_path))) == 1
+
+
+def _marker(run_dir: str, n: int) -> None:
+    os.environ[recovery.ENV_RUN_DIR] = run_dir
+    for i in range(n):
+        recovery.mark("saved", step=i, payload="x" * 200)
+
+
+def test_concurrent_marks_never_interleave(tmp_path):
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_marker, args=(str(tmp_path), 300)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+    ev = recovery.load_events(str(tmp_path))
+    assert len(ev) == 1200 and {len(e["payload"]) for e in ev} == {200}
+
+
+_CHILD = textwrap.dedent("""
+    import os, sys, time
+    from unbroken.elastic import beat, heartbeat
+    def deep_sleep_here():
+        while True:
+            time.sleep(0.05)
+    for step in range(1, int(sys.argv[1]) + 1):
+        beat(step)
+    print("ready", heartbeat._beacon is not None, flush=True)
+    if sys.argv[2] == "sleep":
+        deep_sleep_here()
+""")
+
+
+def _child(tmp_path, steps: int, then: str, **env: str) -> subprocess.Popen[str]:
+    """A process that beats ``steps`` times; asserts whether it created a beacon."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
+    e.update(env)
+    p = subprocess.Popen([sys.executable, "-c", _CHILD, str(steps), then], env=e,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
+    supervised = recovery.ENV_RUN_DIR in env
+    assert p.stdout.readline().split() == ["ready", str(supervised)]
+    return p
+
+
+def test_beats_from_a_real_process_and_catch_up_mark(tmp_path):
+    env = {recovery.ENV_RUN_DIR: str(tmp_path), recovery.ENV_ATTEMPT: "3", "RANK": "0",
+           recovery.ENV_CATCHUP: "40"}
+    p = _child(tmp_path, 50, "exit", **env)
+    p.wait(10)
+    (b,) = heartbeat.read_beats(str(tmp_path), 3)
+    assert (b.pid, b.rank, b.attempt, b.step, b.seq) == (p.pid, 0, 3, 50, 50)
+    assert abs(time.time() - b.t) < 10
+    (c,) = [e for e in recovery.load_events(str(tmp_path)) if e["event"] == "caught_up"]
+    assert (c["step"], c["attempt"]) == (40, 3)
+
+
+def test_beat_is_a_noop_when_unsupervised(tmp_path):
+    p = _child(tmp_path, 5, "exit")  # asserts the child made no beacon
+    assert p.wait(10) == 0
+
+
+def test_beat_costs_about_a_microsecond(tmp_path, monkeypatch):
+    monkeypatch.setenv(recovery.ENV_RUN_DIR, str(tmp_path))
+    monkeypatch.setenv(recovery.ENV_ATTEMPT, "0")
+    heartbeat._reset_after_fork()
+    try:
+        heartbeat.beat(0)
+        n = 200_000
+        t0 = time.perf_counter()
+        for i in range(n):
+            heartbeat.beat(i)
+        per_call = (time.perf_counter() - t0) / n
+    finally:
+        heartbeat._reset_after_fork()
+    print(f"beat(): {per_call * 1e6:.2f} us per call")
+    assert per_call < 5e-6  # typically ~0.4 us; generous for a loaded CI box
+    (b,) = heartbeat.read_beats(str(tmp_path), 0)
+    assert b.step == n - 1
+
+
+def test_stalled_considers_only_live_started_beacons():
+    now = time.time()
+    me = os.getpid()
+    beats = [
+        BeatRecord("a", me, 0, 0, 5, 10, now - 10.0),  # live and silent for 10 s
+        BeatRecord("b", me, 1, 0, 5, 10, now - 0.5),  # live and recent
+        BeatRecord("c", 2**22 + 7, 2, 0, 5, 10, now - 99.0),  # dead process: not a hang
+        BeatRecord("d", me, 3, 0, 0, -1, 0.0),  # installed, never beat: startup timeout's job
+    ]
+    assert [b.rank for b in heartbeat.stalled(beats, now, hang_timeout=3.0)] == [0]
+
+
+def test_stack_dump_from_a_stopped_process(tmp_path):
+    env = {recovery.ENV_RUN_DIR: str(tmp_path), recovery.ENV_ATTEMPT: "0", "RANK": "4"}
+    p = _child(tmp_path, 3, "sleep", **env)
+    try:
+        os.kill(p.pid, signal.SIGSTOP)
+        time.sleep(0.1)
+        beats = heartbeat.read_beats(str(tmp_path), 0)
+        dumps = heartbeat.request_stack_dumps(str(tmp_path), beats, grace=5.0)
+        assert dumps == [os.path.join(heartbeat.stack_dir(str(tmp_path)), f"a0-r4-p{p.pid}.txt")]
+        text = open(dumps[0]).read()
+        assert "deep_sleep_here" in text and "most recent call first" in text
+    finally:
+        p.kill()
+        p.wait(10)
