@@ -286,3 +286,50 @@ def test_remote_prune_keeps_the_right_steps_and_ignores_foreign_objects(
     assert arch.prune(keep_last=1) == [3, 5]
     assert arch.steps() == [6]
     assert s3.cat_file(f"{bucket}/run1/notes.txt") == b"foreign"
+
+
+def test_checkpointer_archive_option_restores_from_s3_after_the_disk_is_lost(
+    endpoint: str, bucket: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user-facing path: ``Checkpointer(archive="s3://...", archive_every=2)`` (endpoint
+    from ``AWS_ENDPOINT_URL``, which botocore reads)."""
+    import s3fs
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    url = f"s3://{bucket}/job"
+    root = str(tmp_path / "ckpt")
+    try:
+        st, m, opt = _state(0)
+        ck = Checkpointer(root, st, keep_last=1, archive=url, archive_every=2)
+        snaps = {}
+        for _ in range(5):
+            _train(st, m, opt, 1)
+            ck.save()
+            snaps[st.step] = _snapshot(m, opt)
+        ck.close()  # waits for the background uploads
+        assert Archive(url).steps() == [2, 4]
+        assert os.listdir(root) == ["step-00000005"]  # local retention did not wait
+
+        shutil.rmtree(root)
+        st2, m2, opt2 = _state(1)
+        _train(st2, m2, opt2, 1)
+        ck2 = Checkpointer(root, st2, archive=url)
+        assert ck2.restore() == 4
+        ck2.close()
+        assert _bits_equal(_snapshot(m2, opt2), snaps[4])
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()  # its client points at this test's server
+
+
+def test_fetch_never_overwrites_a_local_step_and_honours_older_than(tmp_path) -> None:
+    root = str(tmp_path / "ckpt")
+    _two_steps(root)
+    arch = Archive(f"memory://fetch-{uuid.uuid4().hex[:8]}", backoff_s=0.01)
+    for step in (2, 4):
+        arch.upload(os.path.join(root, f"step-{step:08d}"), step)
+    fresh = tmp_path / "fresh"
+    (fresh / "step-00000004").mkdir(parents=True)  # not ours (no manifest): left alone
+    assert fetch_newest_valid(arch, str(fresh)) == 2
+    assert os.listdir(fresh / "step-00000004") == []
+    assert fetch_newest_valid(arch, str(tmp_path / "other"), older_than=4) == 2
+    assert fetch_newest_valid(arch, str(tmp_path / "none"), older_than=2) is None

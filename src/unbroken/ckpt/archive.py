@@ -544,11 +544,13 @@ def fetch_newest_valid(
         if older_than is not None and step >= older_than:
             continue
         final = store.step_dir(step)
-        if os.path.exists(final):
-            raise FileExistsError(
-                f"{final} already exists locally; restore() quarantines damaged local "
-                "checkpoints before fetching remote ones, so move it away or restore it"
+        if os.path.exists(final):  # e.g. a step dir without manifest: never overwrite it
+            log.warning(
+                "not fetching remote step %d: %s already exists locally (restore() moves "
+                "damaged checkpoints aside first); trying an older one",
+                step, final,
             )
+            continue
         tmp = store.begin(step)
         try:
             archive.download(step, tmp)
