@@ -192,3 +192,79 @@ def test_corrupt_file_of_one_rank_makes_all_ranks_fall_back(tmp_path, dataset: s
     assert not any(r[root]["model"] for r in loads), "step-1 weights must differ from step-2"
     assert os.path.isdir(os.path.join(root, "corrupt-step-00000002-checksum"))
     assert exp2  # the reference really was the newer step
+
+
+def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from unbroken.ckpt import Checkpointer, TrainState
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        for layer in m:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        m(torch.ones(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+        class ModelAndOptim:  # the DCP state_dict helpers, as TorchTitan uses them
+            def state_dict(self) -> dict[str, Any]:
+                msd, osd = get_state_dict(m, opt)
+                return {"model": msd, "optim": osd}
+
+            def load_state_dict(self, sd: dict[str, Any]) -> None:
+                set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+        st = TrainState(extras={"app": ModelAndOptim()})
+        ck = Checkpointer(job["root"], st)
+        ref = os.path.join(job["root"], "full.pt")
+        if job["mode"] == "save":
+            for _ in range(2):  # a second step so the moments are non-trivial
+                m(torch.ones(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            st.step = 3
+            ck.save()
+            full = {k: v.full_tensor() for k, v in m.state_dict().items()}
+            if rank == 0:
+                torch.save(full, ref)
+        else:
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.zero_()
+            assert ck.restore() == 3
+            full = torch.load(ref, weights_only=True)
+            same = all(torch.equal(full[k], v.full_tensor()) for k, v in m.state_dict().items())
+            moments = opt.state_dict()["state"]
+            with open(os.path.join(job["root"], f"fsdp-load-w{world}-r{rank}"), "w") as f:
+                f.write(f"{same} {len(moments)}")
+        ck.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_saved_on_2_loads_on_1_and_3(tmp_path) -> None:
+    root = str(tmp_path / "ck")
+    tmp_mp.start_processes(
+        _fsdp_worker,
+        args=(2, {"mode": "save", "root": root, "port": _free_port()}),
+        nprocs=2,
+        start_method="spawn",
+    )
+    for w in (1, 3):
+        tmp_mp.start_processes(
+            _fsdp_worker,
+            args=(w, {"mode": "load", "root": root, "port": _free_port()}),
+            nprocs=w,
+            start_method="spawn",
+        )
+        for r in range(w):
+            assert open(os.path.join(root, f"fsdp-load-w{w}-r{r}")).read() == "True 4", (w, r)
