@@ -89,6 +89,8 @@ class Checkpointer:
         io_threads: parallel writer threads per rank (DCP ``thread_count``).
         archive: fsspec URL (``s3://bucket/prefix``) for remote copies.
         archive_every: upload every K-th committed checkpoint (default: every one).
+        archive_keep_last: remote retention (default None: the archive keeps every upload).
+        archive_options: fsspec storage options (endpoint, credentials) for the archive.
         save_on_sigterm: on SIGTERM (preemption) the next :meth:`maybe_save` saves
             synchronously, flushes, and exits with status 143.
     """
@@ -107,6 +109,8 @@ class Checkpointer:
         io_threads: int = 2,
         archive: str | None = None,
         archive_every: int | None = None,
+        archive_keep_last: int | None = None,
+        archive_options: Mapping[str, Any] | None = None,
         save_on_sigterm: bool = False,
     ) -> None:
         if not isinstance(state, TrainState):
@@ -118,6 +122,7 @@ class Checkpointer:
             ("keep_last", keep_last),
             ("keep_every", keep_every),
             ("archive_every", archive_every),
+            ("archive_keep_last", archive_keep_last),
         ):
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name}={v!r} must be a positive integer or None")
@@ -141,8 +146,8 @@ class Checkpointer:
         if archive is not None:
             from unbroken.ckpt.archive import Archive, BackgroundUploader
 
-            self._archive = Archive(archive)
-            self._uploader = BackgroundUploader(self._archive)
+            self._archive = Archive(archive, storage_options=dict(archive_options or {}))
+            self._uploader = BackgroundUploader(self._archive, keep_last=archive_keep_last)
         # Checkpoint collectives get their own group: a background save must never
         # interleave with the training loop's collectives on the default group.
         self._group = dist.new_group(backend="gloo") if _dist.is_dist() else None
@@ -421,43 +426,33 @@ class Checkpointer:
             self._require_step(step)
         rank, world = _dist.rank(), _dist.world()
         t0 = time.perf_counter()
-        for attempt in ("local", "archive"):
-            if attempt == "archive":
-                if self._archive is None:
-                    break
-                fetched = None
-                if rank == 0:
-                    from unbroken.ckpt.archive import fetch_newest_valid
-
-                    fetched = fetch_newest_valid(self._archive, self.store.root)
-                if _dist.broadcast(fetched, group=self._group) is None:
-                    break
+        if rank == 0:
+            self.store.remove_debris()
+            for name in self.store.uncommitted():
+                log.warning(
+                    "ignoring %s/%s: a step directory without manifest.json", self.store.root, name
+                )
+        candidates = [step] if step is not None else sorted(self.store.steps(), reverse=True)
+        for s in _dist.broadcast(candidates, group=self._group):
+            if self._try_load(s, rank, world) is not None:
+                return self._restored(s, t0)
+            if step is not None:
+                raise CorruptCheckpoint(
+                    s, "damaged", "the requested checkpoint failed verification"
+                )
+        older: int | None = None
+        while self._archive is not None:  # node replaced or disk lost: newest good remote copy
+            fetched = None
             if rank == 0:
-                self.store.remove_debris()
-                for name in self.store.uncommitted():
-                    log.warning(
-                        "ignoring %s/%s: a step directory without manifest.json",
-                        self.store.root,
-                        name,
-                    )
-            candidates = [step] if step is not None else sorted(self.store.steps(), reverse=True)
-            candidates = _dist.broadcast(candidates, group=self._group)
-            for s in candidates:
-                got = self._try_load(s, rank, world)
-                if got is not None:
-                    dt = time.perf_counter() - t0
-                    self.last_restore_seconds = dt
-                    self._last_save_time = time.monotonic()
-                    if rank == 0:
-                        log.info(
-                            "restored step %d from %s in %.2f s", s, self.store.step_dir(s), dt
-                        )
-                    _mark_loaded(s, dt)
-                    return s
-                if step is not None:
-                    raise CorruptCheckpoint(
-                        s, "damaged", "the requested checkpoint failed verification"
-                    )
+                from unbroken.ckpt.archive import fetch_newest_valid
+
+                fetched = fetch_newest_valid(self._archive, self.store.root, older_than=older)
+            fetched = _dist.broadcast(fetched, group=self._group)
+            if fetched is None:
+                break
+            if self._try_load(fetched, rank, world) is not None:
+                return self._restored(fetched, t0)
+            older = fetched
         if self.store.has_foreign_content() and not self.allow_fresh_start:
             raise RuntimeError(
                 f"{self.store.root!r} is not empty but holds no valid checkpoint (damaged ones "
@@ -465,6 +460,15 @@ class Checkpointer:
                 "allow_fresh_start=True to start anew, or point at another directory"
             )
         return None
+
+    def _restored(self, s: int, t0: float) -> int:
+        dt = time.perf_counter() - t0
+        self.last_restore_seconds = dt
+        self._last_save_time = time.monotonic()
+        if self.rank == 0:
+            log.info("restored step %d from %s in %.2f s", s, self.store.step_dir(s), dt)
+        _mark_loaded(s, dt)
+        return s
 
     def _try_load(self, s: int, rank: int, world: int) -> int | None:
         """Verify ``s`` on every rank; apply it only if all agree. Returns ``s`` or None."""
@@ -522,7 +526,9 @@ class Checkpointer:
                 )
 
 
-def _dcp_targets(saved: Mapping[str, Any], live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _dcp_targets(
+    saved: Mapping[str, Any], live: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Tensors for ``dcp.load``: live ones where they exist (re-sharded in place), fresh
     ones for unsharded state the live objects do not hold yet (e.g. a new optimizer)."""
     out: dict[str, torch.Tensor] = {}
