@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -98,12 +99,32 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def compare_runs(ref_dir: str, run_dir: str) -> dict[str, Any]:
-    """Compare final checkpoints and logs of two runs; returns a dict of findings."""
-    ref = read_checkpoint(os.path.join(ref_dir, "ckpt"))
-    got = read_checkpoint(os.path.join(run_dir, "ckpt"))
+def compare_runs(
+    ref_dir: str,
+    run_dir: str,
+    *,
+    ckpt: str = "ckpt",
+    metrics: str = "metrics.jsonl",
+) -> dict[str, Any]:
+    """Compare final checkpoints and logs of two runs; returns a dict of findings.
+
+    ``ckpt`` and ``metrics`` are the checkpoint root and metric log, relative to each run
+    directory. Keys: one per TrainState component (``model``, ``optimizer``, ...: the
+    differing flattened keys, ``[]`` when equal), ``counters`` (differing step/sample/token
+    counters), ``first_loss_diff`` (step), ``loss_at_diff`` (reference, run),
+    ``first_sample_diff`` (index into the concatenated sample ids), ``first_sample_step``
+    (the run's step holding it), ``first_sample_ids`` (reference id, run id; None past the
+    end), ``missing_samples`` / ``extra_samples`` (multiset differences: never consumed /
+    consumed more often than in the reference), ``duplicated_steps``, ``identical``.
+    """
+    ref = read_checkpoint(os.path.join(ref_dir, ckpt))
+    got = read_checkpoint(os.path.join(run_dir, ckpt))
     result: dict[str, Any] = {}
-    for part in ("model", "optimizer", "scheduler", "ema", "loader"):
+    comps = sorted(ref["components"].keys() | got["components"].keys())
+    for part in comps:
+        if part not in ref["components"] or part not in got["components"]:
+            result[part] = ["<component missing in one run>"]
+            continue
         fa = _flat(ref["components"][part])
         fb = _flat(got["components"][part])
         diff = sorted(
@@ -112,26 +133,40 @@ def compare_runs(ref_dir: str, run_dir: str) -> dict[str, Any]:
             if k not in fa or k not in fb or not _equal(fa[k], fb[k])
         )
         result[part] = diff
+    ca, cb = ref.get("counters", {}), got.get("counters", {})
+    result["counters"] = sorted(k for k in ca.keys() | cb.keys() if ca.get(k) != cb.get(k))
     ra, rb = (
-        read_metrics(os.path.join(ref_dir, "metrics.jsonl")),
-        read_metrics(os.path.join(run_dir, "metrics.jsonl")),
+        read_metrics(os.path.join(ref_dir, metrics)),
+        read_metrics(os.path.join(run_dir, metrics)),
     )
     steps_b = [r["step"] for r in rb]
     result["duplicated_steps"] = len(steps_b) - len(set(steps_b))
-    result["first_loss_diff"] = next(
-        (x["step"] for x, y in zip(ra, rb, strict=False) if x["loss"] != y["loss"]), None
-    )
+    pair = next(((x, y) for x, y in zip(ra, rb, strict=False) if x["loss"] != y["loss"]), None)
+    result["first_loss_diff"] = pair[0]["step"] if pair else None
+    result["loss_at_diff"] = (pair[0]["loss"], pair[1]["loss"]) if pair else None
     if len(ra) != len(rb) and result["first_loss_diff"] is None:
         result["first_loss_diff"] = min(len(ra), len(rb)) + 1
     ids_a = [i for r in ra for i in r["ids"]]
     ids_b = [i for r in rb for i in r["ids"]]
-    result["first_sample_diff"] = next(
-        (n for n, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y), None
-    )
-    if len(ids_a) != len(ids_b) and result["first_sample_diff"] is None:
-        result["first_sample_diff"] = min(len(ids_a), len(ids_b))
+    step_of = [r["step"] for r in rb for _ in r["ids"]]
+    first = next((n for n, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y), None)
+    if len(ids_a) != len(ids_b) and first is None:
+        first = min(len(ids_a), len(ids_b))
+    result["first_sample_diff"] = first
+    result["first_sample_step"] = None
+    result["first_sample_ids"] = None
+    if first is not None:
+        result["first_sample_step"] = step_of[first] if first < len(step_of) else None
+        result["first_sample_ids"] = (
+            ids_a[first] if first < len(ids_a) else None,
+            ids_b[first] if first < len(ids_b) else None,
+        )
+    na, nb = Counter(ids_a), Counter(ids_b)
+    result["missing_samples"] = sum((na - nb).values())
+    result["extra_samples"] = sum((nb - na).values())
     result["identical"] = (
-        not any(result[p] for p in ("model", "optimizer", "scheduler", "ema", "loader"))
+        not any(result[p] for p in comps)
+        and not result["counters"]
         and result["first_loss_diff"] is None
         and result["first_sample_diff"] is None
         and result["duplicated_steps"] == 0

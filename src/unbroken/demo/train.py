@@ -7,6 +7,11 @@ again with the same ``--dir`` after any crash and it continues on the same traje
 Writes ``RUN/metrics.jsonl`` (loss and the sample ids of every step) and ``RUN/ckpt``.
 ``--die-at STEP[:MICRO]`` SIGKILLs this very process just before micro-batch MICRO of step
 STEP (tests use it to crash at exact points, e.g. inside an accumulation cycle).
+
+Under torchrun with ``WORLD_SIZE > 1`` it trains data-parallel on gloo: every rank draws the
+same global batch ids, trains on its contiguous share of each micro-batch and the gradients
+are averaged. The sample order is therefore the same for any world size (``unbroken drill``
+uses this for its world-size-change fault); the floats are not (other reduction order).
 """
 
 from __future__ import annotations
@@ -19,10 +24,11 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from unbroken.ckpt import Checkpointer, TrainState
-from unbroken.elastic import beat
 from unbroken.demo.model import TinyGPT, synthetic_corpus
+from unbroken.elastic import beat
 from unbroken.metrics import MetricLog
 
 __all__ = ["EpochSampler", "main"]
@@ -58,6 +64,36 @@ class EpochSampler:
         self._perm = self._permutation()
 
 
+class _RankStep:
+    """Stands in for the metric log on ranks > 0 (only rank 0 writes the log), so that every
+    rank's TrainState has the same components (a checkpoint may be restored on another
+    world size, where any rank can load rank 0's state)."""
+
+    def __init__(self) -> None:
+        self.step = -1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.step = int(sd["step"])
+
+    def close(self) -> None:
+        pass
+
+
+def _average_gradients(model: torch.nn.Module, world: int) -> None:
+    """All-reduce every gradient in one flat buffer (a fixed order: deterministic)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", required=True)
@@ -90,6 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         s, _, m = a.die_at.partition(":")
         die = (int(s), int(m or 0))
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = 0
+    if world > 1:
+        if a.batch % world:
+            raise ValueError(f"--batch {a.batch} is not divisible by the world size {world}")
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+
     torch.manual_seed(a.seed)
     ctx = 32
     data, vocab = synthetic_corpus(64 * 1024, a.seed)
@@ -103,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     ema = torch.optim.swa_utils.AveragedModel(
         model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.99)
     )
+    if world > 1:  # same initial weights everywhere, one dropout stream per rank
+        torch.manual_seed(a.seed * 1_000_003 + rank + 1)
     sampler = EpochSampler(n_seq, a.batch, a.seed)
-    metrics = MetricLog(os.path.join(a.dir, "metrics.jsonl"))
+    metrics: Any = MetricLog(os.path.join(a.dir, "metrics.jsonl")) if rank == 0 else _RankStep()
     state = TrainState(
         model=model, optimizer=opt, scheduler=sched, ema=ema, loader=sampler, metrics=metrics
     )
@@ -138,10 +184,18 @@ def main(argv: list[str] | None = None) -> int:
                 os.kill(os.getpid(), signal.SIGKILL)
             ids = sampler.next_ids()
             ids_all.extend(int(i) for i in ids)
+            if world > 1:  # this rank's contiguous share of the global micro-batch
+                share = a.batch // world
+                ids = ids[rank * share : (rank + 1) * share]
             loss = model(x_all[ids], y_all[ids]) / a.accum
             loss.backward()
             loss_sum += float(loss)
             state.micro_step = micro + 1
+        if world > 1:
+            _average_gradients(model, world)
+            total = torch.tensor([loss_sum], dtype=torch.float64)
+            dist.all_reduce(total)
+            loss_sum = float(total) / world
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -151,12 +205,20 @@ def main(argv: list[str] | None = None) -> int:
         state.step = step + 1
         state.samples += len(ids_all)
         state.tokens += len(ids_all) * ctx
-        metrics.log(state.step, loss=loss_sum, ids=ids_all)
+        if rank == 0:
+            metrics.log(state.step, loss=loss_sum, ids=ids_all, world_size=world)
         ckpt.maybe_save()
         beat(state.step)  # progress for the supervisor's hang watchdog (no-op without one)
-    if state.step not in ckpt.store.steps():
+    final = state.step not in ckpt.store.steps()
+    if world > 1:  # saving is collective: every rank must take the same branch
+        box = [final]
+        dist.broadcast_object_list(box, src=0)
+        final = bool(box[0])
+    if final:
         ckpt.save()
     metrics.close()
+    if world > 1:
+        dist.destroy_process_group()
     return 0
 
 
