@@ -7,7 +7,31 @@ from unbroken.data.manifest import DatasetManifest, ManifestError, ShardInfo
 from unbroken.data.shards import ShardError, ShardReader
 from unbroken.data.tokens import TokenShard
 
+# streaming (order, dataset, loader): imported on first use, because they import torch and
+# `unbroken pack` / `unbroken stage` should start without it
+_LAZY = {
+    "EpochOrder": "unbroken.data.order",
+    "Source": "unbroken.data.dataset",
+    "StatefulLoader": "unbroken.data.loader",
+    "StreamingDataset": "unbroken.data.dataset",
+}
+
+
+def __getattr__(name: str) -> object:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'unbroken.data' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(mod), name)
+
+
 __all__ = [
+    # streaming
+    "EpochOrder",
+    "Source",
+    "StatefulLoader",
+    "StreamingDataset",
     # data preparation
     "DatasetManifest",
     "ManifestError",

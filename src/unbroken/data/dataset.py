@@ -35,6 +35,7 @@ rank's samples one by one from :meth:`set_epoch`'s epoch.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -147,13 +148,59 @@ class _TarReader(_Reader):
         self._set_counts([s.samples for s in manifest.shards])
         self.fingerprint = manifest.fingerprint
 
-    def _open_shard(self, shard: int) -> ShardReader:
+    def _open_shard(self, shard: int) -> _MappedShard:
         info = self.manifest.shards[shard]
-        return ShardReader(self._path(shard), os.path.join(self.root, info.index))
+        return _MappedShard(ShardReader(self._path(shard), os.path.join(self.root, info.index)))
 
     def read(self, shard: int, local: np.ndarray) -> list[Any]:
-        r = self._shard(shard)
-        return [r[i] for i in local.tolist()]
+        return self._shard(shard).read(local.tolist())
+
+
+class _MappedShard:
+    """A shard's index (from ``ShardReader``, which validated it against the tar) plus an
+    mmap of the tar: a sample is a few slices of the map - no syscall, no tar parsing.
+
+    Same samples as ``ShardReader[i]``; slicing costs ~1 us where a ``pread`` per sample costs
+    several, which is most of a worker's time at 4 KB samples.
+    """
+
+    def __init__(self, reader: ShardReader) -> None:
+        self.reader = reader
+        idx = reader.index
+        with open(reader.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        self.index = idx
+        # Extensions repeat (".bin", ".json", ...): decode each distinct one once.
+        self._ext_cache: dict[bytes, str] = {}
+
+    def read(self, local: list[int]) -> list[dict[str, Any]]:
+        idx, mm, cache = self.index, self.mm, self._ext_cache
+        ms, off, size, ko, eo, strings = (
+            idx.member_start,
+            idx.data_offset,
+            idx.data_size,
+            idx.key_off,
+            idx.ext_off,
+            idx.strings,
+        )
+        out = []
+        for i in local:
+            d: dict[str, Any] = {"__key__": strings[ko[i] : ko[i + 1]].decode()}
+            for j in range(ms[i], ms[i + 1]):
+                raw = strings[eo[j] : eo[j + 1]]
+                ext = cache.get(raw)
+                if ext is None:
+                    ext = cache[raw] = raw.decode()
+                o = off[j]
+                d[ext] = mm[o : o + size[j]]
+            out.append(d)
+        return out
+
+    def close(self) -> None:
+        if isinstance(self.mm, mmap.mmap):
+            self.mm.close()
+        self.reader.close()
 
 
 class _TokenReader(_Reader):
