@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 import elastic_harness as h  # noqa: E402
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = pytest.mark.timeout(240)
 
 
 def _script_args(tmp_path, steps: int, **extra: object) -> list[str]:
@@ -39,7 +39,7 @@ def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
         job = start(str(tmp_path / "run"), ["--nproc-per-node", "2", "--ckpt-dir",
                                             str(tmp_path / "ckpt")],
                     _script_args(tmp_path, steps, save_every=5))
-        beats = h.wait_until(lambda: h.live_beats(job, 0, 12, ranks=2), 60, "step 12", job)
+        beats = h.wait_until(lambda: h.live_beats(job, 0, 12, ranks=2), 90, "step 12", job)
         victim = beats[1]
         t_kill = time.time()
         os.kill(victim.pid, signal.SIGKILL)
@@ -58,7 +58,7 @@ def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
     assert caught and caught[0]["step"] >= f["step"]
 
     (rec,) = job.recoveries()
-    assert 0 <= rec["detect"] < 3.0
+    assert 0 <= rec["detect"] < 1.5  # a worker seen dead at the next 0.1 s poll
     assert 0 < rec["relaunch"] < 30.0
     assert 0 < rec["load"] < 30.0
     assert 0 <= rec["catch_up"] < 30.0
@@ -74,13 +74,13 @@ def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
 def test_sigstop_worker_is_a_hang_with_stack_dumps(tmp_path):
     steps = 30
     with h.jobs() as start:
-        job = start(str(tmp_path / "run"), ["--nproc-per-node", "2"],
+        job = start(str(tmp_path / "run"), ["--nproc-per-node", "2", "--hang-timeout", "3"],
                     _script_args(tmp_path, steps, save_every=4))
-        beats = h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=2), 60, "step 8", job)
+        beats = h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=2), 90, "step 8", job)
         t_stop = time.time()
         os.kill(beats[1].pid, signal.SIGSTOP)
-        hang = h.wait_until(lambda: job.events("hang"), 20, "hang event", job)[0]
-        assert hang["t"] - t_stop <= 3.0 + 2.0, "hang not detected within hang-timeout + 2 s"
+        hang = h.wait_until(lambda: job.events("hang"), 30, "hang event", job)[0]
+        assert hang["t_detect"] - t_stop <= 3.0 + 2.0, "not detected within hang-timeout + 2 s"
         assert job.wait(90) == 0, job.output()[-3000:]
 
     assert hang["ranks"], hang
@@ -123,7 +123,7 @@ def test_storage_outage_waits_in_preflight_then_resumes(tmp_path):
     with h.jobs() as start:
         job = start(str(tmp_path / "run"), ["--nproc-per-node", "1", "--ckpt-dir", str(ckpt)],
                     _script_args(tmp_path, steps, save_every=2, ckpt_kind="unbroken"))
-        h.wait_until(lambda: [e for e in job.events("saved") if e["step"] >= 4], 60,
+        h.wait_until(lambda: [e for e in job.events("saved") if e["step"] >= 4], 90,
                      "a checkpoint at step >= 4", job)
         # The checkpoint root becomes unusable (a file where the directory was): root
         # cannot write through this, unlike a chmod.
@@ -151,7 +151,7 @@ def test_sigterm_lets_the_job_save_then_exits_7_and_a_rerun_resumes(tmp_path):
     args = _script_args(tmp_path, steps, save_every=100)  # only the preemption save
     with h.jobs() as start:
         job = start(str(tmp_path / "run"), ["--nproc-per-node", "1"], args)
-        h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=1), 60, "step 8", job)
+        h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=1), 90, "step 8", job)
         t_term = time.time()
         os.kill(job.proc.pid, signal.SIGTERM)  # the scheduler preempts the job
         assert job.wait(30) == 7, job.output()[-3000:]

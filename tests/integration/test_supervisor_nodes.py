@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
 import elastic_harness as h  # noqa: E402
 
-pytestmark = pytest.mark.timeout(200)
+pytestmark = pytest.mark.timeout(300)
 
 
 def _start_node(start, tmp_path, name: str, port: int, steps: int, sleep: float = 0.08):
@@ -28,7 +28,7 @@ def _wait_world(tmp_path, size: int, min_step: int, job) -> None:
     path = str(tmp_path / "metrics.jsonl")
     h.wait_until(
         lambda: [r for r in h.metrics(path) if r["world_size"] == size and r["step"] >= min_step],
-        90, f"world size {size} at step >= {min_step}", job)
+        150, f"world size {size} at step >= {min_step}", job)
 
 
 def _check_log(tmp_path, steps: int) -> list[dict]:
@@ -46,9 +46,8 @@ def test_whole_node_lost_training_continues_on_the_other(tmp_path):
         b.kill_all()  # supervisor, agent and worker of node B: the node is gone
         assert a.wait(120) == 0, a.output()[-4000:]
 
-    fails = a.events("failure")
-    assert fails and fails[0]["fault"] == "node_lost", fails
-    assert "B" in fails[0]["reason"]
+    lost = [f for f in a.events("failure") if f["fault"] == "node_lost"]
+    assert lost and "node(s) B lost" in lost[0]["reason"], a.events("failure")
     recs = _check_log(tmp_path, steps)
     assert recs[-1]["world_size"] == 1  # finished on the surviving node alone
     assert any(r["world_size"] == 2 for r in recs)

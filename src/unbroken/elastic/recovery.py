@@ -15,13 +15,14 @@ Event schema (common keys ``t`` = Unix time, ``event``, ``attempt``, ``pid``, ``
     saved         step, seconds: a rank committed a checkpoint (optional)
     caught_up     step: rank 0's beats reached the step reached before the last failure
     failure       attempt, t_fail, t_detect, kind, fault, action, reason, step, exit_code
-    hang          attempt, stalled ranks, stack dump files
+    hang          attempt, ranks, stacks (dump files), t_detect
     stop          exit_code, reason
     finish        exit_code
 
 Phases of failure *i* (attempt ``a`` failed, attempt ``a+1`` recovers):
 
-    detect    t_detect - t_fail              failure -> supervisor knows
+    detect    t_detect - t_fail              failure -> supervisor knows (a worker seen
+                                             dead, torchrun exited, or the hang timeout)
     relaunch  workers_up(a+1) - t_detect     classify, back off, pre-flight, torchrun, rendezvous
     load      loaded(a+1) - workers_up(a+1)  interpreter, imports, process group, restore
     catch_up  caught_up(a+1) - loaded(a+1)   recompute the steps lost since the checkpoint

@@ -253,6 +253,7 @@ class Supervisor:
         t_up: float | None = None
         store_lost: float | None = None
         first_dead: float | None = None
+        dead_seen: float | None = None
         last_poll = time.time()
         while True:
             rc = att.poll()
@@ -262,7 +263,9 @@ class Supervisor:
                     return _Outcome("success", 0)
                 kind = "agent_lost" if rc < 0 else "exit"
                 detail = f"torchrun killed by {_signame(-rc)}" if rc < 0 else ""
-                return _Outcome(kind, rc, first_dead or last_poll, now, detail)
+                # Detected when a worker was first seen dead; torchrun's teardown of the
+                # others (and its exit) is already part of the relaunch.
+                return _Outcome(kind, rc, first_dead or last_poll, dead_seen or now, detail)
             if self._signal is not None:
                 return self._preempt(att)
             try:
@@ -291,9 +294,9 @@ class Supervisor:
                 t_up = now
                 self._event("workers_up", attempt=att.number, pids=sorted(pids))
             if first_dead is None and any(not is_alive(p) for p in alive):
-                first_dead = last_poll  # last time the first dead worker was seen alive
+                first_dead, dead_seen = last_poll, now  # last seen alive / seen dead
             elif first_dead is not None and pids - seen:
-                first_dead = None  # torchrun replaced its workers (a spare joined): no failure
+                first_dead = dead_seen = None  # torchrun replaced its workers: no failure
             seen |= pids
             alive = pids
             for b in beats:
@@ -315,7 +318,8 @@ class Supervisor:
         detail = (f"ranks {ranks} made no progress for {now - t_fail:.1f} s "
                   f"(--hang-timeout {self.cfg.watchdog.hang_timeout:g} s) at step "
                   f"{max((b.step for b in beats), default=-1)}")
-        self._event("hang", attempt=att.number, ranks=ranks, stacks=stacks, detail=detail)
+        self._event("hang", attempt=att.number, ranks=ranks, stacks=stacks, detail=detail,
+                    t_detect=now)
         log.error("attempt %d hung: %s; stack dumps: %s", att.number, detail, stacks or "none")
         att.kill()
         return _Outcome("hang", None, t_fail, now, detail)

@@ -26,9 +26,10 @@ from unbroken.metrics import read_metrics
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_train.py")
 
-# Tight settings so the suite stays short on 2 busy cores.
+# Tight settings so the suite stays short on 2 busy cores. The hang timeout is 3 s only in
+# the hang test: on a loaded CI box an fsync alone can stall a healthy worker that long.
 FAST = [
-    "--poll-interval", "0.1", "--hang-timeout", "3", "--dump-grace", "1.5",
+    "--poll-interval", "0.1", "--hang-timeout", "15", "--dump-grace", "1.5",
     "--backoff", "0.2", "--backoff-max", "1", "--preflight-timeout", "5",
     "--preflight-max-wait", "60", "--node-timeout", "2", "--last-call-timeout", "1",
     "--join-timeout", "60", "--shutdown-timeout", "5",

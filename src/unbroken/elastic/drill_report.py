@@ -1,0 +1,472 @@
+"""The drill's verdicts and its report (``drill.txt``, ``drill.json``).
+
+Per fault: was it injected, did the supervisor detect and classify it, did the job recover
+(the four phases of :mod:`recovery`), did it resume from the checkpoint it had to (the
+newest, or the one before a corrupted newest), and the fault's own evidence (stack dumps of
+a hang, the quarantined checkpoint, no restart during a storage outage, the world size
+after a node left). Per drilled run: the final state, loss curve, data order and metric log
+against the reference run (:func:`unbroken.demo.compare_runs`).
+
+A divergence is charged to the fault whose recovery produced the first differing step: the
+last fault injected before that step was logged. How far past the restored step it shows
+tells what was not restored (see :func:`diagnose`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from unbroken.elastic.recovery import phases
+
+__all__ = [
+    "Check",
+    "DrillReport",
+    "FaultResult",
+    "FaultSpec",
+    "Injection",
+    "RunComparison",
+    "charge_divergence",
+    "compare_run",
+    "diagnose",
+    "evaluate_fault",
+]
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    """One planned fault (all fields derive from the drill's seed)."""
+
+    index: int
+    kind: str
+    run: str
+    """``single`` (one node, one rank) or ``elastic`` (two nodes of one rank each)."""
+    step: int
+    """Inject once the workers reached this step (after the previous fault's recovery)."""
+    victim: int = 0
+    """Which rank (or node, for agent-loss) is hit, modulo the live ones."""
+    mode: str = ""
+    """corrupt: ``bitflip`` or ``truncate``."""
+    salt: int = 0
+    """Seeded bits for the choices made at injection time (file, byte, bit)."""
+
+
+@dataclass
+class Injection:
+    spec: FaultSpec
+    t: float | None = None
+    """Unix time of the injection; None when it never happened."""
+    step: int | None = None
+    node: str = ""
+    rank: int | None = None
+    pid: int | None = None
+    detail: str = ""
+    expected_restore: int | None = None
+    """The step the recovery must restore (known when the job was frozen or dead)."""
+    min_restore: int | None = None
+    """A lower bound instead, when workers may still have saved after the injection."""
+    facts: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    def record(self, node: str, beat: Any, detail: str) -> None:
+        self.t, self.step, self.node = time.time(), int(beat.step), node
+        self.rank, self.pid, self.detail = int(beat.rank), int(beat.pid), detail
+
+    @property
+    def report_node(self) -> str:
+        return str(self.facts.get("report_node", self.node))
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class FaultResult:
+    injection: Injection
+    checks: list[Check]
+    failure: dict[str, Any] | None = None
+    recovery: dict[str, Any] | None = None
+    restored: int | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def why(self) -> str:
+        return "; ".join(f"{c.name}: {c.detail}" for c in self.checks if not c.ok)
+
+
+@dataclass
+class RunComparison:
+    run: str
+    reference: str
+    job: str
+    world_reference: int
+    exact_until: int | None
+    """Last step compared bit for bit when the world size changed (None: the whole run)."""
+    checks: list[Check]
+    result: dict[str, Any]
+    steps: int = 0
+
+    @property
+    def passed(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+
+# --- per fault ----------------------------------------------------------------------------
+
+_EXPECTED = {  # what the supervisor must have made of each fault: (field, value)
+    "kill": ("fault", "process"),
+    "kill-in-save": ("fault", "process"),
+    "hang": ("kind", "hang"),
+    "corrupt": ("fault", "process"),
+    "storage": ("fault", "storage"),
+    "agent-loss": ("kind", "agent_lost"),
+    "world-size": ("fault", "node_lost"),
+}
+
+
+def evaluate_fault(
+    inj: Injection, events: list[dict[str, Any]], ckpt_root: str, records: list[dict[str, Any]]
+) -> FaultResult:
+    """Checks for one injected fault from the reporting node's events and the metric log."""
+    kind = inj.spec.kind
+    if inj.t is None:
+        return FaultResult(inj, [Check("injected", False, inj.error or "never injected")])
+    checks = [Check("injected", inj.error is None, inj.error or inj.detail)]
+    fail = next((e for e in events if e["event"] == "failure" and e["t"] >= inj.t), None)
+    if fail is None:
+        checks.append(Check("detected", False, "the supervisor recorded no failure after it"))
+        return FaultResult(inj, checks)
+    key, want = _EXPECTED[kind]
+    checks.append(Check(
+        "detected", fail.get(key) == want,
+        f"{fail.get('kind')}: {fail.get('fault')}/{fail.get('rule')} -> {fail.get('action')} "
+        f"({str(fail.get('reason', ''))[:90]})" + ("" if fail.get(key) == want else
+                                                   f"; expected {key} {want!r}"),
+    ))
+    attempt = int(fail["attempt"])
+    rec = next((r for r in phases(events) if r.attempt == attempt), None)
+    rec_json = rec.to_json() if rec else None
+    loaded = [e for e in events if e["event"] == "loaded" and e.get("attempt") == attempt + 1]
+    restored = min((int(e["step"]) for e in loaded), default=None)
+    missing = [p for p in ("relaunch", "load", "catch_up") if rec is None or getattr(rec, p) is None]
+    checks.append(Check("recovered", not missing and restored is not None,
+                        "all four phases recorded" if not missing else
+                        f"phases {', '.join(missing)} not recorded (the job did not come back)"))
+    checks.append(_restore_check(inj, restored))
+    checks += _specific(inj, events, fail, ckpt_root, records, restored)
+    return FaultResult(inj, checks, fail, rec_json, restored)
+
+
+def _restore_check(inj: Injection, restored: int | None) -> Check:
+    if inj.expected_restore is not None:
+        ok = restored == inj.expected_restore
+        what = "the checkpoint before the corrupted one" if inj.spec.kind == "corrupt" else \
+            "the newest committed checkpoint"
+        return Check("resumed", ok, f"restored step {restored}; expected {inj.expected_restore} "
+                     f"({what})")
+    if inj.min_restore is not None:
+        ok = restored is not None and restored >= inj.min_restore
+        return Check("resumed", ok, f"restored step {restored}; newest checkpoint at the "
+                     f"injection was {inj.min_restore}")
+    return Check("resumed", restored is not None, f"restored step {restored} (no checkpoint "
+                 "existed at the injection)")
+
+
+def _specific(inj: Injection, events: list[dict[str, Any]], fail: dict[str, Any],
+              ckpt_root: str, records: list[dict[str, Any]], restored: int | None) -> list[Check]:
+    kind, f = inj.spec.kind, inj.facts
+    if kind == "kill-in-save":
+        left = os.path.exists(os.path.join(ckpt_root, f["tmp_dir"]))
+        return [Check("debris", not left, f"half-written {f['tmp_dir']} ({f['tmp_files']} files) "
+                      + ("still there after the restore" if left else "removed by the restore, "
+                         f"step {f['save_step']} never visible"))]
+    if kind == "hang":
+        hang = next((e for e in events if e["event"] == "hang" and e["t"] >= (inj.t or 0)), None)
+        stacks = hang.get("stacks", []) if hang else []
+        return [Check("stack dumps", bool(stacks),
+                      f"{len(stacks)} written: {', '.join(os.path.basename(s) for s in stacks)}"
+                      if stacks else "no stack dump written")]
+    if kind == "corrupt":
+        prefix = f"corrupt-step-{int(f['corrupted_step']):08d}-"
+        try:
+            q = [n for n in os.listdir(ckpt_root) if n.startswith(prefix)]
+        except OSError:
+            q = []
+        return [Check("quarantined", bool(q), f"{f['detail']} in {f['file']}; "
+                      + (f"moved to {q[0]}" if q else "the damaged checkpoint was not quarantined"))]
+    if kind == "storage":
+        until = float(f.get("outage_until", 0.0))
+        early = [e for e in events if e["event"] == "launch" and fail["t"] <= e["t"] <= until]
+        n = int(f.get("failing_preflights", 0))
+        return [Check("waited", not early and n >= 2,
+                      f"{n} failing pre-flights during the {until - fail['t']:.1f} s outage, "
+                      + (f"{len(early)} restart(s) while the storage was down" if early
+                         else "no restart until it was back"))]
+    if kind in ("agent-loss", "world-size"):
+        after = [int(r.get("world_size", 0)) for r in records
+                 if restored is not None and r["step"] > restored]
+        seen = sorted(set(after))
+        if kind == "world-size":
+            return [Check("world size", bool(after) and seen == [1],
+                          f"steps after the restore ran on world size(s) {seen or 'none'}")]
+        return [Check("world size", bool(after), f"steps after the restore ran on world "
+                      f"size(s) {seen or 'none'} (the agent's node rejoined)" if 2 in seen else
+                      f"steps after the restore ran on world size(s) {seen or 'none'}")]
+    return []
+
+
+# --- per run ------------------------------------------------------------------------------
+
+
+def compare_run(run: str, ref_dir: str, job_dir: str, ckpt: str, metrics: str,
+                world_reference: int, records: list[dict[str, Any]]) -> RunComparison:
+    """The drilled run against its reference. When the world size changed, the floats are
+    compared only up to the change (see the module doc of :mod:`unbroken.elastic.drill`)."""
+    from unbroken.demo import compare_runs  # torch: imported only when a drill ends
+
+    changed = next((int(r["step"]) for r in records
+                    if int(r.get("world_size", world_reference)) != world_reference), None)
+    exact_until = None if changed is None else changed - 1
+    try:
+        res = compare_runs(ref_dir, job_dir, ckpt=ckpt, metrics=metrics, floats=changed is None)
+    except (ValueError, OSError, KeyError) as e:
+        return RunComparison(run, ref_dir, job_dir, world_reference, exact_until,
+                             [Check("final state", False, f"cannot compare: {e}")], {})
+    checks = [_state_check(res, changed)]
+    d = res["first_loss_diff"]
+    if d is None:
+        text = f"identical, {len(records)} steps"
+    elif exact_until is not None and d > exact_until:
+        text = f"identical up to step {exact_until} (world size {world_reference}); from " \
+               f"step {changed} on another world size: floats not compared bit for bit"
+    else:
+        a, b = res["loss_at_diff"] or (None, None)
+        text = f"differs from step {d}: reference {a!r}, drilled run {b!r}"
+    checks.append(Check("loss curve", d is None or (exact_until is not None and d > exact_until),
+                        text))
+    n = res["first_sample_diff"]
+    total = sum(len(r.get("ids", ())) for r in records)
+    if n is None:
+        text = f"identical, {total} samples: none missing, none consumed twice"
+    else:
+        ra, rb = res["first_sample_ids"]
+        text = (f"differs from sample #{n} (step {res['first_sample_step']}): reference id "
+                f"{ra}, drilled run id {rb}; {res['missing_samples']} samples never consumed, "
+                f"{res['extra_samples']} consumed too often")
+    checks.append(Check("data order", n is None, text))
+    dup = res["duplicated_steps"]
+    checks.append(Check("metric log", dup == 0, "no duplicated step" if not dup else
+                        f"{dup} duplicated steps"))
+    return RunComparison(run, ref_dir, job_dir, world_reference, exact_until, checks,
+                         _jsonable(res), len(records))
+
+
+_NOT_PARTS = {"counters", "scalar_diffs", "skipped_float_leaves", "duplicated_steps",
+              "first_loss_diff", "loss_at_diff", "first_sample_diff", "first_sample_step",
+              "first_sample_ids", "missing_samples", "extra_samples", "identical"}
+
+
+def _state_check(res: dict[str, Any], changed: int | None) -> Check:
+    parts = sorted(k for k in res if k not in _NOT_PARTS)
+    bad = [p for p in parts if res[p]]
+    if res["counters"]:
+        bad.append("counters")
+    if not bad:
+        text = f"identical: {', '.join(parts)}, counters"
+        if changed is not None:
+            text += (f" (world size changed at step {changed}: {res['skipped_float_leaves']} "
+                     "float tensors not compared; integers, positions and schedules are)")
+        return Check("final state", True, text)
+    items = []
+    for p in bad:
+        keys = res[p] if p != "counters" else res["counters"]
+        items.append(f"{p} ({len(keys)}: {', '.join(k.lstrip('/') for k in keys[:3])}"
+                     f"{', ...' if len(keys) > 3 else ''})")
+    scal = "; ".join(f"{k.lstrip('/')}: {a!r} in the reference, {b!r} here"
+                     for k, (a, b) in list(res["scalar_diffs"].items())[:4])
+    return Check("final state", False, "differs in " + ", ".join(items)
+                 + (f"; {scal}" if scal else ""))
+
+
+def diagnose(res: dict[str, Any], restored: int | None) -> str:
+    """Say what was probably not restored, from where the runs part after a restore."""
+    if res.get("first_sample_diff") is not None:
+        return ("the data position was not restored: the resumed run consumed other samples "
+                f"from sample #{res['first_sample_diff']} (step {res['first_sample_step']}) on")
+    d = res.get("first_loss_diff")
+    if d is None or restored is None:
+        return "the final state differs although the loss curve and the data order match"
+    k = d - restored
+    if k <= 0:
+        return (f"the loss differs at step {d}, before the restored step {restored}: the "
+                "metric log was not rolled back to the checkpoint")
+    if k == 1:
+        return (f"the first step after restoring step {restored} already differs, on the same "
+                "samples: state the forward pass uses was not restored (RNG streams such as "
+                "dropout, or the model weights)")
+    if k == 2:
+        return (f"step {restored + 1} after the restore matches but step {d} does not: the "
+                "first optimizer update differs (optimizer state was not restored: moments, "
+                "step counts or learning rate)")
+    return (f"steps {restored + 1}..{d - 1} after the restore match, step {d} does not: state "
+            "that acts later was not restored (e.g. the learning-rate schedule)")
+
+
+def charge_divergence(results: list[FaultResult], cmp: RunComparison,
+                      records: list[dict[str, Any]]) -> None:
+    """Add a ``trajectory`` check to each fault of the run: the fault whose recovery
+    produced the first differing step fails it, with a diagnosis."""
+    res = cmp.result
+    bad_step = None
+    if res.get("first_sample_diff") is not None:
+        bad_step = res.get("first_sample_step")
+    d = res.get("first_loss_diff")
+    if d is not None and (cmp.exact_until is None or d <= cmp.exact_until):
+        bad_step = d if bad_step is None else min(bad_step, d)
+    mine = [r for r in results if r.injection.spec.run == cmp.run and r.injection.t is not None]
+    culprit = None
+    if bad_step is not None:
+        t = next((float(r["time"]) for r in records if r["step"] == bad_step), None)
+        if t is not None:
+            before = [r for r in mine if (r.injection.t or 0.0) < t]
+            culprit = before[-1] if before else None
+        if culprit is None:
+            cmp.checks.append(Check("before any fault", False, f"the runs part at step {bad_step}, "
+                                    "before any fault was injected: the training script is not "
+                                    "deterministic (seeds, data order, nondeterministic kernels)"))
+    elif not cmp.passed:
+        culprit = mine[-1] if mine else None
+    for r in mine:
+        if r is culprit:
+            r.checks.append(Check("trajectory", False, diagnose(res, r.restored)))
+        elif cmp.exact_until is not None and r.restored is not None and \
+                r.restored >= cmp.exact_until:
+            r.checks.append(Check("trajectory", True, "after the world-size change: data order "
+                                  "compared exactly, floats not"))
+        else:
+            r.checks.append(Check("trajectory", True, "loss and samples identical to the "
+                                  "reference after the restore"))
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+@dataclass
+class DrillReport:
+    drill_dir: str
+    command: list[str]
+    seed: int
+    plan: list[FaultSpec]
+    faults: list[FaultResult]
+    runs: list[RunComparison]
+    exits: dict[str, int | None]
+    wall: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return (bool(self.faults) and all(f.passed for f in self.faults)
+                and all(r.passed for r in self.runs)
+                and all(c == 0 for c in self.exits.values() if c is not None))
+
+    def reasons(self) -> list[str]:
+        out = [f"fault #{f.injection.spec.index} {f.injection.spec.kind}: {f.why}"
+               for f in self.faults if not f.passed]
+        out += [f"{r.run} run vs reference: {c.name}: {c.detail}"
+                for r in self.runs for c in r.checks if not c.ok]
+        out += [f"supervisor {n} exited {c}" for n, c in self.exits.items()
+                if c is not None and c != 0]
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "drill_dir": self.drill_dir,
+            "command": self.command,
+            "seed": self.seed,
+            "wall_seconds": round(self.wall, 2),
+            "plan": [asdict(p) for p in self.plan],
+            "faults": [{"spec": asdict(f.injection.spec), "passed": f.passed,
+                        "injection": _jsonable({k: v for k, v in asdict(f.injection).items()
+                                                if k != "spec"}),
+                        "checks": [asdict(c) for c in f.checks], "failure": f.failure,
+                        "recovery": f.recovery, "restored": f.restored} for f in self.faults],
+            "runs": [{"run": r.run, "reference": r.reference, "job": r.job,
+                      "world_reference": r.world_reference, "exact_until": r.exact_until,
+                      "steps": r.steps, "passed": r.passed,
+                      "checks": [asdict(c) for c in r.checks], "comparison": r.result}
+                     for r in self.runs],
+            "exits": self.exits,
+            "reasons": self.reasons(),
+            "notes": self.notes,
+            "files": self.files,
+        }
+
+    def format_table(self) -> str:
+        n = len(self.faults)
+        head = (f"unbroken drill: {n} fault{'s' if n != 1 else ''}, seed {self.seed}: "
+                f"{'PASS' if self.passed else 'FAIL'}   ({self.drill_dir})")
+        lines = [head, "",
+                 f"{'#':>2}  {'fault':<13}{'run':<8}{'step':>5}{'restored':>9}{'detect':>8}"
+                 f"{'relaunch':>9}{'load':>7}{'catch-up':>9}{'total':>7}  verdict"]
+        for f in self.faults:
+            inj, rec = f.injection, f.recovery or {}
+            lines.append(
+                f"{inj.spec.index:>2}  {inj.spec.kind:<13}{inj.spec.run:<8}"
+                f"{_s(inj.step if inj.step is not None else inj.spec.step):>5}{_s(f.restored):>9}"
+                f"{_t(rec.get('detect')):>8}{_t(rec.get('relaunch')):>9}{_t(rec.get('load')):>7}"
+                f"{_t(rec.get('catch_up')):>9}{_t(rec.get('total')):>7}  "
+                f"{'PASS' if f.passed else 'FAIL'}")
+        lines.append("")
+        for f in self.faults:
+            inj = f.injection
+            lines.append(f"#{inj.spec.index} {inj.spec.kind}: {inj.detail or inj.error}")
+            for c in f.checks[1:]:
+                lines.append(f"     {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
+        for r in self.runs:
+            lines += ["", f"{r.run} run vs its reference ({r.world_reference} rank"
+                      f"{'s' if r.world_reference > 1 else ''}, {r.reference}):"]
+            for c in r.checks:
+                lines.append(f"     {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
+        lines.append("")
+        lines += [f"note: {x}" for x in self.notes]
+        if self.passed:
+            lines.append("result: PASS: every fault was recovered and the resumed runs match "
+                         "their references")
+        else:
+            lines.append("result: FAIL")
+            lines += [f"  - {x}" for x in self.reasons()]
+        return "\n".join(lines)
+
+    def write(self) -> None:
+        """``drill.txt`` and ``drill.json`` in the drill directory."""
+        from unbroken._fs import atomic_write_bytes
+
+        txt = os.path.join(self.drill_dir, "drill.txt")
+        js = os.path.join(self.drill_dir, "drill.json")
+        self.files.update(table=txt, json=js)
+        atomic_write_bytes(txt, (self.format_table() + "\n").encode())
+        atomic_write_bytes(js, json.dumps(self.to_json(), indent=1, default=str).encode())
+
+
+def _s(v: Any) -> str:
+    return "-" if v is None else str(v)
+
+
+def _t(v: Any) -> str:
+    return "-" if v is None else f"{float(v):.2f}"
+
+
+def _jsonable(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))
