@@ -257,3 +257,16 @@ def test_bad_inputs_name_the_fix(stream_data):
     ds = StreamingDataset(stream_data("tar"), transform=broken)
     with pytest.raises(RuntimeError, match=r"transform 'broken' failed on sample 's\d{5}'"):
         next(iter(ds))
+
+
+def test_token_batches_are_long_tensors_like_default_collate(stream_data):
+    import torch
+    from torch.utils.data import default_collate
+
+    ds = StreamingDataset(stream_data("tokens"), seed=1)
+    fast = list(StatefulLoader(ds, 4, num_workers=2))
+    ref = list(StatefulLoader(ds, 4, collate_fn=default_collate))
+    assert len(fast) == len(ref) == len(StatefulLoader(ds, 4))
+    for a, b in zip(fast, ref, strict=True):
+        assert isinstance(a, torch.Tensor) and a.dtype == torch.int64 and a.shape == (4, 9)
+        assert torch.equal(a, b)

@@ -30,6 +30,8 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
+import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from unbroken.data.dataset import StreamingDataset
@@ -46,6 +48,10 @@ _ON_CHANGE = ("error", "restart_epoch")
 def _passthrough(batch: Any) -> Any:
     # Batches are collated in the workers; the DataLoader must not touch them again.
     return batch
+
+
+def _stack_rows(batch: list[np.ndarray]) -> np.ndarray:
+    return np.stack(batch)
 
 
 class _RunStream(IterableDataset):
@@ -150,14 +156,22 @@ class StatefulLoader:
             raise ValueError("persistent_workers=True needs num_workers > 0")
         self.dataset = dataset
         self.batch_size = batch_size
-        self.collate_fn = collate_fn or default_collate
+        # Token rows with the default collate: stacked in the worker into one numpy array that
+        # crosses the worker pipe in one piece and becomes a tensor here without a copy. Same
+        # LongTensor as default_collate gives, without a shared-memory segment per batch
+        # (which costs more than the copy at language-model batch sizes).
+        self._tensor_here = (
+            collate_fn is None and dataset.kind == "tokens" and not dataset.transform
+        )
+        self._pin_here = self._tensor_here and pin_memory
+        self.collate_fn = _stack_rows if self._tensor_here else (collate_fn or default_collate)
         self.last_batch = last_batch
         self.on_dataset_change = on_dataset_change
         self.num_workers = num_workers
         self._dl_kwargs: dict[str, Any] = dict(
             num_workers=num_workers,
             prefetch_factor=prefetch_factor,
-            pin_memory=pin_memory,
+            pin_memory=pin_memory and not self._pin_here,
             persistent_workers=persistent_workers,
             timeout=timeout,
             worker_init_fn=worker_init_fn,
@@ -242,6 +256,10 @@ class StatefulLoader:
             for batch in it:
                 if self._run is None or self._run[0] != run_id:
                     return  # load_state_dict / set_epoch replaced this run
+                if self._tensor_here:
+                    batch = torch.from_numpy(batch)
+                    if self._pin_here:
+                        batch = batch.pin_memory()
                 self._delivered += 1
                 yield batch
             if self._run is not None and self._run[0] == run_id:
