@@ -166,3 +166,17 @@ def test_sigterm_lets_the_job_save_then_exits_7_and_a_rerun_resumes(tmp_path):
     (loaded,) = [e for e in again.events("loaded") if e["attempt"] == 1]
     assert loaded["step"] == saved["step"]  # resumed exactly where the preemption saved
     _assert_continuous(str(tmp_path / "metrics.jsonl"), steps)
+
+
+def test_hang_before_the_first_step_hits_startup_timeout_then_stops(tmp_path):
+    stuck = os.path.join(os.path.dirname(h.SCRIPT), "elastic_stuck.py")
+    with h.jobs() as start:
+        job = start(str(tmp_path / "run"), ["--startup-timeout", "2"], [], script=stuck)
+        assert job.wait(90) == 3, job.output()[-3000:]  # the same hang twice: a bug, stop
+    hangs = job.events("hang")
+    assert len(hangs) == 2 and len(job.events("launch")) == 2
+    for hang in hangs:
+        (dump,) = hang["stacks"]
+        assert "stuck_before_first_step" in open(dump).read()
+    f1, f2 = job.events("failure")
+    assert (f1["rule"], f1["action"], f2["fault"]) == ("hang", "restart", "deterministic")

@@ -61,6 +61,16 @@ def test_summary_goodput_and_trend():
     assert "getting slower" in (recovery._trend(recs) or "")
 
 
+def test_timeline_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = recovery.plot_timeline(_run(), str(tmp_path / "timeline.png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert os.path.getsize(out) > 5000
+    with pytest.raises(ValueError, match="no events"):
+        recovery.plot_timeline([], str(tmp_path / "x.png"))
+
+
 def test_mark_is_a_noop_unsupervised_and_appends_when_supervised(tmp_path, monkeypatch):
     monkeypatch.delenv(recovery.ENV_RUN_DIR, raising=False)
     recovery.mark("loaded", step=3, seconds=0.1)

@@ -53,6 +53,7 @@ __all__ = [
     "load_events",
     "mark",
     "phases",
+    "plot_timeline",
     "summarize",
 ]
 
@@ -286,3 +287,50 @@ def format_summary(summary: RunSummary) -> str:
     if summary.trend_warning:
         lines.append("WARNING: " + summary.trend_warning)
     return "\n".join(lines)
+
+
+_PHASE_COLORS = (("detect", "#d62728"), ("relaunch", "#ff7f0e"), ("load", "#bcbd22"),
+                 ("catch_up", "#9467bd"))
+
+
+def plot_timeline(events: Sequence[dict[str, Any]], path: str) -> str:
+    """Write a PNG timeline: one row per attempt (running), the recovery phases of every
+    failure in colour, checkpoint saves as ticks. Needs matplotlib (the ``plot`` extra)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise RuntimeError("plot_timeline needs matplotlib: pip install 'unbroken[plot]'") from err
+    if not events:
+        raise ValueError("no events to plot: is this a run directory of `unbroken run`?")
+    t0 = min(e["t"] for e in events)
+    launches = [e for e in events if e["event"] == "launch"]
+    ends = {int(e["attempt"]): float(e["t_detect"]) for e in events if e["event"] == "failure"}
+    t_end = max(e["t"] for e in events)
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.4 * len(launches)))
+    for row, e in enumerate(launches):
+        a = int(e["attempt"])
+        ax.broken_barh([(e["t"] - t0, ends.get(a, t_end) - e["t"])], (row - 0.3, 0.6),
+                       color="#2ca02c", alpha=0.35)
+        saves = [s["t"] - t0 for s in events if s["event"] == "saved" and s.get("attempt") == a]
+        ax.plot(saves, [row] * len(saves), "|", color="black", markersize=8)
+    for r in phases(events):
+        start = r.t_fail - t0
+        for name, color in _PHASE_COLORS:
+            dur = getattr(r, name)
+            if dur is None:
+                break
+            ax.broken_barh([(start, dur)], (-0.5, len(launches)), color=color, alpha=0.5,
+                           label=name if r.index == 0 else None)
+            start += dur
+    ax.set_yticks(range(len(launches)), [f"attempt {e['attempt']}" for e in launches])
+    ax.set_xlabel("seconds since start")
+    ax.set_title(f"goodput {summarize(events).goodput:.1%}")
+    if any(True for _ in phases(events)):
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -254,6 +254,7 @@ class Supervisor:
         store_lost: float | None = None
         first_dead: float | None = None
         dead_seen: float | None = None
+        warned = False
         last_poll = time.time()
         while True:
             rc = att.poll()
@@ -301,6 +302,11 @@ class Supervisor:
             alive = pids
             for b in beats:
                 self._max_step = max(self._max_step, b.step)
+            if not beats and t_up is not None and not warned and now - t_up > w.hang_timeout:
+                warned = True
+                log.warning("no heartbeat from the workers after %.0f s: call "
+                            "unbroken.elastic.beat(step) every step to enable hang detection "
+                            "and catch-up measurement", now - t_up)
             hung = heartbeat.stalled(beats, now, w.hang_timeout)
             if not hung and t_up is not None and now - t_up > w.startup_timeout:
                 hung = [b for b in beats if not b.started and is_alive(b.pid)]
