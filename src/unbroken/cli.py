@@ -334,6 +334,75 @@ def _elastic_preflight(a: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
+# --- the fire drill -------------------------------------------------------------------------
+
+
+def _add_drill(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "drill",
+        help="kill the job on purpose (SIGKILL, kill during save, hang, corrupt checkpoint, "
+        "storage outage, lost agent, world-size change) and prove the resumed run is identical",
+        description="Runs the command once without faults (the reference), then under "
+        "`unbroken run` with a seeded schedule of injected faults, and compares final state, "
+        "loss curve, data order and recovery phases. {dir} in ARGS is replaced by each run's "
+        "directory; the script checkpoints with unbroken's Checkpointer into {dir}/ckpt and "
+        "logs loss + sample ids per step to {dir}/metrics.jsonl. Writes drill.txt, drill.json "
+        "and timeline.png into --dir. Exit codes: 0 pass, 1 fail, 2 usage.",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="-- SCRIPT ARGS with {dir} (with --example: extra demo arguments, "
+                   "e.g. -- --break rng)")
+    p.add_argument("--example", action="store_true", help="drill the demo model (tiny GPT)")
+    p.add_argument("--dir", default="unbroken-drill",
+                   help="drill directory: runs, logs and the report (default: ./unbroken-drill)")
+    p.add_argument("--faults", default=None, metavar="K,K",
+                   help="kill, kill-in-save, hang, corrupt, storage, agent-loss, world-size "
+                   "(default: all that apply)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seeds the fault schedule; the same seed replays the same drill")
+    p.add_argument("--steps", type=int, default=50, help="--example only: demo steps (default 50)")
+    p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
+    p.add_argument("--multi-rank", action="store_true",
+                   help="the script trains on 2 ranks and resumes on another world size "
+                   "(enables agent-loss and world-size; implied by --example)")
+    p.add_argument("--ckpt-subdir", default="ckpt", help="Checkpointer root under {dir}")
+    p.add_argument("--metrics-file", default="metrics.jsonl", help="MetricLog file under {dir}")
+    p.add_argument("--ckpt-every", type=int, default=None,
+                   help="steps between checkpoints (default: inferred from the reference)")
+    p.add_argument("--hang-timeout", type=float, default=None,
+                   help="supervisor hang timeout in seconds (default: 60; --example: 4)")
+    p.add_argument("--outage", type=float, default=2.0,
+                   help="seconds the checkpoint directory stays unreachable, at least (default 2)")
+    p.add_argument("--timeout", type=float, default=900.0,
+                   help="give up a run after this many seconds (default 900)")
+    p.add_argument("--reference", default=None, metavar="DIR",
+                   help="reuse a finished 1-rank reference run of the same command")
+    p.add_argument("--supervisor-arg", action="append", default=[], metavar="ARG",
+                   help="extra `unbroken run` argument for the drilled runs (repeatable)")
+    p.set_defaults(func=_drill)
+
+
+def _drill(a: argparse.Namespace) -> int:
+    from unbroken.elastic import drill
+
+    command = tuple(a.command[1:] if a.command[:1] == ["--"] else a.command)
+    faults = tuple(f.strip() for f in a.faults.split(",") if f.strip()) if a.faults else None
+    opts = dict(faults=faults, outage=a.outage, timeout=a.timeout, reference=a.reference,
+                supervisor_args=tuple(a.supervisor_arg), ckpt_subdir=a.ckpt_subdir,
+                metrics_file=a.metrics_file)
+    if a.hang_timeout is not None:
+        opts["hang_timeout"] = a.hang_timeout
+    if a.example:
+        cfg = drill.example_config(a.dir, steps=a.steps, seed=a.seed, extra=command, **opts)
+    else:
+        cfg = drill.DrillConfig(command, a.dir, module=a.module, seed=a.seed,
+                                multi_rank=a.multi_rank, ckpt_every=a.ckpt_every, **opts)
+    report = drill.run_drill(cfg)
+    print(report.format_table())
+    print("report: " + ", ".join(report.files.values()))
+    return 0 if report.passed else 1
+
+
 # --- lifeline 1a: data preparation (pack, index, tokenize, stage) ---------------------------
 
 
@@ -440,7 +509,7 @@ def _index(a: argparse.Namespace) -> int:
 
 
 def _tokenize(a: argparse.Namespace) -> int:
-    from unbroken.data.tokens import tokenize
+    from unbroken.data.tokenizing import tokenize
 
     r = tokenize(a.src, a.out, tokenizer=a.tokenizer, train_bpe_vocab=a.train_bpe,
                  field=a.field, member=a.member, seq_len=a.seq_len, shard_size=a.shard_size,
@@ -465,7 +534,7 @@ def _stage(a: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------------
 
 _GROUPS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_demo, _add_ckpt, _add_data, _add_elastic, _add_dataprep,
+    _add_demo, _add_ckpt, _add_data, _add_elastic, _add_dataprep, _add_drill,
 ]
 
 

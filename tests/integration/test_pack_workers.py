@@ -17,7 +17,8 @@ from unbroken.cli import main as cli_main
 from unbroken.data.manifest import DatasetManifest
 from unbroken.data.pack import pack
 from unbroken.data.shards import ShardReader
-from unbroken.data.tokens import TokenShard, tokenize
+from unbroken.data.tokenizing import tokenize
+from unbroken.data.tokens import TokenShard
 
 _WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi".split()
 
@@ -83,7 +84,7 @@ def test_tokenize_output_identical_for_1_2_4_workers(tmp_path: str) -> None:
 
 _SLOW_CHILD = r"""
 import time
-import unbroken.data.pack, unbroken.data.shards, unbroken.data.tokens
+import unbroken.data.pack, unbroken.data.shards, unbroken.data.tokens, unbroken.data.tokenizing
 cls = unbroken.data.{writer}
 orig = cls.commit
 def slow(self, *a, **k):
@@ -140,7 +141,7 @@ def test_tokenize_resumes_after_sigkill(tmp_path: str) -> None:
     tok = os.path.join(tmp_path, "tok.json")
     kw = dict(tokenizer=tok, seq_len=32, shard_size=12_000, progress=False)
     tokenize(src, ref, train_bpe_vocab=400, workers=1, **kw)  # also trains tok.json
-    call = f"tokens.tokenize({src!r}, {out!r}, workers=2, **{kw!r})"
+    call = f"tokenizing.tokenize({src!r}, {out!r}, workers=2, **{kw!r})"
     _kill_when(_SLOW_CHILD.format(writer="tokens.TokenShardWriter", call=call), out, ".bin.idx", 3)
     assert not os.path.exists(os.path.join(out, "dataset.json"))
     res = tokenize(src, out, workers=2, **kw)

@@ -62,6 +62,22 @@ def test_tar_header_is_byte_equal_to_tarfile_ustar(name: str) -> None:
     assert tar_header(name, 12345) == ti.tobuf(format=tarfile.USTAR_FORMAT)
 
 
+def test_whole_shard_is_byte_equal_to_tarfile_output(tmp_path: str) -> None:
+    """The vectorized header path must produce exactly what tarfile writes (ustar, mtime 0)."""
+    samples = _samples(50) + [{"__key__": "d/" + "n" * 94, "bin": b"x" * 513}]  # 100-byte name
+    ours = os.path.join(tmp_path, "ours.tar")
+    _write(ours, samples)
+    ref = io.BytesIO()
+    with tarfile.open(fileobj=ref, mode="w", format=tarfile.USTAR_FORMAT) as tf:
+        for s in samples:
+            for ext in ("bin", "json"):
+                if ext in s:
+                    ti = tarfile.TarInfo(f"{s['__key__']}.{ext}")
+                    ti.size, ti.mode, ti.mtime, ti.uname, ti.gname = len(s[ext]), 0o644, 0, "", ""
+                    tf.addfile(ti, io.BytesIO(s[ext]))  # type: ignore[arg-type]
+    assert open(ours, "rb").read() == ref.getvalue()
+
+
 def test_long_member_names_fall_back_to_pax_and_stay_readable(tmp_path: str) -> None:
     key = "d/" + "long" * 40  # > 100 bytes: needs a PAX header
     p = os.path.join(tmp_path, "s.tar")

@@ -11,14 +11,8 @@ import pytest
 from unbroken.data.manifest import DatasetManifest
 from unbroken.data.pack import pack
 from unbroken.data.shards import ShardError
-from unbroken.data.tokens import (
-    TokenShard,
-    TokenShardWriter,
-    dtype_for_vocab,
-    load_tokenizer,
-    num_sequences,
-    tokenize,
-)
+from unbroken.data.tokenizing import load_tokenizer, tokenize
+from unbroken.data.tokens import TokenShard, TokenShardWriter, dtype_for_vocab, num_sequences
 
 _WORDS = "the quick brown fox jumps over a lazy dog while seven wizards box nightly".split()
 

@@ -20,6 +20,7 @@ Inputs:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -28,8 +29,11 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from unbroken._fs import atomic_write_bytes, checksum_bytes, checksum_file, hasher, is_temp_name
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
@@ -86,8 +90,10 @@ def _check_key(key: str, where: str) -> str:
 
 
 def _encode(v: Any, key: str, ext: str) -> Any:
-    if type(v) is bytes or isinstance(v, bytearray | memoryview):
+    if type(v) is bytes or isinstance(v, bytearray):
         return v
+    if isinstance(v, memoryview):  # a copy: views cannot be pickled to worker processes
+        return v.tobytes()
     if isinstance(v, str):
         return v.encode()
     if isinstance(v, bool | int | float):
@@ -118,11 +124,11 @@ def _from_dict(i: int, d: dict[str, Any]) -> Sample:
 @dataclass(frozen=True)
 class _FileSample:
     key: str
-    members: tuple[tuple[str, str, int], ...]  # (ext, absolute path, size)
+    members: tuple[tuple[str, str, int, int], ...]  # (ext, absolute path, size, mtime_ns)
 
 
-def _scan_dir(root: str) -> tuple[list[_FileSample], str]:
-    """All samples under ``root`` in sorted path order, plus a digest of names/sizes/mtimes."""
+def _scan_dir(root: str) -> list[_FileSample]:
+    """All samples under ``root`` in sorted path order."""
     files: list[tuple[str, str, str, int, int]] = []  # rel, key, ext, size, mtime_ns
 
     def walk(d: str, rel: str) -> None:
@@ -145,13 +151,10 @@ def _scan_dir(root: str) -> tuple[list[_FileSample], str]:
             files.append((r, kv[0], kv[1], st.st_size, st.st_mtime_ns))
 
     walk(root, "")
-    by_key: dict[str, list[tuple[str, str, int]]] = {}
-    h = hasher()
+    by_key: dict[str, list[tuple[str, str, int, int]]] = {}
     for r, key, ext, size, mtime in files:
-        by_key.setdefault(key, []).append((ext, os.path.join(root, r), size))
-        h.update(f"{r}\t{size}\t{mtime}\n".encode())
-    samples = [_FileSample(k, tuple(sorted(m))) for k, m in by_key.items()]
-    return samples, h.hexdigest()
+        by_key.setdefault(key, []).append((ext, os.path.join(root, r), size, mtime))
+    return [_FileSample(k, tuple(sorted(m))) for k, m in by_key.items()]
 
 
 def _check_members(key: str, exts: Sequence[str], schema: list[str], where: str) -> None:
@@ -193,8 +196,8 @@ class _Planner:
         self.body = 0
         self.count = 0
 
-    def fits(self, key: str, sizes: Sequence[tuple[str, int]]) -> bool:
-        nb = sample_tar_bytes(key, sizes)
+    def fits(self, key: str, nb: int) -> bool:
+        """Whether a sample of ``nb`` tar bytes fits the current shard (then it is counted)."""
         if nb + tar_end_bytes(nb) > self.shard_size:
             raise ValueError(
                 f"{self.source}: sample {key!r} needs {nb + tar_end_bytes(nb)} bytes in a tar, "
@@ -225,32 +228,45 @@ def _plan_files(
     for s in samples:
         if not partial:
             _check_members(s.key, [m[0] for m in s.members], schema, src)
-        if not pl.fits(s.key, [(m[0], m[2]) for m in s.members]):
+        nb = sample_tar_bytes(s.key, [(m[0], m[2]) for m in s.members])
+        if not pl.fits(s.key, nb):
             yield cur, _digest_files(cur)
             cur = []
             pl.reset()
-            pl.fits(s.key, [(m[0], m[2]) for m in s.members])
+            pl.fits(s.key, nb)
         cur.append(s)
     if cur:
         yield cur, _digest_files(cur)
 
 
 def _digest_files(samples: list[_FileSample]) -> str:
+    """Names, sizes and mtimes: a changed file (like `make` and rsync judge it) re-packs."""
     h = hasher()
     for s in samples:
-        for ext, path, size in s.members:
-            st = os.stat(path)
-            h.update(f"{s.key}\t{ext}\t{size}\t{st.st_mtime_ns}\n".encode())
+        for ext, _path, size, mtime in s.members:
+            h.update(f"{s.key}\t{ext}\t{size}\t{mtime}\n".encode())
     return str(h.hexdigest())
 
 
-def _digest_mem(samples: list[Sample]) -> str:
-    h = hasher()
-    for key, members in samples:
-        for ext, data in members:
-            h.update(f"{key}\t{ext}\t{_nbytes(data)}\n".encode())
-            h.update(data)
-    return str(h.hexdigest())
+class _MemDigest:
+    """Digest of an in-memory shard plan: every byte, every key/extension and every size."""
+
+    def __init__(self) -> None:
+        self.h = hasher()
+        self.names: list[str] = []
+        self.sizes: list[int] = []
+
+    def add(self, key: str, exts: list[str], sizes: list[int], members: list[Member]) -> None:
+        for _, d in members:
+            self.h.update(d)
+        self.names.append(key)
+        self.names.extend(exts)
+        self.sizes.extend(sizes)
+
+    def hexdigest(self) -> str:
+        self.h.update("\0".join(self.names).encode())
+        self.h.update(np.asarray(self.sizes, dtype=np.int64).tobytes())
+        return str(self.h.hexdigest())
 
 
 def _plan_mem(
@@ -258,7 +274,9 @@ def _plan_mem(
 ) -> Iterator[tuple[list[Sample], str]]:
     pl = _Planner(shard_size, src)
     schema: list[str] = []
+    first: list[str] | None = None
     cur: list[Sample] = []
+    dig = _MemDigest()
     seen_last = None
     for key, members in it:
         if key == seen_last:
@@ -267,17 +285,21 @@ def _plan_mem(
                 "merge the two samples - give every sample a distinct __key__"
             )
         seen_last = key
-        if not partial:
-            _check_members(key, [m[0] for m in members], schema, src)
-        sizes = [(ext, _nbytes(d)) for ext, d in members]
-        if not pl.fits(key, sizes):
-            yield cur, _digest_mem(cur)
-            cur = []
+        exts = [m[0] for m in members]
+        if not partial and exts != first:  # the common case (same order) skips the sort
+            _check_members(key, exts, schema, src)
+            first = first or exts
+        sizes = [_nbytes(d) for _, d in members]
+        nb = sample_tar_bytes(key, list(zip(exts, sizes, strict=True)))
+        if not pl.fits(key, nb):
+            yield cur, dig.hexdigest()
+            cur, dig = [], _MemDigest()
             pl.reset()
-            pl.fits(key, sizes)
+            pl.fits(key, nb)
         cur.append((key, members))
+        dig.add(key, exts, sizes, members)
     if cur:
-        yield cur, _digest_mem(cur)
+        yield cur, dig.hexdigest()
 
 
 def _plan_jsonl(path: str, shard_size: int) -> Iterator[tuple[list[tuple[str, int, int]], str]]:
@@ -293,11 +315,12 @@ def _plan_jsonl(path: str, shard_size: int) -> Iterator[tuple[list[tuple[str, in
             if not line.strip():
                 continue
             key = f"{lineno:09d}"
-            if not pl.fits(key, [("json", len(line))]):
+            nb = sample_tar_bytes(key, [("json", len(line))])
+            if not pl.fits(key, nb):
                 yield cur, h.hexdigest()
                 cur, h = [], hasher()
                 pl.reset()
-                pl.fits(key, [("json", len(line))])
+                pl.fits(key, nb)
             cur.append((key, off, len(line)))
             h.update(line)
             h.update(b"\n")
@@ -335,33 +358,45 @@ def _verify_reuse(task: _Task) -> ShardInfo | None:
     return info
 
 
-def _write_task(task: _Task) -> tuple[int, ShardInfo, bool]:
-    """Worker entry point: keep a verified committed shard or write it; never partial."""
+def _read_files(samples: list[_FileSample]) -> Iterator[Sample]:
+    for s in samples:
+        members = []
+        for ext, path, size, _mtime in s.members:
+            with open(path, "rb") as f:
+                data = f.read()
+            if len(data) != size:
+                raise RuntimeError(
+                    f"{path}: changed size during pack ({size} -> {len(data)}); "
+                    "re-run pack once the input is stable"
+                )
+            members.append((ext, data))
+        yield s.key, members
+
+
+def _build(task: _Task) -> ShardInfo | TarShardWriter:
+    """A verified committed shard to keep, or a writer holding the new shard's bytes."""
     kept = _verify_reuse(task)
     if kept is not None:
-        return task.index, kept, False
+        return kept
     w = TarShardWriter(task.path, fsync=task.fsync)
     try:
         if task.kind == "files":
-            for s in task.payload:
-                members = []
-                for ext, path, size in s.members:
-                    with open(path, "rb") as f:
-                        data = f.read()
-                    if len(data) != size:
-                        raise RuntimeError(
-                            f"{path}: changed size during pack ({size} -> {len(data)}); "
-                            "re-run pack once the input is stable"
-                        )
-                    members.append((ext, data))
-                w.add(s.key, members)
+            w.add_many(_read_files(task.payload))
         elif task.kind == "jsonl":
-            for key, members in _read_jsonl(*task.payload):
-                w.add(key, members)
+            w.add_many(_read_jsonl(*task.payload))
         else:
-            for key, members in task.payload:
-                w.add(key, members)
-        size, digest, _idx, raw = w.commit()
+            w.add_many(task.payload)
+        w.finish()
+    except BaseException:
+        w.abort()
+        raise
+    return w
+
+
+def _publish(task: _Task, w: TarShardWriter) -> tuple[int, ShardInfo, bool]:
+    """fsync + rename + index (mostly waiting on the disk, without the GIL)."""
+    try:
+        size, digest, raw = w.commit()
     except BaseException:
         w.abort()
         raise
@@ -376,6 +411,12 @@ def _write_task(task: _Task) -> tuple[int, ShardInfo, bool]:
         index_checksum=checksum_bytes(raw),
     )
     return task.index, info, True
+
+
+def _write_task(task: _Task) -> tuple[int, ShardInfo, bool]:
+    """Worker entry point: keep a verified committed shard or write it; never partial."""
+    r = _build(task)
+    return (task.index, r, False) if isinstance(r, ShardInfo) else _publish(task, r)
 
 
 # --- the driver ----------------------------------------------------------------------------
@@ -417,13 +458,67 @@ def _mp_context() -> Any:
 def _run_tasks(
     tasks: Iterable[_Task], workers: int, on_done: Callable[[int, ShardInfo, bool], None]
 ) -> None:
+    """Write shards with at most 2*workers in flight; this thread plans and records.
+
+    Planning here means planning errors surface in the caller's thread, and the bound keeps
+    memory flat whatever the input size. ``workers == 1`` runs in this process
+    with one helper thread: this thread builds each shard, the helper fsyncs and publishes
+    the previous one (waiting on the disk without the GIL), so the flush overlaps CPU work.
+    """
+    submit: Callable[[_Task], Any]
     if workers <= 1:
+        ex: Any = ThreadPoolExecutor(1, thread_name_prefix="unbroken-pack")
+
+        def submit(t: _Task) -> Any:
+            r = _build(t)
+            if isinstance(r, ShardInfo):
+                return _Done((t.index, r, False))
+            return ex.submit(_publish, t, r)
+
+        inflight, close = 2, ex.shutdown
+    else:
+        pool = _mp_context().Pool(workers)
+        submit = lambda t: _AsyncResult(pool.apply_async(_write_task, (t,)))  # noqa: E731
+        inflight, close = 2 * workers, pool.terminate
+    pending: collections.deque[Any] = collections.deque()
+    try:
         for t in tasks:
-            on_done(*_write_task(t))
-        return
-    with _mp_context().Pool(workers) as pool:
-        for res in pool.imap_unordered(_write_task, tasks):
-            on_done(*res)
+            pending.append(submit(t))
+            while pending and (len(pending) >= inflight or pending[0].done()):
+                on_done(*pending.popleft().result())
+        while pending:
+            on_done(*pending.popleft().result())
+    finally:
+        for f in pending:  # an error: let in-flight writers finish or abort before returning
+            with contextlib.suppress(BaseException):
+                f.result()
+        close()
+
+
+class _Done:
+    """An already available result with the futures interface."""
+
+    def __init__(self, value: Any) -> None:
+        self._v = value
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> Any:
+        return self._v
+
+
+class _AsyncResult:
+    """multiprocessing's AsyncResult with concurrent.futures' names."""
+
+    def __init__(self, r: Any) -> None:
+        self._r = r
+
+    def done(self) -> bool:
+        return bool(self._r.ready())
+
+    def result(self) -> Any:
+        return self._r.get()
 
 
 def pack(
@@ -470,7 +565,7 @@ def pack(
 
     plans: Iterator[tuple[Any, str]]
     if kind == "files":
-        samples, _ = _scan_dir(path)
+        samples = _scan_dir(path)
         if not samples:
             raise ValueError(f"{path}: no files to pack")
         plans = _plan_files(samples, shard_size, path, allow_partial)
@@ -507,12 +602,12 @@ def pack(
         _save_state(out, config, done)
         if bar is not None:
             bar.update(info.bytes)
-            bar.set_postfix(samples=sum(s.samples for s in infos.values()), refresh=False)
+            n = sum(s.samples for s in infos.values())
+            rate = n / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix_str(f"{n:,} samples, {rate:,.0f} samples/s", refresh=False)
 
-    # With a pool, plan everything first: planning errors surface here, not in a pool thread.
-    todo: Iterable[_Task] = tasks() if workers <= 1 else list(tasks())
     try:
-        _run_tasks(todo, workers, on_done)
+        _run_tasks(tasks(), workers, on_done)
     finally:
         if bar is not None:
             bar.close()

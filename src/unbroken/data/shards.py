@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import mmap
 import os
 import re
 import struct
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,35 +153,45 @@ class ShardIndex:
         tar_checksum: str,
     ) -> ShardIndex:
         """From ``[(key, [(ext, data_offset, data_size), ...]), ...]``."""
+        members = [m for _, ms in samples for m in ms]
+        return cls.from_arrays(
+            [k.encode() for k, _ in samples],
+            [len(ms) for _, ms in samples],
+            [e.encode() for e, _, _ in members],
+            [o for _, o, _ in members],
+            [n for _, _, n in members],
+            tar_bytes,
+            tar_checksum,
+        )
+
+    @classmethod
+    def from_arrays(
+        cls,
+        keys: Sequence[bytes],
+        members_per_sample: Sequence[int],
+        exts: Sequence[bytes],
+        offsets: Sequence[int],
+        sizes: Sequence[int],
+        tar_bytes: int,
+        tar_checksum: str,
+    ) -> ShardIndex:
+        """From flat per-sample and per-member columns (what the writer accumulates)."""
         # Keys and extensions are stored in two separate runs so that each offset array is
         # monotone and its own sentinel ends the last string.
-        kbs = [k.encode() for k, _ in samples]
-        keys = b"".join(kbs)
-        key_off = [0]
-        pos = 0
-        for kb in kbs:
-            pos += len(kb)
-            key_off.append(pos)
-        member_start = [0]
-        offs: list[int] = []
-        sizes: list[int] = []
-        ext_parts: list[bytes] = []
-        ext_off = [len(keys)]
-        for _, members in samples:
-            for ext, off, size in members:
-                eb = ext.encode()
-                ext_parts.append(eb)
-                ext_off.append(ext_off[-1] + len(eb))
-                offs.append(off)
-                sizes.append(size)
-            member_start.append(len(offs))
+        kb = b"".join(keys)
+        key_off = np.zeros(len(keys) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, keys), np.int64, len(keys)), out=key_off[1:])
+        ext_off = np.full(len(exts) + 1, len(kb), dtype=np.int64)
+        ext_off[1:] += np.cumsum(np.fromiter(map(len, exts), np.int64, len(exts)))
+        member_start = np.zeros(len(keys) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(members_per_sample, dtype=np.int64), out=member_start[1:])
         return cls(
-            member_start=member_start,
-            key_off=key_off,
-            data_offset=offs,
-            data_size=sizes,
-            ext_off=ext_off,
-            strings=keys + b"".join(ext_parts),
+            member_start=member_start.tolist(),
+            key_off=key_off.tolist(),
+            data_offset=list(offsets),
+            data_size=list(sizes),
+            ext_off=ext_off.tolist(),
+            strings=kb + b"".join(exts),
             tar_bytes=tar_bytes,
             tar_checksum=tar_checksum,
         )
@@ -250,8 +261,11 @@ def sample_tar_bytes(key: str, members: Sequence[tuple[str, int]]) -> int:
     """Bytes a sample occupies in a tar: headers + data + padding (for shard planning)."""
     total = 0
     for ext, size in members:
-        name = f"{key}.{ext}"
-        hdr = _BLOCK if len(name.encode()) <= 100 else len(tar_header(name, size))
+        if len(key) + len(ext) < 100 and key.isascii() and ext.isascii():
+            hdr = _BLOCK  # fits the ustar name field: no string building on the hot path
+        else:
+            name = f"{key}.{ext}"
+            hdr = _BLOCK if len(name.encode()) <= 100 else len(tar_header(name, size))
         total += hdr + size + (-size % _BLOCK)
     return total
 
@@ -259,6 +273,47 @@ def sample_tar_bytes(key: str, members: Sequence[tuple[str, int]]) -> int:
 def tar_end_bytes(body: int) -> int:
     """Bytes after the last member: two zero blocks, then padding to a full tar record."""
     return 2 * _BLOCK + (-(body + 2 * _BLOCK) % _RECORD)
+
+
+def _header_template() -> np.ndarray:
+    t = np.zeros(_BLOCK, dtype=np.uint8)
+    t[100:124] = np.frombuffer(_P1, np.uint8)
+    t[136:148] = np.frombuffer(_P2, np.uint8)
+    t[148:156] = ord(" ")  # the checksum field counts as spaces while summing
+    t[156:512] = np.frombuffer(_P3, np.uint8)
+    return t
+
+
+_TEMPLATE = _header_template()
+_SHIFT_SIZE = np.arange(30, -1, -3, dtype=np.int64)  # 11 octal digits
+_SHIFT_CHK = np.arange(15, -1, -3, dtype=np.int64)  # 6 octal digits
+
+
+def _headers(names: list[bytes], sizes: np.ndarray) -> tuple[list[Any], np.ndarray]:
+    """ustar headers for many members at once, byte-equal to :func:`tar_header`.
+
+    Vectorized with numpy (name, size and checksum fields filled for the whole batch) because
+    per-member Python work dominates packing small samples.
+    """
+    m = len(names)
+    arr = np.empty((m, _BLOCK), dtype=np.uint8)
+    arr[:] = _TEMPLATE
+    lens = np.fromiter(map(len, names), np.int64, m)
+    short = (lens <= 100) & (sizes <= _MAX_USTAR_SIZE)
+    padded = b"".join(n.ljust(100, b"\0") if len(n) <= 100 else bytes(100) for n in names)
+    arr[:, :100] = np.frombuffer(padded, np.uint8).reshape(m, 100)
+    arr[:, 124:135] = ((sizes[:, None] >> _SHIFT_SIZE) & 7) + 48
+    arr[:, 135] = 0
+    chk = arr.sum(axis=1, dtype=np.int64)
+    arr[:, 148:154] = ((chk[:, None] >> _SHIFT_CHK) & 7) + 48
+    arr[:, 154] = 0
+    mv = memoryview(arr.tobytes())
+    hdrs: list[Any] = [mv[i * _BLOCK : (i + 1) * _BLOCK] for i in range(m)]
+    hlens = np.full(m, _BLOCK, dtype=np.int64)
+    for i in np.flatnonzero(~short).tolist():
+        hdrs[i] = tar_header(names[i].decode(), int(sizes[i]))
+        hlens[i] = len(hdrs[i])
+    return hdrs, hlens
 
 
 def _disk_full(path: str, written: int, e: OSError) -> RuntimeError:
@@ -272,11 +327,13 @@ def _disk_full(path: str, written: int, e: OSError) -> RuntimeError:
 class TarShardWriter:
     """Writes one shard into a temporary sibling; :meth:`commit` publishes it.
 
-    Headers come from a template, data is gathered into large buffered writes and hashed as
-    it is written (no second read). Commit order: tar fsync -> rename, then the index is
-    published atomically; an index therefore exists only next to a complete shard, and it
-    names that shard's checksum, so a stale index is detected.
+    Headers come from a template (vectorized per batch), data is gathered into large writes
+    and hashed as it is written (no second read). Commit order: tar fsync -> rename, then the
+    index is published atomically; an index therefore exists only next to a complete shard,
+    and it names that shard's checksum, so a stale index is detected.
     """
+
+    _BATCH = 1024
 
     def __init__(self, path: str, *, fsync: bool = True) -> None:
         self.path = path
@@ -287,28 +344,56 @@ class TarShardWriter:
         self._buf: list[Any] = []
         self._buffered = 0
         self._pos = 0
-        self._samples: list[tuple[str, list[tuple[str, int, int]]]] = []
+        self._keys: list[bytes] = []
+        self._nmem: list[int] = []
+        self._exts: list[bytes] = []
+        self._offs: list[int] = []
+        self._sizes: list[int] = []
         self._done = False
+        self._finished = False
 
     def add(self, key: str, members: Sequence[tuple[str, Any]]) -> None:
         """Append one sample: ``members`` is ``[(ext, bytes-like), ...]`` in tar order."""
+        self.add_many(((key, members),))
+
+    def add_many(self, samples: Iterable[tuple[str, Sequence[tuple[str, Any]]]]) -> None:
+        """Append samples ``[(key, [(ext, bytes-like), ...]), ...]`` in order."""
+        if self._finished:
+            raise RuntimeError(f"{self.path}: shard already finished; start a new writer")
+        it = iter(samples)
+        while True:
+            names: list[bytes] = []
+            datas: list[Any] = []
+            for key, members in itertools.islice(it, self._BATCH):
+                kb = key.encode()
+                self._keys.append(kb)
+                self._nmem.append(len(members))
+                for ext, data in members:
+                    eb = ext.encode()
+                    self._exts.append(eb)
+                    names.append(kb + b"." + eb)
+                    datas.append(data)
+            if not names:
+                return
+            self._append(names, datas)
+
+    def _append(self, names: list[bytes], datas: list[Any]) -> None:
+        sizes = np.fromiter(map(_nbytes, datas), np.int64, len(datas))
+        hdrs, hlens = _headers(names, sizes)
+        pads = -sizes % _BLOCK
+        totals = hlens + sizes + pads
+        ends = self._pos + np.cumsum(totals)
+        self._offs.extend((ends - totals + hlens).tolist())
+        self._sizes.extend(sizes.tolist())
         buf = self._buf
-        pos = self._pos
-        out: list[tuple[str, int, int]] = []
-        for ext, data in members:
-            n = _nbytes(data)
-            hdr = tar_header(f"{key}.{ext}", n)
-            buf.append(hdr)
-            pos += len(hdr)
-            out.append((ext, pos, n))
-            buf.append(data)
-            pad = -n % _BLOCK
-            if pad:
-                buf.append(_ZEROS[:pad])
-            pos += n + pad
-        self._samples.append((key, out))
-        self._buffered += pos - self._pos
-        self._pos = pos
+        for h, d, p in zip(hdrs, datas, pads.tolist(), strict=True):
+            buf.append(h)
+            buf.append(d)
+            if p:
+                buf.append(_ZEROS[:p])
+        added = int(ends[-1]) - self._pos
+        self._pos += added
+        self._buffered += added
         if self._buffered >= _FLUSH:
             self._flush()
 
@@ -318,7 +403,7 @@ class TarShardWriter:
 
     @property
     def num_samples(self) -> int:
-        return len(self._samples)
+        return len(self._keys)
 
     def _flush(self) -> None:
         if not self._buf:
@@ -334,11 +419,18 @@ class TarShardWriter:
                 raise _disk_full(self.path, self._w.size, e) from e
             raise
 
-    def commit(self) -> tuple[int, str, ShardIndex, bytes]:
-        """Finish and publish; returns ``(tar_bytes, tar_checksum, index, index_bytes)``."""
+    def finish(self) -> None:
+        """Write the end-of-archive blocks; no sample can be added after this."""
+        if self._finished:
+            return
         self._buf.append(_ZEROS[: tar_end_bytes(self._pos)])
         self._pos += tar_end_bytes(self._pos)
         self._flush()
+        self._finished = True
+
+    def commit(self) -> tuple[int, str, bytes]:
+        """Finish, fsync and publish; returns ``(tar_bytes, tar_checksum, index_bytes)``."""
+        self.finish()
         try:
             self._w.close()
         except OSError as e:
@@ -346,8 +438,15 @@ class TarShardWriter:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise _disk_full(self.path, self._w.size, e) from e
             raise
-        idx = ShardIndex.build(self._samples, self._w.size, self._w.digest)
-        raw = idx.to_bytes()
+        raw = ShardIndex.from_arrays(
+            self._keys,
+            self._nmem,
+            self._exts,
+            self._offs,
+            self._sizes,
+            self._w.size,
+            self._w.digest,
+        ).to_bytes()
         os.replace(self._tmp, self.path)
         self._done = True
         try:
@@ -356,7 +455,7 @@ class TarShardWriter:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise _disk_full(self.index_path, 0, e) from e
             raise
-        return self._w.size, self._w.digest, idx, raw
+        return self._w.size, self._w.digest, raw
 
     def abort(self) -> None:
         """Drop the temporary file; the published path is left untouched."""
@@ -426,8 +525,8 @@ def index_tar(path: str) -> ShardIndex:
         tail = f.read(_BLOCK)
     if len(tail) < _BLOCK or tail.count(0) != _BLOCK:
         raise ShardError(
-            f"{path}: no end-of-archive marker at byte {end} (the tar is truncated); "
-            "re-create or re-copy it"
+            f"{path}: no valid member header or end-of-archive marker at byte {end} (the "
+            "tar is truncated or corrupt there); re-create or re-copy it"
         )
     if skipped:
         log.warning("%s: skipped %d members without a <key>.<ext> name", path, skipped)

@@ -1,0 +1,299 @@
+"""Data preparation benchmark: pack, tokenize and stage, side by side with the anchors.
+
+Run from the anchor venv (MosaicML Streaming and LitData need torchvision, kept out of .venv):
+
+    bash benchmarks/_anchor_env.sh
+    .venv-bench/bin/python benchmarks/data_prep.py            # full: 100,000 samples (~400 MB)
+    .venv-bench/bin/python benchmarks/data_prep.py --quick    # 10,000 samples, 1 round
+
+Pack: the same 100,000 in-memory samples (2-6 KB random bytes + a small JSON each, generated
+deterministically) written by webdataset.ShardWriter, MosaicML MDSWriter, litdata.optimize
+and `unbroken.data.pack` (tar + .idx + dataset.json), 64 MB shards for all. Tools run
+interleaved, round after round, and the median is reported, because the CPU is shared.
+Tokenize: `unbroken tokenize` (JSONL -> token shards, 2 workers) vs the tokenizer's own
+`encode_batch` in one process, with its Rust thread pool on (default) and off.
+Stage: `unbroken stage` local -> local vs `cp -r`, same source, page cache warm for both.
+All data lives under --tmp (default /tmp/unbroken-bench-prep) and is deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+_SHARD = 64 << 20
+
+
+def _samples(n: int, tmp: str) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(2048, 6145, n)
+    blob = rng.bytes(int(sizes.sum()))
+    offs = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    np.save(f"{tmp}/blob.npy", np.frombuffer(blob, dtype=np.uint8))
+    np.save(f"{tmp}/offs.npy", np.asarray(offs, dtype=np.int64))
+    os.environ["UNBROKEN_BENCH_BLOB"] = tmp
+    return [
+        {
+            "__key__": f"{i:08d}",
+            "bin": blob[offs[i] : offs[i + 1]],
+            "json": json.dumps({"i": i, "label": i % 1000, "split": "train"}).encode(),
+        }
+        for i in range(n)
+    ]
+
+
+_DATA: list[dict[str, Any]] = []
+_LIT: dict[str, Any] = {}
+
+
+def _lit_fn(i: int) -> dict[str, Any]:
+    # litdata's workers are fresh processes: they read the same bytes from a memory-mapped
+    # copy (page cache) instead of receiving 400 MB of pickled inputs.
+    if not _LIT:
+        d = os.environ["UNBROKEN_BENCH_BLOB"]
+        _LIT.update(blob=np.load(f"{d}/blob.npy", mmap_mode="r"), offs=np.load(f"{d}/offs.npy"))
+    a, b = int(_LIT["offs"][i]), int(_LIT["offs"][i + 1])
+    return {
+        "key": f"{i:08d}",
+        "bin": _LIT["blob"][a:b].tobytes(),
+        "json": json.dumps({"i": i, "label": i % 1000, "split": "train"}).encode(),
+    }
+
+
+def _fresh(path: str) -> str:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path
+
+
+def _du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def pack_tools(tmp: str) -> dict[str, Callable[[], str]]:
+    tools: dict[str, Callable[[], str]] = {}
+
+    def ours() -> str:
+        from unbroken.data.pack import pack
+
+        out = _fresh(f"{tmp}/ours")
+        pack(_DATA, out, shard_size=_SHARD, workers=1, progress=False)
+        return out
+
+    def ours_nofsync() -> str:
+        from unbroken.data.pack import pack
+
+        out = _fresh(f"{tmp}/ours-nofsync")
+        pack(_DATA, out, shard_size=_SHARD, workers=1, progress=False, fsync=False)
+        return out
+
+    tools["unbroken pack (fsync)"] = ours
+    tools["unbroken pack (no fsync)"] = ours_nofsync
+    try:
+        import webdataset as wds
+
+        def wds_writer() -> str:
+            out = _fresh(f"{tmp}/wds")
+            with wds.ShardWriter(f"{out}/s-%06d.tar", maxsize=_SHARD, verbose=0) as w:
+                for s in _DATA:
+                    w.write(s)
+            return out
+
+        tools["webdataset.ShardWriter"] = wds_writer
+    except ImportError:
+        print("webdataset not installed: skipped", file=sys.stderr)
+    try:
+        from streaming import MDSWriter
+
+        def mds() -> str:
+            out = f"{tmp}/mds"
+            shutil.rmtree(out, ignore_errors=True)
+            cols = {"key": "str", "bin": "bytes", "json": "bytes"}
+            with MDSWriter(out=out, columns=cols, size_limit=_SHARD) as w:
+                for s in _DATA:
+                    w.write({"key": s["__key__"], "bin": s["bin"], "json": s["json"]})
+            return out
+
+        tools["MosaicML MDSWriter"] = mds
+    except ImportError:
+        print("mosaicml-streaming not installed: skipped", file=sys.stderr)
+    try:
+        import litdata
+
+        def lit() -> str:
+            out = f"{tmp}/litdata"
+            shutil.rmtree(out, ignore_errors=True)
+            litdata.optimize(
+                fn=_lit_fn,
+                inputs=list(range(len(_DATA))),
+                output_dir=out,
+                chunk_bytes=_SHARD,
+                num_workers=os.cpu_count() or 1,
+                verbose=False,
+                mode="overwrite",
+            )
+            return out
+
+        tools["litdata.optimize"] = lit
+    except ImportError:
+        print("litdata not installed: skipped", file=sys.stderr)
+    return tools
+
+
+def bench_pack(tmp: str, rounds: int) -> tuple[dict[str, list[float]], dict[str, int], str]:
+    tools = pack_tools(tmp)
+    times: dict[str, list[float]] = {k: [] for k in tools}
+    sizes: dict[str, int] = {}
+    ours_out = ""
+    for r in range(rounds):
+        names = list(tools) if r % 2 == 0 else list(reversed(tools))
+        for name in names:
+            t0 = time.perf_counter()
+            out = tools[name]()
+            times[name].append(time.perf_counter() - t0)
+            sizes[name] = _du(out)
+            if name == "unbroken pack (fsync)":
+                ours_out = out
+            print(f"  round {r + 1} {name}: {times[name][-1]:.2f}s", file=sys.stderr)
+    return times, sizes, ours_out
+
+
+def _corpus(path: str, docs: int) -> list[str]:
+    rng = np.random.default_rng(1)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    words = ["".join(rng.choice(letters, int(rng.integers(2, 10)))) for _ in range(20000)]
+    p = 1 / np.arange(1, len(words) + 1)
+    p /= p.sum()
+    texts = []
+    with open(path, "w") as f:
+        for _ in range(docs):
+            idx = rng.choice(len(words), int(rng.integers(50, 400)), p=p)
+            t = " ".join(words[i] for i in idx) + "."
+            texts.append(t)
+            f.write(json.dumps({"text": t}) + "\n")
+    return texts
+
+
+def _encode_batch(tok_path: str, texts: list[str], parallel: bool) -> int:
+    from tokenizers import Tokenizer
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel else "false"
+    tok = Tokenizer.from_file(tok_path)
+    encs = tok.encode_batch(texts)
+    n = sum(len(e.ids) for e in encs)
+    os.environ.pop("TOKENIZERS_PARALLELISM", None)
+    return n
+
+
+def bench_tokenize(tmp: str, docs: int, rounds: int) -> tuple[dict[str, list[float]], int]:
+    from unbroken.data.tokenizing import tokenize, train_bpe
+
+    src = f"{tmp}/corpus.jsonl"
+    texts = _corpus(src, docs)
+    tok = f"{tmp}/tokenizer.json"
+    train_bpe(texts[:2000], 8192, tok)
+    ntok = 0
+    times: dict[str, list[float]] = {
+        "unbroken tokenize (2 workers)": [],
+        "encode_batch, 1 process (rayon on)": [],
+        "encode_batch, 1 process (rayon off)": [],
+    }
+    for r in range(rounds):
+        for name in times if r % 2 == 0 else reversed(list(times)):
+            t0 = time.perf_counter()
+            if name.startswith("unbroken"):
+                res = tokenize(src, _fresh(f"{tmp}/tok-out"), tokenizer=tok, seq_len=1024,
+                               workers=2, progress=False)
+                ntok = res.tokens - res.documents  # EOS separators excluded
+            else:
+                n = _encode_batch(tok, texts, parallel="on" in name)
+                assert ntok in (0, n), (ntok, n)
+            times[name].append(time.perf_counter() - t0)
+            print(f"  round {r + 1} {name}: {times[name][-1]:.2f}s", file=sys.stderr)
+    return times, ntok
+
+
+def bench_stage(src: str, tmp: str, rounds: int) -> tuple[dict[str, list[float]], int]:
+    from unbroken.data.stage import stage
+
+    times: dict[str, list[float]] = {"unbroken stage (8 threads)": [], "cp -r": []}
+    for r in range(rounds):
+        for name in times if r % 2 == 0 else reversed(list(times)):
+            dst = f"{tmp}/staged"
+            shutil.rmtree(dst, ignore_errors=True)
+            subprocess.run(["sync"], check=True)  # no earlier run's writeback in this one
+            t0 = time.perf_counter()
+            if name == "cp -r":
+                subprocess.run(["cp", "-r", src, dst], check=True)
+            else:
+                stage(src, dst, progress=False)
+            times[name].append(time.perf_counter() - t0)
+            print(f"  round {r + 1} {name}: {times[name][-1]:.2f}s", file=sys.stderr)
+    return times, _du(src)
+
+
+def _row(name: str, ts: list[float], work: float, unit: str, ref: float | None) -> str:
+    med = statistics.median(ts)
+    ratio = f"{med / ref:.2f}" if ref else "-"
+    spread = f"{min(ts):.2f}-{max(ts):.2f}"
+    return f"| {name} | {med:.2f} | {spread} | {work / med:,.1f} {unit} | {ratio} |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=100_000)
+    ap.add_argument("--docs", type=int, default=20_000, help="tokenize corpus documents")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="10,000 samples, 2,000 docs, 1 round")
+    ap.add_argument("--tmp", default="/tmp/unbroken-bench-prep")
+    a = ap.parse_args()
+    if a.quick:
+        a.samples, a.docs, a.rounds = 10_000, 2_000, 1
+    tmp = _fresh(a.tmp)
+    try:
+        _DATA.extend(_samples(a.samples, tmp))
+        payload = sum(len(s["bin"]) + len(s["json"]) for s in _DATA)
+        print(f"pack: {a.samples} samples, {payload / 1e6:.0f} MB payload", file=sys.stderr)
+        pt, sizes, packed = bench_pack(tmp, a.rounds)
+        tt, ntok = bench_tokenize(tmp, a.docs, a.rounds)
+        st, sbytes = bench_stage(packed, tmp, a.rounds)
+    finally:
+        pass
+    print(f"\nCPU: {os.cpu_count()} cores, shared with other jobs; {a.rounds} interleaved rounds, "
+          "median (min-max).\n")
+    print(f"Pack {a.samples:,} samples ({payload / 1e6:.0f} MB payload), 64 MB shards; ratio = "
+          "time / MDSWriter time (goal <= 1.0):\n")
+    print("| tool | s (median) | s (range) | throughput | ratio vs MDS |")
+    print("|---|---|---|---|---|")
+    ref = statistics.median(pt["MosaicML MDSWriter"]) if "MosaicML MDSWriter" in pt else None
+    for name, ts in pt.items():
+        print(_row(name, ts, payload / 1e6, "MB/s", ref) + f" output {sizes[name] / 1e6:.0f} MB")
+    print(f"\nTokenize {a.docs:,} documents ({ntok:,} tokens), BPE 8192; ratio = time / "
+          "encode_batch time (speed-up = 1/ratio; goal: speed-up >= 1.7):\n")
+    print("| tool | s (median) | s (range) | throughput | ratio vs encode_batch (rayon on) |")
+    print("|---|---|---|---|---|")
+    ref = statistics.median(tt["encode_batch, 1 process (rayon on)"])
+    for name, ts in tt.items():
+        print(_row(name, ts, ntok / 1e6, "M tokens/s", ref))
+    print(f"\nStage local -> local, {sbytes / 1e6:.0f} MB; ratio = time / cp time "
+          "(goal: throughput >= 90% of cp, i.e. ratio <= 1.11):\n")
+    print("| tool | s (median) | s (range) | throughput | ratio vs cp |")
+    print("|---|---|---|---|---|")
+    ref = statistics.median(st["cp -r"])
+    for name, ts in st.items():
+        print(_row(name, ts, sbytes / 1e9, "GB/s", ref))
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
