@@ -247,11 +247,12 @@ class DatasetManifest:
         return m
 
     @classmethod
-    def load(cls, root: str) -> DatasetManifest:
-        """Read ``<root>/dataset.json`` (root: a local dir, an fsspec URL, or the json path)."""
+    def load(cls, root: str, storage_options: dict[str, Any] | None = None) -> DatasetManifest:
+        """Read ``<root>/dataset.json`` (root: a local dir, an fsspec URL, or the json path;
+        ``storage_options`` go to fsspec, e.g. an S3 endpoint and credentials)."""
         path = root if root.endswith(".json") else join_path(root, MANIFEST_NAME)
         try:
-            with fsspec.open(path, "rb") as f:
+            with fsspec.open(path, "rb", **(storage_options or {})) as f:
                 raw = f.read()
         except FileNotFoundError:
             raise FileNotFoundError(

@@ -46,6 +46,7 @@ from unbroken._fs import (
 
 __all__ = [
     "INDEX_SUFFIX",
+    "IndexedFileWriter",
     "ShardError",
     "ShardIndex",
     "ShardReader",
@@ -316,31 +317,91 @@ def _headers(names: list[bytes], sizes: np.ndarray) -> tuple[list[Any], np.ndarr
     return hdrs, hlens
 
 
-def _disk_full(path: str, written: int, e: OSError) -> RuntimeError:
-    return RuntimeError(
-        f"{path}: disk full after writing {written} bytes ({os.strerror(e.errno or 0)}); "
-        f"free space on {os.path.dirname(os.path.abspath(path))} or write elsewhere, then "
-        "re-run the same command to resume"
-    )
+class IndexedFileWriter:
+    """A data file plus its index, published with the commit protocol both shard kinds use.
+
+    Data goes to a temporary sibling through a :class:`HashingWriter` (checksum computed
+    while writing); :meth:`_publish` fsyncs it, renames it into place and only then writes
+    the index atomically, so an index exists only next to a complete data file and names
+    its checksum. A full disk becomes a RuntimeError naming the file, the temporary file is
+    removed, and the published path is never left half-written.
+    """
+
+    def __init__(self, path: str, index_path: str, *, fsync: bool = True) -> None:
+        self.path = path
+        self.index_path = index_path
+        self._tmp = temp_sibling(path)
+        self._w = HashingWriter(self._tmp, fsync=fsync)
+        self._fsync = fsync
+        self._done = False
+
+    def _disk_full(self, path: str, e: OSError) -> RuntimeError:
+        return RuntimeError(
+            f"{path}: disk full after writing {self._w.size} bytes "
+            f"({os.strerror(e.errno or 0)}); free space on "
+            f"{os.path.dirname(os.path.abspath(path))} or write elsewhere, then re-run the "
+            "same command to resume"
+        )
+
+    def _write(self, data: Any) -> None:
+        try:
+            self._w.write(data)
+        except OSError as e:
+            self.abort()
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise self._disk_full(self.path, e) from e
+            raise
+
+    def _publish(self, index: bytes) -> None:
+        try:
+            self._w.close()
+            os.replace(self._tmp, self.path)
+            self._done = True
+            atomic_write_bytes(self.index_path, index, fsync=self._fsync)
+        except OSError as e:
+            self.abort()
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise self._disk_full(self.index_path if self._done else self.path, e) from e
+            raise
+
+    @property
+    def size(self) -> int:
+        return self._w.size
+
+    @property
+    def checksum(self) -> str:
+        return str(self._w.digest)
+
+    def abort(self) -> None:
+        """Drop the temporary file; the published path is left untouched."""
+        if self._done:
+            return
+        self._done = True
+        with contextlib.suppress(OSError):
+            self._w.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._tmp)
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is not None:
+            self.abort()
 
 
-class TarShardWriter:
-    """Writes one shard into a temporary sibling; :meth:`commit` publishes it.
+class TarShardWriter(IndexedFileWriter):
+    """Writes one tar shard and its ``.idx``; :meth:`commit` publishes both.
 
     Headers come from a template (vectorized per batch), data is gathered into large writes
-    and hashed as it is written (no second read). Commit order: tar fsync -> rename, then the
-    index is published atomically; an index therefore exists only next to a complete shard,
-    and it names that shard's checksum, so a stale index is detected.
+    and hashed as it is written (no second read); see :class:`IndexedFileWriter` for the
+    commit order that makes a stale or partial shard detectable.
     """
 
     _BATCH = 1024
 
     def __init__(self, path: str, *, fsync: bool = True) -> None:
-        self.path = path
-        self.index_path = path + INDEX_SUFFIX
-        self._tmp = temp_sibling(path)
-        self._w = HashingWriter(self._tmp, fsync=fsync)
-        self._fsync = fsync
+        super().__init__(path, path + INDEX_SUFFIX, fsync=fsync)
         self._buf: list[Any] = []
         self._buffered = 0
         self._pos = 0
@@ -349,7 +410,6 @@ class TarShardWriter:
         self._exts: list[bytes] = []
         self._offs: list[int] = []
         self._sizes: list[int] = []
-        self._done = False
         self._finished = False
 
     def add(self, key: str, members: Sequence[tuple[str, Any]]) -> None:
@@ -411,13 +471,7 @@ class TarShardWriter:
         data = b"".join(self._buf)
         self._buf.clear()
         self._buffered = 0
-        try:
-            self._w.write(data)
-        except OSError as e:
-            self.abort()
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _disk_full(self.path, self._w.size, e) from e
-            raise
+        self._write(data)
 
     def finish(self) -> None:
         """Write the end-of-archive blocks; no sample can be added after this."""
@@ -431,48 +485,17 @@ class TarShardWriter:
     def commit(self) -> tuple[int, str, bytes]:
         """Finish, fsync and publish; returns ``(tar_bytes, tar_checksum, index_bytes)``."""
         self.finish()
-        try:
-            self._w.close()
-        except OSError as e:
-            self.abort()
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _disk_full(self.path, self._w.size, e) from e
-            raise
         raw = ShardIndex.from_arrays(
             self._keys,
             self._nmem,
             self._exts,
             self._offs,
             self._sizes,
-            self._w.size,
+            self._pos,
             self._w.digest,
         ).to_bytes()
-        os.replace(self._tmp, self.path)
-        self._done = True
-        try:
-            atomic_write_bytes(self.index_path, raw, fsync=self._fsync)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise _disk_full(self.index_path, 0, e) from e
-            raise
-        return self._w.size, self._w.digest, raw
-
-    def abort(self) -> None:
-        """Drop the temporary file; the published path is left untouched."""
-        if self._done:
-            return
-        self._done = True
-        with contextlib.suppress(OSError):
-            self._w.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._tmp)
-
-    def __enter__(self) -> TarShardWriter:
-        return self
-
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        if exc_type is not None:
-            self.abort()
+        self._publish(raw)
+        return self.size, self.checksum, raw
 
 
 # --- indexing foreign shards -------------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import mmap
 import os
@@ -37,7 +36,7 @@ from unbroken._fs import (
     is_temp_name,
     temp_sibling,
 )
-from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ManifestError, join_path
+from unbroken.data.manifest import DatasetManifest, join_path
 
 __all__ = ["MARKER_NAME", "StageResult", "stage"]
 
@@ -87,24 +86,6 @@ class _File:
 
 class _ChecksumMismatch(Exception):
     pass
-
-
-def _read_manifest(fs: Any, root: str, url: str) -> tuple[DatasetManifest, bytes]:
-    path = root.rstrip("/") + "/" + MANIFEST_NAME
-    try:
-        with fs.open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"{join_path(url, MANIFEST_NAME)}: no dataset manifest at the staging source; "
-            "pack or index the dataset there first"
-        ) from None
-    try:
-        return DatasetManifest.from_json(json.loads(raw), source=join_path(url, MANIFEST_NAME)), raw
-    except ValueError as e:
-        if isinstance(e, ManifestError):
-            raise
-        raise ManifestError(f"{join_path(url, MANIFEST_NAME)}: malformed JSON ({e})") from None
 
 
 def _valid_local(path: str, f: _File) -> bool:
@@ -217,7 +198,7 @@ def stage(
         raise ValueError(f"workers={workers} must be >= 1")
     t0 = time.perf_counter()
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    manifest, raw_manifest = _read_manifest(fs, root, url)
+    manifest = DatasetManifest.load(url, storage_options)
     os.makedirs(local_dir, exist_ok=True)
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     if ranks_local and local_rank != 0:
@@ -297,7 +278,7 @@ def stage(
     finally:
         if bar is not None:
             bar.close()
-    atomic_write_bytes(os.path.join(local_dir, MANIFEST_NAME), raw_manifest, fsync=fsync)
+    manifest.save(local_dir)
     atomic_write_bytes(marker, manifest.fingerprint.encode(), fsync=fsync)
     res = StageResult(
         url,

@@ -18,8 +18,6 @@ fewer than ``L + 1`` tokens, is not a sequence: at most ``L`` tokens per shard g
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import struct
 from typing import Any
@@ -27,12 +25,9 @@ from typing import Any
 import numpy as np
 
 from unbroken._fs import (
-    HashingWriter,
-    atomic_write_bytes,
     checksum_file,
-    temp_sibling,
 )
-from unbroken.data.shards import ShardError
+from unbroken.data.shards import IndexedFileWriter, ShardError
 
 __all__ = [
     "TOKEN_INDEX_SUFFIX",
@@ -74,26 +69,18 @@ def num_sequences(num_tokens: int, seq_len: int) -> int:
     return max(0, (num_tokens - 1) // seq_len)
 
 
-class TokenShardWriter:
-    """Append documents (EOS added) to a temporary sibling; :meth:`commit` publishes.
-
-    Commit order mirrors the tar writer: .bin fsync -> rename, then the index atomically, so
-    an index exists only next to a complete .bin and names its checksum.
-    """
+class TokenShardWriter(IndexedFileWriter):
+    """Append documents (EOS added) to a temporary sibling; :meth:`commit` publishes the .bin
+    and then its index (the commit order of :class:`IndexedFileWriter`)."""
 
     def __init__(self, path: str, dtype: str, eos_id: int, *, fsync: bool = True) -> None:
-        self.path = path
-        self.index_path = path + TOKEN_INDEX_SUFFIX
+        super().__init__(path, path + TOKEN_INDEX_SUFFIX, fsync=fsync)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.eos_id = int(eos_id)
         self._eos = np.array([eos_id], dtype=self.dtype)
-        self._tmp = temp_sibling(path)
-        self._w = HashingWriter(self._tmp, fsync=fsync)
-        self._fsync = fsync
         self._offsets = [0]
         self._pending: list[np.ndarray] = []
         self._pending_bytes = 0
-        self._done = False
 
     @property
     def num_tokens(self) -> int:
@@ -123,27 +110,15 @@ class TokenShardWriter:
             self._flush()
 
     def _flush(self) -> None:
-        if not self._pending:
-            return
-        data = np.concatenate(self._pending)
-        self._pending.clear()
-        self._pending_bytes = 0
-        try:
-            self._w.write(data)
-        except OSError as e:
-            self.abort()
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise RuntimeError(
-                    f"{self.path}: disk full after {self._w.size} bytes; free space on "
-                    f"{os.path.dirname(os.path.abspath(self.path))} or write elsewhere, then "
-                    "re-run to resume"
-                ) from e
-            raise
+        if self._pending:
+            data = np.concatenate(self._pending)
+            self._pending.clear()
+            self._pending_bytes = 0
+            self._write(data)
 
     def commit(self) -> tuple[int, str, bytes]:
         """Publish; returns ``(bin_bytes, bin_checksum, index_bytes)``."""
         self._flush()
-        self._w.close()
         head = _HEADER.pack(
             _MAGIC,
             self.dtype.itemsize,
@@ -153,19 +128,8 @@ class TokenShardWriter:
             self._w.digest.encode(),
         )
         raw = head + np.asarray(self._offsets, dtype="<u8").tobytes()
-        os.replace(self._tmp, self.path)
-        self._done = True
-        atomic_write_bytes(self.index_path, raw, fsync=self._fsync)
-        return self._w.size, self._w.digest, raw
-
-    def abort(self) -> None:
-        if self._done:
-            return
-        self._done = True
-        with contextlib.suppress(OSError):
-            self._w.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._tmp)
+        self._publish(raw)
+        return self.size, self.checksum, raw
 
 
 class TokenShard:
