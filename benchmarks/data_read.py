@@ -142,13 +142,13 @@ def list_collate(batch: list[Any]) -> list[Any]:
 # --- loaders -------------------------------------------------------------------------------
 
 
-def make_loader(name: str, root: str, seed: int, state: Any = None) -> Any:
+def make_loader(name: str, root: str, seed: int, state: Any = None, workers: int = WORKERS) -> Any:
     if name == "unbroken":
         from unbroken.data.dataset import StreamingDataset
         from unbroken.data.loader import StatefulLoader
 
         ds = StreamingDataset(f"{root}/tar", seed=seed, transform=touch)
-        ld = StatefulLoader(ds, BATCH, collate_fn=list_collate, num_workers=WORKERS)
+        ld = StatefulLoader(ds, BATCH, collate_fn=list_collate, num_workers=workers)
         if state is not None:
             ld.load_state_dict(state)
         return ld
@@ -256,23 +256,51 @@ def child_state(name: str, root: str, frac: float, path: str) -> dict[str, Any]:
     return {"batches": stop}
 
 
-def child_resume(name: str, root: str, path: str, frac: float | None) -> dict[str, Any]:
+def _time_first_batch(name: str, root: str, state: Any, workers: int = WORKERS) -> float:
+    t0 = time.perf_counter()
+    ld = make_loader(name, root, 0, state, workers=workers)
+    it = iter(ld)
+    next(it)
+    dt = time.perf_counter() - t0
+    del it, ld
+    return dt
+
+
+def child_resume(name: str, root: str, path: str) -> dict[str, Any]:
+    """Median of 5 fresh loaders from a state saved by a real run at 90% of the epoch; ours
+    also at 10% and 50% (the state is a position, so any position is a valid state),
+    interleaved, and with num_workers=0 (our own cost, without DataLoader worker start-up)."""
     with open(path, "rb") as f:
         state = pickle.load(f)
-    if frac is not None:  # ours only: the state is a position, so any position is valid
-        state = {**state, "samples_consumed": int(frac * N)}
     _warm_imports(name)
-    times = []
-    first_keys = None
-    for _ in range(5):
-        t0 = time.perf_counter()
-        ld = make_loader(name, root, 0, state)
-        it = iter(ld)
-        batch = next(it)
-        times.append(time.perf_counter() - t0)
-        first_keys = [k for k, _ in batch[:3]]
-        del it, ld
-    return {"resume_s": statistics.median(times), "all_s": times, "first": first_keys}
+    fracs = (0.1, 0.5, 0.9) if name == "unbroken" else (0.9,)
+    res: dict[str, Any] = {}
+    for workers in (WORKERS, 0) if name == "unbroken" else (WORKERS,):
+        times: dict[float, list[float]] = {f: [] for f in fracs}
+        for _ in range(5):
+            for f in fracs:
+                st = {**state, "samples_consumed": int(f * N)} if name == "unbroken" else state
+                times[f].append(_time_first_batch(name, root, st, workers))
+        for f in fracs:
+            res[f"{int(f * 100)}%/{workers}w"] = statistics.median(times[f])
+    if name == "unbroken":
+        # the floor under any loader here: torch starting 2 workers for a 1-item dataset
+        from torch.utils.data import DataLoader
+
+        bare = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            it = iter(DataLoader(_One(), batch_size=None, num_workers=WORKERS))
+            next(it)
+            bare.append(time.perf_counter() - t0)
+            del it
+        res["bare_dataloader"] = statistics.median(bare)
+    return res
+
+
+class _One(IterableDataset):
+    def __iter__(self) -> Any:
+        yield [0]
 
 
 def _warm_imports(name: str) -> None:
@@ -359,7 +387,7 @@ def main() -> None:
         elif kind == "state":
             res = child_state(rest[0], a.root, float(rest[1]), rest[2])
         elif kind == "resume":
-            res = child_resume(rest[0], a.root, rest[1], float(rest[2]) if len(rest) > 2 else None)
+            res = child_resume(rest[0], a.root, rest[1])
         else:
             res = child_tokens(rest[0], a.root)
         print("RESULT " + json.dumps(res), flush=True)
@@ -390,11 +418,14 @@ def main() -> None:
             path = f"{a.root}/state-{name}.pkl"
             _run_child("state", name, "0.9", path)
             r = _run_child("resume", name, path)
-            resume[name] = f"{r['resume_s']:.3f} s"
+            resume[name] = f"{r['90%/2w']:.3f} s"
             if name == "unbroken":
-                flat = [_run_child("resume", name, path, f)["resume_s"] for f in ("0.1", "0.5")]
-                resume[name] += f" (10%: {flat[0]:.3f} s, 50%: {flat[1]:.3f} s)"
-            print(f"  resume {name:10s} at 90%: {resume[name]}", flush=True)
+                resume[name] += (
+                    f" (10%: {r['10%/2w']:.3f}, 50%: {r['50%/2w']:.3f}; num_workers=0: "
+                    f"{r['10%/0w']:.3f} / {r['50%/0w']:.3f} / {r['90%/0w']:.3f} s; bare "
+                    f"DataLoader start: {r['bare_dataloader']:.3f} s)"
+                )
+            print(f"  resume {name:10s}: {resume[name]}", flush=True)
     best_anchor = max(
         (statistics.median(v) for k, v in speed.items() if k not in ("unbroken", "ceiling")),
         default=None,
