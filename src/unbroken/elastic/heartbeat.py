@@ -68,9 +68,10 @@ def stack_dir(run_dir: str) -> str:
 
 
 class _Beacon:
-    __slots__ = ("mm", "seq", "target", "rank", "_stack_file")
+    __slots__ = ("mm", "seq", "target", "rank", "local_rank", "_stack_file")
 
-    def __init__(self, run_dir: str, attempt: int, rank: int, target: int) -> None:
+    def __init__(self, run_dir: str, attempt: int, rank: int, target: int,
+                 local_rank: int = 0) -> None:
         d = beat_dir(run_dir, attempt)
         os.makedirs(d, exist_ok=True)
         pid = os.getpid()
@@ -82,6 +83,7 @@ class _Beacon:
         self.seq = 0
         self.target = target
         self.rank = rank
+        self.local_rank = local_rank
         sd = stack_dir(run_dir)
         os.makedirs(sd, exist_ok=True)
         # faulthandler writes through this fd from a signal handler; keep it open for life.
@@ -92,7 +94,7 @@ class _Beacon:
 
     def caught_up(self, step: int) -> None:
         self.target = _NO_TARGET
-        if self.rank == 0:
+        if self.local_rank == 0:  # one mark per node: each supervisor measures its own
             recovery.mark("caught_up", step=step)
 
 
@@ -125,9 +127,11 @@ def install() -> bool:
         return False
     attempt = int(os.environ.get(recovery.ENV_ATTEMPT, "0"))
     rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     target = os.environ.get(recovery.ENV_CATCHUP)
     try:
-        _beacon = _Beacon(run_dir, attempt, rank, int(target) if target else _NO_TARGET)
+        _beacon = _Beacon(run_dir, attempt, rank, int(target) if target else _NO_TARGET,
+                          local_rank)
     except OSError as e:
         log.warning("heartbeat disabled: cannot create beacon under %s: %s", run_dir, e)
         _disabled = True

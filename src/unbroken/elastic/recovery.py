@@ -13,7 +13,7 @@ Event schema (common keys ``t`` = Unix time, ``event``, ``attempt``, ``pid``, ``
     workers_up    attempt, pids: the first worker processes of the attempt exist
     loaded        step, seconds: a rank restored a checkpoint (from the Checkpointer)
     saved         step, seconds: a rank committed a checkpoint (optional)
-    caught_up     step: rank 0's beats reached the step reached before the last failure
+    caught_up     step: local rank 0's beats reached the step reached before the last failure
     failure       attempt, t_fail, t_detect, kind, fault, action, reason, step, exit_code
     hang          attempt, ranks, stacks (dump files), t_detect
     stop          exit_code, reason

@@ -255,6 +255,7 @@ class Supervisor:
         first_dead: float | None = None
         dead_seen: float | None = None
         warned = False
+        installed: dict[str, float] = {}  # beacon -> when first seen (workers may restart)
         last_poll = time.time()
         while True:
             rc = att.poll()
@@ -307,9 +308,12 @@ class Supervisor:
                 log.warning("no heartbeat from the workers after %.0f s: call "
                             "unbroken.elastic.beat(step) every step to enable hang detection "
                             "and catch-up measurement", now - t_up)
+            for b in beats:
+                installed.setdefault(b.path, now)
             hung = heartbeat.stalled(beats, now, w.hang_timeout)
-            if not hung and t_up is not None and now - t_up > w.startup_timeout:
-                hung = [b for b in beats if not b.started and is_alive(b.pid)]
+            if not hung:  # installed but never beat: stuck before the first step
+                hung = [b for b in beats if not b.started and is_alive(b.pid)
+                        and now - installed[b.path] > w.startup_timeout]
             if hung:
                 return self._hang(att, beats, hung, now)
             last_poll = now

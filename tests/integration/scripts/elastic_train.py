@@ -96,12 +96,17 @@ def main() -> None:
             ckpt = Checkpointer(a.ckpt, state, every_steps=a.save_every, keep_last=3)
         else:
             ckpt = _FileCkpt(a.ckpt, model, metrics, a.save_every)
-    start = torch.zeros(1, dtype=torch.int64)
+    t0 = time.perf_counter()
+    start = torch.full((1,), -1, dtype=torch.int64)
     if ckpt is not None:
-        start[0] = ckpt.restore() or 0  # marks "loaded" with step and seconds
+        restored = ckpt.restore()  # marks "loaded" with step and seconds
+        start[0] = -1 if restored is None else restored
     dist.broadcast(start, 0)
     for p in model.parameters():
         dist.broadcast(p.data, 0)
+    if rank != 0 and int(start[0]) >= 0:  # these ranks "loaded" through the broadcast
+        mark("loaded", step=int(start[0]), seconds=time.perf_counter() - t0)
+    start.clamp_(min=0)
 
     for step in range(int(start[0]), a.steps):
         g = torch.Generator().manual_seed(1000 * step + rank)
