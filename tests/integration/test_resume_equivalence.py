@@ -25,6 +25,8 @@ from unbroken.data.dataset import Source, StreamingDataset
 from unbroken.data.loader import StatefulLoader
 from unbroken.data.order import Partition
 
+# num_workers=3 on a 2-core runner is deliberate (worker-count changes)
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 EPOCHS = 2
 SEED = 11
 
