@@ -99,27 +99,50 @@ def _equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def _scalar(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return v.numel() == 1
+    return isinstance(v, int | float | str | bool)
+
+
+def _is_float(v: Any) -> bool:
+    # Float *tensors* hold what data and reductions produce; Python floats in a state dict
+    # are hyperparameters and schedules (lr, betas), which must match on any world size.
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+
+def _plain(v: Any) -> Any:
+    return v.item() if isinstance(v, torch.Tensor) else v
+
+
 def compare_runs(
     ref_dir: str,
     run_dir: str,
     *,
     ckpt: str = "ckpt",
     metrics: str = "metrics.jsonl",
+    floats: bool = True,
 ) -> dict[str, Any]:
     """Compare final checkpoints and logs of two runs; returns a dict of findings.
 
     ``ckpt`` and ``metrics`` are the checkpoint root and metric log, relative to each run
-    directory. Keys: one per TrainState component (``model``, ``optimizer``, ...: the
+    directory. ``floats=False`` leaves floating-point tensors of the final state out (runs on
+    different world sizes round differently; Python floats such as learning rates are kept) and counts them in ``skipped_float_leaves``.
+    Keys: one per TrainState component (``model``, ``optimizer``, ...: the
     differing flattened keys, ``[]`` when equal), ``counters`` (differing step/sample/token
     counters), ``first_loss_diff`` (step), ``loss_at_diff`` (reference, run),
     ``first_sample_diff`` (index into the concatenated sample ids), ``first_sample_step``
     (the run's step holding it), ``first_sample_ids`` (reference id, run id; None past the
     end), ``missing_samples`` / ``extra_samples`` (multiset differences: never consumed /
-    consumed more often than in the reference), ``duplicated_steps``, ``identical``.
+    consumed more often than in the reference), ``duplicated_steps``, ``identical``; ``scalar_diffs`` maps ``part/key`` of differing
+    scalars (counters such as an optimizer's ``step`` or a scheduler's ``last_epoch``) to
+    (reference, run) values.
     """
     ref = read_checkpoint(os.path.join(ref_dir, ckpt))
     got = read_checkpoint(os.path.join(run_dir, ckpt))
     result: dict[str, Any] = {}
+    scalars: dict[str, tuple[Any, Any]] = {}
+    skipped = 0
     comps = sorted(ref["components"].keys() | got["components"].keys())
     for part in comps:
         if part not in ref["components"] or part not in got["components"]:
@@ -127,12 +150,23 @@ def compare_runs(
             continue
         fa = _flat(ref["components"][part])
         fb = _flat(got["components"][part])
+        if not floats:
+            keep = {k for k in fa.keys() | fb.keys()
+                    if not (_is_float(fa.get(k)) or _is_float(fb.get(k)))}
+            skipped += len(fa.keys() | fb.keys()) - len(keep)
+            fa = {k: v for k, v in fa.items() if k in keep}
+            fb = {k: v for k, v in fb.items() if k in keep}
         diff = sorted(
             k
             for k in fa.keys() | fb.keys()
             if k not in fa or k not in fb or not _equal(fa[k], fb[k])
         )
         result[part] = diff
+        for k in diff:
+            if k in fa and k in fb and _scalar(fa[k]) and _scalar(fb[k]):
+                scalars[part + k] = (_plain(fa[k]), _plain(fb[k]))
+    result["scalar_diffs"] = scalars
+    result["skipped_float_leaves"] = skipped
     ca, cb = ref.get("counters", {}), got.get("counters", {})
     result["counters"] = sorted(k for k in ca.keys() | cb.keys() if ca.get(k) != cb.get(k))
     ra, rb = (

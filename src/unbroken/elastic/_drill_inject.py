@@ -211,13 +211,16 @@ def _hang(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
     _signal(b.pid, signal.SIGSTOP)  # alive but silent: only the watchdog can notice
     inj.record(name, b, f"SIGSTOP rank {b.rank} (pid {b.pid}) at step {b.step}")
     steps = ctx.committed()
-    inj.expected_restore = steps[-1] if steps else None
+    # A lower bound only: the watchdog sends SIGCONT with its stack-dump request, and the
+    # worker may train (and save) on for up to --dump-grace seconds before the SIGKILL.
+    inj.min_restore = steps[-1] if steps else None
 
 
 def _kill_in_save(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
     ctx.wait_step(spec.step, since, ctx.world)
     root = ctx.ckpt_root
     seen = set(_listdir(root))
+    want = 1 + spec.salt % 3  # kill once this many files of the save exist (seeded)
     missed = 0
 
     def saving() -> tuple[str, int] | None:
@@ -230,6 +233,10 @@ def _kill_in_save(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> No
     while True:
         name, step = ctx.wait(saving, "a checkpoint save to start", interval=0.0005)
         seen.add(name)
+        tmp = os.path.join(root, name)
+        end = time.monotonic() + 30.0
+        while len(_listdir(tmp)) < want and os.path.isdir(tmp) and time.monotonic() < end:
+            time.sleep(0.0002)
         beats = ctx.beats(since)
         writer = next(((n, x) for n, bs in beats.items() for x in bs if x.rank == 0), None)
         if writer is None:
@@ -238,14 +245,13 @@ def _kill_in_save(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> No
         # Freeze the writer, make sure the save is still unfinished, then SIGKILL it: the
         # kill lands while the temporary directory is half written, never after the commit.
         _signal(b.pid, signal.SIGSTOP)
-        tmp = os.path.join(root, name)
         if os.path.isdir(tmp) and step not in ctx.committed():
-            files = _listdir(tmp)
+            files = sorted(_listdir(tmp))
             size = sum(_size(os.path.join(tmp, f)) for f in files)
             _signal(b.pid, signal.SIGKILL)
             inj.record(node, b, f"SIGKILL rank 0 (pid {b.pid}) while it wrote the checkpoint of "
                        f"step {step} ({len(files)} files, {size} bytes in {name})")
-            inj.facts.update(tmp_dir=name, save_step=step, tmp_files=len(files), tmp_bytes=size,
+            inj.facts.update(tmp_dir=name, save_step=step, tmp_files=files, tmp_bytes=size,
                              saves_missed=missed)
             break
         _signal(b.pid, signal.SIGCONT)  # that save committed before we got there: next one

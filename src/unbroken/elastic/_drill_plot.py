@@ -26,14 +26,12 @@ def plot_timeline(path: str, panels: Sequence[dict[str, Any]]) -> str | None:
     ``recoveries`` (``Recovery.to_json()`` dicts plus ``t_detect``).
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: no global state, safe in threads
     except ImportError:
         log.warning("matplotlib is not installed: no timeline PNG (pip install 'unbroken[plot]')")
         return None
-    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False)
+    fig = Figure(figsize=(11, 3.6 * len(panels)))
+    axes = fig.subplots(len(panels), 1, squeeze=False)
     for ax, p in zip(axes[:, 0], panels, strict=True):
         t0 = float(p["t0"])
         ref = p.get("reference") or []
@@ -61,7 +59,6 @@ def plot_timeline(path: str, panels: Sequence[dict[str, Any]]) -> str | None:
         ax.legend(loc="lower right", fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 

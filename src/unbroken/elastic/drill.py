@@ -55,7 +55,6 @@ Layout of the drill directory::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -346,11 +345,9 @@ def _drilled_run(cfg: DrillConfig, name: str, specs: list[FaultSpec], env: dict[
                     inj.error = f"no failure recorded: {e}"
                     break
             since, floor = inj.t, inj.step or floor
-        for n in nodes:
-            left = ctx.deadline - time.monotonic()
-            if n.running:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    n.proc.wait(timeout=max(0.1, left))
+        while any(n.running for n in nodes) and time.monotonic() < ctx.deadline:
+            ctx.beats(since)  # keeps sampling progress for the timeline
+            time.sleep(0.05)
     finally:
         for n in nodes:
             if n.running:
@@ -384,13 +381,14 @@ def _prepare(cfg: DrillConfig) -> None:
     os.makedirs(d, exist_ok=True)
 
 
-def run_drill(cfg: DrillConfig) -> DrillReport:
+def run_drill(cfg: DrillConfig, *, token: str | None = None) -> DrillReport:
     """Run the whole drill (reference runs, drilled runs, comparison) and write the report.
 
-    Every process it starts is killed before it returns, also on errors and interrupts.
+    Every process it starts carries ``UNBROKEN_DRILL_TOKEN=token`` (default: a fresh one)
+    and is killed before this returns, also on errors and interrupts.
     """
     _prepare(cfg)
-    token = uuid.uuid4().hex
+    token = token or uuid.uuid4().hex
     env = _child_env(token)
     t0 = time.monotonic()
     kinds = cfg.kinds
@@ -438,8 +436,9 @@ def _evaluate(cfg: DrillConfig, plan: list[FaultSpec], runs: list[_Run], refs: d
     exits: dict[str, int | None] = {}
     for run in runs:
         records = read_metrics(os.path.join(run.job, cfg.metrics_file))
+        ts = [i.t for i in run.injections[1:]] + [None]
         mine = [evaluate_fault(inj, run.ctx.node(inj.report_node).events(fresh=True), run.ckpt,
-                               records) for inj in run.injections]
+                               records, until) for inj, until in zip(run.injections, ts, strict=True)]
         world = 1 if run.name == "single" else 2
         cmp = compare_run(run.name, refs[world], run.job, cfg.ckpt_subdir, cfg.metrics_file,
                           world, records)
