@@ -360,7 +360,7 @@ def _add_drill(sub: argparse._SubParsersAction) -> None:
                    "(default: all that apply)")
     p.add_argument("--seed", type=int, default=0,
                    help="seeds the fault schedule; the same seed replays the same drill")
-    p.add_argument("--steps", type=int, default=50, help="--example only: demo steps (default 50)")
+    p.add_argument("--steps", type=int, default=None, help="--example only: demo steps (default 50)")
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
     p.add_argument("--multi-rank", action="store_true",
                    help="the script trains on 2 ranks and resumes on another world size "
@@ -392,8 +392,10 @@ def _drill(a: argparse.Namespace) -> int:
                 metrics_file=a.metrics_file)
     if a.hang_timeout is not None:
         opts["hang_timeout"] = a.hang_timeout
+    if a.steps is not None and not a.example:
+        raise ValueError("--steps is for --example; your script takes its own step count in ARGS")
     if a.example:
-        cfg = drill.example_config(a.dir, steps=a.steps, seed=a.seed, extra=command, **opts)
+        cfg = drill.example_config(a.dir, steps=a.steps or 50, seed=a.seed, extra=command, **opts)
     else:
         cfg = drill.DrillConfig(command, a.dir, module=a.module, seed=a.seed,
                                 multi_rank=a.multi_rank, ckpt_every=a.ckpt_every, **opts)

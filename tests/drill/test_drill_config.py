@@ -15,7 +15,7 @@ from unbroken.elastic.drill import (
     plan_faults,
     run_drill,
 )
-from unbroken.elastic.drill_report import diagnose
+from unbroken.elastic.drill_report import diagnose, unplanned_failures
 
 
 def test_plan_is_a_pure_function_of_the_seed():
@@ -86,3 +86,17 @@ def test_diagnosis_from_where_the_runs_part(res, restored, words):
     text = diagnose(res, restored)
     for w in words:
         assert w in text, text
+
+
+def test_failures_no_injection_explains_fail_the_drill():
+    def fail(t: float, step: int) -> dict:
+        return {"t": t, "step": step, "fault": "process", "rule": "hang", "reason": "stalled"}
+
+    ok = unplanned_failures([10.0, 20.0], [("A", fail(10.5, 7)), ("B", fail(10.6, 7)),
+                                            ("A", fail(21.0, 15))])
+    assert ok.ok and "3 recorded" in ok.detail
+    bad = unplanned_failures([10.0, 20.0], [("A", fail(5.0, 3)), ("A", fail(10.5, 7)),
+                                             ("A", fail(12.0, 9))])
+    assert not bad.ok
+    assert "2 failure(s) no injected fault explains" in bad.detail
+    assert "node A at step 3: process/hang" in bad.detail and "step 9" in bad.detail

@@ -80,6 +80,7 @@ from unbroken.elastic.drill_report import (
     charge_divergence,
     compare_run,
     evaluate_fault,
+    unplanned_failures,
 )
 from unbroken.metrics import read_metrics
 
@@ -363,16 +364,16 @@ def _drilled_run(cfg: DrillConfig, name: str, specs: list[FaultSpec], env: dict[
 def _prepare(cfg: DrillConfig) -> None:
     d = cfg.drill_dir
     if os.path.isdir(d) and os.listdir(d):
-        ours = {"reference-w1", "reference-w2", "single", "elastic", *_DRILL_FILES}
-        if not os.path.exists(os.path.join(d, "drill.json")) and not set(os.listdir(d)) <= {
-                *ours, "reference-w1.log", "reference-w2.log", "reference-w1.torchrun",
-                "reference-w2.torchrun"}:
+        ours = {f"{r}{x}" for r in ("reference-w1", "reference-w2")
+                for x in ("", ".log", ".torchrun")} | {"single", "elastic", *_DRILL_FILES}
+        if not os.path.exists(os.path.join(d, "drill.json")) and not set(os.listdir(d)) <= ours:
             raise ValueError(f"{d!r} exists and is not a drill directory; pass another --dir "
                              "or remove it")
-    keep = os.path.abspath(cfg.reference) if cfg.reference else None
-    for name in ("reference-w1", "reference-w2", "single", "elastic", *_DRILL_FILES):
+    keep = os.path.abspath(cfg.reference).rstrip("/") if cfg.reference else None
+    names = [f"{r}{x}" for r in ("reference-w1", "reference-w2") for x in ("", ".log", ".torchrun")]
+    for name in (*names, "single", "elastic", *_DRILL_FILES):
         p = os.path.abspath(os.path.join(d, name))
-        if p == keep:
+        if keep and p in (keep, keep + ".log", keep + ".torchrun"):
             continue
         if os.path.isdir(p):
             shutil.rmtree(p)
@@ -443,6 +444,10 @@ def _evaluate(cfg: DrillConfig, plan: list[FaultSpec], runs: list[_Run], refs: d
         cmp = compare_run(run.name, refs[world], run.job, cfg.ckpt_subdir, cfg.metrics_file,
                           world, records)
         charge_divergence(mine, cmp, records)
+        cmp.checks.append(unplanned_failures(
+            [i.t for i in run.injections if i.t is not None],
+            [(n.name, e) for n in run.ctx.nodes for e in n.events(fresh=True)
+             if e["event"] == "failure"]))
         results += mine
         comps.append(cmp)
         lost = {i.facts.get("lost_node") for i in run.injections}

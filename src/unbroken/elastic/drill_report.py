@@ -33,6 +33,7 @@ __all__ = [
     "compare_run",
     "diagnose",
     "evaluate_fault",
+    "unplanned_failures",
 ]
 
 
@@ -239,6 +240,12 @@ def compare_run(run: str, ref_dir: str, job_dir: str, ckpt: str, metrics: str,
     compared only up to the change (see the module doc of :mod:`unbroken.elastic.drill`)."""
     from unbroken.demo import compare_runs  # torch: imported only when a drill ends
 
+    lacking = sorted({k for r in records[:1] for k in ("loss", "ids") if k not in r})
+    if not records or lacking:
+        why = "is empty" if not records else f"has no {lacking} per step"
+        return RunComparison(run, ref_dir, job_dir, world_reference, None, [Check(
+            "metric log", False, f"{os.path.join(job_dir, metrics)} {why}: log every step "
+            "with MetricLog.log(step, loss=..., ids=[sample ids of the step])")], {})
     changed = next((int(r["step"]) for r in records
                     if int(r.get("world_size", world_reference)) != world_reference), None)
     exact_until = None if changed is None else changed - 1
@@ -297,10 +304,34 @@ def _state_check(res: dict[str, Any], changed: int | None) -> Check:
         keys = res[p] if p != "counters" else res["counters"]
         items.append(f"{p} ({len(keys)}: {', '.join(k.lstrip('/') for k in keys[:3])}"
                      f"{', ...' if len(keys) > 3 else ''})")
+    # Counters (step counts, last_epoch, positions) say most about what was not restored.
+    ranked = sorted(res["scalar_diffs"].items(), key=lambda kv: (not _integral(kv[1]), kv[0]))
     scal = "; ".join(f"{k.lstrip('/')}: {a!r} in the reference, {b!r} here"
-                     for k, (a, b) in list(res["scalar_diffs"].items())[:4])
+                     for k, (a, b) in ranked[:5])
     return Check("final state", False, "differs in " + ", ".join(items)
                  + (f"; {scal}" if scal else ""))
+
+
+def unplanned_failures(injected: list[float], failures: list[tuple[str, dict[str, Any]]]) -> Check:
+    """Every failure a supervisor recorded must follow an injected fault, at most one per
+    node and fault: anything else (a spurious hang verdict, a restart that failed again) is
+    a recovery the drill cannot vouch for."""
+    seen: set[tuple[int, str]] = set()
+    extra = []
+    for node, e in sorted(failures, key=lambda x: x[1]["t"]):
+        i = sum(1 for t in injected if t <= e["t"]) - 1
+        if i < 0 or (i, node) in seen:
+            extra.append(f"node {node} at step {e.get('step')}: {e.get('fault')}/"
+                         f"{e.get('rule')} ({str(e.get('reason', ''))[:80]})")
+        seen.add((i, node))
+    if extra:
+        return Check("failures", False, f"{len(extra)} failure(s) no injected fault explains: "
+                     + "; ".join(extra))
+    return Check("failures", True, f"{len(failures)} recorded, each after an injected fault")
+
+
+def _integral(pair: Any) -> bool:
+    return all(isinstance(v, int | float) and float(v).is_integer() for v in pair)
 
 
 def diagnose(res: dict[str, Any], restored: int | None) -> str:
