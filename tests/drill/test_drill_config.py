@@ -74,12 +74,23 @@ def test_refuses_a_directory_that_is_not_a_drill(tmp_path):
 @pytest.mark.parametrize(
     ("res", "restored", "words"),
     [
-        ({"first_sample_diff": 320, "first_sample_step": 21, "first_sample_ids": (7, 9)}, 20,
-         ["data position was not restored", "sample #320 (step 21)", "id 9 where the reference had 7"]),
+        (
+            {"first_sample_diff": 320, "first_sample_step": 21, "first_sample_ids": (7, 9)},
+            20,
+            [
+                "data position was not restored",
+                "sample #320 (step 21)",
+                "id 9 where the reference had 7",
+            ],
+        ),
         ({"first_sample_diff": None, "first_loss_diff": 21}, 20, ["forward pass", "RNG"]),
         ({"first_sample_diff": None, "first_loss_diff": 22}, 20, ["optimizer update", "step 22"]),
         ({"first_sample_diff": None, "first_loss_diff": 23}, 20, ["learning-rate schedule"]),
-        ({"first_sample_diff": None, "first_loss_diff": 18}, 20, ["metric log was not rolled back"]),
+        (
+            {"first_sample_diff": None, "first_loss_diff": 18},
+            20,
+            ["metric log was not rolled back"],
+        ),
     ],
 )
 def test_diagnosis_from_where_the_runs_part(res, restored, words):
@@ -92,11 +103,13 @@ def test_failures_no_injection_explains_fail_the_drill():
     def fail(t: float, step: int) -> dict:
         return {"t": t, "step": step, "fault": "process", "rule": "hang", "reason": "stalled"}
 
-    ok = unplanned_failures([10.0, 20.0], [("A", fail(10.5, 7)), ("B", fail(10.6, 7)),
-                                            ("A", fail(21.0, 15))])
+    ok = unplanned_failures(
+        [10.0, 20.0], [("A", fail(10.5, 7)), ("B", fail(10.6, 7)), ("A", fail(21.0, 15))]
+    )
     assert ok.ok and "3 recorded" in ok.detail
-    bad = unplanned_failures([10.0, 20.0], [("A", fail(5.0, 3)), ("A", fail(10.5, 7)),
-                                             ("A", fail(12.0, 9))])
+    bad = unplanned_failures(
+        [10.0, 20.0], [("A", fail(5.0, 3)), ("A", fail(10.5, 7)), ("A", fail(12.0, 9))]
+    )
     assert not bad.ok
     assert "2 failure(s) no injected fault explains" in bad.detail
     assert "node A at step 3: process/hang" in bad.detail and "step 9" in bad.detail
