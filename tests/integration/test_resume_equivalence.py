@@ -29,6 +29,7 @@ from unbroken.data.order import Partition
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 EPOCHS = 2
 SEED = 11
+WINDOW = 24  # several shuffle windows per epoch (the default would shuffle these globally)
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ def _spec(kind: str, data: Callable[[str], str]) -> Any:
 def _loaders(spec: Any, lay: Layout, policy: str) -> list[StatefulLoader]:
     return [
         StatefulLoader(
-            StreamingDataset(spec, seed=SEED, rank=r, world_size=lay.world),
+            StreamingDataset(spec, seed=SEED, shuffle_window=WINDOW, rank=r, world_size=lay.world),
             lay.batch,
             collate_fn=ids_collate,
             num_workers=lay.workers,
@@ -203,7 +204,8 @@ def _rank_main(
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        ds = StreamingDataset(spec, seed=SEED)  # rank and world size from torch.distributed
+        # rank and world size from torch.distributed
+        ds = StreamingDataset(spec, seed=SEED, shuffle_window=WINDOW)
         assert (ds.rank, ds.world_size) == (rank, world)
         ld = StatefulLoader(ds, batch, collate_fn=ids_collate, num_workers=1, last_batch="short")
         if os.path.exists(state_path):

@@ -63,12 +63,14 @@ def test_a_window_reads_a_contiguous_run_of_permuted_shards(counts, seed, window
 
 
 def test_default_window_mixes_at_least_four_shards():
-    counts = [100] * 20
-    assert default_shuffle_window(counts) == 400
+    counts = [100_000] * 20
+    assert default_shuffle_window(counts) == 400_000  # four shards
     o = EpochOrder(counts, "fp", 0, 0)
-    first = o.locate(o.ids(np.arange(o.window)))[0]
+    first = o.locate(o.ids(np.arange(0, o.window, 97)))[0]
     assert len(np.unique(first)) >= 4
-    assert default_shuffle_window([7, 3]) == 10  # capped at the dataset size
+    assert default_shuffle_window([1000] * 30) == 30_000  # small: one window, global shuffle
+    assert default_shuffle_window([1000] * 3000) == 1 << 18  # at least 256 Ki samples
+    assert default_shuffle_window([10**7] * 3) == 1 << 22  # at most 4 Mi samples
 
 
 def test_epochs_seeds_and_fingerprints_change_the_order_and_shard_order():

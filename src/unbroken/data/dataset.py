@@ -277,9 +277,10 @@ class StreamingDataset(IterableDataset):
         sources: a dataset directory, a :class:`Source`, or a list of them to mix by weight.
         seed: shuffle seed (non-negative int); with the fingerprint and epoch it fixes the order.
         shuffle: ``False`` reads every epoch in manifest order.
-        shuffle_window: samples per shuffle window; default four times the largest shard (so
-            a window mixes at least four shards), capped at 4 Mi samples. Memory per worker
-            is ``8 * shuffle_window`` bytes.
+        shuffle_window: samples per shuffle window; default four times the largest shard (a
+            window mixes at least four shards) and at least 256 Ki samples (smaller datasets
+            are shuffled globally), capped at 4 Mi. Memory per worker: ``8 * shuffle_window``
+            bytes.
         transform: per-sample function run in the worker (decode, augment); picklable.
         seq_len: token datasets: tokens per sequence (default: the tokenized ``seq_len``).
         rank, world_size: this process's share; default from ``torch.distributed``.

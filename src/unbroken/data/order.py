@@ -46,7 +46,9 @@ __all__ = [
 _TAG_SHARDS = 1
 _TAG_WINDOW = 2
 _TAG_MIX = 3
-# Cap of the default window: a permutation of 4 Mi samples is 32 MiB, per worker.
+# Default window bounds: at least 256 Ki samples (a dataset that small is shuffled globally;
+# 2 MiB of permutation), at most 4 Mi (32 MiB per worker).
+_MIN_DEFAULT_WINDOW = 1 << 18
 _MAX_DEFAULT_WINDOW = 1 << 22
 _WINDOW_CACHE = 2
 
@@ -60,12 +62,15 @@ def seeded_rng(fingerprint: str, seed: int, *parts: int) -> np.random.Generator:
 
 
 def default_shuffle_window(counts: Sequence[int] | np.ndarray) -> int:
-    """Four times the largest shard (so a window mixes >= 4 shards), capped at 4 Mi samples."""
+    """Four times the largest shard (a window mixes >= 4 shards) and at least 256 Ki samples
+    (with few shards, a shard-level permutation alone leaves index and position correlated),
+    capped at 4 Mi samples and at the dataset size."""
     arr = np.asarray(counts, dtype=np.int64)
     total = int(arr.sum())
     if total == 0:
         return 1
-    return max(1, min(total, 4 * int(arr.max()), _MAX_DEFAULT_WINDOW))
+    want = max(4 * int(arr.max()), _MIN_DEFAULT_WINDOW)
+    return max(1, min(total, want, _MAX_DEFAULT_WINDOW))
 
 
 def _check_seed(seed: int, epoch: int) -> None:
