@@ -39,6 +39,9 @@ BATCH = 256
 WORKERS = 2
 SHARD = 64 << 20
 LOADERS = ("unbroken", "webdataset", "mosaicml", "litdata", "ceiling")
+# litdata-bd1: LitData with batch_decode=1 (decode only the requested row), the workaround for
+# its seed-dependent slow-down (see RESULTS.md); run with --only litdata litdata-bd1
+EXTRA = ("litdata-bd1",)
 SEQ_LEN = 1024
 TOK_BATCH = 16
 TOKENS = 64 << 20  # 64 Mi tokens (uint16): 128 MB
@@ -178,16 +181,11 @@ def make_loader(name: str, root: str, seed: int, state: Any = None, workers: int
         if state is not None:
             ld.load_state_dict(state)
         return ld
-    if name == "litdata":
+    if name in ("litdata", "litdata-bd1"):
         from litdata import StreamingDataLoader, StreamingDataset
 
-        ds = StreamingDataset(
-            f"{root}/litdata",
-            shuffle=True,
-            seed=seed,
-            transform=touch,
-            cache_dir=f"{root}/litdata-cache-{os.getpid()}",
-        )
+        extra = {"batch_decode": 1} if name == "litdata-bd1" else {}
+        ds = StreamingDataset(f"{root}/litdata", shuffle=True, seed=seed, transform=touch, **extra)
         ld = StreamingDataLoader(ds, batch_size=BATCH, num_workers=WORKERS, collate_fn=list_collate)
         if state is not None:
             ld.load_state_dict(state)
@@ -200,7 +198,7 @@ def make_loader(name: str, root: str, seed: int, state: Any = None, workers: int
         return DataLoader(
             _InMemory(N), batch_size=None, num_workers=WORKERS, collate_fn=list_collate
         )
-    raise ValueError(f"unknown loader {name!r}; one of {LOADERS}")
+    raise ValueError(f"unknown loader {name!r}; one of {LOADERS + EXTRA}")
 
 
 class _InMemory(IterableDataset):
@@ -324,7 +322,7 @@ def _warm_imports(name: str) -> None:
         import unbroken.data.loader  # noqa: F401
     elif name == "mosaicml":
         import streaming  # noqa: F401
-    elif name == "litdata":
+    elif name.startswith("litdata"):
         import litdata  # noqa: F401
 
 
@@ -390,7 +388,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=ROOT)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--only", nargs="+", default=list(LOADERS), choices=LOADERS)
+    ap.add_argument("--only", nargs="+", default=list(LOADERS), choices=LOADERS + EXTRA)
     ap.add_argument("--skip-tokens", action="store_true")
     ap.add_argument("--skip-resume", action="store_true")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
@@ -430,7 +428,7 @@ def main() -> None:
     resume: dict[str, str] = {}
     if not a.skip_resume:
         for name in a.only:
-            if name in ("webdataset", "ceiling"):
+            if name in ("webdataset", "ceiling", *EXTRA):
                 resume[name] = "cannot resume" if name == "webdataset" else "-"
                 continue
             path = f"{a.root}/state-{name}.pkl"
@@ -445,7 +443,11 @@ def main() -> None:
                 )
             print(f"  resume {name:10s}: {resume[name]}", flush=True)
     best_anchor = max(
-        (statistics.median(v) for k, v in speed.items() if k not in ("unbroken", "ceiling")),
+        (
+            statistics.median(v)
+            for k, v in speed.items()
+            if k not in ("unbroken", "ceiling", *EXTRA)
+        ),
         default=None,
     )
     print(
