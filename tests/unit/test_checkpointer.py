@@ -61,7 +61,9 @@ def test_save_restore_round_trip_and_listing(tmp_path) -> None:
     key = "components/model/0.weight"
     target = {key: torch.empty_like(saved["0.weight"])}
     dcp.load(target, checkpoint_id=str(tmp_path / "step-00000003"))
-    assert torch.equal(target[key], saved["0.weight"]) and torch.equal(sd["components"]["model"]["0.weight"], saved["0.weight"])
+    assert torch.equal(target[key], saved["0.weight"]) and torch.equal(
+        sd["components"]["model"]["0.weight"], saved["0.weight"]
+    )
 
 
 def test_manifest_records_checksums_and_stats(tmp_path) -> None:
@@ -70,7 +72,10 @@ def test_manifest_records_checksums_and_stats(tmp_path) -> None:
     man = json.loads((tmp_path / "step-00000007" / "manifest.json").read_text())
     assert man["step"] == 7 and man["version"] == 1 and man["torch_version"] == torch.__version__
     for name, f in man["files"].items():
-        assert os.path.getsize(tmp_path / "step-00000007" / name) == f["size"] and len(f["checksum"]) == 32
+        assert (
+            os.path.getsize(tmp_path / "step-00000007" / name) == f["size"]
+            and len(f["checksum"]) == 32
+        )
     w = man["tensors"]["components/model/0.weight"]
     assert w["shape"] == [32, 16] and w["dtype"] == "float32"
     assert w["stats"]["sum"] == pytest.approx(float(m[0].weight.sum()), rel=1e-5)
@@ -119,14 +124,19 @@ DAMAGE: dict[str, tuple[str, Callable[[str], None]]] = {
     "missing-tensor-file": ("missing-file", lambda d: os.unlink(_data_file(d))),
     "bitflip-rank-state": ("checksum", lambda d: _flip(os.path.join(d, "state-rank0.json"))),
     "missing-manifest": ("no-manifest", lambda d: os.unlink(os.path.join(d, "manifest.json"))),
-    "malformed-manifest": ("bad-manifest", lambda d: open(os.path.join(d, "manifest.json"), "w").write("{not json")),
+    "malformed-manifest": (
+        "bad-manifest",
+        lambda d: open(os.path.join(d, "manifest.json"), "w").write("{not json"),
+    ),
     "size-mismatch-in-manifest": (
         "size",
         lambda d: _rewrite_manifest(d, lambda m: m["files"][next(iter(m["files"]))].update(size=1)),
     ),
     "stats-mismatch": (
         "stats",
-        lambda d: _rewrite_manifest(d, lambda m: m["tensors"]["components/model/0.weight"]["stats"].update(norm=1.0)),
+        lambda d: _rewrite_manifest(
+            d, lambda m: m["tensors"]["components/model/0.weight"]["stats"].update(norm=1.0)
+        ),
     ),
 }
 
@@ -233,7 +243,10 @@ def _tiny_disk(path: str, size: str) -> Iterator[str]:
 
 
 def _can_mount() -> bool:
-    return os.geteuid() == 0 and subprocess.run(["which", "mount"], capture_output=True).returncode == 0
+    return (
+        os.geteuid() == 0
+        and subprocess.run(["which", "mount"], capture_output=True).returncode == 0
+    )
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
@@ -261,7 +274,9 @@ class _Blob:
         self.t = sd["t"]
 
 
-def _run_disk_full(root: str, st: TrainState, model: torch.nn.Module, monkeypatch, real: bool) -> None:
+def _run_disk_full(
+    root: str, st: TrainState, model: torch.nn.Module, monkeypatch, real: bool
+) -> None:
     ck = Checkpointer(root, st, keep_last=None)
     ck.save(1)
     good = _params(model)
