@@ -106,6 +106,71 @@ def test_free_space_message_without_tmpfs(tmp_path: str, monkeypatch: pytest.Mon
         stage(src, dst, progress=False)
 
 
+def _to_memory_fs(local: str, name: str) -> str:
+    """Copy a dataset into fsspec's in-memory filesystem: a non-local source (streamed path)."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    for n in os.listdir(local):
+        fs.pipe_file(f"/{name}/{n}", open(os.path.join(local, n), "rb").read())
+    return f"memory://{name}"
+
+
+def test_stream_source_and_disk_full_during_staging(
+    tmp_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The space check passed but the disk fills up mid-copy (another job wrote there)."""
+    import errno
+
+    from unbroken._fs import HashingWriter
+
+    src = os.path.join(tmp_path, "src")
+    m = _dataset(src)
+    url = _to_memory_fs(src, "ds-full")
+    ok = stage(url, os.path.join(tmp_path, "ok"), workers=2, progress=False)
+    assert ok.files_copied == 2 * len(m.shards) and _same(src, os.path.join(tmp_path, "ok"), m)
+    orig = HashingWriter.write
+    written = [0]
+
+    def write(w: HashingWriter, b: Any) -> int:
+        written[0] += memoryview(b).nbytes
+        if written[0] > 100_000:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return orig(w, b)
+
+    monkeypatch.setattr(HashingWriter, "write", write)
+    dst = os.path.join(tmp_path, "dst")
+    with pytest.raises(RuntimeError, match=r"dst/.*: disk full while staging.*re-run"):
+        stage(url, dst, workers=2, progress=False)
+    names = os.listdir(dst)
+    assert "dataset.json" not in names and MARKER_NAME not in names
+    assert not [n for n in names if n.startswith(".tmp-")]
+
+
+def test_real_enospc_on_a_tiny_tmpfs(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    src = os.path.join(tmp_path, "src")
+    _dataset(src)
+    mnt = os.path.join(tmp_path, "mnt")
+    os.makedirs(mnt)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", mnt], capture_output=True
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        real = shutil.disk_usage  # claim room, as if another job filled the disk afterwards
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=10**12))
+        with pytest.raises(RuntimeError, match=rf"{mnt}/.*: disk full while staging"):
+            stage(src, mnt, workers=1, progress=False)
+        names = os.listdir(mnt)
+        assert "dataset.json" not in names and MARKER_NAME not in names
+        assert not [n for n in names if n.startswith(".tmp-")]
+    finally:
+        subprocess.run(["umount", mnt], check=False)
+
+
 _STAGE_CHILD = r"""
 import os, sys
 from unbroken.data.stage import stage

@@ -78,6 +78,17 @@ def test_whole_shard_is_byte_equal_to_tarfile_output(tmp_path: str) -> None:
     assert open(ours, "rb").read() == ref.getvalue()
 
 
+@pytest.mark.parametrize("size", [0, 1, 9216, 9728, 10240])
+def test_archive_end_padding_is_a_whole_record(tmp_path: str, size: int) -> None:
+    """9216 bytes of data leave the longest tail (2 zero blocks + 19 blocks of padding)."""
+    p = os.path.join(tmp_path, "s.tar")
+    _write(p, [{"__key__": "k", "bin": b"\x01" * size}])
+    assert os.path.getsize(p) % 10240 == 0
+    assert ShardReader(p)[0]["bin"] == b"\x01" * size
+    with tarfile.open(p) as tf:
+        assert tf.extractfile("k.bin").read() == b"\x01" * size  # type: ignore[union-attr]
+
+
 def test_long_member_names_fall_back_to_pax_and_stay_readable(tmp_path: str) -> None:
     key = "d/" + "long" * 40  # > 100 bytes: needs a PAX header
     p = os.path.join(tmp_path, "s.tar")

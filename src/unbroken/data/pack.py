@@ -38,6 +38,8 @@ import numpy as np
 from unbroken._fs import atomic_write_bytes, checksum_bytes, checksum_file, hasher, is_temp_name
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
 from unbroken.data.shards import (
+    _BLOCK,
+    _RECORD,
     INDEX_SUFFIX,
     TarShardWriter,
     _nbytes,
@@ -81,6 +83,8 @@ class PackResult:
 
 
 def _check_key(key: str, where: str) -> str:
+    if type(key) is str and key and "." not in key and key[0] != "/" and "//" not in key:
+        return key  # the common case, decided without the regex
     if not isinstance(key, str) or not _KEY_RE.match(key) or ".." in key.split("/"):
         raise ValueError(
             f"{where}: sample key {key!r} is not usable: a key is a relative path whose last "
@@ -104,21 +108,6 @@ def _encode(v: Any, key: str, ext: str) -> Any:
         f"sample {key!r}: member {ext!r} has type {type(v).__name__}; pass bytes, str, a "
         "number or a JSON-serializable dict/list"
     )
-
-
-def _from_dict(i: int, d: dict[str, Any]) -> Sample:
-    key = d.get("__key__")
-    key = f"{i:09d}" if key is None else _check_key(key, f"sample #{i}")
-    members = []
-    for ext, v in d.items():
-        if ext.startswith("__"):
-            continue
-        if not ext or "/" in ext:
-            raise ValueError(f"sample {key!r}: extension {ext!r} is not a valid member suffix")
-        members.append((ext, _encode(v, key, ext)))
-    if not members:
-        raise ValueError(f"sample {key!r} has no members (only __ fields); add data")
-    return key, members
 
 
 @dataclass(frozen=True)
@@ -248,58 +237,85 @@ def _digest_files(samples: list[_FileSample]) -> str:
     return str(h.hexdigest())
 
 
-class _MemDigest:
-    """Digest of an in-memory shard plan: every byte, every key/extension and every size."""
-
-    def __init__(self) -> None:
-        self.h = hasher()
-        self.names: list[str] = []
-        self.sizes: list[int] = []
-
-    def add(self, key: str, exts: list[str], sizes: list[int], members: list[Member]) -> None:
-        for _, d in members:
-            self.h.update(d)
-        self.names.append(key)
-        self.names.extend(exts)
-        self.sizes.extend(sizes)
-
-    def hexdigest(self) -> str:
-        self.h.update("\0".join(self.names).encode())
-        self.h.update(np.asarray(self.sizes, dtype=np.int64).tobytes())
-        return str(self.h.hexdigest())
+def _member_header_bytes(key: str, ext: str, n: int) -> int:
+    if len(key) + len(ext) < 100 and key.isascii() and ext.isascii():
+        return _BLOCK
+    return sample_tar_bytes(key, [(ext, n)]) - n - (-n % _BLOCK)
 
 
-def _plan_mem(
-    it: Iterable[Sample], shard_size: int, src: str, partial: bool
+def _plan_dicts(
+    items: Iterable[dict[str, Any]], shard_size: int, src: str, partial: bool
 ) -> Iterator[tuple[list[Sample], str]]:
-    pl = _Planner(shard_size, src)
-    schema: list[str] = []
-    first: list[str] | None = None
+    """Normalize dicts into samples and cut shards in one pass (the per-sample hot loop).
+
+    The same greedy rule as :class:`_Planner`, with the tar end (two zero blocks + record
+    padding) folded into a byte capacity. The plan digest covers every byte, key, extension
+    and size of the shard.
+    """
+    cap = (shard_size // _RECORD) * _RECORD - 2 * _BLOCK  # body + tar_end_bytes(body) <= size
+    body = 0
     cur: list[Sample] = []
-    dig = _MemDigest()
-    seen_last = None
-    for key, members in it:
-        if key == seen_last:
+    h, meta, sizes = hasher(), list[str](), list[int]()
+    first: list[str] | None = None
+    schema: list[str] = []
+    last = None
+    for i, d in enumerate(items):
+        key = d.get("__key__")
+        if key is None:
+            key = f"{i:09d}"
+        elif key == last:
             raise ValueError(
                 f"{src}: sample key {key!r} repeats right after itself; WebDataset would "
                 "merge the two samples - give every sample a distinct __key__"
             )
-        seen_last = key
-        exts = [m[0] for m in members]
+        else:
+            _check_key(key, f"sample #{i}")
+        last = key
+        members: list[Member] = []
+        exts: list[str] = []
+        nb = 0
+        room = 100 - len(key) if key.isascii() else 0  # ext chars that keep a 512-byte header
+        for ext, v in d.items():
+            if ext[:2] == "__":
+                continue
+            if not ext or "/" in ext:
+                raise ValueError(f"sample {key!r}: extension {ext!r} is not a valid member suffix")
+            if type(v) is not bytes:
+                v = _encode(v, key, ext)
+            n = len(v) if type(v) is bytes else _nbytes(v)
+            hb = _BLOCK if len(ext) < room and ext.isascii() else _member_header_bytes(key, ext, n)
+            nb += hb + n + (-n % _BLOCK)
+            members.append((ext, v))
+            exts.append(ext)
+        if not members:
+            raise ValueError(f"sample {key!r} has no members (only __ fields); add data")
         if not partial and exts != first:  # the common case (same order) skips the sort
             _check_members(key, exts, schema, src)
             first = first or exts
-        sizes = [_nbytes(d) for _, d in members]
-        nb = sample_tar_bytes(key, list(zip(exts, sizes, strict=True)))
-        if not pl.fits(key, nb):
-            yield cur, dig.hexdigest()
-            cur, dig = [], _MemDigest()
-            pl.reset()
-            pl.fits(key, nb)
+        if nb > cap:
+            raise ValueError(
+                f"{src}: sample {key!r} needs {nb + tar_end_bytes(nb)} bytes in a tar, more "
+                f"than shard_size={shard_size}; a sample is never split - pass a larger "
+                "--shard-size"
+            )
+        if cur and body + nb > cap:
+            yield cur, _finish_digest(h, meta, sizes)
+            cur, body, h, meta, sizes = [], 0, hasher(), [], []
         cur.append((key, members))
-        dig.add(key, exts, sizes, members)
+        body += nb
+        meta.append(key)
+        for ext, v in members:
+            h.update(v)
+            meta.append(ext)
+            sizes.append(len(v) if type(v) is bytes else _nbytes(v))
     if cur:
-        yield cur, dig.hexdigest()
+        yield cur, _finish_digest(h, meta, sizes)
+
+
+def _finish_digest(h: Any, meta: list[str], sizes: list[int]) -> str:
+    h.update("\0".join(meta).encode())
+    h.update(np.asarray(sizes, dtype=np.int64).tobytes())
+    return str(h.hexdigest())
 
 
 def _plan_jsonl(path: str, shard_size: int) -> Iterator[tuple[list[tuple[str, int, int]], str]]:
@@ -572,13 +588,7 @@ def pack(
     elif kind == "jsonl":
         plans = (((path, lines), d) for lines, d in _plan_jsonl(path, shard_size))
     else:
-        where = "pack input"
-        plans = _plan_mem(
-            (_from_dict(i, d) for i, d in enumerate(items)),
-            shard_size,
-            where,
-            allow_partial,  # type: ignore[union-attr]
-        )
+        plans = _plan_dicts(items, shard_size, "pack input", allow_partial)
 
     infos: dict[int, ShardInfo] = {}
     counts = {"written": 0, "reused": 0}

@@ -66,7 +66,7 @@ _MAGIC = b"UBIDX\x01\x00\x00"
 _HEADER = struct.Struct("<8sQQQQ32s")
 _BLOCK = 512
 _RECORD = 10240  # tarfile pads archives to 20 blocks; we do too, for identical tools' output
-_ZEROS = bytes(_RECORD)
+_ZEROS = bytes(_RECORD + 2 * _BLOCK)  # the longest run of zeros a shard ends with
 _MTIME = 0  # fixed so that the same input gives byte-identical shards
 _FLUSH = 8 << 20
 # webdataset's rule: key = path prefix + basename up to its first dot, ext = the rest.

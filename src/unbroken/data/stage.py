@@ -2,8 +2,9 @@
 
 Reads ``dataset.json`` at any fsspec URL (``s3://``, ``gs://``, ``file://``, a mounted path),
 then copies every shard and index file in parallel threads. Each file is written to a
-temporary sibling while its xxh3-128 checksum is computed on the fly, compared with the
-manifest, and only then renamed into place; a mismatch is re-fetched, then reported. Files
+temporary sibling, its xxh3-128 checksum (computed while streaming from a remote store; read
+back from the page cache after an in-kernel copy for a local source) is compared with the
+manifest, and only then is it renamed into place; a mismatch is re-fetched, then reported. Files
 already present and valid are skipped, so staging again is cheap and an interrupted staging
 resumes. ``dataset.json`` is written after all files and the completion marker
 ``.unbroken-staged`` (holding the dataset fingerprint) last.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import mmap
 import os
 import shutil
 import threading
@@ -103,53 +103,67 @@ def _is_local(fs: Any) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
-def _copy_local(src: str, w: HashingWriter, on_bytes: Callable[[int], None]) -> None:
-    # mmap: the checksum and the write both read the source's page-cache pages directly,
-    # one copy fewer than read()+write(); this is what keeps local staging near `cp`.
-    with open(src, "rb") as r:
+def _copy_local(
+    src: str, tmp: str, fsync: bool, on_bytes: Callable[[int], None]
+) -> tuple[int, str]:
+    """In-kernel copy (what `cp` does), then checksum the copy from the page cache.
+
+    Routing the bytes through Python (read + hash + write) costs two user-space copies;
+    copy_file_range costs none, and hashing the written file afterwards reads it once from
+    memory, so the checksum still covers exactly the bytes that landed on local disk.
+    """
+    copy_range = getattr(os, "copy_file_range", None)
+    with open(src, "rb") as r, open(tmp, "wb") as w:
         size = os.fstat(r.fileno()).st_size
-        if size == 0:
-            return
-        with mmap.mmap(r.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            if hasattr(m, "madvise"):
-                m.madvise(mmap.MADV_SEQUENTIAL)
-            with memoryview(m) as mv:
-                for off in range(0, size, _CHUNK):
-                    with mv[off : off + _CHUNK] as chunk:
-                        w.write(chunk)
-                    on_bytes(min(_CHUNK, size - off))
+        done = 0
+        try:
+            while copy_range is not None and done < size:
+                n = copy_range(r.fileno(), w.fileno(), size - done)
+                if n == 0:
+                    break  # the source shrank: the size check below reports it
+                done += n
+                on_bytes(n)
+        except OSError as e:
+            if done or e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            copy_range = None  # e.g. an old kernel across filesystems
+        if copy_range is None:
+            w.close()
+            return _copy_stream(open(src, "rb", buffering=0), tmp, fsync, on_bytes)
+        if fsync:
+            os.fsync(w.fileno())
+    return checksum_file(tmp)
 
 
-def _copy_stream(fs: Any, src: str, w: HashingWriter, on_bytes: Callable[[int], None]) -> None:
-    with fs.open(src, "rb", block_size=_CHUNK) as r:
+def _copy_stream(r: Any, tmp: str, fsync: bool, on_bytes: Callable[[int], None]) -> tuple[int, str]:
+    """Copy an open binary stream into ``tmp``, hashing while writing."""
+    with r, HashingWriter(tmp, fsync=fsync) as w:
         while True:
             data = r.read(_CHUNK)
             if not data:
                 break
             w.write(data)
             on_bytes(len(data))
+    return w.size, w.digest
 
 
 def _copy_one(
     fs: Any, src: str, dst: str, f: _File, fsync: bool, on_bytes: Callable[[int], None]
 ) -> None:
-    """Copy src -> temp sibling of dst, hashing while writing; rename only if it verifies."""
+    """Copy src -> temp sibling of dst; checksum it; rename only if it verifies."""
     tmp = temp_sibling(dst)
-    w = HashingWriter(tmp, fsync=fsync)
     try:
         if _is_local(fs):
-            _copy_local(fs._strip_protocol(src), w, on_bytes)
+            size, digest = _copy_local(fs._strip_protocol(src), tmp, fsync, on_bytes)
         else:
-            _copy_stream(fs, src, w, on_bytes)
-        w.close()
-        if w.size != f.size or w.digest != f.checksum:
+            size, digest = _copy_stream(fs.open(src, "rb", block_size=_CHUNK), tmp, fsync, on_bytes)
+        if size != f.size or digest != f.checksum:
             raise _ChecksumMismatch(
-                f"{src}: got {w.size} bytes with checksum {w.digest}, manifest says "
+                f"{src}: got {size} bytes with checksum {digest}, manifest says "
                 f"{f.size} bytes with {f.checksum}"
             )
         os.replace(tmp, dst)
     except BaseException as e:
-        w.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
