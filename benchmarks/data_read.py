@@ -6,10 +6,17 @@ Streaming reads MDS, LitData its optimized chunks; 64 MB shards/chunks everywher
 workers, shuffle on, the same per-sample function (`touch`: keep the key and the payload bytes)
 and the same list collate for every loader:
 
-1. steady-state samples/s (after the first 10 batches, to the end of one epoch), seeds 0/1/2;
+1. steady-state samples/s (after the first 10 batches, to the end of one epoch), seeds 0/1/2,
+   with two shuffle-quality numbers of the delivered order (Spearman index-vs-position, share
+   of consecutive samples within 1,000 indexes of each other), and a "ceiling" row: the same
+   fn, collate and worker transport over samples already in memory (no loader can beat it);
 2. resume: time from constructing a fresh loader with a state saved at 90% of the epoch (by a
-   real run) to its first batch; ours also at 10% and 50% (flatness);
+   real run) to its first batch; ours also at 10% and 50% (flatness), with num_workers=0, and
+   the start-up of a bare 2-worker DataLoader for reference;
 3. tokens/s from token shards at seq_len 1024 vs nanoGPT's `get_batch` over one np.memmap.
+
+The data follows benchmarks/data_prep.py's recipe (sizes, JSON, keys, 64 MB shards) and is
+generated once under --root (default /tmp/unbroken-bench-read; ~1.7 GB in all formats).
 
 Every measurement runs in a fresh subprocess of the same interpreter. Run from the anchor
 venv (built by benchmarks/_anchor_env.sh):
