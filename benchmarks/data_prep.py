@@ -209,49 +209,71 @@ def _corpus(path: str, docs: int) -> list[str]:
     return texts
 
 
-def _encode_batch(tok_path: str, texts: list[str], parallel: bool) -> int:
+def _tokenize_child(mode: str, tmp: str) -> None:
+    """One timed tokenization in a fresh process (``--child``): prints wall, CPU, tokens.
+
+    A fresh process per run because the tokenizers library keeps thread-pool state across
+    calls and forks, which made in-process on/off comparisons depend on their order.
+    """
     from tokenizers import Tokenizer
 
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel else "false"
-    tok = Tokenizer.from_file(tok_path)
-    encs = tok.encode_batch(texts)
-    n = sum(len(e.ids) for e in encs)
-    os.environ.pop("TOKENIZERS_PARALLELISM", None)
-    return n
+    src, tok = f"{tmp}/corpus.jsonl", f"{tmp}/tokenizer.json"
+    if mode == "ours":
+        from unbroken.data.tokenizing import tokenize
+
+        with _Timer() as t:
+            res = tokenize(
+                src,
+                _fresh(f"{tmp}/tok-out"),
+                tokenizer=tok,
+                seq_len=1024,
+                workers=2,
+                progress=False,
+            )
+        n = res.tokens - res.documents  # EOS separators excluded
+    else:
+        texts = [json.loads(line)["text"] for line in open(src)]
+        tk = Tokenizer.from_file(tok)
+        with _Timer() as t:
+            n = sum(len(e.ids) for e in tk.encode_batch(texts))
+    print(json.dumps({"wall": t.wall, "cpu": t.cpu, "tokens": n}))
 
 
 def bench_tokenize(tmp: str, docs: int, rounds: int) -> tuple[Times, int]:
-    from unbroken.data.tokenizing import tokenize, train_bpe
+    from unbroken.data.tokenizing import train_bpe
 
-    src = f"{tmp}/corpus.jsonl"
-    texts = _corpus(src, docs)
-    tok = f"{tmp}/tokenizer.json"
-    train_bpe(texts[:2000], 8192, tok)
-    ntok = 0
-    times: Times = {
-        "unbroken tokenize (2 workers)": [],
-        "encode_batch, 1 process (rayon on)": [],
-        "encode_batch, 1 process (rayon off)": [],
+    texts = _corpus(f"{tmp}/corpus.jsonl", docs)
+    train_bpe(texts[:2000], 8192, f"{tmp}/tokenizer.json")
+    runs = {
+        "unbroken tokenize (2 workers)": ("ours", None),
+        "encode_batch, 1 process (rayon on)": ("encode", "true"),
+        "encode_batch, 1 process (rayon off)": ("encode", "false"),
     }
+    times: Times = {k: [] for k in runs}
+    counts = set()
     for r in range(rounds):
-        for name in times if r % 2 == 0 else reversed(list(times)):
-            with _Timer() as t:
-                if name.startswith("unbroken"):
-                    res = tokenize(
-                        src,
-                        _fresh(f"{tmp}/tok-out"),
-                        tokenizer=tok,
-                        seq_len=1024,
-                        workers=2,
-                        progress=False,
-                    )
-                    ntok = res.tokens - res.documents  # EOS separators excluded
-                else:
-                    n = _encode_batch(tok, texts, parallel="on" in name)
-                    assert ntok in (0, n), (ntok, n)
-            times[name].append((t.wall, t.cpu))
-            print(f"  round {r + 1} {name}: {t.wall:.2f}s wall, {t.cpu:.2f}s cpu", file=sys.stderr)
-    return times, ntok
+        for name in runs if r % 2 == 0 else reversed(list(runs)):
+            mode, par = runs[name]
+            env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
+            if par is not None:
+                env["TOKENIZERS_PARALLELISM"] = par
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", mode, "--tmp", tmp],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            res = json.loads(out.strip().splitlines()[-1])
+            counts.add(res["tokens"])
+            times[name].append((res["wall"], res["cpu"]))
+            print(
+                f"  round {r + 1} {name}: {res['wall']:.2f}s wall, {res['cpu']:.2f}s cpu",
+                file=sys.stderr,
+            )
+    if len(counts) != 1:
+        raise RuntimeError(f"token counts differ between tools: {counts}")
+    return times, counts.pop()
 
 
 def bench_stage(src: str, tmp: str, rounds: int) -> tuple[Times, int]:
@@ -298,7 +320,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="10,000 samples, 2,000 docs, 1 round")
     ap.add_argument("--tmp", default="/tmp/unbroken-bench-prep")
+    ap.add_argument("--child", choices=("ours", "encode"), help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.child:
+        _tokenize_child(a.child, a.tmp)
+        return
     if a.quick:
         a.samples, a.docs, a.rounds = 10_000, 2_000, 1
     tmp = _fresh(a.tmp)

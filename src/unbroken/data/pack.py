@@ -38,15 +38,14 @@ import numpy as np
 from unbroken._fs import atomic_write_bytes, checksum_bytes, checksum_file, hasher, is_temp_name
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
 from unbroken.data.shards import (
-    _BLOCK,
-    _RECORD,
     INDEX_SUFFIX,
     TarShardWriter,
     _nbytes,
+    body_capacity,
     index_tar,
+    member_tar_bytes,
     sample_tar_bytes,
     split_member_name,
-    tar_end_bytes,
 )
 
 __all__ = ["PackResult", "index_directory", "pack"]
@@ -176,24 +175,28 @@ class _Task:
     reuse: ShardInfo | None  # the committed shard recorded for the same plan, if any
 
 
+def _too_large(src: str, key: str, nb: int, shard_size: int) -> ValueError:
+    return ValueError(
+        f"{src}: sample {key!r} needs {nb} bytes in a tar (plus the archive end), more than "
+        f"shard_size={shard_size} allows; a sample is never split - pass a larger --shard-size"
+    )
+
+
 class _Planner:
     """Greedy, deterministic shard boundaries: add samples until the next would overflow."""
 
     def __init__(self, shard_size: int, source: str) -> None:
         self.shard_size = shard_size
+        self.cap = body_capacity(shard_size)
         self.source = source
         self.body = 0
         self.count = 0
 
     def fits(self, key: str, nb: int) -> bool:
         """Whether a sample of ``nb`` tar bytes fits the current shard (then it is counted)."""
-        if nb + tar_end_bytes(nb) > self.shard_size:
-            raise ValueError(
-                f"{self.source}: sample {key!r} needs {nb + tar_end_bytes(nb)} bytes in a tar, "
-                f"more than shard_size={self.shard_size}; a sample is never split - pass a "
-                "larger --shard-size"
-            )
-        ok = self.count == 0 or self.body + nb + tar_end_bytes(self.body + nb) <= self.shard_size
+        if nb > self.cap:
+            raise _too_large(self.source, key, nb, self.shard_size)
+        ok = self.count == 0 or self.body + nb <= self.cap
         if ok:
             self.body += nb
             self.count += 1
@@ -237,23 +240,14 @@ def _digest_files(samples: list[_FileSample]) -> str:
     return str(h.hexdigest())
 
 
-def _member_header_bytes(key: str, ext: str, n: int) -> int:
-    if len(key) + len(ext) < 100 and key.isascii() and ext.isascii():
-        return _BLOCK
-    return sample_tar_bytes(key, [(ext, n)]) - n - (-n % _BLOCK)
-
-
 def _plan_dicts(
     items: Iterable[dict[str, Any]], shard_size: int, src: str, partial: bool
 ) -> Iterator[tuple[list[Sample], str]]:
     """Normalize dicts into samples and cut shards in one pass (the per-sample hot loop).
 
-    The same greedy rule as :class:`_Planner`, with the tar end (two zero blocks + record
-    padding) folded into a byte capacity. The plan digest covers every byte, key, extension
-    and size of the shard.
+    The plan digest covers every byte, key, extension and size of the shard.
     """
-    cap = (shard_size // _RECORD) * _RECORD - 2 * _BLOCK  # body + tar_end_bytes(body) <= size
-    body = 0
+    pl = _Planner(shard_size, src)
     cur: list[Sample] = []
     h, meta, sizes = hasher(), list[str](), list[int]()
     first: list[str] | None = None
@@ -274,7 +268,6 @@ def _plan_dicts(
         members: list[Member] = []
         exts: list[str] = []
         nb = 0
-        room = 100 - len(key) if key.isascii() else 0  # ext chars that keep a 512-byte header
         for ext, v in d.items():
             if ext[:2] == "__":
                 continue
@@ -283,8 +276,7 @@ def _plan_dicts(
             if type(v) is not bytes:
                 v = _encode(v, key, ext)
             n = len(v) if type(v) is bytes else _nbytes(v)
-            hb = _BLOCK if len(ext) < room and ext.isascii() else _member_header_bytes(key, ext, n)
-            nb += hb + n + (-n % _BLOCK)
+            nb += member_tar_bytes(key, ext, n)
             members.append((ext, v))
             exts.append(ext)
         if not members:
@@ -292,17 +284,12 @@ def _plan_dicts(
         if not partial and exts != first:  # the common case (same order) skips the sort
             _check_members(key, exts, schema, src)
             first = first or exts
-        if nb > cap:
-            raise ValueError(
-                f"{src}: sample {key!r} needs {nb + tar_end_bytes(nb)} bytes in a tar, more "
-                f"than shard_size={shard_size}; a sample is never split - pass a larger "
-                "--shard-size"
-            )
-        if cur and body + nb > cap:
+        if not pl.fits(key, nb):
             yield cur, _finish_digest(h, meta, sizes)
-            cur, body, h, meta, sizes = [], 0, hasher(), [], []
+            cur, h, meta, sizes = [], hasher(), [], []
+            pl.reset()
+            pl.fits(key, nb)
         cur.append((key, members))
-        body += nb
         meta.append(key)
         for ext, v in members:
             h.update(v)

@@ -51,7 +51,9 @@ __all__ = [
     "ShardIndex",
     "ShardReader",
     "TarShardWriter",
+    "body_capacity",
     "index_tar",
+    "member_tar_bytes",
     "sample_tar_bytes",
     "split_member_name",
     "tar_end_bytes",
@@ -258,22 +260,29 @@ def _nbytes(data: Any) -> int:
     return len(data) if t is bytes or t is bytearray else memoryview(data).nbytes
 
 
+def member_tar_bytes(key: str, ext: str, size: int) -> int:
+    """Bytes one member occupies in a tar: header(s) + data + padding (for shard planning)."""
+    if len(key) + len(ext) < 100 and key.isascii() and ext.isascii():
+        hdr = _BLOCK  # fits the ustar name field: no string building on the hot path
+    else:
+        name = f"{key}.{ext}"
+        hdr = _BLOCK if len(name.encode()) <= 100 else len(tar_header(name, size))
+    return hdr + size + (-size % _BLOCK)
+
+
 def sample_tar_bytes(key: str, members: Sequence[tuple[str, int]]) -> int:
-    """Bytes a sample occupies in a tar: headers + data + padding (for shard planning)."""
-    total = 0
-    for ext, size in members:
-        if len(key) + len(ext) < 100 and key.isascii() and ext.isascii():
-            hdr = _BLOCK  # fits the ustar name field: no string building on the hot path
-        else:
-            name = f"{key}.{ext}"
-            hdr = _BLOCK if len(name.encode()) <= 100 else len(tar_header(name, size))
-        total += hdr + size + (-size % _BLOCK)
-    return total
+    """Bytes a sample occupies in a tar (``members``: ``[(ext, size), ...]``)."""
+    return sum(member_tar_bytes(key, ext, size) for ext, size in members)
 
 
 def tar_end_bytes(body: int) -> int:
     """Bytes after the last member: two zero blocks, then padding to a full tar record."""
     return 2 * _BLOCK + (-(body + 2 * _BLOCK) % _RECORD)
+
+
+def body_capacity(shard_size: int) -> int:
+    """The largest member total ``body`` with ``body + tar_end_bytes(body) <= shard_size``."""
+    return (shard_size // _RECORD) * _RECORD - 2 * _BLOCK
 
 
 def _header_template() -> np.ndarray:
