@@ -379,6 +379,60 @@ def child_tokens(name: str, root: str, seconds: float = 6.0) -> dict[str, Any]:
     return {"tokens_per_s": n / (time.perf_counter() - t0)}
 
 
+def child_litexplain(root: str, seed: int) -> dict[str, Any]:
+    """Why LitData's speed depends on the seed: where its chunk split between the workers
+    falls, how many rows its decoder decodes per delivered item, and the workers' CPU time."""
+    import resource
+
+    import torch.utils.data._utils.worker as wk
+    from litdata import StreamingDataset
+    from litdata.streaming import item_loader as il
+    from litdata.utilities.env import _DistributedEnv
+
+    ds = StreamingDataset(f"{root}/litdata", shuffle=True, seed=seed)
+    shuffler = ds._create_shuffler(ds._create_cache(worker_env=None))
+    _, intervals = shuffler.get_chunks_and_intervals_per_workers(
+        _DistributedEnv(1, 0, 1), WORKERS, BATCH, 1
+    )
+    # [chunk_start, read_start, read_end, chunk_end]: a worker that starts reading a chunk at an
+    # offset not divisible by the 256-row decode window
+    misaligned = sum(int(iv[2] - iv[1]) for w in intervals for iv in w if (iv[1] - iv[0]) % 256)
+    rows = {"n": 0}
+    orig = il.PyTreeLoader._batch_deserialize_payload
+
+    def counting(self: Any, view: Any, offsets: Any, chunk: int, start: int, end: int) -> Any:
+        rows["n"] += end - start
+        return orig(self, view, offsets, chunk, start, end)
+
+    il.PyTreeLoader._batch_deserialize_payload = counting  # type: ignore[method-assign]
+    items = 0
+    for w in range(WORKERS):  # each worker's share, iterated here as that worker would
+
+        class _Info:
+            id = w
+            num_workers = WORKERS
+            seed = 0
+            dataset = None
+
+        wk._worker_info = _Info()  # type: ignore[assignment]
+        try:
+            items += sum(1 for _ in StreamingDataset(f"{root}/litdata", shuffle=True, seed=seed))
+        finally:
+            wk._worker_info = None
+    il.PyTreeLoader._batch_deserialize_payload = orig  # type: ignore[method-assign]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    read = child_read("litdata", root, seed)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return {
+        "intervals": [[[int(x) for x in iv] for iv in w] for w in intervals],
+        "misaligned_items": misaligned,
+        "rows_decoded_per_item": rows["n"] / max(1, items),
+        "worker_cpu_s": cpu,
+        "samples_per_s": read["samples_per_s"],
+    }
+
+
 # --- driver --------------------------------------------------------------------------------
 
 
@@ -398,6 +452,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", default=list(LOADERS), choices=LOADERS + EXTRA)
     ap.add_argument("--skip-tokens", action="store_true")
     ap.add_argument("--skip-resume", action="store_true")
+    ap.add_argument(
+        "--explain-litdata", action="store_true", help="only: why LitData's speed swings by seed"
+    )
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -408,12 +465,25 @@ def main() -> None:
             res = child_state(rest[0], a.root, float(rest[1]), rest[2])
         elif kind == "resume":
             res = child_resume(rest[0], a.root, rest[1])
+        elif kind == "litexplain":
+            res = child_litexplain(a.root, int(rest[0]))
         else:
             res = child_tokens(rest[0], a.root)
         print("RESULT " + json.dumps(res), flush=True)
         return
 
     prepare(a.root, N)
+    if a.explain_litdata:
+        for seed in a.seeds:
+            r = _run_child("litexplain", str(seed))
+            print(
+                f"litdata seed {seed}: {r['samples_per_s']:8.0f} samples/s, worker CPU "
+                f"{r['worker_cpu_s']:.2f} s/epoch, {r['rows_decoded_per_item']:.1f} rows decoded "
+                f"per item, {r['misaligned_items']} items in worker intervals misaligned to the "
+                f"256-row decode window; intervals {r['intervals']}",
+                flush=True,
+            )
+        return
     print(
         f"data: {N} samples, {BATCH}/batch, {WORKERS} workers, shuffle on, fn=touch, "
         f"collate=list; cpus={os.cpu_count()}",
