@@ -14,6 +14,7 @@ from unbroken.data.order import (
     MixtureOrder,
     Partition,
     default_shuffle_window,
+    shards_per_window,
 )
 
 counts_st = st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=12).filter(
@@ -62,6 +63,16 @@ def test_a_window_reads_a_contiguous_run_of_permuted_shards(counts, seed, window
         assert np.array_equal(np.sort(o.stream_index(pos)), pos)
 
 
+@_SETTINGS
+@given(counts=counts_st, seed=st.integers(0, 1000), window=st.integers(1, 60))
+def test_shards_per_window_bounds_what_a_window_touches(counts, seed, window):
+    o = EpochOrder(counts, "fp", seed, 1, shuffle_window=window)
+    bound = shards_per_window(counts, o.window)
+    for k in range(o.num_windows):
+        pos = np.arange(k * o.window, min(o.length, (k + 1) * o.window))
+        assert len(np.unique(o.locate(o.ids(pos))[0])) <= bound
+
+
 def test_default_window_mixes_at_least_four_shards():
     counts = [100_000] * 20
     assert default_shuffle_window(counts) == 400_000  # four shards
@@ -69,7 +80,8 @@ def test_default_window_mixes_at_least_four_shards():
     first = o.locate(o.ids(np.arange(0, o.window, 97)))[0]
     assert len(np.unique(first)) >= 4
     assert default_shuffle_window([1000] * 30) == 30_000  # small: one window, global shuffle
-    assert default_shuffle_window([1000] * 3000) == 1 << 18  # at least 256 Ki samples
+    assert default_shuffle_window([5000] * 3000) == 1 << 18  # at least 256 Ki samples...
+    assert default_shuffle_window([1000] * 3000) == 64_000  # ...or 64 shards
     assert default_shuffle_window([10**7] * 3) == 1 << 22  # at most 4 Mi samples
 
 

@@ -48,7 +48,13 @@ import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
 from unbroken.data.manifest import DatasetManifest
-from unbroken.data.order import EpochOrder, MixtureOrder, Partition, default_shuffle_window
+from unbroken.data.order import (
+    EpochOrder,
+    MixtureOrder,
+    Partition,
+    default_shuffle_window,
+    shards_per_window,
+)
 from unbroken.data.shards import ShardReader
 from unbroken.data.tokens import TokenShard, num_sequences
 
@@ -56,8 +62,9 @@ __all__ = ["Source", "StreamingDataset"]
 
 log = logging.getLogger(__name__)
 
-# Open shard readers kept per worker: enough for a window's shards of every source.
-_MAX_OPEN = 32
+# Open shards kept per worker and source: at least this many, and always every shard one
+# shuffle window can touch (reads move window by window, so nothing is reopened inside one).
+_MIN_OPEN = 8
 _ORDER_CACHE = 8
 
 
@@ -96,6 +103,7 @@ class _Reader:
         self.root = root
         self.manifest = manifest
         self._open: OrderedDict[int, Any] = OrderedDict()
+        self.max_open = _MIN_OPEN
 
     def _set_counts(self, counts: list[int]) -> None:
         self.counts = np.array(counts, dtype=np.int64)
@@ -115,7 +123,7 @@ class _Reader:
         if r is None:
             r = self._open_shard(shard)
             self._open[shard] = r
-            if len(self._open) > _MAX_OPEN:
+            if len(self._open) > self.max_open:
                 _, old = self._open.popitem(last=False)
                 close = getattr(old, "close", None)
                 if close is not None:
@@ -326,6 +334,8 @@ class StreamingDataset(IterableDataset):
             (shuffle_window or default_shuffle_window(r.counts)) if shuffle else 0
             for r in self._readers
         ]
+        for r, w in zip(self._readers, self.shuffle_window, strict=True):
+            r.max_open = max(_MIN_OPEN, shards_per_window(r.counts, w or 1) + 1)
         sizes = [int(r.counts.sum()) for r in self._readers]
         if len(srcs) == 1:
             if samples_per_epoch is not None:

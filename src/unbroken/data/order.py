@@ -40,6 +40,7 @@ __all__ = [
     "Partition",
     "default_shuffle_window",
     "seeded_rng",
+    "shards_per_window",
 ]
 
 # Seed-material tags keep the RNG streams of different uses apart.
@@ -63,14 +64,24 @@ def seeded_rng(fingerprint: str, seed: int, *parts: int) -> np.random.Generator:
 
 def default_shuffle_window(counts: Sequence[int] | np.ndarray) -> int:
     """Four times the largest shard (a window mixes >= 4 shards) and at least 256 Ki samples
-    (with few shards, a shard-level permutation alone leaves index and position correlated),
-    capped at 4 Mi samples and at the dataset size."""
+    or 64 shards, whichever is less (with few shards, a shard-level permutation alone leaves
+    index and position correlated), capped at 4 Mi samples and at the dataset size."""
     arr = np.asarray(counts, dtype=np.int64)
     total = int(arr.sum())
     if total == 0:
         return 1
-    want = max(4 * int(arr.max()), _MIN_DEFAULT_WINDOW)
+    big = int(arr.max())
+    # the 256 Ki floor never spans more than 64 shards (open files, index memory per worker)
+    want = max(4 * big, min(_MIN_DEFAULT_WINDOW, 64 * big))
     return max(1, min(total, want, _MAX_DEFAULT_WINDOW))
+
+
+def shards_per_window(counts: Sequence[int] | np.ndarray, window: int) -> int:
+    """Most shards one window can touch (whatever the shard order): the smallest shards first."""
+    arr = np.sort(np.asarray(counts, dtype=np.int64))
+    arr = arr[arr > 0]
+    fit = int(np.searchsorted(np.cumsum(arr), window, side="left"))
+    return min(arr.size, fit + 2)
 
 
 def _check_seed(seed: int, epoch: int) -> None:
