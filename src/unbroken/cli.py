@@ -112,7 +112,10 @@ def _add_data_inspect(ds: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default: 0)")
     p.add_argument("--epochs", type=int, default=3, help="epochs to inspect (default: 3)")
     p.add_argument(
-        "--shuffle-window", type=int, default=None, help="samples per window (default: 4 shards)"
+        "--shuffle-window",
+        type=int,
+        default=None,
+        help="samples per window (default: StreamingDataset's)",
     )
     p.add_argument("--seq-len", type=int, default=None, help="token datasets: tokens/sequence")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
