@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 _SHARD = 64 << 20
+OURS = "unbroken pack (fsync)"
 
 
 def _samples(n: int, tmp: str) -> list[dict[str, Any]]:
@@ -104,22 +105,18 @@ def _du(path: str) -> int:
 def pack_tools(tmp: str) -> dict[str, Callable[[], str]]:
     tools: dict[str, Callable[[], str]] = {}
 
-    def ours() -> str:
-        from unbroken.data.pack import pack
+    def ours(workers: int, fsync: bool) -> Callable[[], str]:
+        def run() -> str:
+            from unbroken.data.pack import pack
 
-        out = _fresh(f"{tmp}/ours")
-        pack(_DATA, out, shard_size=_SHARD, workers=1, progress=False)
-        return out
+            out = _fresh(f"{tmp}/ours-{workers}-{fsync}")
+            pack(_DATA, out, shard_size=_SHARD, workers=workers, progress=False, fsync=fsync)
+            return out
 
-    def ours_nofsync() -> str:
-        from unbroken.data.pack import pack
+        return run
 
-        out = _fresh(f"{tmp}/ours-nofsync")
-        pack(_DATA, out, shard_size=_SHARD, workers=1, progress=False, fsync=False)
-        return out
-
-    tools["unbroken pack (fsync)"] = ours
-    tools["unbroken pack (no fsync)"] = ours_nofsync
+    tools[OURS] = ours(1, True)
+    tools["unbroken pack (no fsync)"] = ours(1, False)
     try:
         import webdataset as wds
 
@@ -187,7 +184,7 @@ def bench_pack(tmp: str, rounds: int) -> tuple[Times, dict[str, int], str]:
                 out = tools[name]()
             times[name].append((t.wall, t.cpu))
             sizes[name] = _du(out)
-            if name == "unbroken pack (fsync)":
+            if name == OURS:
                 ours_out = out
             print(f"  round {r + 1} {name}: {t.wall:.2f}s wall, {t.cpu:.2f}s cpu", file=sys.stderr)
     return times, sizes, ours_out
@@ -279,7 +276,7 @@ def bench_tokenize(tmp: str, docs: int, rounds: int) -> tuple[Times, int]:
 def bench_stage(src: str, tmp: str, rounds: int) -> tuple[Times, int]:
     from unbroken.data.stage import stage
 
-    times: Times = {"unbroken stage (8 threads)": [], "cp -r": []}
+    times: Times = {"unbroken stage": [], "cp -r": []}
     for r in range(rounds):
         for name in times if r % 2 == 0 else reversed(list(times)):
             dst = f"{tmp}/staged"
