@@ -459,7 +459,8 @@ def _add_dataprep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("out", help="output directory")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json path")
     p.add_argument("--train-bpe", type=int, default=None, metavar="VOCAB",
-                   help="train a byte-level BPE of VOCAB tokens on SRC (saved as OUT/tokenizer.json)")
+                   help="train a byte-level BPE of VOCAB tokens on SRC, saved as --tokenizer "
+                   "(default OUT/tokenizer.json); an existing file there is reused")
     p.add_argument("--field", default="text", help="JSON field holding the text (default: text)")
     p.add_argument("--member", default="txt", help="tar member holding the text (default: txt)")
     p.add_argument("--seq-len", type=int, default=None, help="pack into sequences of this length")

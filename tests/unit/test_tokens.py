@@ -163,3 +163,16 @@ def test_vocabulary_too_large_for_uint16_in_tokenize(tmp_path: str) -> None:
     res = tokenize(src, os.path.join(tmp_path, "o"), tokenizer=path, workers=1, progress=False)
     ts = TokenShard(res.manifest.shard_path(os.path.join(tmp_path, "o"), 0))
     assert res.manifest.dtype == "uint32" and ts.document(0).tolist() == [1, 69_999, 5]
+
+
+def test_rerun_with_other_seq_len_reuses_shards_and_recounts(tmp_path: str) -> None:
+    src = _jsonl(os.path.join(tmp_path, "c.jsonl"), _docs(200))
+    tok = os.path.join(tmp_path, "tok.json")
+    a, b = os.path.join(tmp_path, "a"), os.path.join(tmp_path, "b")
+    kw = dict(tokenizer=tok, shard_size=3000, workers=1, progress=False)
+    tokenize(src, a, train_bpe_vocab=300, seq_len=16, **kw)  # type: ignore[arg-type]
+    again = tokenize(src, a, seq_len=32, **kw)  # type: ignore[arg-type]
+    fresh = tokenize(src, b, seq_len=32, **kw)  # type: ignore[arg-type]
+    assert again.shards_written == 0 and again.shards_reused == len(fresh.manifest.shards)
+    assert again.manifest == fresh.manifest
+    assert again.manifest.fingerprint == fresh.manifest.fingerprint

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -290,6 +291,13 @@ def tokenize(
         "shard_size": shard_size,
     }
     shards, docs_done = _resume(out, config)
+    # seq_len only changes how a shard is counted, not its bytes: kept shards are recounted.
+    shards = [
+        dataclasses.replace(s, samples=num_sequences(s.tokens or 0, seq_len))
+        if seq_len
+        else dataclasses.replace(s, samples=s.documents or 0)
+        for s in shards
+    ]
     reused = len(shards)
     workers = workers or min(os.cpu_count() or 1, 8)
     bar = None
