@@ -84,7 +84,7 @@ def test_tokenize_output_identical_for_1_2_4_workers(tmp_path: str) -> None:
 
 _SLOW_CHILD = r"""
 import time
-import unbroken.data.pack, unbroken.data.shards, unbroken.data.tokens, unbroken.data.tokenizing
+import unbroken.data.pack, unbroken.data.writers, unbroken.data.tokens, unbroken.data.tokenizing
 cls = unbroken.data.{writer}
 orig = cls.commit
 def slow(self, *a, **k):
@@ -126,7 +126,7 @@ def test_pack_resumes_after_sigkill(tmp_path: str) -> None:
     src, out, ref = (os.path.join(tmp_path, n) for n in ("src", "out", "ref"))
     _tree(src, 240)
     call = f"pack.pack({src!r}, {out!r}, shard_size=30_000, workers=2, progress=False)"
-    _kill_when(_SLOW_CHILD.format(writer="shards.TarShardWriter", call=call), out, ".tar.idx", 4)
+    _kill_when(_SLOW_CHILD.format(writer="writers.TarShardWriter", call=call), out, ".tar.idx", 4)
     assert not os.path.exists(os.path.join(out, "dataset.json"))  # never looks complete
     res = pack(src, out, shard_size=30_000, workers=2, progress=False)
     assert res.shards_reused >= 2 and res.shards_written >= 1  # resumed, not restarted

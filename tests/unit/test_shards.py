@@ -20,11 +20,10 @@ from unbroken.data.shards import (
     ShardError,
     ShardIndex,
     ShardReader,
-    TarShardWriter,
     index_tar,
-    tar_header,
     verify_shard,
 )
+from unbroken.data.writers import TarShardWriter, tar_header
 
 
 def _samples(n: int, seed: int = 0) -> list[dict[str, object]]:

@@ -28,25 +28,23 @@ import multiprocessing as mp
 import os
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from unbroken._fs import atomic_write_bytes, checksum_bytes, checksum_file, hasher, is_temp_name
-from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
-from unbroken.data.shards import (
-    INDEX_SUFFIX,
-    TarShardWriter,
-    _nbytes,
-    body_capacity,
-    index_tar,
-    member_tar_bytes,
-    sample_tar_bytes,
-    split_member_name,
+from unbroken._fs import atomic_write_bytes, checksum_bytes, checksum_file, is_temp_name
+from unbroken.data._packplan import (
+    plan_dicts,
+    plan_files,
+    plan_jsonl,
+    read_files,
+    read_jsonl,
+    scan_dir,
 )
+from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
+from unbroken.data.shards import INDEX_SUFFIX, index_tar
+from unbroken.data.writers import TarShardWriter
 
 __all__ = ["PackResult", "index_directory", "pack"]
 
@@ -54,10 +52,6 @@ log = logging.getLogger(__name__)
 
 _STATE = ".unbroken-pack.json"
 _MIN_SHARD = 10240
-_KEY_RE = re.compile(r"^(?:[^/]+/)*[^./][^./]*$")
-
-Member = tuple[str, Any]  # (ext, bytes-like) in memory
-Sample = tuple[str, list[Member]]
 
 
 @dataclass(frozen=True)
@@ -78,88 +72,7 @@ class PackResult:
         return self.bytes / 1e6 / max(self.seconds, 1e-9)
 
 
-# --- turning inputs into planned samples -----------------------------------------------
-
-
-def _check_key(key: str, where: str) -> str:
-    if type(key) is str and key and "." not in key and key[0] != "/" and "//" not in key:
-        return key  # the common case, decided without the regex
-    if not isinstance(key, str) or not _KEY_RE.match(key) or ".." in key.split("/"):
-        raise ValueError(
-            f"{where}: sample key {key!r} is not usable: a key is a relative path whose last "
-            "part has no '.' (WebDataset splits <key>.<ext> at the first dot); rename it"
-        )
-    return key
-
-
-def _encode(v: Any, key: str, ext: str) -> Any:
-    if type(v) is bytes or isinstance(v, bytearray):
-        return v
-    if isinstance(v, memoryview):  # a copy: views cannot be pickled to worker processes
-        return v.tobytes()
-    if isinstance(v, str):
-        return v.encode()
-    if isinstance(v, bool | int | float):
-        return str(v).encode()
-    if isinstance(v, dict | list) or v is None:
-        return json.dumps(v, sort_keys=True, separators=(",", ":")).encode()
-    raise TypeError(
-        f"sample {key!r}: member {ext!r} has type {type(v).__name__}; pass bytes, str, a "
-        "number or a JSON-serializable dict/list"
-    )
-
-
-@dataclass(frozen=True)
-class _FileSample:
-    key: str
-    members: tuple[tuple[str, str, int, int], ...]  # (ext, absolute path, size, mtime_ns)
-
-
-def _scan_dir(root: str) -> list[_FileSample]:
-    """All samples under ``root`` in sorted path order."""
-    files: list[tuple[str, str, str, int, int]] = []  # rel, key, ext, size, mtime_ns
-
-    def walk(d: str, rel: str) -> None:
-        with os.scandir(d) as it:
-            entries = sorted(it, key=lambda e: e.name)
-        for e in entries:
-            if e.name.startswith("."):
-                continue
-            r = f"{rel}{e.name}"
-            if e.is_dir(follow_symlinks=True):
-                walk(e.path, r + "/")
-                continue
-            kv = split_member_name(r)
-            if kv is None:
-                raise ValueError(
-                    f"{e.path}: cannot group this file into a sample: its name has no "
-                    "extension (<key>.<ext>); rename it or move it out of the input"
-                )
-            st = e.stat()
-            files.append((r, kv[0], kv[1], st.st_size, st.st_mtime_ns))
-
-    walk(root, "")
-    by_key: dict[str, list[tuple[str, str, int, int]]] = {}
-    for r, key, ext, size, mtime in files:
-        by_key.setdefault(key, []).append((ext, os.path.join(root, r), size, mtime))
-    return [_FileSample(k, tuple(sorted(m))) for k, m in by_key.items()]
-
-
-def _check_members(key: str, exts: Sequence[str], schema: list[str], where: str) -> None:
-    if not schema:
-        schema.extend(sorted(exts))
-        return
-    if sorted(exts) != schema:
-        missing = sorted(set(schema) - set(exts))
-        extra = sorted(set(exts) - set(schema))
-        raise ValueError(
-            f"{where}: sample {key!r} has members {sorted(exts)} but earlier samples have "
-            f"{schema} (missing {missing}, extra {extra}); add the missing files or pass "
-            "allow_partial=True (--allow-partial) for samples with optional members"
-        )
-
-
-# --- planning ------------------------------------------------------------------------------
+# --- shard tasks ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -175,171 +88,8 @@ class _Task:
     reuse: ShardInfo | None  # the committed shard recorded for the same plan, if any
 
 
-def _too_large(src: str, key: str, nb: int, shard_size: int) -> ValueError:
-    return ValueError(
-        f"{src}: sample {key!r} needs {nb} bytes in a tar (plus the archive end), more than "
-        f"shard_size={shard_size} allows; a sample is never split - pass a larger --shard-size"
-    )
-
-
-class _Planner:
-    """Greedy, deterministic shard boundaries: add samples until the next would overflow."""
-
-    def __init__(self, shard_size: int, source: str) -> None:
-        self.shard_size = shard_size
-        self.cap = body_capacity(shard_size)
-        self.source = source
-        self.body = 0
-        self.count = 0
-
-    def fits(self, key: str, nb: int) -> bool:
-        """Whether a sample of ``nb`` tar bytes fits the current shard (then it is counted)."""
-        if nb > self.cap:
-            raise _too_large(self.source, key, nb, self.shard_size)
-        ok = self.count == 0 or self.body + nb <= self.cap
-        if ok:
-            self.body += nb
-            self.count += 1
-        return ok
-
-    def reset(self) -> None:
-        self.body = 0
-        self.count = 0
-
-
 def _shard_name(i: int) -> str:
     return f"shard-{i:06d}.tar"
-
-
-def _plan_files(
-    samples: list[_FileSample], shard_size: int, src: str, partial: bool
-) -> Iterator[tuple[list[_FileSample], str]]:
-    pl = _Planner(shard_size, src)
-    schema: list[str] = []
-    cur: list[_FileSample] = []
-    for s in samples:
-        if not partial:
-            _check_members(s.key, [m[0] for m in s.members], schema, src)
-        nb = sample_tar_bytes(s.key, [(m[0], m[2]) for m in s.members])
-        if not pl.fits(s.key, nb):
-            yield cur, _digest_files(cur)
-            cur = []
-            pl.reset()
-            pl.fits(s.key, nb)
-        cur.append(s)
-    if cur:
-        yield cur, _digest_files(cur)
-
-
-def _digest_files(samples: list[_FileSample]) -> str:
-    """Names, sizes and mtimes: a changed file (like `make` and rsync judge it) re-packs."""
-    h = hasher()
-    for s in samples:
-        for ext, _path, size, mtime in s.members:
-            h.update(f"{s.key}\t{ext}\t{size}\t{mtime}\n".encode())
-    return str(h.hexdigest())
-
-
-def _plan_dicts(
-    items: Iterable[dict[str, Any]], shard_size: int, src: str, partial: bool
-) -> Iterator[tuple[list[Sample], str]]:
-    """Normalize dicts into samples and cut shards in one pass (the per-sample hot loop).
-
-    The plan digest covers every byte, key, extension and size of the shard.
-    """
-    pl = _Planner(shard_size, src)
-    cur: list[Sample] = []
-    h, meta, sizes = hasher(), list[str](), list[int]()
-    first: list[str] | None = None
-    schema: list[str] = []
-    last = None
-    for i, d in enumerate(items):
-        key = d.get("__key__")
-        if key is None:
-            key = f"{i:09d}"
-        elif key == last:
-            raise ValueError(
-                f"{src}: sample key {key!r} repeats right after itself; WebDataset would "
-                "merge the two samples - give every sample a distinct __key__"
-            )
-        else:
-            _check_key(key, f"sample #{i}")
-        last = key
-        members: list[Member] = []
-        exts: list[str] = []
-        nb = 0
-        for ext, v in d.items():
-            if ext[:2] == "__":
-                continue
-            if not ext or "/" in ext:
-                raise ValueError(f"sample {key!r}: extension {ext!r} is not a valid member suffix")
-            if type(v) is not bytes:
-                v = _encode(v, key, ext)
-            n = len(v) if type(v) is bytes else _nbytes(v)
-            nb += member_tar_bytes(key, ext, n)
-            members.append((ext, v))
-            exts.append(ext)
-        if not members:
-            raise ValueError(f"sample {key!r} has no members (only __ fields); add data")
-        if not partial and exts != first:  # the common case (same order) skips the sort
-            _check_members(key, exts, schema, src)
-            first = first or exts
-        if not pl.fits(key, nb):
-            yield cur, _finish_digest(h, meta, sizes)
-            cur, h, meta, sizes = [], hasher(), [], []
-            pl.reset()
-            pl.fits(key, nb)
-        cur.append((key, members))
-        meta.append(key)
-        for ext, v in members:
-            h.update(v)
-            meta.append(ext)
-            sizes.append(len(v) if type(v) is bytes else _nbytes(v))
-    if cur:
-        yield cur, _finish_digest(h, meta, sizes)
-
-
-def _finish_digest(h: Any, meta: list[str], sizes: list[int]) -> str:
-    h.update("\0".join(meta).encode())
-    h.update(np.asarray(sizes, dtype=np.int64).tobytes())
-    return str(h.hexdigest())
-
-
-def _plan_jsonl(path: str, shard_size: int) -> Iterator[tuple[list[tuple[str, int, int]], str]]:
-    """Shards of ``(key, byte offset, length)`` lines; the digest covers the line bytes."""
-    pl = _Planner(shard_size, path)
-    cur: list[tuple[str, int, int]] = []
-    h = hasher()
-    pos = 0
-    with open(path, "rb", buffering=16 << 20) as f:
-        for lineno, raw in enumerate(f):
-            line = raw.rstrip(b"\r\n")
-            off, pos = pos, pos + len(raw)
-            if not line.strip():
-                continue
-            key = f"{lineno:09d}"
-            nb = sample_tar_bytes(key, [("json", len(line))])
-            if not pl.fits(key, nb):
-                yield cur, h.hexdigest()
-                cur, h = [], hasher()
-                pl.reset()
-                pl.fits(key, nb)
-            cur.append((key, off, len(line)))
-            h.update(line)
-            h.update(b"\n")
-    if cur:
-        yield cur, h.hexdigest()
-
-
-def _read_jsonl(path: str, lines: list[tuple[str, int, int]]) -> Iterator[Sample]:
-    """The lines of one shard: one read of their contiguous byte range."""
-    start = lines[0][1]
-    with open(path, "rb") as f:
-        f.seek(start)
-        buf = f.read(lines[-1][1] + lines[-1][2] - start)
-    mv = memoryview(buf)
-    for key, off, n in lines:
-        yield key, [("json", mv[off - start : off - start + n])]
 
 
 # --- workers -------------------------------------------------------------------------------
@@ -361,21 +111,6 @@ def _verify_reuse(task: _Task) -> ShardInfo | None:
     return info
 
 
-def _read_files(samples: list[_FileSample]) -> Iterator[Sample]:
-    for s in samples:
-        members = []
-        for ext, path, size, _mtime in s.members:
-            with open(path, "rb") as f:
-                data = f.read()
-            if len(data) != size:
-                raise RuntimeError(
-                    f"{path}: changed size during pack ({size} -> {len(data)}); "
-                    "re-run pack once the input is stable"
-                )
-            members.append((ext, data))
-        yield s.key, members
-
-
 def _build(task: _Task) -> ShardInfo | TarShardWriter:
     """A verified committed shard to keep, or a writer holding the new shard's bytes."""
     kept = _verify_reuse(task)
@@ -384,9 +119,9 @@ def _build(task: _Task) -> ShardInfo | TarShardWriter:
     w = TarShardWriter(task.path, fsync=task.fsync)
     try:
         if task.kind == "files":
-            w.add_many(_read_files(task.payload))
+            w.add_many(read_files(task.payload))
         elif task.kind == "jsonl":
-            w.add_many(_read_jsonl(*task.payload))
+            w.add_many(read_jsonl(*task.payload))
         else:
             w.add_many(task.payload)
         w.finish()
@@ -568,14 +303,14 @@ def pack(
 
     plans: Iterator[tuple[Any, str]]
     if kind == "files":
-        samples = _scan_dir(path)
+        samples = scan_dir(path)
         if not samples:
             raise ValueError(f"{path}: no files to pack")
-        plans = _plan_files(samples, shard_size, path, allow_partial)
+        plans = plan_files(samples, shard_size, path, allow_partial)
     elif kind == "jsonl":
-        plans = (((path, lines), d) for lines, d in _plan_jsonl(path, shard_size))
+        plans = (((path, lines), d) for lines, d in plan_jsonl(path, shard_size))
     else:
-        plans = _plan_dicts(items, shard_size, "pack input", allow_partial)
+        plans = plan_dicts(items, shard_size, "pack input", allow_partial)
 
     infos: dict[int, ShardInfo] = {}
     counts = {"written": 0, "reused": 0}

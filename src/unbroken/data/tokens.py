@@ -27,7 +27,8 @@ import numpy as np
 from unbroken._fs import (
     checksum_file,
 )
-from unbroken.data.shards import IndexedFileWriter, ShardError
+from unbroken.data.shards import ShardError
+from unbroken.data.writers import IndexedFileWriter
 
 __all__ = [
     "TOKEN_INDEX_SUFFIX",
