@@ -63,8 +63,10 @@ class Attempt:
         env.setdefault("PYTHONUNBUFFERED", "1")
         # With the agent-shared TCPStore (torch's default) a node that joins a later round
         # (a spare, or a node coming back) waits forever for MASTER_ADDR: rank 0 publishes
-        # it only in its first round (dynamic_rendezvous.next_rendezvous; cf. pytorch#123678).
-        # Publishing it per round, as before torch 2.4, makes scale-up work.
+        # it only in its first round (dynamic_rendezvous.next_rendezvous; cf. pytorch#123678),
+        # and a group restarted by the agent often fails "Gloo connectFullMesh ... Connection
+        # refused" (10 of 16 restarts in benchmarks/elastic_recovery.py). A store per round,
+        # as before torch 2.4, fixes both.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         env.pop(recovery.ENV_CATCHUP, None)
         if catchup_step is not None:

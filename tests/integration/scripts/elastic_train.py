@@ -80,9 +80,9 @@ def main() -> None:
 
     preempted: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: preempted.append(signum))
+    install()  # stack dumps work from here on: a hang in init_process_group included
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    install()  # stack dumps work from here on, even before the first beat
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -125,8 +125,12 @@ def main() -> None:
             raise ValueError(f"boom at step {done}")
         beat(done)
         if ckpt is not None and metrics is not None:
-            metrics.log(done, loss=loss.item(), world_size=world,
-                        attempt=int(os.environ.get("UNBROKEN_ATTEMPT", "-1")))
+            metrics.log(
+                done,
+                loss=loss.item(),
+                world_size=world,
+                attempt=int(os.environ.get("UNBROKEN_ATTEMPT", "-1")),
+            )
             if a.ckpt_kind == "unbroken":
                 state.step = done
             saved = ckpt.maybe_save(done)
