@@ -136,7 +136,9 @@ def _restore(root: str) -> tuple[int | None, dict[str, torch.Tensor]]:
     return step, _snapshot(m, opt)
 
 
-def test_archive_lose_local_disk_restore_bit_identical(endpoint: str, bucket: str, tmp_path) -> None:
+def test_archive_lose_local_disk_restore_bit_identical(
+    endpoint: str, bucket: str, tmp_path
+) -> None:
     root = str(tmp_path / "ckpt")
     snaps = _two_steps(root)
     arch = _archive(endpoint, bucket)
@@ -180,7 +182,9 @@ def test_corrupted_remote_object_is_detected_and_older_step_used(
     with caplog.at_level(logging.WARNING, logger="unbroken.ckpt.archive"):
         assert fetch_newest_valid(arch, root) == 2
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "step 4" in warnings[0] and os.path.basename(victim) in warnings[0]
+    assert (
+        len(warnings) == 1 and "step 4" in warnings[0] and os.path.basename(victim) in warnings[0]
+    )
     assert sorted(os.listdir(root)) == ["step-00000002"]
     step, got = _restore(root)
     assert step == 2 and _bits_equal(got, snaps[2])
@@ -236,7 +240,10 @@ def test_upload_failure_is_retried_and_reported_never_raised(
     assert missing in str(err) and "after 3 attempt(s)" in err.reason
     msgs = [r.getMessage() for r in caplog.records]
     assert any("retry 2/2" in m for m in msgs)
-    assert any(r.levelno == logging.WARNING and "upload of step 4 failed" in r.getMessage() for r in caplog.records)
+    assert any(
+        r.levelno == logging.WARNING and "upload of step 4 failed" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_transient_failure_recovers_and_local_retention_does_not_wait(

@@ -16,8 +16,7 @@ from unbroken.data.profile import StepTimer
 
 def loader(root: str, workers: int) -> StatefulLoader:
     ds = StreamingDataset(root, seed=3)
-    return StatefulLoader(ds, 8, collate_fn=ids_collate, num_workers=workers,
-                          last_batch="drop")
+    return StatefulLoader(ds, 8, collate_fn=ids_collate, num_workers=workers, last_batch="drop")
 
 
 def queued(inner: Any, depth: int) -> DevicePrefetcher:

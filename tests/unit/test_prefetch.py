@@ -65,8 +65,9 @@ class CountingLoader:
 
 def queued(loader: Any, depth: int = 3, transform: Any = None) -> DevicePrefetcher:
     """The CUDA path's queue logic with host 'copies', so it runs on CPU."""
-    return DevicePrefetcher(loader, depth=depth, transform=transform,
-                            _copier=_HostCopier(transform))
+    return DevicePrefetcher(
+        loader, depth=depth, transform=transform, _copier=_HostCopier(transform)
+    )
 
 
 def nested(i: int) -> Any:
@@ -121,8 +122,11 @@ def test_map_tensors_rebuilds_every_container_type() -> None:
 
 
 def test_batch_nbytes_counts_nested_tensors() -> None:
-    b = {"x": torch.zeros(4, dtype=torch.float32), "y": [torch.zeros(2, dtype=torch.int64)],
-         "s": "skip"}
+    b = {
+        "x": torch.zeros(4, dtype=torch.float32),
+        "y": [torch.zeros(2, dtype=torch.int64)],
+        "s": "skip",
+    }
     assert batch_nbytes(b) == 4 * 4 + 2 * 8
 
 

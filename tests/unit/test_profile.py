@@ -150,8 +150,9 @@ def test_metric_log_sink_writes_jsonl(tmp_path: Any, clock: FakeClock) -> None:
 
 def test_timeline_file_round_trip(tmp_path: Any, clock: FakeClock) -> None:
     run = tmp_path / "run"
-    timer = StepTimer(window=8, run_dir=str(run), batch_size=32, num_workers=4, start_step=7,
-                      log_every=0)
+    timer = StepTimer(
+        window=8, run_dir=str(run), batch_size=32, num_workers=4, start_step=7, log_every=0
+    )
     waits = [float(i % 3) for i in range(21)]
     for _ in timer.wrap(delayed_loader(clock, waits)):
         clock.advance_ms(5.0)
@@ -273,8 +274,9 @@ def test_real_dataloader_sawtooth_is_detected_with_period_num_workers() -> None:
     # 4 workers x 80 ms per batch, the loop eats a batch in 8 ms: 4 batches arrive together,
     # are eaten in ~32 ms, then the loop waits ~48 ms for the next round.
     workers = 4
-    loader = DataLoader(SleepyWorkers(72, 80.0), batch_size=None, num_workers=workers,
-                        prefetch_factor=2)
+    loader = DataLoader(
+        SleepyWorkers(72, 80.0), batch_size=None, num_workers=workers, prefetch_factor=2
+    )
     timer = StepTimer(log_every=0, num_workers=workers)
     for _ in timer.wrap(DevicePrefetcher(loader)):
         time.sleep(0.008)

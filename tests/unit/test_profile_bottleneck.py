@@ -24,8 +24,14 @@ from unbroken.data.bottleneck import (
 NAN = float("nan")
 
 
-def stages(read: float = 10_000, decode: float = 500, collate: float = 50_000,
-           transport: float = 8_000, pin: float = NAN, h2d: float = NAN) -> list[StageResult]:
+def stages(
+    read: float = 10_000,
+    decode: float = 500,
+    collate: float = 50_000,
+    transport: float = 8_000,
+    pin: float = NAN,
+    h2d: float = NAN,
+) -> list[StageResult]:
     return [
         StageResult("shard read", "worker", read),
         StageResult("decode", "worker", decode),
@@ -63,18 +69,27 @@ def test_slow_consumer_means_no_data_stall() -> None:
 
 
 def test_main_side_stages_limit_regardless_of_workers() -> None:
-    r = analyse(stages(decode=100_000, transport=900), batch_size=64, num_workers=4,
-                consume_rate=2_000, cpu_count=8)
+    r = analyse(
+        stages(decode=100_000, transport=900),
+        batch_size=64,
+        num_workers=4,
+        consume_rate=2_000,
+        cpu_count=8,
+    )
     assert r.bottleneck == "transport"
     assert any("shared memory" in a for a in r.advice)
-    r = analyse(stages(decode=100_000, pin=20_000, h2d=1_500), batch_size=64, num_workers=4,
-                consume_rate=2_000, cpu_count=8)
+    r = analyse(
+        stages(decode=100_000, pin=20_000, h2d=1_500),
+        batch_size=64,
+        num_workers=4,
+        consume_rate=2_000,
+        cpu_count=8,
+    )
     assert r.bottleneck == "h2d" and any("uint8" in a for a in r.advice)
 
 
 def test_num_workers_zero_runs_worker_stages_in_process_without_transport() -> None:
-    r = analyse(stages(transport=10.0), batch_size=8, num_workers=0, consume_rate=100,
-                cpu_count=4)
+    r = analyse(stages(transport=10.0), batch_size=8, num_workers=0, consume_rate=100, cpu_count=4)
     assert r.pipeline_rate == pytest.approx(r.worker_rate)  # transport ignored, 1 "worker"
     assert r.bottleneck == "no data stall"
 
@@ -87,10 +102,18 @@ def test_without_a_consumer_rate_the_capacity_is_reported() -> None:
 def test_prefetch_factor_follows_worker_jitter() -> None:
     steady = np.full(40, 10.0)
     jittery = np.r_[np.full(36, 10.0), np.full(4, 35.0)]
-    assert analyse(stages(), batch_size=8, num_workers=2, cpu_count=4,
-                   worker_batch_ms=steady).suggested_prefetch_factor == 2
-    assert analyse(stages(), batch_size=8, num_workers=2, cpu_count=4,
-                   worker_batch_ms=jittery).suggested_prefetch_factor == 5
+    assert (
+        analyse(
+            stages(), batch_size=8, num_workers=2, cpu_count=4, worker_batch_ms=steady
+        ).suggested_prefetch_factor
+        == 2
+    )
+    assert (
+        analyse(
+            stages(), batch_size=8, num_workers=2, cpu_count=4, worker_batch_ms=jittery
+        ).suggested_prefetch_factor
+        == 5
+    )
 
 
 def test_bad_arguments() -> None:
@@ -112,11 +135,18 @@ def fast_read(b: int) -> list[dict[str, Any]]:
 
 
 def test_measured_slow_decode_is_named_and_a_slow_consumer_is_not_stalled(tmp_path: Any) -> None:
-    measured, worker_ms = measure_stages(fast_read, batch_size=8, num_batches=6,
-                                         decode=slow_decode, max_seconds=6.0)
+    measured, worker_ms = measure_stages(
+        fast_read, batch_size=8, num_batches=6, decode=slow_decode, max_seconds=6.0
+    )
     by = {s.name: s for s in measured}
-    assert [s.name for s in measured] == ["shard read", "decode", "collate", "transport",
-                                         "pin", "h2d"]
+    assert [s.name for s in measured] == [
+        "shard read",
+        "decode",
+        "collate",
+        "transport",
+        "pin",
+        "h2d",
+    ]
     assert 150 < by["decode"].samples_per_s < 520  # sleep is a floor, never faster
     assert by["shard read"].samples_per_s > 10 * by["decode"].samples_per_s
     assert by["transport"].samples_per_s > by["decode"].samples_per_s
@@ -125,11 +155,23 @@ def test_measured_slow_decode_is_named_and_a_slow_consumer_is_not_stalled(tmp_pa
         assert math.isnan(by["pin"].samples_per_s) and by["h2d"].note == "no CUDA device"
     assert worker_ms.shape == (5,) and np.all(worker_ms >= 16.0)  # first batch: warm-up
 
-    fast_model = analyse(measured, batch_size=8, num_workers=2, consume_rate=5_000, cpu_count=4,
-                         worker_batch_ms=worker_ms)
+    fast_model = analyse(
+        measured,
+        batch_size=8,
+        num_workers=2,
+        consume_rate=5_000,
+        cpu_count=4,
+        worker_batch_ms=worker_ms,
+    )
     assert fast_model.bottleneck == "decode"
-    slow_model = analyse(measured, batch_size=8, num_workers=2, consume_rate=20, cpu_count=4,
-                         worker_batch_ms=worker_ms)
+    slow_model = analyse(
+        measured,
+        batch_size=8,
+        num_workers=2,
+        consume_rate=20,
+        cpu_count=4,
+        worker_batch_ms=worker_ms,
+    )
     assert slow_model.bottleneck == "no data stall"
 
     # the JSON written for `data report` reads back to the same report
@@ -151,8 +193,14 @@ def test_basic_decode_by_extension() -> None:
 
     buf = io.BytesIO()
     np.save(buf, np.arange(3))
-    s = {"__key__": "k", "json": b'{"a": 1}', "txt": "hé".encode(), "cls": b"7",
-         "npy": buf.getvalue(), "bin": b"\x00\x01"}
+    s = {
+        "__key__": "k",
+        "json": b'{"a": 1}',
+        "txt": "hé".encode(),
+        "cls": b"7",
+        "npy": buf.getvalue(),
+        "bin": b"\x00\x01",
+    }
     out = basic_decode(s)
     assert out["json"] == {"a": 1} and out["txt"] == "hé" and out["cls"] == 7
     assert out["npy"].tolist() == [0, 1, 2] and out["bin"] == b"\x00\x01"
@@ -162,8 +210,14 @@ def test_basic_decode_by_extension() -> None:
 
 
 def test_bench_on_a_real_tar_dataset(stream_data: Any) -> None:
-    r = bench_dataset(stream_data("tar"), batch_size=8, num_workers=1, consume_rate=1e9,
-                      num_batches=10, max_seconds=6.0)
+    r = bench_dataset(
+        stream_data("tar"),
+        batch_size=8,
+        num_workers=1,
+        consume_rate=1e9,
+        num_batches=10,
+        max_seconds=6.0,
+    )
     names = [s.name for s in r.stages]
     assert names[:4] == ["shard read", "decode", "collate", "transport"]
     assert r.stage("shard read").samples_per_s > 0 and r.stage("shard read").mb_per_s > 0
@@ -173,8 +227,15 @@ def test_bench_on_a_real_tar_dataset(stream_data: Any) -> None:
 
 
 def test_bench_on_token_shards_and_too_big_a_batch(stream_data: Any) -> None:
-    r = bench_dataset(stream_data("tokens"), batch_size=4, num_workers=2, consume_rate=10.0,
-                      num_batches=5, max_seconds=4.0, transform=None)
+    r = bench_dataset(
+        stream_data("tokens"),
+        batch_size=4,
+        num_workers=2,
+        consume_rate=10.0,
+        num_batches=5,
+        max_seconds=4.0,
+        transform=None,
+    )
     assert r.bottleneck == "no data stall"
     assert math.isinf(r.stage("decode").samples_per_s)  # no transform: nothing to time
     with pytest.raises(ValueError, match="smaller --batch-size"):

@@ -30,9 +30,27 @@ def test_bench_then_report_writes_json_png_and_names_things(
 ) -> None:
     run = str(tmp_path / "run")
     write_sawtooth_run(run)
-    rc = main(["data", "bench", stream_data("tar"), "--batch-size", "8", "--num-workers", "1",
-               "--timeline", run, "--batches", "8", "--max-seconds", "5", "--out", run,
-               "--metrics", os.path.join(run, "metrics.jsonl")])
+    rc = main(
+        [
+            "data",
+            "bench",
+            stream_data("tar"),
+            "--batch-size",
+            "8",
+            "--num-workers",
+            "1",
+            "--timeline",
+            run,
+            "--batches",
+            "8",
+            "--max-seconds",
+            "5",
+            "--out",
+            run,
+            "--metrics",
+            os.path.join(run, "metrics.jsonl"),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "bottleneck:" in out and "suggest: num_workers=" in out
@@ -56,8 +74,9 @@ def test_bench_then_report_writes_json_png_and_names_things(
     assert head == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 20_000
 
 
-def test_report_text_only_and_flat_timeline(tmp_path: Any,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_report_text_only_and_flat_timeline(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = str(tmp_path / "flat")
     timer = StepTimer(run_dir=run, window=32, log_every=0)
     for _ in range(100):
@@ -77,8 +96,20 @@ def test_report_on_an_empty_dir_and_bench_with_both_rates_fail_clearly(
 ) -> None:
     assert main(["data", "report", str(tmp_path)]) == 2
     assert "holds neither data_steps.csv" in capsys.readouterr().err
-    assert main(["data", "bench", stream_data("tar"), "--consume-rate", "5",
-                 "--timeline", str(tmp_path)]) == 2
+    assert (
+        main(
+            [
+                "data",
+                "bench",
+                stream_data("tar"),
+                "--consume-rate",
+                "5",
+                "--timeline",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "not both" in capsys.readouterr().err
     assert main(["data", "bench", stream_data("tar"), "--transform", "nope"]) == 2
     assert "package.module:function" in capsys.readouterr().err
