@@ -21,8 +21,14 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def _script_args(tmp_path, steps: int, **extra: object) -> list[str]:
-    args = ["--ckpt", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "metrics.jsonl"),
-            "--steps", str(steps)]
+    args = [
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--metrics",
+        str(tmp_path / "metrics.jsonl"),
+        "--steps",
+        str(steps),
+    ]
     for k, v in extra.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     return args
@@ -36,9 +42,11 @@ def _assert_continuous(path: str, steps: int) -> None:
 def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
     steps = 40
     with h.jobs() as start:
-        job = start(str(tmp_path / "run"), ["--nproc-per-node", "2", "--ckpt-dir",
-                                            str(tmp_path / "ckpt")],
-                    _script_args(tmp_path, steps, save_every=5))
+        job = start(
+            str(tmp_path / "run"),
+            ["--nproc-per-node", "2", "--ckpt-dir", str(tmp_path / "ckpt")],
+            _script_args(tmp_path, steps, save_every=5),
+        )
         beats = h.wait_until(lambda: h.live_beats(job, 0, 12, ranks=2), 90, "step 12", job)
         victim = beats[1]
         t_kill = time.time()
@@ -48,7 +56,12 @@ def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
     fails = job.events("failure")
     assert len(fails) == 1
     f = fails[0]
-    assert (f["fault"], f["rule"], f["action"], f["kind"]) == ("process", "killed", "restart", "exit")
+    assert (f["fault"], f["rule"], f["action"], f["kind"]) == (
+        "process",
+        "killed",
+        "restart",
+        "exit",
+    )
     assert "SIGKILL" in f["reason"] and "rank 1" in f["reason"]
     assert abs(f["t_fail"] - t_kill) < 1.0, (f["t_fail"], t_kill)
     # The restart resumed from a checkpoint at or after step 10, not from scratch.
@@ -63,10 +76,13 @@ def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
     assert 0 < rec["load"] < 30.0
     assert 0 <= rec["catch_up"] < 30.0
     assert rec["total"] == pytest.approx(
-        rec["detect"] + rec["relaunch"] + rec["load"] + rec["catch_up"])
+        rec["detect"] + rec["relaunch"] + rec["load"] + rec["catch_up"]
+    )
     assert rec["restore_seconds"] is not None and rec["restore_seconds"] < rec["load"]
-    print("SIGKILL recovery phases:", {k: rec[k] for k in
-                                       ("detect", "relaunch", "load", "catch_up", "total")})
+    print(
+        "SIGKILL recovery phases:",
+        {k: rec[k] for k in ("detect", "relaunch", "load", "catch_up", "total")},
+    )
     _assert_continuous(str(tmp_path / "metrics.jsonl"), steps)
     assert "recovery phases (seconds)" in job.output()
 
@@ -74,8 +90,11 @@ def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
 def test_sigstop_worker_is_a_hang_with_stack_dumps(tmp_path):
     steps = 30
     with h.jobs() as start:
-        job = start(str(tmp_path / "run"), ["--nproc-per-node", "2", "--hang-timeout", "3"],
-                    _script_args(tmp_path, steps, save_every=4))
+        job = start(
+            str(tmp_path / "run"),
+            ["--nproc-per-node", "2", "--hang-timeout", "3"],
+            _script_args(tmp_path, steps, save_every=4),
+        )
         beats = h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=2), 90, "step 8", job)
         t_stop = time.time()
         os.kill(beats[1].pid, signal.SIGSTOP)
@@ -98,8 +117,11 @@ def test_sigstop_worker_is_a_hang_with_stack_dumps(tmp_path):
 
 def test_same_exception_at_same_step_twice_stops_with_report(tmp_path):
     with h.jobs() as start:
-        job = start(str(tmp_path / "run"), ["--nproc-per-node", "1"],
-                    _script_args(tmp_path, 20, save_every=5, raise_at=7, ckpt_kind="unbroken"))
+        job = start(
+            str(tmp_path / "run"),
+            ["--nproc-per-node", "1"],
+            _script_args(tmp_path, 20, save_every=5, raise_at=7, ckpt_kind="unbroken"),
+        )
         assert job.wait(90) == 3, job.output()[-3000:]
 
     launches = job.events("launch")
@@ -121,10 +143,17 @@ def test_storage_outage_waits_in_preflight_then_resumes(tmp_path):
     steps = 30
     ckpt = tmp_path / "ckpt"
     with h.jobs() as start:
-        job = start(str(tmp_path / "run"), ["--nproc-per-node", "1", "--ckpt-dir", str(ckpt)],
-                    _script_args(tmp_path, steps, save_every=2, ckpt_kind="unbroken"))
-        h.wait_until(lambda: [e for e in job.events("saved") if e["step"] >= 4], 90,
-                     "a checkpoint at step >= 4", job)
+        job = start(
+            str(tmp_path / "run"),
+            ["--nproc-per-node", "1", "--ckpt-dir", str(ckpt)],
+            _script_args(tmp_path, steps, save_every=2, ckpt_kind="unbroken"),
+        )
+        h.wait_until(
+            lambda: [e for e in job.events("saved") if e["step"] >= 4],
+            90,
+            "a checkpoint at step >= 4",
+            job,
+        )
         # The checkpoint root becomes unusable (a file where the directory was): root
         # cannot write through this, unlike a chmod.
         moved = tmp_path / "ckpt.away"
@@ -133,10 +162,14 @@ def test_storage_outage_waits_in_preflight_then_resumes(tmp_path):
         fail = h.wait_until(lambda: job.events("failure"), 30, "the failure", job)[0]
         bad = h.wait_until(
             lambda: [e for e in job.events("preflight") if not e["ok"] and e["t"] > fail["t"]][1:],
-            30, "two failing pre-flights after the failure", job)
+            30,
+            "two failing pre-flights after the failure",
+            job,
+        )
         assert "ckpt_dir" in bad[0]["checks"][0]["name"]
-        assert not [e for e in job.events("launch") if e["t"] > fail["t_detect"]], \
+        assert not [e for e in job.events("launch") if e["t"] > fail["t_detect"]], (
             "restarted while the storage was down"
+        )
         ckpt.unlink()
         os.rename(moved, ckpt)
         assert job.wait(90) == 0, job.output()[-3000:]
@@ -180,3 +213,4 @@ def test_hang_before_the_first_step_hits_startup_timeout_then_stops(tmp_path):
         assert "stuck_before_first_step" in open(dump).read()
     f1, f2 = job.events("failure")
     assert (f1["rule"], f1["action"], f2["fault"]) == ("hang", "restart", "deterministic")
+    assert "2 times before the first step: hang" in f2["reason"]

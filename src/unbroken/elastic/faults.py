@@ -420,7 +420,9 @@ class RestartTracker:
             if seen + 1 >= p.same_failure_limit:
                 return Decision(
                     Action.STOP, 0.0, EXIT_DETERMINISTIC,
-                    f"the same failure happened {seen + 1} times at step {step}: {c.signature}",
+                    f"the same failure happened {seen + 1} times "
+                    f"{'before the first step' if step is None else f'at step {step}'}: "
+                    f"{c.signature}",
                     FaultClass.DETERMINISTIC,
                 )
         if not c.counts:
