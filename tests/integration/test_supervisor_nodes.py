@@ -15,10 +15,30 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _start_node(start, tmp_path, name: str, port: int, steps: int, sleep: float = 0.08):
-    sup = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
-           "--run-id", "nodes", "--node", name]
-    script = ["--ckpt", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "metrics.jsonl"),
-              "--steps", str(steps), "--save-every", "3", "--sleep", str(sleep)]
+    sup = [
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--run-id",
+        "nodes",
+        "--node",
+        name,
+    ]
+    script = [
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--metrics",
+        str(tmp_path / "metrics.jsonl"),
+        "--steps",
+        str(steps),
+        "--save-every",
+        "3",
+        "--sleep",
+        str(sleep),
+    ]
     job = start(str(tmp_path / f"run-{name}"), sup, script)
     h.wait_until(lambda: job.events("start"), 60, f"supervisor {name} up", job)
     return job
@@ -28,7 +48,10 @@ def _wait_world(tmp_path, size: int, min_step: int, job) -> None:
     path = str(tmp_path / "metrics.jsonl")
     h.wait_until(
         lambda: [r for r in h.metrics(path) if r["world_size"] == size and r["step"] >= min_step],
-        150, f"world size {size} at step >= {min_step}", job)
+        150,
+        f"world size {size} at step >= {min_step}",
+        job,
+    )
 
 
 def _check_log(tmp_path, steps: int) -> list[dict]:

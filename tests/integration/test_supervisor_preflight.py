@@ -83,7 +83,9 @@ def test_rendezvous_endpoint_must_accept_connections():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        assert _check(PreflightConfig(rdzv_endpoint=f"127.0.0.1:{port}", timeout=2), "rendezvous").ok
+        assert _check(
+            PreflightConfig(rdzv_endpoint=f"127.0.0.1:{port}", timeout=2), "rendezvous"
+        ).ok
     r = _check(PreflightConfig(rdzv_endpoint=f"127.0.0.1:{port}", timeout=2), "rendezvous")
     assert not r.ok and "refused" in r.detail.lower()
 
@@ -114,12 +116,15 @@ def test_wait_until_healthy_backs_off_then_succeeds(tmp_path):
         if len(seen) == 2:
             d.unlink()  # storage comes back
 
-    ok, _ = wait_until_healthy(PreflightConfig(ckpt_dir=str(d)), max_wait=20,
-                               initial_delay=0.1, on_result=on_result)
+    ok, _ = wait_until_healthy(
+        PreflightConfig(ckpt_dir=str(d)), max_wait=20, initial_delay=0.1, on_result=on_result
+    )
     assert ok and seen == [False, False, True]
-    ok, res = wait_until_healthy(PreflightConfig(ckpt_dir=str(tmp_path / "f" / "x"),
-                                                 min_free_bytes=1 << 60), max_wait=0.3,
-                                 initial_delay=0.1)
+    ok, res = wait_until_healthy(
+        PreflightConfig(ckpt_dir=str(tmp_path / "f" / "x"), min_free_bytes=1 << 60),
+        max_wait=0.3,
+        initial_delay=0.1,
+    )
     assert not ok and not res[0].ok
 
 
@@ -136,9 +141,11 @@ def test_run_never_starts_while_preflight_fails(tmp_path):
     blocked = tmp_path / "ckpt"
     blocked.write_text("not a directory")
     with h.jobs() as start:
-        job = start(str(tmp_path / "run"), ["--ckpt-dir", str(blocked),
-                                            "--preflight-max-wait", "1.5"],
-                    ["--ckpt", str(blocked), "--metrics", str(tmp_path / "m.jsonl")])
+        job = start(
+            str(tmp_path / "run"),
+            ["--ckpt-dir", str(blocked), "--preflight-max-wait", "1.5"],
+            ["--ckpt", str(blocked), "--metrics", str(tmp_path / "m.jsonl")],
+        )
         assert job.wait(60) == 6, job.output()[-2000:]
     events = recovery.load_events(job.run_dir)
     checks = [e for e in events if e["event"] == "preflight"]

@@ -61,11 +61,18 @@ def _torchrun_output(tmp_path, failures: dict[int, tuple[int, BaseException | No
 
 
 def test_root_cause_skips_collateral_peer_errors(tmp_path):
-    console, log_dir = _torchrun_output(tmp_path, {
-        0: (1, RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer "
-                            "[127.0.0.1]:44742")),
-        1: (1, ValueError("boom at step 7")),
-    })
+    console, log_dir = _torchrun_output(
+        tmp_path,
+        {
+            0: (
+                1,
+                RuntimeError(
+                    "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:44742"
+                ),
+            ),
+            1: (1, ValueError("boom at step 7")),
+        },
+    )
     fails = collect_worker_failures(console, log_dir)
     assert [f.rank for f in fails] == [1, 0]
     assert fails[0].message == "ValueError: boom at step 7" and fails[1].collateral
@@ -91,13 +98,27 @@ def test_sigkilled_worker_without_error_file(tmp_path):
         (OSError(errno.ENOSPC, "No space left on device"), 1, FaultClass.STORAGE, "storage"),
         (OSError(errno.EIO, "Input/output error"), 1, FaultClass.STORAGE, "storage"),
         (OSError(errno.ESTALE, "Stale file handle"), 1, FaultClass.STORAGE, "storage"),
-        (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), 1, FaultClass.PROCESS,
-         "oom"),
-        (RuntimeError("CUDA error: an illegal memory access was encountered"), 1,
-         FaultClass.PROCESS, "cuda"),
-        (RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9,"
-                      " OpType=ALLREDUCE) ran for 600054 milliseconds before timing out."), 1,
-         FaultClass.PROCESS, "collective_timeout"),
+        (
+            RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+            1,
+            FaultClass.PROCESS,
+            "oom",
+        ),
+        (
+            RuntimeError("CUDA error: an illegal memory access was encountered"),
+            1,
+            FaultClass.PROCESS,
+            "cuda",
+        ),
+        (
+            RuntimeError(
+                "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9,"
+                " OpType=ALLREDUCE) ran for 600054 milliseconds before timing out."
+            ),
+            1,
+            FaultClass.PROCESS,
+            "collective_timeout",
+        ),
         (KeyError("missing"), 1, FaultClass.PROCESS, "exception"),
         (None, -11, FaultClass.PROCESS, "segfault"),
         (None, -7, FaultClass.PROCESS, "segfault"),
@@ -116,17 +137,26 @@ def test_structural_kinds_and_rendezvous():
     lost = classify(Evidence("agent_lost"))
     assert (lost.fault, lost.action) == (FaultClass.NODE_LOST, Action.WAIT_FOR_NODES)
     assert classify(Evidence("preempted")).action is Action.EXIT
-    rdzv = classify(Evidence("exit", 1, (), console_tail=(
-        "torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError")))
+    rdzv = classify(
+        Evidence(
+            "exit",
+            1,
+            (),
+            console_tail=("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError"),
+        )
+    )
     assert (rdzv.fault, rdzv.counts) == (FaultClass.NODE_LOST, False)
     term = (WorkerFailure(0, 0, -15), WorkerFailure(1, 1, -15))
     assert classify(Evidence("exit", 1, term)).fault is FaultClass.PREEMPTION
 
 
 def test_user_rules_come_first_and_are_validated(tmp_path):
-    console, log_dir = _torchrun_output(tmp_path, {
-        0: (1, RuntimeError("LustreError: 11-0: client was evicted by the server")),
-    })
+    console, log_dir = _torchrun_output(
+        tmp_path,
+        {
+            0: (1, RuntimeError("LustreError: 11-0: client was evicted by the server")),
+        },
+    )
     ev = Evidence("exit", 1, tuple(collect_worker_failures(console, log_dir)), console)
     assert classify(ev).fault is FaultClass.PROCESS
     rules = (parse_rule("storage=Lustre.*evicted"), *faults.DEFAULT_RULES)
@@ -144,8 +174,13 @@ def test_signature_masks_addresses_and_pids_but_not_small_steps():
     b = WorkerFailure(0, 0, 1, message="RuntimeError: bad tensor at 0x7f99ffee pid 654321 step 7")
     c = WorkerFailure(0, 0, 1, message="RuntimeError: bad tensor at 0x7f99ffee pid 654321 step 8")
     assert signature_of(a) == signature_of(b) != signature_of(c)
-    tail = WorkerFailure(0, 0, 1, stderr_tail='[rank0]:   File "/x/train.py", line 9, in main\n'
-                                              "[rank0]: ZeroDivisionError: division by zero\n")
+    tail = WorkerFailure(
+        0,
+        0,
+        1,
+        stderr_tail='[rank0]:   File "/x/train.py", line 9, in main\n'
+        "[rank0]: ZeroDivisionError: division by zero\n",
+    )
     assert signature_of(tail) == "ZeroDivisionError: division by zero @ train.py:9"
 
 
@@ -158,8 +193,11 @@ def test_same_failure_at_same_step_twice_stops():
     assert t.decide(_c(), progress=5, step=6).action is Action.RESTART
     assert t.decide(_c(), progress=10, step=12).action is Action.RESTART  # other step
     d = t.decide(_c(), progress=10, step=6)
-    assert (d.action, d.exit_code, d.fault) == (Action.STOP, faults.EXIT_DETERMINISTIC,
-                                               FaultClass.DETERMINISTIC)
+    assert (d.action, d.exit_code, d.fault) == (
+        Action.STOP,
+        faults.EXIT_DETERMINISTIC,
+        FaultClass.DETERMINISTIC,
+    )
     assert "2 times at step 6" in d.reason
 
 
@@ -196,10 +234,16 @@ def test_preemption_exits_and_state_round_trip():
     assert u.state_dict() == t.state_dict() and u.history == [("E @ t.py:1", 4)]
 
 
-@pytest.mark.parametrize("kw", [
-    {"max_restarts": -1}, {"backoff_initial": 2, "backoff_max": 1}, {"backoff_factor": 0.5},
-    {"no_progress_limit": 0}, {"same_failure_limit": 1},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"max_restarts": -1},
+        {"backoff_initial": 2, "backoff_max": 1},
+        {"backoff_factor": 0.5},
+        {"no_progress_limit": 0},
+        {"same_failure_limit": 1},
+    ],
+)
 def test_policy_validation(kw):
     with pytest.raises(ValueError):
         RestartPolicy(**kw)

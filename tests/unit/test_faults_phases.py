@@ -25,11 +25,22 @@ def _ev(t, event, **kw):
 
 def _run(failure_step=12, loaded_step=10, caught=True):
     ev = [
-        _ev(0.0, "start"), _ev(0.1, "launch", attempt=0), _ev(2.0, "workers_up", attempt=0),
+        _ev(0.0, "start"),
+        _ev(0.1, "launch", attempt=0),
+        _ev(2.0, "workers_up", attempt=0),
         _ev(4.0, "loaded", attempt=0, rank=0, step=0),
-        _ev(20.5, "failure", attempt=0, t_fail=20.0, t_detect=20.5, fault="process",
-            reason="killed", step=failure_step),
-        _ev(21.0, "launch", attempt=1), _ev(23.0, "workers_up", attempt=1),
+        _ev(
+            20.5,
+            "failure",
+            attempt=0,
+            t_fail=20.0,
+            t_detect=20.5,
+            fault="process",
+            reason="killed",
+            step=failure_step,
+        ),
+        _ev(21.0, "launch", attempt=1),
+        _ev(23.0, "workers_up", attempt=1),
         _ev(25.0, "loaded", attempt=1, rank=1, step=loaded_step, seconds=0.4),
         _ev(26.0, "loaded", attempt=1, rank=0, step=loaded_step, seconds=0.9),
         _ev(40.0, "loaded", attempt=1, rank=0, step=loaded_step),  # a later reload (spare)
@@ -56,8 +67,10 @@ def test_summary_goodput_and_trend():
     assert s.goodput == pytest.approx(1 - 13 / 50)
     text = recovery.format_summary(s)
     assert "goodput 74.0%" in text and "killed" in text and s.trend_warning is None
-    recs = [recovery.Recovery(i, i, "process", "", 1, 0.0, 1.0, t, 1.0, 1.0, None, 1)
-            for i, t in enumerate((2.0, 2.2, 1.8, 9.0))]
+    recs = [
+        recovery.Recovery(i, i, "process", "", 1, 0.0, 1.0, t, 1.0, 1.0, None, 1)
+        for i, t in enumerate((2.0, 2.2, 1.8, 9.0))
+    ]
     assert "getting slower" in (recovery._trend(recs) or "")
 
 
@@ -80,7 +93,13 @@ def test_mark_is_a_noop_unsupervised_and_appends_when_supervised(tmp_path, monke
     monkeypatch.setenv("RANK", "1")
     recovery.mark("loaded", step=3, seconds=0.1)
     (e,) = recovery.load_events(str(tmp_path))
-    assert (e["event"], e["attempt"], e["rank"], e["step"], e["seconds"]) == ("loaded", 2, 1, 3, 0.1)
+    assert (e["event"], e["attempt"], e["rank"], e["step"], e["seconds"]) == (
+        "loaded",
+        2,
+        1,
+        3,
+        0.1,
+    )
     with pytest.raises(ValueError, match="reserved"):
         recovery.mark("x", t=1)
     with open(tmp_path / recovery.EVENTS_FILE, "a") as f:
@@ -123,8 +142,9 @@ def _child(tmp_path, steps: int, then: str, **env: str) -> subprocess.Popen[str]
     """A process that beats ``steps`` times; asserts whether it created a beacon."""
     e = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
     e.update(env)
-    p = subprocess.Popen([sys.executable, "-c", _CHILD, str(steps), then], env=e,
-                         stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(steps), then], env=e, stdout=subprocess.PIPE, text=True
+    )
     assert p.stdout is not None
     supervised = recovery.ENV_RUN_DIR in env
     assert p.stdout.readline().split() == ["ready", str(supervised)]
@@ -132,8 +152,12 @@ def _child(tmp_path, steps: int, then: str, **env: str) -> subprocess.Popen[str]
 
 
 def test_beats_from_a_real_process_and_catch_up_mark(tmp_path):
-    env = {recovery.ENV_RUN_DIR: str(tmp_path), recovery.ENV_ATTEMPT: "3", "RANK": "0",
-           recovery.ENV_CATCHUP: "40"}
+    env = {
+        recovery.ENV_RUN_DIR: str(tmp_path),
+        recovery.ENV_ATTEMPT: "3",
+        "RANK": "0",
+        recovery.ENV_CATCHUP: "40",
+    }
     p = _child(tmp_path, 50, "exit", **env)
     p.wait(10)
     (b,) = heartbeat.read_beats(str(tmp_path), 3)

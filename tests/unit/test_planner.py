@@ -9,8 +9,9 @@ from unbroken.elastic import planner
 MIN, HOUR = 60.0, 3600.0
 
 
-@pytest.mark.parametrize(("mtbf", "expect_min"), [(24 * HOUR, 116.7), (6 * HOUR, 56.7),
-                                                  (15 * MIN, 9.14)])
+@pytest.mark.parametrize(
+    ("mtbf", "expect_min"), [(24 * HOUR, 116.7), (6 * HOUR, 56.7), (15 * MIN, 9.14)]
+)
 def test_daly_matches_the_paper(mtbf, expect_min):
     # Daly 2006, delta = 5 min: 117, 57 and 9.1 min for M = 24 h, 6 h and 15 min.
     assert planner.daly_interval(5 * MIN, mtbf) / MIN == pytest.approx(expect_min, abs=0.05)
@@ -32,8 +33,10 @@ def test_goodput_peaks_near_daly():
     grid = [d * f for f in (0.25, 0.5, 0.8, 1.25, 2.0, 4.0)]
     g_d = planner.expected_goodput(d, c, m, r)
     assert all(planner.expected_goodput(t, c, m, r) < g_d for t in grid)
-    best = max((planner.expected_goodput(t, c, m, r), t) for t in
-               (d * (0.9 + 0.002 * i) for i in range(100)))[1]
+    best = max(
+        (planner.expected_goodput(t, c, m, r), t)
+        for t in (d * (0.9 + 0.002 * i) for i in range(100))
+    )[1]
     assert best == pytest.approx(d, rel=0.02)  # Daly's closed form is near the true optimum
     # first-order model: waste ~ C/T + T/(2M) + R/M for C, R << M
     waste = 1 - planner.expected_goodput(d, c, m, r)
@@ -57,17 +60,22 @@ def test_estimate_from_events():
     ev = [
         {"t": 0.0, "event": "start"},
         {"t": 1.0, "event": "workers_up", "attempt": 0},
-        *({"t": 10.0 * k, "event": "saved", "rank": 0, "step": k, "seconds": 0.5}
-          for k in range(1, 6)),
-        {"t": 55.0, "event": "failure", "attempt": 0, "t_fail": 54.0, "t_detect": 55.0,
-         "step": 50},
+        *(
+            {"t": 10.0 * k, "event": "saved", "rank": 0, "step": k, "seconds": 0.5}
+            for k in range(1, 6)
+        ),
+        {"t": 55.0, "event": "failure", "attempt": 0, "t_fail": 54.0, "t_detect": 55.0, "step": 50},
         {"t": 58.0, "event": "workers_up", "attempt": 1},
         {"t": 60.0, "event": "loaded", "attempt": 1, "rank": 0, "step": 50},
         {"t": 100.0, "event": "finish"},
     ]
     est = planner.estimate_from_events(ev)
-    assert est == {"ckpt_cost": 0.5, "mtbf": 100.0, "restart_cost": 1.0 + 3.0 + 2.0,
-                   "current": 10.0}
+    assert est == {
+        "ckpt_cost": 0.5,
+        "mtbf": 100.0,
+        "restart_cost": 1.0 + 3.0 + 2.0,
+        "current": 10.0,
+    }
     assert planner.estimate_from_events([{"t": 0.0, "event": "start"}])["mtbf"] is None
 
 

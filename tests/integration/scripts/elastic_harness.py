@@ -29,10 +29,28 @@ SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_train
 # Tight settings so the suite stays short on 2 busy cores. The hang timeout is 3 s only in
 # the hang test: on a loaded CI box an fsync alone can stall a healthy worker that long.
 FAST = [
-    "--poll-interval", "0.1", "--hang-timeout", "15", "--dump-grace", "1.5",
-    "--backoff", "0.2", "--backoff-max", "1", "--preflight-timeout", "5",
-    "--preflight-max-wait", "60", "--node-timeout", "2", "--last-call-timeout", "1",
-    "--join-timeout", "60", "--shutdown-timeout", "5",
+    "--poll-interval",
+    "0.1",
+    "--hang-timeout",
+    "15",
+    "--dump-grace",
+    "1.5",
+    "--backoff",
+    "0.2",
+    "--backoff-max",
+    "1",
+    "--preflight-timeout",
+    "5",
+    "--preflight-max-wait",
+    "60",
+    "--node-timeout",
+    "2",
+    "--last-call-timeout",
+    "1",
+    "--join-timeout",
+    "60",
+    "--shutdown-timeout",
+    "5",
 ]
 
 
@@ -45,16 +63,33 @@ def free_port() -> int:
 class Job:
     """One `unbroken run` supervisor process."""
 
-    def __init__(self, run_dir: str, sup_args: list[str], script_args: list[str],
-                 script: str = SCRIPT) -> None:
+    def __init__(
+        self, run_dir: str, sup_args: list[str], script_args: list[str], script: str = SCRIPT
+    ) -> None:
         self.run_dir = os.path.abspath(run_dir)
         os.makedirs(self.run_dir, exist_ok=True)
         self.out_path = os.path.join(self.run_dir, "supervisor.out")
         self._out = open(self.out_path, "wb")  # noqa: SIM115 - closed in kill_all
-        argv = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", self.run_dir,
-                *FAST, *sup_args, "--", script, *script_args]
-        self.proc = subprocess.Popen(argv, stdout=self._out, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        argv = [
+            sys.executable,
+            "-m",
+            "unbroken.cli",
+            "run",
+            "--run-dir",
+            self.run_dir,
+            *FAST,
+            *sup_args,
+            "--",
+            script,
+            *script_args,
+        ]
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     def wait(self, timeout: float) -> int:
         try:
