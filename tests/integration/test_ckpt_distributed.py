@@ -268,3 +268,32 @@ def test_fsdp2_saved_on_2_loads_on_1_and_3(tmp_path) -> None:
         )
         for r in range(w):
             assert open(os.path.join(root, f"fsdp-load-w{w}-r{r}")).read() == "True 4", (w, r)
+
+
+def _rank0_only_worker(rank: int, world: int, job: dict[str, Any]) -> None:
+    from unbroken.ckpt import Checkpointer, TrainState
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        st = TrainState(model=model)
+        for step in range(1, 4):
+            t = torch.ones(1)
+            dist.all_reduce(t)  # the training loop's own collectives keep running
+            st.step = step
+            if rank == 0:  # DDP habit: only rank 0 checkpoints the replicated state
+                Checkpointer(job["root"], st, distributed=False).save()
+        dist.barrier()
+        if rank == 1:
+            assert Checkpointer(job["root"], st, distributed=False).restore() == 3
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rank0_only_checkpointing_does_not_involve_other_ranks(tmp_path) -> None:
+    root = str(tmp_path / "ck")
+    job = {"root": root, "port": _free_port()}
+    tmp_mp.start_processes(_rank0_only_worker, args=(2, job), nprocs=2, start_method="spawn")
+    assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002", "step-00000003"]

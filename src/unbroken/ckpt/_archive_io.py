@@ -65,7 +65,9 @@ class LocalSnapshot:
                 self.manifest_bytes = f.read()
         except FileNotFoundError as e:
             raise ArchiveError(
-                url, mpath, "no manifest.json: only committed checkpoints can be archived",
+                url,
+                mpath,
+                "no manifest.json: only committed checkpoints can be archived",
                 damaged=True,
             ) from e
         self.manifest = parse_manifest(self.manifest_bytes, step, url, mpath)
@@ -76,15 +78,21 @@ class LocalSnapshot:
                     fd = os.open(path, os.O_RDONLY)
                 except FileNotFoundError as e:
                     raise ArchiveError(
-                        url, path, "listed in the manifest but missing locally; the local "
-                        "checkpoint is damaged and is not archived", damaged=True,
+                        url,
+                        path,
+                        "listed in the manifest but missing locally; the local "
+                        "checkpoint is damaged and is not archived",
+                        damaged=True,
                     ) from e
                 self.sources.append(SourceFile(name, fd, int(f["size"]), str(f["checksum"])))
                 size = os.fstat(fd).st_size
                 if size != int(f["size"]):
                     raise ArchiveError(
-                        url, path, f"local file has {size} bytes, manifest says {f['size']}; "
-                        "the local checkpoint is damaged and is not archived", damaged=True,
+                        url,
+                        path,
+                        f"local file has {size} bytes, manifest says {f['size']}; "
+                        "the local checkpoint is damaged and is not archived",
+                        damaged=True,
                     )
         except BaseException:
             self.close()
@@ -94,7 +102,8 @@ class LocalSnapshot:
         if extra:
             log.warning(
                 "%s holds files not listed in its manifest; they are not archived: %s",
-                step_dir, ", ".join(extra[:5]),
+                step_dir,
+                ", ".join(extra[:5]),
             )
 
     def close(self) -> None:
@@ -116,18 +125,20 @@ def parse_manifest(raw: bytes, step: int, url: str, where: str) -> dict[str, Any
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ArchiveError(url, where, f"manifest is not valid JSON ({e})", damaged=True) from e
     if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("step") != step:
-        raise ArchiveError(
-            url, where, f"not an unbroken manifest for step {step}", damaged=True
-        )
+        raise ArchiveError(url, where, f"not an unbroken manifest for step {step}", damaged=True)
     files = m.get("files")
     if not isinstance(files, dict) or not all(
-        isinstance(f, dict) and isinstance(f.get("size"), int) and isinstance(f.get("checksum"), str)
+        isinstance(f, dict)
+        and isinstance(f.get("size"), int)
+        and isinstance(f.get("checksum"), str)
         for f in files.values()
     ):
         raise ArchiveError(url, where, "manifest lacks a valid 'files' table", damaged=True)
     for name in files:
         if name.startswith("/") or ".." in name.split("/") or name == MANIFEST:
-            raise ArchiveError(url, where, f"manifest lists unsafe file name {name!r}", damaged=True)
+            raise ArchiveError(
+                url, where, f"manifest lists unsafe file name {name!r}", damaged=True
+            )
     return m
 
 

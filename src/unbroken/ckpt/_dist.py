@@ -1,13 +1,12 @@
-"""Thin helpers over ``torch.distributed`` that degrade to single-process no-ops."""
+"""The checkpoint's collectives: over a dedicated gloo group, or no-ops for one process."""
 
 from __future__ import annotations
 
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 
-__all__ = ["agree_all", "barrier", "broadcast", "gather", "is_dist", "rank", "world"]
+__all__ = ["Comm", "is_dist"]
 
 T = TypeVar("T")
 
@@ -16,41 +15,48 @@ def is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def rank() -> int:
-    return dist.get_rank() if is_dist() else 0
+class Comm:
+    """Collectives of one checkpointer.
 
+    ``collective=True`` (the default in an initialised job) uses its own gloo group, so a
+    background save never interleaves with the training loop's collectives;
+    ``collective=False`` makes this process save and restore alone (e.g. rank 0 of a DDP job
+    writing replicated state by itself).
+    """
 
-def world() -> int:
-    return dist.get_world_size() if is_dist() else 1
+    def __init__(self, collective: bool | None = None) -> None:
+        self.enabled = is_dist() if collective is None else collective
+        if self.enabled and not is_dist():
+            raise ValueError(
+                "distributed=True but torch.distributed is not initialised; call "
+                "init_process_group first or pass distributed=False"
+            )
+        self.group: Any = dist.new_group(backend="gloo") if self.enabled else None
 
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if self.enabled else 0
 
-def broadcast(obj: T, src: int = 0, group: Any = None) -> T:
-    """Rank ``src``'s ``obj`` on every rank (``src`` is a rank of the default group)."""
-    if not is_dist():
-        return obj
-    box: list[Any] = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+    @property
+    def world(self) -> int:
+        return dist.get_world_size() if self.enabled else 1
 
+    def broadcast(self, obj: T) -> T:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.enabled:
+            return obj
+        box: list[Any] = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
 
-def gather(obj: T, group: Any = None) -> list[T]:
-    """All ranks' ``obj`` (every rank gets the list: needed for collective decisions)."""
-    if not is_dist():
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
+    def gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, on every rank (collective decisions need all of them)."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
-
-def agree_all(ok: bool, group: Any = None) -> bool:
-    """True only if ``ok`` on every rank."""
-    if not is_dist():
-        return ok
-    t = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return bool(t.item())
-
-
-def barrier(group: Any = None) -> None:
-    if is_dist():
-        dist.barrier(group=group)
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier(group=self.group)

@@ -138,13 +138,21 @@ class Archive:
             except Exception as e:
                 if attempt == self.retries:
                     raise ArchiveError(
-                        self.url, file,
+                        self.url,
+                        file,
                         f"{what} failed after {attempt + 1} attempt(s): {type(e).__name__}: {e}",
                     ) from e
                 delay = self.backoff_s * 2**attempt
                 log.info(
                     "archive %s: %s of %s failed (%s: %s); retry %d/%d in %.2f s",
-                    self.url, what, file, type(e).__name__, e, attempt + 1, self.retries, delay,
+                    self.url,
+                    what,
+                    file,
+                    type(e).__name__,
+                    e,
+                    attempt + 1,
+                    self.retries,
+                    delay,
                 )
                 time.sleep(delay)
         raise AssertionError("unreachable")  # pragma: no cover
@@ -219,16 +227,23 @@ class Archive:
         bad = sorted(n for n, size in want.items() if got.get(n) != size)
         if bad:
             raise ArchiveError(
-                self.url, f"{prefix}/{bad[0]}",
+                self.url,
+                f"{prefix}/{bad[0]}",
                 f"{len(bad)} uploaded file(s) missing or of the wrong size after upload "
                 f"(expected {want[bad[0]]} bytes, found {got.get(bad[0])}); not committing",
             )
-        self._retry(mpath, "manifest upload", lambda: self._put_manifest(mpath, snap.manifest_bytes))
+        self._retry(
+            mpath, "manifest upload", lambda: self._put_manifest(mpath, snap.manifest_bytes)
+        )
         dt = time.perf_counter() - t0
         total = sum(want.values())
         log.info(
             "archived step %d to %s: %.1f MB in %.2f s (%.1f MB/s)",
-            step, self.step_url(step), total / 1e6, dt, total / max(dt, 1e-9) / 1e6,
+            step,
+            self.step_url(step),
+            total / 1e6,
+            dt,
+            total / max(dt, 1e-9) / 1e6,
         )
 
     def _exists(self, path: str) -> bool:
@@ -299,12 +314,15 @@ class Archive:
         for name, f in sorted(files.items()):
             if name not in have:
                 raise ArchiveError(
-                    self.url, f"{prefix}/{name}", "listed in the remote manifest but missing",
+                    self.url,
+                    f"{prefix}/{name}",
+                    "listed in the remote manifest but missing",
                     damaged=True,
                 )
             if have[name] != f["size"]:
                 raise ArchiveError(
-                    self.url, f"{prefix}/{name}",
+                    self.url,
+                    f"{prefix}/{name}",
                     f"remote object has {have[name]} bytes, manifest says {f['size']}",
                     damaged=True,
                 )
@@ -322,9 +340,7 @@ class Archive:
 
             def get(name: str, start: int, end: int) -> None:
                 rpath = f"{prefix}/{name}"
-                data = self._retry(
-                    rpath, "download", lambda: self._get_range(rpath, start, end)
-                )
+                data = self._retry(rpath, "download", lambda: self._get_range(rpath, start, end))
                 view = memoryview(data)
                 while view:  # pwrite may be short
                     view = view[os.pwrite(fds[name], view, start + len(data) - len(view)) :]
@@ -335,7 +351,8 @@ class Archive:
                 size, digest = checksum_file(lpath)
                 if digest != files[name]["checksum"]:
                     raise ArchiveError(
-                        self.url, f"{prefix}/{name}",
+                        self.url,
+                        f"{prefix}/{name}",
                         f"checksum mismatch after download ({size} bytes, xxh3-128 {digest}, "
                         f"manifest says {files[name]['checksum']}): the remote copy is damaged",
                         damaged=True,
@@ -352,7 +369,11 @@ class Archive:
         total = sum(int(f["size"]) for f in files.values())
         log.info(
             "downloaded step %d from %s: %.1f MB in %.2f s (%.1f MB/s), checksums verified",
-            step, self.step_url(step), total / 1e6, dt, total / max(dt, 1e-9) / 1e6,
+            step,
+            self.step_url(step),
+            total / 1e6,
+            dt,
+            total / max(dt, 1e-9) / 1e6,
         )
 
     def _get_range(self, rpath: str, start: int, end: int) -> bytes:
@@ -460,7 +481,9 @@ class BackgroundUploader:
             log.warning(
                 "archive %s: skipping upload of step %d, superseded by step %d (uploads are "
                 "slower than checkpoints; archive less often)",
-                self.archive.url, dropped.step, step,
+                self.archive.url,
+                dropped.step,
+                step,
             )
 
     def _report(self, step: int, e: Exception) -> None:
@@ -468,7 +491,10 @@ class BackgroundUploader:
             self.errors.append(e)
         log.warning(
             "archive %s: upload of step %d failed: %s; training continues, the next archived "
-            "step will try again", self.archive.url, step, e,
+            "step will try again",
+            self.archive.url,
+            step,
+            e,
         )
 
     def _run(self) -> None:
@@ -520,7 +546,8 @@ class BackgroundUploader:
             snap.close()
             log.warning(
                 "archive %s: step %d was never uploaded (closed before its turn)",
-                self.archive.url, snap.step,
+                self.archive.url,
+                snap.step,
             )
         self._thread.join(timeout)
         return drained and not left
@@ -548,7 +575,8 @@ def fetch_newest_valid(
             log.warning(
                 "not fetching remote step %d: %s already exists locally (restore() moves "
                 "damaged checkpoints aside first); trying an older one",
-                step, final,
+                step,
+                final,
             )
             continue
         tmp = store.begin(step)
@@ -560,7 +588,10 @@ def fetch_newest_valid(
                 raise
             log.warning(
                 "remote checkpoint step %d at %s is unusable (%s: %s); trying an older one",
-                step, archive.step_url(step), e.file, e.reason,
+                step,
+                archive.step_url(step),
+                e.file,
+                e.reason,
             )
             continue
         except BaseException:

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import unbroken
@@ -54,10 +53,11 @@ __all__ = ["Checkpointer"]
 log = logging.getLogger(__name__)
 
 
-def _mark_loaded(step: int, seconds: float) -> None:
+def _mark(event: str, **fields: Any) -> None:
+    """Recovery-phase event for ``unbroken run`` (a no-op outside the supervisor)."""
     from unbroken.elastic import recovery
 
-    recovery.mark("loaded", step=step, seconds=seconds)
+    recovery.mark(event, **fields)
 
 
 @dataclass
@@ -93,6 +93,9 @@ class Checkpointer:
         archive_options: fsspec storage options (endpoint, credentials) for the archive.
         save_on_sigterm: on SIGTERM (preemption) the next :meth:`maybe_save` saves
             synchronously, flushes, and exits with status 143.
+        distributed: ``None`` (default): collective when ``torch.distributed`` is
+            initialised (every rank calls save/restore at the same step). ``False``: this
+            process saves and restores alone (e.g. only rank 0 of a DDP job checkpoints).
     """
 
     def __init__(
@@ -112,6 +115,7 @@ class Checkpointer:
         archive_keep_last: int | None = None,
         archive_options: Mapping[str, Any] | None = None,
         save_on_sigterm: bool = False,
+        distributed: bool | None = None,
     ) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(
@@ -150,7 +154,7 @@ class Checkpointer:
             self._uploader = BackgroundUploader(self._archive, keep_last=archive_keep_last)
         # Checkpoint collectives get their own group: a background save must never
         # interleave with the training loop's collectives on the default group.
-        self._group = dist.new_group(backend="gloo") if _dist.is_dist() else None
+        self._comm = _dist.Comm(distributed)
         self._snap = Snapshotter()
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="unbroken-ckpt") if async_save else None
@@ -168,7 +172,7 @@ class Checkpointer:
 
     @property
     def rank(self) -> int:
-        return _dist.rank()
+        return self._comm.rank
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -190,7 +194,7 @@ class Checkpointer:
     def verify(self, step: int) -> None:
         """Fully verify one checkpoint; raises :class:`CorruptCheckpoint` on damage."""
         self._require_step(step)
-        load_verified(self.store, step, rank=_dist.rank(), world=_dist.world())
+        load_verified(self.store, step, rank=self._comm.rank, world=self._comm.world)
 
     # --- save -------------------------------------------------------------------------------
 
@@ -203,7 +207,7 @@ class Checkpointer:
         due = bool(self.every_steps and step % self.every_steps == 0)
         if self.every_seconds is not None:
             due = due or time.monotonic() - self._last_save_time >= self.every_seconds
-        due = _dist.broadcast(due, group=self._group)
+        due = self._comm.broadcast(due)
         if due and not os.path.exists(self.store.step_dir(step)):
             self.save(step)
             return True
@@ -266,20 +270,20 @@ class Checkpointer:
         tensors = self._snap.take(live) if self._pool is not None else live
         rank_state = json.dumps({"state": tree, "rng": codec.encode(rng_state, None)}).encode()
         tmp = self.store.begin(step) if self.rank == 0 else ""
-        tmp = _dist.broadcast(tmp, group=self._group)
+        tmp = self._comm.broadcast(tmp)
         blocked = time.perf_counter() - t0
         self.last_blocked_seconds = blocked
         return _Job(step, tmp, tensors, sd, rank_state, t0, blocked)
 
     def _persist(self, job: _Job) -> str:
-        rank, world = _dist.rank(), _dist.world()
+        rank, world = self._comm.rank, self._comm.world
         err: BaseException | None = None
         files: dict[str, tuple[int, str]] = {}
         locations: list[ItemLocation] = []
         meta: dict[str, Any] = {}
         try:
             files, locations, meta = write_tensors(
-                job.tmp, job.tensors, threads=self.io_threads, group=self._group
+                job.tmp, job.tensors, threads=self.io_threads, comm=self._comm
             )
             name = f"state-rank{rank}.json"
             files[name] = (
@@ -288,7 +292,7 @@ class Checkpointer:
             )
         except BaseException as e:  # noqa: BLE001 - reported collectively below
             err = e
-        reports = _dist.gather((repr(err) if err else None, files), group=self._group)
+        reports = self._comm.gather((repr(err) if err else None, files))
         failed = [(r, e) for r, (e, _) in enumerate(reports) if e]
         path = self.store.step_dir(job.step)
         if rank == 0:
@@ -304,7 +308,7 @@ class Checkpointer:
                     self.store.abort(job.tmp)
                     failed = [(0, repr(e))]
                     err = err or e
-        failed = _dist.broadcast(failed, group=self._group)
+        failed = self._comm.broadcast(failed)
         if failed:
             if err is not None and isinstance(err, OSError) and err.errno == 28:
                 raise RuntimeError(
@@ -331,6 +335,7 @@ class Checkpointer:
                 total / dt / 1e9,
                 job.blocked,
             )
+            _mark("saved", step=job.step, seconds=round(dt, 4), blocked=round(job.blocked, 4))
             gone = self.store.prune(self.keep_last, self.keep_every, protect=[job.step])
             if gone:
                 log.info("retention removed steps %s", gone)
@@ -424,7 +429,7 @@ class Checkpointer:
         self.wait()
         if step is not None:
             self._require_step(step)
-        rank, world = _dist.rank(), _dist.world()
+        rank, world = self._comm.rank, self._comm.world
         t0 = time.perf_counter()
         if rank == 0:
             self.store.remove_debris()
@@ -433,7 +438,7 @@ class Checkpointer:
                     "ignoring %s/%s: a step directory without manifest.json", self.store.root, name
                 )
         candidates = [step] if step is not None else sorted(self.store.steps(), reverse=True)
-        for s in _dist.broadcast(candidates, group=self._group):
+        for s in self._comm.broadcast(candidates):
             if self._try_load(s, rank, world) is not None:
                 return self._restored(s, t0)
             if step is not None:
@@ -447,7 +452,7 @@ class Checkpointer:
                 from unbroken.ckpt.archive import fetch_newest_valid
 
                 fetched = fetch_newest_valid(self._archive, self.store.root, older_than=older)
-            fetched = _dist.broadcast(fetched, group=self._group)
+            fetched = self._comm.broadcast(fetched)
             if fetched is None:
                 break
             if self._try_load(fetched, rank, world) is not None:
@@ -467,7 +472,7 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         if self.rank == 0:
             log.info("restored step %d from %s in %.2f s", s, self.store.step_dir(s), dt)
-        _mark_loaded(s, dt)
+        _mark("loaded", step=s, seconds=dt)
         return s
 
     def _try_load(self, s: int, rank: int, world: int) -> int | None:
@@ -478,7 +483,7 @@ class Checkpointer:
             ver = load_verified(self.store, s, rank=rank, world=world)
         except CorruptCheckpoint as e:
             why = (e.reason, e.detail)
-        verdicts = _dist.gather(why, group=self._group)
+        verdicts = self._comm.gather(why)
         bad = [(r, w) for r, w in enumerate(verdicts) if w]
         if bad:
             if rank == 0:
@@ -492,7 +497,7 @@ class Checkpointer:
                     detail,
                     where,
                 )
-            _dist.barrier(self._group)
+            self._comm.barrier()
             return None
         if ver is None:  # unreachable: no rank reported damage
             return None
@@ -507,7 +512,7 @@ class Checkpointer:
         codec.encode(current, live)
         if ver.sharded or any(isinstance(t, DTensor) for t in live.values()):
             tensors = _dcp_targets(ver.manifest["tensors"], live)
-            load_into(self.store.step_dir(ver.step), tensors, group=self._group)
+            load_into(self.store.step_dir(ver.step), tensors, comm=self._comm)
         else:
             tensors = into_live(ver.tensors, live)
         sd = ver.decode(tensors)

@@ -51,8 +51,10 @@ def _age(t: float | None, now: float) -> str:
 def _table(rows: list[list[str]], right: set[int]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [
-        "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-        .rstrip()
+        "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
         for r in rows
     ]
 
@@ -112,7 +114,10 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
             m = _CORRUPT_RE.match(name)
             if m:
                 notes.append(f"{name}: quarantined step {int(m.group(1))} ({m.group(2)})")
-        notes += [f"{n}: step directory without {MANIFEST} (not a checkpoint)" for n in store.uncommitted()]
+        notes += [
+            f"{n}: step directory without {MANIFEST} (not a checkpoint)"
+            for n in store.uncommitted()
+        ]
         notes += [f"{n}: save in progress, or debris of a killed one" for n in store.temp_dirs()]
     remote: dict[int, tuple[int, float | None]] = {}
     if archive is not None:
@@ -155,7 +160,9 @@ def _nbytes(t: Mapping[str, Any]) -> int:
     dtype = getattr(torch, str(t.get("dtype")), None)
     if not isinstance(dtype, torch.dtype):
         return 0
-    return int(torch.Size(t.get("shape") or []).numel()) * torch.empty((), dtype=dtype).element_size()
+    return (
+        int(torch.Size(t.get("shape") or []).numel()) * torch.empty((), dtype=dtype).element_size()
+    )
 
 
 def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -> str:
@@ -188,7 +195,9 @@ def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -
     data = m.get("data_state")
     text = json.dumps(data, sort_keys=True) if data is not None else "- (no JSON-able loader state)"
     out.append("  data state      " + (text if len(text) <= 200 else text[:197] + "..."))
-    out.append(f"  files           {len(files)} + {MANIFEST}, {_size(sum(f['size'] for f in files.values()))}")
+    out.append(
+        f"  files           {len(files)} + {MANIFEST}, {_size(sum(f['size'] for f in files.values()))}"
+    )
     rows = [["", "FILE", "SIZE", "CHECKSUM"]]
     rows += [["  ", n, _size(f["size"]), f["checksum"]] for n, f in sorted(files.items())]
     out += _table(rows, {2})
@@ -207,8 +216,13 @@ def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -
         out.append(f"  largest tensors (top {len(biggest)})")
         rows = [["", "KEY", "SHAPE", "DTYPE", "BYTES"]]
         rows += [
-            ["  ", k, "x".join(map(str, t.get("shape") or [])) or "()", str(t.get("dtype")),
-             _size(_nbytes(t))]
+            [
+                "  ",
+                k,
+                "x".join(map(str, t.get("shape") or [])) or "()",
+                str(t.get("dtype")),
+                _size(_nbytes(t)),
+            ]
             for k, t in biggest
         ]
         out += _table(rows, {4})
@@ -296,9 +310,7 @@ def export_safetensors(
     try:
         from safetensors.torch import save_file
     except ImportError as e:
-        raise RuntimeError(
-            "exporting needs safetensors: pip install 'unbroken[export]'"
-        ) from e
+        raise RuntimeError("exporting needs safetensors: pip install 'unbroken[export]'") from e
     from unbroken.ckpt.verify import load_verified
 
     store = Store(directory)
@@ -323,7 +335,7 @@ def export_safetensors(
     d = store.step_dir(step)
     for k in keys:
         t = v.tensors[k].clone() if k in v.tensors else _chunked(d, meta[k])
-        tensors[_export_name(k[len(prefix):])] = t.contiguous()
+        tensors[_export_name(k[len(prefix) :])] = t.contiguous()
     del v
     rest = [k for k in tensors if k != "n_averaged"]
     if "n_averaged" in tensors and rest and all(k.startswith("module.") for k in rest):

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.tensor import DTensor
 
 from unbroken._fs import HashingWriter, checksum_bytes
+from unbroken.ckpt._dist import Comm
 
 __all__ = [
     "ChecksumError",
@@ -233,10 +234,10 @@ def write_tensors(
     tensors: Mapping[str, torch.Tensor],
     *,
     threads: int = 2,
-    group: Any = None,
+    comm: Comm | None = None,
 ) -> tuple[dict[str, tuple[int, str]], list[ItemLocation], dict[str, Any]]:
-    """Write ``tensors`` as a DCP checkpoint into ``directory`` (collective when
-    ``torch.distributed`` is initialised: every rank writes its own files).
+    """Write ``tensors`` as a DCP checkpoint into ``directory`` (collective over ``comm``
+    when it is enabled: every rank writes its own files).
 
     Returns ``(files, locations, meta)``: ``{file: (size, checksum)}`` of what *this rank*
     wrote, where each item landed (complete on the coordinator, rank 0 of ``group``), and
@@ -252,7 +253,8 @@ def write_tensors(
                     dict(tensors),
                     storage_writer=writer,
                     planner=_CompactPlanner(),
-                    process_group=group,
+                    process_group=comm.group if comm else None,
+                    no_dist=not (comm and comm.enabled),
                 )
             except BaseException as e:  # DCP's CheckpointException is a BaseException
                 if writer.fs.errors:
@@ -314,11 +316,18 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def load_into(directory: str, live: Mapping[str, torch.Tensor], *, group: Any = None) -> None:
+def load_into(
+    directory: str, live: Mapping[str, torch.Tensor], *, comm: Comm | None = None
+) -> None:
     """``dcp.load`` into live (possibly sharded) tensors, re-sharding as needed."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is")
-        dcp.load(dict(live), storage_reader=SafeReader(directory), process_group=group)
+        dcp.load(
+            dict(live),
+            storage_reader=SafeReader(directory),
+            process_group=comm.group if comm else None,
+            no_dist=not (comm and comm.enabled),
+        )
 
 
 # --- reading ---------------------------------------------------------------------------------
