@@ -337,6 +337,54 @@ def _elastic_preflight(a: argparse.Namespace) -> int:
     return 0 if all(r.ok for r in results) else 1
 
 
+def _add_recovery(sub: argparse._SubParsersAction) -> None:
+    rp = sub.add_parser("report", help="recovery phases per failure, goodput, trend, PNG timeline")
+    rp.add_argument("run_dir", help="an `unbroken run` directory (holds events.jsonl)")
+    rp.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/timeline.png)")
+    rp.add_argument("--no-plot", action="store_true", help="table only")
+    rp.set_defaults(func=_report)
+    pl = sub.add_parser("plan", help="checkpoint interval (Young/Daly) and expected goodput")
+    pl.add_argument("--run-dir", default=None, help="measure C, M, R and the current interval here")
+    pl.add_argument("--ckpt-cost", type=float, default=None, help="C: seconds one checkpoint costs")
+    pl.add_argument("--mtbf", type=float, default=None, help="M: mean time between failures, s")
+    pl.add_argument("--restart-cost", type=float, default=None, help="R: seconds per recovery")
+    pl.add_argument("--current", type=float, default=None, help="current interval, seconds")
+    pl.set_defaults(func=_plan)
+
+
+def _report(a: argparse.Namespace) -> int:
+    import os
+
+    from unbroken.elastic import recovery
+
+    events = recovery.load_events(a.run_dir)
+    if not events:
+        raise ValueError(f"{a.run_dir!r} has no events.jsonl; pass the --run-dir of `unbroken run`")
+    print(recovery.format_summary(recovery.summarize(events)))
+    if not a.no_plot:
+        print(recovery.plot_timeline(events, a.out or os.path.join(a.run_dir, "timeline.png")))
+    return 0
+
+
+def _plan(a: argparse.Namespace) -> int:
+    from unbroken.elastic import planner, recovery
+
+    got: dict[str, float | None] = dict.fromkeys(("ckpt_cost", "mtbf", "restart_cost", "current"))
+    if a.run_dir:
+        got.update(planner.estimate_from_events(recovery.load_events(a.run_dir)))
+    for key in got:
+        if getattr(a, key) is not None:
+            got[key] = getattr(a, key)
+    c, m = got["ckpt_cost"], got["mtbf"]
+    if c is None or m is None:
+        raise ValueError(
+            f"need the checkpoint cost and the MTBF (measured: C={c}, M={m}); pass --ckpt-cost "
+            "and --mtbf, or a --run-dir whose events hold saves and failures"
+        )
+    print(planner.format_plan(planner.plan(c, m, got["restart_cost"] or 0.0, got["current"])))
+    return 0
+
+
 # --- the fire drill -------------------------------------------------------------------------
 
 
@@ -540,7 +588,7 @@ def _stage(a: argparse.Namespace) -> int:
 # -------------------------------------------------------------------------------------------
 
 _GROUPS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_demo, _add_ckpt, _add_data, _add_elastic, _add_dataprep, _add_drill,
+    _add_demo, _add_ckpt, _add_data, _add_elastic, _add_recovery, _add_dataprep, _add_drill,
 ]
 
 

@@ -335,7 +335,9 @@ class Checkpointer:
                 total / dt / 1e9,
                 job.blocked,
             )
-            _mark("saved", step=job.step, seconds=round(dt, 4), blocked=round(job.blocked, 4))
+            # "seconds" is what the save cost the training loop (Young/Daly's C).
+            cost = job.blocked if self._pool is not None else dt
+            _mark("saved", step=job.step, seconds=round(cost, 4), write_seconds=round(dt, 4))
             gone = self.store.prune(self.keep_last, self.keep_every, protect=[job.step])
             if gone:
                 log.info("retention removed steps %s", gone)
