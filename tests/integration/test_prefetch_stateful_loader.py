@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ids_collate
+from datakit import ids_collate
 from unbroken.data.dataset import StreamingDataset
 from unbroken.data.loader import StatefulLoader
 from unbroken.data.prefetch import DevicePrefetcher, _HostCopier

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ids_collate
+from datakit import ids_collate
 from unbroken.data.dataset import Source, StreamingDataset
 from unbroken.data.loader import StatefulLoader
 from unbroken.data.order import Partition

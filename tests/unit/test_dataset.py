@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
-from conftest import build_tar_dataset, ids_collate, sample_id
+from datakit import build_tar_dataset, ids_collate, sample_id
 from unbroken.data.dataset import Source, StreamingDataset
 from unbroken.data.loader import StatefulLoader
 from unbroken.data.order import Partition
