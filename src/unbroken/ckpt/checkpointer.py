@@ -207,7 +207,7 @@ class Checkpointer:
         due = bool(self.every_steps and step % self.every_steps == 0)
         if self.every_seconds is not None:
             due = due or time.monotonic() - self._last_save_time >= self.every_seconds
-        due = self._comm.broadcast(due)
+            due = self._comm.broadcast(due)  # clocks differ per rank: rank 0 decides
         if due and not os.path.exists(self.store.step_dir(step)):
             self.save(step)
             return True
