@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-# data preparation (pack / index / tokenize / stage) and readers
+# data preparation (pack / index / tokenize / stage) and readers. `pack` and `stage` share
+# their submodule's name, so they are imported from it: `from unbroken.data.pack import pack`.
 from unbroken.data.manifest import DatasetManifest, ManifestError, ShardInfo
 from unbroken.data.shards import ShardError, ShardReader
 from unbroken.data.tokens import TokenShard
@@ -14,6 +15,9 @@ _LAZY = {
     "Source": "unbroken.data.dataset",
     "StatefulLoader": "unbroken.data.loader",
     "StreamingDataset": "unbroken.data.dataset",
+    "DevicePrefetcher": "unbroken.data.prefetch",
+    "StepTimer": "unbroken.data.profile",
+    "tokenize": "unbroken.data.tokenizing",
 }
 
 
@@ -27,12 +31,15 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    # streaming
+    # streaming and the GPU feed
+    "DevicePrefetcher",
+    "StepTimer",
     "EpochOrder",
     "Source",
     "StatefulLoader",
     "StreamingDataset",
     # data preparation
+    "tokenize",
     "DatasetManifest",
     "ManifestError",
     "ShardError",
