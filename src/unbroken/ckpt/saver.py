@@ -6,12 +6,14 @@ storage is exactly its bytes. The resulting directory is an ordinary DCP checkpo
 ``dcp.load`` and DCP's tools read it.
 
 Reading has two paths:
-* the fast path (:func:`read_tensors`) walks each ``.distcp`` file once, sequentially,
-  hashing every byte and reading each tensor's storage record straight into a fresh
-  tensor (one copy from the page cache, no ``torch.load`` per item, no pickle);
-* anything unusual in an item (a foreign layout) falls back to ``torch.load(weights_only=True)``
-  of that item's bytes. DCP's ``.metadata`` pickle is never unpickled on the fast path:
-  item locations come from our JSON manifest.
+* unsharded state (:func:`read_tensors`): each ``.distcp`` file is memory-mapped read-only,
+  its checksum computed over the mapping (the page cache, no copy), and every tensor is a
+  zero-copy view of its storage record, located through the zip central directory of its
+  ``torch.save`` blob; the caller copies the views once into the live tensors. Item
+  locations come from our JSON manifest, so DCP's ``.metadata`` pickle is not read; a
+  foreign item layout falls back to ``torch.load(weights_only=True)`` of that item's bytes;
+* sharded state (:func:`load_into`): ``dcp.load`` re-shards into live DTensors, reading
+  ``.metadata`` through an allow-listed unpickler (:class:`SafeReader`).
 """
 
 from __future__ import annotations
@@ -218,7 +220,7 @@ def _first_cause(errors: list[BaseException]) -> BaseException:
     return errors[0]
 
 
-def _meta(k: str, v: torch.Tensor) -> dict[str, Any]:
+def _meta(v: torch.Tensor) -> dict[str, Any]:
     # A DTensor's global statistics would need collectives (not from a writer thread):
     # sharded items are covered by the per-file checksums alone.
     return {
@@ -245,7 +247,7 @@ def write_tensors(
     """
     writer = _Writer(directory, thread_count=max(1, threads))
     with ThreadPoolExecutor(1) as pool:  # torch reductions release the GIL: overlap with I/O
-        fut = pool.submit(lambda: {k: _meta(k, v) for k, v in tensors.items()})
+        fut = pool.submit(lambda: {k: _meta(v) for k, v in tensors.items()})
         with warnings.catch_warnings():  # single-process use is intended, not an accident
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             try:
