@@ -6,7 +6,7 @@ the data-preparation commands start without importing torch.
 
 from __future__ import annotations
 
-import importlib
+from unbroken._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -24,11 +24,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'unbroken' has no attribute {name!r}")
-    return getattr(importlib.import_module(mod), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = ["__version__", *_LAZY]

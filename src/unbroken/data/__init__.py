@@ -4,6 +4,7 @@ from __future__ import annotations
 
 # data preparation (pack / index / tokenize / stage) and readers. `pack` and `stage` share
 # their submodule's name, so they are imported from it: `from unbroken.data.pack import pack`.
+from unbroken._lazy import lazy_getattr
 from unbroken.data.manifest import DatasetManifest, ManifestError, ShardInfo
 from unbroken.data.shards import ShardError, ShardReader
 from unbroken.data.tokens import TokenShard
@@ -21,13 +22,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'unbroken.data' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(mod), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [
