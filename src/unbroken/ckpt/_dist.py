@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["Comm", "is_dist"]
@@ -32,6 +33,10 @@ class Comm:
                 "init_process_group first or pass distributed=False"
             )
         self.group: Any = dist.new_group(backend="gloo") if self.enabled else None
+        # The loop's per-step decisions (save now? preempted?) get a group of their own: a
+        # background save's collectives run on ``group`` from another thread, and two
+        # threads issuing collectives on one group can pair up different calls across ranks.
+        self.control: Any = dist.new_group(backend="gloo") if self.enabled else None
 
     @property
     def rank(self) -> int:
@@ -56,6 +61,14 @@ class Comm:
         out: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def any_of(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag OR-ed over all ranks (one small all-reduce on the control group)."""
+        if not self.enabled:
+            return tuple(flags)
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return tuple(bool(v) for v in t.tolist())
 
     def barrier(self) -> None:
         if self.enabled:

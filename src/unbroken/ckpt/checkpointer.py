@@ -79,7 +79,7 @@ class Checkpointer:
         state: the :class:`TrainState` to save and restore.
         every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0``.
         every_seconds: ... or when this many seconds passed since the last save (in a
-            multi-rank job rank 0 decides and the decision is broadcast).
+            multi-rank job: on any rank's clock; all ranks agree on the step).
         keep_last: committed checkpoints to keep (older ones are deleted after each commit;
             ``None`` keeps all). Default 3: the newest plus two fall-backs.
         keep_every: additionally keep every step divisible by this forever.
@@ -92,7 +92,9 @@ class Checkpointer:
         archive_keep_last: remote retention (default None: the archive keeps every upload).
         archive_options: fsspec storage options (endpoint, credentials) for the archive.
         save_on_sigterm: on SIGTERM (preemption) the next :meth:`maybe_save` saves
-            synchronously, flushes, and exits with status 143.
+            synchronously, flushes, and exits with status 143. In a multi-rank job a
+            SIGTERM seen by any rank stops every rank at the same step (one tiny
+            all-reduce per :meth:`maybe_save` call).
         distributed: ``None`` (default): collective when ``torch.distributed`` is
             initialised (every rank calls save/restore at the same step). ``False``: this
             process saves and restores alone (e.g. only rank 0 of a DDP job checkpoints).
@@ -166,6 +168,7 @@ class Checkpointer:
         self.last_wait_seconds: float = 0.0
         self.last_restore_seconds: float | None = None
         self.preempted = False
+        self._watch_sigterm = save_on_sigterm
         if save_on_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         atexit.register(_flush_at_exit, weakref.ref(self))
@@ -202,12 +205,15 @@ class Checkpointer:
         """Save if ``every_steps``/``every_seconds`` (or a SIGTERM) says so."""
         step = self.state.step if step is None else step
         self._raise_background_error()
+        every = self.every_seconds
+        time_due = every is not None and time.monotonic() - self._last_save_time >= every
+        if every is not None or self._watch_sigterm:
+            # Ranks see the clock, and a SIGTERM, at different steps; a collective save needs
+            # every rank at the same one, so the flags are OR-ed over the ranks each step.
+            self.preempted, time_due = self._comm.any_of(self.preempted, time_due)
         if self.preempted:
             self._final_save_and_exit(step)
-        due = bool(self.every_steps and step % self.every_steps == 0)
-        if self.every_seconds is not None:
-            due = due or time.monotonic() - self._last_save_time >= self.every_seconds
-            due = self._comm.broadcast(due)  # clocks differ per rank: rank 0 decides
+        due = time_due or bool(self.every_steps and step % self.every_steps == 0)
         if due and not os.path.exists(self.store.step_dir(step)):
             self.save(step)
             return True

@@ -1,0 +1,89 @@
+"""Preemption across ranks: a SIGTERM seen by one rank stops every rank at the same step.
+
+Signals reach the ranks of a job at different moments (the scheduler, then torchrun's agent,
+forward them one process at a time), so one rank may see SIGTERM a step before the others.
+The preemption save is collective: if the ranks disagreed on the step, one rank would wait in
+the checkpoint's collectives while the others wait in the training loop's all-reduce — a hang.
+Here only rank 1 ever receives SIGTERM (the extreme skew), a background save and a
+time-based save are in flight as well, and both ranks must save the same step and exit 143.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import socket
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+SIGNAL_AT = 9  # rank 1 receives SIGTERM during this step; rank 0 never does
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, port: int, root: str, out: str) -> None:
+    from unbroken.ckpt import Checkpointer, TrainState
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    st = TrainState(model=model, optimizer=opt)
+    ck = Checkpointer(
+        root, st, every_steps=4, every_seconds=0.02, async_save=True, save_on_sigterm=True
+    )
+    for step in range(1, 200):
+        model(torch.randn(8, 32)).pow(2).mean().backward()
+        for p in model.parameters():  # the loop's own collectives (as DDP's gradient sync)
+            dist.all_reduce(p.grad)  # type: ignore[arg-type]
+        opt.step()
+        opt.zero_grad()
+        st.step = step
+        if rank == 1 and step == SIGNAL_AT:
+            os.kill(os.getpid(), signal.SIGTERM)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"last_step": step}, f)
+        ck.maybe_save()  # exits 143 once any rank was preempted
+    ck.close()
+    dist.destroy_process_group()
+
+
+def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path) -> None:
+    from unbroken.ckpt import read_checkpoint
+    from unbroken.ckpt.store import Store
+
+    root, out = str(tmp_path / "ckpt"), str(tmp_path)
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, root, out)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=90)
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    assert not hung, f"rank(s) {hung} hung: the ranks disagreed on the preemption step"
+    assert [p.exitcode for p in procs] == [143, 143]
+    last: list[Any] = [
+        json.load(open(os.path.join(out, f"rank{r}.json")))["last_step"] for r in range(WORLD)
+    ]
+    assert last == [SIGNAL_AT, SIGNAL_AT]
+    assert Store(root).steps()[-1] == SIGNAL_AT
+    ckpt = read_checkpoint(root)  # verifies every file's checksum
+    assert ckpt["counters"]["step"] == SIGNAL_AT
