@@ -45,6 +45,11 @@ _STATE_VERSION = 1
 _ON_CHANGE = ("error", "restart_epoch")
 
 
+def _mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (independent streams for different positions)."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0] >> 1)
+
+
 def _passthrough(batch: Any) -> Any:
     # Batches are collated in the workers; the DataLoader must not touch them again.
     return batch
@@ -232,8 +237,17 @@ class StatefulLoader:
         stream = _RunStream(
             self.dataset, epoch, start, self.batch_size, self.last_batch, self.collate_fn
         )
+        kwargs = dict(self._dl_kwargs)
+        if kwargs["generator"] is None:
+            # Each DataLoader iterator draws its workers' base seed from this generator; left
+            # at None, it is drawn from the *global* torch RNG, so a run resumed mid-epoch
+            # (one iterator more than the uninterrupted run) would shift the model's dropout
+            # stream. Seeded by the position instead: worker seeds also survive a resume.
+            kwargs["generator"] = torch.Generator().manual_seed(
+                _mix_seed(self.dataset.seed, epoch, start)
+            )
         dl = DataLoader(
-            stream, batch_size=None, collate_fn=_passthrough, in_order=True, **self._dl_kwargs
+            stream, batch_size=None, collate_fn=_passthrough, in_order=True, **kwargs
         )
         # Drop the old persistent workers now: they would replay a stale run.
         self._dl = dl if persistent else None
