@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import itertools
 import json
 import logging
 import multiprocessing as mp
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from unbroken._fs import atomic_write_bytes, checksum_bytes, checksum_file, hasher, is_temp_name
+from unbroken.data._tokfast import WordCacheEncoder
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
 from unbroken.data.shards import ShardReader
 from unbroken.data.tokens import (
@@ -162,23 +162,19 @@ def train_bpe(texts: Iterable[str], vocab_size: int, path: str) -> Any:
     return tok
 
 
-_worker_tok: Any = None
+_worker_enc: WordCacheEncoder | None = None
 
 
 def _worker_init(path: str) -> None:
-    global _worker_tok
-    _worker_tok = load_tokenizer(path)
+    global _worker_enc
+    _worker_enc = WordCacheEncoder(load_tokenizer(path))
 
 
 def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of a chunk concatenated (uint32) plus per-document lengths."""
-    enc = getattr(_worker_tok, "encode_batch_fast", _worker_tok.encode_batch)
-    encs = enc(texts, add_special_tokens=False)
-    lens = np.fromiter((len(e) for e in encs), dtype=np.int64, count=len(encs))
-    ids = np.fromiter(
-        itertools.chain.from_iterable(e.ids for e in encs), dtype=np.uint32, count=int(lens.sum())
-    )
-    return ids, lens
+    if _worker_enc is None:
+        raise RuntimeError("tokenize worker used before its initializer ran")
+    return _worker_enc.encode(texts)
 
 
 def _chunks(docs: Iterator[tuple[str, str]], skip: int) -> Iterator[tuple[list[str], list[str]]]:
