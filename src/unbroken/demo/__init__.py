@@ -216,16 +216,26 @@ def run_demo(work_dir: str, *, steps: int = 200, seed: int = 0) -> int:
     os.makedirs(run_dir)
     kill_at = random.Random(seed).randrange(steps // 5, steps - 10)
     print(
-        f"unbroken demo: tiny GPT, {steps} steps, AdamW + cosine + EMA + grad-accum 2, dropout on, shuffled data"
+        f"unbroken demo: tiny GPT, {steps} steps, AdamW + cosine + EMA + grad-accum 2, "
+        "dropout on; data: tar shards -> StreamingDataset (two-level shuffle) -> StatefulLoader"
     )
+    from unbroken.demo.train import CTX, prepare_data
+
+    data_dir = os.path.join(work_dir, "data")
+    t0 = time.perf_counter()
+    prepare_data(data_dir, seed, CTX)
+    shards = sorted(f for f in os.listdir(data_dir) if f.endswith(".tar"))
+    print(f"[0/3] packed the corpus into {len(shards)} tar shards + index in {data_dir} "
+          f"({time.perf_counter() - t0:.1f} s)")
+    data = ["--data", data_dir]
     print(f"[1/3] reference run (no faults) in {ref_dir} ...", flush=True)
-    rc, t_ref = run_training(ref_dir, steps, seed)
+    rc, t_ref = run_training(ref_dir, steps, seed, data)
     if rc != 0:
         print(f"reference run failed (exit {rc}); see {ref_dir}/train.log")
         return 1
     print(f"      done in {t_ref:.1f} s")
     print(f"[2/3] same run, SIGKILL at step {kill_at} ...", flush=True)
-    rc, t_kill = run_training(run_dir, steps, seed, kill_at=kill_at)
+    rc, t_kill = run_training(run_dir, steps, seed, data, kill_at=kill_at)
     if rc != -signal.SIGKILL:
         print(f"expected the run to die of SIGKILL, it exited {rc}; see {run_dir}/train.log")
         return 1
@@ -233,7 +243,7 @@ def run_demo(work_dir: str, *, steps: int = 200, seed: int = 0) -> int:
         f"      killed (exit {rc}) after {t_kill:.1f} s; relaunching on the same directory ...",
         flush=True,
     )
-    rc, t_res = run_training(run_dir, steps, seed)
+    rc, t_res = run_training(run_dir, steps, seed, data)
     if rc != 0:
         print(f"resumed run failed (exit {rc}); see {run_dir}/train.log")
         return 1

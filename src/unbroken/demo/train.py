@@ -1,10 +1,12 @@
 """The demo training script: ``python -m unbroken.demo.train --dir RUN``.
 
-Trains :class:`TinyGPT` with dropout, shuffled data, AdamW, a cosine schedule, an EMA and
+Trains :class:`TinyGPT` on packed tar shards read by ``StreamingDataset`` +
+``StatefulLoader`` (two-level shuffle, O(1) resume state), with dropout, AdamW, a cosine schedule, an EMA and
 gradient accumulation, checkpointing the complete state every ``--ckpt-every`` steps. Run it
 again with the same ``--dir`` after any crash and it continues on the same trajectory.
 
-Writes ``RUN/metrics.jsonl`` (loss and the sample ids of every step) and ``RUN/ckpt``.
+Writes ``RUN/metrics.jsonl`` (loss and the sample ids of every step) and ``RUN/ckpt``; packs
+the corpus into ``--data`` (default ``RUN/data``) unless it is there already.
 ``--die-at STEP[:MICRO]`` SIGKILLs this very process just before micro-batch MICRO of step
 STEP (tests use it to crash at exact points, e.g. inside an accumulation cycle).
 
@@ -20,6 +22,7 @@ import argparse
 import logging
 import os
 import signal
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -27,41 +30,48 @@ import torch
 import torch.distributed as dist
 
 from unbroken.ckpt import Checkpointer, TrainState
+from unbroken.data.dataset import StreamingDataset
+from unbroken.data.loader import StatefulLoader
+from unbroken.data.manifest import MANIFEST_NAME
+from unbroken.data.pack import pack
 from unbroken.demo.model import TinyGPT, synthetic_corpus
 from unbroken.elastic import beat
 from unbroken.metrics import MetricLog
 
-__all__ = ["EpochSampler", "main"]
+__all__ = ["CTX", "collate_tokens", "main", "prepare_data"]
 
 
-class EpochSampler:
-    """In-memory shuffled batches with a tiny resume state ``{epoch, pos}``.
+CTX = 32  # characters of context
 
-    Each epoch is a permutation seeded by ``(seed, epoch)``: resuming needs no replay.
+
+def prepare_data(data_dir: str, seed: int, ctx: int) -> int:
+    """Pack the synthetic corpus into tar shards (once); returns the vocabulary size.
+
+    Each sample is ``ctx + 1`` character ids (``<key>.tok``, uint8): inputs and the targets
+    shifted by one. Skipped when ``data_dir`` already holds a complete dataset.
     """
+    data, vocab = synthetic_corpus(64 * 1024, seed)
+    if os.path.exists(os.path.join(data_dir, MANIFEST_NAME)):
+        return vocab
+    n_seq = (len(data) - 1) // ctx
+    rows = (data[i * ctx : (i + 1) * ctx + 1].astype(np.uint8) for i in range(n_seq))
+    samples = ({"__key__": f"{i:06d}", "tok": r.tobytes()} for i, r in enumerate(rows))
+    # ~8 shards: the two-level shuffle (shard order + window) has something to mix.
+    pack(samples, data_dir, shard_size=256 << 10, progress=False)
+    return vocab
 
-    def __init__(self, n: int, batch: int, seed: int) -> None:
-        self.n, self.batch, self.seed = n, batch, seed
-        self.epoch, self.pos = 0, 0
-        self._perm = self._permutation()
 
-    def _permutation(self) -> np.ndarray:
-        return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+def collate_tokens(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """``{"ids": [sample ids], "x": LongTensor[B, ctx], "y": LongTensor[B, ctx]}``."""
+    rows = np.stack([np.frombuffer(s["tok"], dtype=np.uint8) for s in samples]).astype(np.int64)
+    t = torch.from_numpy(rows)
+    return {"ids": [int(s["__key__"]) for s in samples], "x": t[:, :-1], "y": t[:, 1:]}
 
-    def next_ids(self) -> np.ndarray:
-        if self.pos + self.batch > self.n:  # drop_last, then a new epoch
-            self.epoch, self.pos = self.epoch + 1, 0
-            self._perm = self._permutation()
-        ids = self._perm[self.pos : self.pos + self.batch]
-        self.pos += self.batch
-        return ids
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state_dict(self, sd: dict[str, int]) -> None:
-        self.epoch, self.pos = int(sd["epoch"]), int(sd["pos"])
-        self._perm = self._permutation()
+def _batches(loader: StatefulLoader) -> Iterator[dict[str, Any]]:
+    """Batches across epoch ends (each pass continues where the loader's state says)."""
+    while True:
+        yield from loader
 
 
 class _RankStep:
@@ -97,6 +107,7 @@ def _average_gradients(model: torch.nn.Module, world: int) -> None:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", required=True)
+    p.add_argument("--data", default=None, help="packed dataset dir (default: DIR/data)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--accum", type=int, default=2)
@@ -134,12 +145,15 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo")
         rank = dist.get_rank()
 
+    ctx = CTX
+    data_dir = a.data or os.path.join(a.dir, "data")
+    if rank == 0:
+        vocab = prepare_data(data_dir, a.seed, ctx)
+    if world > 1:
+        box = [vocab if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)  # also: the data is ready for every rank
+        vocab = int(box[0])  # type: ignore[arg-type]
     torch.manual_seed(a.seed)
-    ctx = 32
-    data, vocab = synthetic_corpus(64 * 1024, a.seed)
-    n_seq = (len(data) - 1) // ctx
-    x_all = torch.from_numpy(data[: n_seq * ctx].reshape(n_seq, ctx))
-    y_all = torch.from_numpy(data[1 : n_seq * ctx + 1].reshape(n_seq, ctx))
 
     model = TinyGPT(vocab, ctx=ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
@@ -149,10 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     if world > 1:  # same initial weights everywhere, one dropout stream per rank
         torch.manual_seed(a.seed * 1_000_003 + rank + 1)
-    sampler = EpochSampler(n_seq, a.batch, a.seed)
+    # Every rank reads the same global batch (rank 0 of 1) and trains on its share, so the
+    # sample order is the same for any world size.
+    dataset = StreamingDataset(data_dir, seed=a.seed, rank=0, world_size=1)
+    loader = StatefulLoader(dataset, a.batch, collate_fn=collate_tokens, last_batch="drop")
     metrics: Any = MetricLog(os.path.join(a.dir, "metrics.jsonl")) if rank == 0 else _RankStep()
     state = TrainState(
-        model=model, optimizer=opt, scheduler=sched, ema=ema, loader=sampler, metrics=metrics
+        model=model, optimizer=opt, scheduler=sched, ema=ema, loader=loader, metrics=metrics
     )
     ckpt = Checkpointer(
         os.path.join(a.dir, "ckpt"), state, every_steps=a.ckpt_every, keep_last=a.keep_last
@@ -162,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.broken:  # capture what we are about to "forget" so the restore can be undone
         snapshot = {
             "rng": torch.get_rng_state(),
-            "data": sampler.state_dict(),
+            "data": loader.state_dict(),
             "optimizer": opt.state_dict(),
             "scheduler": sched.state_dict(),
         }
@@ -170,24 +187,26 @@ def main(argv: list[str] | None = None) -> int:
     if a.broken and start:
         {
             "rng": lambda: torch.set_rng_state(snapshot["rng"]),
-            "data": lambda: sampler.load_state_dict(snapshot["data"]),
+            "data": lambda: loader.load_state_dict(snapshot["data"]),
             "optimizer": lambda: opt.load_state_dict(snapshot["optimizer"]),
             "scheduler": lambda: sched.load_state_dict(snapshot["scheduler"]),
         }[a.broken]()
 
     model.train()
+    batches = _batches(loader)
     for step in range(start, a.steps):
         loss_sum = 0.0
         ids_all: list[int] = []
         for micro in range(a.accum):
             if die == (step + 1, micro):
                 os.kill(os.getpid(), signal.SIGKILL)
-            ids = sampler.next_ids()
-            ids_all.extend(int(i) for i in ids)
+            batch = next(batches)
+            ids_all.extend(batch["ids"])
+            x, y = batch["x"], batch["y"]
             if world > 1:  # this rank's contiguous share of the global micro-batch
                 share = a.batch // world
-                ids = ids[rank * share : (rank + 1) * share]
-            loss = model(x_all[ids], y_all[ids]) / a.accum
+                x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+            loss = model(x, y) / a.accum
             loss.backward()
             loss_sum += float(loss)
             state.micro_step = micro + 1
