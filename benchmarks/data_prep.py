@@ -317,6 +317,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="10,000 samples, 2,000 docs, 1 round")
     ap.add_argument("--tmp", default="/tmp/unbroken-bench-prep")
+    ap.add_argument(
+        "--only",
+        default="pack,tokenize,stage",
+        help="comma-separated parts to run (stage needs pack's output)",
+    )
     ap.add_argument("--child", choices=("ours", "encode"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -324,41 +329,51 @@ def main() -> None:
         return
     if a.quick:
         a.samples, a.docs, a.rounds = 10_000, 2_000, 1
+    parts = set(a.only.split(","))
+    if not parts <= {"pack", "tokenize", "stage"}:
+        ap.error(f"--only {a.only!r}: pick from pack, tokenize, stage")
+    if "stage" in parts:
+        parts.add("pack")
     tmp = _fresh(a.tmp)
-    _DATA.extend(_samples(a.samples, tmp))
-    payload = sum(len(s["bin"]) + len(s["json"]) for s in _DATA)
-    print(f"pack: {a.samples} samples, {payload / 1e6:.0f} MB payload", file=sys.stderr)
-    pt, sizes, packed = bench_pack(tmp, a.rounds)
-    tt, ntok = bench_tokenize(tmp, a.docs, a.rounds)
-    st, sbytes = bench_stage(packed, tmp, a.rounds)
     print(
         f"\nCPU: {os.cpu_count()} cores, shared with other jobs; {a.rounds} interleaved rounds, "
         "median (range); CPU s = user+system of the process and its children.\n"
     )
-    print(
-        f"Pack {a.samples:,} samples ({payload / 1e6:.0f} MB payload), 64 MB shards; ratios "
-        "are vs MosaicML MDSWriter (goal: wall ratio <= 1.0):\n"
-    )
-    print(_HEAD)
-    ref = pt.get("MosaicML MDSWriter")
-    for name, ts in pt.items():
-        print(_row(name, ts, payload / 1e6, "MB/s", ref) + f" output {sizes[name] / 1e6:.0f} MB")
-    print(
-        f"\nTokenize {a.docs:,} documents ({ntok:,} tokens), byte-level BPE 8192; ratios are "
-        "vs encode_batch in one process, rayon on (goal: speed-up = 1/ratio >= 1.7):\n"
-    )
-    print(_HEAD)
-    ref = tt["encode_batch, 1 process (rayon on)"]
-    for name, ts in tt.items():
-        print(_row(name, ts, ntok / 1e6, "M tokens/s", ref))
-    print(
-        f"\nStage local -> local, {sbytes / 1e6:.0f} MB (page cache warm for both); ratios are "
-        "vs cp -r (goal: throughput >= 90% of cp, i.e. wall ratio <= 1.11):\n"
-    )
-    print(_HEAD)
-    ref = st["cp -r"]
-    for name, ts in st.items():
-        print(_row(name, ts, sbytes / 1e9, "GB/s", ref))
+    if "pack" in parts:
+        _DATA.extend(_samples(a.samples, tmp))
+        payload = sum(len(s["bin"]) + len(s["json"]) for s in _DATA)
+        print(f"pack: {a.samples} samples, {payload / 1e6:.0f} MB payload", file=sys.stderr)
+        pt, sizes, packed = bench_pack(tmp, a.rounds)
+        print(
+            f"Pack {a.samples:,} samples ({payload / 1e6:.0f} MB payload), 64 MB shards; ratios "
+            "are vs MosaicML MDSWriter (goal: wall ratio <= 1.0):\n"
+        )
+        print(_HEAD)
+        ref = pt.get("MosaicML MDSWriter")
+        for name, ts in pt.items():
+            print(
+                _row(name, ts, payload / 1e6, "MB/s", ref) + f" output {sizes[name] / 1e6:.0f} MB"
+            )
+    if "tokenize" in parts:
+        tt, ntok = bench_tokenize(tmp, a.docs, a.rounds)
+        print(
+            f"\nTokenize {a.docs:,} documents ({ntok:,} tokens), byte-level BPE 8192; ratios are "
+            "vs encode_batch in one process, rayon on (goal: speed-up = 1/ratio >= 1.7):\n"
+        )
+        print(_HEAD)
+        ref = tt["encode_batch, 1 process (rayon on)"]
+        for name, ts in tt.items():
+            print(_row(name, ts, ntok / 1e6, "M tokens/s", ref))
+    if "stage" in parts:
+        st, sbytes = bench_stage(packed, tmp, a.rounds)
+        print(
+            f"\nStage local -> local, {sbytes / 1e6:.0f} MB (page cache warm for both); ratios "
+            "are vs cp -r (goal: throughput >= 90% of cp, i.e. wall ratio <= 1.11):\n"
+        )
+        print(_HEAD)
+        ref = st["cp -r"]
+        for name, ts in st.items():
+            print(_row(name, ts, sbytes / 1e9, "GB/s", ref))
     shutil.rmtree(tmp, ignore_errors=True)
 
 
