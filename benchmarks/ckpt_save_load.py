@@ -99,6 +99,11 @@ def stall_table(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str, s
 
     st = TrainState(model=model, optimizer=opt)
     ck = Checkpointer(os.path.join(root, "ub-async"), st, async_save=True, keep_last=1)
+    # The loop's first step boundary (maybe_save, no save due): the checkpoint thread
+    # allocates the snapshot buffers while training goes on; a real loop trains for
+    # every_steps steps before the first save, here we just wait for it (not timed).
+    ck.maybe_save()
+    ck.wait()
     stager = DefaultStager(StagingOptions(cuda, not cuda, cuda, cuda))
     for i in range(saves):
         rec(

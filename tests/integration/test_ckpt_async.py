@@ -86,3 +86,24 @@ def test_background_failure_is_reported_and_previous_stays_valid(tmp_path, monke
     st2, m2, _ = _setup(seed=1)
     assert Checkpointer(str(tmp_path), st2).restore() == 0
     ck.close()
+
+
+def test_buffers_are_allocated_ahead_so_the_first_save_only_copies(tmp_path) -> None:
+    st, m, opt = _setup()
+    ck = Checkpointer(str(tmp_path / "ck"), st, async_save=True, every_steps=3)
+    _step(st, m, opt)
+    assert not ck.maybe_save()  # step 1: not due, the checkpoint thread allocates
+    assert ck._prepared is not None
+    ck._prepared.result()
+    buffers = dict(ck._snap._buffers)
+    state_bytes = sum(p.numel() * 4 for p in m.parameters()) * 3  # weights + 2 Adam moments
+    assert ck._snap.allocated_bytes >= state_bytes
+    _step(st, m, opt)
+    ck.maybe_save()
+    _step(st, m, opt)
+    assert ck.maybe_save()  # step 3: the first save uses the prepared buffers...
+    assert all(ck._snap._buffers[k] is b for k, b in buffers.items())
+    ck.close()
+    saved = read_checkpoint(str(tmp_path / "ck"))["components"]["model"]
+    for k, v in m.state_dict().items():  # ...and holds this step's values, not zeros
+        assert torch.equal(saved[k], v)

@@ -162,6 +162,7 @@ class Checkpointer:
             ThreadPoolExecutor(1, thread_name_prefix="unbroken-ckpt") if async_save else None
         )
         self._inflight: Future[str] | None = None
+        self._prepared: Future[None] | None = None  # async: buffers allocated ahead
         self._last_save_time = time.monotonic()
         self.last_save_seconds: float | None = None
         self.last_blocked_seconds: float | None = None
@@ -217,6 +218,10 @@ class Checkpointer:
         if due and not os.path.exists(self.store.step_dir(step)):
             self.save(step)
             return True
+        if self._pool is not None and self._prepared is None:
+            # First step boundary without a save: let the checkpoint thread allocate the
+            # snapshot buffers now (the optimizer state exists by now), not at the first save.
+            self._prepared = self._pool.submit(self._snap.prepare, self._encode()[3])
         return False
 
     def save(self, step: int | None = None) -> str:
@@ -243,7 +248,10 @@ class Checkpointer:
 
     def wait(self) -> str | None:
         """Block until the in-flight background save (if any) is committed; re-raise its
-        error. Returns its directory."""
+        error. Returns its directory. Also waits for the snapshot buffers allocated ahead of
+        the first save (see :meth:`maybe_save`)."""
+        if self._prepared is not None:
+            self._prepared.result()
         fut, self._inflight = self._inflight, None
         if fut is None:
             return None
@@ -267,12 +275,17 @@ class Checkpointer:
                 f"background checkpoint save failed: {fut.exception()}"
             ) from fut.exception()
 
-    def _snapshot(self, step: int) -> _Job:
-        t0 = time.perf_counter()
+    def _encode(self) -> tuple[dict[str, Any], Any, Any, dict[str, torch.Tensor]]:
+        """(state dict without RNG, RNG state, JSON tree, {key: live tensor})."""
         sd = self.state.state_dict()
         rng_state = sd.pop("rng", None)
         live: dict[str, torch.Tensor] = {}
         tree = codec.encode(sd, live)
+        return sd, rng_state, tree, live
+
+    def _snapshot(self, step: int) -> _Job:
+        t0 = time.perf_counter()
+        sd, rng_state, tree, live = self._encode()
         tensors = self._snap.take(live) if self._pool is not None else live
         rank_state = json.dumps({"state": tree, "rng": codec.encode(rng_state, None)}).encode()
         tmp = self.store.begin(step) if self.rank == 0 else ""

@@ -30,6 +30,19 @@ class Snapshotter:
             self.allocated_bytes = sum(b.numel() * b.element_size() for b in self._buffers.values())
         return buf
 
+    def prepare(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Allocate and fault in the buffers for ``tensors`` ahead of the first save.
+
+        Run on the checkpoint thread while the loop trains: the first touch of fresh host
+        memory (page faults; pinning on CUDA) can cost more than the copy itself, and it
+        would otherwise stall the loop at the first save.
+        """
+        with torch.no_grad():
+            for k, t in tensors.items():
+                local = t.to_local() if isinstance(t, DTensor) else t
+                if k not in self._buffers:
+                    self._buffer_for(k, local).zero_()
+
     def take(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Copy ``tensors`` into the buffers; returns ``{key: buffer}`` (DTensors keep their
         placement, with the local shard copied)."""
