@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from unbroken.data._transport import RingReceiver, RingSender, transport_available
 from unbroken.data.dataset import StreamingDataset
 from unbroken.data.order import LAST_BATCH_POLICIES
 
@@ -70,6 +71,7 @@ class _RunStream(IterableDataset):
         batch_size: int,
         last_batch: str,
         collate_fn: Callable[[list[Any]], Any],
+        ring_slots: int = 0,
     ) -> None:
         super().__init__()
         self.dataset = dataset
@@ -78,11 +80,13 @@ class _RunStream(IterableDataset):
         self.batch_size = batch_size
         self.last_batch = last_batch
         self.collate_fn = collate_fn
+        self.ring_slots = ring_slots  # 0: batches take torch's stock pipe
+        self._sender: RingSender | None = None  # per worker process, made there
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        yield from self.dataset.iter_batches(
+        batches = self.dataset.iter_batches(
             self.epoch,
             self.start,
             self.batch_size,
@@ -91,10 +95,23 @@ class _RunStream(IterableDataset):
             worker_id=wid,
             num_workers=nw,
         )
+        if info is None or not self.ring_slots:
+            yield from batches
+        else:
+            # A persistent worker keeps its ring (and its mapped pages) from epoch to epoch.
+            if self._sender is None:
+                self._sender = RingSender(self.ring_slots)
+            pack = self._sender.pack
+            for batch in batches:
+                yield pack(batch)
         # A persistent worker keeps this object: the next pass after a complete one is the
         # next epoch from its start (the loader rebuilds the workers for any other start).
         self.epoch += 1
         self.start = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # spawn/forkserver workers build their own ring
+        return {**self.__dict__, "_sender": None}
 
 
 class StatefulLoader:
@@ -115,6 +132,11 @@ class StatefulLoader:
             then differ by one batch). ``drop_last=True`` is accepted as ``"drop"``.
         on_dataset_change: ``"error"`` (default) refuses a state saved on another dataset
             fingerprint; ``"restart_epoch"`` restarts the saved epoch from its first sample.
+        shm_transport: with workers, each batch's pickle crosses to this process through a
+            ring of reusable shared-memory slots per worker instead of torch's pipe (see
+            :mod:`unbroken.data._transport`; the batches are the same objects either way).
+            Default True; off with ``pin_memory=True`` (except token batches, pinned here), so
+            that torch's pin thread keeps pinning in the background.
         num_workers, prefetch_factor, pin_memory, persistent_workers, timeout, worker_init_fn,
         multiprocessing_context, generator, pin_memory_device: as ``DataLoader``.
     """
@@ -137,6 +159,7 @@ class StatefulLoader:
         multiprocessing_context: Any = None,
         generator: Any = None,
         pin_memory_device: str = "",
+        shm_transport: bool = True,
     ) -> None:
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(
@@ -173,6 +196,11 @@ class StatefulLoader:
         self.last_batch = last_batch
         self.on_dataset_change = on_dataset_change
         self.num_workers = num_workers
+        self._ring_slots = 0
+        if shm_transport and num_workers > 0 and transport_available():
+            if not pin_memory or self._pin_here:
+                # more than the batches a worker can have in flight (see RingSender)
+                self._ring_slots = (prefetch_factor or 2) * num_workers + 2
         self._dl_kwargs: dict[str, Any] = dict(
             num_workers=num_workers,
             prefetch_factor=prefetch_factor,
@@ -193,6 +221,7 @@ class StatefulLoader:
         # A persistent DataLoader and the (epoch, start) its workers will run next.
         self._dl: DataLoader | None = None
         self._dl_next: tuple[int, int] | None = None
+        self._rx: RingReceiver | None = None  # the persistent DataLoader's rings
 
     # --- position ------------------------------------------------------------------------
 
@@ -230,12 +259,20 @@ class StatefulLoader:
 
     # --- iteration -----------------------------------------------------------------------
 
-    def _dataloader(self, epoch: int, start: int) -> DataLoader:
+    def _dataloader(self, epoch: int, start: int) -> tuple[DataLoader, RingReceiver]:
         persistent = self._dl_kwargs["persistent_workers"]
         if persistent and self._dl is not None and self._dl_next == (epoch, start):
-            return self._dl
+            if self._rx is None:
+                raise RuntimeError("StatefulLoader: persistent DataLoader without its receiver")
+            return self._dl, self._rx
         stream = _RunStream(
-            self.dataset, epoch, start, self.batch_size, self.last_batch, self.collate_fn
+            self.dataset,
+            epoch,
+            start,
+            self.batch_size,
+            self.last_batch,
+            self.collate_fn,
+            self._ring_slots,
         )
         kwargs = dict(self._dl_kwargs)
         if kwargs["generator"] is None:
@@ -246,13 +283,14 @@ class StatefulLoader:
             kwargs["generator"] = torch.Generator().manual_seed(
                 _mix_seed(self.dataset.seed, epoch, start)
             )
-        dl = DataLoader(
-            stream, batch_size=None, collate_fn=_passthrough, in_order=True, **kwargs
-        )
+        dl = DataLoader(stream, batch_size=None, collate_fn=_passthrough, in_order=True, **kwargs)
+        rx = RingReceiver()
         # Drop the old persistent workers now: they would replay a stale run.
-        self._dl = dl if persistent else None
+        if self._rx is not None:
+            self._rx.close()
+        self._dl, self._rx = (dl, rx) if persistent else (None, None)
         self._dl_next = None
-        return dl
+        return dl, rx
 
     def __iter__(self) -> Iterator[Any]:
         epoch, start = self._position()
@@ -264,12 +302,13 @@ class StatefulLoader:
         return self._generate(run_id, epoch, start)
 
     def _generate(self, run_id: int, epoch: int, start: int) -> Iterator[Any]:
-        dl = self._dataloader(epoch, start)
+        dl, rx = self._dataloader(epoch, start)
         it = iter(dl)
         try:
-            for batch in it:
+            for item in it:
                 if self._run is None or self._run[0] != run_id:
                     return  # load_state_dict / set_epoch replaced this run
+                batch = rx.unpack(item)
                 if self._tensor_here:
                     batch = torch.from_numpy(batch)
                     if self._pin_here:
@@ -287,6 +326,8 @@ class StatefulLoader:
                 self._epoch, self._start = self._position()
                 self._run = None
             del it
+            if rx is not self._rx:
+                rx.close()
 
     # --- Stateful ------------------------------------------------------------------------
 
