@@ -9,7 +9,9 @@ never split.
 
 from __future__ import annotations
 
+import itertools
 import json
+import operator
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -20,7 +22,7 @@ import numpy as np
 
 from unbroken._fs import hasher
 from unbroken.data.shards import split_member_name
-from unbroken.data.writers import body_capacity, buffer_nbytes, member_tar_bytes, sample_tar_bytes
+from unbroken.data.writers import MemberBatch, body_capacity, sample_tar_bytes
 
 __all__ = [
     "FileSample",
@@ -180,69 +182,174 @@ def _digest_files(samples: list[FileSample]) -> str:
     return str(h.hexdigest())
 
 
+_BATCH = 1024  # samples normalized and cut per step
+
+
 def plan_dicts(
     items: Iterable[dict[str, Any]], shard_size: int, src: str, partial: bool
-) -> Iterator[tuple[list[Sample], str]]:
-    """Normalize dicts into samples and cut shards in one pass (the per-sample hot loop).
+) -> Iterator[tuple[list[MemberBatch], str]]:
+    """Normalize dicts into column batches and cut shards (the per-sample hot path).
 
-    The plan digest covers every byte, key, extension and size of the shard.
+    The plan digest covers keys, extensions and sizes; the content itself is compared with a
+    committed shard's checksum only when a re-run considers keeping it (see ``pack``), so a
+    first run hashes each byte once, while writing.
     """
-    pl = Planner(shard_size, src)
-    cur: list[Sample] = []
-    h, meta, sizes = hasher(), list[str](), list[int]()
-    first: list[str] | None = None
-    schema: list[str] = []
-    last = None
-    for i, d in enumerate(items):
-        key = d.get("__key__")
-        if key is None:
-            key = f"{i:09d}"
-        elif key == last:
-            raise ValueError(
-                f"{src}: sample key {key!r} repeats right after itself; WebDataset would "
-                "merge the two samples - give every sample a distinct __key__"
-            )
-        else:
-            _check_key(key, f"sample #{i}")
-        last = key
-        members: list[Member] = []
-        exts: list[str] = []
-        nb = 0
-        for ext, v in d.items():
-            if ext[:2] == "__":
+    norm = _DictNormalizer(src, partial)
+    cut = _Cutter(shard_size, src)
+    it = iter(items)
+    first = 0
+    while chunk := list(itertools.islice(it, _BATCH)):
+        batch = norm.batch(chunk, first)
+        first += len(chunk)
+        yield from cut.add(batch)
+    yield from cut.finish()
+
+
+class _Cutter:
+    """The greedy rule of :class:`Planner`, applied to a whole batch with numpy."""
+
+    def __init__(self, shard_size: int, source: str) -> None:
+        self.shard_size = shard_size
+        self.cap = body_capacity(shard_size)
+        self.source = source
+        self.body = 0
+        self.parts: list[MemberBatch] = []
+
+    def add(self, b: MemberBatch) -> Iterator[tuple[list[MemberBatch], str]]:
+        nb = b.tar_bytes()
+        over = np.flatnonzero(nb > self.cap)
+        if over.size:
+            i = int(over[0])
+            raise _too_large(self.source, b.keys[i].decode(), int(nb[i]), self.shard_size)
+        start = 0
+        while start < len(b):
+            cum = self.body + np.cumsum(nb[start:])
+            k = int(np.searchsorted(cum, self.cap, side="right"))
+            if k == 0:  # the next sample does not fit this (non-empty) shard
+                yield self._emit()
                 continue
-            if not ext or "/" in ext:
-                raise ValueError(f"sample {key!r}: extension {ext!r} is not a valid member suffix")
-            if type(v) is not bytes:
-                v = _encode(v, key, ext)
-            n = len(v) if type(v) is bytes else buffer_nbytes(v)
-            nb += member_tar_bytes(key, ext, n)
-            members.append((ext, v))
-            exts.append(ext)
-        if not members:
-            raise ValueError(f"sample {key!r} has no members (only __ fields); add data")
-        if not partial and exts != first:  # the common case (same order) skips the sort
-            _check_members(key, exts, schema, src)
-            first = first or exts
-        if not pl.fits(key, nb):
-            yield cur, _finish_digest(h, meta, sizes)
-            cur, h, meta, sizes = [], hasher(), [], []
-            pl.reset()
-            pl.fits(key, nb)
-        cur.append((key, members))
-        meta.append(key)
-        for ext, v in members:
-            h.update(v)
-            meta.append(ext)
-            sizes.append(len(v) if type(v) is bytes else buffer_nbytes(v))
-    if cur:
-        yield cur, _finish_digest(h, meta, sizes)
+            self.parts.append(b.slice(start, start + k))
+            self.body = int(cum[k - 1])
+            start += k
+            if start < len(b):
+                yield self._emit()
+
+    def finish(self) -> Iterator[tuple[list[MemberBatch], str]]:
+        if self.parts:
+            yield self._emit()
+
+    def _emit(self) -> tuple[list[MemberBatch], str]:
+        parts, self.parts, self.body = self.parts, [], 0
+        h = hasher()
+        for p in parts:
+            h.update(b"\0".join(p.keys))
+            h.update(b"\1")
+            h.update(b"\0".join(p.exts))
+            h.update(p.nmem.astype("<i8").tobytes())
+            h.update(p.sizes.astype("<i8").tobytes())
+        return parts, str(h.hexdigest())
 
 
-def _finish_digest(h: Any, meta: list[str], sizes: list[int]) -> str:
-    h.update("\0".join(meta).encode())
-    h.update(np.asarray(sizes, dtype=np.int64).tobytes())
-    return str(h.hexdigest())
+class _DictNormalizer:
+    """Dicts -> :class:`MemberBatch`, checking keys, members and types.
+
+    A batch whose dicts all have the same fields in the same order, with ``bytes`` values and
+    plain keys, is handled column-wise by C-level iteration; any other batch goes sample by
+    sample (encoding str/number/JSON values and naming the offending sample on error).
+    """
+
+    def __init__(self, src: str, partial: bool) -> None:
+        self.src = src
+        self.partial = partial
+        self.schema: list[str] = []
+        self.last_key: str | None = None
+        self.fields: tuple[str, ...] | None = None
+        self.exts: tuple[str, ...] = ()
+
+    def batch(self, chunk: list[dict[str, Any]], first: int) -> MemberBatch:
+        fields = tuple(chunk[0])
+        b = None
+        if all(map(fields.__eq__, map(tuple, chunk))):
+            b = self._columns(chunk, first, fields)
+        return b if b is not None else self._samples(chunk, first)
+
+    def _columns(
+        self, chunk: list[dict[str, Any]], first: int, fields: tuple[str, ...]
+    ) -> MemberBatch | None:
+        if fields != self.fields:
+            exts = tuple(f for f in fields if f[:2] != "__")
+            if not exts or any(not e or "/" in e for e in exts):
+                return None  # let the per-sample path raise its precise error
+            self.fields, self.exts = fields, exts
+        exts = self.exts
+        if "__key__" in fields:
+            keys = list(map(operator.itemgetter("__key__"), chunk))
+            if not _plain_keys(keys, self.last_key):
+                return None
+        else:
+            keys = [f"{i:09d}" for i in range(first, first + len(chunk))]
+        cols = [list(map(operator.itemgetter(e), chunk)) for e in exts]
+        if any(set(map(type, c)) != {bytes} for c in cols):
+            return None
+        if not self.partial:
+            _check_members(keys[0], exts, self.schema, self.src)
+        self.last_key = keys[-1]
+        joined = "\0".join(keys)
+        kb = joined.encode().split(b"\0") if joined.isascii() else [k.encode() for k in keys]
+        n, e = len(chunk), len(exts)
+        datas: list[Any] = [None] * (n * e)
+        for j, c in enumerate(cols):
+            datas[j::e] = c
+        bexts = tuple(x.encode() for x in exts)
+        return MemberBatch.build(kb, np.full(n, e, np.int64), list(bexts) * n, datas, bexts)
+
+    def _samples(self, chunk: list[dict[str, Any]], first: int) -> MemberBatch:
+        out: list[Sample] = []
+        for i, d in enumerate(chunk, first):
+            key = d.get("__key__")
+            if key is None:
+                key = f"{i:09d}"
+            elif key == self.last_key:
+                raise _repeated(self.src, key)
+            else:
+                _check_key(key, f"sample #{i}")
+            self.last_key = key
+            members: list[Member] = []
+            for ext, v in d.items():
+                if ext[:2] == "__":
+                    continue
+                if not ext or "/" in ext:
+                    raise ValueError(
+                        f"sample {key!r}: extension {ext!r} is not a valid member suffix"
+                    )
+                members.append((ext, v if type(v) is bytes else _encode(v, key, ext)))
+            if not members:
+                raise ValueError(f"sample {key!r} has no members (only __ fields); add data")
+            if not self.partial:
+                _check_members(key, [m[0] for m in members], self.schema, self.src)
+            out.append((key, members))
+        return MemberBatch.from_samples(out)
+
+
+def _repeated(src: str, key: str) -> ValueError:
+    return ValueError(
+        f"{src}: sample key {key!r} repeats right after itself; WebDataset would "
+        "merge the two samples - give every sample a distinct __key__"
+    )
+
+
+def _plain_keys(keys: list[Any], last: str | None) -> bool:
+    """Whether every key passes :func:`_check_key`'s quick test and none repeats the one
+    before it (checked on the joined string, without a Python step per key)."""
+    if set(map(type, keys)) != {str} or keys[0] == last:
+        return False
+    joined = "\0".join(keys)
+    if joined.count("\0") != len(keys) - 1 or "\0\0" in joined:
+        return False  # a key holds a NUL, or one is empty
+    bad = ("." in joined, "//" in joined, "\0/" in joined, "/\0" in joined)
+    if any(bad) or not keys[0] or not keys[-1] or joined[0] == "/" or joined[-1] == "/":
+        return False
+    return not any(map(operator.eq, keys, itertools.islice(keys, 1, None)))
 
 
 def plan_jsonl(path: str, shard_size: int) -> Iterator[tuple[list[tuple[str, int, int]], str]]:

@@ -44,7 +44,7 @@ from unbroken.data._packplan import (
 )
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
 from unbroken.data.shards import INDEX_SUFFIX, index_tar
-from unbroken.data.writers import TarShardWriter
+from unbroken.data.writers import TarShardWriter, tar_checksum
 
 __all__ = ["PackResult", "index_directory", "pack"]
 
@@ -108,6 +108,11 @@ def _verify_reuse(task: _Task) -> ShardInfo | None:
     if (size, digest) != (info.bytes, info.checksum) or checksum_bytes(raw) != info.index_checksum:
         log.info("%s: committed shard does not verify; rewriting it", task.path)
         return None
+    # In-memory samples: the plan digest covers keys and sizes only, so compare the content
+    # through the checksum of the tar that would be written (hashing only, no write).
+    if task.kind == "mem" and tar_checksum(task.payload) != (info.bytes, info.checksum):
+        log.info("%s: input content changed since the shard was committed; rewriting", task.path)
+        return None
     return info
 
 
@@ -123,7 +128,8 @@ def _build(task: _Task) -> ShardInfo | TarShardWriter:
         elif task.kind == "jsonl":
             w.add_many(read_jsonl(*task.payload))
         else:
-            w.add_many(task.payload)
+            for b in task.payload:
+                w.add_batch(b)
         w.finish()
     except BaseException:
         w.abort()

@@ -8,35 +8,39 @@ whole batch of members at once, plus the size arithmetic ``pack`` uses to plan s
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import itertools
 import os
 import tarfile
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from unbroken._fs import HashingWriter, atomic_write_bytes, temp_sibling
+from unbroken._fs import HashingWriter, atomic_write_bytes, hasher, temp_sibling
 from unbroken.data.shards import INDEX_SUFFIX, ShardIndex
 
 __all__ = [
     "IndexedFileWriter",
+    "MemberBatch",
     "TarShardWriter",
     "body_capacity",
     "buffer_nbytes",
     "member_tar_bytes",
     "sample_tar_bytes",
+    "tar_checksum",
     "tar_end_bytes",
     "tar_header",
+    "tar_pieces",
 ]
 
 _BLOCK = 512
 _RECORD = 10240  # tarfile pads archives to 20 blocks; we do too, for identical tools' output
 _ZEROS = bytes(_RECORD + 2 * _BLOCK)  # the longest run of zeros a shard ends with
 _MTIME = 0  # fixed so that the same input gives byte-identical shards
-_FLUSH = 8 << 20
 
 
 # --- tar headers -------------------------------------------------------------------------
@@ -111,35 +115,209 @@ def _header_template() -> np.ndarray:
 
 
 _TEMPLATE = _header_template()
+# the template's byte sum without its name and size fields (they change per member)
+_BASE_FIELDS_SUM = int(
+    _TEMPLATE.sum(dtype=np.int64) - _TEMPLATE[:100].sum() - _TEMPLATE[124:136].sum()
+)
 _SHIFT_SIZE = np.arange(30, -1, -3, dtype=np.int64)  # 11 octal digits
 _SHIFT_CHK = np.arange(15, -1, -3, dtype=np.int64)  # 6 octal digits
 
 
-def _headers(names: list[bytes], sizes: np.ndarray) -> tuple[list[Any], np.ndarray]:
-    """ustar headers for many members at once, byte-equal to :func:`tar_header`.
-
-    Vectorized with numpy (name, size and checksum fields filled for the whole batch) because
-    per-member Python work dominates packing small samples.
-    """
-    m = len(names)
-    arr = np.empty((m, _BLOCK), dtype=np.uint8)
-    arr[:] = _TEMPLATE
-    lens = np.fromiter(map(len, names), np.int64, m)
-    short = (lens <= 100) & (sizes <= _MAX_USTAR_SIZE)
+def _name_fields(b: MemberBatch) -> np.ndarray:
+    """The 100-byte name field of every member (zeros where a PAX header is needed)."""
+    m = len(b.datas)
+    klen = np.fromiter(map(len, b.keys), np.int64, len(b.keys))
+    if b.schema is not None and klen.size and (klen == klen[0]).all():
+        # Uniform keys and extensions: place key and ".ext" bytes column-wise, no per-member
+        # string building.
+        lk = int(klen[0])
+        if lk + 1 + max(map(len, b.schema)) <= 100:
+            n, e = len(b.keys), len(b.schema)
+            arr = np.zeros((n, e, 100), np.uint8)
+            arr[:, :, :lk] = np.frombuffer(b"".join(b.keys), np.uint8).reshape(n, 1, lk)
+            for j, ext in enumerate(b.schema):
+                arr[:, j, lk] = ord(".")
+                arr[:, j, lk + 1 : lk + 1 + len(ext)] = np.frombuffer(ext, np.uint8)
+            return arr.reshape(m, 100)
+    names = b.names()
     padded = b"".join(n.ljust(100, b"\0") if len(n) <= 100 else bytes(100) for n in names)
-    arr[:, :100] = np.frombuffer(padded, np.uint8).reshape(m, 100)
-    arr[:, 124:135] = ((sizes[:, None] >> _SHIFT_SIZE) & 7) + 48
-    arr[:, 135] = 0
-    chk = arr.sum(axis=1, dtype=np.int64)
-    arr[:, 148:154] = ((chk[:, None] >> _SHIFT_CHK) & 7) + 48
-    arr[:, 154] = 0
-    mv = memoryview(arr.tobytes())
-    hdrs: list[Any] = [mv[i * _BLOCK : (i + 1) * _BLOCK] for i in range(m)]
-    hlens = np.full(m, _BLOCK, dtype=np.int64)
-    for i in np.flatnonzero(~short).tolist():
-        hdrs[i] = tar_header(names[i].decode(), int(sizes[i]))
-        hlens[i] = len(hdrs[i])
-    return hdrs, hlens
+    return np.frombuffer(padded, np.uint8).reshape(m, 100)
+
+
+def _put_ustar_headers(
+    blocks: np.ndarray, rows: np.ndarray, b: MemberBatch, which: np.ndarray | slice
+) -> None:
+    """Write the ustar headers of members ``which`` into ``blocks[rows]`` (512-byte rows),
+    byte-equal to :func:`tar_header`. Vectorized over the batch, because per-member Python
+    work dominates packing small samples: the template is copied, only the name and size
+    fields change, and the checksum is the template's sum plus those fields' sums."""
+    names = _name_fields(b)[which]
+    digits = ((b.sizes[which, None] >> _SHIFT_SIZE) & 7) + 48
+    blocks[rows] = _TEMPLATE
+    blocks[rows, :100] = names
+    blocks[rows, 124:135] = digits
+    chk = _BASE_FIELDS_SUM + names.sum(axis=1, dtype=np.int64) + digits.sum(axis=1)
+    blocks[rows, 148:154] = ((chk[:, None] >> _SHIFT_CHK) & 7) + 48
+    blocks[rows, 154] = 0
+
+
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(s, s + n)`` for each pair, without a Python loop."""
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class MemberBatch:
+    """Samples in columns: what the pack planner cuts into shards and the tar writer writes.
+
+    Members are in tar order (sample after sample); ``schema`` is set when every sample has
+    exactly those extensions in that order (the common case, which enables column-wise work).
+    """
+
+    keys: list[bytes]
+    """per sample: the UTF-8 key"""
+    nmem: np.ndarray
+    """per sample: number of members (int64)"""
+    exts: list[bytes]
+    """per member: the extension"""
+    datas: list[Any]
+    """per member: the bytes-like content"""
+    sizes: np.ndarray
+    """per member: content bytes (int64)"""
+    hlens: np.ndarray
+    """per member: header bytes (512, or more for a PAX header)"""
+    schema: tuple[bytes, ...] | None = None
+
+    @classmethod
+    def build(
+        cls,
+        keys: list[bytes],
+        nmem: np.ndarray,
+        exts: list[bytes],
+        datas: list[Any],
+        schema: tuple[bytes, ...] | None = None,
+    ) -> MemberBatch:
+        m = len(datas)
+        sizes = np.fromiter(map(buffer_nbytes, datas), np.int64, m)
+        klen = np.repeat(np.fromiter(map(len, keys), np.int64, len(keys)), nmem)
+        elen = np.fromiter(map(len, exts), np.int64, m)
+        hlens = np.full(m, _BLOCK, np.int64)
+        long = (klen + 1 + elen > 100) | (sizes > _MAX_USTAR_SIZE)
+        if long.any():
+            names = cls(keys, nmem, exts, datas, sizes, hlens).names()
+            for j in np.flatnonzero(long).tolist():
+                hlens[j] = len(tar_header(names[j].decode(), int(sizes[j])))
+        return cls(keys, nmem, exts, datas, sizes, hlens, schema)
+
+    @classmethod
+    def from_samples(cls, samples: Iterable[tuple[str, Sequence[tuple[str, Any]]]]) -> MemberBatch:
+        """From ``[(key, [(ext, bytes-like), ...]), ...]`` (one Python step per member)."""
+        keys: list[bytes] = []
+        nmem: list[int] = []
+        exts: list[bytes] = []
+        datas: list[Any] = []
+        for key, members in samples:
+            keys.append(key.encode())
+            nmem.append(len(members))
+            for ext, data in members:
+                exts.append(ext.encode())
+                datas.append(data)
+        return cls.build(keys, np.asarray(nmem, np.int64), exts, datas)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def names(self) -> list[bytes]:
+        """Per member: ``<key>.<ext>``."""
+        per_member = (
+            k for k, n in zip(self.keys, self.nmem.tolist(), strict=True) for _ in range(n)
+        )
+        return [k + b"." + e for k, e in zip(per_member, self.exts, strict=True)]
+
+    def tar_bytes(self) -> np.ndarray:
+        """Per sample: bytes it occupies in a tar (headers, data, padding)."""
+        per_member = self.hlens + self.sizes + (-self.sizes % _BLOCK)
+        if self.schema is not None:
+            return per_member.reshape(len(self.keys), len(self.schema)).sum(axis=1)
+        out = np.zeros(len(self.keys), np.int64)
+        np.add.at(out, np.repeat(np.arange(len(self.keys)), self.nmem), per_member)
+        return out
+
+    def slice(self, a: int, b: int) -> MemberBatch:
+        """Samples ``a:b``."""
+        if a == 0 and b == len(self.keys):
+            return self
+        starts = np.concatenate(([0], np.cumsum(self.nmem)))
+        ma, mb = int(starts[a]), int(starts[b])
+        return MemberBatch(
+            self.keys[a:b],
+            self.nmem[a:b],
+            self.exts[ma:mb],
+            self.datas[ma:mb],
+            self.sizes[ma:mb],
+            self.hlens[ma:mb],
+            self.schema,
+        )
+
+
+_INLINE = 1024  # members up to this size are copied next to their header (fewer buffers)
+
+
+def tar_pieces(b: MemberBatch, pos: int) -> tuple[list[Any], np.ndarray, int]:
+    """The tar bytes of a batch starting at offset ``pos``, as buffers to write in order.
+
+    Returns ``(buffers, data offsets of the members, total bytes)``. Large members are
+    referenced, not copied; everything else (headers, small members, zero padding) is laid
+    out in one array of 512-byte blocks, so a shard is written with a few gather writes and
+    each byte is copied once. Every header and small member starts a block, as in the tar
+    itself; after each large member one extra zero block supplies its padding (its tail is
+    the start of the next buffer), which keeps every header block-aligned in the array.
+    """
+    m = len(b.datas)
+    sizes, hlens = b.sizes, b.hlens
+    big = sizes > _INLINE
+    hblocks = hlens // _BLOCK
+    dblocks = np.where(big, 0, -(-sizes // _BLOCK))
+    after_big = np.zeros(m, np.int64)
+    after_big[1:] = big[:-1]
+    nblocks = after_big + hblocks + dblocks
+    first = np.cumsum(nblocks) - nblocks  # each member's first block in the array
+    hrow = first + after_big
+    total_rows = int(first[-1] + nblocks[-1]) + int(big[-1]) if m else 0
+    blocks = np.zeros((total_rows, _BLOCK), np.uint8)
+    ustar = hblocks == 1
+    if ustar.all():
+        _put_ustar_headers(blocks, hrow, b, slice(None))
+    else:
+        _put_ustar_headers(blocks, hrow[ustar], b, np.flatnonzero(ustar))
+        names = b.names()
+        for j in np.flatnonzero(~ustar).tolist():
+            h = np.frombuffer(tar_header(names[j].decode(), int(sizes[j])), np.uint8)
+            blocks[hrow[j] : hrow[j] + hblocks[j]] = h.reshape(-1, _BLOCK)
+    flat = blocks.reshape(-1)
+    small = np.flatnonzero(~big & (sizes > 0))
+    if small.size:
+        raw = b"".join(map(b.datas.__getitem__, small.tolist()))
+        flat[_ranges((hrow[small] + hblocks[small]) * _BLOCK, sizes[small])] = np.frombuffer(
+            raw, np.uint8
+        )
+    large = np.flatnonzero(big)
+    pads = -sizes[large] % _BLOCK
+    ends = (hrow[large] + hblocks[large]) * _BLOCK  # a large member's data follows its header
+    # after large member j: its padding is the tail of the extra block opening member j+1
+    nxt = np.append(first, total_rows - 1)[large + 1]
+    starts = np.concatenate(([0], (nxt + 1) * _BLOCK - pads)).tolist()
+    stops = [*ends.tolist(), total_rows * _BLOCK]
+    mv: memoryview = flat.data
+    pieces: list[Any] = [None] * (2 * large.size + 1)
+    pieces[0::2] = list(map(mv.__getitem__, map(slice, starts, stops)))
+    pieces[1::2] = list(map(b.datas.__getitem__, large.tolist()))
+    tar_sizes = hlens + sizes + (-sizes % _BLOCK)
+    data_off = pos + np.cumsum(tar_sizes) - tar_sizes + hlens
+    return pieces, data_off, int(tar_sizes.sum())
 
 
 class IndexedFileWriter:
@@ -169,8 +347,14 @@ class IndexedFileWriter:
         )
 
     def _write(self, data: Any) -> None:
+        self._write_many([data])
+
+    def _write_many(self, bufs: list[Any]) -> None:
         try:
-            self._w.write(data)
+            if len(bufs) == 1:
+                self._w.write(bufs[0])
+            else:
+                self._w.writev(bufs)
         except OSError as e:
             self.abort()
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -218,23 +402,22 @@ class IndexedFileWriter:
 class TarShardWriter(IndexedFileWriter):
     """Writes one tar shard and its ``.idx``; :meth:`commit` publishes both.
 
-    Headers come from a template (vectorized per batch), data is gathered into large writes
-    and hashed as it is written (no second read); see :class:`IndexedFileWriter` for the
-    commit order that makes a stale or partial shard detectable.
+    Samples arrive in column batches (:class:`MemberBatch`); headers come from a template
+    (vectorized per batch) and everything is written with gather writes and hashed as it is
+    written (no second read); see :class:`IndexedFileWriter` for the commit order that makes
+    a stale or partial shard detectable.
     """
 
     _BATCH = 1024
 
     def __init__(self, path: str, *, fsync: bool = True) -> None:
         super().__init__(path, path + INDEX_SUFFIX, fsync=fsync)
-        self._buf: list[Any] = []
-        self._buffered = 0
         self._pos = 0
         self._keys: list[bytes] = []
-        self._nmem: list[int] = []
+        self._nmem: list[np.ndarray] = []
         self._exts: list[bytes] = []
-        self._offs: list[int] = []
-        self._sizes: list[int] = []
+        self._offs: list[np.ndarray] = []
+        self._sizes: list[np.ndarray] = []
         self._finished = False
 
     def add(self, key: str, members: Sequence[tuple[str, Any]]) -> None:
@@ -243,44 +426,24 @@ class TarShardWriter(IndexedFileWriter):
 
     def add_many(self, samples: Iterable[tuple[str, Sequence[tuple[str, Any]]]]) -> None:
         """Append samples ``[(key, [(ext, bytes-like), ...]), ...]`` in order."""
+        it = iter(samples)
+        while chunk := list(itertools.islice(it, self._BATCH)):
+            self.add_batch(MemberBatch.from_samples(chunk))
+
+    def add_batch(self, b: MemberBatch) -> None:
+        """Append a batch of samples in order."""
         if self._finished:
             raise RuntimeError(f"{self.path}: shard already finished; start a new writer")
-        it = iter(samples)
-        while True:
-            names: list[bytes] = []
-            datas: list[Any] = []
-            for key, members in itertools.islice(it, self._BATCH):
-                kb = key.encode()
-                self._keys.append(kb)
-                self._nmem.append(len(members))
-                for ext, data in members:
-                    eb = ext.encode()
-                    self._exts.append(eb)
-                    names.append(kb + b"." + eb)
-                    datas.append(data)
-            if not names:
-                return
-            self._append(names, datas)
-
-    def _append(self, names: list[bytes], datas: list[Any]) -> None:
-        sizes = np.fromiter(map(buffer_nbytes, datas), np.int64, len(datas))
-        hdrs, hlens = _headers(names, sizes)
-        pads = -sizes % _BLOCK
-        totals = hlens + sizes + pads
-        ends = self._pos + np.cumsum(totals)
-        self._offs.extend((ends - totals + hlens).tolist())
-        self._sizes.extend(sizes.tolist())
-        buf = self._buf
-        for h, d, p in zip(hdrs, datas, pads.tolist(), strict=True):
-            buf.append(h)
-            buf.append(d)
-            if p:
-                buf.append(_ZEROS[:p])
-        added = int(ends[-1]) - self._pos
-        self._pos += added
-        self._buffered += added
-        if self._buffered >= _FLUSH:
-            self._flush()
+        if not len(b):
+            return
+        pieces, offs, n = tar_pieces(b, self._pos)
+        self._write_many(pieces)
+        self._pos += n
+        self._keys.extend(b.keys)
+        self._nmem.append(b.nmem)
+        self._exts.extend(b.exts)
+        self._offs.append(offs)
+        self._sizes.append(b.sizes)
 
     @property
     def bytes_written(self) -> int:
@@ -290,34 +453,45 @@ class TarShardWriter(IndexedFileWriter):
     def num_samples(self) -> int:
         return len(self._keys)
 
-    def _flush(self) -> None:
-        if not self._buf:
-            return
-        data = b"".join(self._buf)
-        self._buf.clear()
-        self._buffered = 0
-        self._write(data)
-
     def finish(self) -> None:
         """Write the end-of-archive blocks; no sample can be added after this."""
         if self._finished:
             return
-        self._buf.append(_ZEROS[: tar_end_bytes(self._pos)])
-        self._pos += tar_end_bytes(self._pos)
-        self._flush()
+        end = tar_end_bytes(self._pos)
+        self._write(_ZEROS[:end])
+        self._pos += end
         self._finished = True
 
     def commit(self) -> tuple[int, str, bytes]:
         """Finish, fsync and publish; returns ``(tar_bytes, tar_checksum, index_bytes)``."""
         self.finish()
+
+        def cat(parts: list[np.ndarray]) -> list[int]:
+            return np.concatenate(parts).tolist() if parts else []
+
         raw = ShardIndex.from_arrays(
             self._keys,
-            self._nmem,
+            cat(self._nmem),
             self._exts,
-            self._offs,
-            self._sizes,
+            cat(self._offs),
+            cat(self._sizes),
             self._pos,
             self._w.digest,
         ).to_bytes()
         self._publish(raw)
         return self.size, self.checksum, raw
+
+
+def tar_checksum(batches: Iterable[MemberBatch]) -> tuple[int, str]:
+    """``(bytes, checksum)`` of the shard :class:`TarShardWriter` would write from these
+    batches, computed without writing (to decide whether a committed shard can be kept)."""
+    h = hasher()
+    pos = 0
+    for b in batches:
+        if len(b):
+            pieces, _, n = tar_pieces(b, pos)
+            collections.deque(map(h.update, pieces), maxlen=0)
+            pos += n
+    end = tar_end_bytes(pos)
+    h.update(_ZEROS[:end])
+    return pos + end, str(h.hexdigest())
