@@ -465,6 +465,9 @@ _GROUPS: list[Callable[[argparse._SubParsersAction], None]] = [
 ]
 
 
+_PRINTS_SUMMARY = frozenset({"pack", "index", "tokenize", "stage"})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="unbroken", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -480,6 +483,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.cmd in _PRINTS_SUMMARY and not args.verbose:
+        # These commands print their summary on stdout; the library's INFO line says the same.
+        logging.getLogger("unbroken.data").setLevel(logging.WARNING)
     try:
         return int(args.func(args))
     except (ValueError, RuntimeError, FileNotFoundError, PermissionError) as e:
