@@ -205,14 +205,11 @@ def plan_dicts(
     yield from cut.finish()
 
 
-class _Cutter:
+class _Cutter(Planner):
     """The greedy rule of :class:`Planner`, applied to a whole batch with numpy."""
 
     def __init__(self, shard_size: int, source: str) -> None:
-        self.shard_size = shard_size
-        self.cap = body_capacity(shard_size)
-        self.source = source
-        self.body = 0
+        super().__init__(shard_size, source)
         self.parts: list[MemberBatch] = []
 
     def add(self, b: MemberBatch) -> Iterator[tuple[list[MemberBatch], str]]:

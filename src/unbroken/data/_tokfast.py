@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from unbroken.data._ragged import concat_ranges
+
 __all__ = ["WordCacheEncoder", "encode_exact"]
 
 # GPT-2's pattern with the Unicode classes spelt out for the ASCII subset we admit.
@@ -140,8 +142,8 @@ class WordCacheEncoder:
         out = np.empty(int(all_lens.sum()), np.uint32)
         ends = np.cumsum(all_lens)
         starts = ends - all_lens
-        f_pos = _ranges(starts[~is_slow], lens)
-        s_pos = _ranges(starts[is_slow], s_lens)
+        f_pos = concat_ranges(starts[~is_slow], lens)
+        s_pos = concat_ranges(starts[is_slow], s_lens)
         out[f_pos] = ids
         out[s_pos] = s_ids
         return out, all_lens
@@ -157,20 +159,11 @@ class WordCacheEncoder:
             self._learn(sorted(new))
         wid = np.fromiter(map(self._wid.__getitem__, words), np.int64, len(words))
         wlen = self._len[wid]
-        ids = self._flat[_ranges(self._start[wid], wlen)]
+        ids = self._flat[concat_ranges(self._start[wid], wlen)]
         nwords = np.fromiter(map(len, words_per_doc), np.int64, len(words_per_doc))
         tok_end = np.concatenate(([0], np.cumsum(wlen)))
         word_end = np.concatenate(([0], np.cumsum(nwords)))
         return ids, np.diff(tok_end[word_end])
-
-
-def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Concatenated ``arange(s, s + n)`` for each pair, without a Python loop."""
-    total = int(lens.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    shift = np.repeat(starts - (np.cumsum(lens) - lens), lens)
-    return shift + np.arange(total, dtype=np.int64)
 
 
 def _pack_lists(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from unbroken._fs import HashingWriter, atomic_write_bytes, hasher, temp_sibling
+from unbroken.data._ragged import concat_ranges
 from unbroken.data.shards import INDEX_SUFFIX, ShardIndex
 
 __all__ = [
@@ -161,14 +162,6 @@ def _put_ustar_headers(
     blocks[rows, 154] = 0
 
 
-def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """Concatenated ``arange(s, s + n)`` for each pair, without a Python loop."""
-    total = int(lens.sum())
-    if total == 0:
-        return np.zeros(0, np.int64)
-    return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(total, dtype=np.int64)
-
-
 @dataclass(frozen=True)
 class MemberBatch:
     """Samples in columns: what the pack planner cuts into shards and the tar writer writes.
@@ -301,7 +294,7 @@ def tar_pieces(b: MemberBatch, pos: int) -> tuple[list[Any], np.ndarray, int]:
     small = np.flatnonzero(~big & (sizes > 0))
     if small.size:
         raw = b"".join(map(b.datas.__getitem__, small.tolist()))
-        flat[_ranges((hrow[small] + hblocks[small]) * _BLOCK, sizes[small])] = np.frombuffer(
+        flat[concat_ranges((hrow[small] + hblocks[small]) * _BLOCK, sizes[small])] = np.frombuffer(
             raw, np.uint8
         )
     large = np.flatnonzero(big)
