@@ -8,6 +8,8 @@ back in input order and the main process cuts shards at document boundaries, so 
 byte-identical for any number of workers. After every committed shard,
 ``.unbroken-tokenize.json`` records the shards and the number of documents they hold; a re-run
 with the same inputs and options verifies those shards and resumes at the next document.
+Workers encode through :class:`~unbroken.data._tokfast.WordCacheEncoder`: for GPT-2-style
+byte-level BPE each distinct pre-token is encoded once (ids identical to ``encode``).
 """
 
 from __future__ import annotations
