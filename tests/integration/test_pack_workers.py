@@ -62,6 +62,21 @@ def test_pack_output_identical_for_1_2_4_workers(tmp_path: str) -> None:
     assert len(outs[1]) > 20 and outs[1] == outs[2] == outs[4]
 
 
+def test_pack_in_memory_output_identical_for_1_2_4_workers(tmp_path: str) -> None:
+    """Column batches travel to worker processes and come out as the same bytes."""
+    rng = np.random.default_rng(7)
+    samples = [
+        {"__key__": f"{i:05d}", "bin": rng.bytes(int(rng.integers(0, 3000))), "cls": i % 10}
+        for i in range(600)
+    ]
+    outs = {}
+    for w in (1, 2, 4):
+        out = os.path.join(tmp_path, f"m{w}")
+        pack(samples, out, shard_size=60_000, workers=w, progress=False, fsync=False)
+        outs[w] = _files(out)
+    assert len(outs[1]) > 20 and outs[1] == outs[2] == outs[4]
+
+
 def test_tokenize_output_identical_for_1_2_4_workers(tmp_path: str) -> None:
     src = _corpus(os.path.join(tmp_path, "c.jsonl"), 3000)
     tok = os.path.join(tmp_path, "tok.json")
