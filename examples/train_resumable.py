@@ -34,6 +34,7 @@ def main(run: str, steps: int = 300) -> None:
         samples = ({"__key__": f"{i:06d}", "bin": rng.standard_normal(17).astype(np.float32).tobytes()} for i in range(4096))
         pack(samples, data, shard_size=1 << 20, progress=False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)  # the same initial weights in every run (restore() then replaces them)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
