@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from unbroken.data._transport import RingReceiver, RingSender, Ticket, transport_available
+from unbroken.data._transport import (
+    RingReceiver,
+    RingSender,
+    Ticket,
+    transport_available,
+    worker_fds,
+)
 from unbroken.data.dataset import StreamingDataset
 from unbroken.data.loader import StatefulLoader
 
@@ -72,7 +78,6 @@ def _batches() -> list[Any]:
         OrderedDict(x=1, y=[b"q"]),
         Pair(a=b"1", b="2"),
         {"x": np.arange(12, dtype=np.int32).reshape(3, 4), "s": np.float64(2.5)},
-        {"t": torch.arange(6, dtype=torch.int16), "u": torch.zeros(0, 3)},
         [b"\xff" * (3 << 20)],  # bigger than the first ring's slots: the ring grows
         ["small", 1, b"s"],
     ]
@@ -94,6 +99,19 @@ def test_round_trip_gives_identical_objects():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_batches_with_tensors_keep_torchs_path():
+    """A tensor crosses as a file descriptor that must be claimed while the worker lives:
+    such batches are left to torch's queue, which unpickles them on arrival."""
+    sender = RingSender(slots=4)
+    try:
+        batch = {"t": torch.arange(6, dtype=torch.int16), "k": [b"x" * 100]}
+        assert sender.pack(batch) is batch
+        later = [b"y"]
+        assert sender.pack(later) is later  # the stream's batches are alike: stays off
+    finally:
+        sender.close()
 
 
 def test_busy_slots_fall_back_to_the_stock_path_instead_of_waiting():
@@ -135,6 +153,27 @@ def test_growth_replaces_the_ring_and_the_size_cap_falls_back():
         receiver.close()
 
 
+def test_inherited_ring_is_enlarged_in_place_once_its_tickets_are_consumed():
+    fds = worker_fds(1)
+    sender = RingSender(slots=2, worker_id=0, fd_spec=fds[0])
+    receiver = RingReceiver(fds)
+    try:
+        small, big = [b"s" * 100], [b"b" * (3 << 20)]
+        t1 = _cross(sender.pack(small))
+        assert t1.ring == (0, 0) and t1.fd is None  # nothing to hand over: inherited
+        assert sender.pack(big) is big  # t1 not consumed yet: cannot re-layout, stock path
+        assert_same(receiver.unpack(t1), small)
+        t2 = _cross(sender.pack(big))
+        assert t2.ring == (0, 0) and t2.ring_bytes > t1.ring_bytes
+        t3 = _cross(sender.pack(small))
+        assert_same(receiver.unpack(t2), big)
+        assert_same(receiver.unpack(t3), small)
+    finally:
+        sender.close()
+        receiver.close()
+    assert receiver._fds == []
+
+
 def test_unpicklable_batch_raises_in_the_worker_with_the_cause():
     sender = RingSender(slots=2)
     try:
@@ -161,7 +200,6 @@ def _rich_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "bin": [s["bin"] for s in samples],
         "raw": bytearray(b"".join(s["cls"] for s in samples)),
         "lens": np.array([len(s["bin"]) for s in samples], dtype=np.int32),
-        "t": torch.tensor([len(s["bin"]) for s in samples]),
         "pairs": [Pair(s["__key__"], None) for s in samples],
     }
 
@@ -207,6 +245,18 @@ def test_spawned_workers_receive_their_ring_fd_too(stream_data):
     ld = StatefulLoader(
         ds, 32, collate_fn=_rich_collate, num_workers=1, multiprocessing_context="spawn"
     )
+    for g, w in zip(ld, ref, strict=True):
+        assert_same(g, w)
+
+
+def _tensor_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**_rich_collate(samples), "t": torch.tensor([len(s["bin"]) for s in samples])}
+
+
+def test_loader_with_tensor_batches_matches_stock(stream_data):
+    ds = StreamingDataset(stream_data("tar"), seed=8)
+    ref = StatefulLoader(ds, 16, collate_fn=_tensor_collate, shm_transport=False)
+    ld = StatefulLoader(ds, 16, collate_fn=_tensor_collate, num_workers=2)
     for g, w in zip(ld, ref, strict=True):
         assert_same(g, w)
 

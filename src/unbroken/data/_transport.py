@@ -8,13 +8,17 @@ buffer in many writes and wake-ups, copied into and out of the kernel, reassembl
 Here the worker pickles the batch (with the same ``ForkingPickler`` and protocol torch uses, so
 tensors inside still travel by torch's own shared-memory hand-off and every object comes back
 exactly as the stock path would return it) straight into a slot of a ring of shared-memory
-slots it owns (an anonymous ``memfd``), and the worker queue carries only a small
-:class:`Ticket`. The main process unpickles from the slot and then marks it free in the ring's
-header. The ring's file descriptor crosses to the main process once, with the first ticket
-that uses the ring (``multiprocessing``'s fd passing, which works for every start method).
+slots (an anonymous ``memfd``), and the worker queue carries only a small :class:`Ticket`.
+The main process unpickles from the slot and then marks it free in the ring's header.
 
-Ring layout (one ``memfd`` per ring; a worker grows to a new, larger ring when a batch does not
-fit and drops the old one)::
+Where the memory comes from: the main process creates one empty ``memfd`` per worker before
+the workers start (:func:`worker_fds`); a forked worker inherits it and sizes it at its first
+batch, so nothing has to be handed over. A worker that did not inherit it (spawn, forkserver)
+makes its own ``memfd`` and sends it once, with the first ticket that uses it
+(``multiprocessing``'s fd passing, which costs a few ms of round trips with the worker).
+
+Ring layout (one ``memfd`` per ring; when a batch does not fit, an inherited ring is enlarged
+in place once every ticket in it has been consumed, an own ring is replaced by a larger one)::
 
     [0:8)     int64 little-endian: number of tickets the main process has consumed
     [64:...)  ``slots`` slots of ``slot_bytes`` each; ticket ``k`` uses slot ``k % slots``
@@ -27,6 +31,7 @@ blocks and never changes what the caller receives.
 
 from __future__ import annotations
 
+import io
 import logging
 import mmap
 import os
@@ -34,12 +39,13 @@ import pickle
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import Any
 
-__all__ = ["RingReceiver", "RingSender", "Ticket", "transport_available"]
+__all__ = ["RingReceiver", "RingSender", "Ticket", "transport_available", "worker_fds"]
 
 log = logging.getLogger(__name__)
 
 _HEADER = 64  # consumed counter, padded to a cache line so slot 0 does not share it
 _MIN_SLOT = 1 << 20
+_FD_TYPES: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
 # Largest ring per worker; a batch whose slot would exceed its share takes the stock path.
 _MAX_RING = 512 << 20
 
@@ -47,6 +53,28 @@ _MAX_RING = 512 << 20
 def transport_available() -> bool:
     """Shared-memory rings need ``os.memfd_create`` (Linux)."""
     return hasattr(os, "memfd_create")
+
+
+def worker_fds(n: int) -> list[tuple[int, int, int]]:
+    """One empty ``memfd`` per worker, made in the main process before the workers start:
+    ``(fd, st_dev, st_ino)`` so that a worker can tell it really inherited that file."""
+    out = []
+    for i in range(n):
+        fd = os.memfd_create(f"unbroken-ring-w{i}", os.MFD_CLOEXEC)
+        st = os.fstat(fd)
+        out.append((fd, st.st_dev, st.st_ino))
+    return out
+
+
+def _inherited(spec: tuple[int, int, int] | None) -> int | None:
+    if spec is None:
+        return None
+    fd, dev, ino = spec
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None  # not inherited (spawn / forkserver)
+    return fd if (st.st_dev, st.st_ino) == (dev, ino) else None
 
 
 class Ticket:
@@ -57,7 +85,8 @@ class Ticket:
     def __init__(
         self, ring: tuple[int, int], seq: int, offset: int, nbytes: int, ring_bytes: int, fd: Any
     ) -> None:
-        self.ring = ring  # (worker pid, ring number): unique in the main process
+        # (worker pid, ring number) for a worker's own ring, (0, worker id) for an inherited one
+        self.ring = ring
         self.seq = seq
         self.offset = offset
         self.nbytes = nbytes
@@ -73,6 +102,21 @@ class Ticket:
 
 class _Full(Exception):
     """The pickle does not fit the slot."""
+
+
+class _HandsOverFds(Exception):
+    """The batch holds an object that ``ForkingPickler`` sends as a file descriptor."""
+
+
+class _Pickler(ForkingPickler):
+    """``ForkingPickler`` that refuses objects with a fd-passing reduction (torch tensors and
+    storages, connections, sockets): those must be unpickled while the worker still lives,
+    which torch's queue does on arrival but a ticket, unpacked later, cannot promise."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) in _FD_TYPES:
+            raise _HandsOverFds
+        return NotImplemented
 
 
 class _SlotWriter:
@@ -94,27 +138,45 @@ class _SlotWriter:
 
 
 class _Ring:
-    def __init__(self, key: tuple[int, int], slots: int, slot_bytes: int) -> None:
+    def __init__(
+        self, key: tuple[int, int], slots: int, slot_bytes: int, fd: int | None = None
+    ) -> None:
         self.key = key
         self.slots = slots
         self.slot_bytes = slot_bytes
         self.size = _HEADER + slots * slot_bytes
-        self.fd = os.memfd_create(f"unbroken-ring-{key[0]}-{key[1]}", os.MFD_CLOEXEC)
+        self.inherited = fd is not None
+        self.fd = (
+            os.memfd_create(f"unbroken-ring-{key[0]}-{key[1]}", os.MFD_CLOEXEC)
+            if fd is None
+            else fd
+        )
         try:
-            os.ftruncate(self.fd, self.size)
+            if os.fstat(self.fd).st_size < self.size:
+                os.ftruncate(self.fd, self.size)
             self.mm = mmap.mmap(self.fd, self.size)
         except BaseException:
-            os.close(self.fd)
+            if not self.inherited:
+                os.close(self.fd)
             raise
         self.seq = 0
-        self.sent_fd = False
+        self.sent_fd = self.inherited  # the main process holds an inherited fd already
+
+    def enlarge(self, slot_bytes: int) -> None:
+        """Inherited rings only, with every ticket consumed: same file, larger slots."""
+        size = _HEADER + self.slots * slot_bytes
+        os.ftruncate(self.fd, size)
+        mm = mmap.mmap(self.fd, size)
+        self.mm.close()
+        self.mm, self.slot_bytes, self.size = mm, slot_bytes, size
 
     def consumed(self) -> int:
         return int.from_bytes(self.mm[0:8], "little", signed=True)
 
     def close(self) -> None:
         self.mm.close()
-        os.close(self.fd)
+        if not self.inherited:
+            os.close(self.fd)
 
 
 class RingSender:
@@ -124,7 +186,14 @@ class RingSender:
     the main process): ``prefetch_factor * num_workers + 2`` for a DataLoader.
     """
 
-    def __init__(self, slots: int, max_ring_bytes: int = _MAX_RING) -> None:
+    def __init__(
+        self,
+        slots: int,
+        max_ring_bytes: int = _MAX_RING,
+        *,
+        worker_id: int = 0,
+        fd_spec: tuple[int, int, int] | None = None,
+    ) -> None:
         if slots < 1:
             raise ValueError(f"slots={slots} must be >= 1")
         self.slots = slots
@@ -132,6 +201,8 @@ class RingSender:
         self._ring: _Ring | None = None
         self._rings = 0
         self._pid = os.getpid()
+        self._wid = worker_id
+        self._fd = _inherited(fd_spec)
         self._disabled = not transport_available()
 
     def pack(self, batch: Any) -> Any:
@@ -139,20 +210,26 @@ class RingSender:
         if self._disabled:
             return batch
         ring = self._ring
-        data: Any = None
-        if ring is not None:
-            k = ring.seq
-            if k - ring.consumed() >= ring.slots:
-                return batch  # main has not freed the slot yet: never wait
-            off = _HEADER + (k % ring.slots) * ring.slot_bytes
-            w = _SlotWriter(ring.mm, off, off + ring.slot_bytes)
-            try:
-                ForkingPickler(w).dump(batch)
-            except _Full:
-                pass  # grow below
-            else:
-                return self._ticket(ring, off, w.pos - off)
-        data = ForkingPickler.dumps(batch)
+        try:
+            if ring is not None:
+                k = ring.seq
+                if k - ring.consumed() >= ring.slots:
+                    return batch  # main has not freed the slot yet: never wait
+                off = _HEADER + (k % ring.slots) * ring.slot_bytes
+                w = _SlotWriter(ring.mm, off, off + ring.slot_bytes)
+                try:
+                    _Pickler(w).dump(batch)
+                except _Full:
+                    pass  # grow below
+                else:
+                    return self._ticket(ring, off, w.pos - off)
+            buf = io.BytesIO()
+            _Pickler(buf).dump(batch)
+        except _HandsOverFds:
+            # Such batches (tensors, ...) keep torch's path; a stream's batches are alike.
+            self._disabled = True
+            return batch
+        data = buf.getbuffer()
         ring = self._grow(len(data))
         if ring is None:
             return batch
@@ -175,9 +252,18 @@ class RingSender:
             slot <<= 1
         if _HEADER + self.slots * slot > self.max_ring_bytes:
             return None
-        self._rings += 1
+        old = self._ring
         try:
-            new = _Ring((self._pid, self._rings), self.slots, slot)
+            if self._fd is not None:
+                if old is not None:
+                    if old.consumed() != old.seq:
+                        return None  # tickets still in flight in the old layout: retry later
+                    old.enlarge(slot)
+                    return old
+                new = _Ring((0, self._wid), self.slots, slot, self._fd)
+            else:
+                self._rings += 1
+                new = _Ring((self._pid, self._rings), self.slots, slot)
         except OSError as e:
             log.warning(
                 "shared-memory batch transport off in worker %d (%s); batches take the pipe",
@@ -187,8 +273,8 @@ class RingSender:
             self._disabled = True
             return None
         # The old ring's memory lives on in the main process until it maps the new ring.
-        if self._ring is not None:
-            self._ring.close()
+        if old is not None:
+            old.close()
         self._ring = new
         return new
 
@@ -205,25 +291,40 @@ class _Mapped:
 
 
 class RingReceiver:
-    """Main side: tickets back to batches; anything else passes through unchanged."""
+    """Main side: tickets back to batches; anything else passes through unchanged.
 
-    def __init__(self) -> None:
+    ``fds``: the :func:`worker_fds` the workers were started with; the receiver closes them.
+    """
+
+    def __init__(self, fds: list[tuple[int, int, int]] | None = None) -> None:
         self._rings: dict[tuple[int, int], _Mapped] = {}
         self._latest: dict[int, tuple[int, int]] = {}  # worker pid -> its current ring
+        self._fds = [f for f, _, _ in fds or ()]
 
     def unpack(self, item: Any) -> Any:
         if not isinstance(item, Ticket):
             return item
         ring = self._rings.get(item.ring)
-        if ring is None:
-            ring = self._map(item)
+        if ring is None or len(ring.mm) < item.ring_bytes:
+            ring = self._map(item, ring)
         with memoryview(ring.mm) as view, view[item.offset : item.offset + item.nbytes] as src:
             batch = pickle.loads(src)
         ring.consumed = item.seq + 1
         ring.mm[0:8] = ring.consumed.to_bytes(8, "little", signed=True)
         return batch
 
-    def _map(self, t: Ticket) -> _Mapped:
+    def _map(self, t: Ticket, old: _Mapped | None) -> _Mapped:
+        if t.ring[0] == 0:
+            # an inherited ring, new or enlarged (only once all its tickets were consumed)
+            wid = t.ring[1]
+            if not 0 <= wid < len(self._fds):
+                raise RuntimeError(f"batch transport: {t!r} names worker {wid}, not started here")
+            mapped = _Mapped(mmap.mmap(self._fds[wid], t.ring_bytes))
+            if old is not None:
+                mapped.consumed = old.consumed
+                old.mm.close()
+            self._rings[t.ring] = mapped
+            return mapped
         if t.fd is None:
             raise RuntimeError(
                 f"batch transport: {t!r} refers to a ring this process never received (its "
@@ -237,11 +338,11 @@ class RingReceiver:
             os.close(fd)
         ring = self._rings[t.ring] = _Mapped(mm)
         pid = t.ring[0]
-        old = self._latest.get(pid)
+        prev = self._latest.get(pid)
         self._latest[pid] = t.ring
-        if old is not None:
+        if prev is not None:
             # a worker's tickets arrive in order: nothing refers to its previous ring any more
-            self._rings.pop(old).mm.close()
+            self._rings.pop(prev).mm.close()
         return ring
 
     def close(self) -> None:
@@ -249,3 +350,6 @@ class RingReceiver:
             r.mm.close()
         self._rings.clear()
         self._latest.clear()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []

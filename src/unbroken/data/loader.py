@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from unbroken.data._transport import RingReceiver, RingSender, transport_available
+from unbroken.data._transport import RingReceiver, RingSender, transport_available, worker_fds
 from unbroken.data.dataset import StreamingDataset
 from unbroken.data.order import LAST_BATCH_POLICIES
 
@@ -72,6 +72,7 @@ class _RunStream(IterableDataset):
         last_batch: str,
         collate_fn: Callable[[list[Any]], Any],
         ring_slots: int = 0,
+        ring_fds: list[tuple[int, int, int]] | None = None,
     ) -> None:
         super().__init__()
         self.dataset = dataset
@@ -81,6 +82,7 @@ class _RunStream(IterableDataset):
         self.last_batch = last_batch
         self.collate_fn = collate_fn
         self.ring_slots = ring_slots  # 0: batches take torch's stock pipe
+        self.ring_fds = ring_fds or []  # one memfd per worker, inherited by forked workers
         self._sender: RingSender | None = None  # per worker process, made there
 
     def __iter__(self) -> Iterator[Any]:
@@ -100,7 +102,8 @@ class _RunStream(IterableDataset):
         else:
             # A persistent worker keeps its ring (and its mapped pages) from epoch to epoch.
             if self._sender is None:
-                self._sender = RingSender(self.ring_slots)
+                spec = self.ring_fds[wid] if wid < len(self.ring_fds) else None
+                self._sender = RingSender(self.ring_slots, worker_id=wid, fd_spec=spec)
             pack = self._sender.pack
             for batch in batches:
                 yield pack(batch)
@@ -265,6 +268,7 @@ class StatefulLoader:
             if self._rx is None:
                 raise RuntimeError("StatefulLoader: persistent DataLoader without its receiver")
             return self._dl, self._rx
+        fds = worker_fds(self.num_workers) if self._ring_slots else None
         stream = _RunStream(
             self.dataset,
             epoch,
@@ -273,6 +277,7 @@ class StatefulLoader:
             self.last_batch,
             self.collate_fn,
             self._ring_slots,
+            fds,
         )
         kwargs = dict(self._dl_kwargs)
         if kwargs["generator"] is None:
@@ -284,7 +289,7 @@ class StatefulLoader:
                 _mix_seed(self.dataset.seed, epoch, start)
             )
         dl = DataLoader(stream, batch_size=None, collate_fn=_passthrough, in_order=True, **kwargs)
-        rx = RingReceiver()
+        rx = RingReceiver(fds)
         # Drop the old persistent workers now: they would replay a stale run.
         if self._rx is not None:
             self._rx.close()
