@@ -120,11 +120,14 @@ class WordCacheEncoder:
         texts = list(texts)
         if self._added is None:
             return _pack_lists(encode_exact(self._tok, texts))
-        slow = [
-            i
-            for i, t in enumerate(texts)
-            if _OUTSIDE.search(t) is not None or self._added.search(t) is not None
-        ]
+        slow: list[int] = []
+        joined = "\n".join(texts)  # one scan of the chunk; per document only on a hit
+        if _OUTSIDE.search(joined) is not None or self._added.search(joined) is not None:
+            slow = [
+                i
+                for i, t in enumerate(texts)
+                if _OUTSIDE.search(t) is not None or self._added.search(t) is not None
+            ]
         fast_texts = texts
         if slow:
             skip = set(slow)
