@@ -259,3 +259,26 @@ def test_rerun_with_changed_bytes_of_equal_size_rewrites_only_that_shard(tmp_pat
     n = len(first.manifest.shards)
     assert (again.shards_written, again.shards_reused) == (1, n - 1)
     assert _read(str(tmp_path))[-1]["bin"] == b"\xff" * 2000
+
+
+def test_gather_write_survives_short_writes(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """writev may write fewer bytes than asked (signals, quotas); the rest is written and
+    the size and checksum still describe exactly the bytes given."""
+    from unbroken._fs import checksum_bytes, checksum_file
+
+    real = os.writev
+
+    def short(fd: int, bufs: list[bytes]) -> int:
+        joined = b"".join(bufs)
+        return real(fd, [joined[: max(1, len(joined) // 3)]])  # a third, as a kernel may
+
+    monkeypatch.setattr(os, "writev", short)
+    bufs = [b"a" * 700, memoryview(b"bc" * 300), bytearray(b"d" * 5), b"", b"e" * 4096] * 300
+    path = os.path.join(tmp_path, "f")
+    w = HashingWriter(path, fsync=False)
+    n = w.writev(bufs)
+    w.close()
+    want = b"".join(bytes(b) for b in bufs)
+    assert n == w.size == len(want)
+    assert open(path, "rb").read() == want
+    assert w.digest == checksum_bytes(want) == checksum_file(path)[1]
