@@ -1,0 +1,264 @@
+"""All GPU checks in one prepared run, for a session that is lent the CUDA machine.
+
+CI has no GPU, so every CUDA path of unbroken is otherwise unexercised. This script runs,
+in one process and well inside the device budget (~3-5 minutes on an H200):
+
+1. **resume on CUDA** (DESIGN C-IDENTICAL, CUDA RNG restore): a transformer with dropout,
+   fp16 autocast + GradScaler, AdamW + schedule, batches drawn from the CUDA RNG, trained
+   N steps; the same training restored from the step-k checkpoint into a freshly built
+   model (other seed) and continued must end bit-identical (weights, optimizer, scaler,
+   loss at every step) - with deterministic algorithms on;
+2. **checkpoint from GPU memory** (issue 6's GPU half): loop stall of
+   ``Checkpointer(async_save=True).save`` (first and later saves) vs the D2H floor (copy
+   into preallocated pinned buffers) and ``dcp.async_save``; load back into GPU tensors,
+   fully verified, vs ``dcp.load`` (goal >= 4x);
+3. **GPU feed** (issue 5): ``benchmarks/gpu_feed.py`` with its defaults - plain DataLoader,
+   ``pin_memory``, ``DevicePrefetcher`` vs compute only (goal (c) <= 1.05x (d)).
+
+Usage (repository root, on the GPU machine; the image's python3 has torch):
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu_checks.py --json $OUT/gpu_checks.json
+    .venv/bin/python benchmarks/gpu_checks.py --smoke     # tiny CPU run (CI runs this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
+
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+try:
+    import unbroken  # noqa: F401
+except ImportError:  # the GPU machine's python3 has torch, numpy, xxhash, fsspec; not us
+    sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.insert(0, HERE)
+
+from unbroken.ckpt import Checkpointer, TrainState  # noqa: E402
+
+warnings.filterwarnings("ignore", message="torch.distributed is")
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _timed(fn: Callable[[], Any], dev: torch.device) -> float:
+    _sync(dev)
+    t0 = time.perf_counter()
+    fn()
+    _sync(dev)
+    return time.perf_counter() - t0
+
+
+# --- 1. bit-identical resume on the device ---------------------------------------------------
+
+
+class _Net(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.1, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(x)))
+
+
+def _trainer(dev: torch.device, seed: int, size: dict[str, int]) -> tuple[Any, ...]:
+    torch.manual_seed(seed)
+    model = _Net(size["vocab"], size["dim"], size["layers"]).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=size["steps"])
+    cuda = dev.type == "cuda"
+    scaler = torch.amp.GradScaler("cuda", enabled=cuda)
+    state = TrainState(model=model, optimizer=opt, scheduler=sched, scaler=scaler)
+    return state, model, opt, sched, scaler
+
+
+def _train(parts: tuple[Any, ...], dev: torch.device, size: dict[str, int], until: int,
+           ckpt: Checkpointer | None = None, save_at: int | None = None) -> list[float]:
+    state, model, opt, sched, scaler = parts
+    cuda = dev.type == "cuda"
+    losses = []
+    model.train()
+    while state.step < until:
+        # the batch comes from the device's RNG: a wrong CUDA RNG restore changes the data
+        x = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), device=dev)
+        with torch.autocast(dev.type, dtype=torch.float16, enabled=cuda):
+            logits = model(x[:, :-1])
+            loss = F.cross_entropy(logits.float().reshape(-1, size["vocab"]),
+                                   x[:, 1:].reshape(-1))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        state.step += 1
+        losses.append(float(loss.item()))
+        if ckpt is not None and state.step == save_at:
+            ckpt.save()
+    return losses
+
+
+def resume_check(dev: torch.device, root: str, smoke: bool) -> dict[str, Any]:
+    size = dict(vocab=64, dim=32, layers=1, batch=4, seq=17, steps=12) if smoke else \
+        dict(vocab=4096, dim=512, layers=4, batch=32, seq=257, steps=60)
+    k = size["steps"] // 3
+    torch.use_deterministic_algorithms(True)
+    try:
+        ref = _trainer(dev, 0, size)
+        ck = Checkpointer(os.path.join(root, "resume"), ref[0], keep_last=None)
+        ref_losses = _train(ref, dev, size, size["steps"], ck, save_at=k)
+        ck.close()
+        other = _trainer(dev, 1234, size)  # other initial weights and RNG: restore must fix all
+        torch.randn(1000, device=dev)  # move the device RNG on
+        ck2 = Checkpointer(os.path.join(root, "resume"), other[0])
+        got = ck2.restore(step=k)
+        losses = _train(other, dev, size, size["steps"])
+        ck2.close()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    ma, mb = ref[1].state_dict(), other[1].state_dict()
+    weights = all(torch.equal(ma[n], mb[n]) for n in ma)
+    oa, ob = ref[2].state_dict()["state"], other[2].state_dict()["state"]
+    optim = all(torch.equal(oa[i][s], ob[i][s]) for i in oa for s in oa[i])
+    scaler = ref[4].state_dict() == other[4].state_dict()
+    curve = ref_losses[k:] == losses
+    out = {"restored_step": got, "steps": size["steps"], "weights_identical": weights,
+           "optimizer_identical": optim, "scaler_identical": scaler,
+           "loss_curve_identical": curve}
+    out["identical"] = bool(got == k and weights and optim and scaler and curve)
+    print(f"[1] resume on {dev.type}: restored step {got} of {size['steps']}; weights "
+          f"{weights}, optimizer {optim}, scaler {scaler}, loss curve {curve} -> "
+          f"{'BIT-IDENTICAL' if out['identical'] else 'DIFFERS'}", flush=True)
+    return out
+
+
+# --- 2. checkpoint from device memory ----------------------------------------------------------
+
+
+def ckpt_check(dev: torch.device, root: str, gib: float, saves: int) -> dict[str, Any]:
+    side = 8192 if gib >= 1 else 256
+    layer = side * side * 4
+    n = max(1, round(gib * (1 << 30) / (3 * layer)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(side, side, bias=False) for _ in range(n)]).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    flat = [t for t in list(model.parameters()) + [v for s in opt.state.values()
+            for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]]
+    nbytes = sum(t.numel() * t.element_size() for t in flat)
+    cuda = dev.type == "cuda"
+    bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in flat]
+    for b in bufs:
+        b.zero_()  # fault the floor's buffers in: the floor is the copy alone
+
+    def floor() -> None:
+        for b, t in zip(bufs, flat, strict=True):
+            b.copy_(t, non_blocking=cuda)
+
+    st = TrainState(model=model, optimizer=opt)
+    ck = Checkpointer(os.path.join(root, "ub"), st, async_save=True, keep_last=1)
+    ck.maybe_save()  # the loop's first step boundary: buffers are allocated on the side
+    ck.wait()
+    rows: dict[str, list[float]] = {"D2H floor (pinned, preallocated)": [],
+                                    "unbroken async save": [], "dcp.async_save": []}
+    for i in range(saves):
+        rows["D2H floor (pinned, preallocated)"].append(_timed(floor, dev))
+        st.step = i + 1
+        rows["unbroken async save"].append(_timed(ck.save, dev))
+        ck.wait()
+        fut: list[Any] = []
+        path = os.path.join(root, f"dcp{i}")
+        rows["dcp.async_save"].append(
+            _timed(lambda p=path: fut.append(dcp.async_save(sd, checkpoint_id=p)), dev))
+        fut[0].result()
+        if i < saves - 1:
+            shutil.rmtree(path)
+    ck.close()
+    floor_s = statistics.median(rows["D2H floor (pinned, preallocated)"])
+    print(f"[2] checkpoint of {nbytes / 2**30:.2f} GiB in {dev.type} memory, loop stall "
+          f"per save (first / median of the rest), x floor:")
+    out: dict[str, Any] = {"bytes": nbytes, "stall": {}}
+    for name, xs in rows.items():
+        later = statistics.median(xs[1:]) if len(xs) > 1 else xs[0]
+        out["stall"][name] = {"first": xs[0], "later": later, "x_floor": later / floor_s}
+        print(f"    {name:<34} {xs[0]:8.3f} / {later:8.3f} s  {later / floor_s:6.2f}x")
+    # load back into device tensors
+    for p in model.parameters():
+        p.data.zero_()
+    t_ub = _timed(lambda: Checkpointer(os.path.join(root, "ub"), st).restore(), dev)
+    target = {"model": model.state_dict(), "optim": opt.state_dict()}
+    last = os.path.join(root, f"dcp{saves - 1}")
+    t_dcp = _timed(lambda: dcp.load(target, checkpoint_id=last), dev)
+    out["load"] = {"unbroken_verified_s": t_ub, "dcp_load_s": t_dcp, "speedup": t_dcp / t_ub}
+    print(f"    load into {dev.type}: unbroken (verified) {t_ub:.3f} s, dcp.load {t_dcp:.3f} s"
+          f" -> {t_dcp / t_ub:.2f}x (goal >= 4x on the GPU)", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=8.0, help="checkpoint state size on the GPU")
+    p.add_argument("--saves", type=int, default=4)
+    p.add_argument("--skip", default="", help="comma list of resume,ckpt,feed to skip")
+    p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run to check the script")
+    a = p.parse_args(argv)
+    if a.smoke:
+        dev, a.gib, a.saves = torch.device("cpu"), 0.01, 2
+    elif not torch.cuda.is_available():
+        print("gpu_checks: no CUDA device; --smoke checks the script on CPU", file=sys.stderr)
+        return 2
+    else:
+        dev = torch.device("cuda", torch.cuda.current_device())
+        print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}")
+    skip = set(filter(None, a.skip.split(",")))
+    root = tempfile.mkdtemp(prefix="ub-gpu-", dir=a.dir)
+    out: dict[str, Any] = {"device": str(dev), "smoke": a.smoke}
+    try:
+        if "resume" not in skip:
+            out["resume"] = resume_check(dev, root, a.smoke)
+        if "ckpt" not in skip:
+            out["ckpt"] = ckpt_check(dev, root, a.gib, a.saves)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if "feed" not in skip:
+        import gpu_feed
+
+        print("[3] GPU feed (benchmarks/gpu_feed.py):", flush=True)
+        feed_json = os.path.join(tempfile.gettempdir(), "ub-gpu-feed.json")
+        rc = gpu_feed.main((["--smoke"] if a.smoke else []) + ["--json", feed_json])
+        with open(feed_json) as f:
+            out["feed"] = {"rc": rc, **json.load(f)}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    ok = out.get("resume", {}).get("identical", True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The prepared GPU scripts stay runnable: their CPU smoke runs (CI has no GPU).
+
+``benchmarks/gpu_checks.py --smoke`` also proves, on CPU, what its first check proves on
+CUDA: a training restored from a checkpoint into a fresh model ends bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu_checks.py")
+
+
+def test_gpu_checks_smoke_run(tmp_path) -> None:
+    out = tmp_path / "gc.json"
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--smoke", "--json", str(out), "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["resume"]["identical"] and res["resume"]["restored_step"] == 4
+    assert set(res["ckpt"]["stall"]) == {
+        "D2H floor (pinned, preallocated)", "unbroken async save", "dcp.async_save"
+    }
+    assert res["ckpt"]["load"]["unbroken_verified_s"] > 0
+    feed = res["feed"]
+    assert feed["rc"] == 0 and set(feed["results"]) == {"a", "b", "c", "d"}
+    assert feed["pass"] is None  # no verdict on CPU
