@@ -221,7 +221,7 @@ def ckpt_check(dev: torch.device, root: str, gib: float, saves: int) -> dict[str
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=8.0, help="checkpoint state size on the GPU")
-    p.add_argument("--saves", type=int, default=4)
+    p.add_argument("--saves", type=int, default=3)
     p.add_argument("--skip", default="", help="comma list of resume,ckpt,feed to skip")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--json", default=None)
