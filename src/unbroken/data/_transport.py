@@ -36,6 +36,7 @@ import logging
 import mmap
 import os
 import pickle
+import weakref
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import Any
 
@@ -290,6 +291,11 @@ class _Mapped:
         self.consumed = 0
 
 
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 class RingReceiver:
     """Main side: tickets back to batches; anything else passes through unchanged.
 
@@ -300,6 +306,8 @@ class RingReceiver:
         self._rings: dict[tuple[int, int], _Mapped] = {}
         self._latest: dict[int, tuple[int, int]] = {}  # worker pid -> its current ring
         self._fds = [f for f, _, _ in fds or ()]
+        # backstop for a loader dropped without finishing its iteration (persistent workers)
+        self._finalizer = weakref.finalize(self, _close_fds, list(self._fds))
 
     def unpack(self, item: Any) -> Any:
         if not isinstance(item, Ticket):
@@ -350,6 +358,5 @@ class RingReceiver:
             r.mm.close()
         self._rings.clear()
         self._latest.clear()
-        for fd in self._fds:
-            os.close(fd)
+        self._finalizer()
         self._fds = []
