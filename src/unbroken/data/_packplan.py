@@ -298,7 +298,9 @@ class _DictNormalizer:
         for j, c in enumerate(cols):
             datas[j::e] = c
         bexts = tuple(x.encode() for x in exts)
-        return MemberBatch.build(kb, np.full(n, e, np.int64), list(bexts) * n, datas, bexts)
+        return MemberBatch.build(
+            kb, np.full(n, e, np.int64), list(bexts) * n, datas, bexts, all_bytes=True
+        )
 
     def _samples(self, chunk: list[dict[str, Any]], first: int) -> MemberBatch:
         out: list[Sample] = []

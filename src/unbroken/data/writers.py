@@ -192,9 +192,12 @@ class MemberBatch:
         exts: list[bytes],
         datas: list[Any],
         schema: tuple[bytes, ...] | None = None,
+        *,
+        all_bytes: bool = False,
     ) -> MemberBatch:
+        """``all_bytes``: the caller checked that every data is ``bytes`` (len is its size)."""
         m = len(datas)
-        sizes = np.fromiter(map(buffer_nbytes, datas), np.int64, m)
+        sizes = np.fromiter(map(len if all_bytes else buffer_nbytes, datas), np.int64, m)
         klen = np.repeat(np.fromiter(map(len, keys), np.int64, len(keys)), nmem)
         elen = np.fromiter(map(len, exts), np.int64, m)
         hlens = np.full(m, _BLOCK, np.int64)
