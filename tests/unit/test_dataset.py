@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import time
 from collections import Counter
@@ -113,20 +114,56 @@ def test_state_counts_delivered_batches_not_prefetched_ones(stream_data):
     assert ld.state_dict() == sd  # abandoning the iterator keeps the delivered position
 
 
+def _augment(sample: dict) -> tuple[str, float, float, float]:
+    """A random augmentation drawing from python's, numpy's and torch's global RNGs."""
+    return sample["__key__"], random.random(), float(np.random.rand()), float(torch.rand(()))
+
+
 @pytest.mark.parametrize("workers", [0, 2])
-def test_loader_leaves_the_global_torch_rng_alone(stream_data, workers):
+def test_loader_leaves_the_global_rngs_alone(stream_data, workers):
     """A resumed run opens one DataLoader iterator more than the uninterrupted run (at the
     resume point); if iterators drew their worker seed from the global RNG, the model's
-    dropout stream would shift by one draw after every resume."""
-    ds = StreamingDataset(stream_data("tar"), seed=3)
-    ld = StatefulLoader(ds, 8, collate_fn=ids_collate, num_workers=workers)
+    dropout stream would shift by one draw after every resume. Transforms running in this
+    process (num_workers=0) must not move the training RNGs either."""
+    ds = StreamingDataset(stream_data("tar"), seed=3, transform=_augment)
+    ld = StatefulLoader(ds, 8, collate_fn=list, num_workers=workers)
     torch.manual_seed(123)
-    before = torch.get_rng_state()
+    random.seed(5)
+    np.random.seed(6)
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
     it = iter(ld)
     next(it)
     it.close()  # type: ignore[attr-defined]
     next(iter(ld))  # a second iterator, as after a resume
-    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert random.getstate() == before[1]
+    assert np.array_equal(np.random.get_state()[1], before[2])
+
+
+def test_random_augmentations_resume_exactly_for_any_worker_count(stream_data):
+    """Transform randomness is seeded per read from (seed, epoch, position): an interrupted
+    run resumed with another num_workers draws exactly the augmentations of the
+    uninterrupted run, sample for sample."""
+    root = stream_data("tar")
+
+    def loader(workers: int) -> StatefulLoader:
+        ds = StreamingDataset(root, seed=3, transform=_augment)
+        return StatefulLoader(ds, 8, collate_fn=list, num_workers=workers)
+
+    ref = loader(0)
+    full = list(ref) + list(ref)  # epochs 0 and 1
+    assert list(loader(2)) == full[: len(full) // 2]
+    first = loader(2)
+    it = iter(first)
+    head = [next(it) for _ in range(7)]
+    state = first.state_dict()
+    it.close()  # type: ignore[attr-defined]
+    resumed = loader(3)
+    resumed.load_state_dict(state)
+    tail = list(resumed) + list(resumed)  # rest of epoch 0, then epoch 1
+    assert head + tail == full
+    draws = [x[1] for b in full for x in b]
+    assert len(set(draws)) == len(draws)  # and they are random, not one repeated value
 
 
 def test_resume_reads_only_the_samples_it_yields(stream_data):

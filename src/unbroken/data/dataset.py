@@ -20,7 +20,10 @@ the windows change with the epoch (D-SHUFFLE).
 Samples: a tar dataset yields ``{"__key__": str, "<ext>": bytes, ...}`` (as ``ShardReader``
 returns); a token dataset yields ``np.int64`` arrays of ``seq_len + 1`` tokens (inputs and
 shifted targets, nanoGPT-style). ``transform`` (a picklable callable) is applied to every
-sample in the worker.
+sample in the worker. Its randomness is reproducible: python's, numpy's and torch's global CPU
+RNGs are seeded from (seed, epoch, position of the batch's first sample) before each batch is
+transformed, so random augmentations are the same after a resume and for any
+``num_workers`` (with ``num_workers=0`` the training process's RNG states are put back).
 
 Several sources can be mixed with weights (``sources=[Source(a, 0.7), Source(b, 0.3)]``); the
 mixture is part of the deterministic order (:class:`~unbroken.data.order.MixtureOrder`).
@@ -34,15 +37,18 @@ rank's samples one by one from :meth:`set_epoch`'s epoch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
+import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
@@ -66,6 +72,33 @@ log = logging.getLogger(__name__)
 # shuffle window can touch (reads move window by window, so nothing is reopened inside one).
 _MIN_OPEN = 8
 _ORDER_CACHE = 8
+
+
+@contextlib.contextmanager
+def _seeded_rngs(seed: int, epoch: int, position: int) -> Iterator[None]:
+    """Seed python's, numpy's and torch's global CPU RNGs for one read of samples.
+
+    Random augmentations in ``transform`` then depend only on (seed, epoch, position of the
+    read's first sample): the same after a resume, for any ``num_workers``. In a DataLoader
+    worker the RNGs belong to the data pipeline; in the training process (``num_workers=0``)
+    they are the model's, so they are put back afterwards and training draws stay the same.
+    """
+    mixed = np.random.SeedSequence([seed, epoch, position, 0x5EED]).generate_state(2, np.uint32)
+    s32, s64 = int(mixed[0]), (int(mixed[0]) << 32) | int(mixed[1])
+    gen = torch.default_generator  # not torch.manual_seed: that also seeds every device
+    saved = None
+    if get_worker_info() is None:
+        saved = (random.getstate(), np.random.get_state(), gen.get_state())
+    random.seed(s64)
+    np.random.seed(s32)
+    gen.manual_seed(s64)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            gen.set_state(saved[2])
 
 
 @dataclass(frozen=True)
@@ -334,6 +367,7 @@ class StreamingDataset(IterableDataset):
             are shuffled globally), capped at 4 Mi. Memory per worker: ``8 * shuffle_window``
             bytes.
         transform: per-sample function run in the worker (decode, augment); picklable.
+            The global CPU RNGs it draws from are seeded per batch (see the module docstring).
         seq_len: token datasets: tokens per sequence (default: the tokenized ``seq_len``).
         rank, world_size: this process's share; default from ``torch.distributed``.
         samples_per_epoch: mixtures only: positions per epoch (default: sum of source sizes).
@@ -490,16 +524,18 @@ class StreamingDataset(IterableDataset):
                 samples = reader.read(int(shard[a]), local[a:b])
                 for dst, smp in zip(sel[a:b].tolist(), samples, strict=True):
                     out[dst] = smp
-        if self.transform is not None:
+        if self.transform is not None and len(out):
             fn = self.transform
-            for k, smp in enumerate(out):
-                try:
-                    out[k] = fn(smp)
-                except Exception as e:
-                    raise RuntimeError(
-                        f"transform {getattr(fn, '__name__', fn)!r} failed on "
-                        f"{_describe(smp)} (epoch {epoch}, position {int(positions[k])}): {e!r}"
-                    ) from e
+            with _seeded_rngs(self.seed, epoch, int(positions[0])):
+                for k, smp in enumerate(out):
+                    try:
+                        out[k] = fn(smp)
+                    except Exception as e:
+                        raise RuntimeError(
+                            f"transform {getattr(fn, '__name__', fn)!r} failed on "
+                            f"{_describe(smp)} (epoch {epoch}, position {int(positions[k])}): "
+                            f"{e!r}"
+                        ) from e
         return out
 
     # --- iteration -----------------------------------------------------------------------
