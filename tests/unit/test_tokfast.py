@@ -18,6 +18,7 @@ _TRAIN = [
     "Numbers 123 4567 89, punctuation ?!... and   spaces\tand\ttabs\nnew lines.",
     "I'm sure they've said we'll see, she'd be there. 'Quoted' words...",
     "it's he's that's what's, don't can't won't ; wait ... what ?! ( yes ) 's 't",
+    "café naïve déjà vu über 日本語 ｶﾀｶﾅ x\u3000 y\u3000\u3000z a\u00a0 b\u00a0\u00a0c é é é p\u3000  q r\u00a0  s",
 ] * 30
 
 _CASES = [
@@ -50,6 +51,17 @@ _CASES = [
     "ideographic\u3000space",
     "an <|endoftext|> inside",
     "<|endoftext|>",
+    "a\u00a0 b",
+    "x \u3000 y  z",
+    "x\u3000  z a\u00a0  b",
+    "end é",
+    "é start",
+    "mid é word and more words",
+    "dé jà vu, it's 'ça' 12é3 !é?",
+    "a.\u00a0b c\u2028 d\x85 e",
+    "spaces   é   after",
+    "e\u0301 combining",
+    "tab\té\tnewline\né\n",
     "word" * 200,
     "x " * 300,
 ]
@@ -98,10 +110,15 @@ def test_cache_starts_over_when_full(tok: object, monkeypatch: pytest.MonkeyPatc
 
 
 _ASCII = "abcXYZsdtlmrve019 '\t\n\x0b\r.,!?-_()\""
-_TEXT = st.one_of(st.text(alphabet=_ASCII, max_size=40), st.text(_ASCII + "éü日😀\u00a0\x1c"))
+_OTHER = "éü日😀\u00a0\x1c\x85\u2028\u3000\u180e\u200b\u0301"
+_TEXT = st.one_of(
+    st.text(alphabet=_ASCII, max_size=40),
+    st.text(alphabet=_ASCII + _OTHER, max_size=40),
+    st.text(alphabet=_ASCII * 4 + _OTHER, max_size=80),  # mostly ASCII, some other
+)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(_TEXT, min_size=1, max_size=6))
 def test_random_text_matches_encode(tok: object, texts: list[str]) -> None:
     _check(WordCacheEncoder(tok), tok, texts)

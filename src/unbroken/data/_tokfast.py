@@ -8,14 +8,16 @@ tokenizer once per distinct pre-token, and gathers ids with numpy. Most of the l
 per call goes into its per-character alignment bookkeeping, so this is several times faster
 on natural text, where a few thousand words make up most of the corpus.
 
-Exactness is kept by construction, not by hope: the fast path is taken only for tokenizers
-whose configuration is exactly the one above, and only for documents made of printable ASCII
-plus ``\\t\\n\\v\\f\\r`` that contain no added-token text. On those characters the Python regex
-below and the library's Unicode regex classify every character identically (``\\p{L}`` is
-``[A-Za-z]``, ``\\p{N}`` is ``[0-9]``, ``\\s`` is ``[\\t-\\r ]``). Every other document goes
-through the tokenizer itself. A pre-token encoded alone gives the same pieces as in context
-because it is a whole match of the leftmost-first regex (the only look-ahead, ``\\s+(?!\\S)``,
-also holds at the end of the string).
+Exactness is kept by construction, not by hope: the word cache is used only for tokenizers
+whose configuration is exactly the one above, and the Python regex only on runs of printable
+ASCII plus ``\\t\\n\\v\\f\\r``, where it and the library's Unicode regex classify every
+character identically (``\\p{L}`` is ``[A-Za-z]``, ``\\p{N}`` is ``[0-9]``, ``\\s`` is
+``[\\t-\\r ]``). A stretch around any other character, between two boundaries that hold under
+both regexes (see :func:`_split_mixed`), is encoded whole by the tokenizer (and cached too);
+documents containing an added token's text go to the tokenizer entirely. A pre-token
+encoded alone gives the same pieces as in context because it is a whole match of the
+leftmost-first regex (the only look-ahead, ``\\s+(?!\\S)``, also holds at the end of the
+string).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ _SPLIT = re.compile(
     r"|[\t-\r ]+(?![^\t-\r ])|[\t-\r ]+"
 )
 _OUTSIDE = re.compile(r"[^\t-\r -~]")  # any character the fast path does not admit
+_BOUNDARY = re.compile(r"(?<=[!-~]) ")  # see _split_mixed
 _MAX_WORDS = 1 << 20  # distinct pre-tokens kept; the cache starts over beyond (bounded memory)
+_MAX_IDS = 1 << 24  # ids kept (64 MiB); long mixed stretches are cached too
 
 
 def encode_exact(tok: Any, texts: list[str]) -> list[list[int]]:
@@ -120,19 +124,22 @@ class WordCacheEncoder:
         texts = list(texts)
         if self._added is None:
             return _pack_lists(encode_exact(self._tok, texts))
-        slow: list[int] = []
         joined = "\n".join(texts)  # one scan of the chunk; per document only on a hit
-        if _OUTSIDE.search(joined) is not None or self._added.search(joined) is not None:
-            slow = [
-                i
-                for i, t in enumerate(texts)
-                if _OUTSIDE.search(t) is not None or self._added.search(t) is not None
-            ]
+        slow: list[int] = []
+        if self._added.search(joined) is not None:
+            slow = [i for i, t in enumerate(texts) if self._added.search(t) is not None]
         fast_texts = texts
         if slow:
             skip = set(slow)
             fast_texts = [t for i, t in enumerate(texts) if i not in skip]
-        ids, lens = self._encode_fast(fast_texts)
+        if _OUTSIDE.search(joined) is None:
+            words_per_doc = [_SPLIT.findall(t) for t in fast_texts]
+        else:
+            words_per_doc = [
+                _SPLIT.findall(t) if _OUTSIDE.search(t) is None else _split_mixed(t)
+                for t in fast_texts
+            ]
+        ids, lens = self._encode_words(words_per_doc)
         if not slow:
             return ids, lens
         # Merge the tokenizer's ids for the other documents back in input order.
@@ -145,17 +152,14 @@ class WordCacheEncoder:
         out = np.empty(int(all_lens.sum()), np.uint32)
         ends = np.cumsum(all_lens)
         starts = ends - all_lens
-        f_pos = concat_ranges(starts[~is_slow], lens)
-        s_pos = concat_ranges(starts[is_slow], s_lens)
-        out[f_pos] = ids
-        out[s_pos] = s_ids
+        out[concat_ranges(starts[~is_slow], lens)] = ids
+        out[concat_ranges(starts[is_slow], s_lens)] = s_ids
         return out, all_lens
 
-    def _encode_fast(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        words_per_doc = [_SPLIT.findall(t) for t in texts]
+    def _encode_words(self, words_per_doc: list[list[str]]) -> tuple[np.ndarray, np.ndarray]:
         words = list(itertools.chain.from_iterable(words_per_doc))
         new = set(words).difference(self._wid)
-        if len(self._wid) + len(new) > _MAX_WORDS:
+        if len(self._wid) + len(new) > _MAX_WORDS or self._nflat > _MAX_IDS:
             self._reset()
             new = set(words)
         if new:
@@ -167,6 +171,36 @@ class WordCacheEncoder:
         tok_end = np.concatenate(([0], np.cumsum(wlen)))
         word_end = np.concatenate(([0], np.cumsum(nwords)))
         return ids, np.diff(tok_end[word_end])
+
+
+def _split_mixed(t: str) -> list[str]:
+    """Pieces of a text that has characters outside the admitted set: runs of admitted text
+    are split with the regex; each stretch around other characters, from one *sure
+    boundary* to the next, stays whole and goes to the tokenizer (and into the cache).
+
+    A sure boundary is a space preceded by a printable non-space ASCII character: under
+    both regexes no pre-token continues across it (a space can only open a pre-token or sit
+    in a whitespace run, and the character before is not whitespace under any Unicode
+    table), and matching after it never looks back. So encoding such a stretch alone gives
+    the ids it gets in context.
+    """
+    words: list[str] = []
+    pos = 0
+    m = _OUTSIDE.search(t)
+    while m is not None:
+        q = m.start()
+        a = t.rfind(" ", pos, q)
+        while a > pos and not "!" <= t[a - 1] <= "~":
+            a = t.rfind(" ", pos, a)
+        a = max(a, pos)  # pos is itself a sure boundary (or the start)
+        nb = _BOUNDARY.search(t, q + 1)
+        b = nb.start() if nb is not None else len(t)
+        words += _SPLIT.findall(t, pos, a)
+        words.append(t[a:b])
+        pos = b
+        m = _OUTSIDE.search(t, b)
+    words += _SPLIT.findall(t, pos)
+    return words
 
 
 def _pack_lists(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
