@@ -190,7 +190,14 @@ def bench_pack(tmp: str, rounds: int) -> tuple[Times, dict[str, int], str]:
     return times, sizes, ours_out
 
 
-def _corpus(path: str, docs: int) -> list[str]:
+_VARIANTS = {
+    "ascii": lambda t: t,
+    "one-accent": lambda t: t.replace(" ", " café ", 1),  # one non-ASCII word per document
+    "e-accent": lambda t: t.replace("e", "é"),  # most words non-ASCII
+}
+
+
+def _corpus(path: str, docs: int, variant: str = "ascii") -> list[str]:
     rng = np.random.default_rng(1)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
     words = ["".join(rng.choice(letters, int(rng.integers(2, 10)))) for _ in range(20000)]
@@ -200,7 +207,7 @@ def _corpus(path: str, docs: int) -> list[str]:
     with open(path, "w") as f:
         for _ in range(docs):
             idx = rng.choice(len(words), int(rng.integers(50, 400)), p=p)
-            t = " ".join(words[i] for i in idx) + "."
+            t = _VARIANTS[variant](" ".join(words[i] for i in idx) + ".")
             texts.append(t)
             f.write(json.dumps({"text": t}) + "\n")
     return texts
@@ -236,10 +243,10 @@ def _tokenize_child(mode: str, tmp: str) -> None:
     print(json.dumps({"wall": t.wall, "cpu": t.cpu, "tokens": n}))
 
 
-def bench_tokenize(tmp: str, docs: int, rounds: int) -> tuple[Times, int]:
+def bench_tokenize(tmp: str, docs: int, rounds: int, variant: str) -> tuple[Times, int]:
     from unbroken.data.tokenizing import train_bpe
 
-    texts = _corpus(f"{tmp}/corpus.jsonl", docs)
+    texts = _corpus(f"{tmp}/corpus.jsonl", docs, variant)
     train_bpe(texts[:2000], 8192, f"{tmp}/tokenizer.json")
     runs = {
         "unbroken tokenize (2 workers)": ("ours", None),
@@ -322,6 +329,13 @@ def main() -> None:
         default="pack,tokenize,stage",
         help="comma-separated parts to run (stage needs pack's output)",
     )
+    ap.add_argument(
+        "--text",
+        choices=sorted(_VARIANTS),
+        default="ascii",
+        help="tokenize corpus: ASCII words (default), one accented word per document, or "
+        "every 'e' accented",
+    )
     ap.add_argument("--child", choices=("ours", "encode"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -355,9 +369,10 @@ def main() -> None:
                 _row(name, ts, payload / 1e6, "MB/s", ref) + f" output {sizes[name] / 1e6:.0f} MB"
             )
     if "tokenize" in parts:
-        tt, ntok = bench_tokenize(tmp, a.docs, a.rounds)
+        tt, ntok = bench_tokenize(tmp, a.docs, a.rounds, a.text)
         print(
-            f"\nTokenize {a.docs:,} documents ({ntok:,} tokens), byte-level BPE 8192; ratios are "
+            f"\nTokenize {a.docs:,} documents ({ntok:,} tokens, text {a.text!r}), byte-level BPE "
+            "8192; ratios are "
             "vs encode_batch in one process, rayon on (goal: speed-up = 1/ratio >= 1.7):\n"
         )
         print(_HEAD)
