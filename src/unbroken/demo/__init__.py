@@ -133,7 +133,7 @@ def compare_runs(
     counters), ``first_loss_diff`` (step), ``loss_at_diff`` (reference, run),
     ``first_sample_diff`` (index into the concatenated sample ids), ``first_sample_step``
     (the run's step holding it), ``first_sample_ids`` (reference id, run id; None past the
-    end), ``missing_samples`` / ``extra_samples`` (multiset differences: never consumed /
+    end), ``ids_logged`` (both logs hold sample ids; else the order is not compared), ``missing_samples`` / ``extra_samples`` (multiset differences: never consumed /
     consumed more often than in the reference), ``duplicated_steps``, ``identical``; ``scalar_diffs`` maps ``part/key`` of differing
     scalars (counters such as an optimizer's ``step`` or a scheduler's ``last_epoch``) to
     (reference, run) values.
@@ -180,9 +180,12 @@ def compare_runs(
     result["loss_at_diff"] = (pair[0]["loss"], pair[1]["loss"]) if pair else None
     if len(ra) != len(rb) and result["first_loss_diff"] is None:
         result["first_loss_diff"] = min(len(ra), len(rb)) + 1
-    ids_a = [i for r in ra for i in r["ids"]]
-    ids_b = [i for r in rb for i in r["ids"]]
-    step_of = [r["step"] for r in rb for _ in r["ids"]]
+    # sample ids are optional in a metric log: without them the data order is not compared
+    # (the loader's position is still part of the final state)
+    result["ids_logged"] = all("ids" in r for r in ra + rb) and bool(ra)
+    ids_a = [i for r in ra for i in r.get("ids", ())]
+    ids_b = [i for r in rb for i in r.get("ids", ())]
+    step_of = [r["step"] for r in rb for _ in r.get("ids", ())]
     first = next((n for n, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y), None)
     if len(ids_a) != len(ids_b) and first is None:
         first = min(len(ids_a), len(ids_b))
