@@ -399,7 +399,8 @@ def _add_drill(sub: argparse._SubParsersAction) -> None:
         "`unbroken run` with a seeded schedule of injected faults, and compares final state, "
         "loss curve, data order and recovery phases. {dir} in ARGS is replaced by each run's "
         "directory; the script checkpoints with unbroken's Checkpointer into {dir}/ckpt and "
-        "logs loss + sample ids per step to {dir}/metrics.jsonl. Writes drill.txt, drill.json "
+        "logs the loss (and, to compare the data order, the sample ids) per step to "
+        "{dir}/metrics.jsonl. Writes drill.txt, drill.json "
         "and timeline.png into --dir. Exit codes: 0 pass, 1 fail, 2 usage.",
     )
     p.add_argument("command", nargs=argparse.REMAINDER,

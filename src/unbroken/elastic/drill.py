@@ -32,8 +32,10 @@ world-size     (2 nodes) a whole node is lost (supervisor, agent, worker): the j
 
 What the training script must do: write under ``{dir}`` (the drill substitutes a directory
 per run); checkpoint with :class:`unbroken.ckpt.Checkpointer` into ``{dir}/ckpt`` and resume
-from it when started again with the same arguments; log every step's ``loss`` and ``ids``
-(the sample ids it consumed) to ``{dir}/metrics.jsonl`` with :class:`unbroken.metrics.MetricLog`
+from it when started again with the same arguments; log every step's ``loss`` and, to have
+the data order compared, ``ids`` (the sample ids it consumed; without them the loader's
+position is still compared as part of the final state) to ``{dir}/metrics.jsonl`` with
+:class:`unbroken.metrics.MetricLog`
 (also ``world_size`` in multi-rank jobs); call :func:`unbroken.elastic.beat` every step; be
 deterministic (seeds, ``torch.use_deterministic_algorithms``). For ``agent-loss`` and
 ``world-size`` (``multi_rank=True``) it must train data-parallel under torchrun on any world
