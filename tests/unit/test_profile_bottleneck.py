@@ -150,6 +150,7 @@ def test_measured_slow_decode_is_named_and_a_slow_consumer_is_not_stalled(tmp_pa
     assert 150 < by["decode"].samples_per_s < 520  # sleep is a floor, never faster
     assert by["shard read"].samples_per_s > 10 * by["decode"].samples_per_s
     assert by["transport"].samples_per_s > by["decode"].samples_per_s
+    assert "torch's pipe" in by["transport"].note  # tensor batches: torch's own hand-off
     assert by["shard read"].mb_per_s > 0
     if not torch.cuda.is_available():
         assert math.isnan(by["pin"].samples_per_s) and by["h2d"].note == "no CUDA device"
@@ -240,3 +241,13 @@ def test_bench_on_token_shards_and_too_big_a_batch(stream_data: Any) -> None:
     assert math.isinf(r.stage("decode").samples_per_s)  # no transform: nothing to time
     with pytest.raises(ValueError, match="smaller --batch-size"):
         bench_dataset(stream_data("tokens"), batch_size=10_000)
+
+
+def test_transport_of_byte_batches_is_measured_through_the_loaders_ring() -> None:
+    """The bench measures the transport StatefulLoader uses: the shared-memory ring."""
+    from unbroken.data._transport import transport_available
+
+    measured, _ = measure_stages(fast_read, batch_size=8, num_batches=2, collate=list,
+                                 max_seconds=2.0)
+    note = {s.name: s for s in measured}["transport"].note
+    assert ("shared-memory ring" if transport_available() else "torch's pipe") in note
