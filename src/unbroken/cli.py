@@ -178,7 +178,7 @@ def _add_data_bench(ds: argparse._SubParsersAction) -> None:
 def _data_bench(a: argparse.Namespace) -> int:
     import json
 
-    from unbroken.data.bottleneck import run_bench
+    from unbroken.data.stage_bench import run_bench
 
     report, path = run_bench(
         a.dir, batch_size=a.batch_size, num_workers=a.num_workers,

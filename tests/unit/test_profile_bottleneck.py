@@ -11,15 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from unbroken.data.bottleneck import (
-    BottleneckReport,
-    StageResult,
-    analyse,
-    basic_decode,
-    bench_dataset,
-    load_report,
-    measure_stages,
-)
+from unbroken.data.bottleneck import BottleneckReport, StageResult, analyse, load_report
+from unbroken.data.stage_bench import basic_decode, bench_dataset, measure_stages
 
 NAN = float("nan")
 
