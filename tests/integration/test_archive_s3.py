@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from unbroken.ckpt import Checkpointer, TrainState
-from unbroken.ckpt.archive import Archive, ArchiveError, BackgroundUploader, fetch_newest_valid
+from unbroken.ckpt.archive import Archive, ArchiveError, fetch_newest_valid
+from unbroken.ckpt.uploader import BackgroundUploader
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")

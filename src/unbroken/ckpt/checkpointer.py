@@ -150,7 +150,8 @@ class Checkpointer:
         self._uploader: Any = None
         self._archive: Any = None
         if archive is not None:
-            from unbroken.ckpt.archive import Archive, BackgroundUploader
+            from unbroken.ckpt.archive import Archive
+            from unbroken.ckpt.uploader import BackgroundUploader
 
             self._archive = Archive(archive, storage_options=dict(archive_options or {}))
             self._uploader = BackgroundUploader(self._archive, keep_last=archive_keep_last)
