@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import threading
 import uuid
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ import torch
 from unbroken.ckpt import Checkpointer, TrainState
 from unbroken.ckpt.archive import Archive, ArchiveError, fetch_newest_valid
 from unbroken.ckpt.uploader import BackgroundUploader
+from unbroken.elastic._coord import free_port
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -34,11 +34,6 @@ _CREDS = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
@@ -46,7 +41,7 @@ def endpoint() -> Iterator[str]:
         for k, v in _CREDS.items():
             mp.setenv(k, v)
         mp.setattr(logging.getLogger("werkzeug"), "level", logging.ERROR)  # one line per request
-        port = _free_port()
+        port = free_port()
         server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
         server.start()
         try:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from typing import Any
 
 import pytest
@@ -19,16 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp_mp
 
+from unbroken.elastic._coord import free_port
+
 pytestmark = pytest.mark.slow
 
 BATCH = 2
 N_SAMPLES = 96
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _Sharded:
@@ -122,7 +118,7 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
 
 
 def _run(world: int, job: dict[str, Any]) -> None:
-    job = {**job, "port": _free_port()}
+    job = {**job, "port": free_port()}
     tmp_mp.start_processes(
         _worker, args=(world, job), nprocs=world, start_method="spawn", join=True
     )
@@ -255,14 +251,14 @@ def test_fsdp2_saved_on_2_loads_on_1_and_3(tmp_path) -> None:
     root = str(tmp_path / "ck")
     tmp_mp.start_processes(
         _fsdp_worker,
-        args=(2, {"mode": "save", "root": root, "port": _free_port()}),
+        args=(2, {"mode": "save", "root": root, "port": free_port()}),
         nprocs=2,
         start_method="spawn",
     )
     for w in (1, 3):
         tmp_mp.start_processes(
             _fsdp_worker,
-            args=(w, {"mode": "load", "root": root, "port": _free_port()}),
+            args=(w, {"mode": "load", "root": root, "port": free_port()}),
             nprocs=w,
             start_method="spawn",
         )
@@ -294,6 +290,6 @@ def _rank0_only_worker(rank: int, world: int, job: dict[str, Any]) -> None:
 
 def test_rank0_only_checkpointing_does_not_involve_other_ranks(tmp_path) -> None:
     root = str(tmp_path / "ck")
-    job = {"root": root, "port": _free_port()}
+    job = {"root": root, "port": free_port()}
     tmp_mp.start_processes(_rank0_only_worker, args=(2, job), nprocs=2, start_method="spawn")
     assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002", "step-00000003"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from typing import Any
 
 import pytest
@@ -15,16 +14,12 @@ import torch.multiprocessing as tmp_mp
 from safetensors.torch import load_file
 
 from unbroken.cli import main
+from unbroken.elastic._coord import free_port
 
 pytestmark = pytest.mark.slow
 
 WORLD = 2
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _full() -> dict[str, torch.Tensor]:
@@ -74,7 +69,7 @@ def _worker(rank: int, root: str, port: int) -> None:
 def test_export_consolidates_a_checkpoint_sharded_over_two_ranks(tmp_path, capsys) -> None:
     root = str(tmp_path / "ckpt")
     tmp_mp.start_processes(
-        _worker, args=(root, _free_port()), nprocs=WORLD, start_method="spawn", join=True
+        _worker, args=(root, free_port()), nprocs=WORLD, start_method="spawn", join=True
     )
     d = os.path.join(root, "step-00000005")
     assert {f"__{r}_0.distcp" for r in range(WORLD)} <= set(os.listdir(d))  # one file per rank

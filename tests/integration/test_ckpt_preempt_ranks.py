@@ -14,23 +14,19 @@ import json
 import multiprocessing as mp
 import os
 import signal
-import socket
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from unbroken.elastic._coord import free_port
+
 pytestmark = pytest.mark.slow
 
 WORLD = 2
 SIGNAL_AT = 9  # rank 1 receives SIGTERM during this step; rank 0 never does
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _worker(rank: int, port: int, root: str, out: str) -> None:
@@ -67,7 +63,7 @@ def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path) -> None:
 
     root, out = str(tmp_path / "ckpt"), str(tmp_path)
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, root, out)) for r in range(WORLD)]
     for p in procs:
         p.start()

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from unbroken.ckpt import read_checkpoint
+from unbroken.demo import run_until
 from unbroken.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -25,22 +24,7 @@ EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train
 
 
 def _run(run_dir: str, kill_at: int | None = None) -> int:
-    proc = subprocess.Popen(
-        [sys.executable, EXAMPLE, run_dir], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    try:
-        if kill_at is not None:
-            log = os.path.join(run_dir, "metrics.jsonl")
-            while proc.poll() is None:
-                recs = read_metrics(log)
-                if recs and recs[-1]["step"] >= kill_at:
-                    proc.send_signal(signal.SIGKILL)
-                    break
-                time.sleep(0.005)
-        return proc.wait(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    return run_until([sys.executable, EXAMPLE, run_dir], run_dir, kill_at=kill_at, timeout=300)[0]
 
 
 def _flat(obj: object, prefix: str = "") -> dict[str, object]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ from datakit import ids_collate
 from unbroken.data.dataset import Source, StreamingDataset
 from unbroken.data.loader import StatefulLoader
 from unbroken.data.order import Partition
+from unbroken.elastic._coord import free_port
 
 # num_workers=3 on a 2-core runner is deliberate (worker-count changes)
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -183,11 +183,6 @@ def test_global_sequence_is_independent_of_layout(stream_data, kind):
 # --- real processes: gloo, ranks from torch.distributed ---------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _rank_main(
     rank: int,
@@ -228,7 +223,7 @@ def _launch(
     world: int, spec: Any, batch: int, stop: int | None, state_path: str, tmp: str, tag: str
 ) -> list[dict[str, Any]]:
     ctx = mp.get_context("fork")
-    port = _free_port()
+    port = free_port()
     outs = [os.path.join(tmp, f"{tag}-{r}.json") for r in range(world)]
     procs = [
         ctx.Process(

@@ -25,7 +25,7 @@ import torch
 from unbroken.ckpt import read_checkpoint
 from unbroken.metrics import read_metrics
 
-__all__ = ["compare_runs", "run_demo", "run_training"]
+__all__ = ["compare_runs", "run_demo", "run_training", "run_until"]
 
 
 def _train_cmd(run_dir: str, steps: int, seed: int, extra: list[str]) -> list[str]:
@@ -56,12 +56,20 @@ def run_training(
 
     Returns (exit code, seconds).
     """
+    return run_until(_train_cmd(run_dir, steps, seed, extra or []), run_dir,
+                     kill_at=kill_at, timeout=timeout)
+
+
+def run_until(
+    cmd: list[str], run_dir: str, *, kill_at: int | None = None, timeout: float = 600
+) -> tuple[int, float]:
+    """Run a training command whose metric log is ``run_dir/metrics.jsonl``; with
+    ``kill_at``, SIGKILL it as soon as the log reaches that step. Output goes to
+    ``run_dir/train.log``. Returns (exit code, seconds)."""
     t0 = time.perf_counter()
-    log = open(os.path.join(run_dir, "train.log"), "a")  # noqa: SIM115 - closed below
     os.makedirs(run_dir, exist_ok=True)
-    proc = subprocess.Popen(
-        _train_cmd(run_dir, steps, seed, extra or []), stdout=log, stderr=subprocess.STDOUT
-    )
+    log = open(os.path.join(run_dir, "train.log"), "a")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         if kill_at is not None:
             metrics = os.path.join(run_dir, "metrics.jsonl")

@@ -29,9 +29,17 @@ import time
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["Coordinator", "is_local_host"]
+__all__ = ["Coordinator", "free_port", "is_local_host"]
 
 log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it; another process may take it
+    before it is bound again)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def is_local_host(host: str) -> bool:

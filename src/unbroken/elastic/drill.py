@@ -62,7 +62,6 @@ import math
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -71,6 +70,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from unbroken.elastic import recovery
+from unbroken.elastic._coord import free_port
 from unbroken.elastic._drill_inject import Ctx, Node, inject
 from unbroken.elastic._procs import kill_matching
 from unbroken.elastic.drill_report import (
@@ -279,10 +279,6 @@ def _infer_schedule(cfg: DrillConfig, ref_dir: str) -> tuple[int, int]:
     return steps, math.gcd(*regular)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _supervisor_argv(cfg: DrillConfig, sup_dir: str, ckpt: str, command: list[str],
@@ -323,7 +319,7 @@ def _drilled_run(cfg: DrillConfig, name: str, specs: list[FaultSpec], env: dict[
     if name == "single":
         names, port = ["A"], None
     else:
-        names, port = ["A", "B"], _free_port()
+        names, port = ["A", "B"], free_port()
     nodes = [Node(n, os.path.join(base, f"node-{n}"),
                   _supervisor_argv(cfg, os.path.abspath(os.path.join(base, f"node-{n}")), ckpt,
                                    command, len(specs), None if port is None else (port, n)),

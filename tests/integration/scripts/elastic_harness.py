@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from unbroken.elastic import heartbeat, recovery
+from unbroken.elastic._coord import free_port  # noqa: F401 - used as h.free_port
 from unbroken.elastic._procs import kill_matching, pids_with_env
 from unbroken.metrics import read_metrics
 
@@ -54,10 +54,6 @@ FAST = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Job:
