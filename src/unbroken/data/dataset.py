@@ -59,6 +59,7 @@ from unbroken.data.order import (
     MixtureOrder,
     Partition,
     default_shuffle_window,
+    mix_seed,
     shards_per_window,
 )
 from unbroken.data.shards import ShardReader
@@ -83,15 +84,14 @@ def _seeded_rngs(seed: int, epoch: int, position: int) -> Iterator[None]:
     worker the RNGs belong to the data pipeline; in the training process (``num_workers=0``)
     they are the model's, so they are put back afterwards and training draws stay the same.
     """
-    mixed = np.random.SeedSequence([seed, epoch, position, 0x5EED]).generate_state(2, np.uint32)
-    s32, s64 = int(mixed[0]), (int(mixed[0]) << 32) | int(mixed[1])
+    s = mix_seed(seed, epoch, position, 0x5EED)
     gen = torch.default_generator  # not torch.manual_seed: that also seeds every device
     saved = None
     if get_worker_info() is None:
         saved = (random.getstate(), np.random.get_state(), gen.get_state())
-    random.seed(s64)
-    np.random.seed(s32)
-    gen.manual_seed(s64)
+    random.seed(s)
+    np.random.seed(s & 0xFFFFFFFF)
+    gen.manual_seed(s)
     try:
         yield
     finally:

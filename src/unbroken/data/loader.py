@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 
 from unbroken.data._transport import RingReceiver, RingSender, transport_available, worker_fds
 from unbroken.data.dataset import StreamingDataset
-from unbroken.data.order import LAST_BATCH_POLICIES
+from unbroken.data.order import LAST_BATCH_POLICIES, mix_seed
 
 __all__ = ["StatefulLoader"]
 
@@ -44,11 +44,6 @@ log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
 _ON_CHANGE = ("error", "restart_epoch")
-
-
-def _mix_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (independent streams for different positions)."""
-    return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0] >> 1)
 
 
 def _passthrough(batch: Any) -> Any:
@@ -286,7 +281,7 @@ class StatefulLoader:
             # (one iterator more than the uninterrupted run) would shift the model's dropout
             # stream. Seeded by the position instead: worker seeds also survive a resume.
             kwargs["generator"] = torch.Generator().manual_seed(
-                _mix_seed(self.dataset.seed, epoch, start)
+                mix_seed(self.dataset.seed, epoch, start)
             )
         dl = DataLoader(stream, batch_size=None, collate_fn=_passthrough, in_order=True, **kwargs)
         rx = RingReceiver(fds)

@@ -56,6 +56,11 @@ _WINDOW_CACHE = 2
 LAST_BATCH_POLICIES = ("pad", "drop", "short")
 
 
+def mix_seed(*parts: int) -> int:
+    """A 63-bit seed from integers: independent streams for different tuples."""
+    return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0] >> 1)
+
+
 def seeded_rng(fingerprint: str, seed: int, *parts: int) -> np.random.Generator:
     """A numpy Generator keyed by ``(fingerprint, seed, *parts)``; same key, same stream."""
     fp = xxhash.xxh3_64_intdigest(fingerprint.encode())
