@@ -1,0 +1,156 @@
+"""Checkpoint builders and damage tools for the checkpoint trust tests: a small two-checkpoint
+root with the exact state of each step, manifest edits an attacker would make (checksums
+recomputed), and a tiny pickle assembler for crafted ``.metadata`` payloads.
+
+A plain module, not a conftest (see datakit.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from unbroken._fs import checksum_bytes
+from unbroken.ckpt import Checkpointer, TrainState
+
+STEPS = (2, 4)
+
+
+def small_state(seed: int = 0) -> tuple[TrainState, torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3)
+    return TrainState(model=m, optimizer=opt, scheduler=sched), m, opt
+
+
+def train(st: TrainState, m: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    for _ in range(n):
+        m(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        st.components["scheduler"].step()
+        st.step += 1
+
+
+def snapshot(st: TrainState) -> dict[str, Any]:
+    """Every tensor and number of the live state, owned (for bit-identity checks)."""
+    sd = st.state_dict()
+    sd.pop("rng", None)
+
+    def own(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone()
+        if isinstance(x, dict):
+            return {k: own(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return type(x)(own(v) for v in x)
+        return x
+
+    return own(sd)
+
+
+def identical(a: Any, b: Any) -> bool:
+    """Bit-identical: same structure, same tensor dtypes/shapes/bytes, same scalars."""
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b)
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(identical, a, b))
+    return type(a) is type(b) and a == b
+
+
+def build_root(root: str) -> dict[int, dict[str, Any]]:
+    """Steps 2 and 4 of a small run (model, AdamW, StepLR); the exact state of each."""
+    st, m, opt = small_state()
+    ck = Checkpointer(root, st, keep_last=None)
+    want: dict[int, dict[str, Any]] = {}
+    for s in STEPS:
+        train(st, m, opt, s - st.step)
+        ck.save()
+        want[s] = snapshot(st)
+    ck.close()
+    return want
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def data_files(d: str) -> list[str]:
+    return sorted(n for n in os.listdir(d) if n.endswith(".distcp"))
+
+
+def read_manifest(d: str) -> dict[str, Any]:
+    with open(os.path.join(d, "manifest.json"), "rb") as f:
+        return json.loads(f.read())
+
+
+def write_manifest(d: str, m: dict[str, Any], *, resign: bool = True) -> None:
+    """Write ``m`` as ``d``'s manifest; ``resign`` recomputes its self-checksum the way an
+    attacker would (when the format has one)."""
+    if resign and "manifest_checksum" in m:
+        from unbroken.ckpt.manifest import manifest_digest
+
+        m["manifest_checksum"] = manifest_digest(m)
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        f.write(json.dumps(m, indent=1))
+
+
+def edit_manifest(d: str, edit: Callable[[dict[str, Any]], object], *, resign: bool = True) -> None:
+    m = read_manifest(d)
+    edit(m)
+    write_manifest(d, m, resign=resign)
+
+
+def replace_file(d: str, name: str, data: bytes) -> None:
+    """Replace ``d/name`` and record its new size and checksum in the manifest (re-signed)."""
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+    edit_manifest(
+        d, lambda m: m["files"].__setitem__(name, {"size": len(data), "checksum": checksum_bytes(data)})
+    )
+
+
+def copy_root(src: str, dst: str) -> None:
+    if os.path.exists(dst):
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst, symlinks=True)
+
+
+# --- a pickle assembler for crafted payloads ---------------------------------------------------
+
+
+def p_str(s: str) -> bytes:
+    """SHORT_BINUNICODE / BINUNICODE."""
+    b = s.encode()
+    return (b"\x8c" + bytes([len(b)]) if len(b) < 256 else b"X" + struct.pack("<I", len(b))) + b
+
+
+def p_global(module: str, name: str) -> bytes:
+    """Protocol-0 GLOBAL opcode."""
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def p_stack_global(module: str, name: str) -> bytes:
+    return p_str(module) + p_str(name) + b"\x93"
+
+
+def p_call(fn: bytes, *args: str) -> bytes:
+    """``fn(*args)`` through REDUCE; ``fn`` is the bytes that push the callable."""
+    return fn + b"(" + b"".join(p_str(a) for a in args) + b"tR"
+
+
+PROTO = b"\x80\x04"
+STOP = b"."

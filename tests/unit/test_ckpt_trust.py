@@ -1,0 +1,312 @@
+"""Issue 12, checkpoint half: each defect found by trying restore() as a hostile or unlucky
+user would, reproduced on a real two-checkpoint root (steps 2 and 4).
+
+Every case asserts the whole outcome: which step was restored, that the live state is
+bit-identical to that step, what was logged, what `ckpt verify` says, and that nothing a
+crafted file asked for happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from ckptkit import (
+    PROTO,
+    STOP,
+    build_root,
+    data_files,
+    edit_manifest,
+    identical,
+    p_call,
+    p_stack_global,
+    replace_file,
+    small_state,
+    snapshot,
+    step_dir,
+    train,
+)
+from unbroken.ckpt import Checkpointer, TrainState
+from unbroken.ckpt.cli_support import export_safetensors, verify_report
+from unbroken.cli import main
+
+
+@pytest.fixture
+def root(tmp_path) -> tuple[str, dict[int, dict[str, Any]]]:
+    r = str(tmp_path / "ck")
+    return r, build_root(r)
+
+
+def _restore(root: str, caplog: pytest.LogCaptureFixture) -> tuple[int | None, TrainState, list[str]]:
+    st, _, _ = small_state(seed=9)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="unbroken"):
+        got = Checkpointer(root, st).restore()
+    warns = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    return got, st, warns
+
+
+def _verdicts(root: str) -> dict[int, str]:
+    ok, text = verify_report(root)
+    rows = {}
+    for line in text.splitlines()[2:]:
+        parts = line.split()
+        if parts and parts[0].isdigit():
+            rows[int(parts[0])] = parts[1]
+    assert ok == all(v == "ok" for v in rows.values())
+    return rows
+
+
+# --- 1. nothing from a checkpoint is executed ------------------------------------------------
+
+
+def test_crafted_metadata_with_a_dotted_global_runs_no_code(root, tmp_path, caplog) -> None:
+    """The issue's exploit: ``("torch.distributed.checkpoint.filesystem", "os.system")``
+    through STACK_GLOBAL, checksums updated, tensors marked sharded so DCP reads .metadata."""
+    r, want = root
+    marker = tmp_path / "PWNED"
+    d = step_dir(r, 4)
+    edit_manifest(d, lambda m: [t.update(sharded=True) for k, t in m["tensors"].items() if "/model/" in k])
+    fn = p_stack_global("torch.distributed.checkpoint.filesystem", "os.system")
+    replace_file(d, ".metadata", PROTO + p_call(fn, f"touch {marker}") + STOP)
+    assert _verdicts(r) == {2: "ok", 4: "DAMAGED"}
+    got, st, warns = _restore(r, caplog)
+    assert got == 2 and identical(snapshot(st), want[2])
+    assert not marker.exists()
+    assert len(warns) == 1 and "step 4" in warns[0] and ".metadata" in warns[0]
+
+
+# --- 2. restore() never raises for a damaged checkpoint -------------------------------------
+
+
+def _first_weight(m: dict[str, Any]) -> dict[str, Any]:
+    return m["tensors"]["components/model/0.weight"]
+
+
+def _other_rank_file(m: dict[str, Any]) -> None:
+    m["ranks"]["0"]["state"] = "state-rank1.json"
+
+
+MANIFEST_EDITS: dict[str, Callable[[dict[str, Any]], object]] = {
+    # what single bit flips that keep the JSON valid did to the old restore()
+    "dtype-float33": lambda m: _first_weight(m).update(dtype="float33"),
+    "chunk-length": lambda m: _first_weight(m)["chunks"][0].update(
+        length=_first_weight(m)["chunks"][0]["length"] + 64
+    ),
+    "rank-file": _other_rank_file,
+    "stats-no-norm": lambda m: _first_weight(m)["stats"].pop("norm"),
+    "stats-no-sum": lambda m: _first_weight(m)["stats"].pop("sum"),
+    "tensor-dropped": lambda m: m["tensors"].pop("components/model/0.weight"),
+    "marked-sharded": lambda m: _first_weight(m).update(sharded=True),
+    "shape-transposed": lambda m: _first_weight(m).update(shape=[16, 32]),
+    "world-size-text": lambda m: m.update(world_size="1"),
+    "file-size-huge": lambda m: m["files"][".metadata"].update(size=1 << 62),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(MANIFEST_EDITS))
+def test_a_damaged_manifest_falls_back_and_verify_agrees(root, caplog, edit) -> None:
+    r, want = root
+    edit_manifest(step_dir(r, 4), MANIFEST_EDITS[edit], resign=False)
+    assert _verdicts(r) == {2: "ok", 4: "DAMAGED"}
+    got, st, warns = _restore(r, caplog)
+    assert got == 2 and identical(snapshot(st), want[2])
+    assert len(warns) == 1 and "step 4" in warns[0], warns
+    assert os.path.isdir(step_dir(r, 2)) and not os.path.exists(step_dir(r, 4))
+
+
+# --- 3. manifest paths are confined to the step directory -----------------------------------
+
+
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_paths_leaving_the_step_directory_are_refused(root, tmp_path, caplog, where) -> None:
+    """The data file moved outside the checkpoint, the manifest pointing at it (checksums and
+    all correct): following the path would load the newest step. It must be refused."""
+    r, want = root
+    d = step_dir(r, 4)
+    name = data_files(d)[0]
+    outside = tmp_path / "elsewhere" / "x.distcp"
+    outside.parent.mkdir()
+    os.rename(os.path.join(d, name), outside)
+    path = "../../elsewhere/x.distcp" if where == "relative" else str(outside)
+    assert os.path.samefile(os.path.join(d, path), outside)
+
+    def repoint(m: dict[str, Any]) -> None:
+        m["files"][path] = m["files"].pop(name)
+        for t in m["tensors"].values():
+            for c in t["chunks"]:
+                if c["file"] == name:
+                    c["file"] = path
+
+    edit_manifest(d, repoint)
+    out = str(tmp_path / "model.safetensors")
+    with pytest.raises(RuntimeError, match="failed verification"):
+        export_safetensors(r, out, step=4)
+    assert main(["ckpt", "export", r, "--to", out, "--step", "4"]) == 2
+    assert not os.path.exists(out)
+    assert _verdicts(r) == {2: "ok", 4: "DAMAGED"}
+    got, st, warns = _restore(r, caplog)
+    assert got == 2 and identical(snapshot(st), want[2])
+    assert len(warns) == 1 and path in warns[0]
+
+
+def test_a_data_file_symlinked_out_of_the_step_directory_is_refused(root, tmp_path, caplog) -> None:
+    r, want = root
+    d = step_dir(r, 4)
+    name = data_files(d)[0]
+    outside = tmp_path / "elsewhere.distcp"
+    os.rename(os.path.join(d, name), outside)
+    os.symlink(outside, os.path.join(d, name))  # same bytes, checksum matches
+    assert _verdicts(r) == {2: "ok", 4: "DAMAGED"}
+    got, st, warns = _restore(r, caplog)
+    assert got == 2 and identical(snapshot(st), want[2])
+    assert len(warns) == 1 and "symlink" in warns[0]
+
+
+# --- 5. read-only file system ---------------------------------------------------------------
+
+
+def _can_mount() -> bool:
+    return os.geteuid() == 0 and subprocess.run(["which", "mount"], capture_output=True).returncode == 0
+
+
+@contextlib.contextmanager
+def _tmpfs(path: str, size: str = "16m") -> Iterator[str]:
+    os.makedirs(path, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)
+
+
+def test_read_only_root_with_a_damaged_newest_skips_it(tmp_path, caplog) -> None:
+    if not _can_mount():
+        pytest.skip("needs root and mount(8) to make a real read-only file system")
+    with _tmpfs(str(tmp_path / "ro")) as r:
+        want = build_root(r)
+        d = step_dir(r, 4)
+        path = os.path.join(d, data_files(d)[0])
+        with open(path, "r+b") as f:
+            f.seek(100)
+            b = f.read(1)
+            f.seek(100)
+            f.write(bytes([b[0] ^ 1]))
+        os.mkdir(os.path.join(r, ".tmp-step-00000006.deadbeef"))
+        subprocess.run(["mount", "-o", "remount,ro", r], check=True)
+        with pytest.raises(OSError) as e:
+            open(os.path.join(r, "probe"), "w")
+        assert e.value.errno == errno.EROFS
+        got, st, warns = _restore(r, caplog)
+        assert got == 2 and identical(snapshot(st), want[2])
+        damaged = [w for w in warns if "step 4" in w]
+        assert len(damaged) == 1 and "skipped" in damaged[0] and "read-only" in damaged[0]
+        assert not any("removed" in w for w in warns), warns
+        assert os.path.isdir(d) and os.path.isdir(os.path.join(r, ".tmp-step-00000006.deadbeef"))
+
+
+# --- 6. manifest.json deleted -----------------------------------------------------------------
+
+
+def test_a_deleted_manifest_is_reported_and_the_run_saves_that_step_again(root, caplog, capsys) -> None:
+    r, want = root
+    os.unlink(os.path.join(step_dir(r, 4), "manifest.json"))
+    assert _verdicts(r) == {2: "ok", 4: "DAMAGED"}
+    assert main(["ckpt", "verify", r]) == 1
+    assert "no-manifest" in capsys.readouterr().out
+    st, m, opt = small_state(seed=9)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="unbroken"):
+        ck = Checkpointer(r, st, every_steps=2, keep_last=None)
+        assert ck.restore() == 2
+    warns = [x.getMessage() for x in caplog.records if x.levelno >= logging.WARNING]
+    assert len(warns) == 1 and "step 4" in warns[0] and "manifest.json" in warns[0], warns
+    assert identical(snapshot(st), want[2])
+    for _ in range(2):  # the resumed run reaches step 4 again and saves it
+        train(st, m, opt, 1)
+        ck.maybe_save()
+    ck.close()
+    assert ck.store.steps() == [2, 4]
+    st2, _, _ = small_state(seed=3)
+    assert Checkpointer(r, st2).restore() == 4 and identical(snapshot(st2), snapshot(st))
+
+
+# --- 7. all-or-nothing apply ------------------------------------------------------------------
+
+
+def test_restore_into_a_model_of_another_shape_leaves_it_untouched(root) -> None:
+    r, _ = root
+    torch.manual_seed(1)
+    # the first layer matches the checkpoint, the last does not
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    st = TrainState(model=m, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 3))
+    before = snapshot(st)
+    with pytest.raises(ValueError) as e:
+        Checkpointer(r, st).restore()
+    msg = str(e.value)
+    assert "components/model/2.weight" in msg and "[4, 32]" in msg and "[8, 32]" in msg
+    assert identical(snapshot(st), before) and st.step == 0
+    assert os.path.isdir(step_dir(r, 4))  # a valid checkpoint is never quarantined for this
+
+
+def test_restore_into_a_model_with_an_extra_layer_names_the_key(root) -> None:
+    r, _ = root
+    m = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4), torch.nn.Linear(4, 4)
+    )
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    st = TrainState(model=m, optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 3))
+    before = snapshot(st)
+    with pytest.raises(ValueError, match="components/model/3.weight"):
+        Checkpointer(r, st).restore()
+    assert identical(snapshot(st), before)
+
+
+# --- 9. disk full: one clear error, no thread traceback --------------------------------------
+
+
+class _Blob:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.t = sd["t"]
+
+
+def test_disk_full_save_raises_one_clear_error_without_a_thread_traceback(tmp_path, monkeypatch) -> None:
+    seen: list[Any] = []
+    monkeypatch.setattr(threading, "excepthook", seen.append)
+    st = TrainState(extras={"a": _Blob(torch.zeros(4)), "b": _Blob(torch.zeros(4))})
+    path = str(tmp_path / "disk")
+    ctx = _tmpfs(path, "2m") if _can_mount() else contextlib.nullcontext(path)
+    with ctx:
+        ck = Checkpointer(path, st, keep_last=None, io_threads=2)
+        ck.save(1)
+        if _can_mount():  # two 4 MB tensors, one per writer thread, on a 2 MB disk
+            st.components["extra.a"].t = torch.ones(1 << 20)
+            st.components["extra.b"].t = torch.ones(1 << 20)
+        else:
+            from unbroken import _fs
+
+            def full(self: Any, b: Any) -> int:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            monkeypatch.setattr(_fs.HashingWriter, "write", full)
+        with pytest.raises(RuntimeError, match="disk full.*step 2") as e:
+            ck.save(2)
+        assert "Traceback" not in str(e.value) and len(str(e.value).splitlines()) == 1
+        assert seen == []  # no writer thread died with an unhandled exception
+        assert os.listdir(path) == ["step-00000001"]
