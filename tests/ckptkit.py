@@ -55,6 +55,10 @@ def snapshot(st: TrainState) -> dict[str, Any]:
     return own(sd)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().reshape(-1).view(torch.uint8)
+
+
 def identical(a: Any, b: Any) -> bool:
     """Bit-identical: same structure, same tensor dtypes/shapes/bytes, same scalars."""
     if isinstance(a, torch.Tensor):
@@ -62,7 +66,7 @@ def identical(a: Any, b: Any) -> bool:
             isinstance(b, torch.Tensor)
             and a.dtype == b.dtype
             and a.shape == b.shape
-            and torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b)
+            and torch.equal(_bytes(a), _bytes(b))
         )
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)

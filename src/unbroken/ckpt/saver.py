@@ -5,53 +5,59 @@ is written (no second read), and a planner that hands DCP compact tensors so eve
 storage is exactly its bytes. The resulting directory is an ordinary DCP checkpoint:
 ``dcp.load`` and DCP's tools read it.
 
-Reading has two paths:
-* unsharded state (:func:`read_tensors`): each ``.distcp`` file is memory-mapped read-only,
-  its checksum computed over the mapping (the page cache, no copy), and every tensor is a
-  zero-copy view of its storage record, located through the zip central directory of its
-  ``torch.save`` blob; the caller copies the views once into the live tensors. Item
-  locations come from our JSON manifest, so DCP's ``.metadata`` pickle is not read; a
-  foreign item layout falls back to ``torch.load(weights_only=True)`` of that item's bytes;
-* sharded state (:func:`load_into`): ``dcp.load`` re-shards into live DTensors, reading
-  ``.metadata`` through an allow-listed unpickler (:class:`SafeReader`).
+Reading never goes through DCP and never unpickles anything: item locations (file, byte
+range, chunk offsets and sizes) come from our JSON manifest (:mod:`unbroken.ckpt.manifest`).
+Each data file is memory-mapped read-only (opened with ``O_NOFOLLOW``), its checksum computed
+over the mapping (the page cache, no copy), and every stored chunk is a zero-copy view of its
+storage record, located through the zip central directory of its ``torch.save`` blob. A
+foreign item layout falls back to ``torch.load(weights_only=True)`` of that item's bytes.
+
+* :func:`read_tensors`: every tensor of an unsharded checkpoint, verified, as views;
+* :func:`verify_files`: checksums and chunk layout of some data files (ranks split the
+  files of a sharded checkpoint between them);
+* :func:`fill`: copies stored chunks into live tensors, plain or DTensor, re-sharding by
+  overlap (each rank reads only the byte ranges its shards need; no collectives).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import math
 import mmap
 import os
-import pickle
+import stat
 import struct
 import sys
 import threading
 import warnings
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.tensor import DTensor
 
 from unbroken._fs import HashingWriter, checksum_bytes
 from unbroken.ckpt._dist import Comm
+from unbroken.ckpt.manifest import CheckpointManifest, Chunk, FileEntry, TensorEntry
 
 __all__ = [
     "ChecksumError",
     "ItemLocation",
-    "SafeReader",
-    "load_into",
+    "fill",
     "read_tensors",
+    "stats_match",
     "tensor_stats",
+    "verify_files",
     "write_tensors",
 ]
 
@@ -74,6 +80,7 @@ class ItemLocation:
     file: str
     offset: int
     length: int
+    chunk_sizes: tuple[int, ...] | None = None
 
 
 class _HashingFileSystem(FileSystem):
@@ -83,6 +90,7 @@ class _HashingFileSystem(FileSystem):
         super().__init__()
         self.written: dict[str, tuple[int, str]] = {}
         self.errors: list[BaseException] = []
+        self.caller: int | None = None  # the thread that called dcp.save
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -96,10 +104,14 @@ class _HashingFileSystem(FileSystem):
         try:
             yield w
         except BaseException as e:
-            # DCP's extra writer threads drop exceptions, and its main thread wraps them in a
-            # CheckpointException: keep the original so the caller can see e.g. ENOSPC.
+            # DCP's main thread wraps errors in a CheckpointException: keep the original so
+            # the caller can see e.g. ENOSPC.
             with self._lock:
                 self.errors.append(e)
+            if isinstance(e, Exception) and threading.get_ident() != self.caller:
+                # DCP's extra writer threads have no handler: an error escaping one is printed
+                # as a thread traceback. write_tensors raises it (once, clearly) instead.
+                return
             raise
         finally:
             w.close()
@@ -117,13 +129,23 @@ class _Writer(FileSystemWriter):
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
         super().finish(metadata, results)
+        sizes = {
+            (fqn, tuple(int(x) for x in c.offsets)): tuple(int(x) for x in c.sizes)
+            for fqn, md in metadata.state_dict_metadata.items()
+            for c in getattr(md, "chunks", ())
+        }
         for wr_list in results:
             for wr in wr_list:
                 sd = wr.storage_data
                 off = tuple(int(x) for x in (wr.index.offset or ()))
                 self.locations.append(
                     ItemLocation(
-                        wr.index.fqn, off, sd.relative_path, int(sd.offset), int(sd.length)
+                        wr.index.fqn,
+                        off,
+                        sd.relative_path,
+                        int(sd.offset),
+                        int(sd.length),
+                        sizes.get((wr.index.fqn, off)),
                     )
                 )
 
@@ -246,6 +268,7 @@ def write_tensors(
     per-tensor dtype/shape/stats (computed alongside the write).
     """
     writer = _Writer(directory, thread_count=max(1, threads))
+    writer.fs.caller = threading.get_ident()
     with ThreadPoolExecutor(1) as pool:  # torch reductions release the GIL: overlap with I/O
         fut = pool.submit(lambda: {k: _meta(v) for k, v in tensors.items()})
         with warnings.catch_warnings():  # single-process use is intended, not an accident
@@ -258,13 +281,13 @@ def write_tensors(
                     process_group=comm.group if comm else None,
                     no_dist=not (comm and comm.enabled),
                 )
-            except BaseException as e:  # DCP's CheckpointException is a BaseException
-                if writer.fs.errors:
-                    raise _first_cause(writer.fs.errors) from e
+            except BaseException:  # DCP's CheckpointException is a BaseException
+                if writer.fs.errors:  # the cause, without DCP's wrapper (a formatted traceback)
+                    raise _first_cause(writer.fs.errors) from None
                 raise
         meta = fut.result()
     if writer.fs.errors:
-        raise _first_cause(writer.fs.errors)
+        raise _first_cause(writer.fs.errors) from None
     if writer.locations:  # only the coordinator sees every rank's results
         missing = set(tensors) - {loc.key for loc in writer.locations}
         if missing:  # a silently dead writer thread: never commit an incomplete checkpoint
@@ -275,71 +298,90 @@ def write_tensors(
     return written, writer.locations, meta
 
 
-class _SafeUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle; allow only the plain data classes it consists of,
-    so loading a checkpoint can never execute code from it."""
-
-    _MODULES = ("torch.distributed.checkpoint.", "collections")
-    _TORCH = {"Size", "strided", "contiguous_format", "channels_last", "preserve_format"}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (
-            module.startswith(self._MODULES)
-            or module == "builtins"
-            and name in {"set", "frozenset", "slice"}
-        ):
-            return super().find_class(module, name)
-        if module == "pathlib" and name in {
-            "PosixPath",
-            "PurePosixPath",
-            "WindowsPath",
-            "PureWindowsPath",
-        }:
-            return super().find_class(module, name)  # StorageMeta.checkpoint_id
-        if module == "torch.serialization" and name == "_get_layout":  # name -> torch.layout
-            return super().find_class(module, name)
-        if module == "torch" and (
-            name in self._TORCH or isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
-
-
-class SafeReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata is unpickled through an allow-list."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        path = os.path.join(str(self.path), ".metadata")
-        with open(path, "rb") as f:
-            metadata = _SafeUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def load_into(
-    directory: str, live: Mapping[str, torch.Tensor], *, comm: Comm | None = None
-) -> None:
-    """``dcp.load`` into live (possibly sharded) tensors, re-sharding as needed."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is")
-        dcp.load(
-            dict(live),
-            storage_reader=SafeReader(directory),
-            process_group=comm.group if comm else None,
-            no_dist=not (comm and comm.enabled),
-        )
-
-
 # --- reading ---------------------------------------------------------------------------------
 
+def _map(directory: str, name: str, want: FileEntry) -> mmap.mmap | None:
+    """``directory/name`` mapped read-only, after checking it is a regular file of the
+    recorded size; None when it is empty. Never follows a symlink (``O_NOFOLLOW``) and never
+    blocks on a FIFO planted in its place (``O_NONBLOCK``)."""
+    path = os.path.join(directory, name)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError as e:
+        raise ChecksumError(path, "missing file") from e
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ChecksumError(path, "is a symlink; checkpoint files must lie in the step directory") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ChecksumError(path, "is not a regular file")
+        if st.st_size != want.size:
+            raise ChecksumError(
+                path, f"truncated or grown: {st.st_size} bytes, manifest says {want.size}"
+            )
+        if st.st_size == 0:
+            return None
+        populate = getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
 
-def _locate_storage(mm: mmap.mmap, loc: ItemLocation, nbytes: int) -> int | None:
+
+def _map_verified(directory: str, name: str, want: FileEntry) -> mmap.mmap | None:
+    """:func:`_map`, then the checksum over the mapping (one pass over the page cache)."""
+    mm = _map(directory, name, want)
+    if checksum_bytes(memoryview(mm) if mm is not None else b"") != want.checksum:
+        raise ChecksumError(
+            os.path.join(directory, name), "checksum mismatch (bit rot or a torn write)"
+        )
+    return mm
+
+
+def _chunk_tensor(mm: mmap.mmap | None, c: Chunk, t: TensorEntry, path: str) -> torch.Tensor:
+    """The stored chunk ``c`` of tensor ``t``: a read-only zero-copy view of its storage
+    record in ``mm``, or, for a foreign layout, ``torch.load(weights_only=True)`` of its
+    bytes (which runs no code from them), checked against the manifest's dtype and sizes."""
+    if mm is None:
+        raise ChecksumError(path, "is empty but the manifest places tensor data in it")
+    dtype = t.torch_dtype
+    sizes = c.sizes if c.sizes is not None else (None if t.sharded else t.shape)
+    if sizes is not None:
+        nbytes = math.prod(sizes) * dtype.itemsize
+        start = _locate_storage(mm, c, nbytes)
+        if start is not None:
+            if nbytes == 0:
+                return torch.empty(sizes, dtype=dtype)
+            with warnings.catch_warnings():  # read-only on purpose: views never escape
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start)
+            return flat.view(dtype).view(sizes)
+    got = torch.load(
+        io.BytesIO(mm[c.offset : c.offset + c.length]), map_location="cpu", weights_only=True
+    )
+    if (
+        not isinstance(got, torch.Tensor)
+        or got.dtype != dtype
+        or got.dim() != len(t.shape)
+        or (sizes is not None and tuple(got.shape) != tuple(sizes))
+        or any(o + n > s for o, n, s in zip(c.offsets, got.shape, t.shape, strict=True))
+    ):
+        what = f"a {list(got.shape)} {got.dtype} tensor" if isinstance(got, torch.Tensor) else type(got).__name__
+        raise ChecksumError(
+            path,
+            f"bytes {c.offset}..{c.offset + c.length} hold {what}, not the manifest's "
+            f"{t.dtype} chunk at offsets {list(c.offsets)} of shape {list(t.shape)}",
+        )
+    return got
+
+
+def _locate_storage(mm: mmap.mmap, c: Chunk, nbytes: int) -> int | None:
     """Byte offset (in the file) of the single storage record of the ``torch.save`` blob at
-    ``loc``, or None when the blob is not the compact layout we write. Record sizes come
+    ``c``, or None when the blob is not the compact layout we write. Record sizes come
     from the zip central directory (torch's writer uses data descriptors)."""
-    blob = memoryview(mm)[loc.offset : loc.offset + loc.length]
+    blob = memoryview(mm)[c.offset : c.offset + c.length]
     try:
         zf = zipfile.ZipFile(_BlobView(blob))
     except (zipfile.BadZipFile, ValueError):
@@ -356,16 +398,18 @@ def _locate_storage(mm: mmap.mmap, loc: ItemLocation, nbytes: int) -> int | None
     ):
         return None
     start = _record_start(blob, data[0])
+    if start is None or start + nbytes > len(blob):
+        return None
     if order:
         o = _record_start(blob, order[0])
         if o is None or bytes(blob[o : o + order[0].file_size]) != sys.byteorder.encode():
             return None
-    return None if start is None else loc.offset + start
+    return c.offset + start
 
 
 def _record_start(blob: memoryview, info: zipfile.ZipInfo) -> int | None:
     h = info.header_offset
-    if bytes(blob[h : h + 4]) != b"PK\x03\x04":
+    if h < 0 or h + 30 > len(blob) or bytes(blob[h : h + 4]) != b"PK\x03\x04":
         return None
     nlen, xlen = struct.unpack_from("<HH", blob, h + 26)
     return h + 30 + nlen + xlen
@@ -388,79 +432,149 @@ class _BlobView(io.RawIOBase):
 
     def seek(self, pos: int, whence: int = 0) -> int:
         self.pos = {0: pos, 1: self.pos + pos, 2: len(self.mv) + pos}[whence]
+        if self.pos < 0:
+            raise ValueError("negative seek position")
         return self.pos
 
     def read(self, n: int | None = -1) -> bytes:
         end = len(self.mv) if n is None or n < 0 else min(len(self.mv), self.pos + n)
         data = bytes(self.mv[self.pos : end])
-        self.pos = end
+        self.pos = max(self.pos, end)
         return data
 
 
-def read_tensors(
-    directory: str,
-    files: Mapping[str, Mapping[str, Any]],
-    locations: list[ItemLocation],
-    meta: Mapping[str, Mapping[str, Any]],
-) -> dict[str, torch.Tensor]:
-    """Map and verify every tensor of a checkpoint we wrote.
+def _by_file(m: CheckpointManifest, names: Iterable[str]) -> dict[str, list[tuple[str, Chunk]]]:
+    want = set(names)
+    out: dict[str, list[tuple[str, Chunk]]] = {n: [] for n in sorted(want)}
+    for k, t in m.tensors.items():
+        for c in t.chunks:
+            if c.file in want:
+                out[c.file].append((k, c))
+    return out
+
+
+def _per_file(fn: Any, names: list[str]) -> list[Any]:
+    if len(names) <= 1:
+        return [fn(n) for n in names]
+    with ThreadPoolExecutor(min(len(names), 4)) as pool:  # hashing releases the GIL
+        return list(pool.map(fn, names))
+
+
+def read_tensors(directory: str, m: CheckpointManifest) -> dict[str, torch.Tensor]:
+    """Map and verify every tensor of an unsharded checkpoint we wrote.
 
     Each data file is memory-mapped read-only and its checksum verified over the mapping:
     one pass over the page cache, no copy. The returned tensors are READ-ONLY views into the
     mappings (zero-copy; the mapping lives as long as they do): callers must copy them into
-    live tensors or clone them, never hand them out (a write would fault). ``files``: ``{name: {"size", "checksum"}}``; ``meta``:
-    ``{key: {"dtype", "shape"}}``. Raises :class:`ChecksumError` on any mismatch. Whole
-    (unsharded) tensors only; sharded checkpoints load through ``dcp.load``.
+    live tensors (:func:`fill`) or clone them, never hand them out (a write would fault).
+    Raises :class:`ChecksumError` on any mismatch.
     """
-    by_file: dict[str, list[ItemLocation]] = {}
-    for loc in locations:
-        by_file.setdefault(loc.file, []).append(loc)
+    groups = _by_file(m, m.data_files)
 
     def one(name: str) -> dict[str, torch.Tensor]:
+        mm = _map_verified(directory, name, m.files[name])
         path = os.path.join(directory, name)
-        want = files.get(name)
-        if want is None:
-            raise ChecksumError(path, "data file is not listed in the manifest")
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError as e:
-            raise ChecksumError(path, "missing file") from e
-        try:
-            size = os.fstat(fd).st_size
-            if size != want["size"]:
-                raise ChecksumError(
-                    path, f"truncated or grown: {size} bytes, manifest says {want['size']}"
-                )
-            if size == 0:
-                return {}
-            flags = getattr(mmap, "MAP_POPULATE", 0)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | flags, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        if checksum_bytes(memoryview(mm)) != want["checksum"]:
-            raise ChecksumError(path, "checksum mismatch (bit rot or a torn write)")
-        got: dict[str, torch.Tensor] = {}
-        for loc in by_file[name]:
-            m = meta[loc.key]
-            dtype = getattr(torch, m["dtype"])
-            shape = m["shape"]
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            start = _locate_storage(mm, loc, nbytes)
-            if start is None:  # foreign layout: torch.load of this item's bytes (no pickle code)
-                blob = io.BytesIO(mm[loc.offset : loc.offset + loc.length])
-                got[loc.key] = torch.load(blob, map_location="cpu", weights_only=True)
-            elif nbytes == 0:
-                got[loc.key] = torch.empty(shape, dtype=dtype)
-            else:
-                with warnings.catch_warnings():  # read-only on purpose: views never escape
-                    warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                    flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start)
-                got[loc.key] = flat.view(dtype).view(shape)
-        return got
+        return {k: _chunk_tensor(mm, c, m.tensors[k], path) for k, c in groups[name]}
 
     out: dict[str, torch.Tensor] = {}
-    names = sorted(by_file)
-    with ThreadPoolExecutor(max(1, min(len(names), 4))) as pool:
-        for part in pool.map(one, names):
-            out.update(part)
+    for part in _per_file(one, list(groups)):
+        out.update(part)
     return out
+
+
+def verify_files(directory: str, m: CheckpointManifest, names: Iterable[str]) -> None:
+    """Verify the checksums of data files ``names`` and locate every chunk they hold (what
+    :func:`fill` will read). Ranks of a job split a sharded checkpoint's files this way."""
+    groups = _by_file(m, names)
+
+    def one(name: str) -> None:
+        mm = _map_verified(directory, name, m.files[name])
+        path = os.path.join(directory, name)
+        for k, c in groups[name]:
+            _chunk_tensor(mm, c, m.tensors[k], path)
+
+    _per_file(one, list(groups))
+
+
+def _local_parts(key: str, t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """(global offsets, local tensor) of each piece of ``t`` this rank holds: the whole of a
+    plain tensor, the local shard of a DTensor (as DCP's own planner finds it)."""
+    if isinstance(t, DTensor):
+        return [
+            (tuple(c.offsets), t.__get_tensor_shard__(MetadataIndex(key, c.offsets)))
+            for c in t.__create_chunk_list__()
+        ]
+    return [((0,) * t.dim(), t)]
+
+
+def _overlap(
+    lo: tuple[int, ...], lsz: torch.Size, co: tuple[int, ...], csz: torch.Size
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int] | None:
+    """Where box (co, csz) meets box (lo, lsz): (start, length) per dim in each, and volume."""
+    dst, src, n = [], [], 1
+    for a0, al, b0, bl in zip(lo, lsz, co, csz, strict=True):
+        start, end = max(a0, b0), min(a0 + al, b0 + bl)
+        if end <= start:
+            return None
+        dst.append((start - a0, end - start))
+        src.append((start - b0, end - start))
+        n *= end - start
+    return dst, src, n
+
+
+def _narrow(t: torch.Tensor, region: list[tuple[int, int]]) -> torch.Tensor:
+    for dim, (start, length) in enumerate(region):
+        t = t.narrow(dim, start, length)
+    return t
+
+
+def fill(
+    directory: str,
+    m: CheckpointManifest,
+    targets: Mapping[str, torch.Tensor],
+    views: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Copy the stored value of every key of ``targets`` into it: the whole of a plain
+    tensor, the shard(s) this rank holds of a DTensor, from whichever stored chunks overlap.
+
+    ``views`` (from :func:`read_tensors`) supplies whole tensors already mapped and
+    verified; other keys are read from their chunks' files, which the caller verified
+    (:func:`verify_files`, split over the ranks). Shapes and dtypes must already agree
+    (checked before the first copy by ``verify.check_fits``).
+    """
+    maps: dict[str, mmap.mmap | None] = {}
+
+    def stored(key: str, want: list[tuple[tuple[int, ...], torch.Size]]) -> list[Any]:
+        t = m.tensors[key]
+        if views is not None and key in views:
+            return [((0,) * len(t.shape), views[key])]
+        out = []
+        for c in t.chunks:
+            if c.sizes is not None and not any(
+                _overlap(lo, lsz, c.offsets, torch.Size(c.sizes)) for lo, lsz in want
+            ):
+                continue  # another rank's shard: never read
+            if c.file not in maps:
+                maps[c.file] = _map(directory, c.file, m.files[c.file])
+            out.append((c.offsets, _chunk_tensor(maps[c.file], c, t, os.path.join(directory, c.file))))
+        return out
+
+    with torch.no_grad():
+        for key, target in targets.items():
+            parts = _local_parts(key, target)
+            saved = stored(key, [(lo, local.shape) for lo, local in parts])
+            for lo, local in parts:
+                covered = 0
+                for co, src in saved:
+                    hit = _overlap(lo, local.shape, co, src.shape)
+                    if hit is None:
+                        continue
+                    dst_region, src_region, n = hit
+                    _narrow(local, dst_region).copy_(_narrow(src, src_region))
+                    covered += n
+                if covered != local.numel():
+                    raise ChecksumError(
+                        directory,
+                        f"the stored chunks of {key!r} cover {covered} of the {local.numel()} "
+                        f"elements at offsets {list(lo)} of this rank's shard",
+                    )
