@@ -13,6 +13,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from unbroken._fs import checksum_bytes
@@ -39,13 +40,14 @@ def train(st: TrainState, m: torch.nn.Module, opt: torch.optim.Optimizer, n: int
 
 
 def snapshot(st: TrainState) -> dict[str, Any]:
-    """Every tensor and number of the live state, owned (for bit-identity checks)."""
+    """Every tensor, number and RNG state of the live state, owned (for bit-identity)."""
     sd = st.state_dict()
-    sd.pop("rng", None)
 
     def own(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return x.detach().clone()
+        if isinstance(x, np.ndarray):
+            return x.copy()
         if isinstance(x, dict):
             return {k: own(v) for k, v in x.items()}
         if isinstance(x, list | tuple):
@@ -68,6 +70,8 @@ def identical(a: Any, b: Any) -> bool:
             and a.shape == b.shape
             and torch.equal(_bytes(a), _bytes(b))
         )
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple):

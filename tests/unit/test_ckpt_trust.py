@@ -97,7 +97,7 @@ MANIFEST_EDITS: dict[str, Callable[[dict[str, Any]], object]] = {
     # what single bit flips that keep the JSON valid did to the old restore()
     "dtype-float33": lambda m: _first_weight(m).update(dtype="float33"),
     "chunk-length": lambda m: _first_weight(m)["chunks"][0].update(
-        length=_first_weight(m)["chunks"][0]["length"] + 64
+        length=_first_weight(m)["chunks"][0]["length"] - 64
     ),
     "rank-file": _other_rank_file,
     "stats-no-norm": lambda m: _first_weight(m)["stats"].pop("norm"),
@@ -108,17 +108,41 @@ MANIFEST_EDITS: dict[str, Callable[[dict[str, Any]], object]] = {
     "world-size-text": lambda m: m.update(world_size="1"),
     "file-size-huge": lambda m: m["files"][".metadata"].update(size=1 << 62),
 }
+# Re-signed, this one is a true description of the same bytes (a whole tensor is also a
+# valid one-chunk shard): the newest checkpoint loads, bit-identical.
+HARMLESS_WHEN_CRAFTED = {"marked-sharded"}
 
 
+@pytest.mark.parametrize("resign", [False, True], ids=["flipped", "crafted"])
 @pytest.mark.parametrize("edit", sorted(MANIFEST_EDITS))
-def test_a_damaged_manifest_falls_back_and_verify_agrees(root, caplog, edit) -> None:
+def test_a_damaged_manifest_falls_back_and_verify_agrees(root, caplog, edit, resign) -> None:
+    """``flipped``: as bit rot leaves it (the manifest's own checksum catches it);
+    ``crafted``: re-signed, so the field's own check must catch it."""
     r, want = root
-    edit_manifest(step_dir(r, 4), MANIFEST_EDITS[edit], resign=False)
+    edit_manifest(step_dir(r, 4), MANIFEST_EDITS[edit], resign=resign)
+    if resign and edit in HARMLESS_WHEN_CRAFTED:
+        assert _verdicts(r) == {2: "ok", 4: "ok"}
+        got, st, warns = _restore(r, caplog)
+        assert got == 4 and identical(snapshot(st), want[4]) and not warns
+        return
     assert _verdicts(r) == {2: "ok", 4: "DAMAGED"}
     got, st, warns = _restore(r, caplog)
     assert got == 2 and identical(snapshot(st), want[2])
     assert len(warns) == 1 and "step 4" in warns[0], warns
     assert os.path.isdir(step_dir(r, 2)) and not os.path.exists(step_dir(r, 4))
+
+
+def test_our_own_checkpoints_take_the_zero_copy_path(root, monkeypatch) -> None:
+    """The checks above must not push our own checkpoints off the mmap fast path."""
+    from unbroken.ckpt import saver
+
+    def refuse(*a: Any, **k: Any) -> Any:
+        raise AssertionError("torch.load used for a checkpoint unbroken wrote")
+
+    monkeypatch.setattr(saver.torch, "load", refuse)
+    r, want = root
+    st, _, _ = small_state(seed=9)
+    assert Checkpointer(r, st).restore() == 4 and identical(snapshot(st), want[4])
 
 
 # --- 3. manifest paths are confined to the step directory -----------------------------------

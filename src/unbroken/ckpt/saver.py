@@ -27,6 +27,7 @@ import io
 import math
 import mmap
 import os
+import pickle
 import stat
 import struct
 import sys
@@ -48,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from unbroken._fs import HashingWriter, checksum_bytes
 from unbroken.ckpt._dist import Comm
-from unbroken.ckpt.manifest import CheckpointManifest, Chunk, FileEntry, TensorEntry
+from unbroken.ckpt.manifest import DTYPES, CheckpointManifest, Chunk, FileEntry, TensorEntry
 
 __all__ = [
     "ChecksumError",
@@ -350,7 +351,7 @@ def _chunk_tensor(mm: mmap.mmap | None, c: Chunk, t: TensorEntry, path: str) -> 
     sizes = c.sizes if c.sizes is not None else (None if t.sharded else t.shape)
     if sizes is not None:
         nbytes = math.prod(sizes) * dtype.itemsize
-        start = _locate_storage(mm, c, nbytes)
+        start = _locate_storage(mm, c, dtype, sizes)
         if start is not None:
             if nbytes == 0:
                 return torch.empty(sizes, dtype=dtype)
@@ -377,34 +378,126 @@ def _chunk_tensor(mm: mmap.mmap | None, c: Chunk, t: TensorEntry, path: str) -> 
     return got
 
 
-def _locate_storage(mm: mmap.mmap, c: Chunk, nbytes: int) -> int | None:
+def _locate_storage(mm: mmap.mmap, c: Chunk, dtype: torch.dtype, sizes: tuple[int, ...]) -> int | None:
     """Byte offset (in the file) of the single storage record of the ``torch.save`` blob at
-    ``c``, or None when the blob is not the compact layout we write. Record sizes come
-    from the zip central directory (torch's writer uses data descriptors)."""
+    ``c``, or None when the blob is not exactly the compact layout we write: one stored
+    record of ``prod(sizes)`` elements, native byte order, and a ``data.pkl`` that describes
+    a contiguous ``sizes`` tensor of ``dtype`` at storage offset 0 (so a manifest whose shape
+    or dtype was changed never maps the bytes as something else). Record sizes come from
+    the zip central directory (torch's writer uses data descriptors)."""
+    nbytes = math.prod(sizes) * dtype.itemsize
     blob = memoryview(mm)[c.offset : c.offset + c.length]
     try:
         zf = zipfile.ZipFile(_BlobView(blob))
-    except (zipfile.BadZipFile, ValueError):
+    except (zipfile.BadZipFile, ValueError, OSError):
         return None
     with zf:
         infos = zf.infolist()
     data = [i for i in infos if "/data/" in i.filename]
     order = [i for i in infos if i.filename.endswith("/byteorder")]
+    pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
     if not (
         len(data) == 1
+        and len(pkl) == 1
         and data[0].filename.endswith("/data/0")
-        and data[0].compress_type == zipfile.ZIP_STORED
+        and all(i.compress_type == zipfile.ZIP_STORED for i in (data[0], pkl[0]))
         and data[0].file_size == nbytes
     ):
         return None
     start = _record_start(blob, data[0])
-    if start is None or start + nbytes > len(blob):
+    p = _record_start(blob, pkl[0])
+    if start is None or start + nbytes > len(blob) or p is None:
+        return None
+    if not _describes(bytes(blob[p : p + pkl[0].file_size]), dtype, sizes):
         return None
     if order:
         o = _record_start(blob, order[0])
         if o is None or bytes(blob[o : o + order[0].file_size]) != sys.byteorder.encode():
             return None
     return c.offset + start
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Parses the ``data.pkl`` of a ``torch.save`` blob against inert stand-ins: globals
+    resolve to their names (from a short exact list), calls to records; nothing runs."""
+
+    _CALLS = frozenset(
+        {
+            ("torch._utils", "_rebuild_tensor_v2"),
+            ("torch._utils", "_rebuild_tensor_v3"),
+            ("collections", "OrderedDict"),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._CALLS:
+            return lambda *args: (f"{module}.{name}", args)
+        if (module == "torch" and (name.endswith("Storage") or name in DTYPES)) or (
+            module,
+            name,
+        ) == ("torch.storage", "UntypedStorage"):
+            return f"{module}.{name}"
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return ("pid", pid)
+
+
+def _parse_tensor_pickle(raw: bytes) -> Any:
+    try:
+        return _TensorPickle(io.BytesIO(raw)).load()
+    except Exception:  # garbled or foreign: the caller takes the checked slow path
+        return None
+
+
+_STORAGE_NAMES: dict[torch.dtype, str | None] = {}
+
+
+def _storage_name(dtype: torch.dtype) -> str | None:
+    """The storage class torch.save names for ``dtype`` (``torch.FloatStorage``), learnt
+    once per dtype from torch itself."""
+    if dtype not in _STORAGE_NAMES:
+        buf = io.BytesIO()
+        torch.save(torch.empty(0, dtype=dtype), buf)
+        with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zf:
+            name = next(n for n in zf.namelist() if n.endswith("/data.pkl"))
+            top = _parse_tensor_pickle(zf.read(name))
+        try:
+            _STORAGE_NAMES[dtype] = top[1][0][1][1]
+        except (TypeError, IndexError):
+            _STORAGE_NAMES[dtype] = None
+    return _STORAGE_NAMES[dtype]
+
+
+def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(sizes):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _describes(raw: bytes, dtype: torch.dtype, sizes: tuple[int, ...]) -> bool:
+    """Does ``data.pkl`` say: a contiguous ``sizes`` tensor of ``dtype`` in storage "0"?"""
+    top = _parse_tensor_pickle(raw)
+    try:
+        fn, args = top
+        pid = args[0][1]
+        ok = (
+            pid[0] == "storage"
+            and pid[2] == "0"
+            and args[1] == 0
+            and tuple(args[2]) == tuple(sizes)
+            and tuple(args[3]) == _contiguous_strides(sizes)
+        )
+        if fn == "torch._utils._rebuild_tensor_v2":
+            return bool(ok and pid[1] == _storage_name(dtype))
+        if fn == "torch._utils._rebuild_tensor_v3":
+            dt = f"torch.{str(dtype).removeprefix('torch.')}"
+            return bool(ok and pid[1] == "torch.storage.UntypedStorage" and args[6] == dt)
+    except (TypeError, ValueError, IndexError, KeyError):
+        pass
+    return False
 
 
 def _record_start(blob: memoryview, info: zipfile.ZipInfo) -> int | None:

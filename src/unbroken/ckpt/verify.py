@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,18 @@ def load_verified(store: Store, step: int, *, rank: int = 0, world: int = 1) -> 
         raise CorruptCheckpoint(step, reason, detail.splitlines()[0] if detail else "") from e
 
 
+class _Refs(dict[str, torch.Tensor]):
+    """The stored tensors by key, recording which ones the state tree references."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        super().__init__(dict.fromkeys(keys, _ANY))
+        self.seen: set[str] = set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.seen.add(key)
+        return super().__getitem__(key)
+
+
 def _read_checked(directory: str, name: str, want: FileEntry) -> bytes:
     path = os.path.join(directory, name)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
@@ -136,11 +148,20 @@ def _load_verified(store: Store, step: int, rank: int, world: int) -> Verified:
         blob = json.loads(raw)
         tree = blob["state"]
         rng = codec.decode(blob["rng"]) if m.world_size == world else None
-        sd = codec.decode(tree, dict.fromkeys(m.tensors, _ANY))  # every reference resolves
+        refs = _Refs(m.tensors)
+        sd = codec.decode(tree, refs)  # every reference resolves
     except (KeyError, TypeError, ValueError, RecursionError) as e:
         raise CorruptCheckpoint(step, "bad-state", f"{where}: {e!r}") from e
     if not (isinstance(sd, dict) and isinstance(sd.get("components"), dict)):
         raise CorruptCheckpoint(step, "bad-state", f"{where} holds no component state")
+    unused = sorted(set(m.tensors) - refs.seen)
+    if unused:
+        raise CorruptCheckpoint(
+            step,
+            "bad-manifest",
+            f"{os.path.join(d, 'manifest.json')} lists {len(unused)} tensor(s) the saved state "
+            f"never references, e.g. {unused[0]!r}",
+        )
     return Verified(step, m, tree, tensors, rng)
 
 
