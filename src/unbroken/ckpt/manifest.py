@@ -383,6 +383,8 @@ class _Checker:
         sharded = t.get("sharded", False)
         self.require(isinstance(sharded, bool), f"{what}.sharded={sharded!r} is not true/false")
         stats = t.get("stats")
+        # We record no statistics for sharded tensors (a DTensor's would need collectives).
+        self.require(not (sharded and stats is not None), f"{what} is sharded but has stats")
         if stats is not None:
             stats = self.dict_(stats, f"{what}.stats")
             self.require(set(stats) == {"sum", "norm"}, f"{what}.stats has keys {sorted(stats)}, not sum and norm")

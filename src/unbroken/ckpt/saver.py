@@ -546,8 +546,11 @@ def _by_file(m: CheckpointManifest, names: Iterable[str]) -> dict[str, list[tupl
     return out
 
 
-def _per_file(fn: Any, names: list[str]) -> list[Any]:
-    if len(names) <= 1:
+_PARALLEL_BYTES = 64 << 20  # below this, starting threads costs more than it saves
+
+
+def _per_file(fn: Any, m: CheckpointManifest, names: list[str]) -> list[Any]:
+    if len(names) <= 1 or sum(m.files[n].size for n in names) < _PARALLEL_BYTES:
         return [fn(n) for n in names]
     with ThreadPoolExecutor(min(len(names), 4)) as pool:  # hashing releases the GIL
         return list(pool.map(fn, names))
@@ -570,7 +573,7 @@ def read_tensors(directory: str, m: CheckpointManifest) -> dict[str, torch.Tenso
         return {k: _chunk_tensor(mm, c, m.tensors[k], path) for k, c in groups[name]}
 
     out: dict[str, torch.Tensor] = {}
-    for part in _per_file(one, list(groups)):
+    for part in _per_file(one, m, list(groups)):
         out.update(part)
     return out
 
@@ -586,7 +589,7 @@ def verify_files(directory: str, m: CheckpointManifest, names: Iterable[str]) ->
         for k, c in groups[name]:
             _chunk_tensor(mm, c, m.tensors[k], path)
 
-    _per_file(one, list(groups))
+    _per_file(one, m, list(groups))
 
 
 def _local_parts(key: str, t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
