@@ -72,7 +72,8 @@ def test_crafted_metadata_with_a_dotted_global_runs_no_code(root, tmp_path, capl
     r, want = root
     marker = tmp_path / "PWNED"
     d = step_dir(r, 4)
-    edit_manifest(d, lambda m: [t.update(sharded=True) for k, t in m["tensors"].items() if "/model/" in k])
+    for_dcp = {"sharded": True, "stats": None}  # what sharded tensors look like
+    edit_manifest(d, lambda m: [t.update(for_dcp) for k, t in m["tensors"].items() if "/model/" in k])
     fn = p_stack_global("torch.distributed.checkpoint.filesystem", "os.system")
     replace_file(d, ".metadata", PROTO + p_call(fn, f"touch {marker}") + STOP)
     assert _verdicts(r) == {2: "ok", 4: "DAMAGED"}

@@ -41,7 +41,6 @@ _CLASSES = frozenset(
 # Callables DCP's metadata applies with REDUCE (values, never effects).
 _CALLABLES = frozenset(
     {
-        ("torch", "Size"),
         ("torch.serialization", "_get_layout"),
         (_MD, "_MEM_FORMAT_ENCODING"),
         ("pathlib", "PosixPath"),
@@ -62,23 +61,18 @@ class UnsafeMetadata(ValueError):
 
 
 class _Stub:
-    """An instance of an allow-listed class: records what the pickle gave it."""
+    """An instance of an allow-listed class. No code of ours runs when the pickle makes one
+    (``object.__new__``) or fills it (``BUILD`` updates its ``__dict__``): C speed, nothing
+    to call."""
 
-    __slots__ = ("args", "state")
     _name = ""
-    args: tuple[Any, ...]
-    state: Any
 
-    def __new__(cls, *args: Any) -> _Stub:
-        obj = object.__new__(cls)
-        obj.args, obj.state = args, None
-        return obj
 
-    def __init__(self, *args: Any) -> None:  # REDUCE of a class calls it: nothing to do
-        pass
+class _TupleState(_Stub):
+    """For the one class DCP pickles with a tuple state (``TensorProperties``)."""
 
     def __setstate__(self, state: Any) -> None:
-        self.state = state
+        self.__dict__["state"] = state
 
 
 class _Call:
@@ -94,9 +88,16 @@ class _Call:
 
 
 _STUB_TYPES: dict[tuple[str, str], type[_Stub]] = {
-    key: type(key[1], (_Stub,), {"__slots__": (), "_name": f"{key[0]}.{key[1]}"})
+    key: type(
+        key[1],
+        (_TupleState if key == (_MD, "TensorProperties") else _Stub,),
+        {"_name": f"{key[0]}.{key[1]}"},
+    )
     for key in _CLASSES
 }
+# torch.Size(list) is a tuple of ints: the builtin ``tuple`` builds the same inert value at
+# C speed (it is applied once or twice per stored chunk).
+_AS_TUPLE = frozenset({("torch", "Size")})
 
 
 class _Checker(pickle.Unpickler):
@@ -104,6 +105,8 @@ class _Checker(pickle.Unpickler):
         key = (module, name)
         if key in _STUB_TYPES:
             return _STUB_TYPES[key]
+        if key in _AS_TUPLE:
+            return tuple
         if key in _CALLABLES:
             return _Call(f"{module}.{name}")
         if key in _VALUES:

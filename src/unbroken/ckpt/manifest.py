@@ -42,7 +42,7 @@ import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -95,11 +95,16 @@ class ManifestError(ValueError):
         self.reason = reason
 
 
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    n: getattr(torch, n) for n in DTYPES if isinstance(getattr(torch, n, None), torch.dtype)
+}  # the fixed set, as far as this torch knows it
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a manifest dtype name (from :data:`DTYPES` only)."""
-    dt = getattr(torch, name, None) if name in DTYPES else None
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
+    dt = _TORCH_DTYPES.get(name) if isinstance(name, str) else None
+    if dt is None:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(_TORCH_DTYPES)}")
     return dt
 
 
@@ -109,13 +114,13 @@ def manifest_digest(d: Mapping[str, Any]) -> str:
     return checksum_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # thousands per manifest: no __dict__
 class FileEntry:
     size: int
     checksum: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # thousands per manifest: no __dict__
 class Chunk:
     """Where one tensor (or one shard of it) lies: a ``torch.save`` blob of ``length`` bytes
     at ``offset`` in ``file``, covering ``sizes`` elements from ``offsets`` of the tensor.
@@ -135,7 +140,7 @@ class Chunk:
         return d
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # thousands per manifest: no __dict__
 class TensorEntry:
     dtype: str
     shape: tuple[int, ...]
@@ -357,10 +362,6 @@ class _Checker:
         self.require(isinstance(x, dict), f"{what} is not a JSON object")
         return x  # type: ignore[no-any-return]
 
-    def ints(self, x: Any, what: str) -> tuple[int, ...]:
-        self.require(isinstance(x, list), f"{what}={x!r} is not a list of integers")
-        return tuple(self.int_(i, what) for i in x)
-
     def name(self, name: str, what: str) -> None:
         # Plain names only: no "/" (so no "../x" and no absolute path), not "." or "..".
         self.require(
@@ -371,60 +372,79 @@ class _Checker:
     def tensor(
         self, key: str, t: Any, files: Mapping[str, FileEntry], data_names: set[str], version: int
     ) -> TensorEntry:
-        what = f"tensors[{key!r}]"
-        t = self.dict_(t, what)
+        # Runs once per tensor of every manifest read (thousands per restore): plain type
+        # checks, and a message only built on failure.
+        def bad(detail: str) -> NoReturn:
+            raise ManifestError(self.where, f"tensors[{key!r}]{detail}")
+
+        if type(t) is not dict:
+            bad(" is not a JSON object")
         dtype = t.get("dtype")
-        self.require(dtype in DTYPES, f"{what}.dtype={dtype!r} is not one of {', '.join(DTYPES)}")
-        try:
-            torch_dtype(dtype)
-        except ValueError as e:
-            raise ManifestError(self.where, f"{what}.dtype={dtype!r} is unknown to torch {torch.__version__}") from e
-        shape = self.ints(t.get("shape"), f"{what}.shape")
+        if type(dtype) is not str or dtype not in _TORCH_DTYPES:
+            bad(f".dtype={dtype!r} is not one of {', '.join(_TORCH_DTYPES)}")
+        shape = _ints(t.get("shape"))
+        if shape is None:
+            bad(f".shape={t.get('shape')!r} is not a list of integers >= 0")
         sharded = t.get("sharded", False)
-        self.require(isinstance(sharded, bool), f"{what}.sharded={sharded!r} is not true/false")
+        if type(sharded) is not bool:
+            bad(f".sharded={sharded!r} is not true/false")
         stats = t.get("stats")
-        # We record no statistics for sharded tensors (a DTensor's would need collectives).
-        self.require(not (sharded and stats is not None), f"{what} is sharded but has stats")
         if stats is not None:
-            stats = self.dict_(stats, f"{what}.stats")
-            self.require(set(stats) == {"sum", "norm"}, f"{what}.stats has keys {sorted(stats)}, not sum and norm")
-            stats = {k: self.num(x, f"{what}.stats.{k}") for k, x in stats.items()}
-        raw_chunks = t.get("chunks")
-        self.require(isinstance(raw_chunks, list) and len(raw_chunks) > 0, f"{what}.chunks is not a non-empty list")
+            # We record no statistics for sharded tensors (a DTensor's would need collectives).
+            if sharded:
+                bad(" is sharded but has stats")
+            if type(stats) is not dict or stats.keys() != {"sum", "norm"}:
+                bad(f".stats={stats!r} is not {{sum, norm}}")
+            for x in stats.values():
+                if type(x) not in (int, float):
+                    bad(f".stats={stats!r} holds a non-number")
+        raw = t.get("chunks")
+        if type(raw) is not list or not raw:
+            bad(".chunks is not a non-empty list")
         chunks = []
         volume = 0
-        for i, c in enumerate(raw_chunks):
-            cw = f"{what}.chunks[{i}]"
-            c = self.dict_(c, cw)
-            offsets = self.ints(c.get("offsets"), f"{cw}.offsets")
-            sizes = None if version < 2 and "sizes" not in c else self.ints(c.get("sizes"), f"{cw}.sizes")
-            self.require(len(offsets) == len(shape), f"{cw}.offsets has {len(offsets)} dims, shape {len(shape)}")
+        ndim = len(shape)
+        for i, c in enumerate(raw):
+            if type(c) is not dict:
+                bad(f".chunks[{i}] is not a JSON object")
+            offsets = _ints(c.get("offsets"))
+            sizes = None if version < 2 and "sizes" not in c else _ints(c.get("sizes"))
+            if offsets is None or len(offsets) != ndim:
+                bad(f".chunks[{i}].offsets={c.get('offsets')!r} is not {ndim} integers >= 0")
             if sizes is not None:
-                self.require(
-                    len(sizes) == len(shape) and all(o + n <= s for o, n, s in zip(offsets, sizes, shape, strict=True)),
-                    f"{cw} (offsets {list(offsets)}, sizes {list(sizes)}) lies outside shape {list(shape)}",
-                )
+                if len(sizes) != ndim or any(
+                    o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)
+                ):
+                    bad(f".chunks[{i}] (offsets {c.get('offsets')}, sizes {c.get('sizes')}) lies "
+                        f"outside shape {list(shape)}")  # fmt: skip
                 volume += math.prod(sizes)
-            else:
-                self.require(all(o < max(s, 1) for o, s in zip(offsets, shape, strict=True)), f"{cw}.offsets outside shape")
-            name = c.get("file")
-            if not isinstance(name, str):
-                raise ManifestError(self.where, f"{cw}.file is not a string")
-            self.name(name, f"{cw}.file")
-            self.require(name in data_names, f"{cw}.file {name!r} is not a listed data file")
-            offset = self.int_(c.get("offset"), f"{cw}.offset")
-            length = self.int_(c.get("length"), f"{cw}.length", lo=1)
-            self.require(
-                offset + length <= files[name].size,
-                f"{cw} (bytes {offset}..{offset + length}) lies outside {name} ({files[name].size} bytes)",
-            )
+            elif version >= 2:
+                bad(f".chunks[{i}].sizes={c.get('sizes')!r} is not a list of integers >= 0")
+            elif any(o >= max(d, 1) for o, d in zip(offsets, shape, strict=True)):
+                bad(f".chunks[{i}].offsets lie outside shape {list(shape)}")
+            name, offset, length = c.get("file"), c.get("offset"), c.get("length")
+            # data_names are validated plain names: membership confines the path too.
+            if type(name) is not str or name not in data_names:
+                bad(f".chunks[{i}].file={name!r} is not a data file listed in the manifest")
+            if type(offset) is not int or type(length) is not int or offset < 0 or length < 1:
+                bad(f".chunks[{i}] has offset={offset!r}, length={length!r}")
+            if offset + length > files[name].size:
+                bad(f".chunks[{i}] (bytes {offset}..{offset + length}) lies outside {name} "
+                    f"({files[name].size} bytes)")  # fmt: skip
             chunks.append(Chunk(offsets, sizes, name, offset, length))
-        if all(c.sizes is not None for c in chunks):
-            self.require(volume == math.prod(shape), f"{what}.chunks cover {volume} elements, shape has {math.prod(shape)}")
+        if all(c.sizes is not None for c in chunks) and volume != math.prod(shape):
+            bad(f".chunks cover {volume} elements, shape {list(shape)} has {math.prod(shape)}")
         if not sharded:
             only = chunks[0]
-            self.require(
-                len(chunks) == 1 and not any(only.offsets) and only.sizes in (None, shape),
-                f"{what} is not sharded but is not one whole chunk",
-            )
-        return TensorEntry(dtype, shape, sharded, stats, tuple(chunks))
+            if len(chunks) != 1 or any(only.offsets) or only.sizes not in (None, shape):
+                bad(" is not sharded but is not one whole chunk")
+        return TensorEntry(
+            dtype, shape, sharded, None if stats is None else {k: float(x) for k, x in stats.items()}, tuple(chunks)
+        )
+
+
+def _ints(x: Any) -> tuple[int, ...] | None:
+    """``x`` as a tuple of non-negative ints, or None when it is anything else."""
+    if type(x) is list and all(type(i) is int and i >= 0 for i in x):
+        return tuple(x)
+    return None
