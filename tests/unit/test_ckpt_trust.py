@@ -148,6 +148,23 @@ def test_our_own_checkpoints_take_the_zero_copy_path(root, monkeypatch) -> None:
     assert Checkpointer(r, st).restore() == 4 and identical(snapshot(st), want[4])
 
 
+def test_every_dtype_round_trips_on_the_zero_copy_path(tmp_path, monkeypatch) -> None:
+    from unbroken.ckpt import saver
+    from unbroken.ckpt.manifest import DTYPES
+
+    dtypes = [getattr(torch, n) for n in DTYPES if isinstance(getattr(torch, n, None), torch.dtype)]
+    torch.manual_seed(0)
+    src = {str(d): (torch.randn(5, 3) * 4).to(d) for d in dtypes}
+    src["empty"] = torch.empty(0, 7)
+    src["scalar"] = torch.tensor(3.5)
+    ck = Checkpointer(str(tmp_path), TrainState(extras={"t": _Blob(src)}))
+    ck.save(1)
+    monkeypatch.setattr(saver.torch, "load", lambda *a, **k: pytest.fail("slow path taken"))
+    blob = _Blob({k: torch.zeros_like(v) for k, v in src.items()})
+    assert Checkpointer(str(tmp_path), TrainState(extras={"t": blob})).restore() == 1
+    assert identical(blob.t, src)
+
+
 # --- 3. manifest paths are confined to the step directory -----------------------------------
 
 

@@ -203,6 +203,8 @@ def tensor_stats(t: torch.Tensor) -> dict[str, float] | None:
         if math.isinf(norm):  # squares overflow float32 (e.g. Adam's exp_avg_sq)
             norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
         return {"sum": _fast_sum(flat), "norm": norm}
+    if t.is_floating_point() and t.element_size() == 1:  # float8: no promotion rules
+        t = t.to(torch.float32)
     if t.is_floating_point():  # 16-bit and 8-bit floats: accumulate in float32
         return {
             "sum": float(torch.sum(t, dtype=torch.float32)),
