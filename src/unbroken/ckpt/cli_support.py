@@ -125,7 +125,7 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
             if m:
                 notes.append(f"{name}: quarantined step {int(m.group(1))} ({m.group(2)})")
         notes += [
-            f"{n}: step directory without {MANIFEST} (not a checkpoint)"
+            f"{n}: DAMAGED, no {MANIFEST} (restore() moves it aside; see `ckpt verify`)"
             for n in store.uncommitted()
         ]
         notes += [f"{n}: save in progress, or debris of a killed one" for n in store.temp_dirs()]
