@@ -6,11 +6,13 @@ A plain module, not a conftest (see datakit.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import struct
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,35 @@ from unbroken._fs import checksum_bytes
 from unbroken.ckpt import Checkpointer, TrainState
 
 STEPS = (2, 4)
+
+
+class Blob:
+    """The smallest Stateful: one value under ``t``."""
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.t = sd["t"]
+
+
+def can_mount() -> bool:
+    """Root with mount(8): real tmpfs mounts (tiny disks, read-only roots) are possible."""
+    return os.geteuid() == 0 and subprocess.run(["which", "mount"], capture_output=True).returncode == 0
+
+
+@contextlib.contextmanager
+def tmpfs(path: str, size: str = "16m") -> Iterator[str]:
+    """A real tmpfs of ``size`` mounted at ``path`` for the duration."""
+    os.makedirs(path, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)
 
 
 def small_state(seed: int = 0) -> tuple[TrainState, torch.nn.Module, torch.optim.Optimizer]:

@@ -8,13 +8,11 @@ crafted file asked for happened.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
 import subprocess
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,7 +21,9 @@ import torch
 from ckptkit import (
     PROTO,
     STOP,
+    Blob,
     build_root,
+    can_mount,
     data_files,
     edit_manifest,
     identical,
@@ -33,6 +33,7 @@ from ckptkit import (
     small_state,
     snapshot,
     step_dir,
+    tmpfs,
     train,
 )
 from unbroken.ckpt import Checkpointer, TrainState
@@ -157,10 +158,10 @@ def test_every_dtype_round_trips_on_the_zero_copy_path(tmp_path, monkeypatch) ->
     src = {str(d): (torch.randn(5, 3) * 4).to(d) for d in dtypes}
     src["empty"] = torch.empty(0, 7)
     src["scalar"] = torch.tensor(3.5)
-    ck = Checkpointer(str(tmp_path), TrainState(extras={"t": _Blob(src)}))
+    ck = Checkpointer(str(tmp_path), TrainState(extras={"t": Blob(src)}))
     ck.save(1)
     monkeypatch.setattr(saver.torch, "load", lambda *a, **k: pytest.fail("slow path taken"))
-    blob = _Blob({k: torch.zeros_like(v) for k, v in src.items()})
+    blob = Blob({k: torch.zeros_like(v) for k, v in src.items()})
     assert Checkpointer(str(tmp_path), TrainState(extras={"t": blob})).restore() == 1
     assert identical(blob.t, src)
 
@@ -216,24 +217,10 @@ def test_a_data_file_symlinked_out_of_the_step_directory_is_refused(root, tmp_pa
 # --- 5. read-only file system ---------------------------------------------------------------
 
 
-def _can_mount() -> bool:
-    return os.geteuid() == 0 and subprocess.run(["which", "mount"], capture_output=True).returncode == 0
-
-
-@contextlib.contextmanager
-def _tmpfs(path: str, size: str = "16m") -> Iterator[str]:
-    os.makedirs(path, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", path], check=False)
-
-
 def test_read_only_root_with_a_damaged_newest_skips_it(tmp_path, caplog) -> None:
-    if not _can_mount():
+    if not can_mount():
         pytest.skip("needs root and mount(8) to make a real read-only file system")
-    with _tmpfs(str(tmp_path / "ro")) as r:
+    with tmpfs(str(tmp_path / "ro")) as r:
         want = build_root(r)
         d = step_dir(r, 4)
         path = os.path.join(d, data_files(d)[0])
@@ -311,43 +298,3 @@ def test_restore_into_a_model_with_an_extra_layer_names_the_key(root) -> None:
     with pytest.raises(ValueError, match="components/model/3.weight"):
         Checkpointer(r, st).restore()
     assert identical(snapshot(st), before)
-
-
-# --- 9. disk full: one clear error, no thread traceback --------------------------------------
-
-
-class _Blob:
-    def __init__(self, t: torch.Tensor) -> None:
-        self.t = t
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"t": self.t}
-
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.t = sd["t"]
-
-
-def test_disk_full_save_raises_one_clear_error_without_a_thread_traceback(tmp_path, monkeypatch) -> None:
-    seen: list[Any] = []
-    monkeypatch.setattr(threading, "excepthook", seen.append)
-    st = TrainState(extras={"a": _Blob(torch.zeros(4)), "b": _Blob(torch.zeros(4))})
-    path = str(tmp_path / "disk")
-    ctx = _tmpfs(path, "2m") if _can_mount() else contextlib.nullcontext(path)
-    with ctx:
-        ck = Checkpointer(path, st, keep_last=None, io_threads=2)
-        ck.save(1)
-        if _can_mount():  # two 4 MB tensors, one per writer thread, on a 2 MB disk
-            st.components["extra.a"].t = torch.ones(1 << 20)
-            st.components["extra.b"].t = torch.ones(1 << 20)
-        else:
-            from unbroken import _fs
-
-            def full(self: Any, b: Any) -> int:
-                raise OSError(errno.ENOSPC, "No space left on device")
-
-            monkeypatch.setattr(_fs.HashingWriter, "write", full)
-        with pytest.raises(RuntimeError, match="disk full.*step 2") as e:
-            ck.save(2)
-        assert "Traceback" not in str(e.value) and len(str(e.value).splitlines()) == 1
-        assert seen == []  # no writer thread died with an unhandled exception
-        assert os.listdir(path) == ["step-00000001"]
