@@ -166,6 +166,30 @@ def test_every_dtype_round_trips_on_the_zero_copy_path(tmp_path, monkeypatch) ->
     assert identical(blob.t, src)
 
 
+def test_verify_checks_every_ranks_state_file(root) -> None:
+    """A 2-rank restore reads state-rank1.json on rank 1; `ckpt verify` (one process) must
+    check it too, or it would pass a checkpoint that restore refuses."""
+    r, _ = root
+    d = step_dir(r, 4)
+    with open(os.path.join(d, "state-rank0.json"), "rb") as f:
+        state = f.read()
+    replace_file(d, "state-rank1.json", state)  # as a 2-rank save leaves it
+
+    def two_ranks(m: dict[str, Any]) -> None:
+        m["world_size"] = 2
+        m["ranks"]["1"] = {"state": "state-rank1.json"}
+
+    edit_manifest(d, two_ranks)
+    assert _verdicts(r) == {2: "ok", 4: "ok"}
+    with open(os.path.join(d, "state-rank1.json"), "r+b") as f:
+        f.seek(10)
+        b = f.read(1)
+        f.seek(10)
+        f.write(bytes([b[0] ^ 2]))
+    (v4,) = [v for v in verify_steps(r) if v.step == 4]
+    assert not v4.ok and v4.reason == "checksum" and "state-rank1.json" in v4.detail
+
+
 # --- 3. manifest paths are confined to the step directory -----------------------------------
 
 

@@ -244,7 +244,8 @@ def _dir_size(path: str) -> int:
 def verify_steps(directory: str, step: int | None = None) -> list[StepVerdict]:
     """Run restore()'s verification and decoding (``load_verified``, without a model) on
     ``step`` or on every ``step-N`` directory, committed or not (a directory without a
-    manifest is damage to restore() too). Read-only: nothing is quarantined."""
+    manifest is damage to restore() too), with every rank's state file checked as the ranks
+    of a same-size restore check them between them. Read-only: nothing is quarantined."""
     from unbroken.ckpt.verify import load_verified
 
     store = Store(directory)
@@ -261,7 +262,7 @@ def verify_steps(directory: str, step: int | None = None) -> list[StepVerdict]:
     for s in steps:
         t0 = time.perf_counter()
         try:
-            v = load_verified(store, s)
+            v = load_verified(store, s, every_rank=True)
             del v  # drop the read-only mappings at once
             reason = detail = ""
         except CorruptCheckpoint as e:

@@ -76,11 +76,15 @@ class Verified:
         return sd
 
 
-def load_verified(store: Store, step: int, *, rank: int = 0, world: int = 1) -> Verified:
+def load_verified(
+    store: Store, step: int, *, rank: int = 0, world: int = 1, every_rank: bool = False
+) -> Verified:
     """Read, fully verify and decode ``step`` for ``rank`` of ``world``; raises
-    :class:`CorruptCheckpoint` for any damage, never another exception type."""
+    :class:`CorruptCheckpoint` for any damage, never another exception type.
+    ``every_rank``: also verify and decode every other rank's state file (what the ranks
+    of a restore at the saved world size check between them; ``ckpt verify`` does this)."""
     try:
-        return _load_verified(store, step, rank, world)
+        return _load_verified(store, step, rank, world, every_rank)
     except (CorruptCheckpoint, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001 - DCP's and torch's errors include BaseException
@@ -126,12 +130,15 @@ def _read_checked(directory: str, name: str, want: FileEntry) -> bytes:
     return raw
 
 
-def _load_verified(store: Store, step: int, rank: int, world: int) -> Verified:
+def _load_verified(store: Store, step: int, rank: int, world: int, every_rank: bool) -> Verified:
     m = store.read_manifest(step)
     d = store.step_dir(step)
     m.check_files(d)
     rank_file = m.ranks[rank if rank < m.world_size else 0]
     raw = _read_checked(d, rank_file, m.files[rank_file])
+    if every_rank:
+        for other in sorted(set(m.ranks.values()) - {rank_file}):
+            _decode_state(step, d, other, _read_checked(d, other, m.files[other]), m, world)
     check_dcp_metadata(_read_checked(d, METADATA, m.files[METADATA]), os.path.join(d, METADATA))
     tensors: dict[str, torch.Tensor] = {}
     if m.sharded:
@@ -143,7 +150,15 @@ def _load_verified(store: Store, step: int, rank: int, world: int) -> Verified:
                 raise CorruptCheckpoint(
                     step, "stats", f"tensor {k!r} in {d} does not match its recorded sum/norm"
                 )
-    where = os.path.join(d, rank_file)
+    tree, rng = _decode_state(step, d, rank_file, raw, m, world)
+    return Verified(step, m, tree, tensors, rng)
+
+
+def _decode_state(
+    step: int, d: str, name: str, raw: bytes, m: CheckpointManifest, world: int
+) -> tuple[Any, Any]:
+    """The state tree and RNG of one rank's state file, decoded as restore will decode them."""
+    where = os.path.join(d, name)
     try:
         blob = json.loads(raw)
         tree = blob["state"]
@@ -162,7 +177,7 @@ def _load_verified(store: Store, step: int, rank: int, world: int) -> Verified:
             f"{os.path.join(d, 'manifest.json')} lists {len(unused)} tensor(s) the saved state "
             f"never references, e.g. {unused[0]!r}",
         )
-    return Verified(step, m, tree, tensors, rng)
+    return tree, rng
 
 
 def read_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
