@@ -685,7 +685,10 @@ def fill(
             out.append((c.offsets, _chunk_tensor(maps[c.file], c, t, os.path.join(directory, c.file))))
         return out
 
-    with torch.no_grad():
+    # Plan every copy first (views only, no data moved) so a checkpoint whose chunks do not
+    # cover a shard exactly is refused before the first byte of the live state changes.
+    plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():  # views of live parameters, written in place
         for key, target in targets.items():
             parts = _local_parts(key, target)
             saved = stored(key, [(lo, local.shape) for lo, local in parts])
@@ -693,14 +696,15 @@ def fill(
                 covered = 0
                 for co, src in saved:
                     hit = _overlap(lo, local.shape, co, src.shape)
-                    if hit is None:
-                        continue
-                    dst_region, src_region, n = hit
-                    _narrow(local, dst_region).copy_(_narrow(src, src_region))
-                    covered += n
+                    if hit is not None:
+                        dst_region, src_region, n = hit
+                        plan.append((_narrow(local, dst_region), _narrow(src, src_region)))
+                        covered += n
                 if covered != local.numel():
                     raise ChecksumError(
                         directory,
                         f"the stored chunks of {key!r} cover {covered} of the {local.numel()} "
                         f"elements at offsets {list(lo)} of this rank's shard",
                     )
+        for dst, src in plan:
+            dst.copy_(src)
