@@ -557,9 +557,10 @@ class Checkpointer:
                 "(the live state is unchanged); build the model and optimizer as the run "
                 "that saved it did, or restore from another directory"
             )
-        targets = {
-            k: live[k] if k in live else torch.empty(t.shape, dtype=t.torch_dtype)
-            for k, t in ver.manifest.tensors.items()
+        tensors = ver.manifest.tensors
+        targets = {  # what this rank's state references: live tensors, or new ones
+            k: live[k] if k in live else torch.empty(tensors[k].shape, dtype=tensors[k].torch_dtype)
+            for k in sorted(ver.needed)
         }
         fill(self.store.step_dir(ver.step), ver.manifest, targets, views=ver.tensors)
         sd = ver.decode(targets)

@@ -147,6 +147,9 @@ class TensorEntry:
     sharded: bool
     stats: dict[str, float] | None
     chunks: tuple[Chunk, ...]
+    rank: int | None = None
+    """The rank whose own copy this is, for state that differed between ranks (saved per
+    rank as ``rank<r>/<key>``); None for state saved once."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -157,13 +160,16 @@ class TensorEntry:
         return math.prod(self.shape) * self.torch_dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "dtype": self.dtype,
             "shape": list(self.shape),
             "stats": self.stats,
             "sharded": self.sharded,
             "chunks": [c.to_json() for c in self.chunks],
         }
+        if self.rank is not None:
+            d["rank"] = self.rank
+        return d
 
 
 @dataclass(frozen=True)
@@ -287,7 +293,7 @@ class CheckpointManifest:
 
         data_names = set(files) - set(ranks.values()) - {METADATA}
         tensors = {
-            k: v.tensor(k, t, files, data_names, version)
+            k: v.tensor(k, t, files, data_names, version, world)
             for k, t in v.dict_(d.get("tensors"), "tensors").items()
         }
         counters = {
@@ -370,7 +376,13 @@ class _Checker:
         )
 
     def tensor(
-        self, key: str, t: Any, files: Mapping[str, FileEntry], data_names: set[str], version: int
+        self,
+        key: str,
+        t: Any,
+        files: Mapping[str, FileEntry],
+        data_names: set[str],
+        version: int,
+        world: int,
     ) -> TensorEntry:
         # Runs once per tensor of every manifest read (thousands per restore): plain type
         # checks, and a message only built on failure.
@@ -438,8 +450,16 @@ class _Checker:
             only = chunks[0]
             if len(chunks) != 1 or any(only.offsets) or only.sizes not in (None, shape):
                 bad(" is not sharded but is not one whole chunk")
+        rank = t.get("rank")
+        if rank is not None and (type(rank) is not int or not 0 <= rank < world):
+            bad(f".rank={rank!r} is not a rank of the {world} that saved it")
         return TensorEntry(
-            dtype, shape, sharded, None if stats is None else {k: float(x) for k, x in stats.items()}, tuple(chunks)
+            dtype,
+            shape,
+            sharded,
+            None if stats is None else {k: float(x) for k, x in stats.items()},
+            tuple(chunks),
+            rank,
         )
 
 
