@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 import unbroken
 from unbroken._fs import atomic_write_bytes, checksum_file
-from unbroken.ckpt import _dist, codec
+from unbroken.ckpt import _dist, codec, lock
 from unbroken.ckpt import rng as _rng
 from unbroken.ckpt.saver import ItemLocation, load_into, write_tensors
 from unbroken.ckpt.snapshot import Snapshotter
@@ -171,6 +171,9 @@ class Checkpointer:
         self.last_restore_seconds: float | None = None
         self.preempted = False
         self._watch_sigterm = save_on_sigterm
+        self._lease: lock.Lease | None = None  # rank 0's claim on the root (C-ONE-WRITER)
+        self._writer = False  # every rank: the lock was taken for this checkpointer
+        self._finalizer: weakref.finalize[Any, Any] | None = None
         if save_on_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         atexit.register(_flush_at_exit, weakref.ref(self))
@@ -241,6 +244,7 @@ class Checkpointer:
                 f"checkpoint for step {step} already exists at {self.store.step_dir(step)}; "
                 "steps are immutable once committed"
             )
+        self._take_writer_lock()
         job = self._snapshot(step)
         if self._pool is None:
             return self._persist(job)
@@ -415,6 +419,39 @@ class Checkpointer:
             if self._uploader is not None:
                 self._uploader.close()
                 self._uploader = None
+            self._release_writer_lock()
+
+    # --- the writer lock (C-ONE-WRITER) --------------------------------------------------------
+
+    def _take_writer_lock(self, *, restoring: bool = False) -> None:
+        """Become the root's one writer before the first restore or save; refuse (on every
+        rank, with the holder named) when another live process is. Collective: rank 0
+        holds the lock for the job. A non-collective checkpointer on rank > 0 of a job
+        (rank 0 saves alone, everyone restores) takes it only when it saves."""
+        if self._writer:
+            return
+        if not self._comm.enabled and restoring and _dist.is_dist():
+            if torch.distributed.get_rank() != 0:
+                return
+        err: BaseException | None = None
+        if self._comm.rank == 0:
+            try:
+                self._lease = lock.acquire(self.store.root)
+            except (RuntimeError, ValueError) as e:  # RootLocked, not a directory, read-only
+                err = e
+        err = self._comm.broadcast(err)
+        if err is not None:
+            raise err
+        self._writer = True
+        if self._lease is not None:  # a checkpointer dropped without close() lets go too
+            self._finalizer = weakref.finalize(self, self._lease.release)
+
+    def _release_writer_lock(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # releases the lease once
+            self._finalizer = None
+        self._lease = None
+        self._writer = False
 
     def _flush_quietly(self) -> None:
         try:
@@ -451,6 +488,7 @@ class Checkpointer:
         self.wait()
         if step is not None:
             self._require_step(step)
+        self._take_writer_lock(restoring=True)
         rank, world = self._comm.rank, self._comm.world
         t0 = time.perf_counter()
         if rank == 0:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unbroken._fs import atomic_write_bytes, fsync_dir
+from unbroken.ckpt.lock import LOCK_NAME, note_temp, writer_alive
 
 __all__ = [
     "FORMAT",
@@ -136,7 +137,7 @@ class Store:
 
     def has_foreign_content(self) -> bool:
         """True when the root holds anything at all (a sign it was meant to hold checkpoints)."""
-        return bool(self._entries())
+        return any(n != LOCK_NAME for n in self._entries())
 
     # --- manifest -------------------------------------------------------------------------
 
@@ -172,6 +173,7 @@ class Store:
     def begin(self, step: int) -> str:
         self.ensure_root()
         tmp = os.path.join(self.root, f"{_TMP_PREFIX}{step:08d}.{uuid.uuid4().hex[:8]}")
+        note_temp(tmp)  # before it exists: a restore in another thread must never take it
         os.mkdir(tmp)
         return tmp
 
@@ -183,11 +185,13 @@ class Store:
         if os.path.exists(final):
             raise FileExistsError(f"checkpoint {final} already exists; refusing to overwrite it")
         os.rename(tmp, final)
+        note_temp(tmp, done=True)
         fsync_dir(self.root)
         return final
 
     def abort(self, tmp: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
+        note_temp(tmp, done=True)
 
     # --- damage -----------------------------------------------------------------------------
 
@@ -204,6 +208,8 @@ class Store:
         """Delete temp directories left by killed saves (never visible as checkpoints)."""
         removed = []
         for name in self.temp_dirs():
+            if writer_alive(os.path.join(self.root, name)):
+                continue  # a live save, or one whose writer we cannot know is gone
             shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
             removed.append(name)
         if removed:
