@@ -23,6 +23,7 @@ group so they never interleave with the training loop's collectives.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -32,7 +33,7 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 import unbroken
 from unbroken._fs import atomic_write_bytes, checksum_file
-from unbroken.ckpt import _dist, codec, lock
+from unbroken.ckpt import _dist, codec, lock, per_rank
 from unbroken.ckpt import rng as _rng
 from unbroken.ckpt.saver import ItemLocation, load_into, write_tensors
 from unbroken.ckpt.snapshot import Snapshotter
@@ -66,9 +67,11 @@ class _Job:
     tmp: str
     tensors: dict[str, torch.Tensor]
     sd: dict[str, Any]
-    rank_state: bytes
+    tree: Any  # the encoded state dict (tensor references), without RNG
+    rng: Any  # the encoded RNG state of this rank
     t0: float
     blocked: float = 0.0
+    differing: dict[str, list[str]] = field(default_factory=dict)  # filled by _persist
 
 
 class Checkpointer:
@@ -174,6 +177,7 @@ class Checkpointer:
         self._lease: lock.Lease | None = None  # rank 0's claim on the root (C-ONE-WRITER)
         self._writer = False  # every rank: the lock was taken for this checkpointer
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._warned: set[str] = set()  # components reported as differing between ranks
         if save_on_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         atexit.register(_flush_at_exit, weakref.ref(self))
@@ -292,12 +296,23 @@ class Checkpointer:
         t0 = time.perf_counter()
         sd, rng_state, tree, live = self._encode()
         tensors = self._snap.take(live) if self._pool is not None else live
-        rank_state = json.dumps({"state": tree, "rng": codec.encode(rng_state, None)}).encode()
+        rng_tree = codec.encode(rng_state, None)
         tmp = self.store.begin(step) if self.rank == 0 else ""
         tmp = self._comm.broadcast(tmp)
         blocked = time.perf_counter() - t0
         self.last_blocked_seconds = blocked
-        return _Job(step, tmp, tensors, sd, rank_state, t0, blocked)
+        return _Job(step, tmp, tensors, sd, tree, rng_tree, t0, blocked)
+
+    def _split_per_rank(self, job: _Job) -> tuple[Any, dict[str, torch.Tensor]]:
+        """Compare every rank's state (one all-gather of fingerprints); what differs is
+        saved per rank, under this rank's own keys (C-PER-RANK, :mod:`.per_rank`)."""
+        if self._comm.world < 2:
+            return job.tree, job.tensors
+        mine = per_rank.fingerprints(job.tree["components"], job.tensors, self.state.sharing)
+        job.differing = per_rank.compare(self._comm.gather(mine))
+        if self._comm.rank == 0:
+            per_rank.report(job.step, job.differing, self.state, self._warned)
+        return per_rank.rename(job.tree, job.tensors, job.differing, self._comm.rank)
 
     def _persist(self, job: _Job) -> str:
         rank, world = self._comm.rank, self._comm.world
@@ -305,27 +320,33 @@ class Checkpointer:
         files: dict[str, tuple[int, str]] = {}
         locations: list[ItemLocation] = []
         meta: dict[str, Any] = {}
+        own: dict[str, Any] = {}  # meta of this rank's own copies (rank 0 lists them all)
         try:
+            tree, tensors = self._split_per_rank(job)
             files, locations, meta = write_tensors(
-                job.tmp, job.tensors, threads=self.io_threads, comm=self._comm
+                job.tmp, tensors, threads=self.io_threads, comm=self._comm
             )
+            own = {k: v for k, v in meta.items() if per_rank.split_key(k)[0] == rank}
+            rank_state = json.dumps({"state": tree, "rng": job.rng}).encode()
             name = f"state-rank{rank}.json"
             files[name] = (
-                len(job.rank_state),
-                atomic_write_bytes(os.path.join(job.tmp, name), job.rank_state),
+                len(rank_state),
+                atomic_write_bytes(os.path.join(job.tmp, name), rank_state),
             )
         except BaseException as e:  # noqa: BLE001 - reported collectively below
             err = e
-        reports = self._comm.gather((repr(err) if err else None, files))
-        failed = [(r, e) for r, (e, _) in enumerate(reports) if e]
+        reports = self._comm.gather((repr(err) if err else None, files, own))
+        failed = [(r, e) for r, (e, _, _) in enumerate(reports) if e]
         path = self.store.step_dir(job.step)
         if rank == 0:
             if failed:
                 self.store.abort(job.tmp)
             else:
                 try:
-                    all_files = {k: v for _, f in reports for k, v in f.items()}
+                    all_files = {k: v for _, f, _ in reports for k, v in f.items()}
                     all_files[".metadata"] = checksum_file(os.path.join(job.tmp, ".metadata"))
+                    for r, (_, _, theirs) in enumerate(reports):
+                        meta.update({k: {**v, "rank": r} for k, v in theirs.items()})
                     manifest = self._manifest(job, all_files, locations, meta, world)
                     self.store.commit(job.tmp, job.step, manifest)
                 except BaseException as e:  # noqa: BLE001
@@ -349,7 +370,7 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         self.last_save_seconds = dt
         if rank == 0:
-            total = sum(s for _, f in reports for s, _ in f.values())
+            total = sum(s for _, f, _ in reports for s, _ in f.values())
             log.info(
                 "saved step %d to %s: %.1f MB in %.2f s (%.2f GB/s), loop blocked %.3f s",
                 job.step,
@@ -395,6 +416,7 @@ class Checkpointer:
             "created": time.time(),
             "world_size": world,
             "ranks": {str(r): {"state": f"state-rank{r}.json"} for r in range(world)},
+            "components": per_rank.manifest_section(job.differing, self.state.sharing),
             "unbroken_version": unbroken.__version__,
             "torch_version": torch.__version__,
             "checksum_algo": "xxh3_128",
@@ -566,17 +588,27 @@ class Checkpointer:
 
     def _apply(self, ver: Any, rank: int, world: int) -> None:
         self.state.check_compatible(ver.tree)  # component names only: plain JSON keys
+        skip = per_rank.check_resize(ver.manifest, self.state, world, rank)
+        if skip:  # neither read nor decoded: those components keep their live state
+            comps = {n: None if n in skip else v for n, v in ver.tree["components"].items()}
+            ver = dataclasses.replace(ver, tree={**ver.tree, "components": comps})
         current = self.state.state_dict()
         current.pop("rng", None)
         live: dict[str, torch.Tensor] = {}
         codec.encode(current, live)
+        needed = codec.tensor_keys(ver.tree)  # this rank's tree: its own per-rank copies
+        for k in needed:  # "rank1/components/x" restores into the live "components/x"
+            base = per_rank.split_key(k)[1]
+            if base in live:
+                live[k] = live[base]
         if ver.sharded or any(isinstance(t, DTensor) for t in live.values()):
-            tensors = _dcp_targets(ver.manifest["tensors"], live)
+            saved = {k: v for k, v in ver.manifest["tensors"].items() if k in needed}
+            tensors = _dcp_targets(saved, live)
             load_into(self.store.step_dir(ver.step), tensors, comm=self._comm)
         else:
-            tensors = into_live(ver.tensors, live)
+            tensors = into_live({k: v for k, v in ver.tensors.items() if k in needed}, live)
         sd = ver.decode(tensors)
-        self.state.load_state_dict(sd, restore_rng=ver.rng is not None)
+        self.state.load_state_dict(sd, restore_rng=ver.rng is not None, skip=skip)
         if ver.rng is None:
             saved = ver.manifest["world_size"]
             _rng.derive(self.state.seed, rank, ver.step, self.state.numpy_generators)
