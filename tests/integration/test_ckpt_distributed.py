@@ -191,7 +191,12 @@ def test_corrupt_file_of_one_rank_makes_all_ranks_fall_back(tmp_path, dataset: s
 
 
 def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -219,8 +224,13 @@ def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
             def load_state_dict(self, sd: dict[str, Any]) -> None:
                 set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
+        def full_optim(model: torch.nn.Module, o: torch.optim.Optimizer) -> dict[str, Any]:
+            opts = StateDictOptions(full_state_dict=True)
+            return get_optimizer_state_dict(model, o, options=opts)["state"]
+
         st = TrainState(extras={"app": ModelAndOptim()})
         ck = Checkpointer(job["root"], st)
+        direct = job["root"] + "-direct"  # the model and optimizer handed over as they are
         ref = os.path.join(job["root"], "full.pt")
         if job["mode"] == "save":
             for _ in range(2):  # a second step so the moments are non-trivial
@@ -229,19 +239,42 @@ def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
                 opt.zero_grad()
             st.step = 3
             ck.save()
+            st2 = TrainState(model=m, optimizer=opt)
+            st2.step = 3
+            Checkpointer(direct, st2).save()
             full = {k: v.full_tensor() for k, v in m.state_dict().items()}
+            moments = full_optim(m, opt)
             if rank == 0:
-                torch.save(full, ref)
+                torch.save({"model": full, "optim": moments}, ref)
         else:
             with torch.no_grad():
                 for p in m.parameters():
                     p.zero_()
             assert ck.restore() == 3
             full = torch.load(ref, weights_only=True)
-            same = all(torch.equal(full[k], v.full_tensor()) for k, v in m.state_dict().items())
+            same = all(
+                torch.equal(full["model"][k], v.full_tensor()) for k, v in m.state_dict().items()
+            )
             moments = opt.state_dict()["state"]
+            # a fresh model and an optimizer that never stepped, as after a restart
+            torch.manual_seed(1)
+            m2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+            for layer in m2:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(m2, mesh=mesh)
+            opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+            assert Checkpointer(direct, TrainState(model=m2, optimizer=opt2)).restore() == 3
+            same2 = all(
+                torch.equal(full["model"][k], v.full_tensor()) for k, v in m2.state_dict().items()
+            )
+            got = full_optim(m2, opt2)
+            same2 = same2 and all(
+                torch.equal(torch.as_tensor(v), torch.as_tensor(got[fqn][k]))
+                for fqn, st_ in full["optim"].items()
+                for k, v in st_.items()
+            )
             with open(os.path.join(job["root"], f"fsdp-load-w{world}-r{rank}"), "w") as f:
-                f.write(f"{same} {len(moments)}")
+                f.write(f"{same} {len(moments)} {same2} {len(got)}")
         ck.close()
     finally:
         dist.destroy_process_group()
@@ -263,7 +296,8 @@ def test_fsdp2_saved_on_2_loads_on_1_and_3(tmp_path) -> None:
             start_method="spawn",
         )
         for r in range(w):
-            assert open(os.path.join(root, f"fsdp-load-w{w}-r{r}")).read() == "True 4", (w, r)
+            got = open(os.path.join(root, f"fsdp-load-w{w}-r{r}")).read()
+            assert got == "True 4 True 4", (w, r)
 
 
 def _rank0_only_worker(rank: int, world: int, job: dict[str, Any]) -> None:

@@ -24,9 +24,11 @@ World-size change (saved on W ranks, restored on W' != W), the documented rule:
 * rank ``r`` reads rank ``r``'s state if ``r < W``, else rank 0's; replicated state is the
   same everywhere, or was reported at save (then this is said again, by name);
 * RNG is re-derived from ``(seed, rank, step)`` (:func:`unbroken.ckpt.rng.derive`);
-* a ``per_rank`` component is refused by name, unless it was equal on every one of at
-  least two saving ranks; ``TrainState(per_rank_on_resize="skip")`` instead leaves it as
-  constructed (each rank starts it fresh), with one WARNING naming it.
+* a ``per_rank`` component that differed between the saving ranks is refused by name
+  (its copies cannot be mapped to other ranks); ``TrainState(per_rank_on_resize="skip")``
+  instead leaves it as constructed (each rank starts it fresh), with one WARNING naming it.
+  One saved by a single rank is copied to every rank, with one WARNING naming it (declare
+  it ``replicated`` if that is what it is).
 
 Manifest fields (added to the checkpoint manifest)::
 
@@ -207,35 +209,44 @@ def check_resize(manifest: Mapping[str, Any], state: TrainState, world: int, ran
     comps = manifest.get("components")
     if saved_world == world or not isinstance(comps, Mapping):
         return set()
-    per_rank: dict[str, str] = {}
-    differed: list[str] = []
+    per_rank: list[str] = []  # differed between the saving ranks: no rank-to-rank mapping
+    copied: list[str] = []  # per-rank, but saved by one rank: every rank starts from it
+    differed: list[str] = []  # replicated, yet differed: rank r's copy, else rank 0's
     for name, how in sorted(state.sharing.items()):
         info = comps.get(name)
         differs = bool(info.get("differs")) if isinstance(info, Mapping) else False
-        if how == "per_rank" and (differs or saved_world < 2):
-            per_rank[name] = (
-                "differs between ranks" if differs else f"saved by {saved_world} rank only"
-            )
+        if how == "per_rank" and differs:
+            per_rank.append(name)
+        elif how == "per_rank" and saved_world < 2:
+            copied.append(name)
         elif differs:
             differed.append(name)
     step = manifest.get("step")
     if per_rank and state.per_rank_on_resize == "refuse":
-        why = "; ".join(f"{n!r}: {w}" for n, w in per_rank.items())
         raise ValueError(
-            f"checkpoint step {step} was saved by {saved_world} rank(s) and this job has "
-            f"{world}: per-rank state cannot be mapped to the new ranks ({why}). Resume with "
-            f"{saved_world} rank(s); or pass TrainState(per_rank_on_resize='skip') to leave "
-            f"{sorted(per_rank)} as constructed (each rank starts it fresh); or, if every rank "
-            f"holds the same value, declare TrainState(replicated={sorted(per_rank)})"
+            f"checkpoint step {step} was saved by {saved_world} ranks and this job has "
+            f"{world}: per-rank state {per_rank} differs between the saving ranks, so it "
+            f"cannot be mapped to the new ranks. Resume with {saved_world} ranks; or pass "
+            "TrainState(per_rank_on_resize='skip') to leave it as constructed (each rank "
+            "starts it fresh)"
         )
     if rank == 0:
+        if copied:
+            log.warning(
+                "world size changed (%d -> %d ranks): per-rank state %s was saved by a single "
+                "rank; every rank starts from that copy (declare it TrainState(replicated=...) "
+                "if it is the same on every rank)",
+                saved_world,
+                world,
+                copied,
+            )
         if per_rank:
             log.warning(
                 "world size changed (%d -> %d ranks): per-rank state %s not restored, each "
                 "rank keeps it as constructed (per_rank_on_resize='skip')",
                 saved_world,
                 world,
-                sorted(per_rank),
+                per_rank,
             )
         if differed:
             log.warning(
@@ -245,4 +256,4 @@ def check_resize(manifest: Mapping[str, Any], state: TrainState, world: int, ran
                 world,
                 differed,
             )
-    return set(per_rank)
+    return set(per_rank)  # to skip: refusal was not asked for

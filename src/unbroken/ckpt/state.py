@@ -16,7 +16,10 @@ and a world-size change follows the rule in :mod:`unbroken.ckpt.per_rank`.
 
 Wrapped models are unwrapped (``DistributedDataParallel.module``, ``torch.compile``'s
 ``_orig_mod``), so a checkpoint's keys never depend on the wrapper: hand ``TrainState``
-the model you train.
+the model you train. A sharded model (FSDP2 ``fully_shard``, tensor parallel: DTensor
+parameters) and its optimizer go through DCP's ``get_model_state_dict`` /
+``get_optimizer_state_dict`` (and the ``set_`` pair): parameter-name keys, re-shardable on
+any world size, and an optimizer that has not stepped yet can be restored into.
 
 Saving is allowed only at an optimizer-step boundary (DESIGN C-COMPLETE): while
 ``micro_step != 0`` the gradients of an unfinished accumulation cycle live only in
@@ -30,6 +33,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+import torch
+from torch.distributed.tensor import DTensor
 
 from unbroken.ckpt import rng as _rng
 
@@ -47,6 +52,63 @@ class Stateful(Protocol):
 
 _COUNTERS = ("step", "samples", "tokens", "micro_step")
 _ON_RESIZE = ("refuse", "skip")
+
+
+def _is_sharded(obj: Any) -> bool:
+    return isinstance(obj, torch.nn.Module) and any(
+        isinstance(p, DTensor) for p in obj.parameters()
+    )
+
+
+class _ShardedModel:
+    """A sharded model through DCP's state-dict helpers (as TorchTitan saves FSDP2)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.module)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.module, sd)
+
+
+class _ShardedOptimizer:
+    """The optimizer of a sharded model: state keyed by parameter name, and initialised
+    (DCP steps it once with lr 0) before a restore can load into it."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.module, self.optimizer = module, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.module, self.optimizer)
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, self.optimizer, sd)
+
+
+def _through_dcp(comps: dict[str, Any]) -> None:
+    """Route sharded models, and the optimizers that go with them, through DCP's helpers.
+    ``optimizer.<x>`` goes with ``model.<x>``, or with the only sharded model there is."""
+    models = {n: m for n, m in comps.items() if n.split(".")[0] == "model" and _is_sharded(m)}
+    for name, opt in comps.items():
+        if name.split(".")[0] != "optimizer" or not isinstance(opt, torch.optim.Optimizer):
+            continue
+        model = models.get("model" + name.removeprefix("optimizer"))
+        if model is None and len(models) == 1:
+            model = next(iter(models.values()))
+        if model is not None:
+            comps[name] = _ShardedOptimizer(model, opt)
+    for name, model in models.items():
+        comps[name] = _ShardedModel(model)
 
 
 def _unwrap(obj: Any) -> tuple[Any, set[str]]:
@@ -95,7 +157,7 @@ class TrainState:
             restores rank 0's copy on new ranks.
         per_rank: component names to declare per-rank (e.g. ``"optimizer"`` when some
             parameters are outside DDP): no report at save, and a world-size change refuses
-            them unless they were equal on every saving rank.
+            them when they differed between the saving ranks.
         per_rank_on_resize: ``"refuse"`` (default) or ``"skip"``: on a world-size change,
             leave per-rank components that cannot be mapped as constructed (WARNING).
 
@@ -139,6 +201,7 @@ class TrainState:
             comps[name], synced = _unwrap(obj)
             if synced:
                 self.synced_buffers[name] = synced
+        _through_dcp(comps)
         for name, obj in comps.items():
             if not isinstance(obj, Stateful):
                 raise TypeError(
