@@ -453,7 +453,20 @@ def test_per_rank_state_survives_resize_is_refused_ddp_is_unwrapped(tmp_path) ->
     assert "extra.hidden" not in warned and "'model'" not in warned, warned
     assert not save[1]["warnings"], "rank 0 reports divergence, once"
 
+    manifests = [
+        json.load(open(os.path.join(r, "step-00000001", "manifest.json")))
+        for r in (root, root + "-unwrapped")
+    ]
+    m = manifests[0]
+    assert m["components"]["extra.hidden"] == {
+        "sharing": "per_rank", "differs": True, "differing": ["<non-tensor state>", "h"]
+    }
+    assert m["components"]["model"] == {"sharing": "replicated", "differs": False, "differing": []}
+    assert [m["tensors"][f"rank{r}/components/extra.hidden/h"]["rank"] for r in (0, 1)] == [0, 1]
+    assert "components/model/weight" in m["tensors"]  # equal on both ranks: saved once
+    assert not any(k.startswith("rank") and "/model/" in k for k in m["tensors"])
     # DDP-wrapped and unwrapped models give the same checkpoint
+    assert manifests[0]["tensors"].keys() == manifests[1]["tensors"].keys()
     a, b = read_checkpoint(root), read_checkpoint(root + "-unwrapped")
     assert a["components"].keys() == b["components"].keys()
     ma, mb = a["components"]["model"], b["components"]["model"]
