@@ -206,12 +206,16 @@ def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-        for layer in m:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(m, mesh=mesh)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+        def sharded(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+            torch.manual_seed(seed)
+            m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+            for layer in m:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+            return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+        m, opt = sharded(0)
         m(torch.ones(4, 8)).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -257,12 +261,7 @@ def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
             )
             moments = opt.state_dict()["state"]
             # a fresh model and an optimizer that never stepped, as after a restart
-            torch.manual_seed(1)
-            m2 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-            for layer in m2:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(m2, mesh=mesh)
-            opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+            m2, opt2 = sharded(1)
             assert Checkpointer(direct, TrainState(model=m2, optimizer=opt2)).restore() == 3
             same2 = all(
                 torch.equal(full["model"][k], v.full_tensor()) for k, v in m2.state_dict().items()

@@ -25,6 +25,9 @@ import torch
 
 from unbroken.ckpt import Checkpointer, TrainState, read_checkpoint
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
+from ckpt_writer import Values  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 _SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "ckpt_writer.py")
@@ -79,17 +82,6 @@ def _wait_stopped(pid: int) -> None:
     raise AssertionError(f"process {pid} never stopped")
 
 
-class _Values:
-    def __init__(self) -> None:
-        self.t = torch.zeros(1024)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"t": self.t}
-
-    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
-        self.t.copy_(sd["t"])
-
-
 def test_second_writer_refused_in_flight_save_kept_lock_free_after_sigkill(tmp_path) -> None:
     root = str(tmp_path / "ck")
     a = _Writer(root, 1000.0, "run-a")
@@ -104,7 +96,7 @@ def test_second_writer_refused_in_flight_save_kept_lock_free_after_sigkill(tmp_p
         _wait_stopped(a.pid)  # frozen between writing step 2 and committing it
         assert os.path.isdir(tmp2) and os.listdir(tmp2)
 
-        v = _Values()
+        v = Values()
         ck = Checkpointer(root, TrainState(extras={"v": v}), keep_last=None)
         with pytest.raises(RuntimeError) as refused:
             ck.restore()

@@ -24,7 +24,9 @@ from unbroken.ckpt import Checkpointer, TrainState
 from unbroken.ckpt.store import Store
 
 
-class _Values:
+class Values:
+    """A 1024-float tensor: its value identifies the writer and the step."""
+
     def __init__(self) -> None:
         self.t = torch.zeros(1024)
 
@@ -47,7 +49,7 @@ def main() -> int:
         return commit(self, tmp, step, manifest)
 
     Store.commit = stopping_commit  # type: ignore[method-assign]
-    v = _Values()
+    v = Values()
     st = TrainState(extras={"v": v})
     ck = Checkpointer(root, st, keep_last=None)
     try:
