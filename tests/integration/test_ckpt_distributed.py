@@ -464,6 +464,12 @@ def test_per_rank_state_survives_resize_is_refused_ddp_is_unwrapped(tmp_path) ->
     assert [m["tensors"][f"rank{r}/components/extra.hidden/h"]["rank"] for r in (0, 1)] == [0, 1]
     assert "components/model/weight" in m["tensors"]  # equal on both ranks: saved once
     assert not any(k.startswith("rank") and "/model/" in k for k in m["tensors"])
+    from safetensors.torch import load_file
+
+    from unbroken.ckpt.cli_support import export_safetensors
+
+    export_safetensors(root, str(tmp_path / "h.safetensors"), component="extra.hidden")
+    assert load_file(str(tmp_path / "h.safetensors"))["h"].tolist() == [[1.0] * 3] * 2  # rank 0's
     # DDP-wrapped and unwrapped models give the same checkpoint
     assert manifests[0]["tensors"].keys() == manifests[1]["tensors"].keys()
     a, b = read_checkpoint(root), read_checkpoint(root + "-unwrapped")

@@ -12,6 +12,13 @@ Typical loop::
 Multi-rank jobs call the same methods on every rank at the same step (they are collective).
 Every rank writes its own DCP files; rank 0 commits once all ranks' data is durable.
 Restore is collective too: ranks agree on the newest checkpoint that verifies everywhere.
+Whatever differs between ranks is saved per rank and restored to the same rank
+(:mod:`.per_rank`).
+
+One writer per root (C-ONE-WRITER, :mod:`.lock`): the first ``restore()`` or ``save()``
+takes the root's lock (rank 0 holds it for the job) and ``close()`` releases it; a second
+run on the same root is refused with the holder named. ``list``/``latest``/``verify``
+never take it.
 
 Async saves (C-ASYNC): ``save()`` blocks only while tensors are copied into reusable host
 buffers (pinned when on CUDA); a background thread writes and commits with the same
@@ -100,7 +107,9 @@ class Checkpointer:
             all-reduce per :meth:`maybe_save` call).
         distributed: ``None`` (default): collective when ``torch.distributed`` is
             initialised (every rank calls save/restore at the same step). ``False``: this
-            process saves and restores alone (e.g. only rank 0 of a DDP job checkpoints).
+            process saves and restores alone (e.g. only rank 0 of a DDP job checkpoints;
+            the other ranks may restore from the same root: they take the writer lock only
+            if they save).
     """
 
     def __init__(

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from unbroken._fs import fsync_dir, temp_sibling
+from unbroken.ckpt.per_rank import split_key
 from unbroken.ckpt.store import MANIFEST, CorruptCheckpoint, Store
 
 __all__ = ["export_safetensors", "format_listing", "format_manifest", "verify_report"]
@@ -324,7 +325,9 @@ def export_safetensors(
         ) from e
     meta: dict[str, Any] = v.manifest["tensors"]
     prefix = f"{_COMPONENTS}{component}/"
-    keys = sorted(k for k in meta if k.startswith(prefix))
+    # a tensor that differed between ranks is saved per rank: export rank 0's copy
+    saved = {split_key(k)[1]: k for k in sorted(meta) if split_key(k)[0] in (None, 0)}
+    keys = sorted(k for k in saved if k.startswith(prefix))
     if not keys:
         have = sorted({_component(k) for k in meta if k.startswith(_COMPONENTS)})
         raise ValueError(
@@ -334,7 +337,8 @@ def export_safetensors(
     tensors: dict[str, torch.Tensor] = {}
     d = store.step_dir(step)
     for k in keys:
-        t = v.tensors[k].clone() if k in v.tensors else _chunked(d, meta[k])
+        key = saved[k]
+        t = v.tensors[key].clone() if key in v.tensors else _chunked(d, meta[key])
         tensors[_export_name(k[len(prefix) :])] = t.contiguous()
     del v
     rest = [k for k in tensors if k != "n_averaged"]
