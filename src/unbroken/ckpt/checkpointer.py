@@ -468,7 +468,7 @@ class Checkpointer:
         if self._comm.rank == 0:
             try:
                 self._lease = lock.acquire(self.store.root)
-            except (RuntimeError, ValueError) as e:  # RootLocked, not a directory, read-only
+            except Exception as e:  # noqa: BLE001 - RootLocked, not a dir, I/O: all ranks raise
                 err = e
         err = self._comm.broadcast(err)
         if err is not None:

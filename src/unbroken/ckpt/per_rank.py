@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,7 @@ log = logging.getLogger(__name__)
 NON_TENSOR = "<non-tensor state>"
 _PREFIX = "components/"
 _RANK_KEY = re.compile(r"^rank(\d+)/(components/.+)$")
+_PROCESS = os.urandom(8).hex()  # unique to this process
 
 
 def rank_key(key: str, rank: int) -> str:
@@ -93,10 +95,13 @@ def _component(key: str, names: Mapping[str, str]) -> str | None:
 
 
 def _digest(t: torch.Tensor) -> str:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    raw = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
+    try:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        raw = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
+    except (RuntimeError, TypeError):  # a layout without plain bytes (sparse, quantized)
+        return f"unhashable:{_PROCESS}"  # differs between ranks: each keeps its own copy
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{checksum_bytes(raw)}"
 
 
