@@ -113,15 +113,32 @@ def _unlocked(root: str, path: str, why: str, level: int) -> _Held:
     return _Held(path, None)
 
 
+_DENIED = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _open(path: str) -> int:
+    """The lock file, created if needed; read-only when that is all we may (flock needs no
+    write access, so another user's live writer is still seen)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno not in _DENIED:
+            raise
+        try:
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise e from None
+
+
 def _lock(root: str) -> _Held:
     if os.path.exists(root) and not os.path.isdir(root):
         raise ValueError(f"checkpoint root {root!r} is a file, not a directory")
     path = os.path.join(root, LOCK_NAME)
     try:
         os.makedirs(root, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = _open(path)
     except OSError as e:
-        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and os.path.isdir(root):
+        if e.errno in _DENIED and os.path.isdir(root):
             why = f"{path} cannot be created ({e.strerror}): restoring without the writer lock"
             return _unlocked(root, path, why, logging.INFO)
         raise RuntimeError(
@@ -156,10 +173,11 @@ def _lock(root: str) -> _Held:
         except FileNotFoundError:
             same = False
         if same:
-            _write_info(fd)
+            with contextlib.suppress(OSError):  # a read-only fd: the lock holds all the same
+                _write_info(fd)
             return _Held(path, fd)
         os.close(fd)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = _open(path)
 
 
 class Lease:
@@ -182,7 +200,7 @@ class Lease:
                 return
             del _HELD[self._key]
             if held.fd is not None:
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):
                     os.unlink(held.path)  # still locked: nobody can take a doomed inode
                 os.close(held.fd)
 
