@@ -486,6 +486,8 @@ class Checkpointer:
                 "were moved to corrupt-step-*); refusing to silently start from scratch. Pass "
                 "allow_fresh_start=True to start anew, or point at another directory"
             )
+        for obj in self.state.components.values():  # a fresh start: e.g. MetricLog drops
+            getattr(obj, "start_fresh", lambda: None)()  # what an earlier attempt logged
         return None
 
     def _restored(self, s: int, t0: float) -> int:
