@@ -39,6 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import unbroken
+from unbroken._audit import state_audit
 from unbroken._fs import atomic_write_bytes, checksum_file
 from unbroken.ckpt import _dist, codec
 from unbroken.ckpt import rng as _rng
@@ -158,6 +159,7 @@ class Checkpointer:
         # Checkpoint collectives get their own group: a background save must never
         # interleave with the training loop's collectives on the default group.
         self._comm = _dist.Comm(distributed)
+        self._audit = state_audit(self.state, self._comm)  # `unbroken drill` only; else no-op
         self._snap = Snapshotter()
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="unbroken-ckpt") if async_save else None
@@ -206,6 +208,7 @@ class Checkpointer:
     def maybe_save(self, step: int | None = None) -> bool:
         """Save if ``every_steps``/``every_seconds`` (or a SIGTERM) says so."""
         step = self.state.step if step is None else step
+        self._audit.step(step)
         self._raise_background_error()
         every = self.every_seconds
         time_due = every is not None and time.monotonic() - self._last_save_time >= every
@@ -287,6 +290,7 @@ class Checkpointer:
     def _snapshot(self, step: int) -> _Job:
         t0 = time.perf_counter()
         sd, rng_state, tree, live = self._encode()
+        self._audit.saved(step, sd, rng_state)
         tensors = self._snap.take(live) if self._pool is not None else live
         rank_state = json.dumps({"state": tree, "rng": codec.encode(rng_state, None)}).encode()
         tmp = self.store.begin(step) if self.rank == 0 else ""
@@ -553,6 +557,7 @@ class Checkpointer:
                     self.state.seed,
                     ver.step,
                 )
+        self._audit.restored(ver.step)
 
 
 def _dcp_targets(
