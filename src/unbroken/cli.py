@@ -387,11 +387,12 @@ def _add_drill(sub: argparse._SubParsersAction) -> None:
         "storage outage, lost agent, world-size change) and prove the resumed run is identical",
         description="Runs the command once without faults (the reference), then under "
         "`unbroken run` with a seeded schedule of injected faults, and compares final state, "
-        "loss curve, data order and recovery phases. {dir} in ARGS is replaced by each run's "
-        "directory; the script checkpoints with unbroken's Checkpointer into {dir}/ckpt and "
-        "logs the loss (and, to compare the data order, the sample ids) per step to "
-        "{dir}/metrics.jsonl. Writes drill.txt, drill.json "
-        "and timeline.png into --dir. Exit codes: 0 pass, 1 fail, 2 usage.",
+        "loss curve, data order and recovery phases; each fault's row says which steps it "
+        "compared. {dir} in ARGS is replaced by each run's directory; the script checkpoints "
+        "with unbroken's Checkpointer into {dir}/ckpt (restore() at start, a final checkpoint "
+        "at the last step) and logs the loss (and, to compare the data order, the sample ids: "
+        "StreamingDataset(with_ids=True)) per step to {dir}/metrics.jsonl. Writes drill.txt, "
+        "drill.json and timeline.png into --dir. Exit codes: 0 pass, 1 fail, 2 usage.",
     )
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- SCRIPT ARGS with {dir} (with --example: extra demo arguments, "

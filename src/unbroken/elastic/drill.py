@@ -11,8 +11,15 @@ prove that the resumed run is the run that was never interrupted.
    once the job has recovered from the previous one and reached the fault's step.
 3. **Comparison** (:mod:`drill_report`): final model/optimizer/scheduler/EMA/loader state
    (exact), loss curve (exact on CPU), data order (every sample id, in order: none missing,
-   none twice), metric log (no duplicated step), and per fault the supervisor's verdict and
-   the four recovery phases. ``drill.txt``, ``drill.json`` and ``timeline.png`` land in DRILL.
+   none twice), metric log (no duplicated step), and per fault the supervisor's verdict, the
+   four recovery phases, whether ``restore()`` brought back exactly what each rank saved, and
+   the steps its recovery produced (its restored step to the next fault's) against the
+   reference. ``drill.txt``, ``drill.json`` and ``timeline.png`` land in DRILL.
+
+Every run the drill starts has ``UNBROKEN_STATE_AUDIT`` set to ``<its {dir}>.audit``: there
+the script's :class:`~unbroken.ckpt.Checkpointer` records fingerprints of each rank's state at
+every save, after every restore and one step later (:mod:`unbroken._audit`); the diagnosis
+names the component that was not restored from them.
 
 Fault kinds (``faults``; default: all that apply):
 
@@ -30,13 +37,15 @@ world-size     (2 nodes) a whole node is lost (supervisor, agent, worker): the j
                on with 1 rank instead of 2
 =============  =========================================================================
 
-What the training script must do: write under ``{dir}`` (the drill substitutes a directory
-per run); checkpoint with :class:`unbroken.ckpt.Checkpointer` into ``{dir}/ckpt`` and resume
-from it when started again with the same arguments; log every step's ``loss`` and, to have
-the data order compared, ``ids`` (the sample ids it consumed; without them the loader's
-position is still compared as part of the final state) to ``{dir}/metrics.jsonl`` with
-:class:`unbroken.metrics.MetricLog`
-(also ``world_size`` in multi-rank jobs); call :func:`unbroken.elastic.beat` every step; be
+What the training script must do (the README's "What unbroken drill needs from your
+script"): write under ``{dir}`` (the drill substitutes a directory per run); checkpoint with
+:class:`unbroken.ckpt.Checkpointer` into ``{dir}/ckpt``, resume from it when started again
+with the same arguments, and save a final checkpoint at the last step; log every step's
+``loss`` and, to have the data order compared, ``ids`` (the sample ids it consumed:
+``StreamingDataset(with_ids=True)`` hands them out, :func:`unbroken.metrics.global_ids`
+gathers them over ranks; without them the loader's position is still compared as part of
+the final state) to ``{dir}/metrics.jsonl`` with :class:`unbroken.metrics.MetricLog` (also
+``world_size`` in multi-rank jobs); call :func:`unbroken.elastic.beat` every step; be
 deterministic (seeds, ``torch.use_deterministic_algorithms``). For ``agent-loss`` and
 ``world-size`` (``multi_rank=True``) it must train data-parallel under torchrun on any world
 size with a sample order that does not depend on it (the demo and ``StatefulLoader`` do).
@@ -49,9 +58,9 @@ hyperparameters and schedules); plus that the job finished on the remaining node
 
 Layout of the drill directory::
 
-    reference-w1/  reference-w2/      {dir} of the reference runs (+ .log)
-    single/job/    single/node-A/      {dir} of the one-node run; its supervisor's run dir
-    elastic/job/   elastic/node-A/ elastic/node-B/
+    reference-w1/  reference-w2/      {dir} of the reference runs (+ .log, .audit)
+    single/job/    single/node-A/      {dir} of the one-node run (+ .audit); its supervisor's
+    elastic/job/   elastic/node-A/ elastic/node-B/                              run dir
     drill.txt  drill.json  timeline.png
 """
 
