@@ -232,10 +232,10 @@ def _mtbf_warning(p: Plan) -> str | None:
     if k < MIN_FAILURES:
         weak.append(f"fewer than {MIN_FAILURES} failures")
     if w < MIN_WINDOW:
-        weak.append(f"less than {_dur(MIN_WINDOW)} of running")
+        weak.append("less than a day of running")
     return (f"warning: M = {_dur(p.mtbf)} rests on {k} failure{'s' if k != 1 else ''} in "
             f"{_dur(w)} ({' and '.join(weak)}): its 90% confidence interval is {_dur(lo)} to "
-            f"{_dur(hi)}, and so is the interval below only a guess. Pass --mtbf with a rate "
+            f"{_dur(hi)}, so the intervals above are only a guess. Pass --mtbf with a rate "
             "measured over many failures (e.g. your cluster's history); a drill's injected "
             "faults are not a failure rate.")
 
