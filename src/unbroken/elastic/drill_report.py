@@ -530,7 +530,13 @@ def explain(f: AuditFinding | None, res: dict[str, Any], restored: int | None) -
     head = (f"restore() brought back every leaf of step {restored} exactly, but one step "
             f"later (step {restored + 1}) ")
     if causes:
-        comps = sorted({_component(k) for k in causes})
+        # The component with most differing discrete leaves first: the one that was reset
+        # (an optimizer's step counts) ahead of what follows from it (a scheduler's last lr).
+        count: dict[str, int] = {}
+        for k in causes:
+            count[_component(k)] = count.get(_component(k), 0) + 1
+        comps = sorted(count, key=lambda c: (-count[c], c))
+        causes.sort(key=lambda k: (comps.index(_component(k)), k))
         text = (head + f"{', '.join(comps)} differ{'s' if len(comps) == 1 else ''} from the "
                 f"reference: {_name_leaves(causes)}; {'it was' if len(comps) == 1 else 'they were'} "
                 "changed after restore() (re-seeded, re-created or reloaded by the script), or "
