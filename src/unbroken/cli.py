@@ -159,8 +159,9 @@ def _add_data_bench(ds: argparse._SubParsersAction) -> None:
     p.add_argument("--timeline", default=None,
                    help="RUN_DIR or data_steps.csv of a run: consumer rate from its compute time")
     p.add_argument("--transform", default="basic",
-                   help="per-sample decode: 'basic' (by extension, default), 'none', or "
-                   "'package.module:function'")
+                   help="per-sample decode: 'basic' (by extension, default), 'none', "
+                   "'package.module:function' or 'path/to/train.py:function' (a function "
+                   "defined in your training script; its __main__ block does not run)")
     p.add_argument("--seq-len", type=int, default=None, help="token datasets: tokens/sequence")
     p.add_argument("--device", default=None,
                    help="device for the pin and H2D stages (default: cuda when available)")
@@ -369,21 +370,10 @@ def _report(a: argparse.Namespace) -> int:
 
 
 def _plan(a: argparse.Namespace) -> int:
-    from unbroken.elastic import planner, recovery
+    from unbroken.elastic import planner
 
-    got: dict[str, float | None] = dict.fromkeys(("ckpt_cost", "mtbf", "restart_cost", "current"))
-    if a.run_dir:
-        got.update(planner.estimate_from_events(recovery.load_events(a.run_dir)))
-    for key in got:
-        if getattr(a, key) is not None:
-            got[key] = getattr(a, key)
-    c, m = got["ckpt_cost"], got["mtbf"]
-    if c is None or m is None:
-        raise ValueError(
-            f"need the checkpoint cost and the MTBF (measured: C={c}, M={m}); pass --ckpt-cost "
-            "and --mtbf, or a --run-dir whose events hold saves and failures"
-        )
-    print(planner.format_plan(planner.plan(c, m, got["restart_cost"] or 0.0, got["current"])))
+    given = {k: getattr(a, k) for k in ("ckpt_cost", "mtbf", "restart_cost", "current")}
+    print(planner.format_plan(planner.plan_from_run(a.run_dir, given)))
     return 0
 
 
@@ -397,11 +387,12 @@ def _add_drill(sub: argparse._SubParsersAction) -> None:
         "storage outage, lost agent, world-size change) and prove the resumed run is identical",
         description="Runs the command once without faults (the reference), then under "
         "`unbroken run` with a seeded schedule of injected faults, and compares final state, "
-        "loss curve, data order and recovery phases. {dir} in ARGS is replaced by each run's "
-        "directory; the script checkpoints with unbroken's Checkpointer into {dir}/ckpt and "
-        "logs the loss (and, to compare the data order, the sample ids) per step to "
-        "{dir}/metrics.jsonl. Writes drill.txt, drill.json "
-        "and timeline.png into --dir. Exit codes: 0 pass, 1 fail, 2 usage.",
+        "loss curve, data order and recovery phases; each fault's row says which steps it "
+        "compared. {dir} in ARGS is replaced by each run's directory; the script checkpoints "
+        "with unbroken's Checkpointer into {dir}/ckpt (restore() at start, a final checkpoint "
+        "at the last step) and logs the loss (and, to compare the data order, the sample ids: "
+        "StreamingDataset(with_ids=True)) per step to {dir}/metrics.jsonl. Writes drill.txt, "
+        "drill.json and timeline.png into --dir. Exit codes: 0 pass, 1 fail, 2 usage.",
     )
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- SCRIPT ARGS with {dir} (with --example: extra demo arguments, "

@@ -52,7 +52,7 @@ def test_resume_from_prefetcher_state_yields_exactly_the_remainder(
     p2.load_state_dict(sd)
     rest = list(p2)
     assert got + rest == reference
-    assert timer.steps == 6  # the step broken out of is not recorded
+    assert timer.steps == 7  # the step broken out of is recorded too (its compute ends there)
 
 
 def test_new_pass_after_break_continues_at_the_delivered_batch(stream_data: Any) -> None:

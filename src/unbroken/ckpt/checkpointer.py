@@ -47,6 +47,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import unbroken
+from unbroken._audit import state_audit
 from unbroken._fs import atomic_write_bytes, checksum_file
 from unbroken.ckpt import _dist, codec, lock, per_rank
 from unbroken.ckpt import rng as _rng
@@ -170,6 +171,7 @@ class Checkpointer:
         # Checkpoint collectives get their own group: a background save must never
         # interleave with the training loop's collectives on the default group.
         self._comm = _dist.Comm(distributed)
+        self._audit = state_audit(self.state, self._comm)  # `unbroken drill` only; else no-op
         self._snap = Snapshotter()
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="unbroken-ckpt") if async_save else None
@@ -222,6 +224,7 @@ class Checkpointer:
     def maybe_save(self, step: int | None = None) -> bool:
         """Save if ``every_steps``/``every_seconds`` (or a SIGTERM) says so."""
         step = self.state.step if step is None else step
+        self._audit.step(step)
         self._raise_background_error()
         every = self.every_seconds
         time_due = every is not None and time.monotonic() - self._last_save_time >= every
@@ -304,6 +307,7 @@ class Checkpointer:
     def _snapshot(self, step: int) -> _Job:
         t0 = time.perf_counter()
         sd, rng_state, tree, live = self._encode()
+        self._audit.saved(step, sd, rng_state)
         tensors = self._snap.take(live) if self._pool is not None else live
         rng_tree = codec.encode(rng_state, None)
         tmp = self.store.begin(step) if self.rank == 0 else ""
@@ -555,6 +559,8 @@ class Checkpointer:
                 "were moved to corrupt-step-*); refusing to silently start from scratch. Pass "
                 "allow_fresh_start=True to start anew, or point at another directory"
             )
+        for obj in self.state.components.values():  # a fresh start: e.g. MetricLog drops
+            getattr(obj, "start_fresh", lambda: None)()  # what an earlier attempt logged
         return None
 
     def _restored(self, s: int, t0: float) -> int:
@@ -630,6 +636,7 @@ class Checkpointer:
                     self.state.seed,
                     ver.step,
                 )
+        self._audit.restored(ver.step)
 
 
 def _dcp_targets(

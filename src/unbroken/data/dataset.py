@@ -25,6 +25,16 @@ RNGs are seeded from (seed, epoch, position of the batch's first sample) before 
 transformed, so random augmentations are the same after a resume and for any
 ``num_workers`` (with ``num_workers=0`` the training process's RNG states are put back).
 
+Sample ids (``with_ids=True``): every sample carries its id, its index in the concatenation of
+the sources' manifests (source 0's samples first, each source in ``dataset.json`` order) - the
+same sample has the same id in every epoch, on any world size and ``num_workers``, so a log of
+ids proves the data order (what ``unbroken drill`` compares) without hashing samples. A dict
+sample (tar, or a transform that returns a dict) gains ``"__id__": int``; any other sample
+(token rows, a transform's tensor) becomes the pair ``(sample, id)``. With the default collate a
+batch of dicts has ``batch["__id__"]`` (a LongTensor of B ids) and a token batch is
+``tokens, ids = batch`` (LongTensors ``(B, seq_len + 1)`` and ``(B,)``). The id is attached
+after ``transform``, and crosses the loader's transport like any other field.
+
 Several sources can be mixed with weights (``sources=[Source(a, 0.7), Source(b, 0.3)]``); the
 mixture is part of the deterministic order (:class:`~unbroken.data.order.MixtureOrder`).
 An epoch of a mixture has ``samples_per_epoch`` positions (default: the sum of the sources'
@@ -372,6 +382,8 @@ class StreamingDataset(IterableDataset):
         rank, world_size: this process's share; default from ``torch.distributed``.
         samples_per_epoch: mixtures only: positions per epoch (default: sum of source sizes).
         mix_block: mixtures only: slots per mixture block (the smallest weight must get >= 1).
+        with_ids: attach each sample's id (module docstring: ``batch["__id__"]`` for dict
+            samples, ``(sample, id)`` pairs otherwise).
     """
 
     def __init__(
@@ -387,6 +399,7 @@ class StreamingDataset(IterableDataset):
         world_size: int | None = None,
         samples_per_epoch: int | None = None,
         mix_block: int = 4096,
+        with_ids: bool = False,
     ) -> None:
         super().__init__()
         if isinstance(sources, (str, Source)):
@@ -438,7 +451,9 @@ class StreamingDataset(IterableDataset):
                 ("mix/" + ",".join(parts) + f"/{self.epoch_length}/{mix_block}").encode()
             )
         self.mix_block = mix_block
+        self.with_ids = bool(with_ids)
         self._sizes = sizes
+        self._id_base = np.cumsum([0, *sizes[:-1]], dtype=np.int64)  # source -> first id
         self._epoch = 0
         self._orders: OrderedDict[tuple[int, ...], Any] = OrderedDict()
 
@@ -536,6 +551,13 @@ class StreamingDataset(IterableDataset):
                             f"{_describe(smp)} (epoch {epoch}, position {int(positions[k])}): "
                             f"{e!r}"
                         ) from e
+        if self.with_ids:
+            gids = (self._id_base[src] + ids).tolist()
+            for k, smp in enumerate(out):
+                if isinstance(smp, dict):
+                    smp["__id__"] = gids[k]
+                else:
+                    out[k] = (smp, gids[k])
         return out
 
     # --- iteration -----------------------------------------------------------------------

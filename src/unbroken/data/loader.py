@@ -188,6 +188,7 @@ class StatefulLoader:
         # (which costs more than the copy at language-model batch sizes).
         self._tensor_here = (
             collate_fn is None and dataset.kind == "tokens" and not dataset.transform
+            and not dataset.with_ids  # (row, id) pairs: default_collate makes (tokens, ids)
         )
         self._pin_here = self._tensor_here and pin_memory
         self.collate_fn = _stack_rows if self._tensor_here else (collate_fn or default_collate)
