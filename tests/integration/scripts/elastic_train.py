@@ -7,7 +7,8 @@ the hang watchdog test caught exactly that). ``--ckpt-kind file`` keeps a tiny p
 (step + weights, published with ``atomic_write_bytes``) and marks "loaded" itself.
 The other ranks receive the restored weights by broadcast. Every rank beats each step.
 On SIGTERM (preemption) rank 0 saves the step it just finished and the job stops cleanly
-(single-rank runs: the ranks do not agree on a common stopping step here).
+(single-rank runs: the ranks do not agree on a common stopping step here) -- unless
+``peer_failed()`` says a rank died, then it exits at once, as the Checkpointer does.
 
 Every rank marks ``startup`` after its first step with the times (Unix seconds) at which
 its script started, its imports were done, the process group was up, the restore was done
@@ -39,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from unbroken._fs import atomic_write_bytes  # noqa: E402
-from unbroken.elastic import beat, install, mark  # noqa: E402
+from unbroken.elastic import beat, install, mark, peer_failed  # noqa: E402
 from unbroken.metrics import MetricLog  # noqa: E402
 
 T_IMPORTED = time.time()
@@ -97,7 +98,13 @@ def main() -> None:
         print(a.stderr_noise, file=sys.stderr, flush=True)
 
     preempted: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: preempted.append(signum))
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if peer_failed() and not a.linger:  # a rank died: a save could never finish
+            os._exit(143)
+        preempted.append(signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     install()  # stack dumps work from here on: a hang in init_process_group included
     dist.init_process_group("gloo")
     t_pg = time.time()
