@@ -85,7 +85,7 @@ def test_agent_killed_on_one_node_both_rejoin(tmp_path):
         b = _start_node(start, tmp_path, "B", port, steps)
         _wait_world(tmp_path, 2, 12, a)
         (launch,) = b.events("launch")
-        os.kill(int(_torchrun_pid(launch)), 9)  # only node B's torchrun agent dies
+        os.kill(int(launch["agent_pid"]), 9)  # only node B's torchrun agent dies
         assert a.wait(120) == 0, a.output()[-4000:]
         assert b.wait(30) == 0, b.output()[-4000:]
 
@@ -97,22 +97,6 @@ def test_agent_killed_on_one_node_both_rejoin(tmp_path):
     assert {e["gen"] for e in a.events("launch")} == {0, 1}
     recs = _check_log(tmp_path, steps)
     assert recs[-1]["world_size"] == 2  # B's supervisor brought its node back
-
-
-def _torchrun_pid(launch: dict) -> int:
-    """The pid of the torchrun process started by this launch (found by its log dir)."""
-    log_dir = launch["argv"][launch["argv"].index("--log-dir") + 1]
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if b"torch.distributed.run" in argv and log_dir.encode() in argv:
-            return int(name)
-    raise AssertionError(f"no torchrun process with --log-dir {log_dir}")
 
 
 @pytest.mark.slow
