@@ -164,7 +164,8 @@ def test_single_rank_sigkill_is_a_process_fault_not_a_lost_peer(tmp_path):
         assert job.wait(90) == 0, job.output()[-3000:]
     (f,) = job.events("failure")
     assert (f["fault"], f["rule"], f["action"]) == ("process", "killed", "restart"), f
-    assert not job.events("stop_group")  # nobody else to stop
+    (stop,) = job.events("stop_group")
+    assert stop["exited"] == stop["killed"] == [], stop  # nobody else to stop
     _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=1)
     _assert_nothing_left(job)
 

@@ -278,7 +278,8 @@ class Attempt:
                                reason.encode() + b"\n", fsync=False)
         ranks = dict(ranks_by_pid)
         ranks.update({p: r for p, r in self._launchers.items() if r is not None})
-        targets = [p for p in ranks if is_alive(p)]
+        ended = {p for x in self.exits for p in (x.pid, x.launcher)}  # e.g. the failed rank
+        targets = [p for p in ranks if p not in ended and is_alive(p)]
         for pid in targets:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGTERM)

@@ -19,7 +19,9 @@ benchmarks/RESULTS.md). The supervisor therefore keeps the *next* attempt's agen
    runs the script as ``__main__`` (``runpy``). The server reports the worker's pid and, when
    it ends, its wait status to the launcher.
 
-A forked worker starts as a fresh interpreter would: torch's default generator holds the
+The server calls ``gc.freeze()`` before each fork (CPython's advice for fork servers), so the
+pages of the preloaded modules stay shared. A forked worker starts as a fresh interpreter
+would: torch's default generator holds the
 state it had right after ``import torch``; ``random`` (by CPython) and numpy's global
 generator (here) are reseeded from the OS; ``OMP_NUM_THREADS`` of the worker's environment is
 applied. Any failure to pre-warm falls back to the plain path: no standby -> a fresh
@@ -33,6 +35,7 @@ from __future__ import annotations
 import array
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -260,6 +263,10 @@ class _Zygote:
             conn.close()
             return None
         conn.settimeout(None)
+        # Park every object imported so far outside the collector: a worker's collections
+        # (and the final one at its exit) then never touch those pages, which would copy
+        # them all (measured: a worker's exit took 3.7 s instead of 0.6 s on a busy box).
+        gc.freeze()
         pid = os.fork()
         if pid == 0:
             self._become_worker(conn, fds)

@@ -404,6 +404,8 @@ class Supervisor:
             last = max((b.step for b in heartbeat.read_beats(self.run_dir, att.number)),
                        default=-1)
             step = last if last >= 0 else None
+        if step is not None:  # a rank may have beaten once more after the last poll
+            self._max_step = max(self._max_step, step)
         return Evidence(out.kind, out.rc, fails, console[-8000:], step, out.detail)
 
     def _lost_peers(self, coord: Coordinator, t_fail: float) -> list[str]:
