@@ -80,12 +80,13 @@ def _via_zygote(name: str, argv: list[str], module: bool) -> int | None:
                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
         sock.sendall(req)
         f = sock.makefile("rb")
-        first = f.readline()
-        if not first:
-            print("unbroken launcher: the fork server refused the worker; starting a fresh "
-                  "interpreter", file=sys.stderr, flush=True)
+        first = json.loads(f.readline() or b"{}")
+        if "pid" not in first:
+            print(f"unbroken launcher: the fork server refused the worker "
+                  f"({first.get('refused', 'no answer')}); starting a fresh interpreter",
+                  file=sys.stderr, flush=True)
             return None
-        _set_child(int(json.loads(first)["pid"]))
+        _set_child(int(first["pid"]))
         last = f.readline()
     if not last:
         # The server died; its workers die with it (PR_SET_PDEATHSIG). Make sure of it.
