@@ -37,7 +37,7 @@ AGENT = textwrap.dedent("""
     agent = os.getpid()
     pid = os.fork()
     if pid == 0:
-        work = _Zygote(listener, agent, sys.argv[1]).serve()
+        work = _Zygote(listener, agent, sys.argv[1], [], 0.0).serve()
         if work is None:
             os._exit(0)
         _run_worker(work, None)

@@ -5,24 +5,25 @@ torchrun agent, once in every fresh worker (3-4 s each on a busy 2-core box, see
 benchmarks/RESULTS.md). The supervisor therefore keeps the *next* attempt's agent waiting:
 
 1. ``python -m unbroken.elastic._standby`` starts while the current attempt trains, with the
-   next attempt's environment (run dir, attempt number, kill token). It imports torch,
-   torch.distributed, torchrun and the ``preload`` modules (:data:`DEFAULT_PRELOAD`),
-   appends a ``standby`` event (``seconds``: the import time it saves), and waits on stdin.
+   next attempt's environment (run dir, attempt number, kill token). It imports torch and
+   torchrun (what the agent needs), then forks the **fork server**, which imports the
+   ``preload`` modules (:data:`DEFAULT_PRELOAD`, what the workers need), appends a
+   ``standby`` event (``seconds``: the import time a restart no longer pays) and serves;
+   the standby itself waits on stdin. A cold restart (no standby ready yet) thus rendezvouses
+   while the server is still importing.
 2. On a restart the supervisor writes one JSON line ``{"argv": [torchrun args], "env":
-   {...}}``. The standby forks the **fork server** (a single-threaded copy that has imported
-   everything but never started a thread, a CUDA context or a process group), then runs
-   torchrun's ``main`` in-process: it is the attempt's agent.
+   {...}}``; the standby runs torchrun's ``main`` in-process: it is the attempt's agent.
 3. torchrun starts ``_launch.py`` per rank (``--no-python``); each launcher asks the fork
    server, over an abstract Unix socket named in ``UNBROKEN_ZYGOTE`` (only processes of the
-   same user may connect: ``SO_PEERCRED``), for a worker. The server forks one, which takes
-   the launcher's argv, environment, working directory and stdio, starts its own session and
-   runs the script as ``__main__`` (``runpy``). The server reports the worker's pid and, when
-   it ends, its wait status to the launcher.
+   same user may connect: ``SO_PEERCRED``), for a worker. The server (single-threaded: it
+   never started a thread, a CUDA context or a process group) forks one, which takes the
+   launcher's argv, environment, working directory and stdio, starts its own session and
+   runs the script as ``__main__`` (``runpy``). The server reports the worker's pid and,
+   when it ends, its wait status to the launcher.
 
 The server calls ``gc.freeze()`` before each fork (CPython's advice for fork servers), so the
 pages of the preloaded modules stay shared. A forked worker starts as a fresh interpreter
-would: torch's default generator holds the
-state it had right after ``import torch``; ``random`` (by CPython) and numpy's global
+would: torch's default generator holds the state it had right after ``import torch``; ``random`` (by CPython) and numpy's global
 generator (here) are reseeded from the OS; ``OMP_NUM_THREADS`` of the worker's environment is
 applied. Any failure to pre-warm falls back to the plain path: no standby -> a fresh
 ``python -m torch.distributed.run``; no fork server (it crashed, or a preloaded module
@@ -68,29 +69,26 @@ def _pdeathsig(sig: int) -> None:
 def _event(name: str, **fields: Any) -> None:
     from unbroken.elastic import recovery
 
+    run_dir = os.environ.get(recovery.ENV_RUN_DIR)
+    if not run_dir:
+        return
     with contextlib.suppress(OSError, ValueError):
         rec = {"t": time.time(), "event": name, "pid": os.getpid(),
                "attempt": int(os.environ.get(recovery.ENV_ATTEMPT, "-1"))}
         rec.update(fields)
-        recovery.append_event(os.environ[recovery.ENV_RUN_DIR], rec)
+        recovery.append_event(run_dir, rec)
 
 
-def _preload(names: list[str]) -> tuple[dict[str, str], Any]:
-    """Import ``names``; returns (failures by module, torch's RNG state right after import).
+def _preload(names: list[str]) -> dict[str, str]:
+    """Import ``names``; returns the failures by module.
 
     ``PYTORCH_NVML_BASED_CUDA_CHECK`` keeps a module that asks ``torch.cuda.is_available()``
     at import time from initialising CUDA in this process (forked workers could not use it).
     """
     failed: dict[str, str] = {}
-    rng = None
     old = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     try:
-        import torch
-
-        rng = torch.default_generator.get_state()
-        import torch.distributed.run  # noqa: F401 - the agent's own code
-
         for name in names:
             try:
                 importlib.import_module(name)
@@ -101,46 +99,49 @@ def _preload(names: list[str]) -> tuple[dict[str, str], Any]:
             os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
         else:
             os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = old
-    return failed, rng
+    return failed
 
 
 def main(argv: list[str]) -> None:
     _pdeathsig(signal.SIGKILL)  # a standby dies with its supervisor
-    preload = [m for m in argv if m]
     t0 = time.perf_counter()
-    failed, rng = _preload(preload)
     import torch
 
-    zygote_ok = not torch.cuda.is_initialized()
-    _event("standby", seconds=round(time.perf_counter() - t0, 3), preload=preload,
-           failed=failed, fork_server=zygote_ok)
+    rng = torch.default_generator.get_state()  # what a fresh interpreter starts with
+    from torch.distributed.run import main as torchrun
+
+    # The fork server starts now, before the go order, and imports the workers' modules
+    # itself: the agent needs only torch and torchrun, so a cold restart (no standby ready)
+    # rendezvouses while the server is still importing.
+    from unbroken.elastic import recovery
+
+    run_dir = os.environ.get(recovery.ENV_RUN_DIR, "")
+    attempt = int(os.environ.get(recovery.ENV_ATTEMPT, "0"))
+    log = os.path.join(recovery.attempt_dir(run_dir, attempt), "zygote.log") if run_dir else None
+    name = f"unbroken-zygote-{os.getpid()}-{os.urandom(6).hex()}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(64)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    standby = os.getpid()
+    if os.fork() == 0:
+        work = _Zygote(listener, standby, log, [m for m in argv if m], t0).serve()
+        if work is None:
+            os._exit(0)
+        _run_worker(work, rng)  # the interpreter then exits as the script's would
+        return
+    listener.close()
     line = sys.stdin.readline()
     if not line:
-        os._exit(0)  # the supervisor no longer needs this attempt
+        os._exit(0)  # the supervisor no longer needs this attempt (the server follows)
     _pdeathsig(0)  # from here on this is a torchrun agent and lives like one
     req = json.loads(line)
     os.environ.update(req["env"])
+    os.environ[ENV_ZYGOTE] = name
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    if zygote_ok:
-        name = f"unbroken-zygote-{os.getpid()}-{os.urandom(6).hex()}"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind("\0" + name)
-        listener.listen(64)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        agent = os.getpid()
-        if os.fork() == 0:
-            work = _Zygote(listener, agent, req.get("log")).serve()
-            if work is None:
-                os._exit(0)
-            _run_worker(work, rng)  # the interpreter then exits as the script's would
-            return
-        listener.close()
-        os.environ[ENV_ZYGOTE] = name
-    from torch.distributed.run import main as torchrun
-
     sys.argv = ["torchrun", *req["argv"]]
     torchrun(req["argv"])
 
@@ -148,10 +149,13 @@ def main(argv: list[str]) -> None:
 class _Zygote:
     """The fork server: single-threaded, it only accepts, forks, reaps and reports."""
 
-    def __init__(self, listener: socket.socket, agent: int, log: str | None) -> None:
+    def __init__(self, listener: socket.socket, agent: int, log: str | None,
+                 preload: list[str], t0: float) -> None:
         self.listener = listener
         self.agent = agent
         self.me = os.getpid()
+        self.refused: str | None = None
+        self._preload = (preload, t0)
         self.interp_env = {k: v for k, v in os.environ.items() if k.startswith("PYTHON")}
         self.conns: dict[int, socket.socket] = {}  # worker pid -> its launcher's connection
         # Stay up through the signals meant for the agent's process group; the supervisor
@@ -171,12 +175,22 @@ class _Zygote:
         except (OSError, AttributeError):
             self.agent_fd = None
 
+    def _warm_up(self) -> None:
+        names, t0 = self._preload
+        failed = _preload(names)
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            self.refused = "a preloaded module initialised CUDA, which a fork cannot use"
+        _event("standby", seconds=round(time.perf_counter() - t0, 3), preload=names,
+               failed=failed, fork_server=self.refused is None)
+
     def _agent_alive(self) -> bool:
         return os.getppid() == self.agent
 
     def serve(self) -> dict[str, Any] | None:
         """Loop until the agent and every worker are gone (returns None) — or return a
         request inside a freshly forked worker."""
+        self._warm_up()  # launchers that connect meanwhile wait in the listen backlog
         while True:
             if not self._agent_alive() and self.listener.fileno() >= 0:
                 self.listener.close()
@@ -266,12 +280,12 @@ class _Zygote:
         conn.settimeout(None)
         differ = sorted(k for k in set(req["env"]) | set(self.interp_env)
                         if k.startswith("PYTHON") and req["env"].get(k) != self.interp_env.get(k))
-        if differ:
-            # These shaped this interpreter at start-up (PYTHONPATH, PYTHONHASHSEED, ...): a
-            # fork would not be what `python SCRIPT` gives with the worker's environment.
+        # PYTHON* variables shaped this interpreter at start-up (PYTHONPATH, PYTHONHASHSEED,
+        # ...): with other values a fork would not be what `python SCRIPT` gives.
+        why = self.refused or (f"{', '.join(differ)} differ" if differ else None)
+        if why:
             with contextlib.suppress(OSError):
-                conn.sendall(json.dumps({"refused": f"{', '.join(differ)} differ"}).encode()
-                             + b"\n")
+                conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
             for fd in fds:
                 os.close(fd)
             conn.close()
