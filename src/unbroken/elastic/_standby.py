@@ -79,8 +79,9 @@ def _event(name: str, **fields: Any) -> None:
         recovery.append_event(run_dir, rec)
 
 
-def _preload(names: list[str]) -> dict[str, str]:
-    """Import ``names``; returns the failures by module.
+def _preload(names: list[str], stop: Any = None) -> dict[str, str]:
+    """Import ``names`` (until ``stop()`` says a worker is waiting); returns the failures by
+    module, and the modules not imported because of the stop under ``"<skipped>"``.
 
     ``PYTORCH_NVML_BASED_CUDA_CHECK`` keeps a module that asks ``torch.cuda.is_available()``
     at import time from initialising CUDA in this process (forked workers could not use it).
@@ -89,7 +90,10 @@ def _preload(names: list[str]) -> dict[str, str]:
     old = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     try:
-        for name in names:
+        for i, name in enumerate(names):
+            if stop is not None and stop():
+                failed["<skipped>"] = ", ".join(names[i:])
+                break
             try:
                 importlib.import_module(name)
             except Exception as e:  # noqa: BLE001 - a broken preload must not cost the restart
@@ -177,7 +181,13 @@ class _Zygote:
 
     def _warm_up(self) -> None:
         names, t0 = self._preload
-        failed = _preload(names)
+
+        def asked() -> bool:
+            # A cold restart's launchers are already waiting: fork them now; they import
+            # what they need themselves rather than wait for all of the list.
+            return bool(select.select([self.listener], [], [], 0)[0])
+
+        failed = _preload(names, asked)
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             self.refused = "a preloaded module initialised CUDA, which a fork cannot use"

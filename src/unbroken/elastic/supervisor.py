@@ -279,10 +279,15 @@ class Supervisor:
         log.info("attempt %d (generation %d) started: %s", number, gen, " ".join(att.argv))
         return att
 
-    def _maybe_prewarm(self, att: Attempt, t_up: float | None) -> None:
-        """Start the next attempt's standby once this attempt's workers exist: its agent has
-        done its own imports by then, so the two do not compete for the CPU."""
-        if self.cfg.prewarm and self._standby is None and t_up is not None:
+    def _maybe_prewarm(self, att: Attempt, beats: list[heartbeat.BeatRecord],
+                       t_up: float | None, now: float) -> None:
+        """Start the next attempt's standby once this attempt trains (every local rank beat,
+        or 30 s after its workers appeared), so that its imports do not slow this attempt's
+        start-up."""
+        if not self.cfg.prewarm or self._standby is not None or t_up is None:
+            return
+        if (len({b.rank for b in beats if b.started}) >= self.cfg.nproc_per_node
+                or now - t_up > 30.0):
             self._standby = self._new_standby(att.number + 1)
 
     def _monitor(self, att: Attempt, coord: Coordinator) -> _Outcome:
@@ -335,7 +340,7 @@ class Supervisor:
                 return self._stop_group(att, failed, beats)
             for b in beats:
                 self._max_step = max(self._max_step, b.step)
-            self._maybe_prewarm(att, t_up)
+            self._maybe_prewarm(att, beats, t_up, now)
             if not beats and t_up is not None and not warned and now - t_up > w.hang_timeout:
                 warned = True
                 log.warning("no heartbeat from the workers after %.0f s: call "
