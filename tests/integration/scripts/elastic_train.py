@@ -16,10 +16,12 @@ and the first step finished: benchmarks/elastic_recovery.py splits recovery time
 ``--linger S`` makes a rank whose collective failed (a peer died) stay alive S more seconds
 ignoring SIGTERM, like a rank stuck on a save it can never finish.
 ``--stderr-noise TEXT`` prints TEXT to stderr at start (old warnings in a rank's log).
+``--stop-file PATH``: the job finishes after the first step at which PATH exists (the ranks
+agree on that step by an all-reduce), so a test decides when it has seen enough.
 
     torchrun ... elastic_train.py --ckpt DIR --metrics FILE --steps N [--save-every K]
         [--sleep S] [--raise-at STEP] [--ckpt-kind unbroken|file] [--linger S]
-        [--stderr-noise TEXT]
+        [--stderr-noise TEXT] [--stop-file PATH]
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def main() -> None:
     ap.add_argument("--ckpt-kind", choices=("unbroken", "file"), default="file")
     ap.add_argument("--linger", type=float, default=0.0)
     ap.add_argument("--stderr-noise", default=None)
+    ap.add_argument("--stop-file", default=None)
     a = ap.parse_args()
     if a.stderr_noise:
         print(a.stderr_noise, file=sys.stderr, flush=True)
@@ -187,6 +190,11 @@ def train(a: argparse.Namespace, model: torch.nn.Module, opt: Any, metrics: Metr
                 mark("saved", step=done, seconds=ckpt.last_save_seconds, preempted=bool(preempted))
         if preempted:
             break
+        if a.stop_file is not None:
+            stop = torch.tensor([float(os.path.exists(a.stop_file))])
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.item():
+                break
         time.sleep(a.sleep)
 
 
