@@ -314,7 +314,7 @@ def _add_elastic(sub: argparse._SubParsersAction) -> None:
 
 def _elastic_run(a: argparse.Namespace) -> int:
     from unbroken.elastic import faults
-    from unbroken.elastic._standby import DEFAULT_PRELOAD
+    from unbroken.elastic._attempt import DEFAULT_PRELOAD
     from unbroken.elastic.preflight import PreflightConfig
     from unbroken.elastic.supervisor import RendezvousConfig, RunConfig, Supervisor, WatchdogConfig
 

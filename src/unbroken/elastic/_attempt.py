@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 
 from unbroken._fs import atomic_write_bytes
 from unbroken.elastic import recovery
+from unbroken.elastic._launch import ENV_ZYGOTE
 from unbroken.elastic._procs import (
     PidWatch,
     children_of,
@@ -42,16 +43,27 @@ from unbroken.elastic._procs import (
     is_alive,
     kill_matching,
 )
-from unbroken.elastic._standby import ENV_ZYGOTE
 from unbroken.elastic.faults import WorkerExit
 
-__all__ = ["ENV_TOKEN", "LAUNCHER", "Attempt", "Standby", "attempt_env", "worker_command"]
+__all__ = [
+    "DEFAULT_PRELOAD",
+    "ENV_TOKEN",
+    "LAUNCHER",
+    "Attempt",
+    "Standby",
+    "attempt_env",
+    "worker_command",
+]
 
 log = logging.getLogger(__name__)
 
 ENV_TOKEN = "UNBROKEN_ATTEMPT_TOKEN"
 """Inherited by every process of an attempt; the supervisor kills by it (see _procs)."""
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch.py")
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "unbroken.elastic",
+                   "unbroken.ckpt", "unbroken.data", "unbroken.metrics")
+"""Modules a standby's fork server imports for the workers (``--preload`` adds more).
+``torch._dynamo``: the first optimizer a worker builds imports it (213 modules, ~1 s)."""
 
 
 def worker_command(command: Sequence[str], module: bool, torchrun_args: Sequence[str]) -> list[str]:

@@ -36,7 +36,8 @@ import subprocess
 import sys
 import time
 
-ENV_ZYGOTE = "UNBROKEN_ZYGOTE"  # keep in sync with _standby.ENV_ZYGOTE
+ENV_ZYGOTE = "UNBROKEN_ZYGOTE"
+"""Abstract socket name of the attempt's fork server (set by the standby for its workers)."""
 _FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 _STOPS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 

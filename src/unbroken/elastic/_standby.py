@@ -7,7 +7,7 @@ benchmarks/RESULTS.md). The supervisor therefore keeps the *next* attempt's agen
 1. ``python -m unbroken.elastic._standby`` starts while the current attempt trains, with the
    next attempt's environment (run dir, attempt number, kill token). It imports torch and
    torchrun (what the agent needs), then forks the **fork server**, which imports the
-   ``preload`` modules (:data:`DEFAULT_PRELOAD`, what the workers need), appends a
+   ``preload`` modules (``_attempt.DEFAULT_PRELOAD``, what the workers need), appends a
    ``standby`` event (``seconds``: the import time a restart no longer pays) and serves;
    the standby itself waits on stdin. A cold restart (no standby ready yet) thus rendezvouses
    while the server is still importing.
@@ -48,14 +48,10 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["DEFAULT_PRELOAD", "ENV_ZYGOTE"]
+from unbroken.elastic._launch import ENV_ZYGOTE
 
-ENV_ZYGOTE = "UNBROKEN_ZYGOTE"
-"""Abstract socket name of the attempt's fork server (set for the agent's workers)."""
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "unbroken.elastic",
-                   "unbroken.ckpt", "unbroken.data", "unbroken.metrics")
-"""Modules a standby imports besides torchrun (``--preload`` adds more). ``torch._dynamo``:
-the first optimizer a worker builds imports it (213 modules, ~1 s on a quiet 2-core box)."""
+__all__: list[str] = []
+
 
 _PR_SET_PDEATHSIG = 1
 

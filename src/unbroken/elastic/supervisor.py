@@ -40,10 +40,9 @@ from typing import Any
 
 from unbroken._fs import atomic_write_bytes
 from unbroken.elastic import faults, heartbeat, recovery
-from unbroken.elastic._attempt import Attempt, Standby, worker_command
+from unbroken.elastic._attempt import DEFAULT_PRELOAD, Attempt, Standby, worker_command
 from unbroken.elastic._coord import Coordinator
 from unbroken.elastic._procs import is_alive
-from unbroken.elastic._standby import DEFAULT_PRELOAD
 from unbroken.elastic.faults import Action, Classification, Evidence, FaultClass, RestartPolicy
 from unbroken.elastic.preflight import CheckResult, PreflightConfig, wait_until_healthy
 
