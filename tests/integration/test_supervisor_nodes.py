@@ -49,20 +49,17 @@ def _start_node(start, tmp_path, name: str, port: int, sleep: float = 0.08):
     return job
 
 
-def _wait_world(tmp_path, size: int, min_step: int, job, after: float = 0.0) -> None:
+def _wait_world(tmp_path, size: int, job, after: float = 0.0, count: int = 5) -> None:
+    """Until ``count`` steps ran at ``size`` ranks (after ``after``): more than the
+    checkpoint interval (3), so a restart cannot rewind all of them."""
     path = str(tmp_path / "metrics.jsonl")
     h.wait_until(
-        lambda: [r for r in h.metrics(path)
-                 if r["world_size"] == size and r["step"] >= min_step and r["time"] > after],
+        lambda: len([r for r in h.metrics(path)
+                     if r["world_size"] == size and r["time"] > after]) >= count,
         150,
-        f"world size {size} at step >= {min_step}",
+        f"{count} steps at world size {size}",
         job,
     )
-
-
-def _step(tmp_path) -> int:
-    recs = h.metrics(str(tmp_path / "metrics.jsonl"))
-    return recs[-1]["step"] if recs else 0
 
 
 def _stop(tmp_path) -> None:
@@ -81,10 +78,9 @@ def test_whole_node_lost_training_continues_on_the_other(tmp_path):
     with h.jobs() as start:
         a = _start_node(start, tmp_path, "A", port)
         b = _start_node(start, tmp_path, "B", port)
-        _wait_world(tmp_path, 2, 12, a)
+        _wait_world(tmp_path, 2, a)
         b.kill_all()  # supervisor, agent and worker of node B: the node is gone
-        t_kill = time.time()
-        _wait_world(tmp_path, 1, _step(tmp_path) + 5, a, after=t_kill)
+        _wait_world(tmp_path, 1, a, after=time.time())
         _stop(tmp_path)
         assert a.wait(120) == 0, a.output()[-4000:]
 
@@ -102,11 +98,11 @@ def test_agent_killed_on_one_node_both_rejoin(tmp_path):
     with h.jobs() as start:
         a = _start_node(start, tmp_path, "A", port)
         b = _start_node(start, tmp_path, "B", port)
-        _wait_world(tmp_path, 2, 12, a)
+        _wait_world(tmp_path, 2, a)
         (launch,) = b.events("launch")
         t_kill = time.time()
         os.kill(int(launch["agent_pid"]), 9)  # only node B's torchrun agent dies
-        _wait_world(tmp_path, 2, _step(tmp_path) + 3, a, after=t_kill)  # B came back
+        _wait_world(tmp_path, 2, a, after=t_kill)  # B came back
         _stop(tmp_path)
         assert a.wait(120) == 0, a.output()[-4000:]
         assert b.wait(30) == 0, b.output()[-4000:]
@@ -127,14 +123,13 @@ def test_spare_node_replaces_a_lost_one(tmp_path):
     with h.jobs() as start:
         a = _start_node(start, tmp_path, "A", port)
         b = _start_node(start, tmp_path, "B", port)
-        _wait_world(tmp_path, 2, 10, a)
+        _wait_world(tmp_path, 2, a)
         spare = _start_node(start, tmp_path, "C", port)
         # Whether the spare already waits in the rendezvous when B dies or joins A's next
         # round a little later, it ends up in B's place: the job trains until it has.
         h.wait_until(lambda: spare.events("launch"), 60, "spare agent", spare)
         b.kill_all()
-        t_kill = time.time()
-        _wait_world(tmp_path, 2, _step(tmp_path) + 3, a, after=t_kill)
+        _wait_world(tmp_path, 2, a, after=time.time())
         _stop(tmp_path)
         assert a.wait(150) == 0, a.output()[-4000:]
         assert spare.wait(30) == 0, spare.output()[-4000:]
