@@ -136,6 +136,18 @@ def test_launcher_reports_order_the_failures_and_mark_stopped_ranks_collateral(t
     assert c.rule == "exception" and "rank 1" in c.reason
 
 
+def test_a_rank_restarted_in_place_is_judged_by_its_own_failure(tmp_path):
+    """torchrun stopped rank 0 once to admit a node (SIGTERM, stopped), then its second
+    incarnation failed when a peer vanished: that failure is the evidence."""
+    _console, log_dir = _torchrun_output(tmp_path, {0: (1, RuntimeError(
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1947"))})
+    exits = [_exit(0, -15, stopped=True, t=1.0), _exit(0, 1, t=5.0)]
+    (f,) = collect_worker_failures("", log_dir, exits)
+    assert (f.exitcode, f.stopped, f.collateral) == (1, False, True)
+    c = classify(Evidence("exit", None, (f,), ""))
+    assert (c.fault, c.rule) == (FaultClass.PROCESS, "peer_lost"), c
+
+
 def test_worker_exit_failed_and_described():
     assert _exit(1, -9).failed and "died of SIGKILL" in _exit(1, -9).describe()
     assert _exit(1, 3).failed and "exited with code 3" in _exit(1, 3).describe()

@@ -290,8 +290,14 @@ def collect_worker_failures(console: str, log_dir: str,
     """
     found: dict[int, WorkerFailure] = {}
     order: dict[int, int] = {}
+    # A rank can end more than once in an attempt (torchrun restarts the group in place when
+    # a node joins): its first failure of its own counts, else its latest end.
+    last: dict[int, WorkerExit] = {}
     for x in sorted(exits, key=lambda x: x.t):
-        if x.exitcode == 0 or x.rank is None or x.rank in found:
+        if x.rank is not None and (x.rank not in last or not last[x.rank].failed):
+            last[x.rank] = x
+    for x in sorted(last.values(), key=lambda x: x.t):
+        if x.exitcode == 0 or x.rank is None:
             continue
         local = x.local_rank if x.local_rank is not None else -1
         efiles = sorted(glob.glob(os.path.join(log_dir, "**", str(local), "error.json"),
