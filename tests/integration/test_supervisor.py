@@ -150,7 +150,9 @@ def test_survivor_stuck_after_its_peer_died_is_killed_after_the_grace(tmp_path):
 
 
 def test_single_rank_sigkill_is_a_process_fault_not_a_lost_peer(tmp_path):
-    """Old peer-error text in the rank's stderr (here printed at start) did not kill it."""
+    """Old peer-error text in the rank's stderr (here printed at start) did not kill it.
+    Also: the standby prepared for the restart died before it was needed; the supervisor
+    starts another one instead of failing the restart."""
     steps = 20
     noise = "ConnectionResetError: [Errno 104] Connection reset by peer"
     with h.jobs() as start:
@@ -160,10 +162,15 @@ def test_single_rank_sigkill_is_a_process_fault_not_a_lost_peer(tmp_path):
             _script_args(tmp_path, steps, save_every=5, stderr_noise=noise),
         )
         beats = h.wait_until(lambda: h.live_beats(job, 0, 6, ranks=1), 90, "step 6", job)
+        standby = h.wait_until(lambda: h.pids_of(job, attempt=1), 90, "the standby", job)
+        for pid in standby:  # the standby and its fork server
+            os.kill(pid, signal.SIGKILL)
         os.kill(beats[0].pid, signal.SIGKILL)
         assert job.wait(90) == 0, job.output()[-3000:]
     (f,) = job.events("failure")
     assert (f["fault"], f["rule"], f["action"]) == ("process", "killed", "restart"), f
+    relaunch = [e for e in job.events("launch") if e["attempt"] == 1]
+    assert relaunch and relaunch[0]["agent_pid"] not in standby
     (stop,) = job.events("stop_group")
     assert stop["exited"] == stop["killed"] == [], stop  # nobody else to stop
     _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=1)

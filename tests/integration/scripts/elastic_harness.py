@@ -21,7 +21,13 @@ from typing import Any
 
 from unbroken.elastic import heartbeat, recovery
 from unbroken.elastic._coord import free_port  # noqa: F401 - used as h.free_port
-from unbroken.elastic._procs import kill_matching, parent_of, pids_with_env, proc_state
+from unbroken.elastic._procs import (
+    environ_of,
+    kill_matching,
+    parent_of,
+    pids_with_env,
+    proc_state,
+)
 from unbroken.metrics import read_metrics
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_train.py")
@@ -161,9 +167,13 @@ def live_beats(job: Job, attempt: int, min_step: int, ranks: int) -> list[heartb
     return []
 
 
-def pids_of(job: Job) -> list[int]:
-    """Live processes (torchrun, workers) started under this job's run directory."""
-    return pids_with_env(recovery.ENV_RUN_DIR, job.run_dir)
+def pids_of(job: Job, attempt: int | None = None) -> list[int]:
+    """Live processes (agents, standbys, workers) started under this job's run directory
+    (of one attempt only, if given)."""
+    pids = pids_with_env(recovery.ENV_RUN_DIR, job.run_dir)
+    if attempt is None:
+        return pids
+    return [p for p in pids if environ_of(p).get(recovery.ENV_ATTEMPT) == str(attempt)]
 
 
 def zombies_below(root: int) -> list[int]:
