@@ -151,11 +151,9 @@ class RunConfig:
             raise ValueError("no training command: use `unbroken run [options] -- train.py ARGS`")
         if self.nproc_per_node < 1:
             raise ValueError(f"nproc_per_node={self.nproc_per_node} must be >= 1")
-        if self.preflight_max_wait < 0 or self.shutdown_timeout < 0 or self.stop_grace < 0:
-            raise ValueError(
-                f"preflight_max_wait={self.preflight_max_wait}, shutdown_timeout="
-                f"{self.shutdown_timeout} and stop_grace={self.stop_grace} must be >= 0 seconds"
-            )
+        for name in ("preflight_max_wait", "shutdown_timeout", "stop_grace"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} is negative; pass seconds >= 0")
 
 
 @dataclass
