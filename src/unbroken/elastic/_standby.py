@@ -162,7 +162,10 @@ class _Zygote:
         # ends this process by SIGKILL or it leaves once the agent and its workers are gone.
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(s, signal.SIG_IGN)
-        out = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            out = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            out = os.open(os.devnull, os.O_WRONLY)
         for fd in (1, 2):
             os.dup2(out, fd)
         os.close(out)
