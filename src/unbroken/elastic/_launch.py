@@ -66,29 +66,30 @@ def _set_child(pid: int) -> None:
 
 
 def _via_zygote(name: str, argv: list[str], module: bool) -> int | None:
-    """Run the worker in the fork server; its raw wait status, or None if unreachable."""
-    try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect("\0" + name)
-    except OSError as e:
-        print(f"unbroken launcher: fork server {name} unreachable ({e}); starting a fresh "
-              "interpreter", file=sys.stderr, flush=True)
-        return None
+    """Run the worker in the fork server; its raw wait status (-1: unknown), or None when
+    the server cannot take it (then the caller starts a fresh interpreter)."""
     req = json.dumps({"argv": argv, "module": module, "env": dict(os.environ),
                       "cwd": os.getcwd()}).encode()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with sock:
-        sock.sendmsg([struct.pack("!I", len(req))],
-                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
-        sock.sendall(req)
-        f = sock.makefile("rb")
-        first = json.loads(f.readline() or b"{}")
+        try:
+            sock.connect("\0" + name)
+            sock.sendmsg([struct.pack("!I", len(req))],
+                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+            sock.sendall(req)
+            f = sock.makefile("rb")
+            first = json.loads(f.readline() or b"{}")
+        except (OSError, ValueError) as e:
+            first = {"refused": f"unreachable: {e}"}
         if "pid" not in first:
-            print(f"unbroken launcher: the fork server refused the worker "
-                  f"({first.get('refused', 'no answer')}); starting a fresh interpreter",
-                  file=sys.stderr, flush=True)
+            print(f"unbroken launcher: fork server {name}: {first.get('refused', 'no answer')}; "
+                  "starting a fresh interpreter", file=sys.stderr, flush=True)
             return None
         _set_child(int(first["pid"]))
-        last = f.readline()
+        try:
+            last = f.readline()
+        except OSError:
+            last = b""
     if not last:
         # The server died; its workers die with it (PR_SET_PDEATHSIG). Make sure of it.
         if _child is not None:
