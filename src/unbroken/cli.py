@@ -285,6 +285,15 @@ def _add_elastic(sub: argparse._SubParsersAction) -> None:
                    help="a peer supervisor silent this long counts as a lost node (default: 5 s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds the job gets to save before it is killed (default: 30)")
+    p.add_argument("--stop-grace", type=float, default=1.0,
+                   help="when a rank fails, seconds the other ranks get to exit before they "
+                   "are killed: they cannot finish a collective with it (default: 1)")
+    p.add_argument("--no-prewarm", dest="prewarm", action="store_false",
+                   help="start a fresh torchrun and fresh worker interpreters per attempt "
+                   "instead of a standby agent that imported torch ahead and forks the workers")
+    p.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                   help="module the standby agent imports before forking workers, on top of "
+                   "torch and unbroken.ckpt (repeatable; e.g. your model library)")
     p.add_argument("--fault-rule", action="append", default=[], metavar="CLASS=REGEX",
                    help="extra classification rule, checked before the built-in table (repeatable)")
     p.add_argument("--torchrun-arg", action="append", default=[], metavar="ARG",
@@ -306,6 +315,7 @@ def _add_elastic(sub: argparse._SubParsersAction) -> None:
 
 def _elastic_run(a: argparse.Namespace) -> int:
     from unbroken.elastic import faults
+    from unbroken.elastic._attempt import DEFAULT_PRELOAD
     from unbroken.elastic.preflight import PreflightConfig
     from unbroken.elastic.supervisor import RendezvousConfig, RunConfig, Supervisor, WatchdogConfig
 
@@ -323,6 +333,9 @@ def _elastic_run(a: argparse.Namespace) -> int:
         preflight=PreflightConfig(a.ckpt_dir, a.data, a.min_free_bytes, timeout=a.preflight_timeout),
         preflight_max_wait=a.preflight_max_wait,
         shutdown_timeout=a.shutdown_timeout,
+        stop_grace=a.stop_grace,
+        prewarm=a.prewarm,
+        preload=(*DEFAULT_PRELOAD, *a.preload),
         rules=(*(faults.parse_rule(r) for r in a.fault_rule), *faults.DEFAULT_RULES),
         torchrun_args=tuple(a.torchrun_arg),
         echo=not a.quiet,

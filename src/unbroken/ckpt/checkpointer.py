@@ -495,6 +495,10 @@ class Checkpointer:
             log.error("checkpoint flush at exit failed: %s", e)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
+        from unbroken.elastic.recovery import peer_failed
+
+        if peer_failed():  # `unbroken run` stops us because a rank died: no save can finish
+            os._exit(143)
         self.preempted = True  # act at the next step boundary, never mid-step
 
     def _final_save_and_exit(self, step: int) -> None:
