@@ -38,7 +38,6 @@ import xxhash
 from unbroken._fs import (
     checksum_file,
 )
-from unbroken.data._ragged import concat_ranges
 from unbroken.data.shards import (
     CorruptSampleError,
     ShardError,
@@ -268,12 +267,12 @@ class TokenShard:
         )
         self.block_tokens = block
         self._block_hash: list[int] = []
-        self._state = np.zeros(0, np.int8)
+        self._state = bytearray()  # per block: _UNCHECKED, _GOOD or _BAD
         self._unchecked = 0
         if verify and hashed:
             pos = head.size + 8 * (n_docs + 1)
             self._block_hash = np.frombuffer(raw, "<u8", count=n_blocks, offset=pos).tolist()
-            self._state = np.zeros(n_blocks, np.int8)
+            self._state = bytearray(n_blocks)
             self._unchecked = n_blocks
         elif verify:
             warn_unverified(dataset or path, self.index_path)
@@ -297,21 +296,21 @@ class TokenShard:
         """
         if not self._unchecked and not self._any_bad:
             return None  # every block verified and intact: the steady state costs nothing
-        B = self.block_tokens
-        starts = np.asarray(starts, dtype=np.int64)
-        b0 = starts // B
-        b1 = (starts + max(length, 1) - 1) // B
-        # a range spans at most two blocks when it is not longer than one
-        blocks = np.union1d(b0, b1) if length <= B else np.unique(concat_ranges(b0, b1 - b0 + 1))
-        blocks = blocks[(blocks >= 0) & (blocks < self._state.size)]
-        for b in blocks[self._state[blocks] == _UNCHECKED].tolist():
-            self._check_block(b)
-        if not self._any_bad:
-            return None
-        mask = np.zeros(starts.size, dtype=bool)
-        for bad in np.flatnonzero(self._state == _BAD).tolist():
-            mask |= (b0 <= bad) & (b1 >= bad)
-        return mask if mask.any() else None
+        B, last = self.block_tokens, len(self._state) - 1
+        span = max(length, 1) - 1
+        state = self._state
+        mask = None
+        # A plain loop: a batch holds a few ranges of one or two blocks each, fewer Python
+        # steps than the numpy calls that would find its unchecked blocks.
+        for k, s in enumerate(np.asarray(starts).tolist()):
+            for b in range(max(s // B, 0), min((s + span) // B, last) + 1):
+                if state[b] == _UNCHECKED:
+                    self._check_block(b)
+                if state[b] == _BAD:
+                    if mask is None:
+                        mask = np.zeros(len(starts), dtype=bool)
+                    mask[k] = True
+        return mask
 
     def error(self, start: int, length: int) -> CorruptSampleError:
         """The error for the token range ``[start, start + length)`` (it touches a bad block)."""
