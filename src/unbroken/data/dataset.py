@@ -532,6 +532,8 @@ class StreamingDataset(IterableDataset):
         super().__init__()
         if on_corrupt not in ON_CORRUPT:
             raise ValueError(f"on_corrupt={on_corrupt!r} is not one of {ON_CORRUPT}")
+        if seq_len is not None and seq_len < 1:
+            raise ValueError(f"seq_len={seq_len} must be >= 1 (tokens per sequence)")
         if isinstance(sources, (str, Source)):
             sources = [sources]
         srcs = [s if isinstance(s, Source) else Source(s) for s in sources]

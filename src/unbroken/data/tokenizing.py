@@ -31,6 +31,7 @@ import numpy as np
 from unbroken._fs import atomic_write_bytes, checksum_bytes, checksum_file, hasher, is_temp_name
 from unbroken.data._tokfast import WordCacheEncoder
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
+from unbroken.data.pack import ensure_out_dir
 from unbroken.data.shards import ShardReader
 from unbroken.data.tokens import (
     TOKEN_INDEX_SUFFIX,
@@ -256,7 +257,7 @@ def tokenize(
     t0 = time.perf_counter()
     if seq_len is not None and seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 1 (or omitted for no packing)")
-    os.makedirs(out, exist_ok=True)
+    ensure_out_dir(out)
     if tokenizer is None and train_bpe_vocab is None:
         raise ValueError("pass a tokenizer (--tokenizer PATH) or --train-bpe VOCAB")
     if train_bpe_vocab is not None:
