@@ -308,37 +308,32 @@ class _MappedShard:
         hashes = self.hashes
         if hashes is None or not out:
             return out
+        bad: dict[int, str] = {}  # position in `out` -> its first damaged member
         if self.exts is not None:
             # one digest per member column for the whole group, compared in one numpy step
             k = len(self.exts)
             for j, ext in enumerate(self.exts):
                 got = member_digests(list(map(itemgetter(ext), out)))
-                bad = np.flatnonzero(got != hashes[local * k + j])
-                if bad.size:
-                    self._corrupt(out, bad.tolist(), ext)
-            return out
-        for p, i in enumerate(local.tolist()):  # any layout: member by member
-            d = out[p]
-            a, b = int(self.index.member_start[i]), int(self.index.member_start[i + 1])
-            got = member_digests([d[self.index.ext(j)] for j in range(a, b)])
-            bad = np.flatnonzero(got != hashes[a:b])
-            if bad.size:
-                self._corrupt(out, [p], self.index.ext(a + int(bad[0])))
-        return out
-
-    def _corrupt(self, out: list[Any], bad: list[int], ext: str) -> None:
-        for p in bad:
-            if out[p] is None:
-                continue  # another member of it already failed
+                for p in np.flatnonzero(got != hashes[local * k + j]).tolist():
+                    bad.setdefault(p, ext)
+        else:
+            for p, i in enumerate(local.tolist()):  # any layout: member by member
+                a, b = int(self.index.member_start[i]), int(self.index.member_start[i + 1])
+                got = member_digests([out[p][self.index.ext(j)] for j in range(a, b)])
+                wrong = np.flatnonzero(got != hashes[a:b])
+                if wrong.size:
+                    bad[p] = self.index.ext(a + int(wrong[0]))
+        for p in sorted(bad):
             err = corrupt_sample(
                 self.reader.path,
-                f"sample {out[p]['__key__']!r} member {ext!r}",
+                f"sample {out[p]['__key__']!r} member {bad[p]!r}",
                 dataset=self.reader.dataset,
             )
             if not self.skip:
                 raise err
             log.warning("%s; skipped (on_corrupt='skip')", err)
             out[p] = None
+        return out
 
     def _read(self, local: np.ndarray) -> list[dict[str, Any]]:
         mm, strings, exts, rows = self.mm, self.strings, self.exts, self.rows

@@ -98,7 +98,17 @@ class TokenShardWriter(IndexedFileWriter):
     """Append documents (EOS added) to a temporary sibling; :meth:`commit` publishes the .bin
     and then its index (the commit order of :class:`IndexedFileWriter`)."""
 
-    def __init__(self, path: str, dtype: str, eos_id: int, *, fsync: bool = True) -> None:
+    def __init__(
+        self,
+        path: str,
+        dtype: str,
+        eos_id: int,
+        *,
+        fsync: bool = True,
+        block_tokens: int = BLOCK_TOKENS,
+    ) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens={block_tokens} must be >= 1")
         super().__init__(path, path + TOKEN_INDEX_SUFFIX, fsync=fsync)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.eos_id = int(eos_id)
@@ -106,7 +116,8 @@ class TokenShardWriter(IndexedFileWriter):
         self._offsets = [0]
         self._pending: list[np.ndarray] = []
         self._pending_bytes = 0
-        self._block_bytes = BLOCK_TOKENS * self.dtype.itemsize
+        self.block_tokens = block_tokens
+        self._block_bytes = block_tokens * self.dtype.itemsize
         self._block = xxhash.xxh3_64()  # the block being written
         self._block_fill = 0
         self._block_hashes: list[int] = []
@@ -173,7 +184,7 @@ class TokenShardWriter(IndexedFileWriter):
             self.num_tokens,
             self.eos_id,
             self._w.digest.encode(),
-            BLOCK_TOKENS,
+            self.block_tokens,
         )
         body = b"".join(
             (
