@@ -220,3 +220,21 @@ def test_state_beyond_a_shrunk_dataset_names_the_change_or_restarts(stream_data,
     ld2.load_state_dict(state)
     assert (ld2.epoch, ld2.samples_consumed) == (0, 0)
     assert len([x for b in ld2 for x in b]) == 32  # 30 samples, the last batch padded
+
+
+def test_rerunning_pack_upgrades_an_index_without_checksums(tmp_path):
+    """An output of an older unbroken (format-1 indexes, recorded in its resume state) is
+    rewritten by a re-run, not kept: kept, its samples would stay unverified."""
+    from datakit import build_tar_dataset as build
+
+    root = build(str(tmp_path / "ds"), 20)
+    state_path = os.path.join(root, ".unbroken-pack.json")
+    st = json.load(open(state_path))
+    name = sorted(st["shards"])[0]
+    raw = _downgrade_tar_index(os.path.join(root, name + ".idx"))
+    st["shards"][name]["info"]["index_checksum"] = checksum_bytes(raw)
+    st["shards"][name]["info"]["index_bytes"] = len(raw)
+    with open(state_path, "w") as f:
+        json.dump(st, f)
+    build(root, 20)  # the same input again
+    assert open(os.path.join(root, name + ".idx"), "rb").read(8) == b"UBIDX\x02\x00\x00"

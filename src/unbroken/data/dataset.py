@@ -78,6 +78,7 @@ from unbroken.data.shards import (
     ShardError,
     ShardReader,
     corrupt_sample,
+    index_format,
     member_digests,
     warn_unverified,
 )
@@ -208,7 +209,7 @@ class _Reader:
                 magic = f.read(8)
         except OSError:
             return  # not there (yet): opening the shard reports it
-        if magic[5:6] == b"\x01":
+        if index_format(magic) == 1:
             warn_unverified(self.root, path)
 
     def _open_error(self, shard: int, e: OSError) -> ShardError:

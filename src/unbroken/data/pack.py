@@ -44,7 +44,7 @@ from unbroken.data._packplan import (
     scan_dir,
 )
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
-from unbroken.data.shards import INDEX_SUFFIX, index_tar
+from unbroken.data.shards import INDEX_SUFFIX, index_format, index_tar
 from unbroken.data.writers import TarShardWriter, tar_checksum
 
 __all__ = ["PackResult", "ensure_out_dir", "index_directory", "pack"]
@@ -110,6 +110,9 @@ def _verify_reuse(task: _Task) -> ShardInfo | None:
         return None
     if (size, digest) != (info.bytes, info.checksum) or checksum_bytes(raw) != info.index_checksum:
         log.info("%s: committed shard does not verify; rewriting it", task.path)
+        return None
+    if index_format(raw) != 2:
+        log.info("%s: index without per-sample checksums (older format); rewriting", task.path)
         return None
     # In-memory samples: the plan digest covers keys and sizes only, so compare the content
     # through the checksum of the tar that would be written (hashing only, no write).

@@ -50,6 +50,7 @@ __all__ = [
     "ShardIndex",
     "ShardReader",
     "corrupt_sample",
+    "index_format",
     "index_tar",
     "member_digests",
     "read_index_file",
@@ -113,6 +114,14 @@ def warn_unverified(what: str, path: str) -> None:
         what,
         path,
     )
+
+
+def index_format(head: bytes) -> int:
+    """The format of a shard or token index from its first 8 bytes: 1 (no checksums),
+    2 (checksums), or 0 (not an unbroken index)."""
+    if head[:5] not in (b"UBIDX", b"UBTOK") or head[6:8] != b"\x00\x00":
+        return 0
+    return {1: 1, 2: 2}.get(head[5], 0)
 
 
 def member_digests(datas: Sequence[Any]) -> np.ndarray:
