@@ -5,11 +5,15 @@ load drifts hit both alike), on data of benchmarks/data_read.py's recipe (2-6 KB
 a small JSON per sample, 64 MB tar shards) and on uint16 token shards:
 
 1. ``read``: the worker's own cost, ``StreamingDataset.read`` of whole shuffled batches in
-   this process (no DataLoader) - the worst case for the ratio, nothing else dilutes it;
+   this process (no DataLoader), in samples per CPU second - the worst case for the ratio,
+   nothing else dilutes it;
 2. ``loader``: ``StatefulLoader`` with 2 workers, the per-sample ``touch`` function and list
-   collate of data_read.py - the read throughput a training loop sees;
-3. ``tokens``: ``StreamingDataset.read`` of seq_len 1024 batches of 16 from token shards
-   (a block of 64 Ki tokens is verified once, when first touched).
+   collate of data_read.py - the read throughput a training loop sees (wall clock), and the
+   CPU time per delivered sample of main process + workers (``loader-cpu``: what decides the
+   throughput on a box whose cores are all busy, and robust to other jobs' load);
+3. ``tokens``: ``StreamingDataset.read`` of seq_len 1024 batches of 16 from token shards,
+   in tokens per CPU second, one fresh dataset per epoch, so every 64 Ki-token block is
+   verified once (when first touched) inside the measurement.
 
 Prints one JSON line per measurement and a table of medians with on/off ratios.
 
@@ -88,15 +92,17 @@ def list_collate(batch: list[Any]) -> list[Any]:
 
 
 def time_read(root: str, verify: bool, batch: int, seed: int) -> float:
-    """Samples/s of StreamingDataset.read over one whole shuffled epoch, in this process."""
+    """Samples per CPU second of StreamingDataset.read over one whole shuffled epoch, in
+    this process (CPU time, not wall time: on a shared box other jobs' load moves wall time
+    by 2x between repeats, CPU time by a few percent)."""
     from unbroken.data.dataset import StreamingDataset
 
     ds = StreamingDataset(root, seed=seed, verify=verify)
     n = ds.epoch_length
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     for a in range(0, n, batch):
         ds.read(0, np.arange(a, min(a + batch, n)))
-    return n / (time.perf_counter() - t0)
+    return n / (time.process_time() - t0)
 
 
 def _cpu() -> float:
@@ -144,10 +150,10 @@ def main() -> None:
         "tokens": lambda v, r: {"tokens": time_read(tok, v, TOK_BATCH, r) * SEQ_LEN},
     }
     units = {
-        "read": "samples/s",
+        "read": "samples/CPU-s",
         "loader": "samples/s",
         "loader-cpu": "CPU us/sample",
-        "tokens": "tokens/s",
+        "tokens": "tokens/CPU-s",
     }
     print(f"load before: {os.getloadavg()[0]:.1f} (1 min), cpus: {os.cpu_count()}", flush=True)
     for kind in a.only:
