@@ -751,24 +751,30 @@ class StreamingDataset(IterableDataset):
 class _SharedCount:
     """A counter the DataLoader workers add to and the training process reads.
 
-    A shared-memory value travels to workers by inheritance (fork) or with the worker's
-    start (spawn); pickled any other way (e.g. ``copy.deepcopy``) the copy counts on its own.
+    Shared memory without a lock (a lock belongs to one multiprocessing context, and the
+    DataLoader may start its workers with another): one slot per worker id, each written by
+    one process only, summed on read. It reaches the workers by inheritance (fork) or with
+    the worker's start (spawn, forkserver); pickled any other way (e.g. ``copy.deepcopy``)
+    the copy counts on its own.
     """
 
+    _SLOTS = 64
+
     def __init__(self) -> None:
-        self._v: Any = mp.Value("q", 0)
+        self._v: Any = mp.RawArray("q", self._SLOTS)
         self._local = 0
 
     def add(self, n: int) -> None:
         if self._v is None:
             self._local += n
             return
-        with self._v.get_lock():
-            self._v.value += n
+        info = get_worker_info()
+        slot = 0 if info is None else 1 + info.id % (self._SLOTS - 1)
+        self._v[slot] += n
 
     @property
     def value(self) -> int:
-        return self._local if self._v is None else int(self._v.value)
+        return self._local if self._v is None else int(sum(self._v))
 
     def __getstate__(self) -> dict[str, Any]:
         spawning = mp_context.get_spawning_popen() is not None
