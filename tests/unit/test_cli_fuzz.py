@@ -20,6 +20,7 @@ from unbroken import cli
 
 pytestmark = [
     pytest.mark.timeout(240),
+    pytest.mark.slow,
     pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
 ]
 

@@ -32,7 +32,7 @@ from unbroken.data.manifest import ManifestError
 from unbroken.data.shards import ShardError, ShardReader
 from unbroken.data.tokens import TokenShard
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 NAMED = (ShardError, ManifestError, FileNotFoundError)
 

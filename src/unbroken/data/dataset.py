@@ -312,10 +312,10 @@ class _MappedShard:
         bad: dict[int, str] = {}  # position in `out` -> its first damaged member
         if self.exts is not None:
             # one digest per member column for the whole group, compared in one numpy step
-            k = len(self.exts)
+            want = hashes.reshape(-1, len(self.exts))[local]
             for j, ext in enumerate(self.exts):
-                got = member_digests(list(map(itemgetter(ext), out)))
-                for p in np.flatnonzero(got != hashes[local * k + j]).tolist():
+                got = member_digests(map(itemgetter(ext), out), len(out))
+                for p in np.flatnonzero(got != want[:, j]).tolist():
                     bad.setdefault(p, ext)
         else:
             for p, i in enumerate(local.tolist()):  # any layout: member by member

@@ -34,7 +34,7 @@ import os
 import re
 import struct
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,9 +124,11 @@ def index_format(head: bytes) -> int:
     return {1: 1, 2: 2}.get(head[5], 0)
 
 
-def member_digests(datas: Sequence[Any]) -> np.ndarray:
-    """xxh3_64 of each bytes-like in ``datas`` (uint64): the checksums the index records."""
-    return np.fromiter(map(xxhash.xxh3_64_intdigest, datas), np.uint64, len(datas))
+def member_digests(datas: Iterable[Any], count: int | None = None) -> np.ndarray:
+    """xxh3_64 of each bytes-like in ``datas`` (uint64): the checksums the index records.
+    ``count``: how many there are, when ``datas`` is an iterator (no list is built)."""
+    n = len(datas) if count is None else count  # type: ignore[arg-type]
+    return np.fromiter(map(xxhash.xxh3_64_intdigest, datas), np.uint64, n)
 
 
 def read_index_file(path: str, checksum: str | None, *, dataset: str | None = None) -> bytes:
