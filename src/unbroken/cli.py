@@ -313,7 +313,6 @@ def _elastic_run(a: argparse.Namespace) -> int:
     from unbroken.elastic.supervisor import RendezvousConfig, RunConfig, Supervisor, WatchdogConfig
 
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
-    _check_script(command, a.module, "run")
     cfg = RunConfig(
         command=tuple(command),
         run_dir=a.run_dir,
@@ -331,6 +330,7 @@ def _elastic_run(a: argparse.Namespace) -> int:
         torchrun_args=tuple(a.torchrun_arg),
         echo=not a.quiet,
     )
+    _check_script(command, a.module, "run")  # after the config's own checks
     return Supervisor(cfg).run()
 
 
@@ -457,8 +457,6 @@ def _drill(a: argparse.Namespace) -> int:
     from unbroken.elastic import drill
 
     command = tuple(a.command[1:] if a.command[:1] == ["--"] else a.command)
-    if not a.example:
-        _check_script(command, a.module, "drill")
     faults = tuple(f.strip() for f in a.faults.split(",") if f.strip()) if a.faults else None
     opts = dict(faults=faults, outage=a.outage, timeout=a.timeout, reference=a.reference,
                 supervisor_args=tuple(a.supervisor_arg), ckpt_subdir=a.ckpt_subdir,
@@ -472,6 +470,8 @@ def _drill(a: argparse.Namespace) -> int:
     else:
         cfg = drill.DrillConfig(command, a.dir, module=a.module, seed=a.seed,
                                 multi_rank=a.multi_rank, ckpt_every=a.ckpt_every, **opts)
+    if not a.example:
+        _check_script(command, a.module, "drill")  # after the config's own checks
     report = drill.run_drill(cfg)
     print(report.format_table())
     print("report: " + ", ".join(report.files.values()))
