@@ -46,10 +46,13 @@ rank's samples one by one from :meth:`set_epoch`'s epoch.
 
 from __future__ import annotations
 
+import array
 import contextlib
+import itertools
 import logging
 import mmap
 import multiprocessing as mp
+import operator
 import os
 import random
 from collections import OrderedDict
@@ -87,6 +90,8 @@ from unbroken.data.tokens import TokenShard, num_sequences
 __all__ = ["ON_CORRUPT", "Source", "StreamingDataset"]
 
 ON_CORRUPT = ("raise", "skip")
+_xxh64 = xxhash.xxh3_64_intdigest  # the member checksum of a shard index (shards.py)
+_SMALL_GROUP = 48  # below: verify a shard's group with lists, above: with numpy (measured)
 
 log = logging.getLogger(__name__)
 
@@ -276,8 +281,9 @@ class _MappedShard:
         self.reader = reader
         self.skip = skip
         idx = reader.index
-        # per-member checksums, checked batch-wise in read() (None: not verifying)
+        # per-member checksums, checked group-wise in read() (None: not verifying)
         self.hashes = idx.member_hash if reader.verifies else None
+        self._want: list[array.array[int]] | None = None  # uniform: per extension, per sample
         with open(reader.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
@@ -302,6 +308,9 @@ class _MappedShard:
                 rows[:, 2::2] = off
                 rows[:, 3::2] = off + np.asarray(idx.data_size, dtype=np.int64).reshape(n, k)
                 self.rows = rows
+                if self.hashes is not None:
+                    cols = self.hashes.reshape(n, k).T
+                    self._want = [array.array("Q", c.tobytes()) for c in cols]
 
     def read(self, local: np.ndarray) -> list[Any]:
         """Samples ``local`` of this shard; None for a damaged one when skipping."""
@@ -310,18 +319,28 @@ class _MappedShard:
         if hashes is None or not out:
             return out
         bad: dict[int, str] = {}  # position in `out` -> its first damaged member
-        if self.exts is not None:
-            # one digest per member column for the whole group, compared in one numpy step
-            want = hashes.reshape(-1, len(self.exts))[local]
+        if self.exts is not None and self._want is not None and len(out) < _SMALL_GROUP:
+            # A small group (a batch spread over many shards): digests and expected values as
+            # lists compared in C - a numpy call per group would cost more than the hashing.
+            where = local.tolist()
+            for ext, want in zip(self.exts, self._want, strict=True):
+                got = list(map(_xxh64, map(itemgetter(ext), out)))
+                exp = list(map(want.__getitem__, where))
+                if got != exp:
+                    for p in itertools.compress(range(len(got)), map(operator.ne, got, exp)):
+                        bad.setdefault(p, ext)
+        elif self.exts is not None:
+            # a large group: one digest array per member column, compared in one numpy step
+            want2 = hashes.reshape(-1, len(self.exts))[local]
             for j, ext in enumerate(self.exts):
-                got = member_digests(map(itemgetter(ext), out), len(out))
-                for p in np.flatnonzero(got != want[:, j]).tolist():
+                got2 = member_digests(map(itemgetter(ext), out), len(out))
+                for p in np.flatnonzero(got2 != want2[:, j]).tolist():
                     bad.setdefault(p, ext)
         else:
             for p, i in enumerate(local.tolist()):  # any layout: member by member
                 a, b = int(self.index.member_start[i]), int(self.index.member_start[i + 1])
-                got = member_digests([out[p][self.index.ext(j)] for j in range(a, b)])
-                wrong = np.flatnonzero(got != hashes[a:b])
+                digests = member_digests([out[p][self.index.ext(j)] for j in range(a, b)])
+                wrong = np.flatnonzero(digests != hashes[a:b])
                 if wrong.size:
                     bad[p] = self.index.ext(a + int(wrong[0]))
         for p in sorted(bad):
