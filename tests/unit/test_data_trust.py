@@ -238,3 +238,16 @@ def test_rerunning_pack_upgrades_an_index_without_checksums(tmp_path):
         json.dump(st, f)
     build(root, 20)  # the same input again
     assert open(os.path.join(root, name + ".idx"), "rb").read(8) == b"UBIDX\x02\x00\x00"
+
+
+@pytest.mark.parametrize("group", [5, 120])  # a shard's group below / above _SMALL_GROUP
+def test_damage_found_in_small_and_large_groups_of_one_shard(tmp_path, group):
+    root = build_tar_dataset(str(tmp_path / "ds"), 120, shard_size=1 << 20)  # one shard
+    tar, key, off = _member(root, 0, 77, "bin")
+    _flip(tar, off + 100)
+    ds = StreamingDataset(root, shuffle=False, on_corrupt="skip")
+    got = [s for a in range(0, 120, group) for s in ds.read(0, np.arange(a, min(a + group, 120)))]
+    assert [s["__key__"] for s in got] == [f"s{i:05d}" for i in range(120) if i != 77]
+    assert ds.corrupt_skipped == 1
+    with pytest.raises(CorruptSampleError, match=f"'{key}' member 'bin'"):
+        StreamingDataset(root, shuffle=False).read(0, np.arange(72, 72 + group))
