@@ -6,7 +6,9 @@ a small JSON per sample, 64 MB tar shards) and on uint16 token shards:
 
 1. ``read``: the worker's own cost, ``StreamingDataset.read`` of whole shuffled batches in
    this process (no DataLoader), in samples per CPU second - the worst case for the ratio,
-   nothing else dilutes it;
+   nothing else dilutes it; a batch of 256 takes ~64 samples from each of 4 shards.
+   ``read-1mb``: the same samples in 1 MB shards, so a batch takes 1-2 samples from each of
+   ~200 shards (verification works per shard group: its fixed cost weighs more);
 2. ``loader``: ``StatefulLoader`` with 2 workers, the per-sample ``touch`` function and list
    collate of data_read.py - the read throughput a training loop sees (wall clock), and the
    CPU time per delivered sample of main process + workers (``loader-cpu``: what decides the
@@ -53,10 +55,11 @@ def prepare(root: str, n: int) -> None:
     from unbroken.data.pack import pack
     from unbroken.data.tokens import TokenShardWriter, num_sequences
 
-    done = os.path.join(root, f"ready-{n}")
+    done = os.path.join(root, f"ready-{n}-2")
     if os.path.exists(done):
         return
     pack((make_sample(i) for i in range(n)), f"{root}/tar", shard_size=64 << 20, progress=False)
+    pack((make_sample(i) for i in range(n)), f"{root}/tar1m", shard_size=1 << 20, progress=False)
     out = f"{root}/tokens"
     os.makedirs(out, exist_ok=True)
     rng = np.random.default_rng(3)
@@ -137,7 +140,9 @@ def main() -> None:
     ap.add_argument("--root", default=ROOT)
     ap.add_argument("--samples", type=int, default=50_000)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--only", nargs="*", default=["read", "loader", "tokens", "tokens2"])
+    ap.add_argument(
+        "--only", nargs="*", default=["read", "read-1mb", "loader", "tokens", "tokens2"]
+    )
     a = ap.parse_args()
     prepare(a.root, a.samples)
     tar, tok = f"{a.root}/tar", f"{a.root}/tokens"
@@ -148,12 +153,14 @@ def main() -> None:
 
     kinds: dict[str, Any] = {
         "read": lambda v, r: {"read": time_read(tar, v, BATCH, r)},
+        "read-1mb": lambda v, r: {"read-1mb": time_read(f"{a.root}/tar1m", v, BATCH, r)},
         "loader": loader,
         "tokens": lambda v, r: {"tokens": time_read(tok, v, TOK_BATCH, r) * SEQ_LEN},
         "tokens2": lambda v, r: {"tokens2": time_read(tok, v, TOK_BATCH, r, True) * SEQ_LEN},
     }
     units = {
         "read": "samples/CPU-s",
+        "read-1mb": "samples/CPU-s",
         "loader": "samples/s",
         "loader-cpu": "CPU us/sample",
         "tokens": "tokens/CPU-s",
