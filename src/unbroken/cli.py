@@ -8,8 +8,12 @@ stays fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import math
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 from unbroken._cli_dataprep import add_dataprep
@@ -340,6 +344,7 @@ def _elastic_run(a: argparse.Namespace) -> int:
         torchrun_args=tuple(a.torchrun_arg),
         echo=not a.quiet,
     )
+    _check_script(command, a.module, "run")  # after the config's own checks
     return Supervisor(cfg).run()
 
 
@@ -388,6 +393,16 @@ def _plan(a: argparse.Namespace) -> int:
     given = {k: getattr(a, k) for k in ("ckpt_cost", "mtbf", "restart_cost", "current")}
     print(planner.format_plan(planner.plan_from_run(a.run_dir, given)))
     return 0
+
+
+def _check_script(command: Sequence[str], module: bool, verb: str) -> None:
+    """A missing training script is bad input, found before any process starts (torchrun
+    would start, fail, and the restart policy would try again)."""
+    if command and not module and not os.path.isfile(command[0]):
+        raise FileNotFoundError(
+            f"{command[0]}: training script not found; use `unbroken {verb} [options] -- "
+            "SCRIPT ARGS` with the path of a Python script, or -m for a module name"
+        )
 
 
 # --- the fire drill -------------------------------------------------------------------------
@@ -457,6 +472,8 @@ def _drill(a: argparse.Namespace) -> int:
     else:
         cfg = drill.DrillConfig(command, a.dir, module=a.module, seed=a.seed,
                                 multi_rank=a.multi_rank, ckpt_every=a.ckpt_every, **opts)
+    if not a.example:
+        _check_script(command, a.module, "drill")  # after the config's own checks
     report = drill.run_drill(cfg)
     print(report.format_table())
     print("report: " + ", ".join(report.files.values()))
@@ -482,8 +499,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Exit codes of main() for errors: 2 = bad input (a path, a value, a damaged or foreign file:
+# the user can fix it), 1 = the command failed for another reason (an internal error, an
+# I/O failure such as a full disk). Either way one line on stderr, never a traceback (with
+# --verbose the traceback of an unexpected error is printed too).
+_BAD_PATH_ERRNOS = frozenset(
+    {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM,
+     errno.ELOOP, errno.ENAMETOOLONG, errno.EINVAL, errno.EROFS}
+)
+
+
+def _one_line(e: BaseException) -> str:
+    """The exception's message on one line (a multi-line message is joined with ' | ')."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = " | ".join(lines) or type(e).__name__
+    return text if len(text) <= 4000 else text[:4000] + " ..."
+
+
+def _exit_code(e: BaseException) -> int:
+    if isinstance(e, (ValueError, RuntimeError)):
+        return 2
+    if isinstance(e, OSError):
+        return 2 if e.errno in _BAD_PATH_ERRNOS or e.errno is None else 1
+    return 1
+
+
+def _nonsense(args: argparse.Namespace) -> str | None:
+    """A value no command takes, whatever its option: a float that is not finite (argparse's
+    ``float`` accepts "nan" and "1e400"), a string with a NUL byte (no path holds one)."""
+    for name, v in vars(args).items():
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"--{name.replace('_', '-')}={v}: not a finite number"
+        vals = v if isinstance(v, list) else [v]
+        if any(isinstance(x, str) and "\x00" in x for x in vals):
+            return f"{name}: a value holds a NUL byte"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    bad = _nonsense(args)
+    if bad is not None:
+        print(f"unbroken: error: {bad}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -493,9 +551,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("unbroken.data").setLevel(logging.WARNING)
     try:
         return int(args.func(args))
-    except (ValueError, RuntimeError, FileNotFoundError, PermissionError) as e:
-        print(f"unbroken: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("unbroken: interrupted", file=sys.stderr)
+        return 130
+    except (SystemExit, GeneratorExit):
+        raise
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"unbroken: error: {_one_line(e)}", file=sys.stderr)
+        return _exit_code(e)
+    except BaseException as e:  # noqa: BLE001 - DCP raises BaseException subclasses
+        # Not an error the library names: say what it was in one line; the traceback is for
+        # --verbose (and for a bug report).
+        if args.verbose:
+            traceback.print_exc()
+        print(
+            f"unbroken: error: {type(e).__name__}: {_one_line(e)} (unexpected; run with "
+            "--verbose for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -310,7 +310,7 @@ class StatefulLoader:
                 if self._run is None or self._run[0] != run_id:
                     return  # load_state_dict / set_epoch replaced this run
                 batch = rx.unpack(item)
-                if self._tensor_here:
+                if self._tensor_here and isinstance(batch, np.ndarray):  # not a skipped []
                     batch = torch.from_numpy(batch)
                     if self._pin_here:
                         batch = batch.pin_memory()
@@ -376,7 +376,8 @@ class StatefulLoader:
                 f"seed={ds.seed}; construct StreamingDataset(..., seed={seed}) to resume the "
                 "same order"
             )
-        if epoch < 0 or not 0 <= consumed <= ds.epoch_length:
+        # The fingerprint first: a position beyond a dataset that shrank is a changed dataset.
+        if fp == ds.fingerprint and (epoch < 0 or not 0 <= consumed <= ds.epoch_length):
             raise ValueError(
                 f"loader state epoch={epoch} samples_consumed={consumed} is outside this "
                 f"dataset's epoch of {ds.epoch_length} samples"
@@ -387,7 +388,8 @@ class StatefulLoader:
                     f"the dataset changed since the checkpoint: the loader state was saved on "
                     f"dataset fingerprint {fp}, but {', '.join(s.root for s in ds.sources)} "
                     f"has fingerprint {ds.fingerprint}{_which_source(state, ds)}. Resuming "
-                    "would misalign the order. Restore the original data, or pass "
+                    f"would misalign the order{_beyond(epoch, consumed, ds)}. Restore the "
+                    "original data, or pass "
                     "StatefulLoader(..., on_dataset_change='restart_epoch') to restart epoch "
                     f"{epoch} from its first sample."
                 )
@@ -398,6 +400,8 @@ class StatefulLoader:
                 ds.fingerprint,
                 epoch,
             )
+            if epoch < 0:
+                raise ValueError(f"loader state epoch={epoch} must be >= 0")
             consumed = 0
         elif window != list(ds.shuffle_window):
             raise ValueError(
@@ -408,12 +412,26 @@ class StatefulLoader:
         self._run = None
         self._epoch, self._start = epoch, consumed
 
+    def stats(self) -> dict[str, int]:
+        """Counters of the data path: ``corrupt_skipped``, damaged samples left out under
+        ``StreamingDataset(..., on_corrupt="skip")`` (summed over all workers)."""
+        return {"corrupt_skipped": self.dataset.corrupt_skipped}
+
     def __repr__(self) -> str:
         epoch, consumed = self._position()
         return (
             f"StatefulLoader({self.dataset!r}, batch_size={self.batch_size}, "
             f"num_workers={self.num_workers}, epoch={epoch}, samples_consumed={consumed})"
         )
+
+
+def _beyond(epoch: int, consumed: int, ds: StreamingDataset) -> str:
+    if 0 <= consumed <= ds.epoch_length:
+        return ""
+    return (
+        f" (its position, sample {consumed} of epoch {epoch}, lies beyond the "
+        f"{ds.epoch_length} samples the dataset now holds)"
+    )
 
 
 def _which_source(state: dict[str, Any], ds: StreamingDataset) -> str:
