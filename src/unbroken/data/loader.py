@@ -25,6 +25,7 @@ global sequence (no sample missing, none repeated), and no skipped sample is rea
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterator
@@ -66,7 +67,7 @@ class _RunStream(IterableDataset):
         batch_size: int,
         last_batch: str,
         collate_fn: Callable[[list[Any]], Any],
-        ring_slots: int = 0,
+        ring: bool = False,
         ring_fds: list[tuple[int, int, int]] | None = None,
     ) -> None:
         super().__init__()
@@ -76,32 +77,29 @@ class _RunStream(IterableDataset):
         self.batch_size = batch_size
         self.last_batch = last_batch
         self.collate_fn = collate_fn
-        self.ring_slots = ring_slots  # 0: batches take torch's stock pipe
+        self.ring = ring  # False: batches take torch's stock pipe
         self.ring_fds = ring_fds or []  # one memfd per worker, inherited by forked workers
         self._sender: RingSender | None = None  # per worker process, made there
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        batches = self.dataset.iter_batches(
+        collate = self.collate_fn
+        if info is not None and self.ring:
+            # A persistent worker keeps its ring (and its mapped pages) from epoch to epoch.
+            if self._sender is None:
+                spec = self.ring_fds[wid] if wid < len(self.ring_fds) else None
+                self._sender = RingSender(worker_id=wid, fd_spec=spec)
+            collate = functools.partial(self._sender.collate, collate_fn=self.collate_fn)
+        yield from self.dataset.iter_batches(
             self.epoch,
             self.start,
             self.batch_size,
             last_batch=self.last_batch,
-            collate_fn=self.collate_fn,
+            collate_fn=collate,
             worker_id=wid,
             num_workers=nw,
         )
-        if info is None or not self.ring_slots:
-            yield from batches
-        else:
-            # A persistent worker keeps its ring (and its mapped pages) from epoch to epoch.
-            if self._sender is None:
-                spec = self.ring_fds[wid] if wid < len(self.ring_fds) else None
-                self._sender = RingSender(self.ring_slots, worker_id=wid, fd_spec=spec)
-            pack = self._sender.pack
-            for batch in batches:
-                yield pack(batch)
         # A persistent worker keeps this object: the next pass after a complete one is the
         # next epoch from its start (the loader rebuilds the workers for any other start).
         self.epoch += 1
@@ -130,11 +128,14 @@ class StatefulLoader:
             then differ by one batch). ``drop_last=True`` is accepted as ``"drop"``.
         on_dataset_change: ``"error"`` (default) refuses a state saved on another dataset
             fingerprint; ``"restart_epoch"`` restarts the saved epoch from its first sample.
-        shm_transport: with workers, each batch's pickle crosses to this process through a
-            ring of reusable shared-memory slots per worker instead of torch's pipe (see
-            :mod:`unbroken.data._transport`; the batches are the same objects either way).
-            Default True; off with ``pin_memory=True`` (except token batches, pinned here), so
-            that torch's pin thread keeps pinning in the background.
+        shm_transport: with workers, batches cross to this process through a ring of
+            reusable shared-memory slots per worker instead of torch's pipe: tensors are
+            collated straight into a slot and arrive without a copy - pinned, when
+            ``pin_memory=True`` on CUDA (the slot is registered once; torch's pin-memory
+            thread and its copy are not used); small tensor-free batches keep the pipe,
+            which is faster for them (see :mod:`unbroken.data._transport`). The batches are
+            the same values, types and shapes either way. Default True; ``False`` is for
+            comparisons and for a platform where the ring misbehaves.
         num_workers, prefetch_factor, pin_memory, persistent_workers, timeout, worker_init_fn,
         multiprocessing_context, generator, pin_memory_device: as ``DataLoader``.
     """
@@ -182,27 +183,32 @@ class StatefulLoader:
             raise ValueError("persistent_workers=True needs num_workers > 0")
         self.dataset = dataset
         self.batch_size = batch_size
-        # Token rows with the default collate: stacked in the worker into one numpy array that
-        # crosses the worker pipe in one piece and becomes a tensor here without a copy. Same
-        # LongTensor as default_collate gives, without a shared-memory segment per batch
-        # (which costs more than the copy at language-model batch sizes).
-        self._tensor_here = (
-            collate_fn is None and dataset.kind == "tokens" and not dataset.transform
-        )
-        self._pin_here = self._tensor_here and pin_memory
-        self.collate_fn = _stack_rows if self._tensor_here else (collate_fn or default_collate)
+        ring = shm_transport and num_workers > 0 and transport_available()
+        if pin_memory and pin_memory_device and not pin_memory_device.startswith("cuda"):
+            ring = False  # another accelerator's pinned memory: torch's pin thread does it
+        self._ring = ring
+        # Token rows with the default collate: through the ring, default_collate stacks them
+        # into a slot (a LongTensor that arrives without a copy); otherwise they are stacked
+        # in the worker into one numpy array that crosses the pipe in one piece and becomes
+        # a tensor here without a copy - same LongTensor as default_collate gives, without a
+        # shared-memory segment per batch (which costs more than the copy at language-model
+        # batch sizes).
+        tokens = collate_fn is None and dataset.kind == "tokens" and not dataset.transform
+        self._from_numpy = tokens and not ring
+        self._pin_here = self._from_numpy and pin_memory
+        if self._from_numpy:
+            self.collate_fn: Callable[[list[Any]], Any] = _stack_rows
+        else:
+            self.collate_fn = collate_fn or default_collate
         self.last_batch = last_batch
         self.on_dataset_change = on_dataset_change
         self.num_workers = num_workers
-        self._ring_slots = 0
-        if shm_transport and num_workers > 0 and transport_available():
-            if not pin_memory or self._pin_here:
-                # more than the batches a worker can have in flight (see RingSender)
-                self._ring_slots = (prefetch_factor or 2) * num_workers + 2
+        self._pin_ring = ring and pin_memory
         self._dl_kwargs: dict[str, Any] = dict(
             num_workers=num_workers,
             prefetch_factor=prefetch_factor,
-            pin_memory=pin_memory and not self._pin_here,
+            # the ring pins by registration; the numpy token path pins here
+            pin_memory=pin_memory and not ring and not self._pin_here,
             persistent_workers=persistent_workers,
             timeout=timeout,
             worker_init_fn=worker_init_fn,
@@ -263,7 +269,7 @@ class StatefulLoader:
             if self._rx is None:
                 raise RuntimeError("StatefulLoader: persistent DataLoader without its receiver")
             return self._dl, self._rx
-        fds = worker_fds(self.num_workers) if self._ring_slots else None
+        fds = worker_fds(self.num_workers) if self._ring else None
         stream = _RunStream(
             self.dataset,
             epoch,
@@ -271,7 +277,7 @@ class StatefulLoader:
             self.batch_size,
             self.last_batch,
             self.collate_fn,
-            self._ring_slots,
+            self._ring,
             fds,
         )
         kwargs = dict(self._dl_kwargs)
@@ -284,7 +290,7 @@ class StatefulLoader:
                 mix_seed(self.dataset.seed, epoch, start)
             )
         dl = DataLoader(stream, batch_size=None, collate_fn=_passthrough, in_order=True, **kwargs)
-        rx = RingReceiver(fds)
+        rx = RingReceiver(fds, pin=self._pin_ring)
         # Drop the old persistent workers now: they would replay a stale run.
         if self._rx is not None:
             self._rx.close()
@@ -309,7 +315,7 @@ class StatefulLoader:
                 if self._run is None or self._run[0] != run_id:
                     return  # load_state_dict / set_epoch replaced this run
                 batch = rx.unpack(item)
-                if self._tensor_here:
+                if self._from_numpy:
                     batch = torch.from_numpy(batch)
                     if self._pin_here:
                         batch = batch.pin_memory()
