@@ -146,6 +146,8 @@ def test_default_collate_stacks_into_the_slot_and_the_batch_arrives_without_a_co
             "img": rng.integers(0, 255, (3, 8, 8), dtype=np.uint8),  # numpy: as_tensor, stack
             "label": i % 7,
             "w": 0.25 * i,
+            "flag": i % 3 == 0,  # bools: torch.tensor's bool tensor
+            "mixed": i if i % 2 else 0.5,  # ints and floats: float64, as default_collate
             "key": f"k{i}",
             "pair": Pair(i, torch.tensor([i, -i])),
         }

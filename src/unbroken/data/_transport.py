@@ -197,6 +197,24 @@ def _plain(t: torch.Tensor) -> bool:
 # --- worker side ------------------------------------------------------------------------
 
 
+def _collate_ints(batch: list[Any], *, collate_fn_map: Any = None) -> torch.Tensor:
+    # default_collate's rule (torch.tensor(batch)) through numpy: 1.5 us instead of 7 for 64
+    # ints. Only when every element is exactly an int; bools, mixes and overflows keep it.
+    if all(type(x) is int for x in batch):
+        try:
+            return torch.from_numpy(np.array(batch, dtype=np.int64))
+        except OverflowError:
+            pass
+    return default_collate_fn_map[int](batch, collate_fn_map=collate_fn_map)
+
+
+def _collate_floats(batch: list[Any], *, collate_fn_map: Any = None) -> torch.Tensor:
+    if all(type(x) is float for x in batch):
+        return torch.from_numpy(np.array(batch, dtype=np.float64))
+    return default_collate_fn_map[float](batch, collate_fn_map=collate_fn_map)
+
+
+
 class _Slot:
     __slots__ = ("index", "offset", "seq", "size")
 
@@ -345,7 +363,12 @@ class RingSender:
         self._want = 0  # bytes the last batch needed: the arena a collate starts from
         self._pipe_left = 0  # batches left on the pipe before the next probe of the ring
         self._packing: _Packing | None = None  # the slot a collate is writing into
-        self._map: dict[Any, Any] = {**default_collate_fn_map, torch.Tensor: self._stack}
+        self._map: dict[Any, Any] = {
+            **default_collate_fn_map,
+            torch.Tensor: self._stack,
+            float: _collate_floats,
+            int: _collate_ints,
+        }
 
     # --- the ring ----------------------------------------------------------------------
 
