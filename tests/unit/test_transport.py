@@ -358,10 +358,12 @@ def test_loader_delivers_the_same_batches_and_state_with_the_ring(stream_data, k
             n += 1
         assert n == len(ld) > 10
         assert ld.state_dict() == ref.state_dict()
-    # ~10 KB tensor-free batches: each worker's first one probes the ring, the rest take the
-    # pipe (cheaper for them); a persistent worker remembers across epochs
-    assert len(tickets) == 4 * n
-    assert sum(tickets) == kw["num_workers"] * (1 if kw.get("persistent_workers") else 2)
+    # Batch 0 of a run is made in this process while the workers start (persistent workers
+    # run the second epoch whole); ~10 KB tensor-free batches: each worker's first one probes
+    # the ring, the rest take the pipe (cheaper for them); a persistent worker remembers.
+    persistent = kw.get("persistent_workers", False)
+    assert len(tickets) == 2 * n + (2 * n - 1 if persistent else 2 * (n - 1))
+    assert sum(tickets) == kw["num_workers"] * (1 if persistent else 2)
 
 
 @pytest.mark.parametrize("collate", [None, _decoded_list])
@@ -379,7 +381,7 @@ def test_decoded_tensor_batches_take_the_ring_and_match_stock(stream_data, colla
         n += 1
     for g, w in kept:
         assert_same(g, w)
-    assert n > 10 and sum(tickets) == n == len(tickets) // 2
+    assert n > 10 and sum(tickets) == n - 1 == len(tickets) - n  # batch 0: made here
 
 
 def test_token_batches_arrive_as_tensors_in_the_ring(stream_data, monkeypatch):
@@ -393,7 +395,7 @@ def test_token_batches_arrive_as_tensors_in_the_ring(stream_data, monkeypatch):
     assert len(got) == len(ref)
     for g, w in zip(got, ref, strict=True):
         assert_same(g, w)
-    assert sum(tickets) == len(got)  # the workers' batches, none by the pipe
+    assert sum(tickets) == len(got) - 1  # the workers' batches (0 is made here), no pipe
 
 
 def test_spawned_workers_send_their_ring_fd_once(stream_data):
@@ -402,6 +404,33 @@ def test_spawned_workers_send_their_ring_fd_once(stream_data):
     ld = StatefulLoader(ds, 32, num_workers=1, multiprocessing_context="spawn")
     for g, w in zip(ld, ref, strict=True):
         assert_same(g, w)
+
+
+def _init_worker(wid: int) -> None:
+    pass
+
+
+@pytest.mark.parametrize("kw", [{}, {"worker_init_fn": _init_worker}])
+def test_the_first_batch_of_a_run_is_made_here_unless_workers_need_their_init(
+    stream_data, kw, monkeypatch
+):
+    tickets = _count_tickets(monkeypatch)
+    ds = StreamingDataset(stream_data("tar"), seed=4, transform=decode)
+    ref = [b["key"] for b in StatefulLoader(ds, 16)]
+    ld = StatefulLoader(ds, 16, num_workers=2, **kw)
+    assert [b["key"] for b in ld] == ref
+    made_here = 0 if kw else 1
+    assert len(tickets) == 2 * len(ref) - made_here and sum(tickets) == len(ref) - made_here
+    # a resume that leaves one batch: made here, no worker started at all
+    sd = ld.state_dict()
+    sd.update(epoch=0, samples_consumed=ds.epoch_length - 5)
+    alone = StatefulLoader(ds, 16)
+    alone.load_state_dict(sd)
+    want = [b["key"] for b in alone]
+    ld.load_state_dict(sd)
+    tickets.clear()
+    assert len(want) == 1 and [b["key"] for b in ld] == want
+    assert tickets == ([True] if kw else [])  # the worker's tensor batch: through the ring
 
 
 def test_state_and_resume_count_ring_batches_like_stock_ones(stream_data):

@@ -78,6 +78,8 @@ from torch.utils.data import default_collate
 from torch.utils.data._utils.collate import collate as _collate
 from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
 
+from unbroken.data.prefetch import map_tensors
+
 __all__ = ["RingReceiver", "RingSender", "Ticket", "transport_available", "worker_fds"]
 
 log = logging.getLogger(__name__)
@@ -520,8 +522,6 @@ class RingSender:
             return batch
         # Tensors collated into the slot: the queue pickles the batch later, in its feeder
         # thread, when the slot may be written again - they leave it now.
-        from unbroken.data.prefetch import map_tensors
-
         return map_tensors(lambda t: t.clone() if packing.owns(t.data_ptr()) else t, batch)
 
     def close(self) -> None:
@@ -691,8 +691,6 @@ class RingReceiver:
 
     @staticmethod
     def _pin_copy(batch: Any) -> Any:
-        from unbroken.data.prefetch import map_tensors
-
         return map_tensors(lambda t: t if t.is_pinned() else t.pin_memory(), batch)
 
     def _map(self, t: Ticket) -> _Mapped:

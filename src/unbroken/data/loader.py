@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 from unbroken.data._transport import RingReceiver, RingSender, transport_available, worker_fds
 from unbroken.data.dataset import StreamingDataset
 from unbroken.data.order import LAST_BATCH_POLICIES, mix_seed
+from unbroken.data.prefetch import map_tensors
 
 __all__ = ["StatefulLoader"]
 
@@ -69,6 +70,7 @@ class _RunStream(IterableDataset):
         collate_fn: Callable[[list[Any]], Any],
         ring: bool = False,
         ring_fds: list[tuple[int, int, int]] | None = None,
+        first: int = 0,
     ) -> None:
         super().__init__()
         self.dataset = dataset
@@ -79,6 +81,7 @@ class _RunStream(IterableDataset):
         self.collate_fn = collate_fn
         self.ring = ring  # False: batches take torch's stock pipe
         self.ring_fds = ring_fds or []  # one memfd per worker, inherited by forked workers
+        self.first = first  # batches of the run made by the loader itself
         self._sender: RingSender | None = None  # per worker process, made there
 
     def __iter__(self) -> Iterator[Any]:
@@ -99,11 +102,13 @@ class _RunStream(IterableDataset):
             collate_fn=collate,
             worker_id=wid,
             num_workers=nw,
+            first=self.first,
         )
         # A persistent worker keeps this object: the next pass after a complete one is the
         # next epoch from its start (the loader rebuilds the workers for any other start).
         self.epoch += 1
         self.start = 0
+        self.first = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # spawn/forkserver workers build their own ring
@@ -204,6 +209,7 @@ class StatefulLoader:
         self.on_dataset_change = on_dataset_change
         self.num_workers = num_workers
         self._pin_ring = ring and pin_memory
+        self._pin_memory = pin_memory
         self._dl_kwargs: dict[str, Any] = dict(
             num_workers=num_workers,
             prefetch_factor=prefetch_factor,
@@ -263,7 +269,7 @@ class StatefulLoader:
 
     # --- iteration -----------------------------------------------------------------------
 
-    def _dataloader(self, epoch: int, start: int) -> tuple[DataLoader, RingReceiver]:
+    def _dataloader(self, epoch: int, start: int, first: int) -> tuple[DataLoader, RingReceiver]:
         persistent = self._dl_kwargs["persistent_workers"]
         if persistent and self._dl is not None and self._dl_next == (epoch, start):
             if self._rx is None:
@@ -279,6 +285,7 @@ class StatefulLoader:
             self.collate_fn,
             self._ring,
             fds,
+            first,
         )
         kwargs = dict(self._dl_kwargs)
         if kwargs["generator"] is None:
@@ -308,13 +315,32 @@ class StatefulLoader:
         return self._generate(run_id, epoch, start)
 
     def _generate(self, run_id: int, epoch: int, start: int) -> Iterator[Any]:
-        dl, rx = self._dataloader(epoch, start)
-        it = iter(dl)
+        it: Any = None
+        rx: RingReceiver | None = None
         try:
-            for item in it:
+            first = 0
+            batches = self.dataset.partition(start, self.batch_size, self.last_batch).num_batches()
+            if batches and self._first_here(epoch, start):
+                # The run's first batch is made here, before the workers start: forking them
+                # and their start-up (tens of ms) then overlap the step that uses it instead
+                # of delaying it - most of the latency of a resume. Same batch as a worker
+                # makes (it depends only on the position; the transform's RNGs are seeded by
+                # it and this process's RNG states are put back).
+                batch = self._batch_here(epoch, start)
+                self._delivered += 1
+                yield batch
                 if self._run is None or self._run[0] != run_id:
                     return  # load_state_dict / set_epoch replaced this run
-                batch = rx.unpack(item)
+                first = 1
+            dl: DataLoader | None = None
+            if first < batches:  # else the run was one batch: no worker started for it
+                dl, rx = self._dataloader(epoch, start, first)
+                it = iter(dl)
+            unpack = rx.unpack if rx is not None else _passthrough
+            for item in it if it is not None else ():
+                if self._run is None or self._run[0] != run_id:
+                    return
+                batch = unpack(item)
                 if self._from_numpy:
                     batch = torch.from_numpy(batch)
                     if self._pin_here:
@@ -324,7 +350,7 @@ class StatefulLoader:
             if self._run is not None and self._run[0] == run_id:
                 self._epoch, self._start = epoch + 1, 0
                 self._run = None
-                if self._dl is dl:
+                if dl is not None and self._dl is dl:
                     self._dl_next = (epoch + 1, 0)
         finally:
             if self._run is not None and self._run[0] == run_id:
@@ -332,8 +358,28 @@ class StatefulLoader:
                 self._epoch, self._start = self._position()
                 self._run = None
             del it
-            if rx is not self._rx:
+            if rx is not None and rx is not self._rx:
                 rx.close()
+
+    def _first_here(self, epoch: int, start: int) -> bool:
+        """Make the run's first batch in this process: only when workers are about to be
+        started for it (not for persistent workers already running it), and only without a
+        ``worker_init_fn`` (the transform may need what it sets up in a worker)."""
+        if self.num_workers == 0 or self._dl_kwargs["worker_init_fn"] is not None:
+            return False
+        return self._dl is None or self._dl_next != (epoch, start)
+
+    def _batch_here(self, epoch: int, start: int) -> Any:
+        batches = self.dataset.iter_batches(
+            epoch, start, self.batch_size, last_batch=self.last_batch, collate_fn=self.collate_fn
+        )
+        batch = next(batches)
+        del batches  # a generator: closed here
+        if self._from_numpy:
+            batch = torch.from_numpy(batch)
+        if self._pin_memory and torch.cuda.is_available():
+            batch = map_tensors(lambda t: t if t.is_pinned() else t.pin_memory(), batch)
+        return batch
 
     # --- Stateful ------------------------------------------------------------------------
 
