@@ -89,6 +89,7 @@ SEQ_LEN = 1024
 TOK_BATCHES = (16, 64)
 TOK_EPOCHS = 3
 TOKENS = 64 << 20  # 64 Mi tokens (uint16): 128 MB
+TOK_READERS = ("unbroken", "unbroken-pipe", "nanogpt")  # with workers
 
 
 # --- the data ----------------------------------------------------------------------------
@@ -600,7 +601,13 @@ def child_tokens(name: str, root: str, batch: int, workers: int) -> dict[str, An
             ):
                 tick(x)
     else:
-        ld = StatefulLoader(ds, batch, num_workers=workers, last_batch="drop")
+        ld = StatefulLoader(
+            ds,
+            batch,
+            num_workers=workers,
+            last_batch="drop",
+            shm_transport=name != "unbroken-pipe",
+        )
         for epoch in range(TOK_EPOCHS):
             ld.set_epoch(epoch)
             for tokens in ld:
@@ -787,8 +794,9 @@ def run_tokens(a: argparse.Namespace, out: dict[str, Any]) -> None:
     res: dict[str, list[float]] = {}
     for batch in TOK_BATCHES:
         for workers in (0, WORKERS):
-            for _ in range(3):  # interleaved, so load changes hit both readers alike
-                for name in ("unbroken", "nanogpt"):
+            names = ("unbroken", "nanogpt") if workers == 0 else TOK_READERS
+            for _ in range(3):  # interleaved, so load changes hit all readers alike
+                for name in names:
                     r = _run_child("tokens", name, str(batch), str(workers))
                     res.setdefault(f"{name}/{batch}/{workers}", []).append(r["tokens_per_s"])
     out["tokens"] = res
@@ -800,7 +808,7 @@ def run_tokens(a: argparse.Namespace, out: dict[str, Any]) -> None:
     for batch in TOK_BATCHES:
         for workers in (0, WORKERS):
             nano = _med(res[f"nanogpt/{batch}/{workers}"])
-            for name in ("unbroken", "nanogpt"):
+            for name in ("unbroken", "nanogpt") if workers == 0 else TOK_READERS:
                 v = res[f"{name}/{batch}/{workers}"]
                 runs = " / ".join(f"{x / 1e6:.1f}" for x in v)
                 procs = "1 (main)" if workers == 0 else f"1 + {workers} workers"
