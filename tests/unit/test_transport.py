@@ -445,3 +445,75 @@ def test_state_and_resume_count_ring_batches_like_stock_ones(stream_data):
     fresh.load_state_dict(json.loads(json.dumps(sd)))
     assert [b["key"] for b in fresh] == rest_here
     assert sum(len(b["key"]) for b in first) + sum(map(len, rest_here)) >= ds.epoch_length
+
+
+class _FakeCuda:
+    """The CUDA calls of the pinned path, recorded (CI has no GPU; benchmarks/gpu_checks.py
+    runs the real ones): registrations, and events whose completion the test decides."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+        self.unregistered: list[int] = []
+        self.events_done = False
+        fake = self
+
+        class Event:
+            def record(self, stream: Any = None) -> None:
+                pass
+
+            def query(self) -> bool:
+                return fake.events_done
+
+        self.Event = Event
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+        assert ptr % 4096 == 0 and size % 4096 == 0 and flags == 1
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_pinned_slots_are_registered_once_and_reused_only_after_the_copy_event(monkeypatch):
+    cuda = _FakeCuda()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "check_error", lambda res: None if res == 0 else 1 / 0)
+    monkeypatch.setattr(torch.cuda, "Event", cuda.Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    fds = worker_fds(1, 16 << 20)
+    sender, receiver = RingSender(worker_id=0, fd_spec=fds[0]), RingReceiver(fds, pin=True)
+    assert receiver.pin
+    rows = [torch.full((1000,), float(i)) for i in range(8)]
+
+    def send() -> tuple[Ticket, torch.Tensor]:
+        t = _cross(sender.collate(rows, default_collate))
+        return t, receiver.unpack(t)
+
+    t1, b1 = send()
+    assert len(cuda.registered) == 1
+    t2, b2 = send()
+    assert t2.slot != t1.slot and len(cuda.registered) == 2  # b1 alive: another slot
+    del b1
+    gc.collect()  # b1 is gone, but a non-blocking copy from it may still be running
+    t3, b3 = send()  # the receiver records an event for b1's slot; not done yet
+    assert t3.slot not in (t1.slot, t2.slot)
+    cuda.events_done = True
+    del b3
+    gc.collect()
+    t4, b4 = send()  # packed before this unpack reaps: a new slot; the reap frees b1's, b3's
+    t5, b5 = send()
+    t6, b6 = send()
+    assert {t5.slot, t6.slot} == {t1.slot, t3.slot} and len(cuda.registered) == 4
+    assert all(torch.equal(b, torch.stack(rows)) for b in (b2, b4, b5, b6))
+    receiver.close()
+    assert cuda.unregistered == []  # batches b2, b4, b5, b6 still view their slots
+    del b2, b4, b5, b6
+    gc.collect()
+    receiver2 = RingReceiver(None, pin=True)
+    receiver2.unpack(None)  # the next loader's batches finish what the last one left
+    assert sorted(cuda.unregistered) == sorted(cuda.registered)
+    assert not _transport._PINNED.dead and not _transport._PINNED.waiting
+    sender.close()

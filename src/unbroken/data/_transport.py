@@ -569,32 +569,36 @@ class _Mapped:
         self.done = np.frombuffer(mm, np.int64, _MAX_SLOTS, _DONE)
         self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(mm)) if pin else 0
         self.pin = pin
-        self.registered: dict[int, tuple[int, int]] = {}  # slot index -> (address, size)
+        self.registered: dict[int, int] = {}  # slot index -> its address
         self.refs: dict[int, Any] = {}  # slot index -> weakref on its live batch's buffer
         self.closed = False
+        self.unmapped = False
 
     def release(self, slot: int, value: int) -> None:
         self.refs.pop(slot, None)
-        self.done[slot] = value
+        if not self.unmapped:
+            self.done[slot] = value
 
     def unmap(self) -> None:
         """Once closed and no batch views it: unregister (CUDA) and unmap."""
-        if not self.closed or self.refs:
+        if not self.closed or self.refs or self.unmapped:
             return
-        for ptr, _size in self.registered.values():
+        self.unmapped = True
+        for ptr in self.registered.values():
             torch.cuda.cudart().cudaHostUnregister(ptr)
         self.registered.clear()
-        self.done = None  # type: ignore[assignment]
         try:
             self.mm.close()
         except BufferError:  # pragma: no cover - a view escaped the slot's buffer
-            pass
+            pass  # unmapped when the last view goes
 
 
 class _PinnedReleases:
     """CUDA: slots of dead batches wait for an event on the current stream before their
-    worker may overwrite them - a non-blocking copy from the batch may still be reading.
-    Everything here runs on the thread that unpacks batches (the training loop's)."""
+    worker may overwrite them (or their ring is unregistered and unmapped) - a non-blocking
+    copy from the batch may still be reading. One per process, shared by every receiver, so
+    what an ended loader left behind is finished by the next one's batches; the reaping runs
+    on the thread that unpacks batches (the training loop's)."""
 
     def __init__(self) -> None:
         self.dead: collections.deque[tuple[_Mapped, int, int]] = collections.deque()
@@ -619,6 +623,9 @@ class _PinnedReleases:
                 ring.unmap()
 
 
+_PINNED = _PinnedReleases()
+
+
 class RingReceiver:
     """Main side: tickets back to batches; anything else passes through unchanged.
 
@@ -631,7 +638,7 @@ class RingReceiver:
         self._rings: dict[tuple[int, int], _Mapped] = {}
         self._fds = [f for f, _, _ in fds or ()]
         self.pin = pin and torch.cuda.is_available()
-        self._pinned = _PinnedReleases() if self.pin else None
+        self._pinned = _PINNED if self.pin else None
         self._pin_failed = False
         for wid, fd in enumerate(self._fds):
             self._rings[(0, wid)] = _Mapped(mmap.mmap(fd, os.fstat(fd).st_size), self.pin)
@@ -676,7 +683,8 @@ class RingReceiver:
             return False
         ptr = ring.ptr + t.offset
         try:
-            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, t.size, 0))
+            # 1 = cudaHostRegisterPortable, as torch.cuda._pin_memory_utils registers memory
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, t.size, 1))
         except Exception as e:  # a CudaError, or a runtime without the call
             self._pin_failed = True
             log.warning(
@@ -686,7 +694,7 @@ class RingReceiver:
                 e,
             )
             return False
-        ring.registered[t.slot] = (ptr, t.size)
+        ring.registered[t.slot] = ptr
         return True
 
     @staticmethod
@@ -712,13 +720,14 @@ class RingReceiver:
 
     def close(self) -> None:
         """Unmap every ring no batch views any more; the others are unmapped when their last
-        batch is gone (their slots are never written again: the workers are gone)."""
-        if self._pinned is not None:
-            torch.cuda.current_stream().synchronize()
-            self._pinned.reap()
+        batch is gone (their slots are never written again: the workers are gone) - on CUDA,
+        once the copies from them are done, as seen by the next receiver's or close's reap."""
         for r in self._rings.values():
             r.closed = True
+            # a slot leaves ``refs`` only once the copies from it are done (CUDA: its event)
             r.unmap()
+        if self._pinned is not None:
+            self._pinned.reap()
         self._rings.clear()
         self._finalizer()
         self._fds = []
