@@ -398,9 +398,10 @@ def child_read(name: str, work: str, root: str, seed: int, budget: float) -> dic
     t1 = time.perf_counter()
     if t0 is None:
         raise RuntimeError(f"{name}: fewer than 10 batches")
-    del it, ld, batch
-    gc.collect()  # shuts the workers down (joined: their CPU lands in RUSAGE_CHILDREN)
-    c1 = _cpu()
+    del it, ld, batch  # shuts the workers down (joined: their CPU lands in RUSAGE_CHILDREN)
+    main_end = _cpu()[0]
+    gc.collect()  # in case a cycle held an iterator; its own ~50 ms are not the loader's
+    c1 = (main_end, _cpu()[1])
     order = np.array(ids, dtype=np.int64)
     return {
         "samples_per_s": (n - n0) / (t1 - t0),
