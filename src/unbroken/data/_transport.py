@@ -91,10 +91,11 @@ _ALIGN = 64  # tensor bytes: any dtype's alignment, and a cache line
 _GRAIN = 64 << 10  # slot sizes are multiples of this
 # Address space per worker ring; a batch (pickle + tensors) must fit one slot of it.
 _MAX_RING = 512 << 20
-# Tensor-free batches with pickles below this cross faster through the pipe: measured on
-# the 2-core box, a 64-int list costs ~1 us/sample more through slot + ticket than through
-# the pipe, a 256 KB list of byte strings ~3 us/sample less (benchmarks/RESULTS.md, issue 16).
-_SMALL = 32 << 10
+# Tensor-free batches with pickles below this take the pipe. Measured on the 2-core box
+# (CPU of main + workers per batch, 2 workers): 64 ints (~0.4 KB) ~0.5 us/sample cheaper
+# through the pipe in a StatefulLoader; lists of 64 byte strings of 1 KB in all: a tie;
+# 4 KB: the ring 15% cheaper; 16-64 KB: 25-40% (benchmarks/RESULTS.md, issue 16).
+_SMALL = 4 << 10
 _PROBE = 64  # while the pipe is chosen, every _PROBE-th batch re-measures through the ring
 _FD_TYPES: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
 
