@@ -726,9 +726,7 @@ def run_reads(a: argparse.Namespace, out: dict[str, Any]) -> None:
 
 def print_read_table(work: str, dec: float, rows: dict[str, list[dict[str, Any]]]) -> None:
     speed = {k: _med([r["samples_per_s"] for r in v]) for k, v in rows.items()}
-    cpu = {
-        k: _med([r["cpu_main_us"] + r["cpu_workers_us"] for r in v]) for k, v in rows.items()
-    }
+    cpu = {k: _med([r["cpu_main_us"] + r["cpu_workers_us"] for r in v]) for k, v in rows.items()}
     anchors = [k for k in rows if k not in OURS]
     best = max(anchors, key=lambda k: speed[k], default=None)
     best_own = min((cpu[k] - dec for k in anchors), default=None)

@@ -109,8 +109,17 @@ def _batches() -> list[Any]:
         [torch.tensor(3.5), torch.empty(0, 7), torch.zeros(2, 0, dtype=torch.int64)],
         [
             torch.arange(10).to(d)
-            for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                      torch.float16, torch.bfloat16, torch.float64, torch.complex64)
+            for d in (
+                torch.uint8,
+                torch.int8,
+                torch.int16,
+                torch.int32,
+                torch.int64,
+                torch.float16,
+                torch.bfloat16,
+                torch.float64,
+                torch.complex64,
+            )
         ],
         {"mask": torch.tensor([True, False, True]), "p": Pair(torch.ones(3), "k")},
         torch.randn(256, 3, 32, 32),  # a plain tensor batch
@@ -168,8 +177,9 @@ def test_a_slot_is_reused_only_after_every_view_of_its_batch_is_gone(ring):
 
     def send(v: float) -> dict[str, torch.Tensor]:
         b = {"x": torch.full((64, 256), v), "y": torch.tensor([v])}
-        return receiver.unpack(_cross(sender.collate([b["x"][i] for i in range(64)],
-                                                     default_collate)))
+        return receiver.unpack(
+            _cross(sender.collate([b["x"][i] for i in range(64)], default_collate))
+        )
 
     first = send(1.0)
     kept = first[5:7]  # a slice of the first batch, kept by the "training loop"

@@ -217,7 +217,6 @@ def _collate_floats(batch: list[Any], *, collate_fn_map: Any = None) -> torch.Te
     return default_collate_fn_map[float](batch, collate_fn_map=collate_fn_map)
 
 
-
 class _Slot:
     __slots__ = ("index", "offset", "seq", "size")
 
@@ -457,8 +456,13 @@ class RingSender:
             off = p.alloc(nbytes)
         except _Full:
             return torch.stack(batch, 0)
-        out = torch.frombuffer(p.mm, dtype=elem.dtype, count=nbytes // elem.element_size(),
-                               offset=off) if nbytes else torch.empty(shape, dtype=elem.dtype)
+        out = (
+            torch.frombuffer(
+                p.mm, dtype=elem.dtype, count=nbytes // elem.element_size(), offset=off
+            )
+            if nbytes
+            else torch.empty(shape, dtype=elem.dtype)
+        )
         return torch.stack(batch, 0, out=out.view(shape))
 
     def pack(self, batch: Any) -> Any:
@@ -513,8 +517,9 @@ class RingSender:
         if self._own_fd is not None and not self._sent_fd:
             fd = DupFd(self._own_fd)
             self._sent_fd = True
-        t = Ticket(self._key, self._seq, slot.index, slot.offset, slot.size, nbytes,
-                   self.ring_bytes, fd)
+        t = Ticket(
+            self._key, self._seq, slot.index, slot.offset, slot.size, nbytes, self.ring_bytes, fd
+        )
         self._seq += 1
         return t
 
@@ -742,4 +747,3 @@ def _released(ring: _Mapped, slot: int, value: int, _ref: Any) -> None:
 def _close_fds(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
-
