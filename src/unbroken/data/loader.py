@@ -347,7 +347,7 @@ class StatefulLoader:
                 if self._run is None or self._run[0] != run_id:
                     return
                 batch = unpack(item)
-                if self._from_numpy:
+                if self._from_numpy and isinstance(batch, np.ndarray):
                     batch = torch.from_numpy(batch)
                     if self._pin_here:
                         batch = batch.pin_memory()
@@ -381,7 +381,7 @@ class StatefulLoader:
         )
         batch = next(batches)
         del batches  # a generator: closed here
-        if self._from_numpy:
+        if self._from_numpy and isinstance(batch, np.ndarray):
             batch = torch.from_numpy(batch)
         if self._pin_memory and torch.cuda.is_available():
             batch = map_tensors(lambda t: t if t.is_pinned() else t.pin_memory(), batch)
