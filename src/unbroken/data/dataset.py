@@ -756,12 +756,14 @@ class StreamingDataset(IterableDataset):
         collate_fn: Callable[[list[Any]], Any] | None = None,
         worker_id: int = 0,
         num_workers: int = 1,
+        first: int = 0,
     ) -> Iterator[Any]:
-        """Batches ``worker_id, worker_id + num_workers, ...`` of this rank's run."""
+        """Batches ``first + worker_id, first + worker_id + num_workers, ...`` of this rank's
+        run (``first``: batches made elsewhere, e.g. by the loader while its workers start)."""
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id={worker_id} num_workers={num_workers}")
         part = self.partition(start, batch_size, last_batch)
-        for b in range(worker_id, part.num_batches(), num_workers):
+        for b in range(first + worker_id, part.num_batches(), num_workers):
             samples = self.read(epoch, part.batch_positions(b))
             # empty only when on_corrupt="skip" dropped every sample: nothing to collate
             yield samples if collate_fn is None or not samples else collate_fn(samples)
