@@ -25,6 +25,7 @@ import torch
 
 from unbroken._fs import fsync_dir, temp_sibling
 from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
+from unbroken.ckpt.per_rank import split_key
 from unbroken.ckpt.store import CorruptCheckpoint, Store
 
 __all__ = [
@@ -162,6 +163,7 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
 
 
 def _component(key: str) -> str:
+    key = split_key(key)[1]  # a rank's own copy (rank1/components/...) counts as its component
     rest = key.removeprefix(_COMPONENTS)
     return rest.split("/", 1)[0] if rest != key else key.split("/", 1)[0]
 
@@ -203,6 +205,13 @@ def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -
         c[1] += t.nbytes
     total = sum(b for _, b in by_comp.values())
     out.append(f"  tensors         {len(m.tensors)}, {_size(total)}")
+    comps = m.extra.get("components")
+    differ = sorted(
+        n for n, c in (comps if isinstance(comps, dict) else {}).items()
+        if isinstance(c, dict) and c.get("differs")
+    )  # fmt: skip
+    if differ:
+        out.append(f"  saved per rank  {', '.join(differ)} (differed between the ranks)")
     rows = [["", "COMPONENT", "TENSORS", "BYTES"]]
     rows += [["  ", c, str(n), _size(b)] for c, (n, b) in sorted(by_comp.items())]
     out += _table(rows, {2, 3})
@@ -339,15 +348,18 @@ def export_safetensors(
         ) from e
     meta = v.manifest.tensors
     prefix = f"{_COMPONENTS}{component}/"
-    keys = sorted(k for k in meta if k.startswith(prefix))
+    # a tensor that differed between ranks is saved per rank: export rank 0's copy
+    saved = {split_key(k)[1]: k for k in sorted(meta) if split_key(k)[0] in (None, 0)}
+    keys = sorted(k for k in saved if k.startswith(prefix))
     if not keys:
-        have = sorted({_component(k) for k in meta if k.startswith(_COMPONENTS)})
+        have = sorted({_component(k) for k in saved if k.startswith(_COMPONENTS)})
         raise ValueError(
             f"checkpoint step {step} has no tensors for component {component!r}; "
             f"components with tensors: {have}. Pass --component with one of them"
         )
-    whole = {k: torch.empty(meta[k].shape, dtype=meta[k].torch_dtype) for k in keys}
-    fill(store.step_dir(step), v.manifest, whole, views=v.tensors)  # any number of shards
+    whole = {k: torch.empty(meta[saved[k]].shape, dtype=meta[saved[k]].torch_dtype) for k in keys}
+    # any number of shards; rank 0's copy of what was saved per rank
+    fill(store.step_dir(step), v.manifest, {saved[k]: t for k, t in whole.items()}, views=v.tensors)
     tensors = {_export_name(k[len(prefix) :]): t for k, t in whole.items()}
     del v
     rest = [k for k in tensors if k != "n_averaged"]

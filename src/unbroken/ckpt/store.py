@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from unbroken._fs import atomic_write_bytes, fsync_dir
+from unbroken.ckpt.lock import LOCK_NAME, note_temp
 from unbroken.ckpt.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -147,7 +148,7 @@ class Store:
 
     def has_foreign_content(self) -> bool:
         """True when the root holds anything at all (a sign it was meant to hold checkpoints)."""
-        return bool(self._entries())
+        return any(n != LOCK_NAME for n in self._entries())
 
     # --- manifest -------------------------------------------------------------------------
 
@@ -190,6 +191,7 @@ class Store:
     def begin(self, step: int) -> str:
         self.ensure_root()
         tmp = os.path.join(self.root, f"{_TMP_PREFIX}{step:08d}.{uuid.uuid4().hex[:8]}")
+        note_temp(tmp)  # before it exists: a restore in another thread must never take it
         os.mkdir(tmp)
         return tmp
 
@@ -201,11 +203,13 @@ class Store:
         if os.path.exists(final):
             raise FileExistsError(f"checkpoint {final} already exists; refusing to overwrite it")
         os.rename(tmp, final)
+        note_temp(tmp, done=True)
         fsync_dir(self.root)
         return final
 
     def abort(self, tmp: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
+        note_temp(tmp, done=True)
 
     # --- damage -----------------------------------------------------------------------------
 
@@ -233,7 +237,7 @@ class Store:
         for name in self.temp_dirs():
             path = os.path.join(self.root, name)
             if is_stale is not None and not is_stale(path):
-                continue
+                continue  # e.g. a live save, or one whose writer we cannot know is gone
             shutil.rmtree(path, ignore_errors=True)
             (failed if os.path.lexists(path) else removed).append(name)
         if removed:

@@ -39,6 +39,7 @@ from unbroken._fs import checksum_bytes
 from unbroken.ckpt import codec
 from unbroken.ckpt.dcp_metadata import UnsafeMetadata, check_dcp_metadata
 from unbroken.ckpt.manifest import METADATA, CheckpointManifest, FileEntry, ManifestError
+from unbroken.ckpt.per_rank import split_key
 from unbroken.ckpt.saver import ChecksumError, read_tensors, stats_match, verify_files
 from unbroken.ckpt.store import CorruptCheckpoint, Store
 
@@ -200,8 +201,9 @@ def read_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
 
 
 def _component(key: str) -> str:
-    """``components/model/0.weight`` -> ``model`` (the codec's key layout)."""
-    parts = key.split("/", 2)
+    """``components/model/0.weight`` -> ``model`` (the codec's key layout); a rank's own
+    copy (``rank1/components/model/0.weight``) belongs to the same component."""
+    parts = split_key(key)[1].split("/", 2)
     return parts[1] if len(parts) > 1 and parts[0] == "components" else parts[0]
 
 
