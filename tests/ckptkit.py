@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import multiprocessing as mp
 import os
+import pickle
 import shutil
 import struct
 import subprocess
@@ -53,12 +55,15 @@ def tmpfs(path: str, size: str = "16m") -> Iterator[str]:
         subprocess.run(["umount", "-l", path], check=False)
 
 
-def small_state(seed: int = 0) -> tuple[TrainState, torch.nn.Module, torch.optim.Optimizer]:
+def small_state(
+    seed: int = 0, **kw: Any
+) -> tuple[TrainState, torch.nn.Module, torch.optim.Optimizer]:
+    """Model, AdamW, StepLR (and whatever further ``TrainState`` arguments ``kw`` holds)."""
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 3)
-    return TrainState(model=m, optimizer=opt, scheduler=sched), m, opt
+    return TrainState(model=m, optimizer=opt, scheduler=sched, **kw), m, opt
 
 
 def train(st: TrainState, m: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
@@ -121,6 +126,50 @@ def build_root(root: str) -> dict[int, dict[str, Any]]:
         want[s] = snapshot(st)
     ck.close()
     return want
+
+
+def _ranked_saver(rank: int, root: str, store: str, want: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        h = Blob(torch.zeros(5))
+        st, m, opt = small_state(extras={"h": h})
+        ck = Checkpointer(root, st, keep_last=None)
+        states: dict[int, dict[str, Any]] = {}
+        for s in STEPS:
+            train(st, m, opt, s - st.step)  # same seed, same batches: the model stays equal
+            h.t = torch.arange(5.0) + 100 * rank + s  # differs: saved per rank
+            ck.save()
+            states[s] = snapshot(st)
+        ck.close()
+        if rank == 0:
+            with open(want, "wb") as f:
+                pickle.dump(states, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def build_ranked_root(root: str) -> dict[int, dict[str, Any]]:
+    """Steps 2 and 4 saved by 2 gloo ranks (forked): model, AdamW, StepLR equal on both,
+    ``extra.h`` different (saved per rank, ``rank<r>/`` keys). Returns rank 0's state of
+    each step (restored at world size 1, rank 0 takes rank 0's copy)."""
+    work = os.path.dirname(os.path.abspath(root))
+    store, want = os.path.join(work, "pg-store"), os.path.join(work, "rank0-states.pkl")
+    ctx = mp.get_context("fork")  # no re-import of torch: ~1 s for both ranks
+    procs = [ctx.Process(target=_ranked_saver, args=(r, root, store, want)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    codes = [p.exitcode for p in procs]
+    if codes != [0, 0]:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"2-rank save failed: exit codes {codes}")
+    with open(want, "rb") as f:
+        return pickle.load(f)  # type: ignore[no-any-return]  # our own file, just written
 
 
 def step_dir(root: str, step: int) -> str:

@@ -47,6 +47,7 @@ from typing import Any, NoReturn
 import torch
 
 from unbroken._fs import CHECKSUM_ALGO, checksum_bytes
+from unbroken.ckpt.per_rank import split_key
 
 __all__ = [
     "DTYPES",
@@ -453,6 +454,9 @@ class _Checker:
         rank = t.get("rank")
         if rank is not None and (type(rank) is not int or not 0 <= rank < world):
             bad(f".rank={rank!r} is not a rank of the {world} that saved it")
+        if (split_key(key)[0] if key.startswith("rank") else None) != rank:
+            # a rank's own copy (state that differed between ranks) is keyed rank<r>/, says r
+            bad(f".rank={rank!r} does not match its key")
         return TensorEntry(
             dtype,
             shape,
