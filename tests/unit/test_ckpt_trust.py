@@ -111,6 +111,10 @@ MANIFEST_EDITS: dict[str, Callable[[dict[str, Any]], object]] = {
     "file-size-huge": lambda m: m["files"][".metadata"].update(size=1 << 62),
     "created-text": lambda m: m.update(created="yesterday"),
     "created-earlier": lambda m: m.update(created=m["created"] - 3600),
+    "rank-on-a-shared-key": lambda m: _first_weight(m).update(rank=0),
+    "renamed-per-rank": lambda m: m["tensors"].__setitem__(
+        "rank0/components/model/0.weight", m["tensors"].pop("components/model/0.weight")
+    ),
 }
 # Re-signed, this one is a true (if different) description of the same bytes: the newest
 # checkpoint loads, bit-identical.
