@@ -47,7 +47,7 @@ class _Blob:
 
 
 def _writer_proc(buffers: dict[str, torch.Tensor], inbox: mp.Queue, outbox: mp.Queue) -> None:
-    from unbroken.ckpt.saver import write_tensors
+    from unbroken.ckpt.tensor_io import write_tensors
 
     torch.set_num_threads(1)
     while True:

@@ -8,7 +8,7 @@ Run from the anchor venv (MosaicML Streaming and LitData need torchvision, kept 
 
 Pack: the same 100,000 in-memory samples (2-6 KB random bytes + a small JSON each, generated
 deterministically) written by webdataset.ShardWriter, MosaicML MDSWriter, litdata.optimize
-and `unbroken.data.pack` (tar + .idx + dataset.json), 64 MB shards for all. Tools run
+and `unbroken.data.prepare.pack` (tar + .idx + dataset.json), 64 MB shards for all. Tools run
 interleaved, round after round, and the median is reported, because the CPU is shared.
 Tokenize: `unbroken tokenize` (JSONL -> token shards, 2 workers) vs the tokenizer's own
 `encode_batch` in one process, with its Rust thread pool on (default) and off.
@@ -107,7 +107,7 @@ def pack_tools(tmp: str) -> dict[str, Callable[[], str]]:
 
     def ours(workers: int, fsync: bool) -> Callable[[], str]:
         def run() -> str:
-            from unbroken.data.pack import pack
+            from unbroken.data.prepare.pack import pack
 
             out = _fresh(f"{tmp}/ours-{workers}-{fsync}")
             pack(_DATA, out, shard_size=_SHARD, workers=workers, progress=False, fsync=fsync)
@@ -223,7 +223,7 @@ def _tokenize_child(mode: str, tmp: str) -> None:
 
     src, tok = f"{tmp}/corpus.jsonl", f"{tmp}/tokenizer.json"
     if mode == "ours":
-        from unbroken.data.tokenizing import tokenize
+        from unbroken.data.tokens.tokenizer import tokenize
 
         with _Timer() as t:
             res = tokenize(
@@ -244,7 +244,7 @@ def _tokenize_child(mode: str, tmp: str) -> None:
 
 
 def bench_tokenize(tmp: str, docs: int, rounds: int, variant: str) -> tuple[Times, int]:
-    from unbroken.data.tokenizing import train_bpe
+    from unbroken.data.tokens.tokenizer import train_bpe
 
     texts = _corpus(f"{tmp}/corpus.jsonl", docs, variant)
     train_bpe(texts[:2000], 8192, f"{tmp}/tokenizer.json")
@@ -281,7 +281,7 @@ def bench_tokenize(tmp: str, docs: int, rounds: int, variant: str) -> tuple[Time
 
 
 def bench_stage(src: str, tmp: str, rounds: int) -> tuple[Times, int]:
-    from unbroken.data.stage import stage
+    from unbroken.data.prepare.stage import stage
 
     times: Times = {"unbroken stage": [], "cp -r": []}
     for r in range(rounds):

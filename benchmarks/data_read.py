@@ -113,7 +113,7 @@ def prepare(root: str, n: int) -> None:
     if os.path.exists(done):
         return
     t0 = time.perf_counter()
-    from unbroken.data.pack import pack
+    from unbroken.data.prepare.pack import pack
 
     pack((make_sample(i) for i in range(n)), f"{root}/tar", shard_size=SHARD, progress=False)
     from streaming import MDSWriter
@@ -139,9 +139,9 @@ def prepare(root: str, n: int) -> None:
 
 def _prepare_tokens(root: str) -> None:
     """Token shards (ours) and the same tokens as one flat file (nanoGPT's train.bin)."""
-    from unbroken._fs import checksum_bytes
+    from unbroken.common.fs import checksum_bytes
     from unbroken.data.manifest import DatasetManifest, ShardInfo
-    from unbroken.data.tokens import TokenShardWriter, num_sequences
+    from unbroken.data.tokens.shard import TokenShardWriter, num_sequences
 
     out = f"{root}/tokens"
     os.makedirs(out, exist_ok=True)
@@ -225,7 +225,7 @@ def _pin() -> bool:
 
 
 def _has_verify() -> bool:
-    from unbroken.data.dataset import StreamingDataset
+    from unbroken.data.stream.dataset import StreamingDataset
 
     return "verify" in inspect.signature(StreamingDataset).parameters
 
@@ -239,8 +239,8 @@ def make_loader(
     fn, collate = _work(work)
     pin = work == "decode-tensors" and _pin()
     if name in ("unbroken", "unbroken-pipe", "unbroken-noverify"):
-        from unbroken.data.dataset import StreamingDataset
-        from unbroken.data.loader import StatefulLoader
+        from unbroken.data.stream.dataset import StreamingDataset
+        from unbroken.data.stream.loader import StatefulLoader
 
         extra = {"verify": False} if name == "unbroken-noverify" else {}
         ds = StreamingDataset(f"{root}/tar", seed=seed, transform=fn, **extra)
@@ -331,7 +331,7 @@ class _InMemory(IterableDataset):
         order = np.random.default_rng(self.seed).permutation(N).tolist()
         send = None
         if self.ring_fds and info is not None:
-            from unbroken.data._transport import RingSender
+            from unbroken.data.stream.transport import RingSender
 
             send = RingSender(worker_id=wid, fd_spec=self.ring_fds[wid]).collate
         for b in range(wid, -(-N // BATCH), nw):
@@ -345,7 +345,7 @@ class _Ceiling:
     def __init__(self, work: str, seed: int, ring: bool, pin: bool) -> None:
         from torch.utils.data import DataLoader
 
-        from unbroken.data._transport import RingReceiver, worker_fds
+        from unbroken.data.stream.transport import RingReceiver, worker_fds
 
         self.fds = worker_fds(WORKERS) if ring else None
         self.dl = DataLoader(
@@ -532,7 +532,7 @@ def _warm_imports(name: str) -> None:
     import torch.utils.data  # noqa: F401
 
     if name.startswith("unbroken") or name.startswith("ceiling"):
-        import unbroken.data.loader  # noqa: F401
+        import unbroken.data.stream.loader  # noqa: F401
     elif name == "mosaicml":
         import streaming  # noqa: F401
     elif name.startswith("litdata"):
@@ -572,8 +572,8 @@ def get_batch(root: str, batch: int) -> Any:
 def child_tokens(name: str, root: str, batch: int, workers: int) -> dict[str, Any]:
     """Tokens/s over ``TOK_EPOCHS`` epochs of our token dataset (or as many get_batch calls),
     steady state after the first 10 batches."""
-    from unbroken.data.dataset import StreamingDataset
-    from unbroken.data.loader import StatefulLoader
+    from unbroken.data.stream.dataset import StreamingDataset
+    from unbroken.data.stream.loader import StatefulLoader
 
     ds = StreamingDataset(f"{root}/tokens", seed=0)
     total = TOK_EPOCHS * (ds.epoch_length // batch)

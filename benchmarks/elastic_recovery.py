@@ -41,8 +41,9 @@ import sys
 import tempfile
 import time
 
-from unbroken.elastic import heartbeat, recovery
-from unbroken.elastic._procs import kill_matching
+from unbroken.common import events
+from unbroken.common.procs import kill_matching
+from unbroken.elastic import heartbeat
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "..", "tests", "integration", "scripts", "elastic_train.py")
@@ -91,7 +92,7 @@ def one(mode: list[str], work: str, kill_at: int) -> dict[str, float]:
               os.path.join(work, "m.jsonl"), "--steps", "100000", "--save-every", "5"]
     env = dict(os.environ)
     if mode[0] == "torchrun":
-        env.update({recovery.ENV_RUN_DIR: run_dir, recovery.ENV_ATTEMPT: "0"})
+        env.update({events.ENV_RUN_DIR: run_dir, events.ENV_ATTEMPT: "0"})
         if "noshare" in mode:  # what `unbroken run` sets for its agents
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -109,7 +110,7 @@ def one(mode: list[str], work: str, kill_at: int) -> dict[str, float]:
             bs = _beats(run_dir)
             ready = not prewarm or any(
                 e["event"] == "standby" and e.get("attempt") == 1
-                for e in recovery.load_events(run_dir))
+                for e in events.load_events(run_dir))
             if len(bs) >= 2 and min(b.step for b in bs) >= kill_at and ready:
                 break
             _alive(p, work, "before the kill")
@@ -131,7 +132,7 @@ def one(mode: list[str], work: str, kill_at: int) -> dict[str, float]:
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-        kill_matching(recovery.ENV_RUN_DIR, run_dir, timeout=5)
+        kill_matching(events.ENV_RUN_DIR, run_dir, timeout=5)
         p.wait()
         log.close()
 
@@ -140,7 +141,7 @@ def _phases(mode: list[str], run_dir: str, log_path: str, old: set[int], t_kill:
             regain: float) -> dict[str, float]:
     deadline = time.time() + 10.0
     while True:  # the restarted ranks' "startup" marks follow their first step
-        ev = recovery.load_events(run_dir)
+        ev = events.load_events(run_dir)
         ups = [e for e in ev if e["event"] == "startup" and e["pid"] not in old
                and e["t_start"] > t_kill]
         if len(ups) >= 2 or time.time() > deadline:

@@ -236,10 +236,10 @@ def _decode_image(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
 def ring_check(dev: torch.device, root: str, smoke: bool) -> dict[str, Any]:
     from gpu_feed import TinyViT, make_normalise
 
-    from unbroken.data.dataset import StreamingDataset
-    from unbroken.data.loader import StatefulLoader
-    from unbroken.data.pack import pack
-    from unbroken.data.prefetch import DevicePrefetcher
+    from unbroken.data.feed.prefetch import DevicePrefetcher
+    from unbroken.data.prepare.pack import pack
+    from unbroken.data.stream.dataset import StreamingDataset
+    from unbroken.data.stream.loader import StatefulLoader
 
     side, n, batch, workers, steps = (16, 96, 8, 2, 6) if smoke else (96, 9216, 128, 4, 60)
     g = torch.Generator().manual_seed(0)

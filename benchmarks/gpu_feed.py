@@ -45,8 +45,8 @@ try:
 except ImportError:  # the GPU machine's python3 has torch, numpy, xxhash, fsspec; not us
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from unbroken.data.prefetch import DevicePrefetcher  # noqa: E402
-from unbroken.data.profile import StepTimer  # noqa: E402
+from unbroken.data.diagnose.timer import StepTimer  # noqa: E402
+from unbroken.data.feed.prefetch import DevicePrefetcher  # noqa: E402
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)

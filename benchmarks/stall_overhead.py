@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from unbroken.data.prefetch import DevicePrefetcher
-from unbroken.data.profile import StepTimer
+from unbroken.data.diagnose.timer import StepTimer
+from unbroken.data.feed.prefetch import DevicePrefetcher
 
 
 def empty_loop(n: int) -> dict[str, float]:

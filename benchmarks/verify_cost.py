@@ -50,10 +50,10 @@ def make_sample(i: int) -> dict[str, Any]:
 
 
 def prepare(root: str, n: int) -> None:
-    from unbroken._fs import checksum_bytes
+    from unbroken.common.fs import checksum_bytes
     from unbroken.data.manifest import DatasetManifest, ShardInfo
-    from unbroken.data.pack import pack
-    from unbroken.data.tokens import TokenShardWriter, num_sequences
+    from unbroken.data.prepare.pack import pack
+    from unbroken.data.tokens.shard import TokenShardWriter, num_sequences
 
     done = os.path.join(root, f"ready-{n}-2")
     if os.path.exists(done):
@@ -99,7 +99,7 @@ def time_read(root: str, verify: bool, batch: int, seed: int, warm: bool = False
     """Samples per CPU second of StreamingDataset.read over one whole shuffled epoch, in
     this process (CPU time, not wall time: on a shared box other jobs' load moves wall time
     by 2x between repeats, CPU time by a few percent)."""
-    from unbroken.data.dataset import StreamingDataset
+    from unbroken.data.stream.dataset import StreamingDataset
 
     ds = StreamingDataset(root, seed=seed, verify=verify)
     n = ds.epoch_length
@@ -120,8 +120,8 @@ def time_loader(root: str, verify: bool, seed: int) -> tuple[float, float]:
     """Steady-state samples/s (after 10 batches) of a 2-worker StatefulLoader epoch, and the
     CPU microseconds per delivered sample of the whole epoch (main + both workers; the
     workers are joined at the epoch end, so their time is in RUSAGE_CHILDREN)."""
-    from unbroken.data.dataset import StreamingDataset
-    from unbroken.data.loader import StatefulLoader
+    from unbroken.data.stream.dataset import StreamingDataset
+    from unbroken.data.stream.loader import StatefulLoader
 
     ds = StreamingDataset(root, seed=seed, verify=verify, transform=touch)
     ld = StatefulLoader(ds, BATCH, collate_fn=list_collate, num_workers=2)

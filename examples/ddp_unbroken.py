@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from unbroken.ckpt import Checkpointer, TrainState
+from unbroken.common.metrics import MetricLog, global_ids
 from unbroken.data import StatefulLoader, StreamingDataset
 from unbroken.elastic import beat
-from unbroken.metrics import MetricLog, global_ids
 
 
 class CharLSTM(torch.nn.Module):

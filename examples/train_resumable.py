@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from unbroken.ckpt import Checkpointer, TrainState
-from unbroken.data.dataset import StreamingDataset
-from unbroken.data.loader import StatefulLoader
-from unbroken.data.pack import pack
-from unbroken.data.prefetch import DevicePrefetcher
+from unbroken.common.metrics import MetricLog
+from unbroken.data.feed.prefetch import DevicePrefetcher
+from unbroken.data.prepare.pack import pack
+from unbroken.data.stream.dataset import StreamingDataset
+from unbroken.data.stream.loader import StatefulLoader
 from unbroken.elastic import beat
-from unbroken.metrics import MetricLog
 
 
 def decode(sample: dict) -> torch.Tensor:  # runs in the loader's worker processes

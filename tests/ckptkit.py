@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from unbroken._fs import checksum_bytes
 from unbroken.ckpt import Checkpointer, TrainState
+from unbroken.common.fs import checksum_bytes
 
 STEPS = (2, 4)
 

@@ -13,7 +13,7 @@ import numpy as np
 
 def build_tar_dataset(out: str, n: int, *, prefix: str = "s", shard_size: int = 12_000) -> str:
     """``n`` samples keyed ``<prefix><i:05d>`` with a 300-700 byte payload, 2-4 per shard."""
-    from unbroken.data.pack import pack  # lazily: imported by every test session
+    from unbroken.data.prepare.pack import pack  # lazily: imported by every test session
 
     rng = np.random.default_rng(n)
     samples = (
@@ -39,9 +39,9 @@ def build_token_dataset(
 ) -> str:
     """Token ids count up from 1 across the dataset (EOS = 0 between documents), so the
     largest id of a sequence identifies it uniquely."""
-    from unbroken._fs import checksum_bytes
+    from unbroken.common.fs import checksum_bytes
     from unbroken.data.manifest import DatasetManifest, ShardInfo
-    from unbroken.data.tokens import TokenShardWriter, num_sequences
+    from unbroken.data.tokens.shard import TokenShardWriter, num_sequences
 
     os.makedirs(out, exist_ok=True)
     infos = []

@@ -6,7 +6,7 @@ the data-preparation commands start without importing torch.
 
 from __future__ import annotations
 
-from unbroken._lazy import lazy_getattr
+from unbroken.common.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -14,7 +14,7 @@ _LAZY = {
     "Checkpointer": "unbroken.ckpt",
     "TrainState": "unbroken.ckpt",
     "read_checkpoint": "unbroken.ckpt",
-    "MetricLog": "unbroken.metrics",
+    "MetricLog": "unbroken.common.metrics",
     "StreamingDataset": "unbroken.data",
     "StatefulLoader": "unbroken.data",
     "Source": "unbroken.data",

@@ -120,7 +120,7 @@ def add_dataprep(sub: argparse._SubParsersAction) -> None:
 
 
 def _pack(a: argparse.Namespace) -> int:
-    from unbroken.data.pack import pack
+    from unbroken.data.prepare.pack import pack
 
     r = pack(a.src, a.out, shard_size=a.shard_size, workers=a.workers,
              allow_partial=a.allow_partial, fsync=not a.no_fsync, progress=not a.no_progress,
@@ -134,7 +134,7 @@ def _pack(a: argparse.Namespace) -> int:
 
 
 def _index(a: argparse.Namespace) -> int:
-    from unbroken.data.pack import index_directory
+    from unbroken.data.prepare.pack import index_directory
 
     r = index_directory(a.dir, workers=a.workers)
     m = r.manifest
@@ -144,7 +144,7 @@ def _index(a: argparse.Namespace) -> int:
 
 
 def _tokenize(a: argparse.Namespace) -> int:
-    from unbroken.data.tokenizing import tokenize
+    from unbroken.data.tokens.tokenizer import tokenize
 
     r = tokenize(a.src, a.out, tokenizer=a.tokenizer, train_bpe_vocab=a.train_bpe,
                  field=a.field, member=a.member, seq_len=a.seq_len, shard_size=a.shard_size,
@@ -158,7 +158,7 @@ def _tokenize(a: argparse.Namespace) -> int:
 
 
 def _stage(a: argparse.Namespace) -> int:
-    from unbroken.data.stage import stage
+    from unbroken.data.prepare.stage import stage
 
     r = stage(a.url, a.local_dir, workers=a.workers, fsync=a.fsync, ranks_local=a.ranks_local,
               wait_timeout=a.wait_timeout, retries=a.retries, progress=not a.no_progress)

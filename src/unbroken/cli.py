@@ -57,21 +57,21 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
 
 
 def _ckpt_ls(a: argparse.Namespace) -> int:
-    from unbroken.ckpt import cli_support
+    from unbroken.ckpt import export as cli_support
 
     print(cli_support.format_listing(a.dir, archive=a.archive))
     return 0
 
 
 def _ckpt_inspect(a: argparse.Namespace) -> int:
-    from unbroken.ckpt import cli_support
+    from unbroken.ckpt import export as cli_support
 
     print(cli_support.format_manifest(a.dir, a.step))
     return 0
 
 
 def _ckpt_verify(a: argparse.Namespace) -> int:
-    from unbroken.ckpt import cli_support
+    from unbroken.ckpt import export as cli_support
 
     ok, report = cli_support.verify_report(a.dir, a.step)
     print(report)
@@ -79,7 +79,7 @@ def _ckpt_verify(a: argparse.Namespace) -> int:
 
 
 def _ckpt_export(a: argparse.Namespace) -> int:
-    from unbroken.ckpt import cli_support
+    from unbroken.ckpt import export as cli_support
 
     print(cli_support.export_safetensors(a.dir, a.to, step=a.step, component=a.component))
     return 0
@@ -131,8 +131,8 @@ def _add_data_inspect(ds: argparse._SubParsersAction) -> None:
 def _data_inspect(a: argparse.Namespace) -> int:
     import json
 
-    from unbroken.data.dataset import StreamingDataset
-    from unbroken.data.quality import format_shuffle_stats, shuffle_stats
+    from unbroken.data.diagnose.shuffle import format_shuffle_stats, shuffle_stats
+    from unbroken.data.stream.dataset import StreamingDataset
 
     ds = StreamingDataset(
         a.dir, seed=a.seed, shuffle_window=a.shuffle_window, seq_len=a.seq_len, rank=0, world_size=1
@@ -183,7 +183,7 @@ def _add_data_bench(ds: argparse._SubParsersAction) -> None:
 def _data_bench(a: argparse.Namespace) -> int:
     import json
 
-    from unbroken.data.stage_bench import run_bench
+    from unbroken.data.diagnose.bench import run_bench
 
     report, path = run_bench(
         a.dir, batch_size=a.batch_size, num_workers=a.num_workers,
@@ -215,7 +215,7 @@ def _add_data_report(ds: argparse._SubParsersAction) -> None:
 
 
 def _data_report(a: argparse.Namespace) -> int:
-    from unbroken.data.report_plot import run_report
+    from unbroken.data.diagnose.plot import run_report
 
     text, png = run_report(a.run_dir, out=a.out, num_workers=a.num_workers, plot=not a.no_plot)
     print(text)
@@ -376,9 +376,9 @@ def _add_recovery(sub: argparse._SubParsersAction) -> None:
 def _report(a: argparse.Namespace) -> int:
     import os
 
+    from unbroken.common.events import load_events
     from unbroken.elastic import recovery
-
-    events = recovery.load_events(a.run_dir)
+    events = load_events(a.run_dir)
     if not events:
         raise ValueError(f"{a.run_dir!r} has no events.jsonl; pass the --run-dir of `unbroken run`")
     print(recovery.format_summary(recovery.summarize(events)))
@@ -456,7 +456,7 @@ def _add_drill(sub: argparse._SubParsersAction) -> None:
 
 
 def _drill(a: argparse.Namespace) -> int:
-    from unbroken.elastic import drill
+    from unbroken.elastic.drill import runner as drill
 
     command = tuple(a.command[1:] if a.command[:1] == ["--"] else a.command)
     faults = tuple(f.strip() for f in a.faults.split(",") if f.strip()) if a.faults else None

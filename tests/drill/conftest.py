@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from unbroken.elastic._procs import kill_matching
-from unbroken.elastic.drill import ENV_TOKEN, example_config, run_reference
+from unbroken.common.procs import kill_matching
+from unbroken.elastic.drill.runner import ENV_TOKEN, example_config, run_reference
 
 STEPS = 50
 """Demo steps in every drill test (the reference is shared, so they must agree)."""

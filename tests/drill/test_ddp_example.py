@@ -15,10 +15,11 @@ import time
 
 import pytest
 
+from unbroken.ckpt.compare import compare_runs
 from unbroken.cli import main
-from unbroken.demo import compare_runs
-from unbroken.elastic import heartbeat, recovery
-from unbroken.metrics import read_metrics
+from unbroken.common.events import load_events
+from unbroken.common.metrics import read_metrics
+from unbroken.elastic import heartbeat
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -85,7 +86,7 @@ def test_sigkill_of_one_rank_resumes_bit_identical(corpus, tmp_path):
             metrics = os.path.join(run, "metrics.jsonl")
             _wait(lambda: (read_metrics(metrics) or [{"step": 0}])[-1]["step"] >= 25,
                   "step 25", proc)
-            attempt = max(int(e["attempt"]) for e in recovery.load_events(sup)
+            attempt = max(int(e["attempt"]) for e in load_events(sup)
                           if e["event"] == "launch")
             victim = next(b for b in heartbeat.read_beats(sup, attempt) if b.rank == 1)
             os.kill(victim.pid, signal.SIGKILL)  # rank 1: not the rank that writes the log
@@ -94,7 +95,7 @@ def test_sigkill_of_one_rank_resumes_bit_identical(corpus, tmp_path):
             if proc.poll() is None:
                 proc.kill()
     assert rc == 0, open(str(tmp_path / "sup.out"), errors="replace").read()[-3000:]
-    events = recovery.load_events(sup)
+    events = load_events(sup)
     fails = [e for e in events if e["event"] == "failure"]
     assert len(fails) == 1 and fails[0]["fault"] == "process", fails
     loaded = {int(e["step"]) for e in events if e["event"] == "loaded"}

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from unbroken import cli
-from unbroken.elastic.drill import (
+from unbroken.elastic.drill.report import diagnose, unplanned_failures
+from unbroken.elastic.drill.runner import (
     ELASTIC_KINDS,
     FAULT_KINDS,
     SINGLE_KINDS,
@@ -15,7 +16,6 @@ from unbroken.elastic.drill import (
     plan_faults,
     run_drill,
 )
-from unbroken.elastic.drill_report import diagnose, unplanned_failures
 
 
 def test_plan_is_a_pure_function_of_the_seed():

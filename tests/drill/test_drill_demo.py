@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from unbroken.elastic._procs import kill_matching
-from unbroken.elastic.drill import ENV_TOKEN, FAULT_KINDS, example_config, run_drill
-from unbroken.elastic.drill_report import DrillReport
-from unbroken.metrics import read_metrics
+from unbroken.common.metrics import read_metrics
+from unbroken.common.procs import kill_matching
+from unbroken.elastic.drill.report import DrillReport
+from unbroken.elastic.drill.runner import ENV_TOKEN, FAULT_KINDS, example_config, run_drill
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

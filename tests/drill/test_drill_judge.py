@@ -1,6 +1,6 @@
 """How the drill judges each fault without running a job: which steps each fault's recovery
 produced and were compared, "not checked" after a divergence, and a diagnosis that names the
-component the state audit (unbroken._audit) finds not restored."""
+component the state audit (unbroken.common.audit) finds not restored."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from unbroken._audit import StateAudit, fingerprint, read_audit
-from unbroken.elastic.drill_report import (
+from unbroken.common.audit import StateAudit, fingerprint, read_audit
+from unbroken.elastic.drill.report import (
     Check,
     FaultResult,
     FaultSpec,

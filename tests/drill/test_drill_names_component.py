@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from unbroken.elastic.drill import DrillConfig, run_drill
+from unbroken.elastic.drill.runner import DrillConfig, run_drill
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

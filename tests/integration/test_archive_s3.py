@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from unbroken.ckpt import Checkpointer, TrainState
-from unbroken.ckpt.archive import Archive, ArchiveError, fetch_newest_valid
-from unbroken.ckpt.uploader import BackgroundUploader
+from unbroken.ckpt.archive.remote import Archive, ArchiveError, fetch_newest_valid
+from unbroken.ckpt.archive.uploader import BackgroundUploader
 from unbroken.elastic._coord import free_port
 
 pytest.importorskip("s3fs")
@@ -175,7 +175,7 @@ def test_corrupted_remote_object_is_detected_and_older_step_used(
     assert os.path.basename(victim) in str(ei.value)
 
     shutil.rmtree(root)
-    with caplog.at_level(logging.WARNING, logger="unbroken.ckpt.archive"):
+    with caplog.at_level(logging.WARNING, logger="unbroken.ckpt.archive.remote"):
         assert fetch_newest_valid(arch, root) == 2
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert (
@@ -225,7 +225,7 @@ def test_upload_failure_is_retried_and_reported_never_raised(
     _two_steps(root)
     missing = f"no-such-bucket-{uuid.uuid4().hex[:8]}"
     up = BackgroundUploader(_archive(endpoint, missing, retries=2))
-    with caplog.at_level(logging.INFO, logger="unbroken.ckpt.archive"):
+    with caplog.at_level(logging.INFO, logger="unbroken.ckpt.archive.remote"):
         up.submit(os.path.join(root, "step-00000004"), 4)  # returns at once, raises nothing
         assert up.flush(timeout=30)
         up.close()
@@ -258,9 +258,9 @@ def test_transient_failure_recovers_and_local_retention_does_not_wait(
                     s3.mkdir(late)
 
     creator = _CreateOnFirstRetry()
-    archive_log = logging.getLogger("unbroken.ckpt.archive")
+    archive_log = logging.getLogger("unbroken.ckpt.archive.remote")
     archive_log.addHandler(creator)
-    with caplog.at_level(logging.INFO, logger="unbroken.ckpt.archive"):
+    with caplog.at_level(logging.INFO, logger="unbroken.ckpt.archive.remote"):
         up.submit(step_dir, 4)
         shutil.rmtree(step_dir)  # local retention deletes the step while it still uploads
         try:

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from unbroken import _fs
 from unbroken.ckpt import Checkpointer, TrainState, read_checkpoint
+from unbroken.common import fs as _fs
 
 
 def _setup(seed: int = 0) -> tuple[TrainState, torch.nn.Module, torch.optim.Optimizer]:

@@ -45,8 +45,8 @@ def _build(data_root: str, world: int) -> tuple[Any, ...]:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from unbroken.ckpt import TrainState
-    from unbroken.data.dataset import StreamingDataset
-    from unbroken.data.loader import StatefulLoader
+    from unbroken.data.stream.dataset import StreamingDataset
+    from unbroken.data.stream.loader import StatefulLoader
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
@@ -130,7 +130,7 @@ def _results(out: str, mode: str, world: int) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> str:
-    from unbroken.data.pack import pack
+    from unbroken.data.prepare.pack import pack
 
     root = str(tmp_path_factory.mktemp("data"))
     pack(
@@ -467,7 +467,7 @@ def test_per_rank_state_survives_resize_is_refused_ddp_is_unwrapped(tmp_path) ->
     assert not any(k.startswith("rank") and "/model/" in k for k in m["tensors"])
     from safetensors.torch import load_file
 
-    from unbroken.ckpt.cli_support import export_safetensors
+    from unbroken.ckpt.export import export_safetensors
 
     export_safetensors(root, str(tmp_path / "h.safetensors"), component="extra.hidden")
     assert load_file(str(tmp_path / "h.safetensors"))["h"].tolist() == [[1.0] * 3] * 2  # rank 0's

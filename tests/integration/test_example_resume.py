@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from unbroken.ckpt import read_checkpoint
+from unbroken.common.metrics import read_metrics
 from unbroken.demo import run_until
-from unbroken.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -15,10 +15,10 @@ import pytest
 
 from unbroken.cli import main as cli_main
 from unbroken.data.manifest import DatasetManifest
-from unbroken.data.pack import pack
-from unbroken.data.shards import ShardReader
-from unbroken.data.tokenizing import tokenize
-from unbroken.data.tokens import TokenShard
+from unbroken.data.prepare.pack import pack
+from unbroken.data.tar.reader import ShardReader
+from unbroken.data.tokens.shard import TokenShard
+from unbroken.data.tokens.tokenizer import tokenize
 
 _WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi".split()
 
@@ -99,7 +99,7 @@ def test_tokenize_output_identical_for_1_2_4_workers(tmp_path: str) -> None:
 
 _SLOW_CHILD = r"""
 import time
-import unbroken.data.pack, unbroken.data.writers, unbroken.data.tokens, unbroken.data.tokenizing
+import unbroken.data.prepare.pack, unbroken.data.tar.writer, unbroken.data.tokens.shard, unbroken.data.tokens.tokenizer
 cls = unbroken.data.{writer}
 orig = cls.commit
 def slow(self, *a, **k):

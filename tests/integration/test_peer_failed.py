@@ -12,7 +12,8 @@ import textwrap
 
 import pytest
 
-from unbroken.elastic import peer_failed, recovery
+from unbroken.common import events
+from unbroken.elastic import peer_failed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,29 +34,29 @@ JOB = textwrap.dedent("""
 
 
 def test_peer_failed_reads_the_attempts_marker(tmp_path, monkeypatch):
-    monkeypatch.delenv(recovery.ENV_RUN_DIR, raising=False)
+    monkeypatch.delenv(events.ENV_RUN_DIR, raising=False)
     assert peer_failed() is None  # not supervised
-    monkeypatch.setenv(recovery.ENV_RUN_DIR, str(tmp_path))
-    monkeypatch.setenv(recovery.ENV_ATTEMPT, "2")
+    monkeypatch.setenv(events.ENV_RUN_DIR, str(tmp_path))
+    monkeypatch.setenv(events.ENV_ATTEMPT, "2")
     assert peer_failed() is None
-    d = recovery.attempt_dir(str(tmp_path), 2)
+    d = events.attempt_dir(str(tmp_path), 2)
     os.makedirs(d)
-    with open(os.path.join(d, recovery.PEER_FAILED_FILE), "w") as f:
+    with open(os.path.join(d, events.PEER_FAILED_FILE), "w") as f:
         f.write("rank 1 (pid 9) died of SIGKILL\n")
     assert peer_failed() == "rank 1 (pid 9) died of SIGKILL"
-    monkeypatch.setenv(recovery.ENV_ATTEMPT, "3")  # another attempt's marker is not ours
+    monkeypatch.setenv(events.ENV_ATTEMPT, "3")  # another attempt's marker is not ours
     assert peer_failed() is None
 
 
 @pytest.mark.parametrize("peer_dead", [True, False])
 def test_checkpointer_skips_the_sigterm_save_when_a_peer_died(tmp_path, peer_dead):
     run_dir, root = tmp_path / "run", tmp_path / "ckpt"
-    d = recovery.attempt_dir(str(run_dir), 0)
+    d = events.attempt_dir(str(run_dir), 0)
     os.makedirs(d)
     if peer_dead:
-        with open(os.path.join(d, recovery.PEER_FAILED_FILE), "w") as f:
+        with open(os.path.join(d, events.PEER_FAILED_FILE), "w") as f:
             f.write("rank 1 died\n")
-    env = dict(os.environ, **{recovery.ENV_RUN_DIR: str(run_dir), recovery.ENV_ATTEMPT: "0"})
+    env = dict(os.environ, **{events.ENV_RUN_DIR: str(run_dir), events.ENV_ATTEMPT: "0"})
     p = subprocess.Popen([sys.executable, "-c", JOB, str(root)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert p.stdout is not None

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from datakit import ids_collate
-from unbroken.data.dataset import StreamingDataset
-from unbroken.data.loader import StatefulLoader
-from unbroken.data.prefetch import DevicePrefetcher, _HostCopier
-from unbroken.data.profile import StepTimer
+from unbroken.data.diagnose.timer import StepTimer
+from unbroken.data.feed.prefetch import DevicePrefetcher, _HostCopier
+from unbroken.data.stream.dataset import StreamingDataset
+from unbroken.data.stream.loader import StatefulLoader
 
 
 def loader(root: str, workers: int) -> StatefulLoader:

@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from unbroken.demo import compare_runs, run_training
+from unbroken.ckpt.compare import compare_runs
+from unbroken.demo import run_training
 
 STEPS = 60
 COMMON = ["--ckpt-every", "10", "--batch", "8"]

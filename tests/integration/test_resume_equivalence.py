@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 
 from datakit import ids_collate
-from unbroken.data.dataset import Source, StreamingDataset
-from unbroken.data.loader import StatefulLoader
-from unbroken.data.order import Partition
+from unbroken.data.stream.dataset import Source, StreamingDataset
+from unbroken.data.stream.loader import StatefulLoader
+from unbroken.data.stream.order import Partition
 from unbroken.elastic._coord import free_port
 
 # num_workers=3 on a 2-core runner is deliberate (worker-count changes)

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from unbroken.data.manifest import DatasetManifest
-from unbroken.data.pack import pack
-from unbroken.data.stage import MARKER_NAME, stage
+from unbroken.data.prepare.pack import pack
+from unbroken.data.prepare.stage import MARKER_NAME, stage
 
 
 def _dataset(root: str, n: int = 200, shard_size: int = 40_000) -> DatasetManifest:
@@ -122,7 +122,7 @@ def test_stream_source_and_disk_full_during_staging(
     """The space check passed but the disk fills up mid-copy (another job wrote there)."""
     import errno
 
-    from unbroken._fs import HashingWriter
+    from unbroken.common.fs import HashingWriter
 
     src = os.path.join(tmp_path, "src")
     m = _dataset(src)
@@ -173,7 +173,7 @@ def test_real_enospc_on_a_tiny_tmpfs(tmp_path: str, monkeypatch: pytest.MonkeyPa
 
 _STAGE_CHILD = r"""
 import os, sys
-from unbroken.data.stage import stage
+from unbroken.data.prepare.stage import stage
 r = stage(sys.argv[1], sys.argv[2], ranks_local=True, progress=False, wait_timeout=60)
 print(r.waited, r.files_copied)
 """
@@ -213,7 +213,7 @@ def test_waiting_rank_times_out_with_a_clear_error(
 
 _SLOW_STAGE = r"""
 import sys, time
-import unbroken.data.stage as st
+import unbroken.data.prepare.stage as st
 orig = st._copy_one
 def slow(*a, **k):
     orig(*a, **k)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from unbroken.elastic import recovery
+from unbroken.common.events import load_events
 from unbroken.elastic.preflight import PreflightConfig, run_preflight, wait_until_healthy
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
@@ -62,7 +62,7 @@ def test_free_space_must_fit_one_more_checkpoint(tmp_path):
 
 
 def test_dataset_manifest_checked_against_the_shards(tmp_path):
-    from unbroken.data.pack import pack
+    from unbroken.data.prepare.pack import pack
 
     out = str(tmp_path / "ds")
     samples = ({"__key__": f"s{i:04d}", "bin": os.urandom(500)} for i in range(40))
@@ -147,7 +147,7 @@ def test_run_never_starts_while_preflight_fails(tmp_path):
             ["--ckpt", str(blocked), "--metrics", str(tmp_path / "m.jsonl")],
         )
         assert job.wait(60) == 6, job.output()[-2000:]
-    events = recovery.load_events(job.run_dir)
+    events = load_events(job.run_dir)
     checks = [e for e in events if e["event"] == "preflight"]
     assert len(checks) >= 2 and not any(e["ok"] for e in checks)
     assert not [e for e in events if e["event"] == "launch"]

@@ -6,7 +6,7 @@ import json
 import sys
 
 from unbroken.cli import main
-from unbroken.data.stage_bench import resolve_transform
+from unbroken.data.diagnose.bench import resolve_transform
 
 SCRIPT = '''
 import sys

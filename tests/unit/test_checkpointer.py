@@ -20,7 +20,7 @@ from ckptkit import Blob, can_mount, edit_manifest, tmpfs
 from ckptkit import small_state as _state
 from ckptkit import train as _train
 from unbroken.ckpt import Checkpointer, CorruptCheckpoint, TrainState, read_checkpoint
-from unbroken.metrics import MetricLog, read_metrics
+from unbroken.common.metrics import MetricLog, read_metrics
 
 
 def _params(m: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -240,7 +240,7 @@ def _run_disk_full(
         st.components["extra.big"].t = torch.ones(1 << 20)
         st.components["extra.big2"].t = torch.ones(1 << 20)
     else:
-        from unbroken import _fs
+        from unbroken.common import fs as _fs
 
         def full(self, b):  # noqa: ANN001
             raise OSError(errno.ENOSPC, "No space left on device")

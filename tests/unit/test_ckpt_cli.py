@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from unbroken.ckpt import Checkpointer, TrainState
-from unbroken.ckpt.archive import Archive
+from unbroken.ckpt.archive.remote import Archive
 from unbroken.ckpt.store import Store
 from unbroken.ckpt.verify import load_verified
 from unbroken.cli import main
@@ -145,7 +145,7 @@ def test_export_model_and_ema_to_safetensors(run: dict[str, Any], capsys, tmp_pa
 def test_chunk_assembly_matches_the_verified_reader(run: dict[str, Any]) -> None:
     """The path export takes for sharded checkpoints (tensors rebuilt from their DCP chunks)
     gives the same tensors as the verified fast reader."""
-    from unbroken.ckpt.saver import fill
+    from unbroken.ckpt.tensor_io import fill
 
     store = Store(run["root"])
     v = load_verified(store, 6)

@@ -41,7 +41,7 @@ from ckptkit import (
     write_manifest,
 )
 from unbroken.ckpt import Checkpointer, TrainState
-from unbroken.ckpt.cli_support import verify_steps
+from unbroken.ckpt.export import verify_steps
 from unbroken.cli import main
 
 SEED = int(os.environ.get("UNBROKEN_FUZZ_SEED", "12"))

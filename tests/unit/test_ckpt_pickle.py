@@ -39,9 +39,9 @@ from ckptkit import (
     snapshot,
     step_dir,
 )
-from unbroken._fs import checksum_bytes
 from unbroken.ckpt import Checkpointer
-from unbroken.ckpt.cli_support import verify_steps
+from unbroken.ckpt.export import verify_steps
+from unbroken.common.fs import checksum_bytes
 
 MD = "torch.distributed.checkpoint.metadata"
 

@@ -37,7 +37,7 @@ from ckptkit import (
     train,
 )
 from unbroken.ckpt import Checkpointer, TrainState
-from unbroken.ckpt.cli_support import export_safetensors, verify_report, verify_steps
+from unbroken.ckpt.export import export_safetensors, verify_report, verify_steps
 from unbroken.cli import main
 
 
@@ -142,7 +142,7 @@ def test_a_damaged_manifest_falls_back_and_verify_agrees(root, caplog, edit, res
 
 def test_our_own_checkpoints_take_the_zero_copy_path(root, monkeypatch) -> None:
     """The checks above must not push our own checkpoints off the mmap fast path."""
-    from unbroken.ckpt import saver
+    from unbroken.ckpt import tensor_io as saver
 
     def refuse(*a: Any, **k: Any) -> Any:
         raise AssertionError("torch.load used for a checkpoint unbroken wrote")
@@ -154,7 +154,7 @@ def test_our_own_checkpoints_take_the_zero_copy_path(root, monkeypatch) -> None:
 
 
 def test_every_dtype_round_trips_on_the_zero_copy_path(tmp_path, monkeypatch) -> None:
-    from unbroken.ckpt import saver
+    from unbroken.ckpt import tensor_io as saver
     from unbroken.ckpt.manifest import DTYPES
 
     dtypes = [getattr(torch, n) for n in DTYPES if isinstance(getattr(torch, n, None), torch.dtype)]

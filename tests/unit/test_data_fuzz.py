@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 
 from datakit import build_tar_dataset, build_token_dataset
-from unbroken.data.dataset import StreamingDataset
 from unbroken.data.manifest import ManifestError
-from unbroken.data.shards import ShardError, ShardReader
-from unbroken.data.tokens import TokenShard
+from unbroken.data.stream.dataset import StreamingDataset
+from unbroken.data.tar.reader import ShardError, ShardReader
+from unbroken.data.tokens.shard import TokenShard
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from datakit import build_tar_dataset, build_token_dataset, ids_collate, sample_id
-from unbroken._fs import checksum_bytes
-from unbroken.data.dataset import StreamingDataset
-from unbroken.data.loader import StatefulLoader
+from unbroken.common.fs import checksum_bytes
 from unbroken.data.manifest import DatasetManifest
-from unbroken.data.shards import CorruptSampleError, ShardError, ShardIndex, ShardReader
-from unbroken.data.tokens import TokenShard
+from unbroken.data.stream.dataset import StreamingDataset
+from unbroken.data.stream.loader import StatefulLoader
+from unbroken.data.tar.reader import CorruptSampleError, ShardError, ShardIndex, ShardReader
+from unbroken.data.tokens.shard import TokenShard
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

@@ -15,11 +15,11 @@ import torch
 from torch.utils.data import DataLoader
 
 from datakit import build_tar_dataset, ids_collate, sample_id
-from unbroken.data.dataset import Source, StreamingDataset
-from unbroken.data.loader import StatefulLoader
-from unbroken.data.order import Partition
-from unbroken.data.shards import ShardReader
-from unbroken.data.tokens import TokenShard
+from unbroken.data.stream.dataset import Source, StreamingDataset
+from unbroken.data.stream.loader import StatefulLoader
+from unbroken.data.stream.order import Partition
+from unbroken.data.tar.reader import ShardReader
+from unbroken.data.tokens.shard import TokenShard
 
 # num_workers=3 on a 2-core runner is deliberate (worker-count changes)
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

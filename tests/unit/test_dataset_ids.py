@@ -1,7 +1,7 @@
 """``StreamingDataset(with_ids=True)``: each sample's id travels with the batch (dict samples
 gain ``__id__``, token rows become ``(tokens, ids)``), the same sample keeps its id in every
 epoch, for any worker count and across sources, and the ranks' ids interleave into the
-one-rank order (what ``unbroken.metrics.global_ids`` does across a process group)."""
+one-rank order (what ``unbroken.common.metrics.global_ids`` does across a process group)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from unbroken.data.dataset import Source, StreamingDataset
-from unbroken.data.loader import StatefulLoader
-from unbroken.metrics import _interleave
+from unbroken.common.metrics import _interleave
+from unbroken.data.stream.dataset import Source, StreamingDataset
+from unbroken.data.stream.loader import StatefulLoader
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from unbroken.cli import main
-from unbroken.data.dataset import StreamingDataset
-from unbroken.data.quality import shuffle_stats
+from unbroken.data.diagnose.shuffle import shuffle_stats
+from unbroken.data.stream.dataset import StreamingDataset
 
 
 def test_statistics_tell_a_shuffle_from_none(stream_data):

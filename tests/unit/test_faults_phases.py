@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from unbroken.common import events
 from unbroken.elastic import heartbeat, recovery
 from unbroken.elastic.heartbeat import BeatRecord
 
@@ -85,14 +86,14 @@ def test_timeline_png(tmp_path):
 
 
 def test_mark_is_a_noop_unsupervised_and_appends_when_supervised(tmp_path, monkeypatch):
-    monkeypatch.delenv(recovery.ENV_RUN_DIR, raising=False)
-    recovery.mark("loaded", step=3, seconds=0.1)
+    monkeypatch.delenv(events.ENV_RUN_DIR, raising=False)
+    events.mark("loaded", step=3, seconds=0.1)
     assert not os.listdir(tmp_path)
-    monkeypatch.setenv(recovery.ENV_RUN_DIR, str(tmp_path))
-    monkeypatch.setenv(recovery.ENV_ATTEMPT, "2")
+    monkeypatch.setenv(events.ENV_RUN_DIR, str(tmp_path))
+    monkeypatch.setenv(events.ENV_ATTEMPT, "2")
     monkeypatch.setenv("RANK", "1")
-    recovery.mark("loaded", step=3, seconds=0.1)
-    (e,) = recovery.load_events(str(tmp_path))
+    events.mark("loaded", step=3, seconds=0.1)
+    (e,) = events.load_events(str(tmp_path))
     assert (e["event"], e["attempt"], e["rank"], e["step"], e["seconds"]) == (
         "loaded",
         2,
@@ -101,16 +102,16 @@ def test_mark_is_a_noop_unsupervised_and_appends_when_supervised(tmp_path, monke
         0.1,
     )
     with pytest.raises(ValueError, match="reserved"):
-        recovery.mark("x", t=1)
-    with open(tmp_path / recovery.EVENTS_FILE, "a") as f:
+        events.mark("x", t=1)
+    with open(tmp_path / events.EVENTS_FILE, "a") as f:
         f.write('{"t": 1, "event": "torn')  # a writer killed mid-line
-    assert len(recovery.load_events(str(tmp_path))) == 1
+    assert len(events.load_events(str(tmp_path))) == 1
 
 
 def _marker(run_dir: str, n: int) -> None:
-    os.environ[recovery.ENV_RUN_DIR] = run_dir
+    os.environ[events.ENV_RUN_DIR] = run_dir
     for i in range(n):
-        recovery.mark("saved", step=i, payload="x" * 200)
+        events.mark("saved", step=i, payload="x" * 200)
 
 
 def test_concurrent_marks_never_interleave(tmp_path):
@@ -120,7 +121,7 @@ def test_concurrent_marks_never_interleave(tmp_path):
         p.start()
     for p in procs:
         p.join(30)
-    ev = recovery.load_events(str(tmp_path))
+    ev = events.load_events(str(tmp_path))
     assert len(ev) == 1200 and {len(e["payload"]) for e in ev} == {200}
 
 
@@ -147,24 +148,24 @@ def _child(tmp_path, steps: int, then: str, **env: str) -> subprocess.Popen[str]
         [sys.executable, "-c", _CHILD, str(steps), then], env=e, stdout=subprocess.PIPE, text=True
     )
     assert p.stdout is not None
-    supervised = recovery.ENV_RUN_DIR in env
+    supervised = events.ENV_RUN_DIR in env
     assert p.stdout.readline().split() == ["ready", str(supervised)]
     return p
 
 
 def test_beats_from_a_real_process_and_catch_up_mark(tmp_path):
     env = {
-        recovery.ENV_RUN_DIR: str(tmp_path),
-        recovery.ENV_ATTEMPT: "3",
+        events.ENV_RUN_DIR: str(tmp_path),
+        events.ENV_ATTEMPT: "3",
         "RANK": "0",
-        recovery.ENV_CATCHUP: "40",
+        events.ENV_CATCHUP: "40",
     }
     p = _child(tmp_path, 50, "exit", **env)
     p.wait(10)
     (b,) = heartbeat.read_beats(str(tmp_path), 3)
     assert (b.pid, b.rank, b.attempt, b.step, b.seq) == (p.pid, 0, 3, 50, 50)
     assert abs(time.time() - b.t) < 10
-    (c,) = [e for e in recovery.load_events(str(tmp_path)) if e["event"] == "caught_up"]
+    (c,) = [e for e in events.load_events(str(tmp_path)) if e["event"] == "caught_up"]
     assert (c["step"], c["attempt"]) == (40, 3)
 
 
@@ -174,8 +175,8 @@ def test_beat_is_a_noop_when_unsupervised(tmp_path):
 
 
 def test_beat_costs_about_a_microsecond(tmp_path, monkeypatch):
-    monkeypatch.setenv(recovery.ENV_RUN_DIR, str(tmp_path))
-    monkeypatch.setenv(recovery.ENV_ATTEMPT, "0")
+    monkeypatch.setenv(events.ENV_RUN_DIR, str(tmp_path))
+    monkeypatch.setenv(events.ENV_ATTEMPT, "0")
     heartbeat._reset_after_fork()
     try:
         heartbeat.beat(0)
@@ -217,9 +218,9 @@ def _until(cond, what: str, timeout: float = 30.0):
 def test_stack_dump_from_a_stopped_process(tmp_path):
     """Issue 12 item 13: every step waits for its condition (the child inside the function,
     the stop in effect, the dump complete), so a loaded box only makes it slower."""
-    from unbroken.elastic._procs import proc_state
+    from unbroken.common.procs import proc_state
 
-    env = {recovery.ENV_RUN_DIR: str(tmp_path), recovery.ENV_ATTEMPT: "0", "RANK": "4"}
+    env = {events.ENV_RUN_DIR: str(tmp_path), events.ENV_ATTEMPT: "0", "RANK": "4"}
     p = _child(tmp_path, 3, "sleep", **env)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "inside"

@@ -19,9 +19,9 @@ import time
 
 import pytest
 
-from unbroken.elastic import recovery
+from unbroken.common import events
+from unbroken.common.procs import is_alive, parent_of, proc_state
 from unbroken.elastic._attempt import LAUNCHER
-from unbroken.elastic._procs import is_alive, parent_of, proc_state
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,7 +95,7 @@ class Run:
         self.out = tmp_path / "out.txt"
         self.err = tmp_path / "err.txt"
         env = dict(os.environ, FOO="bar", RANK="3", LOCAL_RANK="1",
-                   **{recovery.ENV_RUN_DIR: str(tmp_path), recovery.ENV_ATTEMPT: "7"})
+                   **{events.ENV_RUN_DIR: str(tmp_path), events.ENV_ATTEMPT: "7"})
         env.pop("UNBROKEN_ZYGOTE", None)
         if zygote is not None:
             env["UNBROKEN_ZYGOTE"] = zygote
@@ -122,7 +122,7 @@ class Run:
         raise AssertionError(f"the worker printed nothing; stderr: {self.err.read_text()}")
 
     def exits(self) -> list[dict]:
-        return [e for e in recovery.load_events(self.run_dir) if e["event"] == "worker_exit"]
+        return [e for e in events.load_events(self.run_dir) if e["event"] == "worker_exit"]
 
 
 def test_forked_worker_runs_the_script_in_the_launchers_context(tmp_path, agent):

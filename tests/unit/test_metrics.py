@@ -8,7 +8,7 @@ import os
 import pytest
 
 from unbroken.ckpt import Checkpointer, TrainState
-from unbroken.metrics import MetricLog, _interleave, read_metrics
+from unbroken.common.metrics import MetricLog, _interleave, read_metrics
 
 
 def _steps(path: str) -> list[int]:

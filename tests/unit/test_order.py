@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from unbroken.data.order import (
+from unbroken.data.stream.order import (
     EpochOrder,
     MixtureOrder,
     Partition,

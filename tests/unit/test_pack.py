@@ -10,10 +10,10 @@ import subprocess
 import numpy as np
 import pytest
 
-from unbroken._fs import HashingWriter
+from unbroken.common.fs import HashingWriter
 from unbroken.data.manifest import DatasetManifest
-from unbroken.data.pack import pack
-from unbroken.data.shards import ShardReader
+from unbroken.data.prepare.pack import pack
+from unbroken.data.tar.reader import ShardReader
 
 
 def _tree(root: str, n: int = 40, seed: int = 0) -> dict[str, dict[str, bytes]]:
@@ -264,7 +264,7 @@ def test_rerun_with_changed_bytes_of_equal_size_rewrites_only_that_shard(tmp_pat
 def test_gather_write_survives_short_writes(tmp_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """writev may write fewer bytes than asked (signals, quotas); the rest is written and
     the size and checksum still describe exactly the bytes given."""
-    from unbroken._fs import checksum_bytes, checksum_file
+    from unbroken.common.fs import checksum_bytes, checksum_file
 
     real = os.writev
 
@@ -335,7 +335,7 @@ def test_symlink_loop_unreadable_file_and_non_utf8_name_are_named_or_skipped(
 
 def test_output_path_that_is_a_file_and_index_of_a_file_are_errors(tmp_path: str) -> None:
     from unbroken.cli import main
-    from unbroken.data.pack import index_directory
+    from unbroken.data.prepare.pack import index_directory
 
     src = os.path.join(tmp_path, "in.jsonl")
     open(src, "w").write('{"a": 1}\n')

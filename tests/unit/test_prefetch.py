@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from unbroken.data.prefetch import (
+from unbroken.data.feed.prefetch import (
     DevicePrefetcher,
     _HostCopier,
     _InFlight,

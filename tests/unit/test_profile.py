@@ -10,18 +10,18 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from unbroken.data import profile
-from unbroken.data.prefetch import DevicePrefetcher
-from unbroken.data.profile import (
+from unbroken.data.diagnose import timer as profile
+from unbroken.data.diagnose.timer import (
     StepTimer,
     detect_sawtooth,
     load_timeline,
     summarize,
 )
+from unbroken.data.feed.prefetch import DevicePrefetcher
 
 
 class FakeClock:
-    """Replaces time.perf_counter_ns inside unbroken.data.profile: exact arithmetic."""
+    """Replaces time.perf_counter_ns inside unbroken.data.diagnose.timer: exact arithmetic."""
 
     def __init__(self) -> None:
         self.now = 1_000_000_000
@@ -143,7 +143,7 @@ def test_sinks_get_summaries_every_log_every_steps(clock: FakeClock) -> None:
 
 
 def test_metric_log_sink_writes_jsonl(tmp_path: Any, clock: FakeClock) -> None:
-    from unbroken.metrics import MetricLog, read_metrics
+    from unbroken.common.metrics import MetricLog, read_metrics
 
     mlog = MetricLog(str(tmp_path / "metrics.jsonl"))
     timer = StepTimer(sinks=[mlog], log_every=10)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from unbroken.data.bottleneck import BottleneckReport, StageResult, analyse, load_report
-from unbroken.data.stage_bench import basic_decode, bench_dataset, measure_stages
+from unbroken.data.diagnose.bench import basic_decode, bench_dataset, measure_stages
+from unbroken.data.diagnose.bottleneck import BottleneckReport, StageResult, analyse, load_report
 
 NAN = float("nan")
 
@@ -238,7 +238,7 @@ def test_bench_on_token_shards_and_too_big_a_batch(stream_data: Any) -> None:
 
 def test_transport_of_byte_batches_is_measured_through_the_loaders_ring() -> None:
     """The bench measures the transport StatefulLoader uses: the shared-memory ring."""
-    from unbroken.data._transport import transport_available
+    from unbroken.data.stream.transport import transport_available
 
     measured, _ = measure_stages(fast_read, batch_size=8, num_batches=2, collate=list,
                                  max_seconds=2.0)

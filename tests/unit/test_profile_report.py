@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from unbroken.cli import main
-from unbroken.data.profile import StepTimer
+from unbroken.data.diagnose.timer import StepTimer
 
 pytest.importorskip("matplotlib")
 

@@ -15,15 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from unbroken.data.manifest import DatasetManifest, ManifestError, ShardInfo
-from unbroken.data.pack import index_directory, pack
-from unbroken.data.shards import (
+from unbroken.data.prepare.pack import index_directory, pack
+from unbroken.data.tar.reader import (
     ShardError,
     ShardIndex,
     ShardReader,
     index_tar,
     verify_shard,
 )
-from unbroken.data.writers import TarShardWriter, tar_header
+from unbroken.data.tar.writer import TarShardWriter, tar_header
 
 
 def _samples(n: int, seed: int = 0) -> list[dict[str, object]]:

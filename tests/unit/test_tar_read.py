@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import xxhash
 
-from unbroken.data.dataset import StreamingDataset, _MappedShard
-from unbroken.data.pack import pack
-from unbroken.data.shards import ShardError, ShardIndex, ShardReader
+from unbroken.data.prepare.pack import pack
+from unbroken.data.stream.dataset import StreamingDataset, _MappedShard
+from unbroken.data.tar.reader import ShardError, ShardIndex, ShardReader
 
 
 def _samples(n: int, layout: str) -> list[dict[str, object]]:

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from unbroken.data.manifest import DatasetManifest
-from unbroken.data.pack import pack
-from unbroken.data.shards import ShardError
-from unbroken.data.tokenizing import load_tokenizer, tokenize
-from unbroken.data.tokens import TokenShard, TokenShardWriter, dtype_for_vocab, num_sequences
+from unbroken.data.prepare.pack import pack
+from unbroken.data.tar.reader import ShardError
+from unbroken.data.tokens.shard import TokenShard, TokenShardWriter, dtype_for_vocab, num_sequences
+from unbroken.data.tokens.tokenizer import load_tokenizer, tokenize
 
 _WORDS = "the quick brown fox jumps over a lazy dog while seven wizards box nightly".split()
 

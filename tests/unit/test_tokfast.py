@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unbroken.data import _tokfast
-from unbroken.data._tokfast import WordCacheEncoder
-from unbroken.data.tokenizing import train_bpe
+from unbroken.data.tokens import word_cache as _tokfast
+from unbroken.data.tokens.tokenizer import train_bpe
+from unbroken.data.tokens.word_cache import WordCacheEncoder
 
 _TRAIN = [
     "The quick brown fox doesn't jump; it's 42 times lazier than you'd think!",

@@ -17,16 +17,16 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from unbroken.data import _transport
-from unbroken.data._transport import (
+from unbroken.data.stream import transport as _transport
+from unbroken.data.stream.dataset import StreamingDataset
+from unbroken.data.stream.loader import StatefulLoader
+from unbroken.data.stream.transport import (
     RingReceiver,
     RingSender,
     Ticket,
     transport_available,
     worker_fds,
 )
-from unbroken.data.dataset import StreamingDataset
-from unbroken.data.loader import StatefulLoader
 
 pytestmark = [
     pytest.mark.skipif(not transport_available(), reason="needs os.memfd_create (Linux)"),

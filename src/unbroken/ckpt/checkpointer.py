@@ -46,16 +46,16 @@ from typing import Any
 import torch
 
 import unbroken
-from unbroken._audit import state_audit
-from unbroken._fs import atomic_write_bytes, checksum_file
 from unbroken.ckpt import _dist, codec, lock, per_rank
 from unbroken.ckpt import rng as _rng
 from unbroken.ckpt.manifest import CheckpointManifest, Chunk, FileEntry, TensorEntry
-from unbroken.ckpt.saver import ItemLocation, fill, write_tensors
 from unbroken.ckpt.snapshot import Snapshotter
 from unbroken.ckpt.state import TrainState
 from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint, Store
+from unbroken.ckpt.tensor_io import ItemLocation, fill, write_tensors
 from unbroken.ckpt.verify import Verified, check_fits, load_verified
+from unbroken.common.audit import state_audit
+from unbroken.common.fs import atomic_write_bytes, checksum_file
 
 __all__ = ["Checkpointer"]
 
@@ -64,9 +64,8 @@ log = logging.getLogger(__name__)
 
 def _mark(event: str, **fields: Any) -> None:
     """Recovery-phase event for ``unbroken run`` (a no-op outside the supervisor)."""
-    from unbroken.elastic import recovery
-
-    recovery.mark(event, **fields)
+    from unbroken.common import events
+    events.mark(event, **fields)
 
 
 @dataclass
@@ -163,8 +162,8 @@ class Checkpointer:
         self._uploader: Any = None
         self._archive: Any = None
         if archive is not None:
-            from unbroken.ckpt.archive import Archive
-            from unbroken.ckpt.uploader import BackgroundUploader
+            from unbroken.ckpt.archive.remote import Archive
+            from unbroken.ckpt.archive.uploader import BackgroundUploader
 
             self._archive = Archive(archive, storage_options=dict(archive_options or {}))
             self._uploader = BackgroundUploader(self._archive, keep_last=archive_keep_last)
@@ -497,7 +496,7 @@ class Checkpointer:
             log.error("checkpoint flush at exit failed: %s", e)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
-        from unbroken.elastic.recovery import peer_failed
+        from unbroken.common.events import peer_failed
 
         if peer_failed():  # `unbroken run` stops us because a rank died: no save can finish
             os._exit(143)
@@ -553,7 +552,7 @@ class Checkpointer:
         while self._archive is not None:  # node replaced or disk lost: newest good remote copy
             fetched = None
             if rank == 0:
-                from unbroken.ckpt.archive import fetch_newest_valid
+                from unbroken.ckpt.archive.remote import fetch_newest_valid
 
                 fetched = fetch_newest_valid(self._archive, self.store.root, older_than=older)
             fetched = self._comm.broadcast(fetched)

@@ -46,8 +46,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from unbroken._fs import CHECKSUM_ALGO, checksum_bytes
 from unbroken.ckpt.per_rank import split_key
+from unbroken.common.fs import CHECKSUM_ALGO, checksum_bytes
 
 __all__ = [
     "DTYPES",

@@ -50,8 +50,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from unbroken._fs import checksum_bytes
 from unbroken.ckpt import codec
+from unbroken.common.fs import checksum_bytes
 
 if TYPE_CHECKING:
     from unbroken.ckpt.manifest import CheckpointManifest

@@ -145,7 +145,7 @@ class TrainState:
         ema: EMA model (e.g. ``torch.optim.swa_utils.AveragedModel``).
         scaler: AMP ``torch.amp.GradScaler``.
         loader: the data loader (``unbroken.data.StatefulLoader`` or any ``Stateful``).
-        metrics: ``unbroken.metrics.MetricLog`` so the log continues without a repeated segment.
+        metrics: ``unbroken.common.metrics.MetricLog`` so the log continues without a repeated segment.
         extras: any further ``Stateful`` objects, by name (component ``extra.<name>``).
             Per-rank by default: each rank saves and restores its own.
         numpy_generators: ``np.random.Generator`` objects to capture with the RNG state.

@@ -31,7 +31,6 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from unbroken._fs import atomic_write_bytes, fsync_dir
 from unbroken.ckpt.lock import LOCK_NAME, note_temp
 from unbroken.ckpt.manifest import (
     FORMAT,
@@ -40,6 +39,7 @@ from unbroken.ckpt.manifest import (
     CheckpointManifest,
     ManifestError,
 )
+from unbroken.common.fs import atomic_write_bytes, fsync_dir
 
 __all__ = [
     "FORMAT",

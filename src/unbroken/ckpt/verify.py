@@ -35,13 +35,13 @@ from typing import Any
 
 import torch
 
-from unbroken._fs import checksum_bytes
 from unbroken.ckpt import codec
 from unbroken.ckpt.dcp_metadata import UnsafeMetadata, check_dcp_metadata
 from unbroken.ckpt.manifest import METADATA, CheckpointManifest, FileEntry, ManifestError
 from unbroken.ckpt.per_rank import split_key
-from unbroken.ckpt.saver import ChecksumError, read_tensors, stats_match, verify_files
 from unbroken.ckpt.store import CorruptCheckpoint, Store
+from unbroken.ckpt.tensor_io import ChecksumError, read_tensors, stats_match, verify_files
+from unbroken.common.fs import checksum_bytes
 
 __all__ = ["Verified", "check_fits", "load_verified", "read_checkpoint"]
 
@@ -180,7 +180,7 @@ def read_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
     """Verify and decode one checkpoint (default: the newest) without a TrainState.
     Returns the state dict as saved: ``counters``, ``components`` and ``rng``; tensors of a
     sharded checkpoint are assembled whole."""
-    from unbroken.ckpt.saver import fill
+    from unbroken.ckpt.tensor_io import fill
 
     store = Store(root)
     steps = store.steps()

@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-# data preparation (pack / index / tokenize / stage) and readers. `pack` and `stage` share
-# their submodule's name, so they are imported from it: `from unbroken.data.pack import pack`.
-from unbroken._lazy import lazy_getattr
+# the formats' readers: light (numpy only)
+from unbroken.common.lazy import lazy_getattr
 from unbroken.data.manifest import DatasetManifest, ManifestError, ShardInfo
-from unbroken.data.shards import ShardError, ShardReader
-from unbroken.data.tokens import TokenShard
+from unbroken.data.tar.reader import ShardError, ShardReader
+from unbroken.data.tokens.shard import TokenShard
 
-# streaming (order, dataset, loader): imported on first use, because they import torch and
-# `unbroken pack` / `unbroken stage` should start without it
+# preparation and streaming: imported on first use (streaming imports torch, and
+# `unbroken data pack` / `unbroken data stage` should start without it)
 _LAZY = {
-    "EpochOrder": "unbroken.data.order",
-    "Source": "unbroken.data.dataset",
-    "StatefulLoader": "unbroken.data.loader",
-    "StreamingDataset": "unbroken.data.dataset",
-    "DevicePrefetcher": "unbroken.data.prefetch",
-    "StepTimer": "unbroken.data.profile",
-    "tokenize": "unbroken.data.tokenizing",
+    "pack": "unbroken.data.prepare.pack",
+    "index_directory": "unbroken.data.prepare.pack",
+    "stage": "unbroken.data.prepare.stage",
+    "EpochOrder": "unbroken.data.stream.order",
+    "Source": "unbroken.data.stream.dataset",
+    "StatefulLoader": "unbroken.data.stream.loader",
+    "StreamingDataset": "unbroken.data.stream.dataset",
+    "DevicePrefetcher": "unbroken.data.feed.prefetch",
+    "StepTimer": "unbroken.data.diagnose.timer",
+    "tokenize": "unbroken.data.tokens.tokenizer",
 }
 
 
@@ -34,6 +36,9 @@ __all__ = [
     "StatefulLoader",
     "StreamingDataset",
     # data preparation
+    "index_directory",
+    "pack",
+    "stage",
     "tokenize",
     "DatasetManifest",
     "ManifestError",

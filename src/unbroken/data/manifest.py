@@ -32,7 +32,7 @@ from typing import Any
 
 import fsspec
 
-from unbroken._fs import atomic_write_bytes, hasher
+from unbroken.common.fs import atomic_write_bytes, hasher
 
 __all__ = [
     "MANIFEST_NAME",

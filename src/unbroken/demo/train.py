@@ -30,13 +30,13 @@ import torch
 import torch.distributed as dist
 
 from unbroken.ckpt import Checkpointer, TrainState
-from unbroken.data.dataset import StreamingDataset
-from unbroken.data.loader import StatefulLoader
+from unbroken.common.metrics import MetricLog
 from unbroken.data.manifest import MANIFEST_NAME
-from unbroken.data.pack import pack
+from unbroken.data.prepare.pack import pack
+from unbroken.data.stream.dataset import StreamingDataset
+from unbroken.data.stream.loader import StatefulLoader
 from unbroken.demo.model import TinyGPT, synthetic_corpus
 from unbroken.elastic import beat
-from unbroken.metrics import MetricLog
 
 __all__ = ["CTX", "collate_tokens", "main", "prepare_data"]
 

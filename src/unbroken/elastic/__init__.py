@@ -14,6 +14,7 @@ Importing this package does not import torch.
 
 from __future__ import annotations
 
+from unbroken.common.events import mark, peer_failed
 from unbroken.elastic.faults import (
     DEFAULT_RULES,
     Action,
@@ -26,7 +27,6 @@ from unbroken.elastic.faults import (
 from unbroken.elastic.heartbeat import beat, install
 from unbroken.elastic.planner import daly_interval, expected_goodput, plan, young_interval
 from unbroken.elastic.preflight import CheckResult, PreflightConfig, run_preflight
-from unbroken.elastic.recovery import mark, peer_failed
 from unbroken.elastic.supervisor import (
     RendezvousConfig,
     RunConfig,

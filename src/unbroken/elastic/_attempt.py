@@ -14,7 +14,7 @@ Layout per attempt: ``RUN_DIR/attempts/<n>/torchrun.log`` (agent console, worker
 with ``[rankN]:`` prefixes), ``RUN_DIR/attempts/<n>/torchelastic/`` (torchrun's
 ``--log-dir``: per-rank ``stdout.log``/``stderr.log`` and ``@record`` ``error.json``),
 ``zygote.log`` (the fork server's own messages) and ``peer_failed`` (see
-:func:`recovery.peer_failed`).
+:func:`events.peer_failed`).
 """
 
 from __future__ import annotations
@@ -32,10 +32,9 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 
-from unbroken._fs import atomic_write_bytes
-from unbroken.elastic import recovery
-from unbroken.elastic._launch import ENV_ZYGOTE
-from unbroken.elastic._procs import (
+from unbroken.common import events
+from unbroken.common.fs import atomic_write_bytes
+from unbroken.common.procs import (
     PidWatch,
     children_of,
     cmdline,
@@ -43,6 +42,7 @@ from unbroken.elastic._procs import (
     is_alive,
     kill_matching,
 )
+from unbroken.elastic._launch import ENV_ZYGOTE
 from unbroken.elastic.faults import WorkerExit
 
 __all__ = [
@@ -61,7 +61,7 @@ ENV_TOKEN = "UNBROKEN_ATTEMPT_TOKEN"
 """Inherited by every process of an attempt; the supervisor kills by it (see _procs)."""
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch.py")
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "unbroken.elastic",
-                   "unbroken.ckpt", "unbroken.data", "unbroken.metrics")
+                   "unbroken.ckpt", "unbroken.data", "unbroken.common.metrics")
 """Modules a standby's fork server imports for the workers (``--preload`` adds more).
 ``torch._dynamo``: the first optimizer a worker builds imports it (213 modules, ~1 s)."""
 
@@ -75,8 +75,8 @@ def worker_command(command: Sequence[str], module: bool, torchrun_args: Sequence
 
 def attempt_env(run_dir: str, number: int, token: str, nproc: int) -> dict[str, str]:
     env = dict(os.environ)
-    env[recovery.ENV_RUN_DIR] = run_dir
-    env[recovery.ENV_ATTEMPT] = str(number)
+    env[events.ENV_RUN_DIR] = run_dir
+    env[events.ENV_ATTEMPT] = str(number)
     env[ENV_TOKEN] = token
     env.setdefault("PYTHONUNBUFFERED", "1")
     # With the agent-shared TCPStore (torch's default) a node that joins a later round
@@ -90,7 +90,7 @@ def attempt_env(run_dir: str, number: int, token: str, nproc: int) -> dict[str, 
         # What torchrun sets for its workers; set before the standby imports torch, whose
         # OpenMP runtime reads it once.
         env.setdefault("OMP_NUM_THREADS", "1")
-    env.pop(recovery.ENV_CATCHUP, None)
+    env.pop(events.ENV_CATCHUP, None)
     env.pop(ENV_ZYGOTE, None)
     return env
 
@@ -100,7 +100,7 @@ class _Agent:
 
     def __init__(self, number: int, run_dir: str, argv: list[str], env: dict[str, str],
                  echo: bool, stdin: int) -> None:
-        self.dir = recovery.attempt_dir(run_dir, number)
+        self.dir = events.attempt_dir(run_dir, number)
         os.makedirs(self.dir, exist_ok=True)
         self._tail: collections.deque[str] = collections.deque(maxlen=600)
         self._echo = echo
@@ -206,16 +206,16 @@ class Attempt:
         self.number = number
         self.gen = gen
         self.run_dir = run_dir
-        self.dir = recovery.attempt_dir(run_dir, number)
+        self.dir = events.attempt_dir(run_dir, number)
         os.makedirs(self.dir, exist_ok=True)
         self.log_dir = os.path.join(self.dir, "torchelastic")
-        self._events = recovery.EventTail(run_dir)
+        self._events = events.EventTail(run_dir)
         self.exits: list[WorkerExit] = []
         self._launchers: dict[int, int | None] = {}  # launcher pid -> its rank
         self._watch = PidWatch()
         self.killed_by_us = False
         targv = ["--log-dir", self.log_dir, *torchrun_argv]
-        extra = {} if catchup_step is None else {recovery.ENV_CATCHUP: str(catchup_step)}
+        extra = {} if catchup_step is None else {events.ENV_CATCHUP: str(catchup_step)}
         self.prewarmed: float | None = None
         """Seconds the standby had been warming up when it took over (None: fresh agent)."""
         self.t_launch = time.time()
@@ -286,7 +286,7 @@ class Attempt:
         exited in time, those killed, and the seconds it took."""
         t0 = time.monotonic()
         with contextlib.suppress(OSError):
-            atomic_write_bytes(os.path.join(self.dir, recovery.PEER_FAILED_FILE),
+            atomic_write_bytes(os.path.join(self.dir, events.PEER_FAILED_FILE),
                                reason.encode() + b"\n", fsync=False)
         ranks = dict(ranks_by_pid)
         ranks.update({p: r for p, r in self._launchers.items() if r is not None})

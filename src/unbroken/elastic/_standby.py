@@ -63,16 +63,15 @@ def _pdeathsig(sig: int) -> None:
 
 
 def _event(name: str, **fields: Any) -> None:
-    from unbroken.elastic import recovery
-
-    run_dir = os.environ.get(recovery.ENV_RUN_DIR)
+    from unbroken.common import events
+    run_dir = os.environ.get(events.ENV_RUN_DIR)
     if not run_dir:
         return
     with contextlib.suppress(OSError, ValueError):
         rec = {"t": time.time(), "event": name, "pid": os.getpid(),
-               "attempt": int(os.environ.get(recovery.ENV_ATTEMPT, "-1"))}
+               "attempt": int(os.environ.get(events.ENV_ATTEMPT, "-1"))}
         rec.update(fields)
-        recovery.append_event(run_dir, rec)
+        events.append_event(run_dir, rec)
 
 
 def _preload(names: list[str], stop: Any = None) -> dict[str, str]:
@@ -110,14 +109,15 @@ def main(argv: list[str]) -> None:
     rng = torch.default_generator.get_state()  # what a fresh interpreter starts with
     from torch.distributed.run import main as torchrun
 
+    from unbroken.common import events
+
     # The fork server starts now, before the go order, and imports the workers' modules
     # itself: the agent needs only torch and torchrun, so a cold restart (no standby ready)
     # rendezvouses while the server is still importing.
-    from unbroken.elastic import recovery
 
-    run_dir = os.environ.get(recovery.ENV_RUN_DIR, "")
-    attempt = int(os.environ.get(recovery.ENV_ATTEMPT, "0"))
-    log = os.path.join(recovery.attempt_dir(run_dir, attempt), "zygote.log") if run_dir else None
+    run_dir = os.environ.get(events.ENV_RUN_DIR, "")
+    attempt = int(os.environ.get(events.ENV_ATTEMPT, "0"))
+    log = os.path.join(events.attempt_dir(run_dir, attempt), "zygote.log") if run_dir else None
     name = f"unbroken-zygote-{os.getpid()}-{os.urandom(6).hex()}"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + name)

@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import IO
 
-from unbroken.elastic import recovery
-from unbroken.elastic._procs import is_alive, proc_state
+from unbroken.common import events
+from unbroken.common.procs import is_alive, proc_state
 
 __all__ = [
     "DUMP_SIGNAL",
@@ -98,7 +98,7 @@ class _Beacon:
     def caught_up(self, step: int) -> None:
         self.target = _NO_TARGET
         if self.local_rank == 0:  # one mark per node: each supervisor measures its own
-            recovery.mark("caught_up", step=step)
+            events.mark("caught_up", step=step)
 
 
 _beacon: _Beacon | None = None
@@ -124,14 +124,14 @@ def install() -> bool:
         return True
     if _disabled:
         return False
-    run_dir = os.environ.get(recovery.ENV_RUN_DIR)
+    run_dir = os.environ.get(events.ENV_RUN_DIR)
     if not run_dir:
         _disabled = True
         return False
-    attempt = int(os.environ.get(recovery.ENV_ATTEMPT, "0"))
+    attempt = int(os.environ.get(events.ENV_ATTEMPT, "0"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    target = os.environ.get(recovery.ENV_CATCHUP)
+    target = os.environ.get(events.ENV_CATCHUP)
     try:
         _beacon = _Beacon(run_dir, attempt, rank, int(target) if target else _NO_TARGET,
                           local_rank)

@@ -28,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken.elastic.recovery import EVENTS_FILE, load_events, phases
+from unbroken.common.events import EVENTS_FILE, load_events
+from unbroken.elastic.recovery import phases
 
 __all__ = [
     "MIN_FAILURES",

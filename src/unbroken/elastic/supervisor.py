@@ -38,11 +38,13 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from unbroken._fs import atomic_write_bytes
+from unbroken.common import events
+from unbroken.common.events import load_events
+from unbroken.common.fs import atomic_write_bytes
+from unbroken.common.procs import is_alive
 from unbroken.elastic import faults, heartbeat, recovery
 from unbroken.elastic._attempt import DEFAULT_PRELOAD, Attempt, Standby, worker_command
 from unbroken.elastic._coord import Coordinator
-from unbroken.elastic._procs import is_alive
 from unbroken.elastic.faults import Action, Classification, Evidence, FaultClass, RestartPolicy
 from unbroken.elastic.preflight import CheckResult, PreflightConfig, wait_until_healthy
 
@@ -190,7 +192,7 @@ class Supervisor:
         rec: dict[str, Any] = {"t": time.time(), "event": name, "pid": os.getpid(),
                                "node": self.node}
         rec.update(fields)
-        recovery.append_event(self.run_dir, rec)
+        events.append_event(self.run_dir, rec)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         if self._signal is not None and self._attempt is not None:
@@ -200,7 +202,7 @@ class Supervisor:
     def _progress(self) -> int | None:
         """The checkpointed step as the job reported it (``saved``/``loaded``), else the
         highest step any attempt reached."""
-        steps = [int(e["step"]) for e in recovery.load_events(self.run_dir)
+        steps = [int(e["step"]) for e in load_events(self.run_dir)
                  if e["event"] in ("saved", "loaded") and e.get("step") is not None]
         if steps:
             return max(steps)
@@ -490,7 +492,7 @@ class Supervisor:
         old = {}
         if threading.current_thread() is threading.main_thread():
             old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        first = 1 + max((int(e["attempt"]) for e in recovery.load_events(self.run_dir)
+        first = 1 + max((int(e["attempt"]) for e in load_events(self.run_dir)
                          if e["event"] == "launch"), default=-1)
         code = faults.EXIT_ERROR
         try:
@@ -559,7 +561,7 @@ class Supervisor:
             number += 1
 
     def _finish(self) -> None:
-        events = recovery.load_events(self.run_dir)
+        events = load_events(self.run_dir)
         summary = recovery.summarize(events)
         lines = b"".join(json.dumps(r.to_json()).encode() + b"\n" for r in summary.recoveries)
         atomic_write_bytes(os.path.join(self.run_dir, "recovery.jsonl"), lines)

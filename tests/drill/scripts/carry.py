@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from unbroken.ckpt import Checkpointer, TrainState
+from unbroken.common.metrics import MetricLog
 from unbroken.data import StatefulLoader, StreamingDataset
 from unbroken.demo.train import CTX, prepare_data
 from unbroken.elastic import beat
-from unbroken.metrics import MetricLog
 
 BATCH, WIDTH = 8, 32
 

@@ -19,16 +19,17 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from unbroken.elastic import heartbeat, recovery
-from unbroken.elastic._coord import free_port  # noqa: F401 - used as h.free_port
-from unbroken.elastic._procs import (
+from unbroken.common import events
+from unbroken.common.metrics import read_metrics
+from unbroken.common.procs import (
     environ_of,
     kill_matching,
     parent_of,
     pids_with_env,
     proc_state,
 )
-from unbroken.metrics import read_metrics
+from unbroken.elastic import heartbeat
+from unbroken.elastic._coord import free_port  # noqa: F401 - used as h.free_port
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_train.py")
 
@@ -106,7 +107,7 @@ class Job:
             return f.read().decode("utf-8", "replace")
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
-        ev = recovery.load_events(self.run_dir)
+        ev = events.load_events(self.run_dir)
         return ev if name is None else [e for e in ev if e["event"] == name]
 
     def beats(self, attempt: int) -> list[heartbeat.BeatRecord]:
@@ -119,7 +120,7 @@ class Job:
     def kill_all(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        kill_matching(recovery.ENV_RUN_DIR, self.run_dir, timeout=10.0)
+        kill_matching(events.ENV_RUN_DIR, self.run_dir, timeout=10.0)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
         self._out.close()
@@ -170,10 +171,10 @@ def live_beats(job: Job, attempt: int, min_step: int, ranks: int) -> list[heartb
 def pids_of(job: Job, attempt: int | None = None) -> list[int]:
     """Live processes (agents, standbys, workers) started under this job's run directory
     (of one attempt only, if given)."""
-    pids = pids_with_env(recovery.ENV_RUN_DIR, job.run_dir)
+    pids = pids_with_env(events.ENV_RUN_DIR, job.run_dir)
     if attempt is None:
         return pids
-    return [p for p in pids if environ_of(p).get(recovery.ENV_ATTEMPT) == str(attempt)]
+    return [p for p in pids if environ_of(p).get(events.ENV_ATTEMPT) == str(attempt)]
 
 
 def zombies_below(root: int) -> list[int]:

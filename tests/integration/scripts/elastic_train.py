@@ -41,9 +41,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-from unbroken._fs import atomic_write_bytes  # noqa: E402
+from unbroken.common.fs import atomic_write_bytes  # noqa: E402
+from unbroken.common.metrics import MetricLog  # noqa: E402
 from unbroken.elastic import beat, install, mark, peer_failed  # noqa: E402
-from unbroken.metrics import MetricLog  # noqa: E402
 
 T_IMPORTED = time.time()
 

@@ -1,0 +1,1 @@
+"""Remote archive of committed checkpoints (fsspec): upload in the background, download verified."""

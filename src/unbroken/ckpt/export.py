@@ -1,0 +1,389 @@
+"""What ``unbroken ckpt ls|inspect|verify|export`` print and write (the CLI only calls these).
+
+* :func:`format_listing`: one row per step with size, age and where it lives (local,
+  remote, both), plus quarantined, uncommitted and in-progress directories.
+* :func:`format_manifest`: a manifest in human form.
+* :func:`verify_steps` / :func:`verify_report`: restore()'s own verification of each step
+  directory (never modifies anything), so its verdict always agrees with restore().
+* :func:`export_safetensors`: consolidated weights of one component for inference users,
+  keys as the model's own ``state_dict`` names (``0.weight``).
+
+Every command reads the manifest through the one validated
+:class:`~unbroken.ckpt.manifest.CheckpointManifest`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+
+from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
+from unbroken.ckpt.per_rank import split_key
+from unbroken.ckpt.store import CorruptCheckpoint, Store
+from unbroken.common.fs import fsync_dir, temp_sibling
+
+__all__ = [
+    "StepVerdict",
+    "export_safetensors",
+    "format_listing",
+    "format_manifest",
+    "verify_report",
+    "verify_steps",
+]
+
+_COMPONENTS = "components/"
+_CORRUPT_RE = re.compile(r"^corrupt-step-(\d+)-(.+)$")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _age(t: float | None, now: float) -> str:
+    if t is None:
+        return "?"
+    s = max(0.0, now - t)
+    for unit, sec in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= sec:
+            return f"{s / sec:.0f}{unit} ago"
+    return f"{s:.0f}s ago"
+
+
+def _table(rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in rows
+    ]
+
+
+def _is_remote(url: str) -> bool:
+    return "://" in url and not url.startswith("file://")
+
+
+def _manifest(store: Store, step: int) -> CheckpointManifest:
+    try:
+        return store.read_manifest(step)
+    except CorruptCheckpoint as e:
+        raise ValueError(f"cannot read the manifest of step {step} in {store.root!r}: {e}") from e
+
+
+def _pick_step(store: Store, step: int | None) -> int:
+    if not os.path.isdir(store.root):
+        raise FileNotFoundError(f"checkpoint directory {store.root!r} does not exist")
+    steps = store.steps()
+    if not steps:
+        raise ValueError(
+            f"{store.root!r} holds no committed checkpoint (no step-N/{MANIFEST}); "
+            "is this a checkpoint root?"
+        )
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise ValueError(
+            f"no committed checkpoint for step {step} in {store.root!r}; committed steps: {steps}"
+        )
+    return step
+
+
+# --- ls ------------------------------------------------------------------------------------
+
+
+def format_listing(directory: str, *, archive: str | None = None) -> str:
+    """Table of committed steps: step, size, age, status (local / remote / local+remote).
+
+    ``directory`` may itself be a remote URL (then only the archive is listed).
+    """
+    from unbroken.ckpt.archive.remote import Archive
+
+    now = time.time()
+    local: dict[int, tuple[int, float]] = {}
+    notes: list[str] = []
+    if _is_remote(directory):
+        archive, store = archive or directory, None
+    else:
+        store = Store(directory)
+        if not os.path.isdir(store.root):
+            raise FileNotFoundError(f"checkpoint directory {store.root!r} does not exist")
+        for s in store.steps():
+            info = store.info(s)
+            local[s] = (info.size, info.mtime)
+        for name in sorted(os.listdir(store.root)):
+            m = _CORRUPT_RE.match(name)
+            if m:
+                notes.append(f"{name}: quarantined step {int(m.group(1))} ({m.group(2)})")
+        notes += [
+            f"{n}: DAMAGED, no {MANIFEST} (restore() moves it aside; see `ckpt verify`)"
+            for n in store.uncommitted()
+        ]
+        notes += [f"{n}: save in progress, or debris of a killed one" for n in store.temp_dirs()]
+    remote: dict[int, tuple[int, float | None]] = {}
+    if archive is not None:
+        arch = Archive(archive)
+        for s in arch.steps():
+            try:
+                rinfo = arch.info(s)
+            except RuntimeError as e:
+                notes.append(f"remote step {s}: unreadable manifest ({e})")
+                continue
+            remote[s] = (rinfo.size, rinfo.created)
+    rows = [["STEP", "SIZE", "AGE", "STATUS"]]
+    for s in sorted(set(local) | set(remote)):
+        size, when = local[s] if s in local else remote[s]
+        where = "+".join(w for w, d in (("local", local), ("remote", remote)) if s in d)
+        rows.append([str(s), _size(size), _age(when, now), where])
+    where = store.root if store is not None else ""
+    if archive is not None:
+        where = f"{where} (archive {archive})" if where else f"archive {archive}"
+    out = [f"checkpoints in {where}"]
+    out += _table(rows, {0, 1}) if len(rows) > 1 else ["(no committed checkpoint)"]
+    if store is not None:
+        summary = f"{len(local)} local"
+        if archive is not None:
+            summary += f", {len(remote)} remote"
+        out.append(summary)
+    out += notes
+    return "\n".join(out)
+
+
+# --- inspect -------------------------------------------------------------------------------
+
+
+def _component(key: str) -> str:
+    key = split_key(key)[1]  # a rank's own copy (rank1/components/...) counts as its component
+    rest = key.removeprefix(_COMPONENTS)
+    return rest.split("/", 1)[0] if rest != key else key.split("/", 1)[0]
+
+
+def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -> str:
+    """The manifest of ``step`` (default: newest) in human form."""
+    store = Store(directory)
+    step = _pick_step(store, step)
+    m = _manifest(store, step)
+    when = (
+        datetime.datetime.fromtimestamp(m.created).isoformat(sep=" ", timespec="seconds")
+        + f" ({_age(m.created, time.time())})"
+        if m.created is not None
+        else "?"
+    )
+    out = [
+        f"checkpoint {store.step_dir(step)}",
+        f"  step            {m.step}",
+        f"  created         {when}",
+        f"  format          unbroken-checkpoint v{m.version}, checksums xxh3_128",
+        f"  versions        unbroken {m.unbroken_version}, torch {m.torch_version}",
+        f"  world size      {m.world_size}",
+    ]
+    for name, secs in (("save seconds", m.save_seconds), ("blocked seconds", m.blocked_seconds)):
+        if secs is not None:
+            out.append(f"  {name:<15} {secs} s")
+    out.append("  counters        " + (", ".join(f"{k}={v}" for k, v in m.counters.items()) or "-"))
+    data = m.data_state
+    text = json.dumps(data, sort_keys=True) if data is not None else "- (no JSON-able loader state)"
+    out.append("  data state      " + (text if len(text) <= 200 else text[:197] + "..."))
+    out.append(f"  files           {len(m.files)} + {MANIFEST}, {_size(m.total_bytes)}")
+    rows = [["", "FILE", "SIZE", "CHECKSUM"]]
+    rows += [["  ", n, _size(f.size), f.checksum] for n, f in sorted(m.files.items())]
+    out += _table(rows, {2})
+    by_comp: dict[str, list[int]] = {}
+    for k, t in m.tensors.items():
+        c = by_comp.setdefault(_component(k), [0, 0])
+        c[0] += 1
+        c[1] += t.nbytes
+    total = sum(b for _, b in by_comp.values())
+    out.append(f"  tensors         {len(m.tensors)}, {_size(total)}")
+    comps = m.extra.get("components")
+    differ = sorted(
+        n for n, c in (comps if isinstance(comps, dict) else {}).items()
+        if isinstance(c, dict) and c.get("differs")
+    )  # fmt: skip
+    if differ:
+        out.append(f"  saved per rank  {', '.join(differ)} (differed between the ranks)")
+    rows = [["", "COMPONENT", "TENSORS", "BYTES"]]
+    rows += [["  ", c, str(n), _size(b)] for c, (n, b) in sorted(by_comp.items())]
+    out += _table(rows, {2, 3})
+    biggest = sorted(m.tensors.items(), key=lambda kv: -kv[1].nbytes)[:top]
+    if biggest:
+        out.append(f"  largest tensors (top {len(biggest)})")
+        rows = [["", "KEY", "SHAPE", "DTYPE", "BYTES"]]
+        rows += [
+            ["  ", k, "x".join(map(str, t.shape)) or "()", t.dtype, _size(t.nbytes)]
+            for k, t in biggest
+        ]
+        out += _table(rows, {4})
+    return "\n".join(out)
+
+
+# --- verify --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepVerdict:
+    """What restore()'s verification says about one step directory."""
+
+    step: int
+    ok: bool
+    reason: str
+    """quarantine slug (``checksum``, ``no-manifest`` ...); empty when ok."""
+    detail: str
+    size: int
+    seconds: float
+
+
+def _dir_size(path: str) -> int:
+    try:
+        return sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(path))
+    except OSError:
+        return 0
+
+
+def verify_steps(directory: str, step: int | None = None) -> list[StepVerdict]:
+    """Run restore()'s verification and decoding (``load_verified``, without a model) on
+    ``step`` or on every ``step-N`` directory, committed or not (a directory without a
+    manifest is damage to restore() too), with every rank's state file checked as the ranks
+    of a same-size restore check them between them. Read-only: nothing is quarantined."""
+    from unbroken.ckpt.verify import load_verified
+
+    store = Store(directory)
+    if not os.path.isdir(store.root):
+        raise FileNotFoundError(f"checkpoint directory {store.root!r} does not exist")
+    steps = store.candidates()
+    if step is not None:
+        if step not in steps:
+            raise ValueError(
+                f"no checkpoint directory for step {step} in {store.root!r}; steps: {steps}"
+            )
+        steps = [step]
+    out = []
+    for s in steps:
+        t0 = time.perf_counter()
+        try:
+            v = load_verified(store, s, every_rank=True)
+            del v  # drop the read-only mappings at once
+            reason = detail = ""
+        except CorruptCheckpoint as e:
+            reason, detail = e.reason, e.detail
+        out.append(
+            StepVerdict(
+                s, not reason, reason, detail, _dir_size(store.step_dir(s)), time.perf_counter() - t0
+            )
+        )
+    return out
+
+
+def verify_report(directory: str, step: int | None = None) -> tuple[bool, str]:
+    """:func:`verify_steps` as a table. Returns ``(all ok, text)``."""
+    verdicts = verify_steps(directory, step)
+    root = Store(directory).root
+    if not verdicts:
+        return False, f"{root}: no committed checkpoint to verify (no step-N directory)"
+    rows = [["STEP", "RESULT", "SIZE", "TIME", "DETAIL"]]
+    rows += [
+        [
+            str(v.step),
+            "ok" if v.ok else f"DAMAGED ({v.reason})",
+            _size(v.size),
+            f"{v.seconds:.2f} s",
+            v.detail,
+        ]
+        for v in verdicts
+    ]
+    bad = sum(not v.ok for v in verdicts)
+    out = [f"verifying {root}"] + _table(rows, {0, 2, 3})
+    out.append(
+        f"{len(verdicts)} checkpoint(s) verified, all intact"
+        if not bad
+        else f"{bad} of {len(verdicts)} checkpoint(s) DAMAGED; Checkpointer.restore() would "
+        "move them aside (or skip them) and use the newest intact one"
+    )
+    return not bad, "\n".join(out)
+
+
+# --- export --------------------------------------------------------------------------------
+
+
+def _export_name(rest: str) -> str:
+    """``a/b%2Fc`` (the codec's nested path) -> ``a.b/c``; flat state_dict keys pass as is."""
+    return ".".join(p.replace("%2F", "/") for p in rest.split("/"))
+
+
+def export_safetensors(
+    directory: str, out: str, *, step: int | None = None, component: str = "model"
+) -> str:
+    """Write ``component``'s tensors of a verified checkpoint to ``out`` (safetensors),
+    consolidated from any number of shards, keyed by the component's own state-dict names.
+
+    An EMA saved as ``torch.optim.swa_utils.AveragedModel`` is exported as the averaged
+    model's weights (``module.`` stripped, ``n_averaged`` dropped) so it loads into the base
+    model. Returns a one-line summary.
+    """
+    try:
+        from safetensors.torch import save_file
+    except ImportError as e:
+        raise RuntimeError("exporting needs safetensors: pip install 'unbroken[export]'") from e
+    from unbroken.ckpt.tensor_io import fill
+    from unbroken.ckpt.verify import load_verified
+
+    store = Store(directory)
+    step = _pick_step(store, step)
+    try:
+        v = load_verified(store, step)
+    except CorruptCheckpoint as e:
+        raise RuntimeError(
+            f"checkpoint step {step} in {store.root!r} failed verification ({e}); export "
+            "another step with --step (see `unbroken ckpt verify`)"
+        ) from e
+    meta = v.manifest.tensors
+    prefix = f"{_COMPONENTS}{component}/"
+    # a tensor that differed between ranks is saved per rank: export rank 0's copy
+    saved = {split_key(k)[1]: k for k in sorted(meta) if split_key(k)[0] in (None, 0)}
+    keys = sorted(k for k in saved if k.startswith(prefix))
+    if not keys:
+        have = sorted({_component(k) for k in saved if k.startswith(_COMPONENTS)})
+        raise ValueError(
+            f"checkpoint step {step} has no tensors for component {component!r}; "
+            f"components with tensors: {have}. Pass --component with one of them"
+        )
+    whole = {k: torch.empty(meta[saved[k]].shape, dtype=meta[saved[k]].torch_dtype) for k in keys}
+    # any number of shards; rank 0's copy of what was saved per rank
+    fill(store.step_dir(step), v.manifest, {saved[k]: t for k, t in whole.items()}, views=v.tensors)
+    tensors = {_export_name(k[len(prefix) :]): t for k, t in whole.items()}
+    del v
+    rest = [k for k in tensors if k != "n_averaged"]
+    if "n_averaged" in tensors and rest and all(k.startswith("module.") for k in rest):
+        tensors = {k.removeprefix("module."): tensors[k] for k in rest}
+    out = os.path.abspath(out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = temp_sibling(out)
+    try:
+        save_file(
+            tensors,
+            tmp,
+            metadata={"format": "pt", "unbroken_step": str(step), "component": component},
+        )
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    fsync_dir(os.path.dirname(out))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    return (
+        f"exported {len(tensors)} tensors ({_size(total)}) of component {component!r} "
+        f"from step {step} to {out}"
+    )

@@ -1,0 +1,1 @@
+"""Neutral layer both lifelines use: files, events, run comparison, metrics log, processes."""

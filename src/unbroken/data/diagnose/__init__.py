@@ -1,0 +1,1 @@
+"""Which stage makes the GPU wait: the step timer, stage benchmark, bottleneck report, plots, shuffle quality."""

@@ -1,0 +1,1 @@
+"""Host to device: pinned memory and asynchronous copies ahead of the step."""

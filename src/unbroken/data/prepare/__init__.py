@@ -1,0 +1,1 @@
+"""Getting data ready before a job: pack files into shards, stage shards onto local disk."""

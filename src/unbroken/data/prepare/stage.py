@@ -1,0 +1,313 @@
+"""`unbroken stage URL LOCAL_DIR`: copy a dataset to local disk before training, verified.
+
+Reads ``dataset.json`` at any fsspec URL (``s3://``, ``gs://``, ``file://``, a mounted path),
+then copies every shard and index file in parallel threads. Each file is written to a
+temporary sibling, its xxh3-128 checksum (computed while streaming from a remote store; read
+back from the page cache after an in-kernel copy for a local source) is compared with the
+manifest, and only then is it renamed into place; a mismatch is re-fetched, then reported. Files
+already present and valid are skipped, so staging again is cheap and an interrupted staging
+resumes. ``dataset.json`` is written after all files and the completion marker
+``.unbroken-staged`` (holding the dataset fingerprint) last.
+
+Data files are not fsync'ed by default: a staged copy is a cache of the source; after a power
+loss the next ``stage`` re-verifies every checksum and re-fetches what is damaged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from unbroken.common.fs import (
+    HashingWriter,
+    atomic_write_bytes,
+    checksum_file,
+    is_temp_name,
+    temp_sibling,
+)
+from unbroken.data.manifest import DatasetManifest, join_path
+
+__all__ = ["MARKER_NAME", "StageResult", "stage"]
+
+log = logging.getLogger(__name__)
+
+MARKER_NAME = ".unbroken-staged"
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """Summary of one staging phase, for the job's own phase accounting."""
+
+    url: str
+    local_dir: str
+    seconds: float
+    bytes_total: int
+    bytes_copied: int
+    files_copied: int
+    files_skipped: int
+    files_refetched: int
+    waited: bool = False
+    """True when this process (LOCAL_RANK != 0 with ranks_local) only waited for rank 0."""
+
+    @property
+    def gb_per_s(self) -> float:
+        """Throughput of the bytes actually copied (GB = 1e9 bytes)."""
+        return self.bytes_copied / 1e9 / max(self.seconds, 1e-9)
+
+    def __str__(self) -> str:
+        if self.waited:
+            return f"staged by local rank 0 into {self.local_dir} (waited {self.seconds:.2f}s)"
+        return (
+            f"staged {self.url} -> {self.local_dir}: {self.files_copied} files copied "
+            f"({self.bytes_copied / 1e9:.3f} GB, {self.files_refetched} re-fetched), "
+            f"{self.files_skipped} already valid, in {self.seconds:.2f}s "
+            f"({self.gb_per_s:.2f} GB/s)"
+        )
+
+
+@dataclass(frozen=True)
+class _File:
+    name: str
+    size: int
+    checksum: str
+
+
+class _ChecksumMismatch(Exception):
+    pass
+
+
+def _valid_local(path: str, f: _File) -> bool:
+    try:
+        if os.path.getsize(path) != f.size:
+            return False
+        return checksum_file(path)[1] == f.checksum
+    except OSError:
+        return False
+
+
+def _is_local(fs: Any) -> bool:
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
+
+
+def _copy_local(
+    src: str, tmp: str, fsync: bool, on_bytes: Callable[[int], None]
+) -> tuple[int, str]:
+    """In-kernel copy (what `cp` does), then checksum the copy from the page cache.
+
+    Routing the bytes through Python (read + hash + write) costs two user-space copies;
+    copy_file_range costs none, and hashing the written file afterwards reads it once from
+    memory, so the checksum still covers exactly the bytes that landed on local disk.
+    """
+    copy_range = getattr(os, "copy_file_range", None)
+    with open(src, "rb") as r, open(tmp, "wb") as w:
+        size = os.fstat(r.fileno()).st_size
+        done = 0
+        try:
+            while copy_range is not None and done < size:
+                n = copy_range(r.fileno(), w.fileno(), size - done)
+                if n == 0:
+                    break  # the source shrank: the size check below reports it
+                done += n
+                on_bytes(n)
+        except OSError as e:
+            if done or e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+            copy_range = None  # e.g. an old kernel across filesystems
+        if copy_range is None:
+            w.close()
+            return _copy_stream(open(src, "rb", buffering=0), tmp, fsync, on_bytes)
+        if fsync:
+            os.fsync(w.fileno())
+    return checksum_file(tmp)
+
+
+def _copy_stream(r: Any, tmp: str, fsync: bool, on_bytes: Callable[[int], None]) -> tuple[int, str]:
+    """Copy an open binary stream into ``tmp``, hashing while writing."""
+    with r, HashingWriter(tmp, fsync=fsync) as w:
+        while True:
+            data = r.read(_CHUNK)
+            if not data:
+                break
+            w.write(data)
+            on_bytes(len(data))
+    return w.size, w.digest
+
+
+def _copy_one(
+    fs: Any, src: str, dst: str, f: _File, fsync: bool, on_bytes: Callable[[int], None]
+) -> None:
+    """Copy src -> temp sibling of dst; checksum it; rename only if it verifies."""
+    tmp = temp_sibling(dst)
+    try:
+        if _is_local(fs):
+            size, digest = _copy_local(fs._strip_protocol(src), tmp, fsync, on_bytes)
+        else:
+            size, digest = _copy_stream(fs.open(src, "rb", block_size=_CHUNK), tmp, fsync, on_bytes)
+        if size != f.size or digest != f.checksum:
+            raise _ChecksumMismatch(
+                f"{src}: got {size} bytes with checksum {digest}, manifest says "
+                f"{f.size} bytes with {f.checksum}"
+            )
+        os.replace(tmp, dst)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise RuntimeError(
+                f"{dst}: disk full while staging ({os.strerror(errno.ENOSPC)}); free space on "
+                f"{os.path.dirname(os.path.abspath(dst))} or stage elsewhere, then re-run"
+            ) from e
+        raise
+
+
+def _wait_for_rank0(local_dir: str, fingerprint: str, timeout: float, url: str) -> float:
+    marker = os.path.join(local_dir, MARKER_NAME)
+    t0 = time.monotonic()
+    while True:
+        with contextlib.suppress(OSError):
+            with open(marker) as fh:
+                if fh.read().strip() == fingerprint:
+                    return time.monotonic() - t0
+        if time.monotonic() - t0 > timeout:
+            raise RuntimeError(
+                f"{marker}: local rank 0 did not finish staging {url} within {timeout:.0f}s; "
+                "check rank 0's log (or raise --wait-timeout)"
+            )
+        time.sleep(0.1)
+
+
+def stage(
+    url: str,
+    local_dir: str,
+    *,
+    workers: int = 8,
+    fsync: bool = False,
+    ranks_local: bool = False,
+    wait_timeout: float = 3600.0,
+    retries: int = 1,
+    progress: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> StageResult:
+    """Copy the dataset at ``url`` into ``local_dir``; returns a :class:`StageResult`.
+
+    ``workers`` parallel transfers (at most the CPU count for a local source); ``retries``
+    re-fetches of a file whose checksum does not match before the error is raised;
+    ``ranks_local``: only ``LOCAL_RANK`` 0 copies, the other local ranks wait (up to
+    ``wait_timeout`` seconds) for its completion marker.
+    """
+    if workers < 1:
+        raise ValueError(f"workers={workers} must be >= 1")
+    t0 = time.perf_counter()
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    manifest = DatasetManifest.load(url, storage_options)
+    os.makedirs(local_dir, exist_ok=True)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    if ranks_local and local_rank != 0:
+        waited = _wait_for_rank0(local_dir, manifest.fingerprint, wait_timeout, url)
+        return StageResult(url, local_dir, waited, manifest.total_bytes, 0, 0, 0, 0, True)
+    marker = os.path.join(local_dir, MARKER_NAME)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(marker)
+    for name in os.listdir(local_dir):  # temporaries of an interrupted staging
+        if is_temp_name(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(local_dir, name))
+
+    files = [_File(s.name, s.bytes, s.checksum) for s in manifest.shards]
+    files += [_File(s.index, s.index_bytes, s.index_checksum) for s in manifest.shards]
+    need = 0
+    for f in files:
+        p = os.path.join(local_dir, f.name)
+        have = os.path.getsize(p) if os.path.exists(p) else -1
+        if have != f.size:
+            need += f.size
+    free = shutil.disk_usage(local_dir).free
+    if need > free:
+        raise RuntimeError(
+            f"{local_dir}: staging {url} needs {need:,} bytes but only {free:,} are free; "
+            "free space there or stage to another directory"
+        )
+
+    lock = threading.Lock()
+    stats = {"copied": 0, "skipped": 0, "refetched": 0, "bytes": 0}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=need, unit="B", unit_scale=True, unit_divisor=1000, desc="stage")
+
+    def on_bytes(n: int) -> None:
+        if bar is not None:
+            with lock:
+                bar.update(n)
+
+    def one(f: _File) -> None:
+        dst = os.path.join(local_dir, f.name)
+        if _valid_local(dst, f):
+            with lock:
+                stats["skipped"] += 1
+            return
+        src = root.rstrip("/") + "/" + f.name
+        for attempt in range(retries + 1):
+            try:
+                _copy_one(fs, src, dst, f, fsync, on_bytes)
+                break
+            except _ChecksumMismatch as e:
+                if attempt == retries:
+                    raise RuntimeError(
+                        f"{join_path(url, f.name)}: checksum mismatch after {retries + 1} "
+                        f"fetches ({e}); the source copy is damaged - re-pack or re-upload "
+                        "it, or re-create the manifest"
+                    ) from None
+                log.warning("%s: checksum mismatch, re-fetching (%s)", src, e)
+                with lock:
+                    stats["refetched"] += 1
+        with lock:
+            stats["copied"] += 1
+            stats["bytes"] += f.size
+
+    try:
+        # Largest first so one big shard does not start last and run alone.
+        order = sorted(files, key=lambda f: -f.size)
+        if _is_local(fs):
+            # A local copy is CPU/memory bound (in-kernel copy + checksum): threads beyond
+            # the core count only contend (measured: 8 threads cost ~1.5x the CPU of 2).
+            workers = min(workers, os.cpu_count() or 1)
+        if workers == 1:
+            for f in order:
+                one(f)
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="unbroken-stage") as ex:
+                for fut in [ex.submit(one, f) for f in order]:
+                    fut.result()
+    finally:
+        if bar is not None:
+            bar.close()
+    manifest.save(local_dir)
+    atomic_write_bytes(marker, manifest.fingerprint.encode(), fsync=fsync)
+    res = StageResult(
+        url,
+        local_dir,
+        time.perf_counter() - t0,
+        manifest.total_bytes,
+        stats["bytes"],
+        stats["copied"],
+        stats["skipped"],
+        stats["refetched"],
+    )
+    log.info("%s", res)
+    return res

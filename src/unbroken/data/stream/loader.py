@@ -1,0 +1,506 @@
+"""`StatefulLoader`: torch's DataLoader over a StreamingDataset, with an O(1) resume state.
+
+State dict (the ``Stateful`` protocol; plain JSON types, the same on every rank)::
+
+    {"version": 1,
+     "fingerprint": "<dataset fingerprint>",   # D-FINGERPRINT
+     "seed": 0,
+     "epoch": 3,
+     "samples_consumed": 81920,                # global positions of `epoch` already consumed
+     "shuffle_window": [4000],                 # per source; 0 = no shuffle
+     "sources": [{"fingerprint": "...", "weight": 0.7}, ...]}   # mixtures only
+
+``samples_consumed`` counts *global* positions of the epoch order and is advanced in whole
+global steps: after a rank has been handed ``k`` batches of the current run, it is
+``start + k * world_size * batch_size`` (capped at the epoch length), because at an
+optimizer-step boundary every rank has taken the same ``k`` batches. It reflects batches
+*delivered* to the caller, never those prefetched by workers. Once the last batch of an epoch
+is delivered, the state reads ``{epoch + 1, samples_consumed: 0}``.
+
+Resuming (``load_state_dict``) only stores those numbers: the next iteration starts at
+global position ``samples_consumed`` with the *new* world size, batch size and worker count,
+so the union of all ranks' batches after resume is exactly the rest of the uninterrupted
+global sequence (no sample missing, none repeated), and no skipped sample is read.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
+
+from unbroken.data.feed.prefetch import map_tensors
+from unbroken.data.stream.dataset import StreamingDataset
+from unbroken.data.stream.order import LAST_BATCH_POLICIES, mix_seed
+from unbroken.data.stream.transport import RingReceiver, RingSender, transport_available, worker_fds
+
+__all__ = ["StatefulLoader"]
+
+log = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+_ON_CHANGE = ("error", "restart_epoch")
+
+
+def _passthrough(batch: Any) -> Any:
+    # Batches are collated in the workers; the DataLoader must not touch them again.
+    return batch
+
+
+def _stack_rows(batch: list[np.ndarray]) -> np.ndarray:
+    return np.stack(batch)
+
+
+class _RunStream(IterableDataset):
+    """One run (epoch, start .. epoch end) of a dataset, as whole batches per worker."""
+
+    def __init__(
+        self,
+        dataset: StreamingDataset,
+        epoch: int,
+        start: int,
+        batch_size: int,
+        last_batch: str,
+        collate_fn: Callable[[list[Any]], Any],
+        ring: bool = False,
+        ring_fds: list[tuple[int, int, int]] | None = None,
+        first: int = 0,
+    ) -> None:
+        super().__init__()
+        self.dataset = dataset
+        self.epoch = epoch
+        self.start = start
+        self.batch_size = batch_size
+        self.last_batch = last_batch
+        self.collate_fn = collate_fn
+        self.ring = ring  # False: batches take torch's stock pipe
+        self.ring_fds = ring_fds or []  # one memfd per worker, inherited by forked workers
+        self.first = first  # batches of the run made by the loader itself
+        self._sender: RingSender | None = None  # per worker process, made there
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        collate = self.collate_fn
+        if info is not None and self.ring:
+            # A persistent worker keeps its ring (and its mapped pages) from epoch to epoch.
+            if self._sender is None:
+                spec = self.ring_fds[wid] if wid < len(self.ring_fds) else None
+                self._sender = RingSender(worker_id=wid, fd_spec=spec)
+            collate = functools.partial(self._sender.collate, collate_fn=self.collate_fn)
+        yield from self.dataset.iter_batches(
+            self.epoch,
+            self.start,
+            self.batch_size,
+            last_batch=self.last_batch,
+            collate_fn=collate,
+            worker_id=wid,
+            num_workers=nw,
+            first=self.first,
+        )
+        # A persistent worker keeps this object: the next pass after a complete one is the
+        # next epoch from its start (the loader rebuilds the workers for any other start).
+        self.epoch += 1
+        self.start = 0
+        self.first = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        # spawn/forkserver workers build their own ring
+        return {**self.__dict__, "_sender": None}
+
+
+class StatefulLoader:
+    """A ``torch.utils.data.DataLoader`` whose batches and state are layout-independent.
+
+    The batches a rank receives depend only on (dataset, seed, epoch, resume position,
+    batch size, world size) - not on ``num_workers``, ``prefetch_factor`` or
+    ``persistent_workers``. See the module docstring for the state dict.
+
+    With workers, the first batch of each run (an epoch, or the rest of one after a resume)
+    is made in this process before the workers start - the same batch a worker would make -
+    so forking the workers overlaps the step that uses it (first batch of a resume: tens of
+    ms sooner); not with a ``worker_init_fn`` (the transform may depend on it), nor when
+    persistent workers already run that epoch.
+
+    Args:
+        dataset: the :class:`StreamingDataset` (it fixes the order, rank and world size).
+        batch_size: samples per batch on this rank (global batch = ``batch_size*world_size``).
+        collate_fn: builds a batch from a list of samples, in the worker
+            (default ``torch.utils.data.default_collate``).
+        last_batch: the epoch's last global step when the rest is not a full global batch:
+            ``"pad"`` (default; repeat the epoch's first samples so every rank gets equal, full
+            batches), ``"drop"`` (skip the rest), ``"short"`` (a shorter last batch; ranks may
+            then differ by one batch). ``drop_last=True`` is accepted as ``"drop"``.
+        on_dataset_change: ``"error"`` (default) refuses a state saved on another dataset
+            fingerprint; ``"restart_epoch"`` restarts the saved epoch from its first sample.
+        shm_transport: with workers, batches cross to this process through a ring of
+            reusable shared-memory slots per worker instead of torch's pipe: tensors are
+            collated straight into a slot and arrive without a copy - pinned, when
+            ``pin_memory=True`` on CUDA (the slot is registered once; torch's pin-memory
+            thread and its copy are not used); small tensor-free batches keep the pipe,
+            which is faster for them (see :mod:`unbroken.data.stream.transport`). The batches are
+            the same values, types and shapes either way. Default True; ``False`` is for
+            comparisons and for a platform where the ring misbehaves.
+        num_workers, prefetch_factor, pin_memory, persistent_workers, timeout, worker_init_fn,
+        multiprocessing_context, generator, pin_memory_device: as ``DataLoader``.
+    """
+
+    def __init__(
+        self,
+        dataset: StreamingDataset,
+        batch_size: int = 1,
+        *,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        last_batch: str | None = None,
+        drop_last: bool = False,
+        on_dataset_change: str = "error",
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        persistent_workers: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        pin_memory_device: str = "",
+        shm_transport: bool = True,
+    ) -> None:
+        if not isinstance(dataset, StreamingDataset):
+            raise TypeError(
+                f"StatefulLoader needs a StreamingDataset, got {type(dataset).__name__}; wrap "
+                "your data with unbroken.data.StreamingDataset(dir)"
+            )
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be a positive int")
+        if last_batch is None:
+            last_batch = "drop" if drop_last else "pad"
+        elif drop_last and last_batch != "drop":
+            raise ValueError(
+                f"drop_last=True contradicts last_batch={last_batch!r}; pass only one of them"
+            )
+        if last_batch not in LAST_BATCH_POLICIES:
+            raise ValueError(f"last_batch={last_batch!r} is not one of {LAST_BATCH_POLICIES}")
+        if on_dataset_change not in _ON_CHANGE:
+            raise ValueError(f"on_dataset_change={on_dataset_change!r} is not one of {_ON_CHANGE}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers={num_workers} must be >= 0")
+        if persistent_workers and num_workers == 0:
+            raise ValueError("persistent_workers=True needs num_workers > 0")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        ring = shm_transport and num_workers > 0 and transport_available()
+        if pin_memory and pin_memory_device and not pin_memory_device.startswith("cuda"):
+            ring = False  # another accelerator's pinned memory: torch's pin thread does it
+        self._ring = ring
+        # Token rows with the default collate: through the ring, default_collate stacks them
+        # into a slot (a LongTensor that arrives without a copy); otherwise they are stacked
+        # in the worker into one numpy array that crosses the pipe in one piece and becomes
+        # a tensor here without a copy - same LongTensor as default_collate gives, without a
+        # shared-memory segment per batch (which costs more than the copy at language-model
+        # batch sizes).
+        tokens = (
+            collate_fn is None and dataset.kind == "tokens" and not dataset.transform
+            and not dataset.with_ids  # (row, id) pairs: default_collate makes (tokens, ids)
+        )
+        self._from_numpy = tokens and not ring
+        self._pin_here = self._from_numpy and pin_memory
+        if self._from_numpy:
+            self.collate_fn: Callable[[list[Any]], Any] = _stack_rows
+        else:
+            self.collate_fn = collate_fn or default_collate
+        self.last_batch = last_batch
+        self.on_dataset_change = on_dataset_change
+        self.num_workers = num_workers
+        self._pin_ring = ring and pin_memory
+        self._pin_memory = pin_memory
+        self._dl_kwargs: dict[str, Any] = dict(
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+            # the ring pins by registration; the numpy token path pins here
+            pin_memory=pin_memory and not ring and not self._pin_here,
+            persistent_workers=persistent_workers,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            pin_memory_device=pin_memory_device,
+        )
+        self._epoch = 0
+        self._start = 0
+        self._run: tuple[int, int, int] | None = None  # (run id, epoch, start) in flight
+        self._run_steps = 0  # global steps of the run in flight
+        self._delivered = 0
+        self._ids = itertools.count()
+        # A persistent DataLoader and the (epoch, start) its workers will run next.
+        self._dl: DataLoader | None = None
+        self._dl_next: tuple[int, int] | None = None
+        self._rx: RingReceiver | None = None  # the persistent DataLoader's rings
+
+    # --- position ------------------------------------------------------------------------
+
+    def _position(self) -> tuple[int, int]:
+        """(epoch, global samples consumed) after the batches delivered so far."""
+        if self._run is None:
+            return self._epoch, self._start
+        _, epoch, start = self._run
+        if self._delivered >= self._run_steps:
+            return epoch + 1, 0
+        part = self.dataset.partition(start, self.batch_size, self.last_batch)
+        return epoch, part.consumed_after(self._delivered)
+
+    @property
+    def epoch(self) -> int:
+        return self._position()[0]
+
+    @property
+    def samples_consumed(self) -> int:
+        return self._position()[1]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch`` from its beginning - unless it is the current epoch (resume)."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch={epoch!r} must be a non-negative int")
+        cur, _ = self._position()
+        if epoch != cur:
+            self._run = None
+            self._epoch, self._start = epoch, 0
+
+    def __len__(self) -> int:
+        """Batches this rank gets in the rest of the current epoch."""
+        _, start = self._position()
+        return self.dataset.partition(start, self.batch_size, self.last_batch).num_batches()
+
+    # --- iteration -----------------------------------------------------------------------
+
+    def _dataloader(self, epoch: int, start: int, first: int) -> tuple[DataLoader, RingReceiver]:
+        persistent = self._dl_kwargs["persistent_workers"]
+        if persistent and self._dl is not None and self._dl_next == (epoch, start):
+            if self._rx is None:
+                raise RuntimeError("StatefulLoader: persistent DataLoader without its receiver")
+            return self._dl, self._rx
+        fds = worker_fds(self.num_workers) if self._ring else None
+        stream = _RunStream(
+            self.dataset,
+            epoch,
+            start,
+            self.batch_size,
+            self.last_batch,
+            self.collate_fn,
+            self._ring,
+            fds,
+            first,
+        )
+        kwargs = dict(self._dl_kwargs)
+        if kwargs["generator"] is None:
+            # Each DataLoader iterator draws its workers' base seed from this generator; left
+            # at None, it is drawn from the *global* torch RNG, so a run resumed mid-epoch
+            # (one iterator more than the uninterrupted run) would shift the model's dropout
+            # stream. Seeded by the position instead: worker seeds also survive a resume.
+            kwargs["generator"] = torch.Generator().manual_seed(
+                mix_seed(self.dataset.seed, epoch, start)
+            )
+        dl = DataLoader(stream, batch_size=None, collate_fn=_passthrough, in_order=True, **kwargs)
+        rx = RingReceiver(fds, pin=self._pin_ring)
+        # Drop the old persistent workers now: they would replay a stale run.
+        if self._rx is not None:
+            self._rx.close()
+        self._dl, self._rx = (dl, rx) if persistent else (None, None)
+        self._dl_next = None
+        return dl, rx
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, start = self._position()
+        part = self.dataset.partition(start, self.batch_size, self.last_batch)
+        run_id = next(self._ids)
+        self._run = (run_id, epoch, start)
+        self._run_steps = part.num_steps
+        self._delivered = 0
+        return self._generate(run_id, epoch, start)
+
+    def _generate(self, run_id: int, epoch: int, start: int) -> Iterator[Any]:
+        it: Any = None
+        rx: RingReceiver | None = None
+        try:
+            first = 0
+            batches = self.dataset.partition(start, self.batch_size, self.last_batch).num_batches()
+            if batches and self._first_here(epoch, start):
+                # The run's first batch is made here, before the workers start: forking them
+                # and their start-up (tens of ms) then overlap the step that uses it instead
+                # of delaying it - most of the latency of a resume. Same batch as a worker
+                # makes (it depends only on the position; the transform's RNGs are seeded by
+                # it and this process's RNG states are put back).
+                batch = self._batch_here(epoch, start)
+                self._delivered += 1
+                yield batch
+                if self._run is None or self._run[0] != run_id:
+                    return  # load_state_dict / set_epoch replaced this run
+                first = 1
+            dl: DataLoader | None = None
+            if first < batches:  # else the run was one batch: no worker started for it
+                dl, rx = self._dataloader(epoch, start, first)
+                it = iter(dl)
+            unpack = rx.unpack if rx is not None else _passthrough
+            for item in it if it is not None else ():
+                if self._run is None or self._run[0] != run_id:
+                    return
+                batch = unpack(item)
+                if self._from_numpy and isinstance(batch, np.ndarray):
+                    batch = torch.from_numpy(batch)
+                    if self._pin_here:
+                        batch = batch.pin_memory()
+                self._delivered += 1
+                yield batch
+            if self._run is not None and self._run[0] == run_id:
+                self._epoch, self._start = epoch + 1, 0
+                self._run = None
+                if dl is not None and self._dl is dl:
+                    self._dl_next = (epoch + 1, 0)
+        finally:
+            if self._run is not None and self._run[0] == run_id:
+                # abandoned mid-epoch (break, exception): keep the delivered position
+                self._epoch, self._start = self._position()
+                self._run = None
+            del it
+            if rx is not None and rx is not self._rx:
+                rx.close()
+
+    def _first_here(self, epoch: int, start: int) -> bool:
+        """Make the run's first batch in this process: only when workers are about to be
+        started for it (not for persistent workers already running it), and only without a
+        ``worker_init_fn`` (the transform may need what it sets up in a worker)."""
+        if self.num_workers == 0 or self._dl_kwargs["worker_init_fn"] is not None:
+            return False
+        return self._dl is None or self._dl_next != (epoch, start)
+
+    def _batch_here(self, epoch: int, start: int) -> Any:
+        batches = self.dataset.iter_batches(
+            epoch, start, self.batch_size, last_batch=self.last_batch, collate_fn=self.collate_fn
+        )
+        batch = next(batches)
+        del batches  # a generator: closed here
+        if self._from_numpy and isinstance(batch, np.ndarray):
+            batch = torch.from_numpy(batch)
+        if self._pin_memory and torch.cuda.is_available():
+            batch = map_tensors(lambda t: t if t.is_pinned() else t.pin_memory(), batch)
+        return batch
+
+    # --- Stateful ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        epoch, consumed = self._position()
+        ds = self.dataset
+        sd: dict[str, Any] = {
+            "version": _STATE_VERSION,
+            "fingerprint": ds.fingerprint,
+            "seed": ds.seed,
+            "epoch": epoch,
+            "samples_consumed": consumed,
+            "shuffle_window": list(ds.shuffle_window),
+        }
+        if len(ds.sources) > 1:
+            sd["sources"] = [
+                {"fingerprint": fp, "weight": w}
+                for fp, w in zip(ds.source_fingerprints, ds.weights, strict=True)
+            ]
+        return sd
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the saved position: O(1), reads nothing (see the module docstring)."""
+        ds = self.dataset
+        try:
+            version = int(state["version"])
+            fp = str(state["fingerprint"])
+            seed = int(state["seed"])
+            epoch = int(state["epoch"])
+            consumed = int(state["samples_consumed"])
+            window = [int(w) for w in state.get("shuffle_window", ds.shuffle_window)]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"not a StatefulLoader state dict (missing or bad field {e}); expected keys "
+                "version, fingerprint, seed, epoch, samples_consumed"
+            ) from None
+        if version != _STATE_VERSION:
+            raise ValueError(
+                f"loader state version {version} is not supported (this unbroken writes "
+                f"{_STATE_VERSION})"
+            )
+        if seed != ds.seed:
+            raise ValueError(
+                f"the loader state was saved with seed={seed} but the dataset has "
+                f"seed={ds.seed}; construct StreamingDataset(..., seed={seed}) to resume the "
+                "same order"
+            )
+        # The fingerprint first: a position beyond a dataset that shrank is a changed dataset.
+        if fp == ds.fingerprint and (epoch < 0 or not 0 <= consumed <= ds.epoch_length):
+            raise ValueError(
+                f"loader state epoch={epoch} samples_consumed={consumed} is outside this "
+                f"dataset's epoch of {ds.epoch_length} samples"
+            )
+        if fp != ds.fingerprint:
+            if self.on_dataset_change != "restart_epoch":
+                raise ValueError(
+                    f"the dataset changed since the checkpoint: the loader state was saved on "
+                    f"dataset fingerprint {fp}, but {', '.join(s.root for s in ds.sources)} "
+                    f"has fingerprint {ds.fingerprint}{_which_source(state, ds)}. Resuming "
+                    f"would misalign the order{_beyond(epoch, consumed, ds)}. Restore the "
+                    "original data, or pass "
+                    "StatefulLoader(..., on_dataset_change='restart_epoch') to restart epoch "
+                    f"{epoch} from its first sample."
+                )
+            log.warning(
+                "dataset fingerprint changed (%s -> %s): restarting epoch %d from its first "
+                "sample as on_dataset_change='restart_epoch' asks",
+                fp,
+                ds.fingerprint,
+                epoch,
+            )
+            if epoch < 0:
+                raise ValueError(f"loader state epoch={epoch} must be >= 0")
+            consumed = 0
+        elif window != list(ds.shuffle_window):
+            raise ValueError(
+                f"the loader state was saved with shuffle_window={window} but the dataset has "
+                f"{list(ds.shuffle_window)}; pass StreamingDataset(..., shuffle_window="
+                f"{window[0]}) (or shuffle=False when it is 0) to resume the same order"
+            )
+        self._run = None
+        self._epoch, self._start = epoch, consumed
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the data path: ``corrupt_skipped``, damaged samples left out under
+        ``StreamingDataset(..., on_corrupt="skip")`` (summed over all workers)."""
+        return {"corrupt_skipped": self.dataset.corrupt_skipped}
+
+    def __repr__(self) -> str:
+        epoch, consumed = self._position()
+        return (
+            f"StatefulLoader({self.dataset!r}, batch_size={self.batch_size}, "
+            f"num_workers={self.num_workers}, epoch={epoch}, samples_consumed={consumed})"
+        )
+
+
+def _beyond(epoch: int, consumed: int, ds: StreamingDataset) -> str:
+    if 0 <= consumed <= ds.epoch_length:
+        return ""
+    return (
+        f" (its position, sample {consumed} of epoch {epoch}, lies beyond the "
+        f"{ds.epoch_length} samples the dataset now holds)"
+    )
+
+
+def _which_source(state: dict[str, Any], ds: StreamingDataset) -> str:
+    saved = state.get("sources")
+    if not isinstance(saved, list) or len(saved) != len(ds.sources):
+        return ""
+    diff = [
+        f"{src.root} ({old.get('fingerprint')} -> {new})"
+        for src, old, new in zip(ds.sources, saved, ds.source_fingerprints, strict=True)
+        if isinstance(old, dict) and old.get("fingerprint") != new
+    ]
+    return f" (changed: {', '.join(diff)})" if diff else ""

@@ -1,0 +1,1 @@
+"""The tar shard format: writer, reader, index (WebDataset-compatible)."""

@@ -1,0 +1,1 @@
+"""The token shard format, offline tokenizing, the word cache that speeds it."""

@@ -1,0 +1,386 @@
+"""The drill's hands: supervised nodes it starts and watches, and one injector per fault.
+
+Every injection is real: signals go to the real worker or agent processes (found through the
+heartbeat beacons, see :mod:`heartbeat`), files of real checkpoints are bit-flipped or
+truncated on disk, and the checkpoint directory is replaced by a plain file (which root
+cannot write through, unlike a ``chmod``).
+
+Processes are found as the supervisor tests find them: each worker's beacon names its pid
+and rank; ``_procs.agent_of`` finds its torchrun agent; everything below one supervisor carries
+``UNBROKEN_RUN_DIR=<its run dir>`` and everything the drill starts carries
+``UNBROKEN_DRILL_TOKEN``, which is what cleanup kills by (see ``_procs.kill_matching``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from unbroken.ckpt.store import Store
+from unbroken.common import events
+from unbroken.common.procs import agent_of, is_alive, kill_matching
+from unbroken.elastic import heartbeat
+from unbroken.elastic.drill.report import FaultSpec, Injection
+
+__all__ = ["Ctx", "Node", "inject"]
+
+log = logging.getLogger(__name__)
+
+_TMP_SAVE = re.compile(r"^\.tmp-step-(\d+)\.[0-9a-f]{8}$")  # not ".deleting": retention
+
+
+class Node:
+    """One ``unbroken run`` supervisor started by the drill (a node of the job)."""
+
+    def __init__(self, name: str, sup_dir: str, argv: Sequence[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.sup_dir = os.path.abspath(sup_dir)
+        os.makedirs(self.sup_dir, exist_ok=True)
+        self.out_path = os.path.join(self.sup_dir, "supervisor.out")
+        self._out: IO[bytes] = open(self.out_path, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            list(argv), stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True, env=env,
+        )
+        self.t_start = time.time()
+        self._events: list[dict[str, Any]] = []
+        self._events_at = 0.0
+
+    def events(self, fresh: bool = False) -> list[dict[str, Any]]:
+        """The supervisor's events (re-read at most every 50 ms unless ``fresh``)."""
+        now = time.monotonic()
+        if fresh or now - self._events_at > 0.05:
+            self._events = events.load_events(self.sup_dir)
+            self._events_at = now
+        return self._events
+
+    @property
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def hosting(self) -> bool:
+        return any(e["event"] == "start" and e.get("hosting") for e in self.events())
+
+    def live_beats(self, since: float) -> list[heartbeat.BeatRecord]:
+        """Started beacons of live workers in attempts launched after ``since``."""
+        out: list[heartbeat.BeatRecord] = []
+        for e in self.events():
+            if e["event"] == "launch" and e["t"] > since:
+                out += [b for b in heartbeat.read_beats(self.sup_dir, int(e["attempt"]))
+                        if b.started and is_alive(b.pid)]
+        return out
+
+    def kill(self) -> None:
+        """SIGKILL the supervisor and everything below it: the whole node is gone."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        kill_matching(events.ENV_RUN_DIR, self.sup_dir, timeout=10.0)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10.0)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._out.close()
+
+
+@dataclass
+class Ctx:
+    """What the injectors need: the nodes, the job's checkpoint root, limits, a trace."""
+
+    nodes: list[Node]
+    ckpt_root: str
+    deadline: float
+    """``time.monotonic()`` after which every wait gives up."""
+    outage: float
+    world: int
+    progress: list[tuple[float, str, int]] = field(default_factory=list)
+    """(time, node, highest live step) samples for the timeline plot."""
+    _last_sample: float = 0.0
+
+    def committed(self) -> list[int]:
+        try:
+            return Store(self.ckpt_root).steps()
+        except (ValueError, OSError):
+            return []  # the directory is a file during a storage outage
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+    def beats(self, since: float) -> dict[str, list[heartbeat.BeatRecord]]:
+        out = {n.name: n.live_beats(since) for n in self.nodes}
+        now = time.time()
+        if now - self._last_sample > 0.05:
+            self._last_sample = now
+            for name, bs in out.items():
+                if bs:
+                    self.progress.append((now, name, max(b.step for b in bs)))
+        return out
+
+    def wait(self, pred: Callable[[], Any], what: str, interval: float = 0.002) -> Any:
+        """Poll ``pred`` until truthy; raise TimeoutError at the deadline and RuntimeError
+        when every supervisor has exited."""
+        while True:
+            v = pred()
+            if v:
+                return v
+            if time.monotonic() > self.deadline:
+                raise TimeoutError(f"timed out waiting for {what}")
+            if not any(n.running for n in self.nodes):
+                codes = ", ".join(f"{n.name}: exit {n.proc.returncode}" for n in self.nodes)
+                raise RuntimeError(f"the job ended ({codes}) while waiting for {what}")
+            time.sleep(interval)
+
+    def wait_step(self, step: int, since: float, ranks: int) -> dict[str, list[heartbeat.BeatRecord]]:
+        """Live beacons once ``ranks`` workers launched after ``since`` all reached ``step``."""
+
+        def ready() -> dict[str, list[heartbeat.BeatRecord]] | None:
+            got = self.beats(since)
+            flat = [b for bs in got.values() for b in bs]
+            if len(flat) >= ranks and min(b.step for b in flat) >= step:
+                return got
+            return None
+
+        return self.wait(ready, f"{ranks} worker(s) at step {step}")
+
+    def wait_failure(self, node: Node, after: float) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            return next((e for e in node.events() if e["event"] == "failure" and e["t"] >= after),
+                        None)
+
+        return self.wait(found, f"the supervisor of node {node.name} to record the failure",
+                         interval=0.05)
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _wait_dead(pids: Sequence[int], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while any(is_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.005)
+
+
+def _victim(beats: dict[str, list[heartbeat.BeatRecord]], index: int) -> tuple[str, heartbeat.BeatRecord]:
+    flat = sorted(((n, b) for n, bs in beats.items() for b in bs), key=lambda x: x[1].rank)
+    return flat[index % len(flat)]
+
+
+# --- injectors: each returns with the fault injected (or raises) --------------------------
+
+
+def _kill(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
+    beats = ctx.wait_step(spec.step, since, ctx.world)
+    name, b = _victim(beats, spec.victim)
+    _signal(b.pid, signal.SIGKILL)
+    inj.record(name, b, f"SIGKILL rank {b.rank} (pid {b.pid}) at step {b.step}")
+    _wait_dead([b.pid])
+    steps = ctx.committed()
+    inj.expected_restore = steps[-1] if steps else None
+
+
+def _hang(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
+    beats = ctx.wait_step(spec.step, since, ctx.world)
+    name, b = _victim(beats, spec.victim)
+    _signal(b.pid, signal.SIGSTOP)  # alive but silent: only the watchdog can notice
+    inj.record(name, b, f"SIGSTOP rank {b.rank} (pid {b.pid}) at step {b.step}")
+    steps = ctx.committed()
+    # A lower bound only: the watchdog sends SIGCONT with its stack-dump request, and the
+    # worker may train (and save) on for up to --dump-grace seconds before the SIGKILL.
+    inj.min_restore = steps[-1] if steps else None
+
+
+def _kill_in_save(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
+    ctx.wait_step(spec.step, since, ctx.world)
+    root = ctx.ckpt_root
+    seen = set(_listdir(root))
+    want = 1 + spec.salt % 3  # kill once this many files of the save exist (seeded)
+    missed = 0
+
+    def saving() -> tuple[str, int] | None:
+        for n in _listdir(root):
+            m = _TMP_SAVE.match(n)
+            if m and n not in seen:
+                return n, int(m.group(1))
+        return None
+
+    while True:
+        name, step = ctx.wait(saving, "a checkpoint save to start", interval=0.0005)
+        seen.add(name)
+        tmp = os.path.join(root, name)
+        end = time.monotonic() + 30.0
+        while len(_listdir(tmp)) < want and os.path.isdir(tmp) and time.monotonic() < end:
+            time.sleep(0.0002)
+        beats = ctx.beats(since)
+        writer = next(((n, x) for n, bs in beats.items() for x in bs if x.rank == 0), None)
+        if writer is None:
+            continue  # rank 0 just died or is not up yet
+        node, b = writer
+        # Freeze the writer, make sure the save is still unfinished, then SIGKILL it: the
+        # kill lands while the temporary directory is half written, never after the commit.
+        _signal(b.pid, signal.SIGSTOP)
+        if os.path.isdir(tmp) and step not in ctx.committed():
+            files = sorted(_listdir(tmp))
+            size = sum(_size(os.path.join(tmp, f)) for f in files)
+            _signal(b.pid, signal.SIGKILL)
+            inj.record(node, b, f"SIGKILL rank 0 (pid {b.pid}) while it wrote the checkpoint of "
+                       f"step {step} ({len(files)} files, {size} bytes in {name})")
+            inj.facts.update(tmp_dir=name, save_step=step, tmp_files=files, tmp_bytes=size,
+                             saves_missed=missed)
+            break
+        _signal(b.pid, signal.SIGCONT)  # that save committed before we got there: next one
+        missed += 1
+    for bs in ctx.beats(since).values():  # other ranks of a multi-rank job die with it
+        for x in bs:
+            _signal(x.pid, signal.SIGKILL)
+    _wait_dead([b.pid])
+    steps = ctx.committed()
+    inj.expected_restore = steps[-1] if steps else None
+
+
+def _corrupt(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
+    ctx.wait_step(spec.step, since, ctx.world)
+    ctx.wait(lambda: len(ctx.committed()) >= 2, "two committed checkpoints", interval=0.01)
+    beats = ctx.beats(since)
+    procs = [(n, b) for n, bs in beats.items() for b in bs]
+    for _, b in procs:  # freeze the job so nothing is written while we damage the newest
+        _signal(b.pid, signal.SIGSTOP)
+    steps = ctx.committed()
+    newest = steps[-1]
+    d = Store(ctx.ckpt_root).step_dir(newest)
+    data = sorted(f for f in _listdir(d) if f.endswith(".distcp")) or sorted(
+        f for f in _listdir(d) if f != "manifest.json")
+    victim = os.path.join(d, data[spec.salt % len(data)])
+    size = _size(victim)
+    if spec.mode == "bitflip":
+        offset, bit = (spec.salt >> 4) % size, (spec.salt >> 1) % 8
+        with open(victim, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)[0]
+            f.seek(offset)
+            f.write(bytes([byte ^ (1 << bit)]))
+            f.flush()
+            os.fsync(f.fileno())
+        what = f"flipped bit {bit} of byte {offset}"
+    else:
+        new = (spec.salt >> 4) % max(1, size)
+        os.truncate(victim, new)
+        what = f"truncated from {size} to {new} bytes"
+    name, b = next(((n, x) for n, x in procs if x.rank == 0), procs[0])
+    for _, x in procs:
+        _signal(x.pid, signal.SIGKILL)
+    inj.record(name, b, f"{what} in step-{newest}/{os.path.basename(victim)}, then SIGKILL at "
+               f"step {b.step}")
+    inj.facts.update(corrupted_step=newest, file=os.path.relpath(victim, ctx.ckpt_root),
+                     mode=spec.mode, detail=what)
+    _wait_dead([x.pid for _, x in procs])
+    inj.expected_restore = steps[-2]
+
+
+def _storage(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
+    beats = ctx.wait_step(spec.step, since, ctx.world)
+    name, b = _victim(beats, 0)
+    root = ctx.ckpt_root
+    away = root + ".drill-away"
+    os.rename(root, away)
+    try:
+        with open(root, "w") as f:  # a file where the directory was: nobody can write in it
+            f.write("storage outage simulated by `unbroken drill`\n")
+        inj.record(name, b, f"checkpoint directory replaced by a file at step {b.step}")
+        inj.expected_restore = Store(away).steps()[-1] if Store(away).steps() else None
+        node = ctx.node(name)
+        fail = ctx.wait_failure(node, inj.t or 0.0)
+        t_min = fail["t"] + ctx.outage
+
+        def enough() -> list[dict[str, Any]] | None:
+            bad = [e for e in node.events() if e["event"] == "preflight" and not e["ok"]
+                   and e["t"] > fail["t"]]
+            return bad if len(bad) >= 2 and time.time() >= t_min else None
+
+        bad = ctx.wait(enough, "two failing pre-flights during the outage", interval=0.05)
+        inj.facts.update(failing_preflights=len(bad), outage_from=fail["t"])
+    finally:
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            os.unlink(root)
+        if os.path.isdir(away) and not os.path.exists(root):
+            os.rename(away, root)
+        inj.facts["outage_until"] = time.time()
+
+
+def _agent_loss(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
+    beats = ctx.wait_step(spec.step, since, 2)
+    live = sorted(n for n, bs in beats.items() if bs)
+    name = live[spec.victim % len(live)]
+    b = min(beats[name], key=lambda x: x.rank)
+    agent = agent_of(b.pid)
+    if agent is None:
+        raise RuntimeError(f"could not find the torchrun agent of worker pid {b.pid} on node {name}")
+    before = ctx.committed()
+    _signal(agent, signal.SIGKILL)
+    inj.record(name, b, f"SIGKILL the torchrun agent of node {name} (pid {agent}) at step {b.step}")
+    inj.facts.update(agent_pid=agent, report_node=name)
+    # Its workers live on until the supervisor reaps them; they may save once more.
+    inj.min_restore = before[-1] if before else None
+
+
+def _world_size(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
+    beats = ctx.wait_step(spec.step, since, 2)
+    # The node hosting the rendezvous store must survive: the store lives in its supervisor.
+    victim = next((n for n in ctx.nodes if not n.hosting and n.running), None)
+    if victim is None:
+        raise RuntimeError("no running node that does not host the rendezvous store")
+    host = next(n for n in ctx.nodes if n is not victim)
+    before = ctx.committed()
+    b = min(beats[victim.name] or beats[host.name], key=lambda x: x.rank)
+    victim.kill()
+    inj.record(victim.name, b, f"node {victim.name} lost (supervisor, agent and worker "
+               f"SIGKILLed) at step {b.step}; {host.name} goes on alone")
+    inj.facts.update(report_node=host.name, lost_node=victim.name)
+    inj.min_restore = before[-1] if before else None
+
+
+_INJECTORS: dict[str, Callable[[FaultSpec, Ctx, Injection, float], None]] = {
+    "kill": _kill,
+    "kill-in-save": _kill_in_save,
+    "hang": _hang,
+    "corrupt": _corrupt,
+    "storage": _storage,
+    "agent-loss": _agent_loss,
+    "world-size": _world_size,
+}
+
+
+def inject(spec: FaultSpec, ctx: Ctx, since: float) -> Injection:
+    """Wait for the fault's step (in an attempt launched after ``since``) and inject it.
+    Never raises for a fault that could not be injected: the Injection says why."""
+    inj = Injection(spec)
+    try:
+        _INJECTORS[spec.kind](spec, ctx, inj, since)
+    except (TimeoutError, RuntimeError, OSError) as e:
+        inj.error = f"{spec.kind} not injected: {e}"
+        log.error("drill: %s", inj.error)
+    return inj
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0

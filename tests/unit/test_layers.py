@@ -1,0 +1,150 @@
+"""No import runs upward: the package's layers, read from the source (issue 15).
+
+Every ``import`` in ``src/unbroken`` (function-local ones too: a lazy import is still an
+arrow) is checked against the layer table below. A module may import its own group, or a
+group on a lower layer of the same table; siblings on one layer (``data`` and ``ckpt``) never
+import each other. See ARCHITECTURE.md for what each layer is.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[2] / "src"
+
+# Each table lists layers from the bottom up; a layer holds groups, a group is a tuple of
+# package prefixes whose modules may import each other freely. Longest prefix wins.
+TOP = [
+    [("unbroken.common", "unbroken")],  # the root package: __version__ and lazy names only
+    [("unbroken.data",), ("unbroken.ckpt",)],
+    [("unbroken.elastic",)],
+    [("unbroken.demo",)],
+    [("unbroken.cli", "unbroken._cli_dataprep")],
+]
+INNER = {
+    "unbroken.data": [
+        [("unbroken.data.manifest",)],
+        [("unbroken.data.tar",)],
+        [("unbroken.data.tokens",), ("unbroken.data.prepare",), ("unbroken.data.feed",)],
+        [("unbroken.data.stream",)],
+        [("unbroken.data.diagnose",)],
+        [("unbroken.data",)],
+    ],
+    "unbroken.ckpt": [
+        [(
+            "unbroken.ckpt._dist", "unbroken.ckpt.codec", "unbroken.ckpt.dcp_metadata",
+            "unbroken.ckpt.lock", "unbroken.ckpt.manifest", "unbroken.ckpt.per_rank",
+            "unbroken.ckpt.rng", "unbroken.ckpt.snapshot", "unbroken.ckpt.state",
+            "unbroken.ckpt.store", "unbroken.ckpt.tensor_io", "unbroken.ckpt.verify",
+        )],
+        [("unbroken.ckpt.archive",)],
+        [("unbroken.ckpt.checkpointer", "unbroken.ckpt.export", "unbroken.ckpt.compare")],
+        [("unbroken.ckpt",)],
+    ],
+    "unbroken.elastic": [
+        [(
+            "unbroken.elastic.faults", "unbroken.elastic.heartbeat", "unbroken.elastic.planner",
+            "unbroken.elastic.preflight", "unbroken.elastic.recovery", "unbroken.elastic._coord",
+            "unbroken.elastic._launch", "unbroken.elastic._standby", "unbroken.elastic._attempt",
+            "unbroken.elastic.supervisor",
+        )],
+        [("unbroken.elastic.drill",)],
+        [("unbroken.elastic",)],
+    ],
+}
+
+Table = list[list[tuple[str, ...]]]
+
+
+def _place(table: Table, mod: str) -> tuple[int, int, str]:
+    """(layer, group index, matched prefix) of ``mod``; the longest matching prefix wins."""
+    best: tuple[int, int, str] | None = None
+    for layer, groups in enumerate(table):
+        for gi, group in enumerate(groups):
+            for p in group:
+                if (mod == p or mod.startswith(p + ".")) and (best is None or len(p) > len(best[2])):
+                    best = (layer, gi, p)
+    if best is None:
+        raise LookupError(f"{mod} is in no layer of the table: add it")
+    return best
+
+
+def _allowed(table: Table, src: str, dst: str) -> bool:
+    a, b = _place(table, src), _place(table, dst)
+    return a[:2] == b[:2] or b[0] < a[0]
+
+
+def arrow_ok(src: str, dst: str) -> bool:
+    """May module ``src`` import ``dst``? (both ``unbroken...`` dotted names)"""
+    if not _allowed(TOP, src, dst):
+        return False
+    top = _place(TOP, src)
+    if top == _place(TOP, dst) and top[2] in INNER:
+        return _allowed(INNER[top[2]], src, dst)
+    return True
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    mod = _module_name(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            # `from pkg import sub` imports the submodule: the arrow points at it
+            for a in node.names:
+                out.append((node.lineno, f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base))
+    return [(n, d) for n, d in out if d == "unbroken" or d.startswith("unbroken.")]
+
+
+def _is_module(name: str) -> bool:
+    p = SRC.joinpath(*name.split("."))
+    return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
+
+
+def test_no_import_runs_upward() -> None:
+    files = sorted(SRC.joinpath("unbroken").rglob("*.py"))
+    assert len(files) > 40  # the walk found the package
+    bad = []
+    for f in files:
+        src = _module_name(f)
+        for line, dst in _imports(f):
+            if not arrow_ok(src, dst):
+                bad.append(f"{f.relative_to(SRC)}:{line}: {src} imports {dst}")
+    assert not bad, "imports that run upward or sideways:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "ok"),
+    [
+        ("unbroken.ckpt.checkpointer", "unbroken.common.events", True),
+        ("unbroken.ckpt.checkpointer", "unbroken.elastic.recovery", False),
+        ("unbroken.elastic.drill.report", "unbroken.demo", False),
+        ("unbroken.data.stream.dataset", "unbroken.ckpt.store", False),
+        ("unbroken.ckpt.store", "unbroken.data.manifest", False),
+        ("unbroken.data.tar.reader", "unbroken.data.stream.order", False),
+        ("unbroken.data.stream.loader", "unbroken.data.feed.prefetch", True),
+        ("unbroken.ckpt.store", "unbroken.ckpt.archive.remote", False),
+        ("unbroken.ckpt.checkpointer", "unbroken.ckpt.archive.remote", True),
+        ("unbroken.elastic.supervisor", "unbroken.elastic.drill.runner", False),
+        ("unbroken.common.fs", "unbroken.data.manifest", False),
+        ("unbroken.cli", "unbroken.demo", True),
+    ],
+)
+def test_the_rule_itself(src: str, dst: str, ok: bool) -> None:
+    assert arrow_ok(src, dst) is ok
