@@ -79,6 +79,24 @@ def compare_runs(
     """
     ref = read_checkpoint(os.path.join(ref_dir, ckpt))
     got = read_checkpoint(os.path.join(run_dir, ckpt))
+    result, comps = _compare_state(ref, got, floats)
+    ra = read_metrics(os.path.join(ref_dir, metrics))
+    rb = read_metrics(os.path.join(run_dir, metrics))
+    result.update(_compare_logs(ra, rb))
+    result["identical"] = (
+        not any(result[p] for p in comps)
+        and not result["counters"]
+        and result["first_loss_diff"] is None
+        and result["first_sample_diff"] is None
+        and result["duplicated_steps"] == 0
+    )
+    return result
+
+
+def _compare_state(
+    ref: dict[str, Any], got: dict[str, Any], floats: bool
+) -> tuple[dict[str, Any], list[str]]:
+    """Per component the differing flattened keys, scalar diffs, counters; the components."""
     result: dict[str, Any] = {}
     scalars: dict[str, tuple[Any, Any]] = {}
     skipped = 0
@@ -108,10 +126,12 @@ def compare_runs(
     result["skipped_float_leaves"] = skipped
     ca, cb = ref.get("counters", {}), got.get("counters", {})
     result["counters"] = sorted(k for k in ca.keys() | cb.keys() if ca.get(k) != cb.get(k))
-    ra, rb = (
-        read_metrics(os.path.join(ref_dir, metrics)),
-        read_metrics(os.path.join(run_dir, metrics)),
-    )
+    return result, comps
+
+
+def _compare_logs(ra: list[dict[str, Any]], rb: list[dict[str, Any]]) -> dict[str, Any]:
+    """Loss curve and consumed sample ids of the reference log ``ra`` vs the run's ``rb``."""
+    result: dict[str, Any] = {}
     steps_b = [r["step"] for r in rb]
     result["duplicated_steps"] = len(steps_b) - len(set(steps_b))
     pair = next(((x, y) for x, y in zip(ra, rb, strict=False) if x["loss"] != y["loss"]), None)
@@ -140,11 +160,4 @@ def compare_runs(
     na, nb = Counter(ids_a), Counter(ids_b)
     result["missing_samples"] = sum((na - nb).values())
     result["extra_samples"] = sum((nb - na).values())
-    result["identical"] = (
-        not any(result[p] for p in comps)
-        and not result["counters"]
-        and result["first_loss_diff"] is None
-        and result["first_sample_diff"] is None
-        and result["duplicated_steps"] == 0
-    )
     return result

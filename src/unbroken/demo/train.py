@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -74,24 +75,6 @@ def _batches(loader: StatefulLoader) -> Iterator[dict[str, Any]]:
         yield from loader
 
 
-class _RankStep:
-    """Stands in for the metric log on ranks > 0 (only rank 0 writes the log), so that every
-    rank's TrainState has the same components (a checkpoint may be restored on another
-    world size, where any rank can load rank 0's state)."""
-
-    def __init__(self) -> None:
-        self.step = -1
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
-
-    def load_state_dict(self, sd: dict[str, int]) -> None:
-        self.step = int(sd["step"])
-
-    def close(self) -> None:
-        pass
-
-
 def _average_gradients(model: torch.nn.Module, world: int) -> None:
     """All-reduce every gradient in one flat buffer (a fixed order: deterministic)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -125,37 +108,42 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = _parse(argv)
-    torch.set_num_threads(1)  # bit-identical CPU runs regardless of the host's core count
-    torch.use_deterministic_algorithms(True)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    die = None
-    if a.die_at:
-        s, _, m = a.die_at.partition(":")
-        die = (int(s), int(m or 0))
-
+def _init_dist(batch: int) -> tuple[int, int]:
+    """(rank, world size); joins the gloo group under torchrun with several ranks."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = 0
-    if world > 1:
-        if a.batch % world:
-            raise ValueError(f"--batch {a.batch} is not divisible by the world size {world}")
-        dist.init_process_group("gloo")
-        rank = dist.get_rank()
+    if world == 1:
+        return 0, 1
+    if batch % world:
+        raise ValueError(f"--batch {batch} is not divisible by the world size {world}")
+    dist.init_process_group("gloo")
+    return dist.get_rank(), world
 
-    ctx = CTX
+
+@dataclass
+class _Run:
+    """What the loop trains and saves: the parts and the TrainState holding them."""
+
+    model: TinyGPT
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LRScheduler
+    ema: torch.optim.swa_utils.AveragedModel
+    loader: StatefulLoader
+    metrics: MetricLog
+    state: TrainState
+    ckpt: Checkpointer
+
+
+def _build(a: argparse.Namespace, rank: int, world: int) -> _Run:
+    """The model, optimizer, schedule, EMA, loader and metric log, as one TrainState."""
     data_dir = a.data or os.path.join(a.dir, "data")
     if rank == 0:
-        vocab = prepare_data(data_dir, a.seed, ctx)
+        vocab = prepare_data(data_dir, a.seed, CTX)
     if world > 1:
         box = [vocab if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)  # also: the data is ready for every rank
         vocab = int(box[0])  # type: ignore[arg-type]
     torch.manual_seed(a.seed)
-
-    model = TinyGPT(vocab, ctx=ctx)
+    model = TinyGPT(vocab, ctx=CTX)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=a.steps)
     ema = torch.optim.swa_utils.AveragedModel(
@@ -167,75 +155,104 @@ def main(argv: list[str] | None = None) -> int:
     # sample order is the same for any world size.
     dataset = StreamingDataset(data_dir, seed=a.seed, rank=0, world_size=1)
     loader = StatefulLoader(dataset, a.batch, collate_fn=collate_tokens, last_batch="drop")
-    metrics: Any = MetricLog(os.path.join(a.dir, "metrics.jsonl")) if rank == 0 else _RankStep()
+    # every rank holds a metric log (rank 0 writes it): the same components on every rank
+    metrics = MetricLog(os.path.join(a.dir, "metrics.jsonl"))
     state = TrainState(
         model=model, optimizer=opt, scheduler=sched, ema=ema, loader=loader, metrics=metrics
     )
     ckpt = Checkpointer(
         os.path.join(a.dir, "ckpt"), state, every_steps=a.ckpt_every, keep_last=a.keep_last
     )
+    return _Run(model, opt, sched, ema, loader, metrics, state, ckpt)
 
-    snapshot: dict[str, Any] = {}
-    if a.broken:  # capture what we are about to "forget" so the restore can be undone
-        snapshot = {
-            "rng": torch.get_rng_state(),
-            "data": loader.state_dict(),
-            "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
-        }
-    start = ckpt.restore() or 0
-    if a.broken and start:
-        {
-            "rng": lambda: torch.set_rng_state(snapshot["rng"]),
-            "data": lambda: loader.load_state_dict(snapshot["data"]),
-            "optimizer": lambda: opt.load_state_dict(snapshot["optimizer"]),
-            "scheduler": lambda: sched.load_state_dict(snapshot["scheduler"]),
-        }[a.broken]()
 
-    model.train()
-    batches = _batches(loader)
-    for step in range(start, a.steps):
-        loss_sum = 0.0
-        ids_all: list[int] = []
-        for micro in range(a.accum):
-            if die == (step + 1, micro):
-                os.kill(os.getpid(), signal.SIGKILL)
-            batch = next(batches)
-            ids_all.extend(batch["ids"])
-            x, y = batch["x"], batch["y"]
-            if world > 1:  # this rank's contiguous share of the global micro-batch
-                share = a.batch // world
-                x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
-            loss = model(x, y) / a.accum
-            loss.backward()
-            loss_sum += float(loss)
-            state.micro_step = micro + 1
-        if world > 1:
-            _average_gradients(model, world)
-            total = torch.tensor([loss_sum], dtype=torch.float64)
-            dist.all_reduce(total)
-            loss_sum = float(total) / world
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        ema.update_parameters(model)
-        state.micro_step = 0
-        state.step = step + 1
-        state.samples += len(ids_all)
-        state.tokens += len(ids_all) * ctx
-        if rank == 0:
-            metrics.log(state.step, loss=loss_sum, ids=ids_all, world_size=world)
-        ckpt.maybe_save()
-        beat(state.step)  # progress for the supervisor's hang watchdog (no-op without one)
-    final = state.step not in ckpt.store.steps()
+def _restore(r: _Run, broken: str | None) -> int:
+    """``ckpt.restore()``; with ``--break PART`` (tests) that part is then put back as it
+    was before the restore, as a resume that forgets it would."""
+    parts: dict[str, tuple[Any, Any]] = {
+        "rng": (torch.get_rng_state, torch.set_rng_state),
+        "data": (r.loader.state_dict, r.loader.load_state_dict),
+        "optimizer": (r.opt.state_dict, r.opt.load_state_dict),
+        "scheduler": (r.sched.state_dict, r.sched.load_state_dict),
+    }
+    before = parts[broken][0]() if broken else None
+    start = r.ckpt.restore() or 0
+    if broken and start:
+        parts[broken][1](before)
+    return start
+
+
+def _train_step(
+    a: argparse.Namespace,
+    r: _Run,
+    batches: Iterator[dict[str, Any]],
+    rank: int,
+    world: int,
+    die: tuple[int, int] | None,
+) -> None:
+    """One optimizer step of ``a.accum`` micro-batches; logs loss and the sample ids."""
+    model, state = r.model, r.state
+    step = state.step
+    loss_sum = 0.0
+    ids_all: list[int] = []
+    for micro in range(a.accum):
+        if die == (step + 1, micro):
+            os.kill(os.getpid(), signal.SIGKILL)
+        batch = next(batches)
+        ids_all.extend(batch["ids"])
+        x, y = batch["x"], batch["y"]
+        if world > 1:  # this rank's contiguous share of the global micro-batch
+            share = a.batch // world
+            x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+        loss = model(x, y) / a.accum
+        loss.backward()
+        loss_sum += float(loss)
+        state.micro_step = micro + 1
+    if world > 1:
+        _average_gradients(model, world)
+        total = torch.tensor([loss_sum], dtype=torch.float64)
+        dist.all_reduce(total)
+        loss_sum = float(total) / world
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    r.opt.step()
+    r.opt.zero_grad(set_to_none=True)
+    r.sched.step()
+    r.ema.update_parameters(model)
+    state.micro_step = 0
+    state.step = step + 1
+    state.samples += len(ids_all)
+    state.tokens += len(ids_all) * CTX
+    r.metrics.log(state.step, loss=loss_sum, ids=ids_all, world_size=world)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse(argv)
+    torch.set_num_threads(1)  # bit-identical CPU runs regardless of the host's core count
+    torch.use_deterministic_algorithms(True)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    die = None
+    if a.die_at:
+        s, _, m = a.die_at.partition(":")
+        die = (int(s), int(m or 0))
+    rank, world = _init_dist(a.batch)
+    r = _build(a, rank, world)
+    start = _restore(r, a.broken)
+    r.model.train()
+    batches = _batches(r.loader)
+    for _ in range(start, a.steps):
+        _train_step(a, r, batches, rank, world, die)
+        r.ckpt.maybe_save()
+        beat(r.state.step)  # progress for the supervisor's hang watchdog (no-op without one)
+    final = r.state.step not in r.ckpt.store.steps()
     if world > 1:  # saving is collective: every rank must take the same branch
         box = [final]
         dist.broadcast_object_list(box, src=0)
         final = bool(box[0])
     if final:
-        ckpt.save()
-    metrics.close()
+        r.ckpt.save()
+    r.metrics.close()
     if world > 1:
         dist.destroy_process_group()
     return 0
