@@ -506,7 +506,10 @@ class Checkpointer:
                 self.save(step)
             finally:
                 self._pool = pool
-        self.close()
+        try:
+            self.close()
+        finally:  # every rank reaches the barrier, even one whose flush failed
+            self._comm.leave()
         sys.exit(143)
 
     # --- restore ----------------------------------------------------------------------------
