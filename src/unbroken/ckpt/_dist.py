@@ -100,8 +100,9 @@ class Comm:
         Python is finalizing, freeing a tensor that a Python object owns takes the GIL, the
         finalizing interpreter ends the thread there (``pthread_exit`` unwinding through a
         ``noexcept`` destructor), and the process aborts with "terminate called without an
-        active exception" (SIGABRT) instead of its exit status. Also run at exit, for a
-        job that ends without ``destroy_process_group()``.
+        active exception" (SIGABRT) instead of its exit status. Also run at exit: until
+        then this object keeps the groups alive, even past the script's own
+        ``destroy_process_group()``.
         """
         groups, self.group, self.control = (self.group, self.control), None, None
         for g in groups:
