@@ -172,7 +172,7 @@ def _measure_transport(batch: Any, batch_size: int, nbytes: int, budget_ns: int)
             break
     ns = clock() - t0
     rx.close()
-    # the ring leaves batches holding tensors to torch's shared-memory hand-off
+    # small tensor-free batches take the pipe after the first (see unbroken.data._transport)
     how = "shared-memory ring" if tickets else "torch's pipe"
     return StageResult("transport", "main", _rate(got * batch_size, ns),
                        nbytes * got / (ns / 1e9) / 1e6 if got and ns > 0 else math.nan,
