@@ -44,7 +44,7 @@ import os
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,7 @@ import torch.distributed as dist
 import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
+from unbroken.data.cache import CacheOptions, is_remote, load_remote_manifest, open_cache
 from unbroken.data.manifest import DatasetManifest
 from unbroken.data.order import (
     EpochOrder,
@@ -65,7 +66,7 @@ from unbroken.data.order import (
 from unbroken.data.shards import ShardReader
 from unbroken.data.tokens import TokenShard, num_sequences
 
-__all__ = ["Source", "StreamingDataset"]
+__all__ = ["CacheOptions", "Source", "StreamingDataset"]
 
 log = logging.getLogger(__name__)
 
@@ -103,18 +104,22 @@ def _seeded_rngs(seed: int, epoch: int, position: int) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Source:
-    """One dataset directory in a (possibly single-element) mixture.
+    """One dataset in a (possibly single-element) mixture.
 
-    root: a local directory holding ``dataset.json`` (stage remote data first with
-        ``unbroken stage``; reads are random inside a window, so they belong on local disk).
+    root: a local directory holding ``dataset.json``, or an fsspec URL (``s3://bucket/ds``)
+        whose shards are read through the node's bounded cache (``StreamingDataset``'s
+        ``cache_dir``/``cache_limit``; see :mod:`unbroken.data.cache`).
     weight: relative share of the mixture's positions (any positive scale; normalised).
     seq_len: token datasets only: tokens per sequence (a sample is ``seq_len + 1`` tokens);
         default: the ``seq_len`` the dataset was tokenized with.
+    storage_options: fsspec options for a URL root (endpoint, credentials); default: the
+        dataset's ``storage_options``.
     """
 
     root: str
     weight: float = 1.0
     seq_len: int | None = None
+    storage_options: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, str) or not self.root:
@@ -131,6 +136,7 @@ class _Reader:
     counts: np.ndarray
     fingerprint: str
     manifest: DatasetManifest
+    cache: Any = None  # a RemoteCache when the source is remote: it opens (pins) the shards
 
     def __init__(self, root: str, manifest: DatasetManifest) -> None:
         self.root = root
@@ -154,7 +160,7 @@ class _Reader:
     def _shard(self, shard: int) -> Any:
         r = self._open.get(shard)
         if r is None:
-            r = self._open_shard(shard)
+            r = self._open_shard(shard) if self.cache is None else self.cache.open(self, shard)
             self._open[shard] = r
             if len(self._open) > self.max_open:
                 _, old = self._open.popitem(last=False)
@@ -327,14 +333,25 @@ class _TokenReader(_Reader):
         return list(rows)
 
 
-def _open_reader(source: Source, seq_len: int | None) -> _Reader:
-    if "://" in source.root and not source.root.startswith("file://"):
-        raise ValueError(
-            f"{source.root}: StreamingDataset reads a local directory; copy the dataset "
-            "to local disk first with `unbroken stage URL LOCAL_DIR`"
-        )
-    root = source.root.removeprefix("file://")
-    manifest = DatasetManifest.load(root)
+def _open_reader(
+    source: Source,
+    seq_len: int | None,
+    storage_options: dict[str, Any] | None = None,
+    cache_options: CacheOptions | None = None,
+) -> _Reader:
+    if is_remote(source.root):
+        # The reader's root becomes its local cache directory in open_cache().
+        root = source.root
+        opts = source.storage_options if source.storage_options is not None else storage_options
+        manifest = load_remote_manifest(root, opts, cache_options or CacheOptions())
+        if manifest.kind == "tokens" and any(s.tokens is None for s in manifest.shards):
+            raise ValueError(
+                f"{root}: the manifest lacks per-shard token counts (an old `unbroken "
+                "tokenize`); re-tokenize, or stage it with `unbroken stage` and read it locally"
+            )
+    else:
+        root = source.root.removeprefix("file://")
+        manifest = DatasetManifest.load(root)
     if manifest.kind == "tar":
         return _TarReader(source, root, manifest)
     return _TokenReader(source, root, manifest, seq_len)
@@ -372,6 +389,13 @@ class StreamingDataset(IterableDataset):
         rank, world_size: this process's share; default from ``torch.distributed``.
         samples_per_epoch: mixtures only: positions per epoch (default: sum of source sizes).
         mix_block: mixtures only: slots per mixture block (the smallest weight must get >= 1).
+        cache_dir: remote sources (fsspec URLs): local directory of the node's shard cache,
+            shared by its ranks and workers (:mod:`unbroken.data.cache`).
+        cache_limit: bytes the cache may hold (``"200GB"``, ``"1TiB"`` or an int; None:
+            unbounded); refused at start when smaller than two shuffle windows plus prefetch.
+        storage_options: fsspec options for remote sources (endpoint, credentials).
+        cache_options: prefetch depth, download threads, timeout, retries
+            (:class:`~unbroken.data.cache.CacheOptions`).
     """
 
     def __init__(
@@ -387,6 +411,10 @@ class StreamingDataset(IterableDataset):
         world_size: int | None = None,
         samples_per_epoch: int | None = None,
         mix_block: int = 4096,
+        cache_dir: str | None = None,
+        cache_limit: int | str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        cache_options: CacheOptions | None = None,
     ) -> None:
         super().__init__()
         if isinstance(sources, (str, Source)):
@@ -403,7 +431,7 @@ class StreamingDataset(IterableDataset):
         self.shuffle = shuffle
         self.transform = transform
         self.rank, self.world_size = _resolve_rank(rank, world_size)
-        self._readers = [_open_reader(s, seq_len) for s in srcs]
+        self._readers = [_open_reader(s, seq_len, storage_options, cache_options) for s in srcs]
         for s, r in zip(srcs, self._readers, strict=True):
             if int(r.counts.sum()) == 0:
                 raise ValueError(f"{s.root}: the dataset holds no samples")
@@ -441,6 +469,7 @@ class StreamingDataset(IterableDataset):
         self._sizes = sizes
         self._epoch = 0
         self._orders: OrderedDict[tuple[int, ...], Any] = OrderedDict()
+        self._cache = open_cache(self, cache_dir, cache_limit, cache_options, storage_options)
 
     # --- the order ---------------------------------------------------------------------------
 
@@ -478,6 +507,10 @@ class StreamingDataset(IterableDataset):
             ),
         )
 
+    def _pass_order(self, i: int, epoch: int, k: int) -> EpochOrder:
+        """Source ``i``'s ``k``-th pass inside epoch ``epoch`` (as :meth:`lookup` keys it)."""
+        return self._source_order(i, epoch, () if len(self._readers) == 1 else (i, k))
+
     def lookup(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Epoch positions -> (source index, sample id in that source's manifest order)."""
         pos = np.asarray(positions, dtype=np.int64)
@@ -510,6 +543,8 @@ class StreamingDataset(IterableDataset):
 
     def read(self, epoch: int, positions: np.ndarray) -> list[Any]:
         """The samples at ``positions`` of ``epoch``, in that order, transformed."""
+        if self._cache is not None:
+            self._cache.advance(epoch, positions)  # prefetch from here; release what is done
         src, ids = self.lookup(epoch, positions)
         out: list[Any] = [None] * len(ids)
         for i in np.unique(src).tolist():
