@@ -77,6 +77,7 @@ __all__ = [
     "NetworkWaitProbe",
     "RemoteCache",
     "RemoteStorageError",
+    "check_cache_args",
     "is_remote",
     "load_remote_manifest",
     "network_probe",
@@ -253,6 +254,45 @@ def _spans(order: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return shard, starts, ends
     w = int(order.window)
     return shard, (starts // w) * w, np.minimum(order.length, ((ends - 1) // w + 1) * w)
+
+
+def epoch_plan(ds: Any, epoch: int, sources: dict[int, int]) -> _Plan:
+    """The plan of ``epoch`` for the sources ``{source index: uid of its shard 0}`` of a
+    ``StreamingDataset``: every span of positions in which a shard is read."""
+    length = int(ds.epoch_length)
+    uids, los, his = [], [], []
+    single = len(ds.sources) == 1
+    for i, base in sources.items():
+        n = int(ds._sizes[i])
+        if single:
+            sh, lo, hi = _spans(ds._pass_order(i, epoch, 0))
+        else:
+            # Mixture: source i's stream offset o sits in mixture block ~o / (block * w); the
+            # exact block is within one of that, so each span is widened by a block.
+            w, blk = float(ds.weights[i]), int(ds.mix_block)
+            total = int(np.ceil(length * w)) + blk
+            parts = []
+            for k in range(-(-total // n)):
+                ps, a, b = _spans(ds._pass_order(i, epoch, k))
+                a, b = a + k * n, b + k * n
+                lo = (np.floor(a / (blk * w)).astype(np.int64) - 1) * blk
+                hi = (np.floor((b - 1) / (blk * w)).astype(np.int64) + 2) * blk
+                parts.append((ps, np.clip(lo, 0, length), np.clip(hi, 0, length)))
+            sh = np.concatenate([q[0] for q in parts])
+            lo = np.concatenate([q[1] for q in parts])
+            hi = np.concatenate([q[2] for q in parts])
+            keep = lo < hi
+            sh, lo, hi = sh[keep], lo[keep], hi[keep]
+        uids.append(sh + base)
+        los.append(lo)
+        his.append(hi)
+    uid = np.concatenate(uids).astype(np.int64)
+    lo = np.concatenate(los).astype(np.int64)
+    hi = np.concatenate(his).astype(np.int64)
+    o = np.lexsort((uid, lo))
+    key = uid * (length + 1) + hi
+    ko = np.argsort(key, kind="stable")
+    return _Plan(epoch, length, uid[o], lo[o], hi[o], key[ko], lo[ko])
 
 
 # --- the shared index ------------------------------------------------------------------------
@@ -720,42 +760,7 @@ class RemoteCache:
         return p
 
     def _build_plan(self, epoch: int) -> _Plan:
-        ds = self.ds
-        length = self.length
-        uids, los, his = [], [], []
-        single = len(ds.sources) == 1
-        for i, d in self.src_dir.items():
-            n = int(ds._sizes[i])
-            if single:
-                sh, lo, hi = _spans(ds._pass_order(i, epoch, 0))
-            else:
-                # Mixture: source i's stream offset o sits in mixture block ~o / (block * w);
-                # the exact block is within one of that, so each span is widened by a block.
-                w, blk = float(ds.weights[i]), int(ds.mix_block)
-                total = int(np.ceil(length * w)) + blk
-                parts = []
-                for k in range(-(-total // n)):
-                    ps, a, b = _spans(ds._pass_order(i, epoch, k))
-                    a, b = a + k * n, b + k * n
-                    lo = (np.floor(a / (blk * w)).astype(np.int64) - 1) * blk
-                    hi = (np.floor((b - 1) / (blk * w)).astype(np.int64) + 2) * blk
-                    parts.append((ps, np.clip(lo, 0, length), np.clip(hi, 0, length)))
-                sh = np.concatenate([q[0] for q in parts])
-                lo = np.concatenate([q[1] for q in parts])
-                hi = np.concatenate([q[2] for q in parts])
-                keep = lo < hi
-                sh, lo, hi = sh[keep], lo[keep], hi[keep]
-            uids.append(sh + d.base)
-            los.append(lo)
-            his.append(hi)
-        uid = np.concatenate(uids).astype(np.int64)
-        lo = np.concatenate(los).astype(np.int64)
-        hi = np.concatenate(his).astype(np.int64)
-        o = np.lexsort((uid, lo))
-        s = length + 1
-        key = uid * s + hi
-        ko = np.argsort(key, kind="stable")
-        return _Plan(epoch, length, uid[o], lo[o], hi[o], key[ko], lo[ko])
+        return epoch_plan(self.ds, epoch, {i: d.base for i, d in self.src_dir.items()})
 
     def _abs(self, epoch: int, pos: int) -> int:
         return epoch * (self.length + 1) + pos
@@ -1323,22 +1328,29 @@ class RemoteCache:
                 for f in futs]
 
 
-def open_cache(ds: Any, cache_dir: str | None, cache_limit: int | str | None,
-               options: CacheOptions | None,
-               storage_options: dict[str, Any] | None) -> RemoteCache | None:
-    """Attach a :class:`RemoteCache` to ``ds``'s remote sources; None when all are local."""
-    remote = [s.root for s in ds.sources if is_remote(s.root)]
-    if not remote:
-        if cache_dir is not None or cache_limit is not None:
-            log.info("cache_dir/cache_limit ignored: every source is a local directory")
-        return None
-    if cache_dir is None:
+def check_cache_args(roots: Sequence[str], cache_dir: str | None,
+                     cache_limit: int | str | None) -> int | None:
+    """Validate the cache arguments before anything is read; returns the limit in bytes."""
+    remote = [r for r in roots if is_remote(r)]
+    limit = None if cache_limit is None else parse_size(cache_limit)
+    if remote and cache_dir is None:
         raise ValueError(
             f"{remote[0]}: a remote dataset is read through a local cache; pass "
             "cache_dir='/nvme/cache' (local disk, shared by the ranks of a node) and "
             "cache_limit='200GB' (or stage it first with `unbroken stage URL DIR`)"
         )
-    limit = None if cache_limit is None else parse_size(cache_limit)
+    if not remote and (cache_dir is not None or cache_limit is not None):
+        log.info("cache_dir/cache_limit ignored: every source is a local directory")
+    return limit
+
+
+def open_cache(ds: Any, cache_dir: str | None, cache_limit: int | str | None,
+               options: CacheOptions | None,
+               storage_options: dict[str, Any] | None) -> RemoteCache | None:
+    """Attach a :class:`RemoteCache` to ``ds``'s remote sources; None when all are local."""
+    limit = check_cache_args([s.root for s in ds.sources], cache_dir, cache_limit)
+    if cache_dir is None or not any(is_remote(s.root) for s in ds.sources):
+        return None
     return RemoteCache(ds, cache_dir, limit, options or CacheOptions(), storage_options)
 
 

@@ -53,7 +53,13 @@ import torch.distributed as dist
 import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
-from unbroken.data.cache import CacheOptions, is_remote, load_remote_manifest, open_cache
+from unbroken.data.cache import (
+    CacheOptions,
+    check_cache_args,
+    is_remote,
+    load_remote_manifest,
+    open_cache,
+)
 from unbroken.data.manifest import DatasetManifest
 from unbroken.data.order import (
     EpochOrder,
@@ -431,6 +437,7 @@ class StreamingDataset(IterableDataset):
         self.shuffle = shuffle
         self.transform = transform
         self.rank, self.world_size = _resolve_rank(rank, world_size)
+        check_cache_args([s.root for s in srcs], cache_dir, cache_limit)  # before any download
         self._readers = [_open_reader(s, seq_len, storage_options, cache_options) for s in srcs]
         for s, r in zip(srcs, self._readers, strict=True):
             if int(r.counts.sum()) == 0:
