@@ -47,6 +47,7 @@ when the store stopped answering, which the supervisor classifies as a ``storage
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import heapq
@@ -256,6 +257,24 @@ def _spans(order: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return shard, (starts // w) * w, np.minimum(order.length, ((ends - 1) // w + 1) * w)
 
 
+def _blocks_before(ds: Any, i: int, nblocks: int) -> np.ndarray:
+    """Slots of source ``i`` in mixture blocks ``0..b-1`` for every ``b <= nblocks``: the
+    same cumulative floors as :class:`~unbroken.data.order.MixtureOrder`, exactly, in int64
+    (``floor(n*p/q) = (n//q)*p + (n%q)*p//q`` keeps every product below 2**62)."""
+    from unbroken.data.order import MixtureOrder
+
+    cum = MixtureOrder(ds.weights, "", 0, 0, 1, block=ds.mix_block).cum
+    n = np.arange(nblocks + 1, dtype=np.int64) * int(ds.mix_block)
+
+    def floor_at(k: int) -> np.ndarray:
+        if k < 0:
+            return np.zeros_like(n)
+        p, q = cum[k].numerator, cum[k].denominator
+        return (n // q) * p + (n % q) * p // q
+
+    return floor_at(i) - floor_at(i - 1)
+
+
 def epoch_plan(ds: Any, epoch: int, sources: dict[int, int]) -> _Plan:
     """The plan of ``epoch`` for the sources ``{source index: uid of its shard 0}`` of a
     ``StreamingDataset``: every span of positions in which a shard is read."""
@@ -267,17 +286,18 @@ def epoch_plan(ds: Any, epoch: int, sources: dict[int, int]) -> _Plan:
         if single:
             sh, lo, hi = _spans(ds._pass_order(i, epoch, 0))
         else:
-            # Mixture: source i's stream offset o sits in mixture block ~o / (block * w); the
-            # exact block is within one of that, so each span is widened by a block.
-            w, blk = float(ds.weights[i]), int(ds.mix_block)
-            total = int(np.ceil(length * w)) + blk
+            # Mixture: source offset o (counted across passes) lies in the block b with
+            # before(b) <= o < before(b+1), anywhere among its positions (slots are permuted).
+            blk = int(ds.mix_block)
+            nb = -(-length // blk)
+            before = _blocks_before(ds, i, nb)
             parts = []
-            for k in range(-(-total // n)):
+            for k in range(-(-int(before[-1]) // n)):
                 ps, a, b = _spans(ds._pass_order(i, epoch, k))
-                a, b = a + k * n, b + k * n
-                lo = (np.floor(a / (blk * w)).astype(np.int64) - 1) * blk
-                hi = (np.floor((b - 1) / (blk * w)).astype(np.int64) + 2) * blk
-                parts.append((ps, np.clip(lo, 0, length), np.clip(hi, 0, length)))
+                first = np.searchsorted(before, a + k * n, side="right") - 1
+                last = np.searchsorted(before, b - 1 + k * n, side="right") - 1
+                parts.append((ps, np.minimum(first * blk, length),
+                              np.minimum((last + 1) * blk, length)))
             sh = np.concatenate([q[0] for q in parts])
             lo = np.concatenate([q[1] for q in parts])
             hi = np.concatenate([q[2] for q in parts])
@@ -349,12 +369,22 @@ def _close_inherited() -> None:
 os.register_at_fork(after_in_child=_close_inherited)
 
 
+def _mp_child() -> bool:
+    import multiprocessing
+
+    return multiprocessing.parent_process() is not None
+
+
 def _flock(fd: int, how: int) -> bool:
     try:
         fcntl.flock(fd, how | fcntl.LOCK_NB)
         return True
     except BlockingIOError:
         return False
+
+
+class _Stopped(BaseException):
+    """Raised inside a download when its process shuts down (not retried, not an error)."""
 
 
 class _Pin:
@@ -414,6 +444,7 @@ class _Pool:
         self._seq = itertools.count()
         self._threads: list[threading.Thread] = []
         self._idle = 0
+        self.stopping = False
 
     def submit(self, uid: int, prio: int) -> Future[str]:
         with self._cond:
@@ -442,11 +473,28 @@ class _Pool:
         with self._cond:
             return uid in self._tasks
 
+    def stop(self, timeout: float) -> None:
+        """Drop the queued tasks, make the running downloads abort (``stopping`` is checked as
+        bytes arrive: their partial files and reservations are removed) and wait for them."""
+        with self._cond:
+            self.stopping = True
+            self._heap.clear()
+            for uid, (fut, _, seq) in list(self._tasks.items()):
+                if seq >= 0:
+                    del self._tasks[uid]
+                    fut.cancel()
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
     def _run(self) -> None:
         while True:
             with self._cond:
                 while True:
                     while not self._heap:
+                        if self.stopping:
+                            return
                         self._idle += 1
                         self._cond.wait()
                         self._idle -= 1
@@ -550,6 +598,16 @@ class _Proc:
         self.slot: np.ndarray | None = None
         self.slot_mm: mmap.mmap | None = None
         self.heartbeat = 0
+        # On exit, abort the downloads in flight so that they leave no partial file or
+        # reservation behind (a DataLoader worker exits through multiprocessing, which runs
+        # its finalizers but not atexit).
+        import multiprocessing.util as mpu
+
+        stop = self.pool.stop
+        if _mp_child():
+            mpu.Finalize(self, stop, args=(2.0,), exitpriority=100)
+        else:
+            atexit.register(stop, 2.0)
 
 
 
@@ -713,6 +771,10 @@ class RemoteCache:
         for i, d in self.src_dir.items():
             sizes = np.sort(self.unit_bytes[d.base : d.base + len(d.manifest.shards)])[::-1]
             w = int(self.ds.shuffle_window[i])
+            if len(self.ds.sources) > 1:
+                # a mixture block's slots are permuted: one block holds ~block*weight samples
+                # of this source, which its readers need at once
+                w += int(np.ceil(self.ds.mix_block * self.ds.weights[i]))
             k = shards_per_window(self.ds._readers[i].counts, 2 * w) if w else 2
             held += int(sizes[:k].sum())
             parts.append(f"{k} shards of up to {int(sizes[0]):,} bytes")
@@ -721,7 +783,8 @@ class RemoteCache:
         ahead = int(every[: self.prefetch_shards].sum())
         if self.options.cap_bytes is not None:
             ahead = min(ahead, self.options.cap_bytes + int(every[0]))
-        why = (f"two consecutive shuffle windows need {held:,} bytes ({'; '.join(parts)}) and "
+        why = (f"two consecutive shuffle windows (and mixture blocks) need {held:,} bytes "
+               f"({'; '.join(parts)}) and "
                f"prefetching {self.prefetch_shards} shards ahead {ahead:,}")
         return held + ahead, why
 
@@ -1180,6 +1243,9 @@ class RemoteCache:
                 return "busy"
             if self._present(uid):
                 return "present"
+            for tmp in self._temps(d.id, shard):  # left by a downloader that died: we hold
+                with contextlib.suppress(FileNotFoundError):  # the unit, nobody writes them
+                    os.unlink(tmp)
             if not self._reserve(uid, prio):
                 st.retry_after[uid] = time.monotonic() + 0.02
                 return "noroom"
@@ -1191,6 +1257,8 @@ class RemoteCache:
             beat = [st.heartbeat]
 
             def on_bytes(n: int) -> None:
+                if st.pool.stopping:
+                    raise _Stopped
                 beat[0] += 1
                 os.pwrite(fd, beat[0].to_bytes(8, "little"), 0)
 
