@@ -173,6 +173,14 @@ def _copy_one(
     try:
         if _is_local(fs):
             size, digest = _copy_local(fs._strip_protocol(src), tmp, fsync, on_bytes)
+        elif f.size <= _CHUNK:
+            # One request for the whole object: what a streamed read costs for its first
+            # chunk anyway, without a file object, a ranged GET and a read-ahead copy.
+            data = fs.cat_file(src)
+            with HashingWriter(tmp, fsync=fsync) as w:
+                w.write(data)
+            on_bytes(len(data))
+            size, digest = w.size, w.digest
         else:
             size, digest = _copy_stream(_open_remote(fs, src, f.size), tmp, fsync, on_bytes)
         if size != f.size or digest != f.checksum:
