@@ -32,6 +32,7 @@ import pytest
 from unbroken.data.cache import CacheOptions, RemoteStorageError, epoch_plan, read_events
 from unbroken.data.dataset import Source, StreamingDataset
 from unbroken.data.manifest import DatasetManifest
+from unbroken.data.profile import StepTimer
 
 s3fs = pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -272,9 +273,16 @@ def test_mixture_with_a_remote_source_reads_like_local(
         cache_options=CacheOptions(prefetch_shards=4, timeout=20, backoff_s=0.05),
     )
     assert remote.fingerprint == local.fingerprint
-    for a, b in zip(local.iter_batches(0, 0, 16), remote.iter_batches(0, 0, 16), strict=True):
+    timer = StepTimer(log_every=0, network=remote)  # the network as its own stage
+    for a, b in zip(local.iter_batches(0, 0, 16), timer.wrap(remote.iter_batches(0, 0, 16)),
+                    strict=True):
         assert [s["__key__"] for s in a] == [s["__key__"] for s in b]
         assert [s["bin"] for s in a] == [s["bin"] for s in b]
+    wait, _, _, _, net = timer._ordered(timer.steps)
+    assert np.isfinite(net).all() and (net <= wait + 1e-6).all()
+    assert net[0] > 0  # the cold cache: the first batch waited for its downloads
+    s = timer.summary()
+    assert 0 < s.net_ms <= s.wait_ms and "network" in s.format()
     with pytest.raises(ValueError, match=r"cache_limit=10,000 bytes is too small: two "
                                          r"consecutive shuffle windows .* need"):
         StreamingDataset("s3://data/mix", cache_dir=str(tmp_path / "c2"), cache_limit=10_000,
@@ -320,7 +328,7 @@ def test_server_stopped_mid_epoch_fails_within_the_timeout(local_ds: str, tmp_pa
                 cache_dir=str(tmp_path / "c"), cache_limit=m.total_bytes // 4,
                 storage_options=_opts(ep),
                 cache_options=CacheOptions(prefetch_shards=2, timeout=4, retries=2,
-                                           backoff_s=0.05),
+                                           backoff_s=0.05, grace_s=0.2),
             )
             it = ds.iter_batches(0, 0, 16)
             for _ in range(3):
