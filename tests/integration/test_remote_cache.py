@@ -344,3 +344,23 @@ def test_server_stopped_mid_epoch_fails_within_the_timeout(local_ds: str, tmp_pa
         if not stopped:
             server.stop()
         shutil.rmtree(str(tmp_path / "c"), ignore_errors=True)
+
+
+def test_data_bench_on_a_remote_dataset_names_the_network(
+    endpoint: str, local_ds: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from unbroken.cli import main
+
+    _upload(endpoint, local_ds, "data", "bench")
+    opts = json.dumps(_opts(endpoint))
+    rc = main(["data", "bench", "s3://data/bench", "--storage-options", opts, "--cache-dir",
+               str(tmp_path / "scratch"), "--batch-size", "16", "--batches", "6",
+               "--max-seconds", "4", "--num-workers", "1", "--consume-rate", "1e9"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    row = next(ln for ln in out.splitlines() if ln.startswith("network"))
+    assert "remote" in row and "parallel downloads" in row
+    assert "CacheOptions(prefetch_shards=" in out
+    assert os.listdir(str(tmp_path / "scratch")) == []  # the scratch cache is gone
+    rc = main(["data", "bench", "s3://data/bench", "--storage-options", "{oops"])
+    assert rc == 2 and "--storage-options" in capsys.readouterr().err
