@@ -417,6 +417,8 @@ def _close_inherited() -> None:
 
 os.register_at_fork(after_in_child=_close_inherited)
 
+_CHILDREN: list[Any] = []  # fetcher processes started here (kept to be reaped, not waited for)
+
 
 def _mp_child() -> bool:
     import multiprocessing
@@ -1164,10 +1166,12 @@ class RemoteCache:
         clone = object.__new__(RemoteCache)
         clone.__dict__.update(me)
         atomic_write_bytes(spec, pickle.dumps(clone), fsync=False)
+        _CHILDREN[:] = [c for c in _CHILDREN if c.poll() is None]  # reap finished ones
         with open(lock[: -len(".lock")] + ".log", "ab") as err:
-            subprocess.Popen([sys.executable, "-m", "unbroken.data._fetcher", spec],
-                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                             close_fds=True)
+            _CHILDREN.append(subprocess.Popen(
+                [sys.executable, "-m", "unbroken.data._fetcher", spec],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, close_fds=True,
+            ))
 
     def serve(self, idle_exit: float = 10.0) -> None:
         """The fetcher process's loop: prefetch for every live reader of this dataset on the
