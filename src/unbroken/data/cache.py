@@ -659,7 +659,6 @@ class _Proc:
         self.next_eval = (-1, -1, 0.0)  # (epoch, boundary position, time) of the prefetch plan
         self.slot: np.ndarray | None = None
         self.slot_mm: mmap.mmap | None = None
-        self.heartbeat = 0
         # On exit, abort the downloads in flight so that they leave no partial file or
         # reservation behind (a DataLoader worker exits through multiprocessing, which runs
         # its finalizers but not atexit).
@@ -670,7 +669,6 @@ class _Proc:
             mpu.Finalize(self, stop, args=(2.0,), exitpriority=100)
         else:
             atexit.register(stop, 2.0)
-
 
 
 class RemoteCache:
@@ -945,19 +943,21 @@ class RemoteCache:
         got = nbytes = 0
         for ahead in (plan, self.plan(plan.epoch + 1)):
             start = cut if ahead is plan else 0
-            for u, lo in zip(ahead.uid[start:].tolist(), ahead.lo[start:].tolist(), strict=True):
-                if got >= want:
-                    break
-                if u in seen:
-                    continue
-                b = int(self.unit_bytes[u])
-                if cap is not None and got and nbytes + b > cap:
-                    got = want
-                    break
-                seen.add(u)
-                targets.append((u, self._abs(ahead.epoch, lo)))
-                got += 1
-                nbytes += b
+            while got < want and start < ahead.uid.size:
+                stop = start + 4 * want + 64  # a slice at a time: plans can be long
+                for u, lo in zip(ahead.uid[start:stop].tolist(), ahead.lo[start:stop].tolist(),
+                                 strict=True):
+                    if u in seen:
+                        continue
+                    b = int(self.unit_bytes[u])
+                    if got >= want or (cap is not None and got and nbytes + b > cap):
+                        got = want
+                        break
+                    seen.add(u)
+                    targets.append((u, self._abs(ahead.epoch, lo)))
+                    got += 1
+                    nbytes += b
+                start = stop
             if got >= want:
                 break
         now = time.monotonic()
@@ -1412,7 +1412,7 @@ class RemoteCache:
             fs, root = self._fs(d)
             t0 = time.monotonic()
             ok = False
-            beat = [st.heartbeat]
+            beat = [0]
 
             def on_bytes(n: int) -> None:
                 if st.pool.stopping:
