@@ -1184,8 +1184,10 @@ class RemoteCache:
         st = self._proc()
         idle_since = time.monotonic()
         last: dict[tuple[int, int], tuple[int, float]] = {}
+        seen: list[tuple[int, int, int]] = []
+        nap = 0.005
         while os.path.isdir(self.cache_dir):
-            regs = self._registrations()
+            regs = sorted(self._registrations())
             now = time.monotonic()
             if regs:
                 idle_since = now
@@ -1202,7 +1204,10 @@ class RemoteCache:
                 last[(epoch, pos // 1024)] = (self._prefetch(st, self.plan(epoch), pos), now)
             if len(last) > 4096:
                 last.clear()
-            time.sleep(0.01)
+            # poll fast while readers move, slowly while nothing changes
+            nap = 0.005 if regs != seen else min(nap * 2, 0.1)
+            seen = regs
+            time.sleep(nap)
 
     def _block(self, st: _Proc, on: bool) -> None:
         if st.slot is None:
