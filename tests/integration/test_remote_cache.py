@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from datakit import S3_TEST_CREDS
 from unbroken.data.cache import CacheOptions, RemoteStorageError, epoch_plan, read_events
 from unbroken.data.dataset import Source, StreamingDataset
 from unbroken.data.manifest import DatasetManifest
@@ -37,12 +38,7 @@ from unbroken.data.profile import StepTimer
 s3fs = pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-_CREDS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_SESSION_TOKEN": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
+_CREDS = S3_TEST_CREDS
 _SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "remote_reader.py")
 N, SHARD, WINDOW, BATCH, SEED = 1280, 24_000, 40, 8, 5
 
