@@ -1582,7 +1582,9 @@ def open_cache(ds: Any, cache_dir: str | None, cache_limit: int | str | None,
     limit = check_cache_args([s.root for s in ds.sources], cache_dir, cache_limit)
     if cache_dir is None or not any(is_remote(s.root) for s in ds.sources):
         return None
-    return RemoteCache(ds, cache_dir, limit, options or CacheOptions(), storage_options)
+    cache = RemoteCache(ds, cache_dir, limit, options or CacheOptions(), storage_options)
+    cache.fetcher_alive()  # starts the fetcher now: it is up when the first reader registers
+    return cache
 
 
 def read_events(cache_dir: str) -> list[dict[str, Any]]:
