@@ -420,6 +420,16 @@ os.register_at_fork(after_in_child=_close_inherited)
 _CHILDREN: list[Any] = []  # fetcher processes started here (kept to be reaped, not waited for)
 
 
+class _Forked:
+    """``poll()`` for a multiprocessing child, like ``subprocess.Popen``'s."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+
 def _mp_child() -> bool:
     import multiprocessing
 
@@ -1153,6 +1163,7 @@ class RemoteCache:
         return st.fetcher_up
 
     def _spawn_fetcher(self) -> None:
+        import multiprocessing
         import pickle
         import subprocess
         import sys
@@ -1162,11 +1173,23 @@ class RemoteCache:
         lock, spec = self._fetch_paths()
         os.makedirs(os.path.dirname(lock), exist_ok=True)
         me = dict(self.__dict__)
-        me.update(readers=[], _state=None, _plan_lock=None, _plans=OrderedDict())
+        me.update(readers=[], _state=None, _plan_lock=threading.Lock(), _plans=OrderedDict())
         clone = object.__new__(RemoteCache)
         clone.__dict__.update(me)
-        atomic_write_bytes(spec, pickle.dumps(clone), fsync=False)
         _CHILDREN[:] = [c for c in _CHILDREN if c.poll() is None]  # reap finished ones
+        if not multiprocessing.current_process().daemon:
+            # A fork starts in milliseconds with everything imported (a fresh interpreter
+            # takes a second or more to import numpy and s3fs); daemonic, so it goes when
+            # this process exits. Forked like a DataLoader worker, and like one it never
+            # touches CUDA.
+            child = multiprocessing.get_context("fork").Process(
+                target=clone.serve, name="unbroken-fetcher", daemon=True)
+            child.start()
+            _CHILDREN.append(_Forked(child))
+            return
+        # A DataLoader worker may not fork children of its own: a fresh interpreter.
+        clone.__setstate__(clone.__getstate__())
+        atomic_write_bytes(spec, pickle.dumps(clone), fsync=False)
         with open(lock[: -len(".lock")] + ".log", "ab") as err:
             _CHILDREN.append(subprocess.Popen(
                 [sys.executable, "-m", "unbroken.data._fetcher", spec],
@@ -1181,6 +1204,7 @@ class RemoteCache:
         fd = _open_fd(lock)
         if not _flock(fd, fcntl.LOCK_EX):
             return
+        self._event("fetcher", state="start")
         st = self._proc()
         idle_since = time.monotonic()
         last: dict[tuple[int, int], tuple[int, float]] = {}
