@@ -360,3 +360,26 @@ def test_data_bench_on_a_remote_dataset_names_the_network(
     assert os.listdir(str(tmp_path / "scratch")) == []  # the scratch cache is gone
     rc = main(["data", "bench", "s3://data/bench", "--storage-options", "{oops"])
     assert rc == 2 and "--storage-options" in capsys.readouterr().err
+
+
+def test_a_fetcher_in_a_fresh_interpreter_serves_the_readers(
+    endpoint: str, local_ds: str, tmp_path: Any
+) -> None:
+    """The path a DataLoader worker takes when no fetcher runs (it may not fork): ``python -m
+    unbroken.data._fetcher SPEC``; every download then comes from that process."""
+    _upload(endpoint, local_ds, "data", "fresh")
+    cache = str(tmp_path / "c")
+    ds = StreamingDataset("s3://data/fresh", seed=1, shuffle_window=WINDOW, rank=0,
+                          world_size=1, cache_dir=cache, storage_options=_opts(endpoint),
+                          cache_options=CacheOptions(fetch_process=False, prefetch_shards=4,
+                                                     grace_s=30, timeout=30))
+    c = ds._cache
+    c._spawn_fetcher(fresh=True)
+    _wait(lambda: any(e["ev"] == "fetcher" for e in read_events(cache)), 60, "the fetcher")
+    c._proc().fetcher_checked = -1e9
+    assert c.fetcher_alive()
+    keys = [s["__key__"] for b in ds.iter_batches(0, 0, 32) for s in b]
+    assert sorted(keys) == [f"k{i:05d}" for i in range(N)]
+    events = read_events(cache)
+    fetcher = {e["pid"] for e in events if e["ev"] == "fetcher"}
+    assert {e["pid"] for e in events if e["ev"] == "download"} == fetcher != {os.getpid()}

@@ -1162,7 +1162,9 @@ class RemoteCache:
             self._spawn_fetcher()
         return st.fetcher_up
 
-    def _spawn_fetcher(self) -> None:
+    def _spawn_fetcher(self, fresh: bool | None = None) -> None:
+        """Start a fetcher: forked from this process, or (``fresh``; the default in a
+        DataLoader worker, which may not fork children) a new interpreter."""
         import multiprocessing
         import pickle
         import subprocess
@@ -1177,7 +1179,9 @@ class RemoteCache:
         clone = object.__new__(RemoteCache)
         clone.__dict__.update(me)
         _CHILDREN[:] = [c for c in _CHILDREN if c.poll() is None]  # reap finished ones
-        if not multiprocessing.current_process().daemon:
+        if fresh is None:
+            fresh = bool(multiprocessing.current_process().daemon)
+        if not fresh:
             # A fork starts in milliseconds with everything imported (a fresh interpreter
             # takes a second or more to import numpy and s3fs); daemonic, so it goes when
             # this process exits. Forked like a DataLoader worker, and like one it never
