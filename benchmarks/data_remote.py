@@ -12,7 +12,9 @@ payload bytes as a float tensor) and ``default_collate``:
 * MosaicML Streaming: ``StreamingDataset(remote="s3://...", local=, cache_limit=,
   shuffle_block_size=5000)`` (the same shuffle span as ours; its default block of 262,144
   samples spans the whole dataset, which a 25% cache can only thrash on);
-* LitData: ``StreamingDataset("s3://...", cache_dir=, max_cache_size=)``.
+* LitData: ``StreamingDataset("s3://...", cache_dir=, max_cache_size=)``;
+* unbroken-local (reference, not a contender): our loader on the same tar shards in a local
+  directory, no cache and no network - what this decode allows on this box.
 
 Per epoch: samples/s over the whole epoch (its first batch included: an epoch that waits for
 the network shows it), samples delivered and distinct, bytes the server sent (GET bodies,
@@ -50,7 +52,9 @@ SHARD = 4 << 20
 WINDOW = 5000
 CACHE_FRAC = 0.25
 EPOCHS = 2
-LOADERS = ("unbroken", "mosaicml", "litdata")
+LOADERS = ("unbroken", "mosaicml", "litdata", "unbroken-local")
+# unbroken-local: the same tar shards, the same decode, read from the local directory (no
+# cache, no network): the ceiling of this decode on this box, for reference.
 _CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
           "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 BUCKET = "bench"
@@ -189,6 +193,13 @@ def make_loader(name: str, endpoint: str, cache: str, limit: int) -> Any:
     from torch.utils.data import default_collate
 
     url = f"s3://{BUCKET}"
+    if name == "unbroken-local":
+        from unbroken.data.dataset import StreamingDataset
+        from unbroken.data.loader import StatefulLoader
+
+        local = os.path.join(os.path.dirname(cache), "tar")  # cache is <root>/cache-<name>
+        ds = StreamingDataset(local, seed=0, shuffle_window=WINDOW, transform=decode_tar)
+        return StatefulLoader(ds, BATCH, num_workers=WORKERS, collate_fn=default_collate)
     if name == "unbroken":
         from unbroken.data.cache import CacheOptions
         from unbroken.data.dataset import StreamingDataset
@@ -245,7 +256,7 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
     ld = make_loader(name, endpoint, cache, limit)
     epochs = []
     for e in range(EPOCHS):
-        if hasattr(ld, "set_epoch") and name == "unbroken":
+        if name.startswith("unbroken"):
             ld.set_epoch(e)
         c0 = counts(endpoint)
         t0 = time.perf_counter()
@@ -308,7 +319,8 @@ def main() -> int:
         t0 = time.perf_counter()
         upload(endpoint, a.root)
         print(f"uploaded to {endpoint} in {time.perf_counter() - t0:.0f} s", flush=True)
-        fmt = {"unbroken": "tar", "mosaicml": "mds", "litdata": "litdata"}
+        fmt = {"unbroken": "tar", "mosaicml": "mds", "litdata": "litdata",
+               "unbroken-local": "tar"}
         names = list(a.only or LOADERS)
         results: dict[str, Any] = {n: {"rounds": []} for n in names}
         for rnd in range(a.rounds):
