@@ -1101,8 +1101,12 @@ class RemoteCache:
         rdir = os.path.join(self.cache_dir, ".readers")
         now = time.monotonic_ns()
         stale = int(self.options.timeout * 1e9)
-        out = []
-        for name in os.listdir(rdir):
+        out: list[tuple[int, int, int]] = []
+        try:
+            names = os.listdir(rdir)
+        except FileNotFoundError:
+            return out  # the cache directory was removed
+        for name in names:
             path = os.path.join(rdir, name)
             try:
                 fd = os.open(path, os.O_RDWR)
@@ -1203,7 +1207,17 @@ class RemoteCache:
     def serve(self, idle_exit: float = 10.0) -> None:
         """The fetcher process's loop: prefetch for every live reader of this dataset on the
         node, fetch first what a reader waits for; return when nobody has read for
-        ``idle_exit`` seconds, or when another fetcher already serves."""
+        ``idle_exit`` seconds, when the cache directory is gone, or when another fetcher
+        already serves. A failed download is the readers' to report (they retry it
+        themselves after ``grace_s``), so nothing here raises."""
+        try:
+            self._serve(idle_exit)
+        except FileNotFoundError:
+            pass  # the cache directory was removed under us
+        except Exception:
+            log.exception("fetcher for %s stopped", self.cache_dir)
+
+    def _serve(self, idle_exit: float) -> None:
         lock, _ = self._fetch_paths()
         fd = _open_fd(lock)
         if not _flock(fd, fcntl.LOCK_EX):
