@@ -1247,7 +1247,7 @@ class RemoteCache:
             if len(last) > 4096:
                 last.clear()
             # poll fast while readers move, slowly while nothing changes
-            nap = 0.005 if regs != seen else min(nap * 2, 0.1)
+            nap = 0.02 if regs != seen else min(nap * 2, 0.1)
             seen = regs
             time.sleep(nap)
 
