@@ -1,38 +1,59 @@
-"""Read throughput and resume latency: unbroken's StreamingDataset vs the anchors.
+"""Read path, resume and tokens: unbroken's StatefulLoader vs the anchors, as users run them.
 
 Same run, same 100,000 samples (2-6 KB random bytes + a small JSON each, ~400 MB), each
 loader on its own format of them (our tar shards are also what WebDataset reads; MosaicML
 Streaming reads MDS, LitData its optimized chunks; 64 MB shards/chunks everywhere), 2 DataLoader
-workers, shuffle on, the same per-sample function (`touch`: keep the key and the payload bytes)
-and the same list collate for every loader:
+workers, batch 64, shuffle on. Three workloads, every loader on each, side by side:
 
-1. steady-state samples/s (after the first 10 batches, to the end of one epoch), seeds 0/1/2,
-   with two shuffle-quality numbers of the delivered order (Spearman index-vs-position, share
-   of consecutive samples within 1,000 indexes of each other), a "ceiling" row: the same fn
-   and collate over samples already in memory, through torch's stock worker->main transport
-   (the bound for any loader that uses that transport), and "unbroken-pipe": ours with that
-   stock transport (shm_transport=False) instead of its shared-memory ring;
-2. resume: time from constructing a fresh loader with a state saved at 90% of the epoch (by a
-   real run) to its first batch; ours also at 10% and 50% (flatness), with num_workers=0, and
-   the start-up of a bare 2-worker DataLoader for reference;
-3. tokens/s from token shards at seq_len 1024 vs nanoGPT's `get_batch` over one np.memmap.
+  decode-tensors  (the headline) the worker decodes each sample - ``json.loads`` of the JSON
+                  plus the first 2,048 payload bytes as a float32 tensor - and the batch is
+                  ``default_collate``d: {"x": (64, 2048) float32, "label": (64,), "i": (64,)};
+                  ``pin_memory`` where the platform has CUDA (as the README's loop does);
+  decode-list     the same decode, batches left as a list of 64 sample dicts (a custom
+                  collate: one tensor per sample);
+  raw             the payload passed through untouched as ``(key, bytes)``, list collate.
 
-The data follows benchmarks/data_prep.py's recipe (sizes, JSON, keys, 64 MB shards) and is
-generated once under --root (default /tmp/unbroken-bench-read; ~1.7 GB in all formats).
+For every loader and workload, per seed (0/1/2, loaders interleaved so load changes hit all
+alike): steady-state samples/s (after the first 10 batches; an epoch, or ``--budget`` seconds
+of it), and the total CPU per delivered sample - main process + DataLoader workers, user +
+system, from ``getrusage`` (the workers are joined before it is read, so ``RUSAGE_CHILDREN``
+holds them) over the loader's whole life (construction to shutdown). The same decode is then
+run alone over the same samples in memory: ``loader's own CPU = total - decode alone``.
+
+"ceiling": the samples already in memory (one blob + offsets, sliced like an mmap), same
+decode, same collate, shuffled; through torch's stock transport ("ceiling-pipe") and through
+unbroken's shared-memory ring ("ceiling-ring"); "ceiling" in the summary is the better one.
+"unbroken-pipe": ours with ``shm_transport=False``; "unbroken-noverify": ours with
+``verify=False`` (only when ``StreamingDataset`` has that parameter).
+
+Resume (decode-tensors workload, the one MosaicML counts right): a real run of each loader to
+10/50/90% of the epoch saves its state; the position the loader *actually* saved is printed
+beside the time and must equal the intended one (else the run fails). Time = constructing a
+fresh dataset + loader from that state to its first batch (and to its second: unbroken makes
+a run's first batch in the training process before its workers start, so their start-up
+lands before the second), median of 5 in a fresh process with the loader's modules imported.
+Ours also with num_workers=0 and a bare 2-worker DataLoader's start-up (torch's floor under
+any loader that waits for its workers).
+
+Tokens (seq_len 1024, 64 Mi tokens, 3 full epochs, batch 16 and 64): unbroken's token shards
+vs nanoGPT's ``get_batch`` (np.memmap per batch, random offsets, x and y as int64) - both in
+the main process, and both over 2 DataLoader workers (get_batch yielded by an IterableDataset).
 
 Every measurement runs in a fresh subprocess of the same interpreter. Run from the anchor
-venv (built by benchmarks/_anchor_env.sh):
+venv (benchmarks/_anchor_env.sh), under the box's benchmark lock:
 
-    .venv-bench/bin/python benchmarks/data_read.py            # full run
-    .venv-bench/bin/python benchmarks/data_read.py --only unbroken webdataset
+    flock /tmp/unbroken-bench.lock .venv-bench/bin/python benchmarks/data_read.py
+    ... data_read.py --only unbroken litdata ceiling-ring --work decode-tensors --skip-tokens
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import pickle
+import resource
 import statistics
 import subprocess
 import sys
@@ -44,17 +65,31 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 ROOT = "/tmp/unbroken-bench-read"
 N = 100_000
-BATCH = 256
+BATCH = 64
 WORKERS = 2
 SHARD = 64 << 20
-LOADERS = ("unbroken", "webdataset", "mosaicml", "litdata", "ceiling", "unbroken-pipe")
-OURS = ("unbroken", "unbroken-pipe", "ceiling")  # not anchors
+DIM = 2048  # payload bytes decoded into the float tensor (every payload has >= 2048)
+LOADERS = (
+    "unbroken",
+    "unbroken-pipe",
+    "litdata",
+    "mosaicml",
+    "webdataset",
+    "ceiling-pipe",
+    "ceiling-ring",
+)
+OURS = ("unbroken", "unbroken-pipe", "unbroken-noverify", "ceiling-pipe", "ceiling-ring")
 # litdata-bd1: LitData with batch_decode=1 (decode only the requested row), the workaround for
-# its seed-dependent slow-down (see RESULTS.md); run with --only litdata litdata-bd1
-EXTRA = ("litdata-bd1",)
+# its seed-dependent slow-down (RESULTS.md, issue 4); unbroken-noverify: verify=False
+EXTRA = ("litdata-bd1", "unbroken-noverify")
+WORKS = ("decode-tensors", "decode-list", "raw")
+RESUMABLE = ("unbroken", "litdata", "mosaicml")
+FRACS = (0.1, 0.5, 0.9)
 SEQ_LEN = 1024
-TOK_BATCH = 16
+TOK_BATCHES = (16, 64)
+TOK_EPOCHS = 3
 TOKENS = 64 << 20  # 64 Mi tokens (uint16): 128 MB
+TOK_READERS = ("unbroken", "unbroken-pipe", "nanogpt")  # with workers
 
 
 # --- the data ----------------------------------------------------------------------------
@@ -139,34 +174,83 @@ def _prepare_tokens(root: str) -> None:
     DatasetManifest.create("tokens", infos, dtype="uint16", eos_id=0, seq_len=SEQ_LEN).save(out)
 
 
-# --- the same per-sample function and collate for every loader -------------------------
+# --- the same per-sample functions and collates for every loader -------------------------
+
+
+def _key(sample: dict[str, Any]) -> str:
+    return sample["__key__"] if "__key__" in sample else sample["key"]
+
+
+def decode(sample: dict[str, Any]) -> dict[str, Any]:
+    """What a user's transform does: parse the metadata, turn payload bytes into a tensor."""
+    import torch
+
+    meta = json.loads(bytes(sample["json"]))  # bytes(): LitData hands out memoryviews
+    x = torch.from_numpy(np.frombuffer(sample["bin"], np.uint8, DIM).astype(np.float32))
+    return {"x": x, "label": meta["label"], "i": meta["i"]}
 
 
 def touch(sample: dict[str, Any]) -> tuple[str, bytes]:
-    # bytes(): LitData hands out memoryviews, which cannot cross the worker queue
-    key = sample["__key__"] if "__key__" in sample else sample["key"]
-    return key, bytes(sample["bin"])
+    return _key(sample), bytes(sample["bin"])
 
 
 def list_collate(batch: list[Any]) -> list[Any]:
     return list(batch)
 
 
+def _work(work: str) -> tuple[Any, Any]:
+    """(per-sample function, collate) of a workload."""
+    from torch.utils.data import default_collate
+
+    if work == "decode-tensors":
+        return decode, default_collate
+    if work == "decode-list":
+        return decode, list_collate
+    return touch, list_collate
+
+
+def batch_ids(batch: Any, work: str) -> list[int]:
+    """Sample indexes of a delivered batch (to count distinct samples and judge shuffle)."""
+    if work == "decode-tensors":
+        return batch["i"].tolist()
+    if work == "decode-list":
+        return [s["i"] for s in batch]
+    return [int(k) for k, _ in batch]
+
+
+def _pin() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _has_verify() -> bool:
+    from unbroken.data.dataset import StreamingDataset
+
+    return "verify" in inspect.signature(StreamingDataset).parameters
+
+
 # --- loaders -------------------------------------------------------------------------------
 
 
-def make_loader(name: str, root: str, seed: int, state: Any = None, workers: int = WORKERS) -> Any:
-    if name in ("unbroken", "unbroken-pipe"):
+def make_loader(
+    name: str, work: str, root: str, seed: int, state: Any = None, workers: int = WORKERS
+) -> Any:
+    fn, collate = _work(work)
+    pin = work == "decode-tensors" and _pin()
+    if name in ("unbroken", "unbroken-pipe", "unbroken-noverify"):
         from unbroken.data.dataset import StreamingDataset
         from unbroken.data.loader import StatefulLoader
 
-        ds = StreamingDataset(f"{root}/tar", seed=seed, transform=touch)
+        extra = {"verify": False} if name == "unbroken-noverify" else {}
+        ds = StreamingDataset(f"{root}/tar", seed=seed, transform=fn, **extra)
         ld = StatefulLoader(
             ds,
             BATCH,
-            collate_fn=list_collate,
+            collate_fn=collate,
             num_workers=workers,
-            shm_transport=name == "unbroken",
+            pin_memory=pin and workers > 0,
+            shm_transport=name != "unbroken-pipe",
         )
         if state is not None:
             ld.load_state_dict(state)
@@ -178,22 +262,24 @@ def make_loader(name: str, root: str, seed: int, state: Any = None, workers: int
         pipe = (
             wds.WebDataset(urls, shardshuffle=len(urls), seed=seed, empty_check=False)
             .shuffle(1000, seed=seed)
-            .map(touch)
-            .batched(BATCH, collation_fn=list_collate, partial=True)
+            .map(fn)
+            .batched(BATCH, collation_fn=collate, partial=True)
         )
-        return wds.WebLoader(pipe, batch_size=None, num_workers=WORKERS)
+        return wds.WebLoader(pipe, batch_size=None, num_workers=workers, pin_memory=pin)
     if name == "mosaicml":
         from streaming import StreamingDataLoader, StreamingDataset
         from streaming.base.util import clean_stale_shared_memory
 
         clean_stale_shared_memory()
 
-        class _Touched(StreamingDataset):
+        class _Mapped(StreamingDataset):
             def __getitem__(self, i: Any) -> Any:
-                return touch(super().__getitem__(i))
+                return fn(super().__getitem__(i))
 
-        ds = _Touched(local=f"{root}/mds", shuffle=True, shuffle_seed=seed, batch_size=BATCH)
-        ld = StreamingDataLoader(ds, batch_size=BATCH, num_workers=WORKERS, collate_fn=list_collate)
+        ds = _Mapped(local=f"{root}/mds", shuffle=True, shuffle_seed=seed, batch_size=BATCH)
+        ld = StreamingDataLoader(
+            ds, batch_size=BATCH, num_workers=workers, collate_fn=collate, pin_memory=pin
+        )
         if state is not None:
             ld.load_state_dict(state)
         return ld
@@ -201,118 +287,226 @@ def make_loader(name: str, root: str, seed: int, state: Any = None, workers: int
         from litdata import StreamingDataLoader, StreamingDataset
 
         extra = {"batch_decode": 1} if name == "litdata-bd1" else {}
-        ds = StreamingDataset(f"{root}/litdata", shuffle=True, seed=seed, transform=touch, **extra)
-        ld = StreamingDataLoader(ds, batch_size=BATCH, num_workers=WORKERS, collate_fn=list_collate)
+        ds = StreamingDataset(f"{root}/litdata", shuffle=True, seed=seed, transform=fn, **extra)
+        ld = StreamingDataLoader(
+            ds, batch_size=BATCH, num_workers=workers, collate_fn=collate, pin_memory=pin
+        )
         if state is not None:
             ld.load_state_dict(state)
         return ld
-    if name == "ceiling":
-        # No storage at all: the samples are built in memory before the workers fork, so this
-        # measures fn, collate and torch's stock worker->main transport (pickle through a
-        # pipe), which every anchor uses; unbroken's ring transport is not bound by it.
-        from torch.utils.data import DataLoader
-
-        return DataLoader(
-            _InMemory(N), batch_size=None, num_workers=WORKERS, collate_fn=list_collate
-        )
+    if name in ("ceiling-pipe", "ceiling-ring"):
+        return _Ceiling(work, seed, ring=name == "ceiling-ring", pin=pin)
     raise ValueError(f"unknown loader {name!r}; one of {LOADERS + EXTRA}")
 
 
 class _InMemory(IterableDataset):
-    """Pre-built samples split into batches round-robin over workers (an IterableDataset)."""
+    """The samples in memory as one payload blob + one JSON blob + offsets (sliced per read
+    like an mmap, no per-sample objects to copy-on-write after the fork), shuffled, batches
+    dealt round-robin to the workers; each worker decodes and collates its batches."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, work: str, seed: int, ring_fds: Any = None) -> None:
         super().__init__()
-        rng = np.random.default_rng(0)
-        self.samples = [
-            {"__key__": f"{i:08d}", "bin": rng.bytes(int(rng.integers(2048, 6145)))}
-            for i in range(n)
-        ]
+        self.work, self.seed, self.ring_fds = work, seed, ring_fds
+        bins, metas = [], []
+        for i in range(N):
+            s = make_sample(i)
+            bins.append(s["bin"])
+            metas.append(s["json"])
+        self.bin_off = np.cumsum([0] + [len(b) for b in bins])
+        self.json_off = np.cumsum([0] + [len(m) for m in metas])
+        self.bins, self.metas = b"".join(bins), b"".join(metas)
+
+    def _sample(self, i: int) -> dict[str, Any]:
+        bo, jo = self.bin_off, self.json_off
+        return {
+            "__key__": f"{i:08d}",
+            "bin": self.bins[bo[i] : bo[i + 1]],
+            "json": self.metas[jo[i] : jo[i + 1]],
+        }
 
     def __iter__(self) -> Any:
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
-        order = np.random.default_rng(1).permutation(len(self.samples))
-        for b in range(wid, -(-len(order) // BATCH), nw):
-            yield list_collate([touch(self.samples[i]) for i in order[b * BATCH : (b + 1) * BATCH]])
+        fn, collate = _work(self.work)
+        order = np.random.default_rng(self.seed).permutation(N).tolist()
+        send = None
+        if self.ring_fds and info is not None:
+            from unbroken.data._transport import RingSender
+
+            send = RingSender(worker_id=wid, fd_spec=self.ring_fds[wid]).collate
+        for b in range(wid, -(-N // BATCH), nw):
+            samples = [fn(self._sample(i)) for i in order[b * BATCH : (b + 1) * BATCH]]
+            yield send(samples, collate) if send else collate(samples)
 
 
-def child_read(name: str, root: str, seed: int) -> dict[str, Any]:
-    ld = make_loader(name, root, seed)
-    seen: list[list[str]] = []
-    n = 0
-    t_start = time.perf_counter()
+class _Ceiling:
+    """A DataLoader over :class:`_InMemory`: torch's stock transport, or unbroken's ring."""
+
+    def __init__(self, work: str, seed: int, ring: bool, pin: bool) -> None:
+        from torch.utils.data import DataLoader
+
+        from unbroken.data._transport import RingReceiver, worker_fds
+
+        self.fds = worker_fds(WORKERS) if ring else None
+        self.dl = DataLoader(
+            _InMemory(work, seed, self.fds),
+            batch_size=None,
+            num_workers=WORKERS,
+            pin_memory=pin and not ring,
+        )
+        self.rx = RingReceiver(self.fds, pin=pin) if ring else None
+
+    def __iter__(self) -> Any:
+        rx = self.rx
+        try:
+            for item in self.dl:
+                yield rx.unpack(item) if rx is not None else item
+        finally:
+            if rx is not None:
+                rx.close()
+
+
+def _cpu() -> tuple[float, float]:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def child_read(name: str, work: str, root: str, seed: int, budget: float) -> dict[str, Any]:
+    import gc
+
+    _warm_imports(name)
+    if name.startswith("ceiling"):
+        # building the in-memory samples is not the loader's cost: make them first
+        ld = make_loader(name, work, root, seed)
+        c0 = _cpu()
+    else:
+        c0 = _cpu()
+        ld = make_loader(name, work, root, seed)
+    ids: list[int] = []
+    n = n0 = 0
     t0 = None
-    for b, batch in enumerate(ld):
+    it = iter(ld)
+    for b, batch in enumerate(it):
         if b == 10:
             t0, n0 = time.perf_counter(), n
-        n += len(batch)
-        seen.append([k for k, _ in batch])
+        got = batch_ids(batch, work)
+        ids.extend(got)
+        n += len(got)
+        if t0 is not None and time.perf_counter() - t0 > budget:
+            break
     t1 = time.perf_counter()
     if t0 is None:
         raise RuntimeError(f"{name}: fewer than 10 batches")
-    order = np.array([int(k) for keys in seen for k in keys], dtype=np.int64)
+    del it, ld, batch  # shuts the workers down (joined: their CPU lands in RUSAGE_CHILDREN)
+    main_end = _cpu()[0]
+    gc.collect()  # in case a cycle held an iterator; its own ~50 ms are not the loader's
+    c1 = (main_end, _cpu()[1])
+    order = np.array(ids, dtype=np.int64)
     return {
         "samples_per_s": (n - n0) / (t1 - t0),
         "samples": n,
-        "distinct": len(set(order.tolist())),
-        "epoch_s": t1 - t_start,
+        "distinct": len(set(ids)),
+        "cpu_main_us": (c1[0] - c0[0]) / n * 1e6,
+        "cpu_workers_us": (c1[1] - c0[1]) / n * 1e6,
         **shuffle_quality(order),
     }
 
 
+def child_decode(work: str) -> dict[str, Any]:
+    """CPU per sample of the workload's per-sample function alone, on in-memory samples
+    (bytes, as our reader and MosaicML hand them out), median of 3 passes."""
+    fn, _ = _work(work)
+    samples = [make_sample(i) for i in range(20_000)]
+    fn(samples[0])
+    passes = []
+    for _ in range(3):
+        t0 = time.process_time()
+        for s in samples:
+            fn(s)
+        passes.append((time.process_time() - t0) / len(samples) * 1e6)
+    return {"decode_us": statistics.median(passes)}
+
+
 def shuffle_quality(order: np.ndarray) -> dict[str, float]:
-    """Of the delivered order (sample index at each position): Spearman correlation of index
-    and position, and the share of consecutive pairs whose indexes lie within 1,000 of each
-    other (same ~4 MB region of the data; 2% for a uniform random permutation of 100k)."""
-    n = order.size
-    rank = np.empty(n, dtype=np.float64)
-    rank[np.argsort(order, kind="stable")] = np.arange(n)
-    pos = np.arange(n, dtype=np.float64)
-    spearman = float(np.corrcoef(rank, pos)[0, 1])
-    near = float((np.abs(np.diff(order)) < 1000).mean())
-    return {"spearman": spearman, "near_pairs": near}
+    """Of the delivered order (sample index at each position): the share of consecutive
+    pairs whose indexes lie within 1,000 of each other (same ~4 MB region of the data; 2% for
+    a uniform random permutation of 100k)."""
+    if order.size < 2:
+        return {"near_pairs": float("nan")}
+    return {"near_pairs": float((np.abs(np.diff(order)) < 1000).mean())}
+
+
+# --- resume ----------------------------------------------------------------------------------
+
+RESUME_WORK = "decode-tensors"
+
+
+def saved_position(name: str, state: dict[str, Any]) -> int:
+    """The sample position a loader's state says it resumes from."""
+    if name == "unbroken":
+        return int(state["samples_consumed"])
+    if name == "litdata":
+        return int(state["num_samples_yielded"])
+    if name == "mosaicml":
+        return int(state["sample_in_epoch"])
+    raise ValueError(name)
 
 
 def child_state(name: str, root: str, frac: float, path: str) -> dict[str, Any]:
     """Run a real loader to ``frac`` of the epoch and save its state."""
-    ld = make_loader(name, root, 0)
+    import gc
+
+    ld = make_loader(name, RESUME_WORK, root, 0)
     stop = int(frac * N / BATCH)
-    for b, _ in enumerate(ld):
+    it = iter(ld)
+    for b, _ in enumerate(it):
         if b + 1 == stop:
             break
+    state = ld.state_dict()
+    del it
+    gc.collect()
     with open(path, "wb") as f:
-        pickle.dump(ld.state_dict(), f)
-    return {"batches": stop}
+        pickle.dump(state, f)
+    return {"intended": stop * BATCH, "saved": saved_position(name, state)}
 
 
-def _time_first_batch(name: str, root: str, state: Any, workers: int = WORKERS) -> float:
+def _time_first_batch(
+    name: str, root: str, state: Any, workers: int = WORKERS
+) -> tuple[float, float]:
+    """Seconds from constructing the loader to its first batch, and to its second."""
+    import gc
+
     t0 = time.perf_counter()
-    ld = make_loader(name, root, 0, state, workers=workers)
+    ld = make_loader(name, RESUME_WORK, root, 0, state, workers=workers)
     it = iter(ld)
     next(it)
-    dt = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    next(it)
+    t2 = time.perf_counter()
     del it, ld
-    return dt
+    gc.collect()
+    return t1 - t0, t2 - t0
 
 
-def child_resume(name: str, root: str, path: str) -> dict[str, Any]:
-    """Median of 5 fresh loaders from a state saved by a real run at 90% of the epoch; ours
-    also at 10% and 50% (the state is a position, so any position is a valid state),
-    interleaved, and with num_workers=0 (our own cost, without DataLoader worker start-up)."""
-    with open(path, "rb") as f:
-        state = pickle.load(f)
+def child_resume(name: str, root: str, paths: list[str]) -> dict[str, Any]:
+    """Median of 5 fresh loaders per saved state, the fractions interleaved; ours also with
+    num_workers=0 (our own cost, without DataLoader worker start-up)."""
+    states = []
+    for p in paths:
+        with open(p, "rb") as f:
+            states.append(pickle.load(f))
     _warm_imports(name)
-    fracs = (0.1, 0.5, 0.9) if name == "unbroken" else (0.9,)
+    _time_first_batch(name, root, states[0])  # page cache and lazy imports: not resume cost
     res: dict[str, Any] = {}
     for workers in (WORKERS, 0) if name == "unbroken" else (WORKERS,):
-        times: dict[float, list[float]] = {f: [] for f in fracs}
+        times: list[list[tuple[float, float]]] = [[] for _ in states]
         for _ in range(5):
-            for f in fracs:
-                st = {**state, "samples_consumed": int(f * N)} if name == "unbroken" else state
-                times[f].append(_time_first_batch(name, root, st, workers))
-        for f in fracs:
-            res[f"{int(f * 100)}%/{workers}w"] = statistics.median(times[f])
+            for k, st in enumerate(states):
+                times[k].append(_time_first_batch(name, root, st, workers))
+        for f, ts in zip(FRACS, times, strict=True):
+            res[f"{int(f * 100)}%/{workers}w"] = statistics.median(t[0] for t in ts)
+            res[f"{int(f * 100)}%/{workers}w/2nd"] = statistics.median(t[1] for t in ts)
     if name == "unbroken":
         # the floor under any loader here: torch starting 2 workers for a 1-item dataset
         from torch.utils.data import DataLoader
@@ -335,65 +529,103 @@ class _One(IterableDataset):
 
 def _warm_imports(name: str) -> None:
     """Import the loader's modules before the clock starts: resume time is not import time."""
-    if name == "unbroken":
+    import torch.utils.data  # noqa: F401
+
+    if name.startswith("unbroken") or name.startswith("ceiling"):
         import unbroken.data.loader  # noqa: F401
     elif name == "mosaicml":
         import streaming  # noqa: F401
     elif name.startswith("litdata"):
         import litdata  # noqa: F401
+    elif name == "webdataset":
+        import webdataset  # noqa: F401
 
 
-def child_tokens(name: str, root: str, seconds: float = 6.0) -> dict[str, Any]:
+# --- tokens ----------------------------------------------------------------------------------
+
+
+class _GetBatch(IterableDataset):
+    """nanoGPT's get_batch in DataLoader workers: ``n`` batches split between them."""
+
+    def __init__(self, root: str, batch: int, n: int) -> None:
+        super().__init__()
+        self.root, self.batch, self.n = root, batch, n
+
+    def __iter__(self) -> Any:
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        for _ in range(wid, self.n, nw):
+            yield get_batch(self.root, self.batch)
+
+
+def get_batch(root: str, batch: int) -> Any:
+    """nanoGPT train.py get_batch (CPU branch), memmap re-created per batch as there."""
     import torch
 
-    if name == "nanogpt":
-        # nanoGPT train.py get_batch (CPU branch), memmap re-created per batch as there
-        def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
-            data = np.memmap(f"{root}/train.bin", dtype=np.uint16, mode="r")
-            ix = torch.randint(len(data) - SEQ_LEN, (TOK_BATCH,))
-            x = torch.stack([torch.from_numpy(data[i : i + SEQ_LEN].astype(np.int64)) for i in ix])
-            y = torch.stack(
-                [torch.from_numpy(data[i + 1 : i + 1 + SEQ_LEN].astype(np.int64)) for i in ix]
-            )
-            return x, y
+    data = np.memmap(f"{root}/train.bin", dtype=np.uint16, mode="r")
+    ix = torch.randint(len(data) - SEQ_LEN, (batch,))
+    x = torch.stack([torch.from_numpy(data[i : i + SEQ_LEN].astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy(data[i + 1 : i + 1 + SEQ_LEN].astype(np.int64)) for i in ix])
+    return x, y
 
-        for _ in range(10):
-            get_batch()
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            x, y = get_batch()
-            n += x.numel()
-        return {"tokens_per_s": n / (time.perf_counter() - t0)}
-    from torch.utils.data import default_collate
 
+def child_tokens(name: str, root: str, batch: int, workers: int) -> dict[str, Any]:
+    """Tokens/s over ``TOK_EPOCHS`` epochs of our token dataset (or as many get_batch calls),
+    steady state after the first 10 batches."""
     from unbroken.data.dataset import StreamingDataset
     from unbroken.data.loader import StatefulLoader
 
-    # "unbroken": the default (rows stacked in the worker, one buffer through the pipe);
-    # "unbroken-shm": collate_fn=default_collate (a shared-memory tensor per batch)
-    collate = default_collate if name == "unbroken-shm" else None
     ds = StreamingDataset(f"{root}/tokens", seed=0)
-    ld = StatefulLoader(ds, TOK_BATCH, collate_fn=collate, num_workers=WORKERS)
+    total = TOK_EPOCHS * (ds.epoch_length // batch)
     n = 0
     t0 = None
-    for b, batch in enumerate(ld):
-        x, _y = batch[:, :-1], batch[:, 1:]
+    b = 0
+
+    def tick(x: Any) -> None:
+        nonlocal n, t0, b
         if b == 10:
             t0 = time.perf_counter()
         elif t0 is not None:
             n += x.numel()
-            if time.perf_counter() - t0 > seconds:
-                break
+        b += 1
+
+    if name == "nanogpt":
+        if workers == 0:
+            for _ in range(total):
+                x, _y = get_batch(root, batch)
+                tick(x)
+        else:
+            from torch.utils.data import DataLoader
+
+            for x, _y in DataLoader(
+                _GetBatch(root, batch, total), batch_size=None, num_workers=workers
+            ):
+                tick(x)
+    else:
+        ld = StatefulLoader(
+            ds,
+            batch,
+            num_workers=workers,
+            last_batch="drop",
+            shm_transport=name != "unbroken-pipe",
+        )
+        for epoch in range(TOK_EPOCHS):
+            ld.set_epoch(epoch)
+            for tokens in ld:
+                x, _y = tokens[:, :-1], tokens[:, 1:]
+                tick(x)
     if t0 is None:
         raise RuntimeError("fewer than 10 token batches")
-    return {"tokens_per_s": n / (time.perf_counter() - t0)}
+    return {"tokens_per_s": n / (time.perf_counter() - t0), "batches": b}
+
+
+# --- LitData's seed dependence (issue 4) -----------------------------------------------------
 
 
 def child_litexplain(root: str, seed: int) -> dict[str, Any]:
     """Why LitData's speed depends on the seed: where its chunk split between the workers
-    falls, how many rows its decoder decodes per delivered item, and the workers' CPU time."""
-    import resource
-
+    falls, how many rows its decoder decodes per delivered item, and the workers' CPU time
+    (raw workload)."""
     import torch.utils.data._utils.worker as wk
     from litdata import StreamingDataset
     from litdata.streaming import item_loader as il
@@ -430,15 +662,12 @@ def child_litexplain(root: str, seed: int) -> dict[str, Any]:
         finally:
             wk._worker_info = None
     il.PyTreeLoader._batch_deserialize_payload = orig  # type: ignore[method-assign]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    read = child_read("litdata", root, seed)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    read = child_read("litdata", "raw", root, seed, 1e9)
     return {
         "intervals": [[[int(x) for x in iv] for iv in w] for w in intervals],
         "misaligned_items": misaligned,
         "rows_decoded_per_item": rows["n"] / max(1, items),
-        "worker_cpu_s": cpu,
+        "worker_cpu_us": read["cpu_workers_us"],
         "samples_per_s": read["samples_per_s"],
     }
 
@@ -446,7 +675,7 @@ def child_litexplain(root: str, seed: int) -> dict[str, Any]:
 # --- driver --------------------------------------------------------------------------------
 
 
-def _run_child(*args: str, timeout: float = 900) -> dict[str, Any]:
+def _run_child(*args: str, timeout: float = 1800) -> dict[str, Any]:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -455,112 +684,194 @@ def _run_child(*args: str, timeout: float = 900) -> dict[str, Any]:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def _child(a: argparse.Namespace) -> None:
+    kind, *rest = a.child
+    if kind == "read":
+        res = child_read(rest[0], rest[1], a.root, int(rest[2]), float(rest[3]))
+    elif kind == "decode":
+        res = child_decode(rest[0])
+    elif kind == "state":
+        res = child_state(rest[0], a.root, float(rest[1]), rest[2])
+    elif kind == "resume":
+        res = child_resume(rest[0], a.root, rest[1:])
+    elif kind == "litexplain":
+        res = child_litexplain(a.root, int(rest[0]))
+    else:
+        res = child_tokens(rest[0], a.root, int(rest[1]), int(rest[2]))
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def run_reads(a: argparse.Namespace, out: dict[str, Any]) -> None:
+    decode_us = {w: _run_child("decode", w)["decode_us"] for w in a.work}
+    for work in a.work:
+        rows: dict[str, list[dict[str, Any]]] = {}
+        for seed in a.seeds:  # loaders interleaved: a change in machine load hits all alike
+            for name in a.only:
+                r = _run_child("read", name, work, str(seed), str(a.budget))
+                rows.setdefault(name, []).append(r)
+                print(
+                    f"  {work:14s} {name:17s} seed {seed}: {r['samples_per_s']:9.0f} samples/s, "
+                    f"CPU {r['cpu_main_us'] + r['cpu_workers_us']:6.1f} us/sample (main "
+                    f"{r['cpu_main_us']:.1f}); {r['samples']} samples, {r['distinct']} distinct,"
+                    f" near pairs {r['near_pairs']:.1%}",
+                    flush=True,
+                )
+        out["read"][work] = {"decode_us": decode_us[work], "rows": rows}
+        print_read_table(work, decode_us[work], rows)
+
+
+def print_read_table(work: str, dec: float, rows: dict[str, list[dict[str, Any]]]) -> None:
+    speed = {k: _med([r["samples_per_s"] for r in v]) for k, v in rows.items()}
+    cpu = {k: _med([r["cpu_main_us"] + r["cpu_workers_us"] for r in v]) for k, v in rows.items()}
+    anchors = [k for k in rows if k not in OURS]
+    best = max(anchors, key=lambda k: speed[k], default=None)
+    best_own = min((cpu[k] - dec for k in anchors), default=None)
+    ceil = max((speed[k] for k in rows if k.startswith("ceiling")), default=None)
+    print(
+        f"\n{work}: decode alone {dec:.2f} us/sample; best anchor {best}; ceiling = the better "
+        "ceiling row"
+    )
+    print(
+        "| loader | samples/s per seed | median | vs best anchor | vs ceiling | CPU us/sample "
+        "(main + workers) | loader's own us/sample | own vs best anchor's | near pairs |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for k, v in rows.items():
+        seeds = " / ".join(f"{r['samples_per_s'] / 1000:.1f}k" for r in v)
+        own = cpu[k] - dec
+        vs_a = f"{speed[k] / speed[best]:.2f}x" if best else "-"
+        vs_c = f"{speed[k] / ceil:.2f}x" if ceil else "-"
+        own_vs = f"{own / best_own:.2f}x" if best_own else "-"
+        main = _med([r["cpu_main_us"] for r in v])
+        near = _med([r["near_pairs"] for r in v])
+        print(
+            f"| {k} | {seeds} | {speed[k] / 1000:.1f}k | {vs_a} | {vs_c} | {cpu[k]:.1f} "
+            f"({main:.1f} + {cpu[k] - main:.1f}) | {own:.1f} | {own_vs} | {near:.1%} |"
+        )
+    print(flush=True)
+
+
+def run_resume(a: argparse.Namespace, out: dict[str, Any]) -> None:
+    res: dict[str, Any] = {}
+    for name in [n for n in a.only if n in RESUMABLE]:
+        paths, saved = [], []
+        for f in FRACS:
+            path = f"{a.root}/state-{name}-{int(f * 100)}.pkl"
+            s = _run_child("state", name, str(f), path)
+            if s["saved"] != s["intended"]:
+                raise RuntimeError(
+                    f"{name}: state saved at {f:.0%} says position {s['saved']}, not the "
+                    f"{s['intended']} samples delivered: its resume would not be a resume there"
+                )
+            paths.append(path)
+            saved.append(s["saved"])
+        r = _run_child("resume", name, *paths)
+        r["saved"] = saved
+        res[name] = r
+        line = ", ".join(
+            f"{int(f * 100)}% (saved {p}): {r[f'{int(f * 100)}%/2w']:.3f} s "
+            f"(2nd batch {r[f'{int(f * 100)}%/2w/2nd']:.3f})"
+            for f, p in zip(FRACS, saved, strict=True)
+        )
+        if name == "unbroken":
+            line += "; num_workers=0: " + " / ".join(
+                f"{r[f'{int(f * 100)}%/0w']:.3f}" for f in FRACS
+            )
+            line += f" s; bare 2-worker DataLoader start: {r['bare_dataloader']:.3f} s"
+        print(f"  resume {name:9s}: {line}", flush=True)
+    out["resume"] = res
+    if "unbroken" in res and "litdata" in res:
+        ratio = res["unbroken"]["90%/2w"] / res["litdata"]["90%/2w"]
+        print(f"  resume at 90%: unbroken / LitData = {ratio:.2f}x (goal <= 0.5x)", flush=True)
+
+
+def run_tokens(a: argparse.Namespace, out: dict[str, Any]) -> None:
+    res: dict[str, list[float]] = {}
+    for batch in TOK_BATCHES:
+        for workers in (0, WORKERS):
+            names = ("unbroken", "nanogpt") if workers == 0 else TOK_READERS
+            for _ in range(3):  # interleaved, so load changes hit all readers alike
+                for name in names:
+                    r = _run_child("tokens", name, str(batch), str(workers))
+                    res.setdefault(f"{name}/{batch}/{workers}", []).append(r["tokens_per_s"])
+    out["tokens"] = res
+    print(
+        f"\n| token reader (seq_len {SEQ_LEN}, {TOK_EPOCHS} epochs of {TOKENS >> 20} Mi tokens) "
+        "| batch | processes | M tokens/s (3 runs) | median | vs get_batch, same processes |"
+    )
+    print("|---|---|---|---|---|---|")
+    for batch in TOK_BATCHES:
+        for workers in (0, WORKERS):
+            nano = _med(res[f"nanogpt/{batch}/{workers}"])
+            for name in ("unbroken", "nanogpt") if workers == 0 else TOK_READERS:
+                v = res[f"{name}/{batch}/{workers}"]
+                runs = " / ".join(f"{x / 1e6:.1f}" for x in v)
+                procs = "1 (main)" if workers == 0 else f"1 + {workers} workers"
+                print(
+                    f"| {name} | {batch} | {procs} | {runs} | {_med(v) / 1e6:.1f} | "
+                    f"{_med(v) / nano:.2f}x |"
+                )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=ROOT)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--only", nargs="+", default=list(LOADERS), choices=LOADERS + EXTRA)
+    ap.add_argument("--only", nargs="+", default=None, choices=LOADERS + EXTRA)
+    ap.add_argument("--work", nargs="+", default=list(WORKS), choices=WORKS)
+    ap.add_argument(
+        "--budget", type=float, default=20.0, help="seconds of steady state per read at most"
+    )
+    ap.add_argument("--skip-reads", action="store_true")
     ap.add_argument("--skip-tokens", action="store_true")
     ap.add_argument("--skip-resume", action="store_true")
+    ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument(
         "--explain-litdata", action="store_true", help="only: why LitData's speed swings by seed"
     )
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        kind, *rest = a.child
-        if kind == "read":
-            res = child_read(rest[0], a.root, int(rest[1]))
-        elif kind == "state":
-            res = child_state(rest[0], a.root, float(rest[1]), rest[2])
-        elif kind == "resume":
-            res = child_resume(rest[0], a.root, rest[1])
-        elif kind == "litexplain":
-            res = child_litexplain(a.root, int(rest[0]))
-        else:
-            res = child_tokens(rest[0], a.root)
-        print("RESULT " + json.dumps(res), flush=True)
+        _child(a)
         return
-
+    if a.only is None:
+        a.only = list(LOADERS) + (["unbroken-noverify"] if _has_verify() else [])
+    elif "unbroken-noverify" in a.only and not _has_verify():
+        print("StreamingDataset has no `verify` parameter in this build: no noverify row")
+        a.only.remove("unbroken-noverify")
     prepare(a.root, N)
     if a.explain_litdata:
         for seed in a.seeds:
             r = _run_child("litexplain", str(seed))
             print(
                 f"litdata seed {seed}: {r['samples_per_s']:8.0f} samples/s, worker CPU "
-                f"{r['worker_cpu_s']:.2f} s/epoch, {r['rows_decoded_per_item']:.1f} rows decoded "
-                f"per item, {r['misaligned_items']} items in worker intervals misaligned to the "
-                f"256-row decode window; intervals {r['intervals']}",
+                f"{r['worker_cpu_us']:.1f} us/sample, {r['rows_decoded_per_item']:.1f} rows "
+                f"decoded per item, {r['misaligned_items']} items in worker intervals "
+                f"misaligned to the 256-row decode window; intervals {r['intervals']}",
                 flush=True,
             )
         return
     print(
-        f"data: {N} samples, {BATCH}/batch, {WORKERS} workers, shuffle on, fn=touch, "
-        f"collate=list; cpus={os.cpu_count()}",
+        f"data: {N} samples, batch {BATCH}, {WORKERS} workers, shuffle on, pin_memory "
+        f"{_pin()}; cpus={os.cpu_count()}; load {os.getloadavg()[0]:.1f}",
         flush=True,
     )
-    speed: dict[str, list[float]] = {}
-    quality: dict[str, list[float]] = {}
-    for seed in a.seeds:  # loaders interleaved: a change in machine load hits all alike
-        for name in a.only:
-            r = _run_child("read", name, str(seed))
-            speed.setdefault(name, []).append(r["samples_per_s"])
-            quality.setdefault(name, []).append(r["near_pairs"])
-            print(
-                f"  read {name:10s} seed {seed}: {r['samples_per_s']:9.0f} samples/s "
-                f"({r['samples']} samples, {r['distinct']} distinct, epoch {r['epoch_s']:.1f} s; "
-                f"spearman {r['spearman']:+.3f}, near pairs {r['near_pairs']:.1%})",
-                flush=True,
-            )
-    resume: dict[str, str] = {}
+    out: dict[str, Any] = {"read": {}, "load_before": os.getloadavg()}
+    if not a.skip_reads:
+        run_reads(a, out)
     if not a.skip_resume:
-        for name in a.only:
-            if name in ("webdataset", "ceiling", "unbroken-pipe", *EXTRA):
-                resume[name] = "cannot resume" if name == "webdataset" else "-"
-                continue
-            path = f"{a.root}/state-{name}.pkl"
-            _run_child("state", name, "0.9", path)
-            r = _run_child("resume", name, path)
-            resume[name] = f"{r['90%/2w']:.3f} s"
-            if name == "unbroken":
-                resume[name] += (
-                    f" (10%: {r['10%/2w']:.3f}, 50%: {r['50%/2w']:.3f}; num_workers=0: "
-                    f"{r['10%/0w']:.3f} / {r['50%/0w']:.3f} / {r['90%/0w']:.3f} s; bare "
-                    f"DataLoader start: {r['bare_dataloader']:.3f} s)"
-                )
-            print(f"  resume {name:10s}: {resume[name]}", flush=True)
-    best_anchor = max(
-        (statistics.median(v) for k, v in speed.items() if k not in (*OURS, *EXTRA)),
-        default=None,
-    )
-    print(
-        "\n| loader | samples/s per seed | median | vs best anchor | near pairs |"
-        " resume at 90% -> first batch |"
-    )
-    print("|---|---|---|---|---|---|")
-    for name, v in speed.items():
-        med = statistics.median(v)
-        ratio = f"{med / best_anchor:.2f}x" if best_anchor else "-"
-        seeds = " / ".join(f"{x / 1000:.1f}k" for x in v)
-        near = statistics.median(quality[name])
-        print(
-            f"| {name} | {seeds} | {med / 1000:.1f}k | {ratio} | {near:.1%} | "
-            f"{resume.get(name, '-')} |"
-        )
+        run_resume(a, out)
     if not a.skip_tokens:
-        tok: dict[str, list[float]] = {k: [] for k in ("unbroken", "unbroken-shm", "nanogpt")}
-        for _ in range(3):  # interleaved, so load changes hit every reader alike
-            for k in tok:
-                tok[k].append(_run_child("tokens", k)["tokens_per_s"])
-        nano = statistics.median(tok["nanogpt"])
-        print(
-            f"\n| token reader (seq_len {SEQ_LEN}, batch {TOK_BATCH}) | M tokens/s (3 runs) | median | vs nanoGPT |"
-        )
-        print("|---|---|---|---|")
-        for k, v in tok.items():
-            med = statistics.median(v)
-            runs = " / ".join(f"{x / 1e6:.1f}" for x in v)
-            print(f"| {k} | {runs} | {med / 1e6:.1f} | {med / nano:.2f}x |")
+        run_tokens(a, out)
+    out["load_after"] = os.getloadavg()
+    print(f"load average after: {out['load_after'][0]:.1f}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 if __name__ == "__main__":

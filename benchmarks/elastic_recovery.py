@@ -1,29 +1,39 @@
-"""Recovery after a SIGKILLed worker: `unbroken run` vs the anchor, torchrun's own restart.
+"""Recovery after a SIGKILLed worker: `unbroken run` vs torchrun's own restart, by phase.
 
-Same 2-worker gloo job (tests/integration/scripts/elastic_train.py), same kill point. The
-anchor is ``torchrun --standalone --max-restarts 1``, which restarts the worker group inside
-the running agent. ``unbroken run`` starts a fresh torchrun per attempt (with pre-flight,
-classification and backoff in between). Measured from outside, identically for both, through
-the workers' heartbeat files (the anchor run gets UNBROKEN_RUN_DIR set by hand so the same
-script writes them):
+Same 2-worker gloo job (tests/integration/scripts/elastic_train.py, a checkpoint every 5
+steps), same kill: rank 1 is SIGKILLed once both ranks passed ``--kill-at`` (and, for
+`unbroken run`, once its standby agent for the next attempt is ready: the steady state of a
+job that has trained for a while). The anchors are ``torchrun --standalone --max-restarts 1``
+(restarts the worker group inside the running agent), with and without
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without it the restarted group usually fails to
+connect, see RESULTS.md). The anchor runs get UNBROKEN_RUN_DIR set by hand so the same
+script writes the same beats and marks.
 
-- regain: SIGKILL -> a restarted worker beats the step reached before the kill (the whole
-  recovery: detect + relaunch + load + catch-up);
-- first beat: SIGKILL -> a restarted worker's first beat (detect + relaunch + load).
+Phases, measured identically for every mode (K = the SIGKILL):
 
-A second anchor row sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as `unbroken run` does for its
-agents, to separate the effect of that setting from the effect of a fresh agent per attempt.
-Modes run interleaved, so machine load hits all alike; the table shows medians and the
-ratio to the anchor.
+- detect:   K -> the launcher knows (unbroken: the supervisor's ``t_detect``; torchrun: the
+            time stamp of its first log line about the failure);
+- relaunch: -> the first restarted worker's script starts running (its first line);
+- load:     -> every restarted rank restored the checkpoint (imports, process group,
+            restore; split below into imports / init_process_group / restore);
+- catch-up: -> a restarted worker beats the step reached before K.
 
-    .venv/bin/python benchmarks/elastic_recovery.py [--repeats 3]
+regain = the sum = K -> back where it was. Modes run interleaved, so machine load hits all
+alike; the table shows medians and each mode's regain over the anchor's, same run.
+Before the runs, the cost of the parts (interpreter, ``import torch``, torchrun's and the
+checkpointer's imports) is timed on the box as it is.
+
+    flock /tmp/unbroken-bench.lock .venv/bin/python benchmarks/elastic_recovery.py --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
+import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -36,13 +46,18 @@ from unbroken.elastic._procs import kill_matching
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "..", "tests", "integration", "scripts", "elastic_train.py")
+ANCHOR = "torchrun + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (anchor)"
 MODES = {
-    "torchrun --max-restarts 1 (anchor)": ["torchrun"],
-    "anchor + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1": ["torchrun", "noshare"],
     "unbroken run (defaults)": ["unbroken"],
-    "unbroken run --poll-interval 0.1 --backoff 0": ["unbroken", "--poll-interval", "0.1",
-                                                    "--backoff", "0"],
+    "unbroken run --no-prewarm": ["unbroken", "--no-prewarm"],
+    "torchrun --max-restarts 1 (defaults)": ["torchrun"],
+    ANCHOR: ["torchrun", "noshare"],
 }
+PHASES = ("detect", "relaunch", "load", "catch_up", "regain")
+PARTS = ("imports", "pg_init", "restore", "first_step", "stop")
+HUNG_AFTER = 90.0
+# glog prefix of torchrun's own log lines: "W1201 15:03:36.758000 14822 file:line] msg"
+_GLOG = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+) ")
 
 
 def _beats(run_dir: str) -> list[heartbeat.BeatRecord]:
@@ -52,11 +67,28 @@ def _beats(run_dir: str) -> list[heartbeat.BeatRecord]:
     return [b for b in out if b.started]
 
 
-def one(mode: list[str], work: str, kill_at: int) -> tuple[float, float]:
+def _torchrun_detect(log_path: str, t_kill: float) -> float | None:
+    """Unix time of torchrun's first log line about the failure after ``t_kill``."""
+    year = datetime.datetime.fromtimestamp(t_kill).year
+    with open(log_path, "rb") as f:
+        for raw in f:
+            line = raw.decode("utf-8", "replace")
+            m = _GLOG.match(line)
+            if not m or not re.search(r"FAILED|failed|closing signal|Stopping worker", line):
+                continue
+            mo, d, hh, mm, ss, frac = m.groups()
+            t = datetime.datetime(year, int(mo), int(d), int(hh), int(mm), int(ss),
+                                  int(frac.ljust(6, "0")[:6])).timestamp()
+            if t >= t_kill - 0.01:
+                return t
+    return None
+
+
+def one(mode: list[str], work: str, kill_at: int) -> dict[str, float]:
     run_dir = os.path.join(work, "run")
     os.makedirs(run_dir)
     script = [SCRIPT, "--ckpt", os.path.join(work, "ckpt"), "--metrics",
-              os.path.join(work, "m.jsonl"), "--steps", "60", "--save-every", "5"]
+              os.path.join(work, "m.jsonl"), "--steps", "100000", "--save-every", "5"]
     env = dict(os.environ)
     if mode[0] == "torchrun":
         env.update({recovery.ENV_RUN_DIR: run_dir, recovery.ENV_ATTEMPT: "0"})
@@ -67,13 +99,18 @@ def one(mode: list[str], work: str, kill_at: int) -> tuple[float, float]:
     else:
         argv = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", run_dir, "-q",
                 "--nproc-per-node", "2", *mode[1:], "--", *script]
-    log = open(os.path.join(work, "log.txt"), "wb")  # noqa: SIM115 - closed below
+    log_path = os.path.join(work, "log.txt")
+    log = open(log_path, "wb")  # noqa: SIM115 - closed below
     p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                          start_new_session=True)
+    prewarm = mode[0] == "unbroken" and "--no-prewarm" not in mode
     try:
         while True:
             bs = _beats(run_dir)
-            if len(bs) >= 2 and min(b.step for b in bs) >= kill_at:
+            ready = not prewarm or any(
+                e["event"] == "standby" and e.get("attempt") == 1
+                for e in recovery.load_events(run_dir))
+            if len(bs) >= 2 and min(b.step for b in bs) >= kill_at and ready:
                 break
             _alive(p, work, "before the kill")
             time.sleep(0.02)
@@ -82,28 +119,61 @@ def one(mode: list[str], work: str, kill_at: int) -> tuple[float, float]:
         victim = max(bs, key=lambda b: b.rank)
         t_kill = time.time()
         os.kill(victim.pid, signal.SIGKILL)
-        first = regain = None
+        regain = None
         while regain is None:
-            new = [b for b in _beats(run_dir) if b.pid not in old]
-            if new and first is None:
-                first = time.time() - t_kill
-            if any(b.step >= reached for b in new):
-                regain = time.time() - t_kill
+            if any(b.step >= reached for b in _beats(run_dir) if b.pid not in old):
+                regain = time.time()
             elif time.time() - t_kill > HUNG_AFTER:
                 raise _Failed(f"no progress {HUNG_AFTER:g} s after the kill (hung)", work)
             _alive(p, work, "after the kill")
-            time.sleep(0.02)
-        if p.wait(180) != 0:
-            raise _Failed(f"exited {p.returncode} after recovering", work)
-        return first or regain, regain
+            time.sleep(0.01)
+        return _phases(mode, run_dir, log_path, old, t_kill, regain)
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
         kill_matching(recovery.ENV_RUN_DIR, run_dir, timeout=5)
+        p.wait()
         log.close()
 
 
-HUNG_AFTER = 60.0
+def _phases(mode: list[str], run_dir: str, log_path: str, old: set[int], t_kill: float,
+            regain: float) -> dict[str, float]:
+    deadline = time.time() + 10.0
+    while True:  # the restarted ranks' "startup" marks follow their first step
+        ev = recovery.load_events(run_dir)
+        ups = [e for e in ev if e["event"] == "startup" and e["pid"] not in old
+               and e["t_start"] > t_kill]
+        if len(ups) >= 2 or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    if len(ups) < 2:
+        raise RuntimeError(f"restarted ranks did not mark startup: {ups}")
+    out: dict[str, float] = {}
+    if mode[0] == "unbroken":
+        (fail,) = [e for e in ev if e["event"] == "failure"]
+        t_detect = float(fail["t_detect"])
+        stop = [e for e in ev if e["event"] == "stop_group"]
+        if stop:
+            out["stop"] = float(stop[0]["seconds"])
+    else:
+        found = _torchrun_detect(log_path, t_kill)
+        if found is None:
+            raise RuntimeError("no torchrun log line about the failure")
+        t_detect = found
+    start = min(e["t_start"] for e in ups)
+    restored = max(e["restored"] for e in ups)
+    out.update(
+        detect=t_detect - t_kill,
+        relaunch=start - t_detect,
+        load=restored - start,
+        catch_up=regain - restored,
+        regain=regain - t_kill,
+        imports=max(e["imported"] - e["t_start"] for e in ups),
+        pg_init=max(e["pg"] - e["imported"] for e in ups),
+        restore=max(e["restored"] - e["pg"] for e in ups),
+        first_step=max(e["first_step"] - e["restored"] for e in ups),
+    )
+    return out
 
 
 class _Failed(RuntimeError):
@@ -119,37 +189,76 @@ def _alive(p: subprocess.Popen[bytes], work: str, when: str) -> None:
         raise _Failed(f"job exited {p.returncode} {when}", work)
 
 
+def startup_costs(repeats: int) -> dict[str, float]:
+    """Median wall seconds of each start-up part, each in a fresh interpreter."""
+    py = sys.executable
+    cases = {
+        "python -c pass": [py, "-c", "pass"],
+        "python -S (the launcher's start)": [py, "-S", "-c", "pass"],
+        "import torch": [py, "-c", "import torch"],
+        "+ torch.distributed.run (agent)": [py, "-c", "import torch, torch.distributed.run"],
+        "+ unbroken.ckpt (checkpointer)": [py, "-c", "import torch, unbroken.ckpt"],
+    }
+    got: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(repeats):
+        for name, cmd in cases.items():
+            t0 = time.perf_counter()
+            subprocess.run(cmd, check=True)
+            got[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kill-at", type=int, default=15)
+    ap.add_argument("--json", default=None, help="also write every repeat's phases here")
     a = ap.parse_args()
-    res: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
+    print(f"uptime: {os.getloadavg()}", flush=True)
+    costs = startup_costs(a.repeats)
+    print("start-up parts (median wall s, fresh interpreter each):")
+    for k, v in costs.items():
+        print(f"  {k:<36} {v:6.2f}")
+    res: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     failed: dict[str, list[str]] = {m: [] for m in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.repeats):
             for i, (name, mode) in enumerate(MODES.items()):
                 try:
-                    res[name].append(one(mode, os.path.join(tmp, f"{r}-{i}"), a.kill_at))
-                except _Failed as e:
+                    ph = one(mode, os.path.join(tmp, f"{r}-{i}"), a.kill_at)
+                except (_Failed, RuntimeError) as e:
                     failed[name].append(str(e))
                     print(f"repeat {r} {name}: FAILED: {e}", flush=True)
                     continue
-                print(f"repeat {r} {name}: first beat {res[name][-1][0]:.2f} s, "
-                      f"regain {res[name][-1][1]:.2f} s", flush=True)
-    ok = res[next(iter(MODES))]
-    anchor = statistics.median(x[1] for x in ok) if ok else float("nan")
-    print(f"\nSIGKILL of 1 of 2 gloo workers at step {a.kill_at}; medians over the runs "
-          "that recovered")
-    print(f"{'mode':<46} {'recovered':>9} {'first beat s':>12} {'regain s':>9} {'vs anchor':>9}")
+                res[name].append(ph)
+                print(f"repeat {r} {name}: " + " ".join(f"{k} {v:.2f}" for k, v in ph.items()),
+                      flush=True)
+    print(f"uptime: {os.getloadavg()}")
+    anchor = (statistics.median(x["regain"] for x in res[ANCHOR]) if res[ANCHOR]
+              else float("nan"))
+    print("\nSIGKILL of 1 of 2 gloo workers; medians (s) over the runs that recovered")
+    head = f"{'mode':<58} {'recovered':>9} " + " ".join(f"{k:>8}" for k in PHASES)
+    print(head + f" {'vs anchor':>9}")
     for name, xs in res.items():
         n = f"{len(xs)}/{len(xs) + len(failed[name])}"
         if not xs:
-            print(f"{name:<46} {n:>9} {'-':>12} {'-':>9} {'-':>9}")
+            print(f"{name:<58} {n:>9}")
             continue
-        f, g = statistics.median(x[0] for x in xs), statistics.median(x[1] for x in xs)
-        print(f"{name:<46} {n:>9} {f:>12.2f} {g:>9.2f} {g / anchor:>8.2f}x")
+        med = {k: statistics.median(x[k] for x in xs) for k in PHASES}
+        print(f"{name:<58} {n:>9} " + " ".join(f"{med[k]:>8.2f}" for k in PHASES)
+              + f" {med['regain'] / anchor:>8.2f}x")
+    print("\nload split (medians, s; slowest rank):")
+    print(f"{'mode':<58} " + " ".join(f"{k:>10}" for k in PARTS))
+    for name, xs in res.items():
+        if xs:
+            print(f"{name:<58} " + " ".join(
+                f"{statistics.median(x[k] for x in xs) if all(k in x for x in xs) else float('nan'):>10.2f}"
+                for k in PARTS))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"costs": costs, "runs": res, "failed": failed}, f, indent=1)
 
 
 if __name__ == "__main__":
     main()
+

@@ -37,7 +37,13 @@ def build_tar_dataset(out: str, n: int, *, prefix: str = "s", shard_size: int = 
 
 
 def build_token_dataset(
-    out: str, shards: int, tokens_per_shard: int, *, seq_len: int, doc_len: int = 37
+    out: str,
+    shards: int,
+    tokens_per_shard: int,
+    *,
+    seq_len: int,
+    doc_len: int = 37,
+    block_tokens: int | None = None,
 ) -> str:
     """Token ids count up from 1 across the dataset (EOS = 0 between documents), so the
     largest id of a sequence identifies it uniquely."""
@@ -50,7 +56,8 @@ def build_token_dataset(
     nxt = 1
     for s in range(shards):
         name = f"tokens-{s:06d}.bin"
-        w = TokenShardWriter(os.path.join(out, name), "uint32", 0, fsync=False)
+        kw = {} if block_tokens is None else {"block_tokens": block_tokens}
+        w = TokenShardWriter(os.path.join(out, name), "uint32", 0, fsync=False, **kw)
         left = tokens_per_shard
         while left > 0:
             k = min(doc_len, left)

@@ -7,6 +7,8 @@ rest of the CLI it only parses, calls the library and prints.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["add_dataprep"]
 
@@ -21,9 +23,27 @@ def _size(text: str) -> int:
     t = text.strip().upper()
     num = t.rstrip("KMGTIB")
     try:
-        return int(float(num) * units[t[len(num):]])
-    except (KeyError, ValueError):
+        n = int(float(num) * units[t[len(num):]])
+    except (KeyError, ValueError, OverflowError):  # OverflowError: "1e400" is inf
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 256MB or 1GiB") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive, like 256MB")
+    return n
+
+
+def _at_least(lo: float, kind: type = int) -> Callable[[str], Any]:
+    """An argparse type: a number of ``kind`` that is >= ``lo``."""
+
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except (ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not v >= lo:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"{text!r} must be >= {lo}")
+        return v
+
+    return parse
 
 
 def add_dataprep(sub: argparse._SubParsersAction) -> None:
@@ -42,6 +62,9 @@ def add_dataprep(sub: argparse._SubParsersAction) -> None:
                    help="allow samples that lack members other samples have")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (faster, not durable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip (and count) malformed JSONL lines, unreadable files, symlink "
+                   "loops and non-UTF-8 names instead of stopping at the first")
     p.set_defaults(func=_pack)
 
     p = sub.add_parser("index", help="index existing (e.g. webdataset) tar shards in place",
@@ -87,9 +110,10 @@ def add_dataprep(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=8, help="parallel transfers (default: 8)")
     p.add_argument("--ranks-local", action="store_true",
                    help="only LOCAL_RANK 0 copies; other local ranks wait for its marker")
-    p.add_argument("--wait-timeout", type=float, default=3600.0,
+    p.add_argument("--wait-timeout", type=_at_least(0, float), default=3600.0,
                    help="seconds non-zero local ranks wait (default: 3600)")
-    p.add_argument("--retries", type=int, default=1, help="re-fetches on checksum mismatch")
+    p.add_argument("--retries", type=_at_least(0), default=1,
+                   help="re-fetches on checksum mismatch")
     p.add_argument("--fsync", action="store_true", help="fsync every staged file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_stage)
@@ -99,11 +123,13 @@ def _pack(a: argparse.Namespace) -> int:
     from unbroken.data.pack import pack
 
     r = pack(a.src, a.out, shard_size=a.shard_size, workers=a.workers,
-             allow_partial=a.allow_partial, fsync=not a.no_fsync, progress=not a.no_progress)
+             allow_partial=a.allow_partial, fsync=not a.no_fsync, progress=not a.no_progress,
+             skip_bad=a.skip_bad)
     m = r.manifest
+    skipped = f"; {r.skipped} bad inputs skipped" if a.skip_bad else ""
     print(f"{m.num_samples} samples in {len(m.shards)} shards ({r.shards_written} written, "
           f"{r.shards_reused} reused), {r.bytes / 1e6:.1f} MB in {r.seconds:.2f}s "
-          f"({r.mb_per_s:.1f} MB/s); fingerprint {m.fingerprint}")
+          f"({r.mb_per_s:.1f} MB/s); fingerprint {m.fingerprint}{skipped}")
     return 0
 
 

@@ -8,8 +8,12 @@ stays fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import math
+import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 from unbroken._cli_dataprep import add_dataprep
@@ -33,9 +37,9 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
     ins.add_argument("dir")
     ins.add_argument("--step", type=int, default=None, help="default: newest committed")
     ins.set_defaults(func=_ckpt_inspect)
-    ver = cs.add_parser("verify", help="verify checksums; exit 1 on damage")
+    ver = cs.add_parser("verify", help="restore()'s full verification, read-only; exit 1 on damage")
     ver.add_argument("dir")
-    ver.add_argument("--step", type=int, default=None, help="default: every committed step")
+    ver.add_argument("--step", type=int, default=None, help="default: every step-N directory")
     ver.set_defaults(func=_ckpt_verify)
     exp = cs.add_parser(
         "export",
@@ -164,8 +168,9 @@ def _add_data_bench(ds: argparse._SubParsersAction) -> None:
     p.add_argument("--timeline", default=None,
                    help="RUN_DIR or data_steps.csv of a run: consumer rate from its compute time")
     p.add_argument("--transform", default="basic",
-                   help="per-sample decode: 'basic' (by extension, default), 'none', or "
-                   "'package.module:function'")
+                   help="per-sample decode: 'basic' (by extension, default), 'none', "
+                   "'package.module:function' or 'path/to/train.py:function' (a function "
+                   "defined in your training script; its __main__ block does not run)")
     p.add_argument("--seq-len", type=int, default=None, help="token datasets: tokens/sequence")
     p.add_argument("--device", default=None,
                    help="device for the pin and H2D stages (default: cuda when available)")
@@ -294,6 +299,15 @@ def _add_elastic(sub: argparse._SubParsersAction) -> None:
                    help="a peer supervisor silent this long counts as a lost node (default: 5 s)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds the job gets to save before it is killed (default: 30)")
+    p.add_argument("--stop-grace", type=float, default=1.0,
+                   help="when a rank fails, seconds the other ranks get to exit before they "
+                   "are killed: they cannot finish a collective with it (default: 1)")
+    p.add_argument("--no-prewarm", dest="prewarm", action="store_false",
+                   help="start a fresh torchrun and fresh worker interpreters per attempt "
+                   "instead of a standby agent that imported torch ahead and forks the workers")
+    p.add_argument("--preload", action="append", default=[], metavar="MODULE",
+                   help="module the standby agent imports before forking workers, on top of "
+                   "torch and unbroken.ckpt (repeatable; e.g. your model library)")
     p.add_argument("--fault-rule", action="append", default=[], metavar="CLASS=REGEX",
                    help="extra classification rule, checked before the built-in table (repeatable)")
     p.add_argument("--torchrun-arg", action="append", default=[], metavar="ARG",
@@ -315,6 +329,7 @@ def _add_elastic(sub: argparse._SubParsersAction) -> None:
 
 def _elastic_run(a: argparse.Namespace) -> int:
     from unbroken.elastic import faults
+    from unbroken.elastic._attempt import DEFAULT_PRELOAD
     from unbroken.elastic.preflight import PreflightConfig
     from unbroken.elastic.supervisor import RendezvousConfig, RunConfig, Supervisor, WatchdogConfig
 
@@ -332,10 +347,14 @@ def _elastic_run(a: argparse.Namespace) -> int:
         preflight=PreflightConfig(a.ckpt_dir, a.data, a.min_free_bytes, timeout=a.preflight_timeout),
         preflight_max_wait=a.preflight_max_wait,
         shutdown_timeout=a.shutdown_timeout,
+        stop_grace=a.stop_grace,
+        prewarm=a.prewarm,
+        preload=(*DEFAULT_PRELOAD, *a.preload),
         rules=(*(faults.parse_rule(r) for r in a.fault_rule), *faults.DEFAULT_RULES),
         torchrun_args=tuple(a.torchrun_arg),
         echo=not a.quiet,
     )
+    _check_script(command, a.module, "run")  # after the config's own checks
     return Supervisor(cfg).run()
 
 
@@ -379,22 +398,21 @@ def _report(a: argparse.Namespace) -> int:
 
 
 def _plan(a: argparse.Namespace) -> int:
-    from unbroken.elastic import planner, recovery
+    from unbroken.elastic import planner
 
-    got: dict[str, float | None] = dict.fromkeys(("ckpt_cost", "mtbf", "restart_cost", "current"))
-    if a.run_dir:
-        got.update(planner.estimate_from_events(recovery.load_events(a.run_dir)))
-    for key in got:
-        if getattr(a, key) is not None:
-            got[key] = getattr(a, key)
-    c, m = got["ckpt_cost"], got["mtbf"]
-    if c is None or m is None:
-        raise ValueError(
-            f"need the checkpoint cost and the MTBF (measured: C={c}, M={m}); pass --ckpt-cost "
-            "and --mtbf, or a --run-dir whose events hold saves and failures"
-        )
-    print(planner.format_plan(planner.plan(c, m, got["restart_cost"] or 0.0, got["current"])))
+    given = {k: getattr(a, k) for k in ("ckpt_cost", "mtbf", "restart_cost", "current")}
+    print(planner.format_plan(planner.plan_from_run(a.run_dir, given)))
     return 0
+
+
+def _check_script(command: Sequence[str], module: bool, verb: str) -> None:
+    """A missing training script is bad input, found before any process starts (torchrun
+    would start, fail, and the restart policy would try again)."""
+    if command and not module and not os.path.isfile(command[0]):
+        raise FileNotFoundError(
+            f"{command[0]}: training script not found; use `unbroken {verb} [options] -- "
+            "SCRIPT ARGS` with the path of a Python script, or -m for a module name"
+        )
 
 
 # --- the fire drill -------------------------------------------------------------------------
@@ -407,11 +425,12 @@ def _add_drill(sub: argparse._SubParsersAction) -> None:
         "storage outage, lost agent, world-size change) and prove the resumed run is identical",
         description="Runs the command once without faults (the reference), then under "
         "`unbroken run` with a seeded schedule of injected faults, and compares final state, "
-        "loss curve, data order and recovery phases. {dir} in ARGS is replaced by each run's "
-        "directory; the script checkpoints with unbroken's Checkpointer into {dir}/ckpt and "
-        "logs the loss (and, to compare the data order, the sample ids) per step to "
-        "{dir}/metrics.jsonl. Writes drill.txt, drill.json "
-        "and timeline.png into --dir. Exit codes: 0 pass, 1 fail, 2 usage.",
+        "loss curve, data order and recovery phases; each fault's row says which steps it "
+        "compared. {dir} in ARGS is replaced by each run's directory; the script checkpoints "
+        "with unbroken's Checkpointer into {dir}/ckpt (restore() at start, a final checkpoint "
+        "at the last step) and logs the loss (and, to compare the data order, the sample ids: "
+        "StreamingDataset(with_ids=True)) per step to {dir}/metrics.jsonl. Writes drill.txt, "
+        "drill.json and timeline.png into --dir. Exit codes: 0 pass, 1 fail, 2 usage.",
     )
     p.add_argument("command", nargs=argparse.REMAINDER,
                    help="-- SCRIPT ARGS with {dir} (with --example: extra demo arguments, "
@@ -463,6 +482,8 @@ def _drill(a: argparse.Namespace) -> int:
     else:
         cfg = drill.DrillConfig(command, a.dir, module=a.module, seed=a.seed,
                                 multi_rank=a.multi_rank, ckpt_every=a.ckpt_every, **opts)
+    if not a.example:
+        _check_script(command, a.module, "drill")  # after the config's own checks
     report = drill.run_drill(cfg)
     print(report.format_table())
     print("report: " + ", ".join(report.files.values()))
@@ -488,8 +509,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Exit codes of main() for errors: 2 = bad input (a path, a value, a damaged or foreign file:
+# the user can fix it), 1 = the command failed for another reason (an internal error, an
+# I/O failure such as a full disk). Either way one line on stderr, never a traceback (with
+# --verbose the traceback of an unexpected error is printed too).
+_BAD_PATH_ERRNOS = frozenset(
+    {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM,
+     errno.ELOOP, errno.ENAMETOOLONG, errno.EINVAL, errno.EROFS}
+)
+
+
+def _one_line(e: BaseException) -> str:
+    """The exception's message on one line (a multi-line message is joined with ' | ')."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    text = " | ".join(lines) or type(e).__name__
+    return text if len(text) <= 4000 else text[:4000] + " ..."
+
+
+def _exit_code(e: BaseException) -> int:
+    if isinstance(e, (ValueError, RuntimeError)):
+        return 2
+    if isinstance(e, OSError):
+        return 2 if e.errno in _BAD_PATH_ERRNOS or e.errno is None else 1
+    return 1
+
+
+def _nonsense(args: argparse.Namespace) -> str | None:
+    """A value no command takes, whatever its option: a float that is not finite (argparse's
+    ``float`` accepts "nan" and "1e400"), a string with a NUL byte (no path holds one)."""
+    for name, v in vars(args).items():
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"--{name.replace('_', '-')}={v}: not a finite number"
+        vals = v if isinstance(v, list) else [v]
+        if any(isinstance(x, str) and "\x00" in x for x in vals):
+            return f"{name}: a value holds a NUL byte"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    bad = _nonsense(args)
+    if bad is not None:
+        print(f"unbroken: error: {bad}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -499,9 +561,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("unbroken.data").setLevel(logging.WARNING)
     try:
         return int(args.func(args))
-    except (ValueError, RuntimeError, FileNotFoundError, PermissionError) as e:
-        print(f"unbroken: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("unbroken: interrupted", file=sys.stderr)
+        return 130
+    except (SystemExit, GeneratorExit):
+        raise
+    except (ValueError, RuntimeError, OSError) as e:
+        print(f"unbroken: error: {_one_line(e)}", file=sys.stderr)
+        return _exit_code(e)
+    except BaseException as e:  # noqa: BLE001 - DCP raises BaseException subclasses
+        # Not an error the library names: say what it was in one line; the traceback is for
+        # --verbose (and for a bug report).
+        if args.verbose:
+            traceback.print_exc()
+        print(
+            f"unbroken: error: {type(e).__name__}: {_one_line(e)} (unexpected; run with "
+            "--verbose for the traceback and report it)",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -117,10 +117,10 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
         dist.destroy_process_group()
 
 
-def _run(world: int, job: dict[str, Any]) -> None:
+def _run(world: int, job: dict[str, Any], fn: Any = None) -> None:
     job = {**job, "port": free_port()}
     tmp_mp.start_processes(
-        _worker, args=(world, job), nprocs=world, start_method="spawn", join=True
+        fn or _worker, args=(world, job), nprocs=world, start_method="spawn", join=True
     )
 
 
@@ -191,7 +191,12 @@ def test_corrupt_file_of_one_rank_makes_all_ranks_fall_back(tmp_path, dataset: s
 
 
 def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        get_state_dict,
+        set_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -201,12 +206,16 @@ def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        torch.manual_seed(0)
-        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-        for layer in m:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(m, mesh=mesh)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+        def sharded(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+            torch.manual_seed(seed)
+            m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+            for layer in m:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+            return m, torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+        m, opt = sharded(0)
         m(torch.ones(4, 8)).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -219,8 +228,13 @@ def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
             def load_state_dict(self, sd: dict[str, Any]) -> None:
                 set_state_dict(m, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
+        def full_optim(model: torch.nn.Module, o: torch.optim.Optimizer) -> dict[str, Any]:
+            opts = StateDictOptions(full_state_dict=True)
+            return get_optimizer_state_dict(model, o, options=opts)["state"]
+
         st = TrainState(extras={"app": ModelAndOptim()})
         ck = Checkpointer(job["root"], st)
+        direct = job["root"] + "-direct"  # the model and optimizer handed over as they are
         ref = os.path.join(job["root"], "full.pt")
         if job["mode"] == "save":
             for _ in range(2):  # a second step so the moments are non-trivial
@@ -229,19 +243,37 @@ def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
                 opt.zero_grad()
             st.step = 3
             ck.save()
+            st2 = TrainState(model=m, optimizer=opt)
+            st2.step = 3
+            Checkpointer(direct, st2).save()
             full = {k: v.full_tensor() for k, v in m.state_dict().items()}
+            moments = full_optim(m, opt)
             if rank == 0:
-                torch.save(full, ref)
+                torch.save({"model": full, "optim": moments}, ref)
         else:
             with torch.no_grad():
                 for p in m.parameters():
                     p.zero_()
             assert ck.restore() == 3
             full = torch.load(ref, weights_only=True)
-            same = all(torch.equal(full[k], v.full_tensor()) for k, v in m.state_dict().items())
+            same = all(
+                torch.equal(full["model"][k], v.full_tensor()) for k, v in m.state_dict().items()
+            )
             moments = opt.state_dict()["state"]
+            # a fresh model and an optimizer that never stepped, as after a restart
+            m2, opt2 = sharded(1)
+            assert Checkpointer(direct, TrainState(model=m2, optimizer=opt2)).restore() == 3
+            same2 = all(
+                torch.equal(full["model"][k], v.full_tensor()) for k, v in m2.state_dict().items()
+            )
+            got = full_optim(m2, opt2)
+            same2 = same2 and all(
+                torch.equal(torch.as_tensor(v), torch.as_tensor(got[fqn][k]))
+                for fqn, st_ in full["optim"].items()
+                for k, v in st_.items()
+            )
             with open(os.path.join(job["root"], f"fsdp-load-w{world}-r{rank}"), "w") as f:
-                f.write(f"{same} {len(moments)}")
+                f.write(f"{same} {len(moments)} {same2} {len(got)}")
         ck.close()
     finally:
         dist.destroy_process_group()
@@ -263,7 +295,8 @@ def test_fsdp2_saved_on_2_loads_on_1_and_3(tmp_path) -> None:
             start_method="spawn",
         )
         for r in range(w):
-            assert open(os.path.join(root, f"fsdp-load-w{w}-r{r}")).read() == "True 4", (w, r)
+            got = open(os.path.join(root, f"fsdp-load-w{w}-r{r}")).read()
+            assert got == "True 4 True 4", (w, r)
 
 
 def _rank0_only_worker(rank: int, world: int, job: dict[str, Any]) -> None:
@@ -293,3 +326,181 @@ def test_rank0_only_checkpointing_does_not_involve_other_ranks(tmp_path) -> None
     job = {"root": root, "port": free_port()}
     tmp_mp.start_processes(_rank0_only_worker, args=(2, job), nprocs=2, start_method="spawn")
     assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002", "step-00000003"]
+
+
+# --- per-rank state (C-PER-RANK), DDP, and the writer lock held by rank 0 (C-ONE-WRITER) ---
+
+
+class _Carried:
+    """State carried across batches that differs per rank (an LSTM's hidden state)."""
+
+    def __init__(self, h: torch.Tensor, n: int) -> None:
+        self.h, self.n = h, n
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"h": self.h, "n": self.n}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.h.copy_(sd["h"])
+        self.n = sd["n"]
+
+
+def _ranked_build(rank: int, seed: int, wrap: bool, **kw: Any) -> tuple[Any, ...]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from unbroken.ckpt import TrainState
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 4)
+    ddp = DDP(model)
+    own = torch.nn.Parameter(torch.zeros(3))  # not in DDP: its optimizer state is per rank
+    opt = torch.optim.SGD([*ddp.parameters(), own], lr=0.1, momentum=0.9)
+    hidden = _Carried(torch.zeros(2, 3), 0)
+    shared = _Carried(torch.zeros(2), 0)
+    st = TrainState(
+        model=ddp if wrap else model,
+        optimizer=opt,
+        extras={"hidden": hidden, "shared": shared},
+        replicated=["extra.shared"],
+        seed=11,
+        **kw,
+    )
+    return st, ddp, model, own, opt, hidden, shared
+
+
+def _ranked_worker(rank: int, world: int, job: dict[str, Any]) -> None:
+    import logging
+
+    from unbroken.ckpt import Checkpointer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    warnings: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("unbroken").addHandler(_Keep())
+    out: dict[str, Any] = {"pid": os.getpid()}
+    root, flat = job["root"], job["root"] + "-unwrapped"
+    try:
+        if job["mode"] == "save":
+            for r, wrap in ((root, True), (flat, False)):
+                st, ddp, model, own, opt, hidden, shared = _ranked_build(rank, 0, wrap)
+                ddp(torch.ones(2, 4)).sum().backward()  # DDP averages: replicas stay equal
+                (own * (rank + 1)).sum().backward()
+                opt.step()
+                hidden.h.fill_(rank + 1.0)
+                hidden.n = 10 * rank
+                shared.h.fill_(float(rank))  # declared replicated, yet differs: say so
+                st.step = 1
+                ck = Checkpointer(r, st)
+                ck.save()
+                if wrap:
+                    with open(os.path.join(r, ".lock")) as f:
+                        out["lock_pid"] = json.load(f)["pid"]
+                    out["momentum"] = opt.state[own]["momentum_buffer"].tolist()
+                    out["weight"] = model.weight.tolist()
+                dist.barrier()  # every rank has read the lock before rank 0's close() drops it
+                ck.close()
+        else:
+            st, ddp, model, own, opt, hidden, shared = _ranked_build(
+                rank, 1, True, **job.get("kw", {})
+            )
+            with pytest.raises(RuntimeError) as held:  # the test process holds this root
+                Checkpointer(job["locked"], st).restore()
+            out["refused"] = str(held.value)
+            ck = Checkpointer(root, st)
+            try:
+                out["step"] = ck.restore()
+            except ValueError as e:
+                out["error"] = str(e)
+            else:
+                out.update(
+                    hidden=hidden.h.tolist(),
+                    n=hidden.n,
+                    shared=shared.h.tolist(),
+                    momentum=opt.state[own]["momentum_buffer"].tolist(),
+                    weight=model.weight.tolist(),
+                )
+            ck.close()
+        out["warnings"] = warnings
+        with open(os.path.join(job["out"], f"{job['mode']}-w{world}-r{rank}.json"), "w") as f:
+            json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _ranked(world: int, job: dict[str, Any]) -> list[dict[str, Any]]:
+    _run(world, job, _ranked_worker)
+    return _results(job["out"], job["mode"], world)
+
+
+def test_per_rank_state_survives_resize_is_refused_ddp_is_unwrapped(tmp_path) -> None:
+    from unbroken.ckpt import Checkpointer, TrainState, read_checkpoint
+
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    root = str(tmp_path / "ck")
+    save = _ranked(2, {"mode": "save", "root": root, "out": out})
+    # the lock is rank 0's: both ranks see rank 0's pid in it
+    assert [r["lock_pid"] for r in save] == [save[0]["pid"]] * 2
+    assert save[0]["momentum"] != save[1]["momentum"]  # really per-rank values
+    warned = " | ".join(save[0]["warnings"])
+    assert "extra.shared" in warned and "optimizer" in warned, warned
+    assert "extra.hidden" not in warned and "'model'" not in warned, warned
+    assert not save[1]["warnings"], "rank 0 reports divergence, once"
+
+    manifests = [
+        json.load(open(os.path.join(r, "step-00000001", "manifest.json")))
+        for r in (root, root + "-unwrapped")
+    ]
+    m = manifests[0]
+    assert m["components"]["extra.hidden"] == {
+        "sharing": "per_rank", "differs": True, "differing": ["<non-tensor state>", "h"]
+    }
+    assert m["components"]["model"] == {"sharing": "replicated", "differs": False, "differing": []}
+    assert [m["tensors"][f"rank{r}/components/extra.hidden/h"]["rank"] for r in (0, 1)] == [0, 1]
+    assert "components/model/weight" in m["tensors"]  # equal on both ranks: saved once
+    assert not any(k.startswith("rank") and "/model/" in k for k in m["tensors"])
+    from safetensors.torch import load_file
+
+    from unbroken.ckpt.cli_support import export_safetensors
+
+    export_safetensors(root, str(tmp_path / "h.safetensors"), component="extra.hidden")
+    assert load_file(str(tmp_path / "h.safetensors"))["h"].tolist() == [[1.0] * 3] * 2  # rank 0's
+    # DDP-wrapped and unwrapped models give the same checkpoint
+    assert manifests[0]["tensors"].keys() == manifests[1]["tensors"].keys()
+    a, b = read_checkpoint(root), read_checkpoint(root + "-unwrapped")
+    assert a["components"].keys() == b["components"].keys()
+    ma, mb = a["components"]["model"], b["components"]["model"]
+    assert ma.keys() == mb.keys() == {"weight", "bias"}
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+    locked = str(tmp_path / "locked")
+    holder = Checkpointer(locked, TrainState())
+    holder.restore()  # this process is the writer of `locked` now
+    try:
+        same = _ranked(2, {"mode": "load", "root": root, "out": out, "locked": locked})
+        for r, (s, got) in enumerate(zip(save, same, strict=True)):
+            assert f"pid {os.getpid()}" in got["refused"], got["refused"]
+            assert got["step"] == 1
+            assert got["hidden"] == [[r + 1.0] * 3] * 2 and got["n"] == 10 * r
+            assert got["shared"] == [float(r)] * 2  # its own copy, not rank 0's
+            assert got["momentum"] == s["momentum"] and got["weight"] == s["weight"]
+
+        one = _ranked(1, {"mode": "load", "root": root, "out": out, "locked": locked})[0]
+        assert "extra.hidden" in one["error"] and "2" in one["error"], one["error"]
+        assert "per_rank_on_resize" in one["error"], one["error"]
+
+        kw = {"per_rank_on_resize": "skip"}
+        one = _ranked(1, {"mode": "load", "root": root, "out": out, "locked": locked, "kw": kw})[0]
+        assert one["step"] == 1
+        assert one["hidden"] == [[0.0] * 3] * 2 and one["n"] == 0  # kept as constructed
+        assert one["shared"] == [0.0, 0.0] and one["momentum"] == save[0]["momentum"]
+        warned = " | ".join(one["warnings"])
+        assert "extra.hidden" in warned and "extra.shared" in warned, warned
+    finally:
+        holder.close()

@@ -34,9 +34,30 @@ def _script_args(tmp_path, steps: int, **extra: object) -> list[str]:
     return args
 
 
-def _assert_continuous(path: str, steps: int) -> None:
+def _assert_continuous(path: str, steps: int, world: int | None = None) -> None:
     got = h.metric_steps(path)
     assert got == list(range(1, steps + 1)), f"metric log steps not 1..{steps} once each: {got}"
+    if world is not None:  # and bit-identical to an uninterrupted run
+        losses = [r["loss"] for r in h.metrics(path)]
+        assert losses == h.reference_losses(steps, world)
+
+
+def _assert_nothing_left(job: h.Job) -> None:
+    assert not h.pids_of(job), "processes of the job outlived its supervisor"
+    assert not h.empty_dumps(job.run_dir), "empty stack-dump files left behind"
+
+
+def _survivor_stopped_by_us(job: h.Job, attempt: int, victim_rank: int) -> dict:
+    """The rank that outlived the killed one ended because the supervisor stopped it: its
+    launcher was told to stop before it ended, right after the supervisor's stop began."""
+    (stop,) = [e for e in job.events("stop_group") if e["attempt"] == attempt]
+    assert f"rank {victim_rank}" in stop["reason"] and "SIGKILL" in stop["reason"], stop
+    survivors = [e for e in job.events("worker_exit")
+                 if e["attempt"] == attempt and e["rank"] != victim_rank]
+    assert sorted(stop["exited"] + stop["killed"]) == [0], stop
+    for e in survivors:
+        assert e["stopped"] is True, e
+    return stop
 
 
 def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
@@ -44,13 +65,17 @@ def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
     with h.jobs() as start:
         job = start(
             str(tmp_path / "run"),
-            ["--nproc-per-node", "2", "--ckpt-dir", str(tmp_path / "ckpt")],
+            # a generous grace: rank 0 must leave by itself (peer_failed), not by SIGKILL
+            ["--nproc-per-node", "2", "--ckpt-dir", str(tmp_path / "ckpt"), "--stop-grace", "5"],
             _script_args(tmp_path, steps, save_every=5),
         )
         beats = h.wait_until(lambda: h.live_beats(job, 0, 12, ranks=2), 90, "step 12", job)
         victim = beats[1]
         t_kill = time.time()
         os.kill(victim.pid, signal.SIGKILL)
+        h.wait_until(lambda: h.live_beats(job, 1, 1, ranks=2), 90, "the restarted ranks", job)
+        # nothing of the stopped attempt, the standby or the new one waits unreaped
+        h.wait_until(lambda: not h.zombies_below(job.proc.pid), 10, "no zombies", job)
         assert job.wait(90) == 0, job.output()[-3000:]
 
     fails = job.events("failure")
@@ -64,6 +89,13 @@ def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
     )
     assert "SIGKILL" in f["reason"] and "rank 1" in f["reason"]
     assert abs(f["t_fail"] - t_kill) < 1.0, (f["t_fail"], t_kill)
+    # rank 0 honoured peer_failed() on our SIGTERM instead of waiting on its dead peer
+    stop = _survivor_stopped_by_us(job, 0, victim_rank=1)
+    assert stop["exited"] == [0] and not stop["killed"], stop
+    # both attempts' workers were forked by the pre-warmed agents' fork servers
+    exits = job.events("worker_exit")
+    assert {e["via"] for e in exits} == {"zygote"} and len(exits) == 4, exits
+    assert [e["prewarmed"] is not None for e in job.events("launch")] == [True, True]
     # The restart resumed from a checkpoint at or after step 10, not from scratch.
     loaded = [e for e in job.events("loaded") if e["attempt"] == 1]
     assert loaded and 10 <= loaded[0]["step"] <= f["step"]
@@ -83,8 +115,66 @@ def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
         "SIGKILL recovery phases:",
         {k: rec[k] for k in ("detect", "relaunch", "load", "catch_up", "total")},
     )
-    _assert_continuous(str(tmp_path / "metrics.jsonl"), steps)
+    _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=2)
     assert "recovery phases (seconds)" in job.output()
+    _assert_nothing_left(job)
+
+
+def test_survivor_stuck_after_its_peer_died_is_killed_after_the_grace(tmp_path):
+    """The rank left alive cannot finish its collective and ignores SIGTERM (like a rank
+    stuck in a save it can never finish): it costs --stop-grace, not torchrun's 30 s
+    shutdown timeout. Fresh interpreters (--no-prewarm): the fallback path."""
+    steps = 30
+    with h.jobs() as start:
+        job = start(
+            str(tmp_path / "run"),
+            ["--nproc-per-node", "2", "--stop-grace", "1", "--no-prewarm"],
+            _script_args(tmp_path, steps, save_every=5, linger=120),
+        )
+        beats = h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=2), 90, "step 8", job)
+        os.kill(beats[1].pid, signal.SIGKILL)
+        assert job.wait(120) == 0, job.output()[-3000:]
+
+    stop = _survivor_stopped_by_us(job, 0, victim_rank=1)
+    assert stop["killed"] == [0] and stop["grace"] == 1, stop
+    assert stop["seconds"] < 8.0, stop  # SIGKILLed at the grace, not waited on
+    (f,) = job.events("failure")
+    relaunched = [e for e in job.events("launch") if e["attempt"] == 1]
+    assert relaunched and relaunched[0]["t"] - f["t_detect"] < 10.0
+    assert (f["rule"], f["fault"]) == ("killed", "process"), f
+    exits = job.events("worker_exit")
+    assert {e["via"] for e in exits} == {"spawn"}, exits
+    assert [e["prewarmed"] for e in job.events("launch")] == [None, None]
+    _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=2)
+    _assert_nothing_left(job)
+
+
+def test_single_rank_sigkill_is_a_process_fault_not_a_lost_peer(tmp_path):
+    """Old peer-error text in the rank's stderr (here printed at start) did not kill it.
+    Also: the standby prepared for the restart died before it was needed; the supervisor
+    starts another one instead of failing the restart."""
+    steps = 20
+    noise = "ConnectionResetError: [Errno 104] Connection reset by peer"
+    with h.jobs() as start:
+        job = start(
+            str(tmp_path / "run"),
+            ["--nproc-per-node", "1"],
+            _script_args(tmp_path, steps, save_every=5, stderr_noise=noise),
+        )
+        beats = h.wait_until(lambda: h.live_beats(job, 0, 6, ranks=1), 90, "step 6", job)
+        standby = h.wait_until(lambda: h.pids_of(job, attempt=1), 90, "the standby", job)
+        for pid in standby:  # the standby and its fork server
+            os.kill(pid, signal.SIGKILL)
+        os.kill(beats[0].pid, signal.SIGKILL)
+        assert job.wait(90) == 0, job.output()[-3000:]
+    (f,) = job.events("failure")
+    assert (f["fault"], f["rule"], f["action"]) == ("process", "killed", "restart"), f
+    relaunch = [e for e in job.events("launch") if e["attempt"] == 1]
+    assert relaunch and relaunch[0]["agent_pid"] not in standby
+    (stop,) = job.events("stop_group")
+    assert stop["exited"] == stop["killed"] == [], stop  # nobody else to stop
+    _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=1)
+    _assert_nothing_left(job)
 
 
 def test_sigstop_worker_is_a_hang_with_stack_dumps(tmp_path):
@@ -112,7 +202,13 @@ def test_sigstop_worker_is_a_hang_with_stack_dumps(tmp_path):
     (rec,) = job.recoveries()
     assert 3.0 <= rec["detect"] < 6.0  # a hang costs the hang timeout to detect
     assert rec["relaunch"] is not None and rec["load"] is not None
+    # one step everywhere: the message, the failure record and the summary table
+    assert hang["detail"].endswith(f"at step {hang['step']}"), hang
+    assert f["step"] == hang["step"] == rec["step_at_failure"], (f, hang, rec)
+    table = next(ln for ln in job.output().splitlines() if ln.split()[:3] == ["0", "0", "process"])
+    assert table.split()[3] == str(hang["step"]), table
     _assert_continuous(str(tmp_path / "metrics.jsonl"), steps)
+    _assert_nothing_left(job)
 
 
 def test_same_exception_at_same_step_twice_stops_with_report(tmp_path):

@@ -114,3 +114,46 @@ def test_rng_derive_is_deterministic_per_rank_and_step() -> None:
     rng.derive(0, 2, 100)
     c = _draws(np.random.default_rng(0))[1:]
     assert a == b and a != c
+
+
+class _Box:
+    def __init__(self) -> None:
+        self.t = torch.zeros(2)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        self.t.copy_(sd["t"])
+
+
+def test_sharing_defaults_and_declarations() -> None:
+    m = torch.nn.Linear(2, 2)
+    st = TrainState(model=m, optimizer=torch.optim.SGD(m.parameters()), extras={"h": _Box()})
+    assert st.sharing == {"model": "replicated", "optimizer": "replicated", "extra.h": "per_rank"}
+    st = TrainState(
+        model=m, extras={"h": _Box(), "s": _Box()}, replicated=["extra.s"], per_rank=["model"]
+    )
+    assert st.sharing == {"model": "per_rank", "extra.h": "per_rank", "extra.s": "replicated"}
+    with pytest.raises(ValueError, match=r"'extra\.nope'.*\['extra\.h', 'model'\]"):
+        TrainState(model=m, extras={"h": _Box()}, replicated=["extra.nope"])
+    with pytest.raises(ValueError, match="both replicated and per_rank"):
+        TrainState(model=m, replicated=["model"], per_rank=["model"])
+    with pytest.raises(ValueError, match="per_rank_on_resize='drop'"):
+        TrainState(model=m, per_rank_on_resize="drop")
+
+
+def test_ddp_wrapped_model_is_unwrapped(tmp_path) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        m = torch.nn.Linear(2, 2)
+        st = TrainState(model=DDP(m), ema={"a": DDP(torch.nn.Linear(2, 2))})
+        assert st.components["model"] is m
+        assert set(st.state_dict()["components"]["model"]) == {"weight", "bias"}
+        assert isinstance(st.components["ema.a"], torch.nn.Linear)
+    finally:
+        dist.destroy_process_group()

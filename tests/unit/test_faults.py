@@ -93,6 +93,85 @@ def test_sigkilled_worker_without_error_file(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("stderr", "sig", "rule"),
+    [
+        # older output of the rank (or of its DataLoader workers) did not kill it
+        ("ConnectionResetError: [Errno 104] Connection reset by peer", -9, "killed"),
+        ("BrokenPipeError: [Errno 32] Broken pipe", -9, "killed"),
+        ("Traceback (most recent call last):\nValueError: caught and logged", -9, "killed"),
+        ("torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError", -9, "killed"),
+        # text that explains a signal still wins over the bare signal
+        ("RuntimeError: CUDA error: an illegal memory access was encountered", -6, "cuda"),
+        ("OSError: [Errno 5] Input/output error", -7, "storage"),
+    ],
+)
+def test_a_rank_killed_by_a_signal_is_classified_by_what_can_explain_it(
+    tmp_path, stderr, sig, rule
+):
+    console, log_dir = _torchrun_output(tmp_path, {0: (sig, None)})
+    (tmp_path / "torchelastic" / "job_abc" / "attempt_0" / "0" / "stderr.log").write_text(
+        stderr + "\n"
+    )
+    c = classify(Evidence("exit", 1, tuple(collect_worker_failures(console, log_dir)), console))
+    assert c.rule == rule, c
+    assert c.fault is (FaultClass.STORAGE if rule == "storage" else FaultClass.PROCESS)
+
+
+def _exit(rank, code, *, stopped=False, t=0.0, pid=None):
+    return faults.WorkerExit(rank, rank, code, stopped, pid or 100 + rank, 200 + rank, t)
+
+
+def test_launcher_reports_order_the_failures_and_mark_stopped_ranks_collateral(tmp_path):
+    """No torchrun summary (the supervisor stopped the agent first): the launchers' reports,
+    the error files and the stderr tails are the evidence; the first failure is primary."""
+    _console, log_dir = _torchrun_output(
+        tmp_path, {0: (1, RuntimeError("boom")), 1: (1, ValueError("first"))}
+    )
+    exits = [_exit(0, 1, t=2.0), _exit(1, 1, t=1.0), _exit(2, -15, stopped=True, t=3.0),
+             _exit(3, 0, t=0.5)]
+    fails = collect_worker_failures("", log_dir, exits)
+    assert [(f.rank, f.collateral) for f in fails] == [(1, False), (0, False), (2, True)]
+    assert fails[0].message == "ValueError: first"
+    c = classify(Evidence("exit", None, tuple(fails), ""))
+    assert c.rule == "exception" and "rank 1" in c.reason
+
+
+def test_a_rank_restarted_in_place_is_judged_by_its_own_failure(tmp_path):
+    """torchrun stopped rank 0 once to admit a node (SIGTERM, stopped), then its second
+    incarnation failed when a peer vanished: that failure is the evidence."""
+    _console, log_dir = _torchrun_output(tmp_path, {0: (1, RuntimeError(
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1947"))})
+    exits = [_exit(0, -15, stopped=True, t=1.0), _exit(0, 1, t=5.0)]
+    (f,) = collect_worker_failures("", log_dir, exits)
+    assert (f.exitcode, f.stopped, f.collateral) == (1, False, True)
+    c = classify(Evidence("exit", None, (f,), ""))
+    assert (c.fault, c.rule) == (FaultClass.PROCESS, "peer_lost"), c
+
+
+def test_worker_exit_failed_and_described():
+    assert _exit(1, -9).failed and "died of SIGKILL" in _exit(1, -9).describe()
+    assert _exit(1, 3).failed and "exited with code 3" in _exit(1, 3).describe()
+    assert not _exit(1, 0).failed
+    assert not _exit(1, -9, stopped=True).failed  # stopped by the agent or the supervisor
+    for code in (-15, -2, 143, 130):  # a preemption exit is not a failure of its own
+        assert not _exit(1, code).failed
+    gone = faults.WorkerExit(None, None, None, False, None, 4242, 0.0, vanished=True)
+    assert gone.failed and "vanished" in gone.describe() and "4242" in gone.describe()
+    e = faults.WorkerExit.from_event({"t": 5.0, "event": "worker_exit", "rank": 1,
+                                      "local_rank": 1, "exitcode": -9, "stopped": False,
+                                      "worker_pid": 7, "pid": 8, "via": "zygote"})
+    assert (e.rank, e.exitcode, e.pid, e.launcher, e.via, e.failed) == (1, -9, 7, 8, "zygote",
+                                                                         True)
+
+
+def test_every_rank_exiting_143_after_a_save_on_sigterm_is_a_preemption(tmp_path):
+    fails = collect_worker_failures("", str(tmp_path), [_exit(0, 143), _exit(1, 143)])
+    c = classify(Evidence("exit", 1, tuple(fails), ""))
+    assert (c.fault, c.action) == (FaultClass.PREEMPTION, Action.EXIT), c
+    assert "exit code 143" in c.reason
+
+
+@pytest.mark.parametrize(
     ("exc", "code", "fault", "rule"),
     [
         (OSError(errno.ENOSPC, "No space left on device"), 1, FaultClass.STORAGE, "storage"),
@@ -211,17 +290,19 @@ def test_budget_and_environmental_failures():
 
 
 def test_no_progress_guard_and_backoff():
-    t = RestartTracker(RestartPolicy(backoff_initial=1, backoff_max=5, no_progress_limit=3))
-    delays = [t.decide(_c(None), progress=p, step=None).delay for p in (10, 10, 10)]
-    assert delays == [1, 2, 4]
-    assert t.decide(_c(None), progress=11, step=None).delay == 1  # progress resets the backoff
-    for _ in range(2):
+    t = RestartTracker(RestartPolicy(backoff_initial=1, backoff_max=5, no_progress_limit=4))
+    # a restart after progress is immediate; then 1, 2, 4 s while nothing advances
+    delays = [t.decide(_c(None), progress=p, step=None).delay for p in (10, 10, 10, 10)]
+    assert delays == [0, 1, 2, 4]
+    assert t.decide(_c(None), progress=11, step=None).delay == 0  # progress resets the backoff
+    for _ in range(3):
         t.decide(_c(None), progress=11, step=None)
     d = t.decide(_c(None), progress=11, step=None)
     assert (d.action, d.exit_code) == (Action.STOP, faults.EXIT_NO_PROGRESS)
     assert "still 11" in d.reason
-    capped = RestartTracker(RestartPolicy(backoff_initial=1, backoff_max=5, no_progress_limit=9))
-    assert [capped.decide(_c(None), 0, None).delay for _ in range(6)][-1] == 5
+    # no checkpoint at all yet (a crash at start-up): back off from the first restart on
+    cold = RestartTracker(RestartPolicy(backoff_initial=1, backoff_max=5, no_progress_limit=9))
+    assert [cold.decide(_c(None), None, None).delay for _ in range(6)] == [1, 2, 4, 5, 5, 5]
 
 
 def test_preemption_exits_and_state_round_trip():

@@ -128,6 +128,7 @@ _CHILD = textwrap.dedent("""
     import os, sys, time
     from unbroken.elastic import beat, heartbeat
     def deep_sleep_here():
+        print("inside", flush=True)  # the handshake: this frame is now on the stack
         while True:
             time.sleep(0.05)
     for step in range(1, int(sys.argv[1]) + 1):
@@ -203,17 +204,38 @@ def test_stalled_considers_only_live_started_beacons():
     assert [b.rank for b in heartbeat.stalled(beats, now, hang_timeout=3.0)] == [0]
 
 
+def _until(cond, what: str, timeout: float = 30.0):
+    """Poll ``cond()`` until it returns something truthy; fail naming ``what`` at the deadline."""
+    deadline = time.monotonic() + timeout
+    while not (got := cond()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+    return got
+
+
 def test_stack_dump_from_a_stopped_process(tmp_path):
+    """Issue 12 item 13: every step waits for its condition (the child inside the function,
+    the stop in effect, the dump complete), so a loaded box only makes it slower."""
+    from unbroken.elastic._procs import proc_state
+
     env = {recovery.ENV_RUN_DIR: str(tmp_path), recovery.ENV_ATTEMPT: "0", "RANK": "4"}
     p = _child(tmp_path, 3, "sleep", **env)
     try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "inside"
         os.kill(p.pid, signal.SIGSTOP)
-        time.sleep(0.1)
+        _until(lambda: proc_state(p.pid) == "T", "the child to be stopped")
         beats = heartbeat.read_beats(str(tmp_path), 0)
-        dumps = heartbeat.request_stack_dumps(str(tmp_path), beats, grace=5.0)
+        dumps = heartbeat.request_stack_dumps(str(tmp_path), beats, grace=30.0)
         assert dumps == [os.path.join(heartbeat.stack_dir(str(tmp_path)), f"a0-r4-p{p.pid}.txt")]
-        text = open(dumps[0]).read()
-        assert "deep_sleep_here" in text and "most recent call first" in text
+        # the dump is non-empty once it has started; it is complete once the frame is in it
+        def dumped() -> str:
+            with open(dumps[0]) as f:
+                t = f.read()
+            return t if "deep_sleep_here" in t else ""
+
+        text = _until(dumped, "deep_sleep_here in the stack dump")
+        assert "most recent call first" in text
     finally:
         p.kill()
         p.wait(10)

@@ -31,6 +31,8 @@ def test_gpu_checks_smoke_run(tmp_path) -> None:
         "D2H floor (pinned, preallocated)", "unbroken async save", "dcp.async_save"
     }
     assert res["ckpt"]["load"]["unbroken_verified_s"] > 0
+    ring = res["ring"]  # the pinned-ring check's CPU run: same batches, copies intact
+    assert ring["identical"] and ring["copies_intact"] and ring["batches"] == 12
     feed = res["feed"]
     assert feed["rc"] == 0 and set(feed["results"]) == {"a", "b", "c", "d"}
     assert feed["pass"] is None  # no verdict on CPU

@@ -282,3 +282,68 @@ def test_gather_write_survives_short_writes(tmp_path: str, monkeypatch: pytest.M
     assert n == w.size == len(want)
     assert open(path, "rb").read() == want
     assert w.digest == checksum_bytes(want) == checksum_file(path)[1]
+
+
+# --- bad input is refused by name, or skipped and counted (issue 12 item 11) -----------------
+
+
+def test_malformed_jsonl_lines_are_named_by_file_and_line_or_skipped(tmp_path: str) -> None:
+    src = os.path.join(tmp_path, "in.jsonl")
+    with open(src, "wb") as f:
+        f.write(b'{"a": 1}\nnot json\n{"b": 2}\n\n{"c": \n{"d": "\xff\xfe"}\n{"e": 5}\n')
+    out = os.path.join(tmp_path, "out")
+    with pytest.raises(ValueError, match=r"in\.jsonl:2: not a JSON line .*--skip-bad"):
+        pack(src, out, progress=False)
+    res = pack(src, out, progress=False, skip_bad=True)
+    assert res.skipped == 3  # lines 2, 5 and 6 (invalid UTF-8)
+    got = _read(out)
+    assert [g["json"] for g in got] == [b'{"a": 1}', b'{"b": 2}', b'{"e": 5}']
+    assert [g["__key__"] for g in got] == ["000000000", "000000002", "000000006"]
+
+
+def test_symlink_loop_unreadable_file_and_non_utf8_name_are_named_or_skipped(
+    tmp_path: str,
+) -> None:
+    root = os.path.join(tmp_path, "src")
+    want = _tree(root, 9)
+    out = os.path.join(tmp_path, "out")
+    loop = os.path.join(root, "part0", "loop")
+    os.symlink("..", loop)  # leads back to a directory above itself
+    with pytest.raises(ValueError, match=r"part0/loop: symlink loop"):
+        pack(root, out, progress=False)
+    os.unlink(loop)
+    jpg = os.path.join(root, "part1", "0004.jpg")
+    os.unlink(jpg)
+    os.symlink("gone.jpg", jpg)  # dangling: the file cannot be read
+    with pytest.raises(ValueError, match=r"part1/0004\.jpg: cannot read"):
+        pack(root, out, progress=False)
+    os.unlink(jpg)
+    os.symlink("0001.jpg", jpg)
+    open(os.path.join(os.fsencode(root), b"part2", b"\xff\xfe.jpg"), "wb").write(b"x")
+    with pytest.raises(ValueError, match=r"xff\\xfe\.jpg': file name is not UTF-8"):
+        pack(root, out, progress=False)
+    os.unlink(jpg)
+    os.symlink("gone.jpg", jpg)
+    os.symlink("..", loop)
+    res = pack(root, out, progress=False, skip_bad=True)
+    assert res.skipped == 3  # the loop, the dangling file (its whole sample), the bad name
+    got = {str(g["__key__"]): g for g in _read(out)}
+    assert set(got) == set(want) - {"part1/0004"}
+    for key, members in got.items():
+        assert {k: v for k, v in members.items() if k != "__key__"} == want[key]
+
+
+def test_output_path_that_is_a_file_and_index_of_a_file_are_errors(tmp_path: str) -> None:
+    from unbroken.cli import main
+    from unbroken.data.pack import index_directory
+
+    src = os.path.join(tmp_path, "in.jsonl")
+    open(src, "w").write('{"a": 1}\n')
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        pack(src, src, progress=False)
+    with pytest.raises(ValueError, match="not a directory; `unbroken index DIR`"):
+        index_directory(src)
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        index_directory(os.path.join(tmp_path, "nope"))
+    assert main(["pack", src, src, "--no-progress"]) == 2
+    assert main(["index", src]) == 2

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from unbroken import cli
 from unbroken.elastic import planner
 
 MIN, HOUR = 60.0, 3600.0
@@ -75,6 +78,9 @@ def test_estimate_from_events():
         "mtbf": 100.0,
         "restart_cost": 1.0 + 3.0 + 2.0,
         "current": 10.0,
+        "failures": 1,
+        "window": 100.0,
+        "saves": 5,
     }
     assert planner.estimate_from_events([{"t": 0.0, "event": "start"}])["mtbf"] is None
 
@@ -85,3 +91,62 @@ def test_validation(c, m):
         planner.daly_interval(c, m)
     with pytest.raises(ValueError):
         planner.expected_goodput(0, 1, 10)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(0.007, "7 ms"), (0.0123, "12.3 ms"), (4e-5, "40 us"), (0.5, "500 ms"), (2.5, "2.50 s"),
+     (33.04, "33.0 s"), (90, "1.5 min"), (7200, "2.00 h"), (0, "0.0 s")],
+)
+def test_durations_keep_small_values_readable(seconds, text):
+    assert planner._dur(seconds) == text
+
+
+def test_mtbf_interval_matches_chi_square_tables():
+    # chi2(0.95; 4) = 9.488, chi2(0.05; 2) = 0.1026: one failure in T -> [0.211 T, 19.5 T]
+    lo, hi = planner.mtbf_interval(1, 100.0)
+    assert lo == pytest.approx(200 / 9.4877, rel=1e-3) and hi == pytest.approx(200 / 0.10259, rel=1e-3)
+    # chi2(0.95; 22) = 33.924, chi2(0.05; 20) = 10.851
+    lo, hi = planner.mtbf_interval(10, 1000.0)
+    assert lo == pytest.approx(2000 / 33.924, rel=1e-3) and hi == pytest.approx(2000 / 10.851, rel=1e-3)
+
+
+def _run_dir(tmp_path, events):
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return str(tmp_path)
+
+
+def test_plan_from_a_short_run_warns_that_m_rests_on_one_failure(tmp_path, capsys):
+    # what `unbroken drill` leaves: one injected failure, 7 ms saves, 33 s of running
+    ev = [
+        {"t": 0.0, "event": "start"},
+        {"t": 0.5, "event": "workers_up", "attempt": 0},
+        *({"t": 1.0 + k, "event": "saved", "rank": 0, "step": 5 * k, "seconds": 0.007}
+          for k in range(1, 5)),
+        {"t": 20.0, "event": "failure", "attempt": 0, "t_fail": 19.8, "t_detect": 20.0, "step": 21},
+        {"t": 24.0, "event": "workers_up", "attempt": 1},
+        {"t": 25.0, "event": "loaded", "attempt": 1, "rank": 0, "step": 20},
+        {"t": 33.0, "event": "finish"},
+    ]
+    assert cli.main(["plan", "--run-dir", _run_dir(tmp_path, ev)]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint cost C = 7 ms, MTBF M = 33.0 s" in out
+    assert "warning: M = 33.0 s rests on 1 failure in 33.0 s" in out
+    assert "fewer than 10 failures and less than a day of running" in out
+    assert "90% confidence interval is 6.96 s to 10.7 min" in out and "--mtbf" in out
+    # a given M carries no evidence to doubt
+    assert cli.main(["plan", "--run-dir", str(tmp_path), "--mtbf", "86400"]) == 0
+    assert "warning" not in capsys.readouterr().out
+    many = planner.plan(60.0, 3600.0, failures=40, window=40 * 3600.0)
+    assert "warning" not in planner.format_plan(many)
+
+
+def test_plan_says_why_it_cannot_measure(tmp_path, capsys):
+    assert cli.main(["plan", "--run-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "has no events.jsonl: nothing to measure there" in err and "--ckpt-cost" in err
+    _run_dir(tmp_path, [{"t": 0.0, "event": "start"}, {"t": 5.0, "event": "finish"}])
+    assert cli.main(["plan", "--run-dir", str(tmp_path), "--ckpt-cost", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot plan without --mtbf" in err and "holds no failure" in err
+    assert "no checkpoint save" not in err  # C was given

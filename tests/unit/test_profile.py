@@ -100,13 +100,20 @@ def test_slow_consumer_shows_no_stall_fast_consumer_shows_stall(clock: FakeClock
     assert fast.summary().stall_pct == pytest.approx(75.0)
 
 
-def test_break_drops_the_unfinished_step_and_manual_api_matches(clock: FakeClock) -> None:
-    timer = StepTimer(log_every=0)
+def test_break_records_the_last_step_and_manual_api_matches(tmp_path: Any, clock: FakeClock) -> None:
+    mlog_steps = []
+    timer = StepTimer(log_every=0, run_dir=str(tmp_path))
+    step = 0
     for i in timer.wrap(delayed_loader(clock, [3.0] * 10)):
         clock.advance_ms(7.0)
+        step += 1  # the training loop's counter: metrics.log(step, ...) logs 1, 2, ...
+        mlog_steps.append(step)
         if i == 4:
             break
-    assert timer.steps == 4  # step 4's compute never ended by asking for step 5
+    assert timer.steps == 5  # the step broken out of ends its compute at the break
+    assert timer.summary().compute_ms == pytest.approx(7.0)
+    timer.close()
+    assert load_timeline(str(tmp_path)).step.tolist() == mlog_steps == [1, 2, 3, 4, 5]
 
     manual = StepTimer(log_every=0)
     it = delayed_loader(clock, [3.0] * 3)
@@ -125,13 +132,13 @@ def test_sinks_get_summaries_every_log_every_steps(clock: FakeClock) -> None:
     timer = StepTimer(sinks=[rec, tb], log_every=5, start_step=100, batch_size=4)
     for _ in timer.wrap(delayed_loader(clock, [1.0] * 12)):
         clock.advance_ms(3.0)
-    assert [step for step, _ in rec.calls] == [104, 109]
+    assert [step for step, _ in rec.calls] == [105, 110]  # like the metric log: from 1
     vals = rec.calls[0][1]
     assert vals["data/stall_pct"] == pytest.approx(25.0)
     assert vals["data/step_ms"] == pytest.approx(4.0)
     assert vals["data/samples_per_s"] == pytest.approx(1000.0)
     assert "data/h2d_ms" not in vals  # NaN values are not logged
-    assert ("data/stall_pct", pytest.approx(25.0), 104) in tb.scalars
+    assert ("data/stall_pct", pytest.approx(25.0), 105) in tb.scalars
     with pytest.raises(ValueError, match="neither log"):
         StepTimer(sinks=[object()])
 
@@ -145,7 +152,7 @@ def test_metric_log_sink_writes_jsonl(tmp_path: Any, clock: FakeClock) -> None:
         clock.advance_ms(8.0)
     mlog.close()
     recs = read_metrics(str(tmp_path / "metrics.jsonl"))
-    assert [r["step"] for r in recs] == [9, 19]
+    assert [r["step"] for r in recs] == [10, 20]
     assert recs[1]["data/stall_pct"] == pytest.approx(20.0)
 
 
@@ -162,14 +169,14 @@ def test_timeline_file_round_trip(tmp_path: Any, clock: FakeClock) -> None:
     timer.close()
     tl = load_timeline(str(run))
     assert tl.batch_size == 32 and tl.num_workers == 4
-    assert tl.step.tolist() == list(range(7, 28))
+    assert tl.step.tolist() == list(range(8, 29))  # 7 steps done before: 8 is the first
     assert tl.wait_ms.tolist() == waits and np.all(tl.compute_ms == 5.0)
     assert np.all(np.isnan(tl.h2d_ms))
     s = tl.summary()
     assert s.stall_pct == pytest.approx(100 * sum(waits) / (sum(waits) + 5 * 21))
     # a torn last line (crash mid-append) is skipped; damage elsewhere is an error
     with open(run / profile.TIMELINE_FILE, "a") as f:
-        f.write("28,1.0")
+        f.write("29,1.0")
     assert load_timeline(str(run)).step.size == 21
     bad = tmp_path / "bad.csv"
     bad.write_text("step,wait_ms,compute_ms,h2d_ms,h2d_bytes\n1,x,2,,0\n2,1,1,,0\n")

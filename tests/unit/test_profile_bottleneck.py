@@ -143,7 +143,7 @@ def test_measured_slow_decode_is_named_and_a_slow_consumer_is_not_stalled(tmp_pa
     assert 150 < by["decode"].samples_per_s < 520  # sleep is a floor, never faster
     assert by["shard read"].samples_per_s > 10 * by["decode"].samples_per_s
     assert by["transport"].samples_per_s > by["decode"].samples_per_s
-    assert "torch's pipe" in by["transport"].note  # tensor batches: torch's own hand-off
+    assert "shared-memory ring" in by["transport"].note  # tensor batches take the ring too
     assert by["shard read"].mb_per_s > 0
     if not torch.cuda.is_available():
         assert math.isnan(by["pin"].samples_per_s) and by["h2d"].note == "no CUDA device"

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+import xxhash
 
 from unbroken.data.dataset import StreamingDataset, _MappedShard
 from unbroken.data.pack import pack
@@ -76,6 +77,7 @@ def test_index_loads_as_numpy_and_round_trips(tmp_path):
         idx.data_size.tolist(),
         idx.tar_bytes,
         idx.tar_checksum,
+        idx.member_hash,
     )
     assert built == idx and built != ShardIndex.from_arrays([], [], [], [], [], 0, "0")
     with ShardReader(os.path.join(root, tar)) as r:
@@ -84,8 +86,14 @@ def test_index_loads_as_numpy_and_round_trips(tmp_path):
         assert _MappedShard(ShardReader(r.path)).read(np.array([0])) == [r[0]]
     raw = bytearray(idx.to_bytes())
     raw[72 : 72 + 8] = (5).to_bytes(8, "little")  # member_start[0] != 0
-    with pytest.raises(ShardError, match="inconsistent"):
+    with pytest.raises(ShardError, match="index checksum does not match"):
         ShardIndex.from_bytes(bytes(raw), source="bad.idx")
+
+    def resealed(b: bytearray) -> bytes:  # the damage behind a valid self-checksum
+        return bytes(b[:-8]) + xxhash.xxh3_64_intdigest(bytes(b[:-8])).to_bytes(8, "little")
+
+    with pytest.raises(ShardError, match="inconsistent"):
+        ShardIndex.from_bytes(resealed(raw), source="bad.idx")
     raw[72 : 72 + 8] = (1 << 63).to_bytes(8, "little")
     with pytest.raises(ShardError, match="2\\*\\*63"):
-        ShardIndex.from_bytes(bytes(raw), source="bad.idx")
+        ShardIndex.from_bytes(resealed(raw), source="bad.idx")

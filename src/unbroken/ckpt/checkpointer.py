@@ -12,6 +12,13 @@ Typical loop::
 Multi-rank jobs call the same methods on every rank at the same step (they are collective).
 Every rank writes its own DCP files; rank 0 commits once all ranks' data is durable.
 Restore is collective too: ranks agree on the newest checkpoint that verifies everywhere.
+Whatever differs between ranks is saved per rank and restored to the same rank
+(:mod:`.per_rank`).
+
+One writer per root (C-ONE-WRITER, :mod:`.lock`): the first ``restore()`` or ``save()``
+takes the root's lock (rank 0 holds it for the job) and ``close()`` releases it; a second
+run on the same root is refused with the holder named. ``list``/``latest``/``verify``
+never take it.
 
 Async saves (C-ASYNC): ``save()`` blocks only while tensors are copied into reusable host
 buffers (pinned when on CUDA); a background thread writes and commits with the same
@@ -23,6 +30,7 @@ group so they never interleave with the training loop's collectives.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import logging
 import os
@@ -32,21 +40,22 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 import unbroken
+from unbroken._audit import state_audit
 from unbroken._fs import atomic_write_bytes, checksum_file
-from unbroken.ckpt import _dist, codec
+from unbroken.ckpt import _dist, codec, lock, per_rank
 from unbroken.ckpt import rng as _rng
-from unbroken.ckpt.saver import ItemLocation, load_into, write_tensors
+from unbroken.ckpt.manifest import CheckpointManifest, Chunk, FileEntry, TensorEntry
+from unbroken.ckpt.saver import ItemLocation, fill, write_tensors
 from unbroken.ckpt.snapshot import Snapshotter
 from unbroken.ckpt.state import TrainState
-from unbroken.ckpt.store import FORMAT, FORMAT_VERSION, CheckpointInfo, CorruptCheckpoint, Store
-from unbroken.ckpt.verify import into_live, load_verified
+from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint, Store
+from unbroken.ckpt.verify import Verified, check_fits, load_verified
 
 __all__ = ["Checkpointer"]
 
@@ -66,9 +75,11 @@ class _Job:
     tmp: str
     tensors: dict[str, torch.Tensor]
     sd: dict[str, Any]
-    rank_state: bytes
+    tree: Any  # the encoded state dict (tensor references), without RNG
+    rng: Any  # the encoded RNG state of this rank
     t0: float
     blocked: float = 0.0
+    differing: dict[str, list[str]] = field(default_factory=dict)  # filled by _persist
 
 
 class Checkpointer:
@@ -97,7 +108,9 @@ class Checkpointer:
             all-reduce per :meth:`maybe_save` call).
         distributed: ``None`` (default): collective when ``torch.distributed`` is
             initialised (every rank calls save/restore at the same step). ``False``: this
-            process saves and restores alone (e.g. only rank 0 of a DDP job checkpoints).
+            process saves and restores alone (e.g. only rank 0 of a DDP job checkpoints;
+            the other ranks may restore from the same root: they take the writer lock only
+            if they save).
     """
 
     def __init__(
@@ -158,6 +171,7 @@ class Checkpointer:
         # Checkpoint collectives get their own group: a background save must never
         # interleave with the training loop's collectives on the default group.
         self._comm = _dist.Comm(distributed)
+        self._audit = state_audit(self.state, self._comm)  # `unbroken drill` only; else no-op
         self._snap = Snapshotter()
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="unbroken-ckpt") if async_save else None
@@ -171,6 +185,10 @@ class Checkpointer:
         self.last_restore_seconds: float | None = None
         self.preempted = False
         self._watch_sigterm = save_on_sigterm
+        self._lease: lock.Lease | None = None  # rank 0's claim on the root (C-ONE-WRITER)
+        self._writer = False  # every rank: the lock was taken for this checkpointer
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._warned: set[str] = set()  # components reported as differing between ranks
         if save_on_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         atexit.register(_flush_at_exit, weakref.ref(self))
@@ -206,6 +224,7 @@ class Checkpointer:
     def maybe_save(self, step: int | None = None) -> bool:
         """Save if ``every_steps``/``every_seconds`` (or a SIGTERM) says so."""
         step = self.state.step if step is None else step
+        self._audit.step(step)
         self._raise_background_error()
         every = self.every_seconds
         time_due = every is not None and time.monotonic() - self._last_save_time >= every
@@ -241,6 +260,7 @@ class Checkpointer:
                 f"checkpoint for step {step} already exists at {self.store.step_dir(step)}; "
                 "steps are immutable once committed"
             )
+        self._take_writer_lock()
         job = self._snapshot(step)
         if self._pool is None:
             return self._persist(job)
@@ -287,13 +307,25 @@ class Checkpointer:
     def _snapshot(self, step: int) -> _Job:
         t0 = time.perf_counter()
         sd, rng_state, tree, live = self._encode()
+        self._audit.saved(step, sd, rng_state)
         tensors = self._snap.take(live) if self._pool is not None else live
-        rank_state = json.dumps({"state": tree, "rng": codec.encode(rng_state, None)}).encode()
+        rng_tree = codec.encode(rng_state, None)
         tmp = self.store.begin(step) if self.rank == 0 else ""
         tmp = self._comm.broadcast(tmp)
         blocked = time.perf_counter() - t0
         self.last_blocked_seconds = blocked
-        return _Job(step, tmp, tensors, sd, rank_state, t0, blocked)
+        return _Job(step, tmp, tensors, sd, tree, rng_tree, t0, blocked)
+
+    def _split_per_rank(self, job: _Job) -> tuple[Any, dict[str, torch.Tensor]]:
+        """Compare every rank's state (one all-gather of fingerprints); what differs is
+        saved per rank, under this rank's own keys (C-PER-RANK, :mod:`.per_rank`)."""
+        if self._comm.world < 2:
+            return job.tree, job.tensors
+        mine = per_rank.fingerprints(job.tree["components"], job.tensors, self.state.sharing)
+        job.differing = per_rank.compare(self._comm.gather(mine))
+        if self._comm.rank == 0:
+            per_rank.report(job.step, job.differing, self.state, self._warned)
+        return per_rank.rename(job.tree, job.tensors, job.differing, self._comm.rank)
 
     def _persist(self, job: _Job) -> str:
         rank, world = self._comm.rank, self._comm.world
@@ -301,27 +333,33 @@ class Checkpointer:
         files: dict[str, tuple[int, str]] = {}
         locations: list[ItemLocation] = []
         meta: dict[str, Any] = {}
+        own: dict[str, Any] = {}  # meta of this rank's own copies (rank 0 lists them all)
         try:
+            tree, tensors = self._split_per_rank(job)
             files, locations, meta = write_tensors(
-                job.tmp, job.tensors, threads=self.io_threads, comm=self._comm
+                job.tmp, tensors, threads=self.io_threads, comm=self._comm
             )
+            own = {k: v for k, v in meta.items() if per_rank.split_key(k)[0] == rank}
+            rank_state = json.dumps({"state": tree, "rng": job.rng}).encode()
             name = f"state-rank{rank}.json"
             files[name] = (
-                len(job.rank_state),
-                atomic_write_bytes(os.path.join(job.tmp, name), job.rank_state),
+                len(rank_state),
+                atomic_write_bytes(os.path.join(job.tmp, name), rank_state),
             )
         except BaseException as e:  # noqa: BLE001 - reported collectively below
             err = e
-        reports = self._comm.gather((repr(err) if err else None, files))
-        failed = [(r, e) for r, (e, _) in enumerate(reports) if e]
+        reports = self._comm.gather((repr(err) if err else None, files, own))
+        failed = [(r, e) for r, (e, _, _) in enumerate(reports) if e]
         path = self.store.step_dir(job.step)
         if rank == 0:
             if failed:
                 self.store.abort(job.tmp)
             else:
                 try:
-                    all_files = {k: v for _, f in reports for k, v in f.items()}
+                    all_files = {k: v for _, f, _ in reports for k, v in f.items()}
                     all_files[".metadata"] = checksum_file(os.path.join(job.tmp, ".metadata"))
+                    for r, (_, _, theirs) in enumerate(reports):
+                        meta.update({k: {**v, "rank": r} for k, v in theirs.items()})
                     manifest = self._manifest(job, all_files, locations, meta, world)
                     self.store.commit(job.tmp, job.step, manifest)
                 except BaseException as e:  # noqa: BLE001
@@ -345,7 +383,7 @@ class Checkpointer:
         self._last_save_time = time.monotonic()
         self.last_save_seconds = dt
         if rank == 0:
-            total = sum(s for _, f in reports for s, _ in f.values())
+            total = sum(s for _, f, _ in reports for s, _ in f.values())
             log.info(
                 "saved step %d to %s: %.1f MB in %.2f s (%.2f GB/s), loop blocked %.3f s",
                 job.step,
@@ -372,35 +410,38 @@ class Checkpointer:
         locations: Sequence[ItemLocation],
         meta: Mapping[str, Any],
         world: int,
-    ) -> dict[str, Any]:
-        tensors = {k: dict(v) for k, v in meta.items()}
+    ) -> CheckpointManifest:
+        chunks: dict[str, list[Chunk]] = {}
         for loc in locations:
-            tensors[loc.key].setdefault("chunks", []).append(
-                {
-                    "offsets": list(loc.chunk_offsets),
-                    "file": loc.file,
-                    "offset": loc.offset,
-                    "length": loc.length,
-                }
+            chunks.setdefault(loc.key, []).append(
+                Chunk(loc.chunk_offsets, loc.chunk_sizes, loc.file, loc.offset, loc.length)
             )
         loader = job.sd["components"].get("loader")
-        return {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "step": job.step,
-            "created": time.time(),
-            "world_size": world,
-            "ranks": {str(r): {"state": f"state-rank{r}.json"} for r in range(world)},
-            "unbroken_version": unbroken.__version__,
-            "torch_version": torch.__version__,
-            "checksum_algo": "xxh3_128",
-            "files": {k: {"size": s, "checksum": c} for k, (s, c) in sorted(files.items())},
-            "tensors": tensors,
-            "counters": dict(job.sd["counters"]),
-            "data_state": loader if _jsonable(loader) else None,
-            "save_seconds": round(time.perf_counter() - job.t0, 4),
-            "blocked_seconds": round(job.blocked, 4),
-        }
+        return CheckpointManifest(
+            step=job.step,
+            world_size=world,
+            ranks={r: f"state-rank{r}.json" for r in range(world)},
+            files={k: FileEntry(s, c) for k, (s, c) in files.items()},
+            tensors={
+                k: TensorEntry(
+                    v["dtype"],
+                    tuple(v["shape"]),
+                    v["sharded"],
+                    v["stats"],
+                    tuple(chunks[k]),
+                    v.get("rank"),  # set for a rank's own copy of state that differed
+                )
+                for k, v in meta.items()
+            },
+            counters=dict(job.sd["counters"]),
+            data_state=loader if _jsonable(loader) else None,
+            created=time.time(),
+            unbroken_version=unbroken.__version__,
+            torch_version=torch.__version__,
+            save_seconds=round(time.perf_counter() - job.t0, 4),
+            blocked_seconds=round(job.blocked, 4),
+            extra={"components": per_rank.manifest_section(job.differing, self.state.sharing)},
+        )
 
     # --- shutdown and preemption --------------------------------------------------------------
 
@@ -415,6 +456,39 @@ class Checkpointer:
             if self._uploader is not None:
                 self._uploader.close()
                 self._uploader = None
+            self._release_writer_lock()
+
+    # --- the writer lock (C-ONE-WRITER) --------------------------------------------------------
+
+    def _take_writer_lock(self, *, restoring: bool = False) -> None:
+        """Become the root's one writer before the first restore or save; refuse (on every
+        rank, with the holder named) when another live process is. Collective: rank 0
+        holds the lock for the job. A non-collective checkpointer on rank > 0 of a job
+        (rank 0 saves alone, everyone restores) takes it only when it saves."""
+        if self._writer:
+            return
+        if not self._comm.enabled and restoring and _dist.is_dist():
+            if torch.distributed.get_rank() != 0:
+                return
+        err: BaseException | None = None
+        if self._comm.rank == 0:
+            try:
+                self._lease = lock.acquire(self.store.root)
+            except Exception as e:  # noqa: BLE001 - RootLocked, not a dir, I/O: all ranks raise
+                err = e
+        err = self._comm.broadcast(err)
+        if err is not None:
+            raise err
+        self._writer = True
+        if self._lease is not None:  # a checkpointer dropped without close() lets go too
+            self._finalizer = weakref.finalize(self, self._lease.release)
+
+    def _release_writer_lock(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # releases the lease once
+            self._finalizer = None
+        self._lease = None
+        self._writer = False
 
     def _flush_quietly(self) -> None:
         try:
@@ -423,6 +497,10 @@ class Checkpointer:
             log.error("checkpoint flush at exit failed: %s", e)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
+        from unbroken.elastic.recovery import peer_failed
+
+        if peer_failed():  # `unbroken run` stops us because a rank died: no save can finish
+            os._exit(143)
         self.preempted = True  # act at the next step boundary, never mid-step
 
     def _final_save_and_exit(self, step: int) -> None:
@@ -442,30 +520,34 @@ class Checkpointer:
     def restore(self, step: int | None = None) -> int | None:
         """Restore the newest checkpoint that verifies on every rank (or exactly ``step``).
 
-        Returns the restored step, or None when there is nothing to restore. Damaged
-        checkpoints are quarantined and the next older one is tried. When no local
-        checkpoint verifies and an archive is configured, the newest verified remote copy
-        is downloaded. A root that holds files but no valid checkpoint raises, unless
-        ``allow_fresh_start=True``.
+        Returns the restored step, or None when there is nothing to restore. A checkpoint
+        that fails verification in any way (T-FALL-BACK) is moved to
+        ``corrupt-step-N-<reason>`` (or, where the root cannot be renamed in, e.g. a
+        read-only file system, skipped) with one WARNING, and the next older one is tried.
+        When no local checkpoint verifies and an archive is configured, the newest verified
+        remote copy is downloaded. A root that holds files but no valid checkpoint raises,
+        listing what was tried and why, unless ``allow_fresh_start=True``. A checkpoint that
+        verifies but does not fit the live state (other keys, shapes or dtypes) raises a
+        ``ValueError`` naming them before anything is copied: the live state is unchanged.
         """
         self.wait()
         if step is not None:
             self._require_step(step)
+        self._take_writer_lock(restoring=True)
         rank, world = self._comm.rank, self._comm.world
         t0 = time.perf_counter()
         if rank == 0:
-            self.store.remove_debris()
-            for name in self.store.uncommitted():
-                log.warning(
-                    "ignoring %s/%s: a step directory without manifest.json", self.store.root, name
-                )
-        candidates = [step] if step is not None else sorted(self.store.steps(), reverse=True)
+            self.store.remove_debris(is_stale=lambda p: not lock.writer_alive(p))
+        candidates = [step] if step is not None else sorted(self.store.candidates(), reverse=True)
+        tried: list[str] = []
         for s in self._comm.broadcast(candidates):
-            if self._try_load(s, rank, world) is not None:
+            why = self._try_load(s, rank, world)
+            if why is None:
                 return self._restored(s, t0)
+            tried.append(f"step {s}: {why}")
             if step is not None:
                 raise CorruptCheckpoint(
-                    s, "damaged", "the requested checkpoint failed verification"
+                    s, "damaged", f"the requested checkpoint failed verification ({why})"
                 )
         older: int | None = None
         while self._archive is not None:  # node replaced or disk lost: newest good remote copy
@@ -477,15 +559,27 @@ class Checkpointer:
             fetched = self._comm.broadcast(fetched)
             if fetched is None:
                 break
-            if self._try_load(fetched, rank, world) is not None:
+            why = self._try_load(fetched, rank, world)
+            if why is None:
                 return self._restored(fetched, t0)
+            tried.append(f"step {fetched} (from {self._archive.url}): {why}")
             older = fetched
         if self.store.has_foreign_content() and not self.allow_fresh_start:
+            what = "; ".join(tried) if tried else "no step-N directory"
             raise RuntimeError(
-                f"{self.store.root!r} is not empty but holds no valid checkpoint (damaged ones "
-                "were moved to corrupt-step-*); refusing to silently start from scratch. Pass "
+                f"{self.store.root!r} is not empty but holds no valid checkpoint (tried: "
+                f"{what}); refusing to silently start from scratch. Pass "
                 "allow_fresh_start=True to start anew, or point at another directory"
             )
+        if tried and rank == 0:
+            log.warning(
+                "no checkpoint in %s verified (%d tried); starting from scratch as "
+                "allow_fresh_start=True asks",
+                self.store.root,
+                len(tried),
+            )
+        for obj in self.state.components.values():  # a fresh start: e.g. MetricLog drops
+            getattr(obj, "start_fresh", lambda: None)()  # what an earlier attempt logged
         return None
 
     def _restored(self, s: int, t0: float) -> int:
@@ -497,50 +591,79 @@ class Checkpointer:
         _mark("loaded", step=s, seconds=dt)
         return s
 
-    def _try_load(self, s: int, rank: int, world: int) -> int | None:
-        """Verify ``s`` on every rank; apply it only if all agree. Returns ``s`` or None."""
-        ver = None
+    def _try_load(self, s: int, rank: int, world: int) -> str | None:
+        """Verify ``s`` on every rank and apply it only if all agree. Returns None when it
+        was applied, else why not (after quarantining or skipping it)."""
+        ver: Verified | None = None
         why = None
         try:
             ver = load_verified(self.store, s, rank=rank, world=world)
-        except CorruptCheckpoint as e:
+        except CorruptCheckpoint as e:  # load_verified raises nothing else for damage
             why = (e.reason, e.detail)
         verdicts = self._comm.gather(why)
         bad = [(r, w) for r, w in enumerate(verdicts) if w]
         if bad:
+            r, (reason, detail) = bad[0]
             if rank == 0:
-                r, (reason, detail) = bad[0]
                 where = self.store.quarantine(s, reason)
-                log.warning(
-                    "checkpoint step %d is damaged (rank %d: %s: %s); moved to %s, trying an older one",
-                    s,
-                    r,
-                    reason,
-                    detail,
-                    where,
-                )
+                if isinstance(where, OSError):
+                    log.warning(
+                        "checkpoint step %d is damaged (rank %d: %s: %s); could not move it "
+                        "aside (%s), skipped; trying an older one",
+                        s, r, reason, detail, where.strerror or where,
+                    )  # fmt: skip
+                else:
+                    log.warning(
+                        "checkpoint step %d is damaged (rank %d: %s: %s); moved to %s, "
+                        "trying an older one",
+                        s, r, reason, detail, where,
+                    )  # fmt: skip
             self._comm.barrier()
-            return None
+            return f"{reason}: {detail}"
         if ver is None:  # unreachable: no rank reported damage
-            return None
+            return "not verified"
         self._apply(ver, rank, world)
-        return s
+        return None
 
-    def _apply(self, ver: Any, rank: int, world: int) -> None:
-        self.state.check_compatible(ver.tree)  # component names only: plain JSON keys
+    def _apply(self, ver: Verified, rank: int, world: int) -> None:
+        # The world-size rule (C-PER-RANK) is a refusal, like check_fits below: it raises
+        # to the caller and never quarantines the (intact) checkpoint.
+        skip = per_rank.check_resize(ver.manifest, self.state, world, rank)
+        if skip:  # neither read nor decoded: those components keep their live state
+            comps = {n: None if n in skip else v for n, v in ver.tree["components"].items()}
+            tree = {**ver.tree, "components": comps}
+            ver = dataclasses.replace(ver, tree=tree, needed=ver.needed & codec.tensor_keys(tree))
         current = self.state.state_dict()
         current.pop("rng", None)
         live: dict[str, torch.Tensor] = {}
         codec.encode(current, live)
-        if ver.sharded or any(isinstance(t, DTensor) for t in live.values()):
-            tensors = _dcp_targets(ver.manifest["tensors"], live)
-            load_into(self.store.step_dir(ver.step), tensors, comm=self._comm)
-        else:
-            tensors = into_live(ver.tensors, live)
-        sd = ver.decode(tensors)
-        self.state.load_state_dict(sd, restore_rng=ver.rng is not None)
+        for k in ver.needed:  # "rank1/components/x" restores into the live "components/x"
+            base = per_rank.split_key(k)[1]
+            if base != k and base in live:
+                live[k] = live.pop(base)
+        # All or nothing: every key, shape and dtype is checked on every rank before the
+        # first tensor is copied into the live state. Skipped components are not compared.
+        components = {n: None if n in skip else o for n, o in self.state.components.items()}
+        mine = check_fits(ver, live, components)
+        problems = [p for ps in self._comm.gather(mine) for p in ps]
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise ValueError(
+                f"checkpoint step {ver.step} in {self.store.root!r} does not fit the live "
+                f"state: {'; '.join(sorted(set(problems))[:5])}{more}. Nothing was restored "
+                "(the live state is unchanged); build the model and optimizer as the run "
+                "that saved it did, or restore from another directory"
+            )
+        tensors = ver.manifest.tensors
+        targets = {  # what this rank's state references: live tensors, or new ones
+            k: live[k] if k in live else torch.empty(tensors[k].shape, dtype=tensors[k].torch_dtype)
+            for k in sorted(ver.needed)
+        }
+        fill(self.store.step_dir(ver.step), ver.manifest, targets, views=ver.tensors)
+        sd = ver.decode(targets)
+        self.state.load_state_dict(sd, restore_rng=ver.rng is not None, skip=skip)
         if ver.rng is None:
-            saved = ver.manifest["world_size"]
+            saved = ver.manifest.world_size
             _rng.derive(self.state.seed, rank, ver.step, self.state.numpy_generators)
             if rank == 0:
                 log.warning(
@@ -551,26 +674,7 @@ class Checkpointer:
                     self.state.seed,
                     ver.step,
                 )
-
-
-def _dcp_targets(
-    saved: Mapping[str, Any], live: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Tensors for ``dcp.load``: live ones where they exist (re-sharded in place), fresh
-    ones for unsharded state the live objects do not hold yet (e.g. a new optimizer)."""
-    out: dict[str, torch.Tensor] = {}
-    for k, t in saved.items():
-        if k in live:
-            out[k] = live[k]
-        elif t.get("sharded"):
-            raise ValueError(
-                f"checkpoint holds sharded tensor {k!r} but the live state has no tensor there; "
-                "create it before restore (for optimizers: "
-                "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict)"
-            )
-        else:
-            out[k] = torch.empty(t["shape"], dtype=getattr(torch, t["dtype"]))
-    return out
+        self._audit.restored(ver.step)
 
 
 def _flush_at_exit(ref: weakref.ref[Checkpointer]) -> None:

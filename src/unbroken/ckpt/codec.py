@@ -12,13 +12,13 @@ Tagged values are JSON objects with the reserved key ``"__ub__"``.
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["decode", "encode"]
+__all__ = ["decode", "encode", "rekey", "tensor_keys"]
 
 _TAG = "__ub__"
 
@@ -140,3 +140,32 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor] | None = None) -> Any:
     if tag == "npscalar":
         return np.dtype(obj["dtype"]).type(obj["value"])
     raise ValueError(f"unknown tag {tag!r} in checkpoint state (written by a newer unbroken?)")
+
+
+def _refs(obj: Any) -> Iterator[dict[str, Any]]:
+    """Every ``tensor`` reference (a dict) in an encoded tree."""
+    if isinstance(obj, list):
+        for v in obj:
+            yield from _refs(v)
+    elif isinstance(obj, dict):
+        if obj.get(_TAG) == "tensor":
+            yield obj
+            return
+        for v in obj.values():
+            yield from _refs(v)
+
+
+def tensor_keys(tree: Any) -> set[str]:
+    """The tensor keys an encoded tree refers to (what decoding it needs)."""
+    return {ref["key"] for ref in _refs(tree) if isinstance(ref.get("key"), str)}
+
+
+def rekey(tree: Any, mapping: Mapping[str, str]) -> Any:
+    """A copy of an encoded tree whose tensor references ``k`` point to ``mapping[k]``."""
+    if isinstance(tree, list):
+        return [rekey(v, mapping) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    if tree.get(_TAG) == "tensor":
+        return {**tree, "key": mapping.get(tree["key"], tree["key"])}
+    return {k: rekey(v, mapping) for k, v in tree.items()}

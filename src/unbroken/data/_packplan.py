@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import operator
 import os
 import re
@@ -25,6 +26,7 @@ from unbroken.data.shards import split_member_name
 from unbroken.data.writers import MemberBatch, body_capacity, sample_tar_bytes
 
 __all__ = [
+    "BadInput",
     "FileSample",
     "Member",
     "Planner",
@@ -37,7 +39,41 @@ __all__ = [
     "scan_dir",
 ]
 
+log = logging.getLogger(__name__)
+
 _KEY_RE = re.compile(r"^(?:[^/]+/)*[^./][^./]*$")
+_SHOW_BAD = 10  # skipped inputs logged one by one; the rest only counted
+
+
+class BadInput:
+    """Input that cannot be packed (a malformed JSONL line, an unreadable file, a symlink
+    loop, a name that is not UTF-8): an error naming it, or - with ``skip`` (``--skip-bad``)
+    - skipped, logged (the first few) and counted."""
+
+    def __init__(self, skip: bool) -> None:
+        self.skip = skip
+        self.count = 0
+
+    def report(self, what: str) -> None:
+        if not self.skip:
+            raise ValueError(
+                f"{what}; fix or remove it, or pass --skip-bad (skip_bad=True) to skip and "
+                "count bad input"
+            )
+        self.count += 1
+        if self.count <= _SHOW_BAD:
+            log.warning("skipped bad input: %s", what)
+        elif self.count == _SHOW_BAD + 1:
+            log.warning("more bad input skipped; counting it without naming each")
+
+
+def _shown(path: str) -> str:
+    """A path for a message: as is when it is UTF-8, else the repr of its raw bytes."""
+    try:
+        path.encode()
+    except UnicodeEncodeError:
+        return repr(os.fsencode(path))
+    return path
 
 Member = tuple[str, Any]  # (ext, bytes-like) in memory
 Sample = tuple[str, list[Member]]
@@ -77,19 +113,51 @@ class FileSample:
     members: tuple[tuple[str, str, int, int], ...]  # (ext, absolute path, size, mtime_ns)
 
 
-def scan_dir(root: str) -> list[FileSample]:
-    """All samples under ``root`` in sorted path order."""
-    files: list[tuple[str, str, str, int, int]] = []  # rel, key, ext, size, mtime_ns
+def scan_dir(root: str, bad: BadInput | None = None) -> list[FileSample]:
+    """All samples under ``root`` in sorted path order.
 
-    def walk(d: str, rel: str) -> None:
-        with os.scandir(d) as it:
-            entries = sorted(it, key=lambda e: e.name)
+    Symlinks are followed, except into a directory of the current path (a loop); a file or
+    directory that cannot be read, and a name that is not UTF-8, go to ``bad`` (default: an
+    error naming it). A sample with a skipped file is skipped whole.
+    """
+    bad = bad or BadInput(False)
+    files: list[tuple[str, str, str, int, int]] = []  # rel, key, ext, size, mtime_ns
+    skipped_keys: set[str] = set()
+
+    def walk(d: str, rel: str, up: frozenset[tuple[int, int]]) -> None:
+        try:
+            st = os.stat(d)
+            with os.scandir(d) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as err:
+            bad.report(f"{_shown(d)}: cannot read this directory ({err.strerror})")
+            return
+        here = (st.st_dev, st.st_ino)
+        if here in up:
+            bad.report(f"{_shown(d)}: symlink loop (it leads back to a directory above it)")
+            return
+        up = up | {here}
         for e in entries:
             if e.name.startswith("."):
                 continue
             r = f"{rel}{e.name}"
-            if e.is_dir(follow_symlinks=True):
-                walk(e.path, r + "/")
+            try:
+                r.encode()
+            except UnicodeEncodeError:
+                bad.report(f"{_shown(e.path)}: file name is not UTF-8; rename it")
+                kv = split_member_name(r)
+                skipped_keys.add(kv[0] if kv else r)
+                continue
+            try:
+                is_dir = e.is_dir(follow_symlinks=True)
+                est = None if is_dir else e.stat()
+            except OSError as err:
+                bad.report(f"{e.path}: cannot read ({err.strerror})")
+                kv = split_member_name(r)
+                skipped_keys.add(kv[0] if kv else r)
+                continue
+            if is_dir:
+                walk(e.path, r + "/", up)
                 continue
             kv = split_member_name(r)
             if kv is None:
@@ -97,13 +165,17 @@ def scan_dir(root: str) -> list[FileSample]:
                     f"{e.path}: cannot group this file into a sample: its name has no "
                     "extension (<key>.<ext>); rename it or move it out of the input"
                 )
-            st = e.stat()
-            files.append((r, kv[0], kv[1], st.st_size, st.st_mtime_ns))
+            if est is None or not os.access(e.path, os.R_OK):
+                bad.report(f"{e.path}: cannot read (permission denied)")
+                skipped_keys.add(kv[0])
+                continue
+            files.append((r, kv[0], kv[1], est.st_size, est.st_mtime_ns))
 
-    walk(root, "")
+    walk(root, "", frozenset())
     by_key: dict[str, list[tuple[str, str, int, int]]] = {}
     for r, key, ext, size, mtime in files:
-        by_key.setdefault(key, []).append((ext, os.path.join(root, r), size, mtime))
+        if key not in skipped_keys:
+            by_key.setdefault(key, []).append((ext, os.path.join(root, r), size, mtime))
     return [FileSample(k, tuple(sorted(m))) for k, m in by_key.items()]
 
 
@@ -351,8 +423,15 @@ def _plain_keys(keys: list[Any], last: str | None) -> bool:
     return not any(map(operator.eq, keys, itertools.islice(keys, 1, None)))
 
 
-def plan_jsonl(path: str, shard_size: int) -> Iterator[tuple[list[tuple[str, int, int]], str]]:
-    """Shards of ``(key, byte offset, length)`` lines; the digest covers the line bytes."""
+def plan_jsonl(
+    path: str, shard_size: int, bad: BadInput | None = None
+) -> Iterator[tuple[list[tuple[str, int, int]], str]]:
+    """Shards of ``(key, byte offset, length)`` lines; the digest covers the line bytes.
+
+    Every line must be one JSON value (UTF-8); a malformed one goes to ``bad`` (default: an
+    error naming ``file:line``, 1-based as editors count).
+    """
+    bad = bad or BadInput(False)
     pl = Planner(shard_size, path)
     cur: list[tuple[str, int, int]] = []
     h = hasher()
@@ -362,6 +441,11 @@ def plan_jsonl(path: str, shard_size: int) -> Iterator[tuple[list[tuple[str, int
             line = raw.rstrip(b"\r\n")
             off, pos = pos, pos + len(raw)
             if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                bad.report(f"{path}:{lineno + 1}: not a JSON line ({_why(e)})")
                 continue
             key = f"{lineno:09d}"
             nb = sample_tar_bytes(key, [("json", len(line))])
@@ -375,6 +459,12 @@ def plan_jsonl(path: str, shard_size: int) -> Iterator[tuple[list[tuple[str, int
             h.update(b"\n")
     if cur:
         yield cur, h.hexdigest()
+
+
+def _why(e: ValueError) -> str:
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} at column {e.colno}"
+    return f"{type(e).__name__}: {e}"[:200]
 
 
 def read_jsonl(path: str, lines: list[tuple[str, int, int]]) -> Iterator[Sample]:
@@ -392,8 +482,14 @@ def read_files(samples: list[FileSample]) -> Iterator[Sample]:
     for s in samples:
         members = []
         for ext, path, size, _mtime in s.members:
-            with open(path, "rb") as f:
-                data = f.read()
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                raise ValueError(
+                    f"{path}: cannot read ({e.strerror}) while packing; make it readable or "
+                    "move it out of the input, then re-run pack (it resumes)"
+                ) from None
             if len(data) != size:
                 raise RuntimeError(
                     f"{path}: changed size during pack ({size} -> {len(data)}); "

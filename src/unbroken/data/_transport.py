@@ -1,54 +1,103 @@
 """Worker -> main transport of collated batches through reusable shared memory.
 
-torch's DataLoader sends each batch from a worker to the main process as a pickle written
-through a pipe: for a list of 256 x 4 KB byte strings that is ~1 MB pushed through a 64 KB pipe
-buffer in many writes and wake-ups, copied into and out of the kernel, reassembled in a
-``BytesIO`` and then unpickled - on a 2-core box most of the time of a fast loader.
+Why: torch's DataLoader sends a batch from a worker as a pickle through a pipe, and every
+tensor in it as a file descriptor - the worker moves the tensor's storage into a new
+shared-memory segment, and the main process fetches the descriptor over a Unix socket from
+the worker's resource-sharer thread, one round trip per storage. Measured on this project's
+2-core box at batch 64 of decoded samples (a 2048-float tensor + 2 ints each,
+``default_collate``): ~38 us of CPU per sample in the workers and ~15 in the main process,
+ten times the 4 us decode itself. Python objects (bytes, strings) cross as one pickle pushed
+through a 64 KB pipe buffer in many writes and wake-ups.
 
-Here the worker pickles the batch (with the same ``ForkingPickler`` and protocol torch uses, so
-tensors inside still travel by torch's own shared-memory hand-off and every object comes back
-exactly as the stock path would return it) straight into a slot of a ring of shared-memory
-slots (an anonymous ``memfd``), and the worker queue carries only a small :class:`Ticket`.
-The main process unpickles from the slot and then marks it free in the ring's header.
+Here each worker owns a *ring*: one anonymous ``memfd`` mapped by both processes, cut into
+slots. Per batch the worker
 
-Where the memory comes from: the main process creates one empty ``memfd`` per worker before
-the workers start (:func:`worker_fds`); a forked worker inherits it and sizes it at its first
-batch, so nothing has to be handed over. A worker that did not inherit it (spawn, forkserver)
-makes its own ``memfd`` and sends it once, with the first ticket that uses it
-(``multiprocessing``'s fd passing, which costs a few ms of round trips with the worker).
+1. takes a free slot and collates straight into it (:meth:`RingSender.collate`):
+   ``default_collate``'s stacked tensors are allocated in the slot, so nothing is copied
+   afterwards;
+2. pickles the batch into the same slot with torch's ``ForkingPickler`` (same protocol, so
+   every object comes back as the stock path returns it), except that a tensor becomes a
+   reference to its bytes in the slot; a tensor that is not there yet (made by a custom
+   collate) is copied in once, with its whole storage, so views of it keep sharing memory;
+3. sends a ~100-byte :class:`Ticket` over the DataLoader's queue.
 
-Ring layout (one ``memfd`` per ring; when a batch does not fit, an inherited ring is enlarged
-in place once every ticket in it has been consumed, an own ring is replaced by a larger one)::
+The main process unpickles the structure from the slot and wraps the referenced bytes as
+tensors without a copy (all tensors of a batch view one storage over the slot). The slot is
+recycled only once the last tensor viewing it is gone - the batch, a slice of it kept by the
+training loop, a ``DevicePrefetcher`` holding the host batch until its copy completed: a weak
+reference on the slot's buffer tells. With ``pin=True`` (CUDA) each slot is registered once
+with ``cudaHostRegister``: batches arrive pinned, no pin-memory copy is made, and a released
+slot is recycled only after an event recorded on the current CUDA stream - behind any
+non-blocking copy issued from it there - has completed.
 
-    [0:8)     int64 little-endian: number of tickets the main process has consumed
-    [64:...)  ``slots`` slots of ``slot_bytes`` each; ticket ``k`` uses slot ``k % slots``
+The transport is chosen per batch by what the batch carries: a tensor-free batch whose
+pickle is small (< ``_SMALL``) is cheaper through the pipe than through a slot plus a
+ticket, so after such a batch the next ones take the pipe, and every ``_PROBE``-th one
+probes the ring again. Whenever a batch cannot take a slot (every slot still held by the
+consumer, larger than the ring, an object that crosses as a file descriptor, no ``memfd``)
+it takes torch's stock path unchanged: the transport never blocks and never changes what the
+caller receives.
 
-The worker writes ticket ``k`` only when ticket ``k - slots`` has been consumed; otherwise (and
-for batches too big for the ring's size cap, on systems without ``memfd``, or when the pickle
-cannot be written) it hands the batch to torch's stock path unchanged, so the transport never
-blocks and never changes what the caller receives.
+Memory: a forked worker inherits its ring's ``memfd`` from the main process (made by
+:func:`worker_fds` before the workers start; both sides map it once); a worker started by
+spawn/forkserver makes its own and sends it once, with its first ticket. The file is sized to
+the ring's address space up front but stays sparse: slots are carved on demand, sized from the
+batches seen (best fit among free slots; a new slot only when none fits), so memory is
+committed only for slots actually written, at most ``_MAX_SLOTS`` per worker.
+
+Ring layout::
+
+    [0:64)                reserved
+    [64 + 8*j : +8)       int64, j < _MAX_SLOTS: 1 + the sequence number of the last ticket
+                          in slot j that the main process released (0: none yet); written by
+                          the main process only, read by the worker
+    [4096 : ring_bytes)   slots, placed by the worker, 4 KiB-aligned; a ticket names its
+                          slot's index, offset and size, and its pickle starts the slot
+    slot:  [0 : pickle)   the batch's pickle, written upwards
+           [... : size)   tensor bytes, allocated downwards, 64-byte aligned
 """
 
 from __future__ import annotations
 
-import io
+import collections
+import ctypes
 import logging
 import mmap
 import os
 import pickle
+import threading
 import weakref
+from collections.abc import Callable
+from functools import partial
 from multiprocessing.reduction import DupFd, ForkingPickler
 from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import default_collate
+from torch.utils.data._utils.collate import collate as _collate
+from torch.utils.data._utils.collate import collate_tensor_fn, default_collate_fn_map
+
+from unbroken.data.prefetch import map_tensors
 
 __all__ = ["RingReceiver", "RingSender", "Ticket", "transport_available", "worker_fds"]
 
 log = logging.getLogger(__name__)
 
-_HEADER = 64  # consumed counter, padded to a cache line so slot 0 does not share it
-_MIN_SLOT = 1 << 20
-_FD_TYPES: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
-# Largest ring per worker; a batch whose slot would exceed its share takes the stock path.
+_HEADER = 4096
+_DONE = 64  # offset of the released-sequence table
+_MAX_SLOTS = 64
+_ALIGN = 64  # tensor bytes: any dtype's alignment, and a cache line
+_GRAIN = 64 << 10  # slot sizes are multiples of this
+# Address space per worker ring; a batch (pickle + tensors) must fit one slot of it.
 _MAX_RING = 512 << 20
+# Tensor-free batches with pickles below this take the pipe. Measured on the 2-core box
+# (CPU of main + workers per batch, 2 workers): 64 ints (~0.4 KB) ~0.5 us/sample cheaper
+# through the pipe in a StatefulLoader; lists of 64 byte strings of 1 KB in all: a tie;
+# 4 KB: the ring 15% cheaper; 16-64 KB: 25-40% (benchmarks/RESULTS.md, issue 16).
+_SMALL = 4 << 10
+_PROBE = 64  # while the pipe is chosen, every _PROBE-th batch re-measures through the ring
+_FD_TYPES: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
 
 
 def transport_available() -> bool:
@@ -56,12 +105,17 @@ def transport_available() -> bool:
     return hasattr(os, "memfd_create")
 
 
-def worker_fds(n: int) -> list[tuple[int, int, int]]:
-    """One empty ``memfd`` per worker, made in the main process before the workers start:
-    ``(fd, st_dev, st_ino)`` so that a worker can tell it really inherited that file."""
+def worker_fds(n: int, ring_bytes: int = _MAX_RING) -> list[tuple[int, int, int]]:
+    """One sparse ``memfd`` of ``ring_bytes`` per worker, made in the main process before the
+    workers start: ``(fd, st_dev, st_ino)`` so that a worker can tell it really inherited it."""
     out = []
     for i in range(n):
         fd = os.memfd_create(f"unbroken-ring-w{i}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, ring_bytes)
+        except OSError:
+            os.close(fd)
+            raise
         st = os.fstat(fd)
         out.append((fd, st.st_dev, st.st_ino))
     return out
@@ -79,260 +133,583 @@ def _inherited(spec: tuple[int, int, int] | None) -> int | None:
 
 
 class Ticket:
-    """What crosses the worker queue instead of a batch: where its pickle lies."""
+    """What crosses the worker queue instead of a batch: the slot its pickle starts."""
 
-    __slots__ = ("fd", "nbytes", "offset", "ring", "ring_bytes", "seq")
+    __slots__ = ("fd", "nbytes", "offset", "ring", "ring_bytes", "seq", "size", "slot")
 
     def __init__(
-        self, ring: tuple[int, int], seq: int, offset: int, nbytes: int, ring_bytes: int, fd: Any
+        self,
+        ring: tuple[int, int],
+        seq: int,
+        slot: int,
+        offset: int,
+        size: int,
+        nbytes: int,
+        ring_bytes: int,
+        fd: Any,
     ) -> None:
-        # (worker pid, ring number) for a worker's own ring, (0, worker id) for an inherited one
+        # (worker pid, 1) for a worker's own ring, (0, worker id) for an inherited one
         self.ring = ring
         self.seq = seq
-        self.offset = offset
-        self.nbytes = nbytes
+        self.slot = slot  # index in the ring's table
+        self.offset = offset  # of the slot in the ring
+        self.size = size  # of the slot
+        self.nbytes = nbytes  # of the pickle, at the slot's start
         self.ring_bytes = ring_bytes
-        self.fd = fd  # a DupFd on the first ticket of a ring, else None
+        self.fd = fd  # a DupFd on the first ticket of an own ring, else None
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return Ticket, (self.ring, self.seq, self.offset, self.nbytes, self.ring_bytes, self.fd)
+        return Ticket, (
+            self.ring,
+            self.seq,
+            self.slot,
+            self.offset,
+            self.size,
+            self.nbytes,
+            self.ring_bytes,
+            self.fd,
+        )
 
     def __repr__(self) -> str:
-        return f"Ticket(ring={self.ring}, seq={self.seq}, nbytes={self.nbytes})"
+        return f"Ticket(ring={self.ring}, seq={self.seq}, slot={self.slot}, nbytes={self.nbytes})"
 
 
 class _Full(Exception):
-    """The pickle does not fit the slot."""
+    """The batch does not fit the slot."""
 
 
 class _HandsOverFds(Exception):
-    """The batch holds an object that ``ForkingPickler`` sends as a file descriptor."""
+    """The batch holds an object that only the stock path can carry (a storage, a
+    connection, a tensor that needs grad, ...): it crosses as a file descriptor there."""
 
 
-class _Pickler(ForkingPickler):
-    """``ForkingPickler`` that refuses objects with a fd-passing reduction (torch tensors and
-    storages, connections, sockets): those must be unpickled while the worker still lives,
-    which torch's queue does on arrival but a ticket, unpacked later, cannot promise."""
+def _plain(t: torch.Tensor) -> bool:
+    """A tensor the slot can carry as bytes + (dtype, size, stride, offset)."""
+    return (
+        type(t) is torch.Tensor
+        and t.device.type == "cpu"
+        and t.layout == torch.strided
+        and not t.requires_grad
+        and not t.is_quantized
+        and not t.is_nested
+        and not t.is_conj()
+        and not t.is_neg()
+    )
 
-    def reducer_override(self, obj: Any) -> Any:
-        if type(obj) in _FD_TYPES:
-            raise _HandsOverFds
-        return NotImplemented
+
+# --- worker side ------------------------------------------------------------------------
 
 
-class _SlotWriter:
-    """File object for ``Pickler``: writes into ``mm[pos:end]``, raises ``_Full`` past it."""
+def _collate_ints(batch: list[Any], *, collate_fn_map: Any = None) -> torch.Tensor:
+    # default_collate's rule (torch.tensor(batch)) through numpy: 1.5 us instead of 7 for 64
+    # ints. Only when every element is exactly an int; bools, mixes and overflows keep it.
+    if all(type(x) is int for x in batch):
+        try:
+            return torch.from_numpy(np.array(batch, dtype=np.int64))
+        except OverflowError:
+            pass
+    return default_collate_fn_map[int](batch, collate_fn_map=collate_fn_map)
 
-    __slots__ = ("end", "mm", "pos")
 
-    def __init__(self, mm: mmap.mmap, pos: int, end: int) -> None:
-        self.mm, self.pos, self.end = mm, pos, end
+def _collate_floats(batch: list[Any], *, collate_fn_map: Any = None) -> torch.Tensor:
+    if all(type(x) is float for x in batch):
+        return torch.from_numpy(np.array(batch, dtype=np.float64))
+    return default_collate_fn_map[float](batch, collate_fn_map=collate_fn_map)
+
+
+class _Slot:
+    __slots__ = ("index", "offset", "seq", "size")
+
+    def __init__(self, index: int, offset: int, size: int) -> None:
+        self.index, self.offset, self.size = index, offset, size
+        self.seq = -1  # ticket in it, not released yet; -1: never used
+
+
+class _Packing:
+    """One batch being written into one slot: pickle bytes grow up from ``pos``, tensor bytes
+    down from ``low``; the pickler's file object (``write``) and the tensor allocator."""
+
+    __slots__ = ("base", "low", "mm", "pos", "slot", "tensors", "ring_ptr")
+
+    def __init__(self, mm: mmap.mmap, ring_ptr: int, slot: _Slot) -> None:
+        self.mm, self.ring_ptr, self.slot = mm, ring_ptr, slot
+        self.base = slot.offset
+        self.pos = slot.offset
+        self.low = slot.offset + slot.size
+        self.tensors: dict[int, int] = {}  # storage address -> its offset in the slot
 
     def write(self, b: Any) -> int:
         n = len(b) if isinstance(b, bytes) else memoryview(b).nbytes
         pos = self.pos
-        if pos + n > self.end:
+        if pos + n > self.low:
             raise _Full
         self.mm[pos : pos + n] = b
         self.pos = pos + n
         return n
 
+    def alloc(self, nbytes: int) -> int:
+        """Offset in the ring of ``nbytes`` of tensor memory, or raise :class:`_Full`."""
+        low = (self.low - nbytes) & ~(_ALIGN - 1)
+        if low < self.pos:
+            raise _Full
+        self.low = low
+        return low
 
-class _Ring:
-    def __init__(
-        self, key: tuple[int, int], slots: int, slot_bytes: int, fd: int | None = None
-    ) -> None:
-        self.key = key
-        self.slots = slots
-        self.slot_bytes = slot_bytes
-        self.size = _HEADER + slots * slot_bytes
-        self.inherited = fd is not None
-        self.fd = (
-            os.memfd_create(f"unbroken-ring-{key[0]}-{key[1]}", os.MFD_CLOEXEC)
-            if fd is None
-            else fd
-        )
-        try:
-            if os.fstat(self.fd).st_size < self.size:
-                os.ftruncate(self.fd, self.size)
-            self.mm = mmap.mmap(self.fd, self.size)
-        except BaseException:
-            if not self.inherited:
-                os.close(self.fd)
-            raise
-        self.seq = 0
-        self.sent_fd = self.inherited  # the main process holds an inherited fd already
+    def owns(self, ptr: int) -> bool:
+        start = self.ring_ptr + self.base
+        return start <= ptr < start + self.slot.size
 
-    def enlarge(self, slot_bytes: int) -> None:
-        """Inherited rings only, with every ticket consumed: same file, larger slots."""
-        size = _HEADER + self.slots * slot_bytes
-        os.ftruncate(self.fd, size)
-        mm = mmap.mmap(self.fd, size)
-        self.mm.close()
-        self.mm, self.slot_bytes, self.size = mm, slot_bytes, size
+    def ref(self, t: torch.Tensor) -> tuple[Any, ...]:
+        """``t`` as arguments of :func:`_tensor_at`: bytes in this slot + its layout."""
+        if not _plain(t):
+            raise _HandsOverFds
+        ptr = t.data_ptr()
+        if t.numel() and self.owns(ptr):  # collated into this slot: no copy
+            return (ptr - self.ring_ptr - self.base, t.dtype, tuple(t.shape), t.stride(), 0)
+        st = t.untyped_storage()
+        sptr, nbytes = st.data_ptr(), st.nbytes()
+        off = self.tensors.get(sptr)
+        if off is None:
+            # The whole storage, once per batch: views of one storage still share it after.
+            off = self.alloc(nbytes)
+            if nbytes:
+                ctypes.memmove(self.ring_ptr + off, sptr, nbytes)
+            self.tensors[sptr] = off
+        return (off - self.base, t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
 
-    def consumed(self) -> int:
-        return int.from_bytes(self.mm[0:8], "little", signed=True)
 
-    def close(self) -> None:
-        self.mm.close()
-        if not self.inherited:
-            os.close(self.fd)
+class _Pickler(ForkingPickler):
+    """``ForkingPickler`` whose tensors go into the slot (see :class:`_Packing`) and which
+    refuses the other objects ``ForkingPickler`` sends as file descriptors."""
+
+    def __init__(self, packing: _Packing) -> None:
+        super().__init__(packing)
+        self.packing = packing
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor:
+            return _tensor_at, self.packing.ref(obj)
+        if type(obj) in _FD_TYPES:
+            raise _HandsOverFds
+        return NotImplemented
+
+
+class _Measure:
+    """Counts what a batch needs in a slot (pickle + tensor bytes), without writing."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.tensor_bytes = 0
+        self.seen: set[int] = set()
+
+    def write(self, b: Any) -> int:
+        n = len(b) if isinstance(b, bytes) else memoryview(b).nbytes
+        self.nbytes += n
+        return n
+
+
+class _MeasurePickler(ForkingPickler):
+    def __init__(self, m: _Measure) -> None:
+        super().__init__(m)
+        self.m = m
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor:
+            if not _plain(obj):
+                raise _HandsOverFds
+            st = obj.untyped_storage()
+            if st.data_ptr() not in self.m.seen:
+                self.m.seen.add(st.data_ptr())
+                self.m.tensor_bytes += st.nbytes() + _ALIGN
+            return _tensor_at, (0, obj.dtype, tuple(obj.shape), obj.stride(), 0)
+        if type(obj) in _FD_TYPES:
+            raise _HandsOverFds
+        return NotImplemented
 
 
 class RingSender:
-    """Worker side: turns batches into tickets (or leaves them to the stock path).
+    """Worker side: collates and turns batches into tickets (or leaves them to the stock path).
 
-    ``slots`` must exceed the batches a worker can have in flight (sent but not yet consumed by
-    the main process): ``prefetch_factor * num_workers + 2`` for a DataLoader.
+    Args:
+        max_slots: slots the ring may hold (batches sent and not yet released by the
+            consumer, plus one being written); more are made only on demand.
+        max_ring_bytes: address space of the ring (its memory is committed only where slots
+            are written).
+        worker_id, fd_spec: this worker's entry of :func:`worker_fds`, when inherited.
     """
 
     def __init__(
         self,
-        slots: int,
+        max_slots: int = _MAX_SLOTS,
         max_ring_bytes: int = _MAX_RING,
         *,
         worker_id: int = 0,
         fd_spec: tuple[int, int, int] | None = None,
     ) -> None:
-        if slots < 1:
-            raise ValueError(f"slots={slots} must be >= 1")
-        self.slots = slots
-        self.max_ring_bytes = max_ring_bytes
-        self._ring: _Ring | None = None
-        self._rings = 0
-        self._pid = os.getpid()
+        if not 1 <= max_slots <= _MAX_SLOTS:
+            raise ValueError(f"max_slots={max_slots} must be in 1..{_MAX_SLOTS}")
+        self.max_slots = max_slots
+        self.ring_bytes = max_ring_bytes
         self._wid = worker_id
         self._fd = _inherited(fd_spec)
         self._disabled = not transport_available()
+        self._mm: mmap.mmap | None = None
+        self._ptr = 0
+        self._done: np.ndarray | None = None
+        self._own_fd: int | None = None
+        self._sent_fd = False
+        self._key = (0, worker_id)
+        self._slots: list[_Slot] = []
+        self._top = _HEADER  # where the next new slot goes
+        self._seq = 0
+        self._want = 0  # bytes the last batch needed: the arena a collate starts from
+        self._pipe_left = 0  # batches left on the pipe before the next probe of the ring
+        self._packing: _Packing | None = None  # the slot a collate is writing into
+        self._map: dict[Any, Any] = {
+            **default_collate_fn_map,
+            torch.Tensor: self._stack,
+            float: _collate_floats,
+            int: _collate_ints,
+        }
+
+    # --- the ring ----------------------------------------------------------------------
+
+    def _open(self) -> mmap.mmap | None:
+        if self._mm is not None or self._disabled:
+            return self._mm
+        try:
+            if self._fd is not None:
+                fd = self._fd
+                self.ring_bytes = os.fstat(fd).st_size
+            else:
+                fd = os.memfd_create(f"unbroken-ring-{os.getpid()}", os.MFD_CLOEXEC)
+                self._own_fd = fd
+                self._key = (os.getpid(), 1)
+                os.ftruncate(fd, self.ring_bytes)
+            self._mm = mmap.mmap(fd, self.ring_bytes)
+        except OSError as e:
+            log.warning(
+                "shared-memory batch transport off in worker %d (%s); batches take the pipe",
+                os.getpid(),
+                e,
+            )
+            self._disabled = True
+            return None
+        self._ptr = ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
+        self._done = np.frombuffer(self._mm, np.int64, _MAX_SLOTS, _DONE)
+        return self._mm
+
+    def _free(self, s: _Slot) -> bool:
+        done = self._done
+        return s.seq < 0 or (done is not None and int(done[s.index]) == s.seq + 1)
+
+    def _acquire(self, need: int, but: _Slot | None = None) -> _Slot | None:
+        """The smallest free slot (not ``but``) of at least ``need`` bytes; a new one if none
+        (``need`` > 0 only), or None when the ring is out of slots or space."""
+        best = None
+        for s in self._slots:
+            if s is but:
+                continue
+            if s.size >= need and (best is None or s.size < best.size) and self._free(s):
+                best = s
+                if s.size == need:
+                    break
+        if best is not None or need <= 0:
+            return best
+        size = -(-(need + (need >> 2)) // _GRAIN) * _GRAIN
+        if len(self._slots) >= self.max_slots or self._top + size > self.ring_bytes:
+            return None
+        s = _Slot(len(self._slots), self._top, size)
+        self._slots.append(s)
+        self._top += size
+        return s
+
+    # --- batches -----------------------------------------------------------------------
+
+    def collate(self, samples: list[Any], collate_fn: Callable[[list[Any]], Any]) -> Any:
+        """``collate_fn(samples)`` packed as by :meth:`pack`; ``default_collate``'s tensors
+        are stacked straight into a slot (same values, types and shapes)."""
+        if collate_fn is not default_collate or self._disabled or self._pipe_left:
+            return self.pack(collate_fn(samples))
+        mm = self._open()
+        slot = self._acquire(self._want) if mm is not None and self._want else None
+        if mm is not None and slot is not None:
+            self._packing = _Packing(mm, self._ptr, slot)
+        try:
+            batch = _collate(samples, collate_fn_map=self._map)
+        finally:
+            packing, self._packing = self._packing, None
+        return self._ship(batch, packing)
+
+    def _stack(self, batch: list[Any], *, collate_fn_map: Any = None) -> Any:
+        # default_collate's tensor rule, with the output in the slot when it fits; elsewhere
+        # on the heap (not in a new shared segment: it is copied into a slot when packed).
+        elem = batch[0]
+        p = self._packing
+        if p is None or not _plain(elem):
+            if _plain(elem):
+                return torch.stack(batch, 0)
+            return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+        shape = (len(batch), *elem.shape)
+        nbytes = elem.element_size() * elem.numel() * len(batch)
+        try:
+            off = p.alloc(nbytes)
+        except _Full:
+            return torch.stack(batch, 0)
+        out = (
+            torch.frombuffer(
+                p.mm, dtype=elem.dtype, count=nbytes // elem.element_size(), offset=off
+            )
+            if nbytes
+            else torch.empty(shape, dtype=elem.dtype)
+        )
+        return torch.stack(batch, 0, out=out.view(shape))
 
     def pack(self, batch: Any) -> Any:
         """A :class:`Ticket` for ``batch``, or ``batch`` itself for the stock path."""
         if self._disabled:
             return batch
-        ring = self._ring
-        try:
-            if ring is not None:
-                k = ring.seq
-                if k - ring.consumed() >= ring.slots:
-                    return batch  # main has not freed the slot yet: never wait
-                off = _HEADER + (k % ring.slots) * ring.slot_bytes
-                w = _SlotWriter(ring.mm, off, off + ring.slot_bytes)
-                try:
-                    _Pickler(w).dump(batch)
-                except _Full:
-                    pass  # grow below
-                else:
-                    return self._ticket(ring, off, w.pos - off)
-            buf = io.BytesIO()
-            _Pickler(buf).dump(batch)
-        except _HandsOverFds:
-            # Such batches (tensors, ...) keep torch's path; a stream's batches are alike.
-            self._disabled = True
+        if self._pipe_left:
+            self._pipe_left -= 1
             return batch
-        data = buf.getbuffer()
-        ring = self._grow(len(data))
-        if ring is None:
-            return batch
-        off = _HEADER + (ring.seq % ring.slots) * ring.slot_bytes
-        ring.mm[off : off + len(data)] = data
-        return self._ticket(ring, off, len(data))
+        return self._ship(batch, None)
 
-    def _ticket(self, ring: _Ring, off: int, nbytes: int) -> Ticket:
+    def _ship(self, batch: Any, packing: _Packing | None) -> Any:
+        mm = self._open()
+        if mm is None:
+            return batch
+        try:
+            if packing is None:
+                slot = self._acquire(self._want) if self._want else None
+                packing = _Packing(mm, self._ptr, slot) if slot is not None else None
+            if packing is not None:
+                try:
+                    return self._write(batch, packing)
+                except _Full:
+                    pass
+            need = self._measure(batch)
+            slot = self._acquire(need, packing.slot if packing is not None else None)
+            if slot is not None:
+                return self._write(batch, _Packing(mm, self._ptr, slot))
+        except _HandsOverFds:
+            # A stream's batches are alike: they all keep torch's path from now on.
+            self._disabled = True
+        except _Full:  # pragma: no cover - _measure sized the slot
+            pass
+        return self._stock(batch, packing)
+
+    def _measure(self, batch: Any) -> int:
+        m = _Measure()
+        _MeasurePickler(m).dump(batch)
+        return m.nbytes + m.tensor_bytes + _ALIGN
+
+    def _write(self, batch: Any, p: _Packing) -> Any:
+        _Pickler(p).dump(batch)
+        slot = p.slot
+        nbytes = p.pos - p.base
+        used = nbytes + (p.base + slot.size - p.low)
+        if not p.tensors and p.low == p.base + slot.size and nbytes < _SMALL:
+            # tensor-free and small: the pipe is cheaper; this one is written already
+            self._pipe_left = _PROBE - 1
+        self._want = used
+        slot.seq = self._seq
         fd = None
-        if not ring.sent_fd:
-            fd = DupFd(ring.fd)
-            ring.sent_fd = True
-        t = Ticket(ring.key, ring.seq, off, nbytes, ring.size, fd)
-        ring.seq += 1
+        if self._own_fd is not None and not self._sent_fd:
+            fd = DupFd(self._own_fd)
+            self._sent_fd = True
+        t = Ticket(
+            self._key, self._seq, slot.index, slot.offset, slot.size, nbytes, self.ring_bytes, fd
+        )
+        self._seq += 1
         return t
 
-    def _grow(self, nbytes: int) -> _Ring | None:
-        slot = _MIN_SLOT
-        while slot < nbytes + (nbytes >> 2):
-            slot <<= 1
-        if _HEADER + self.slots * slot > self.max_ring_bytes:
-            return None
-        old = self._ring
-        try:
-            if self._fd is not None:
-                if old is not None:
-                    if old.consumed() != old.seq:
-                        return None  # tickets still in flight in the old layout: retry later
-                    old.enlarge(slot)
-                    return old
-                new = _Ring((0, self._wid), self.slots, slot, self._fd)
-            else:
-                self._rings += 1
-                new = _Ring((self._pid, self._rings), self.slots, slot)
-        except OSError as e:
-            log.warning(
-                "shared-memory batch transport off in worker %d (%s); batches take the pipe",
-                self._pid,
-                e,
-            )
-            self._disabled = True
-            return None
-        # The old ring's memory lives on in the main process until it maps the new ring.
-        if old is not None:
-            old.close()
-        self._ring = new
-        return new
+    def _stock(self, batch: Any, packing: _Packing | None) -> Any:
+        if packing is None or packing.low == packing.base + packing.slot.size:
+            return batch
+        # Tensors collated into the slot: the queue pickles the batch later, in its feeder
+        # thread, when the slot may be written again - they leave it now.
+        return map_tensors(lambda t: t.clone() if packing.owns(t.data_ptr()) else t, batch)
 
     def close(self) -> None:
-        if self._ring is not None:
-            self._ring.close()
-            self._ring = None
+        if self._mm is not None:
+            self._done = None
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # tensors of a batch not sent yet still view it; unmapped with them
+            self._mm = None
+        if self._own_fd is not None:
+            os.close(self._own_fd)
+            self._own_fd = None
+
+
+# --- main side --------------------------------------------------------------------------
+
+
+_CTX = threading.local()  # the slot being unpickled, for _tensor_at
+
+
+def _tensor_at(
+    offset: int, dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...], elem: int
+) -> torch.Tensor:
+    """A tensor over the bytes of the slot being unpacked (no copy): ``offset`` bytes into
+    the slot, then ``elem`` elements into that storage; the layout is ``size``/``stride``."""
+    slot = getattr(_CTX, "slot", None)
+    if slot is None:
+        raise RuntimeError("a batch-transport tensor reference unpickled outside its slot")
+    base = _CTX.base
+    if base is None:
+        base = _CTX.base = torch.from_numpy(slot)
+        _CTX.views = {}
+    view = _CTX.views.get(dtype)
+    if view is None:
+        view = _CTX.views[dtype] = base.view(dtype)
+    return view.as_strided(size, stride, offset // view.element_size() + elem)
 
 
 class _Mapped:
-    def __init__(self, mm: mmap.mmap) -> None:
+    """One ring as the main process maps it."""
+
+    def __init__(self, mm: mmap.mmap, pin: bool) -> None:
         self.mm = mm
-        self.consumed = 0
+        self.done = np.frombuffer(mm, np.int64, _MAX_SLOTS, _DONE)
+        self.ptr = ctypes.addressof(ctypes.c_char.from_buffer(mm)) if pin else 0
+        self.pin = pin
+        self.registered: dict[int, int] = {}  # slot index -> its address
+        self.refs: dict[int, Any] = {}  # slot index -> weakref on its live batch's buffer
+        self.closed = False
+        self.unmapped = False
+
+    def release(self, slot: int, value: int) -> None:
+        self.refs.pop(slot, None)
+        if not self.unmapped:
+            self.done[slot] = value
+
+    def unmap(self) -> None:
+        """Once closed and no batch views it: unregister (CUDA) and unmap."""
+        if not self.closed or self.refs or self.unmapped:
+            return
+        self.unmapped = True
+        for ptr in self.registered.values():
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self.registered.clear()
+        try:
+            self.mm.close()
+        except BufferError:  # pragma: no cover - a view escaped the slot's buffer
+            pass  # unmapped when the last view goes
 
 
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)
+class _PinnedReleases:
+    """CUDA: slots of dead batches wait for an event on the current stream before their
+    worker may overwrite them (or their ring is unregistered and unmapped) - a non-blocking
+    copy from the batch may still be reading. One per process, shared by every receiver, so
+    what an ended loader left behind is finished by the next one's batches; the reaping runs
+    on the thread that unpacks batches (the training loop's)."""
+
+    def __init__(self) -> None:
+        self.dead: collections.deque[tuple[_Mapped, int, int]] = collections.deque()
+        self.waiting: collections.deque[tuple[Any, list[tuple[_Mapped, int, int]]]] = (
+            collections.deque()
+        )
+
+    def died(self, ring: _Mapped, slot: int, value: int, _ref: Any) -> None:
+        self.dead.append((ring, slot, value))  # any thread (GC); deque.append is atomic
+
+    def reap(self) -> None:
+        if self.dead:
+            batch = []
+            while self.dead:
+                batch.append(self.dead.popleft())
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream())
+            self.waiting.append((ev, batch))
+        while self.waiting and self.waiting[0][0].query():
+            for ring, slot, value in self.waiting.popleft()[1]:
+                ring.release(slot, value)
+                ring.unmap()
+
+
+_PINNED = _PinnedReleases()
 
 
 class RingReceiver:
     """Main side: tickets back to batches; anything else passes through unchanged.
 
     ``fds``: the :func:`worker_fds` the workers were started with; the receiver closes them.
+    ``pin``: register slots as CUDA pinned memory (only when CUDA is available); batches that
+    took the stock path are pinned by a copy here.
     """
 
-    def __init__(self, fds: list[tuple[int, int, int]] | None = None) -> None:
+    def __init__(self, fds: list[tuple[int, int, int]] | None = None, pin: bool = False) -> None:
         self._rings: dict[tuple[int, int], _Mapped] = {}
-        self._latest: dict[int, tuple[int, int]] = {}  # worker pid -> its current ring
         self._fds = [f for f, _, _ in fds or ()]
+        self.pin = pin and torch.cuda.is_available()
+        self._pinned = _PINNED if self.pin else None
+        self._pin_failed = False
+        for wid, fd in enumerate(self._fds):
+            self._rings[(0, wid)] = _Mapped(mmap.mmap(fd, os.fstat(fd).st_size), self.pin)
         # backstop for a loader dropped without finishing its iteration (persistent workers)
         self._finalizer = weakref.finalize(self, _close_fds, list(self._fds))
 
     def unpack(self, item: Any) -> Any:
+        if self._pinned is not None:
+            self._pinned.reap()
         if not isinstance(item, Ticket):
-            return item
+            return self._pin_copy(item) if self.pin else item
         ring = self._rings.get(item.ring)
-        if ring is None or len(ring.mm) < item.ring_bytes:
-            ring = self._map(item, ring)
-        with memoryview(ring.mm) as view, view[item.offset : item.offset + item.nbytes] as src:
-            batch = pickle.loads(src)
-        ring.consumed = item.seq + 1
-        ring.mm[0:8] = ring.consumed.to_bytes(8, "little", signed=True)
+        if ring is None:
+            ring = self._map(item)
+        slot = np.frombuffer(ring.mm, np.uint8, item.size, item.offset)
+        registered = self.pin and self._register(ring, item)
+        _CTX.slot, _CTX.base = slot, None
+        try:
+            with memoryview(slot) as view, view[: item.nbytes] as src:  # type: ignore[arg-type]
+                batch = pickle.loads(src)
+        finally:
+            used = _CTX.base is not None
+            _CTX.slot = _CTX.base = _CTX.views = None
+        value = item.seq + 1
+        if not used:
+            ring.release(item.slot, value)  # nothing views the slot: free it now
+        else:
+            died = (
+                partial(self._pinned.died, ring, item.slot, value)
+                if self._pinned is not None
+                else partial(_released, ring, item.slot, value)
+            )
+            ring.refs[item.slot] = weakref.ref(slot, died)
+            if self.pin and not registered:
+                batch = self._pin_copy(batch)
         return batch
 
-    def _map(self, t: Ticket, old: _Mapped | None) -> _Mapped:
+    def _register(self, ring: _Mapped, t: Ticket) -> bool:
+        if t.slot in ring.registered:
+            return True
+        if self._pin_failed:
+            return False
+        ptr = ring.ptr + t.offset
+        try:
+            # 1 = cudaHostRegisterPortable, as torch.cuda._pin_memory_utils registers memory
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, t.size, 1))
+        except Exception as e:  # a CudaError, or a runtime without the call
+            self._pin_failed = True
+            log.warning(
+                "cudaHostRegister of a %d-byte batch slot failed (%s); batches are pinned by a "
+                "copy instead",
+                t.size,
+                e,
+            )
+            return False
+        ring.registered[t.slot] = ptr
+        return True
+
+    @staticmethod
+    def _pin_copy(batch: Any) -> Any:
+        return map_tensors(lambda t: t if t.is_pinned() else t.pin_memory(), batch)
+
+    def _map(self, t: Ticket) -> _Mapped:
         if t.ring[0] == 0:
-            # an inherited ring, new or enlarged (only once all its tickets were consumed)
-            wid = t.ring[1]
-            if not 0 <= wid < len(self._fds):
-                raise RuntimeError(f"batch transport: {t!r} names worker {wid}, not started here")
-            mapped = _Mapped(mmap.mmap(self._fds[wid], t.ring_bytes))
-            if old is not None:
-                mapped.consumed = old.consumed
-                old.mm.close()
-            self._rings[t.ring] = mapped
-            return mapped
+            raise RuntimeError(f"batch transport: {t!r} names worker {t.ring[1]}, not started here")
         if t.fd is None:
             raise RuntimeError(
                 f"batch transport: {t!r} refers to a ring this process never received (its "
@@ -344,19 +721,29 @@ class RingReceiver:
             mm = mmap.mmap(fd, t.ring_bytes)
         finally:
             os.close(fd)
-        ring = self._rings[t.ring] = _Mapped(mm)
-        pid = t.ring[0]
-        prev = self._latest.get(pid)
-        self._latest[pid] = t.ring
-        if prev is not None:
-            # a worker's tickets arrive in order: nothing refers to its previous ring any more
-            self._rings.pop(prev).mm.close()
+        ring = self._rings[t.ring] = _Mapped(mm, self.pin)
         return ring
 
     def close(self) -> None:
+        """Unmap every ring no batch views any more; the others are unmapped when their last
+        batch is gone (their slots are never written again: the workers are gone) - on CUDA,
+        once the copies from them are done, as seen by the next receiver's or close's reap."""
         for r in self._rings.values():
-            r.mm.close()
+            r.closed = True
+            # a slot leaves ``refs`` only once the copies from it are done (CUDA: its event)
+            r.unmap()
+        if self._pinned is not None:
+            self._pinned.reap()
         self._rings.clear()
-        self._latest.clear()
         self._finalizer()
         self._fds = []
+
+
+def _released(ring: _Mapped, slot: int, value: int, _ref: Any) -> None:
+    ring.release(slot, value)
+    ring.unmap()
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

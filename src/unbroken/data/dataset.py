@@ -25,10 +25,29 @@ RNGs are seeded from (seed, epoch, position of the batch's first sample) before 
 transformed, so random augmentations are the same after a resume and for any
 ``num_workers`` (with ``num_workers=0`` the training process's RNG states are put back).
 
+Sample ids (``with_ids=True``): every sample carries its id, its index in the concatenation of
+the sources' manifests (source 0's samples first, each source in ``dataset.json`` order) - the
+same sample has the same id in every epoch, on any world size and ``num_workers``, so a log of
+ids proves the data order (what ``unbroken drill`` compares) without hashing samples. A dict
+sample (tar, or a transform that returns a dict) gains ``"__id__": int``; any other sample
+(token rows, a transform's tensor) becomes the pair ``(sample, id)``. With the default collate a
+batch of dicts has ``batch["__id__"]`` (a LongTensor of B ids) and a token batch is
+``tokens, ids = batch`` (LongTensors ``(B, seq_len + 1)`` and ``(B,)``). The id is attached
+after ``transform``, and crosses the loader's transport like any other field.
+
 Several sources can be mixed with weights (``sources=[Source(a, 0.7), Source(b, 0.3)]``); the
 mixture is part of the deterministic order (:class:`~unbroken.data.order.MixtureOrder`).
 An epoch of a mixture has ``samples_per_epoch`` positions (default: the sum of the sources'
 sizes); a source that runs out within an epoch continues with a fresh shuffle of itself.
+
+Every sample byte is verified on read (``verify=True``, the default; T-NO-WRONG-BYTE): a tar
+member against the xxh3_64 its shard index recorded, a token sequence against the hashes of
+the 64 Ki-token blocks under it (each block once per worker), and each index against the
+checksum ``dataset.json`` records for it, when its shard is opened. Damage raises
+:class:`~unbroken.data.shards.CorruptSampleError` naming dataset, shard, sample key and member
+(or token block); with ``on_corrupt="skip"`` the sample is left out of its batch (which is
+then shorter; one whose every sample is damaged arrives as an empty list), logged and counted
+in :attr:`StreamingDataset.corrupt_skipped` (``StatefulLoader.stats()``).
 
 Use it through :class:`unbroken.data.loader.StatefulLoader`, which adds batching, workers and
 the resume state. Iterated on its own (or by ``DataLoader(ds, batch_size=None)``) it yields the
@@ -37,14 +56,20 @@ rank's samples one by one from :meth:`set_epoch`'s epoch.
 
 from __future__ import annotations
 
+import array
 import contextlib
+import itertools
 import logging
 import mmap
+import multiprocessing as mp
+import operator
 import os
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from multiprocessing import context as mp_context
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -69,10 +94,21 @@ from unbroken.data.order import (
     mix_seed,
     shards_per_window,
 )
-from unbroken.data.shards import ShardReader
+from unbroken.data.shards import (
+    ShardError,
+    ShardReader,
+    corrupt_sample,
+    index_format,
+    member_digests,
+    warn_unverified,
+)
 from unbroken.data.tokens import TokenShard, num_sequences
 
-__all__ = ["CacheOptions", "Source", "StreamingDataset"]
+__all__ = ["ON_CORRUPT", "CacheOptions", "Source", "StreamingDataset"]
+
+ON_CORRUPT = ("raise", "skip")
+_xxh64 = xxhash.xxh3_64_intdigest  # the member checksum of a shard index (shards.py)
+_SMALL_GROUP = 48  # below: verify a shard's group with lists, above: with numpy (measured)
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +173,18 @@ class Source:
 
 
 class _Reader:
-    """Sample access for one source: per-shard counts, fingerprint, batched reads."""
+    """Sample access for one source: per-shard counts, fingerprint, batched reads.
+
+    ``read`` returns the samples of one shard; with ``verify`` each is checked, and a damaged
+    one raises (``on_corrupt="raise"``) or comes back as None (``"skip"``).
+    """
 
     counts: np.ndarray
     fingerprint: str
     manifest: DatasetManifest
     cache: Any = None  # a RemoteCache when the source is remote: it opens (pins) the shards
+    verify: bool = True
+    on_corrupt: str = "raise"
 
     def __init__(self, root: str, manifest: DatasetManifest) -> None:
         self.root = root
@@ -183,6 +225,26 @@ class _Reader:
     def read(self, shard: int, local: np.ndarray) -> list[Any]:
         raise NotImplementedError
 
+    def warn_if_unverified(self) -> None:
+        """One WARNING per dataset, in this process (workers inherit it), when its indexes
+        predate checksums: peeks at the first shard's index magic (8 bytes)."""
+        if not self.verify or not self.manifest.shards:
+            return
+        path = os.path.join(self.root, self.manifest.shards[0].index)
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(8)
+        except OSError:
+            return  # not there (yet): opening the shard reports it
+        if index_format(magic) == 1:
+            warn_unverified(self.root, path)
+
+    def _open_error(self, shard: int, e: OSError) -> ShardError:
+        return ShardError(
+            f"dataset {self.root}: shard {self.manifest.shards[shard].name} cannot be opened "
+            f"({e}); re-copy the dataset (`unbroken stage` verifies what it copies)"
+        )
+
     def __getstate__(self) -> dict[str, Any]:
         # Open files are per process; a worker started by spawn/forkserver reopens lazily.
         d = dict(self.__dict__)
@@ -203,7 +265,24 @@ class _TarReader(_Reader):
 
     def _open_shard(self, shard: int) -> _MappedShard:
         info = self.manifest.shards[shard]
-        return _MappedShard(ShardReader(self._path(shard), os.path.join(self.root, info.index)))
+        try:
+            r = ShardReader(
+                self._path(shard),
+                os.path.join(self.root, info.index),
+                verify=self.verify,
+                index_checksum=info.index_checksum,
+                dataset=self.root,
+            )
+        except OSError as e:
+            raise self._open_error(shard, e) from None
+        if self.verify and (r.index.tar_bytes, r.index.tar_checksum) != (info.bytes, info.checksum):
+            r.close()
+            raise ShardError(
+                f"dataset {self.root}: shard {info.name}: its index describes a tar of "
+                f"{r.index.tar_bytes} bytes with checksum {r.index.tar_checksum}, dataset.json "
+                f"one of {info.bytes} bytes with checksum {info.checksum}; re-copy the dataset"
+            )
+        return _MappedShard(r, skip=self.on_corrupt == "skip")
 
     def read(self, shard: int, local: np.ndarray) -> list[Any]:
         return self._shard(shard).read(local)
@@ -220,9 +299,13 @@ class _MappedShard:
     group of samples with a single numpy indexing.
     """
 
-    def __init__(self, reader: ShardReader) -> None:
+    def __init__(self, reader: ShardReader, *, skip: bool = False) -> None:
         self.reader = reader
+        self.skip = skip
         idx = reader.index
+        # per-member checksums, checked group-wise in read() (None: not verifying)
+        self.hashes = idx.member_hash if reader.verifies else None
+        self._want: list[array.array[int]] | None = None  # uniform: per extension, per sample
         with open(reader.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
@@ -247,8 +330,54 @@ class _MappedShard:
                 rows[:, 2::2] = off
                 rows[:, 3::2] = off + np.asarray(idx.data_size, dtype=np.int64).reshape(n, k)
                 self.rows = rows
+                if self.hashes is not None:
+                    cols = self.hashes.reshape(n, k).T
+                    self._want = [array.array("Q", c.tobytes()) for c in cols]
 
-    def read(self, local: np.ndarray) -> list[dict[str, Any]]:
+    def read(self, local: np.ndarray) -> list[Any]:
+        """Samples ``local`` of this shard; None for a damaged one when skipping."""
+        out: list[Any] = self._read(local)
+        hashes = self.hashes
+        if hashes is None or not out:
+            return out
+        bad: dict[int, str] = {}  # position in `out` -> its first damaged member
+        if self.exts is not None and self._want is not None and len(out) < _SMALL_GROUP:
+            # A small group (a batch spread over many shards): digests and expected values as
+            # lists compared in C - a numpy call per group would cost more than the hashing.
+            where = local.tolist()
+            for ext, want in zip(self.exts, self._want, strict=True):
+                got = list(map(_xxh64, map(itemgetter(ext), out)))
+                exp = list(map(want.__getitem__, where))
+                if got != exp:
+                    for p in itertools.compress(range(len(got)), map(operator.ne, got, exp)):
+                        bad.setdefault(p, ext)
+        elif self.exts is not None:
+            # a large group: one digest array per member column, compared in one numpy step
+            want2 = hashes.reshape(-1, len(self.exts))[local]
+            for j, ext in enumerate(self.exts):
+                got2 = member_digests(map(itemgetter(ext), out), len(out))
+                for p in np.flatnonzero(got2 != want2[:, j]).tolist():
+                    bad.setdefault(p, ext)
+        else:
+            for p, i in enumerate(local.tolist()):  # any layout: member by member
+                a, b = int(self.index.member_start[i]), int(self.index.member_start[i + 1])
+                digests = member_digests([out[p][self.index.ext(j)] for j in range(a, b)])
+                wrong = np.flatnonzero(digests != hashes[a:b])
+                if wrong.size:
+                    bad[p] = self.index.ext(a + int(wrong[0]))
+        for p in sorted(bad):
+            err = corrupt_sample(
+                self.reader.path,
+                f"sample {out[p]['__key__']!r} member {bad[p]!r}",
+                dataset=self.reader.dataset,
+            )
+            if not self.skip:
+                raise err
+            log.warning("%s; skipped (on_corrupt='skip')", err)
+            out[p] = None
+        return out
+
+    def _read(self, local: np.ndarray) -> list[dict[str, Any]]:
         mm, strings, exts, rows = self.mm, self.strings, self.exts, self.rows
         if rows is None or exts is None:
             return self._read_any(local.tolist())
@@ -329,14 +458,44 @@ class _TokenReader(_Reader):
         self._span = np.arange(self.seq_len + 1, dtype=np.int64)
 
     def _open_shard(self, shard: int) -> TokenShard:
-        info = self.manifest.shards[shard]
-        return TokenShard(self._path(shard), os.path.join(self.root, info.index))
+        info, m = self.manifest.shards[shard], self.manifest
+        try:
+            ts = TokenShard(
+                self._path(shard),
+                os.path.join(self.root, info.index),
+                verify=self.verify,
+                index_checksum=info.index_checksum,
+                dataset=self.root,
+            )
+        except OSError as e:
+            raise self._open_error(shard, e) from None
+        want = (m.dtype, m.eos_id, info.bytes, info.checksum)
+        have = (ts.dtype.name, ts.eos_id, ts.tokens.nbytes, ts.checksum)
+        if self.verify and have != want:
+            raise ShardError(
+                f"dataset {self.root}: shard {info.name}: its index says (dtype, eos_id, bytes, "
+                f"checksum) = {have}, dataset.json {want}; re-copy the dataset"
+            )
+        return ts
 
     def read(self, shard: int, local: np.ndarray) -> list[Any]:
-        tok = self._shard(shard).tokens
+        ts = self._shard(shard)
+        starts = local * self.seq_len
+        bad = ts.damaged(starts, self.seq_len + 1)  # None unless a block under them is damaged
+        if bad is not None and self.on_corrupt == "raise":
+            raise ts.error(int(starts[np.flatnonzero(bad)[0]]), self.seq_len + 1)
         # One gather for the whole group, then rows; int64 like nanoGPT's get_batch.
-        rows = np.asarray(tok[local[:, None] * self.seq_len + self._span], dtype=np.int64)
-        return list(rows)
+        rows: list[Any] = list(np.asarray(ts.tokens[starts[:, None] + self._span], dtype=np.int64))
+        if bad is not None:
+            idx = np.flatnonzero(bad).tolist()
+            log.warning(
+                "%s; skipped %d sequences (on_corrupt='skip')",
+                ts.error(int(starts[idx[0]]), self.seq_len + 1),
+                len(idx),
+            )
+            for i in idx:
+                rows[i] = None
+        return rows
 
 
 def _open_reader(
@@ -395,6 +554,13 @@ class StreamingDataset(IterableDataset):
         rank, world_size: this process's share; default from ``torch.distributed``.
         samples_per_epoch: mixtures only: positions per epoch (default: sum of source sizes).
         mix_block: mixtures only: slots per mixture block (the smallest weight must get >= 1).
+        with_ids: attach each sample's id (module docstring: ``batch["__id__"]`` for dict
+            samples, ``(sample, id)`` pairs otherwise).
+        verify: check every sample's bytes (and each shard index) against the checksums
+            recorded when the dataset was written (default True; see the module docstring).
+        on_corrupt: ``"raise"`` (default) a :class:`~unbroken.data.shards.CorruptSampleError`
+            naming dataset, shard, sample and member; ``"skip"`` leaves the sample out of its
+            batch, logs it and counts it in :attr:`corrupt_skipped`.
         cache_dir: remote sources (fsspec URLs): local directory of the node's shard cache,
             shared by its ranks and workers (:mod:`unbroken.data.cache`).
         cache_limit: bytes the cache may hold (``"200GB"``, ``"1TiB"`` or an int; None:
@@ -417,12 +583,19 @@ class StreamingDataset(IterableDataset):
         world_size: int | None = None,
         samples_per_epoch: int | None = None,
         mix_block: int = 4096,
+        with_ids: bool = False,
+        verify: bool = True,
+        on_corrupt: str = "raise",
         cache_dir: str | None = None,
         cache_limit: int | str | None = None,
         storage_options: dict[str, Any] | None = None,
         cache_options: CacheOptions | None = None,
     ) -> None:
         super().__init__()
+        if on_corrupt not in ON_CORRUPT:
+            raise ValueError(f"on_corrupt={on_corrupt!r} is not one of {ON_CORRUPT}")
+        if seq_len is not None and seq_len < 1:
+            raise ValueError(f"seq_len={seq_len} must be >= 1 (tokens per sequence)")
         if isinstance(sources, (str, Source)):
             sources = [sources]
         srcs = [s if isinstance(s, Source) else Source(s) for s in sources]
@@ -439,6 +612,14 @@ class StreamingDataset(IterableDataset):
         self.rank, self.world_size = _resolve_rank(rank, world_size)
         check_cache_args([s.root for s in srcs], cache_dir, cache_limit)  # before any download
         self._readers = [_open_reader(s, seq_len, storage_options, cache_options) for s in srcs]
+        self.verify = bool(verify)
+        self.on_corrupt = on_corrupt
+        for r in self._readers:
+            # A remote reader verifies what it reads from the cache exactly like a local one
+            # (the download itself is checked against dataset.json's checksums first).
+            r.verify, r.on_corrupt = self.verify, on_corrupt
+            r.warn_if_unverified()
+        self._skipped = _SharedCount() if on_corrupt == "skip" else None
         for s, r in zip(srcs, self._readers, strict=True):
             if int(r.counts.sum()) == 0:
                 raise ValueError(f"{s.root}: the dataset holds no samples")
@@ -473,7 +654,9 @@ class StreamingDataset(IterableDataset):
                 ("mix/" + ",".join(parts) + f"/{self.epoch_length}/{mix_block}").encode()
             )
         self.mix_block = mix_block
+        self.with_ids = bool(with_ids)
         self._sizes = sizes
+        self._id_base = np.cumsum([0, *sizes[:-1]], dtype=np.int64)  # source -> first id
         self._epoch = 0
         self._orders: OrderedDict[tuple[int, ...], Any] = OrderedDict()
         self._cache = open_cache(self, cache_dir, cache_limit, cache_options, storage_options)
@@ -548,8 +731,14 @@ class StreamingDataset(IterableDataset):
             ids[sel] = part
         return src, ids
 
+    @property
+    def corrupt_skipped(self) -> int:
+        """Damaged samples left out so far (``on_corrupt="skip"``), summed over the workers."""
+        return 0 if self._skipped is None else self._skipped.value
+
     def read(self, epoch: int, positions: np.ndarray) -> list[Any]:
-        """The samples at ``positions`` of ``epoch``, in that order, transformed."""
+        """The samples at ``positions`` of ``epoch``, in that order, transformed (with
+        ``on_corrupt="skip"``, without the damaged ones)."""
         if self._cache is not None:
             self._cache.advance(epoch, positions)  # prefetch from here; release what is done
         src, ids = self.lookup(epoch, positions)
@@ -566,6 +755,13 @@ class StreamingDataset(IterableDataset):
                 samples = reader.read(int(shard[a]), local[a:b])
                 for dst, smp in zip(sel[a:b].tolist(), samples, strict=True):
                     out[dst] = smp
+        kept = positions  # positions of the samples in `out`
+        gids = (self._id_base[src] + ids).tolist() if self.with_ids else []
+        if self._skipped is not None and any(smp is None for smp in out):
+            keep = [k for k, smp in enumerate(out) if smp is not None]
+            self._skipped.add(len(out) - len(keep))
+            kept, out = np.asarray(positions)[keep], [out[k] for k in keep]
+            gids = [gids[k] for k in keep] if self.with_ids else []
         if self.transform is not None and len(out):
             fn = self.transform
             with _seeded_rngs(self.seed, epoch, int(positions[0])):
@@ -575,9 +771,15 @@ class StreamingDataset(IterableDataset):
                     except Exception as e:
                         raise RuntimeError(
                             f"transform {getattr(fn, '__name__', fn)!r} failed on "
-                            f"{_describe(smp)} (epoch {epoch}, position {int(positions[k])}): "
+                            f"{_describe(smp)} (epoch {epoch}, position {int(kept[k])}): "
                             f"{e!r}"
                         ) from e
+        if self.with_ids:
+            for k, smp in enumerate(out):
+                if isinstance(smp, dict):
+                    smp["__id__"] = gids[k]
+                else:
+                    out[k] = (smp, gids[k])
         return out
 
     # --- iteration -----------------------------------------------------------------------
@@ -598,14 +800,17 @@ class StreamingDataset(IterableDataset):
         collate_fn: Callable[[list[Any]], Any] | None = None,
         worker_id: int = 0,
         num_workers: int = 1,
+        first: int = 0,
     ) -> Iterator[Any]:
-        """Batches ``worker_id, worker_id + num_workers, ...`` of this rank's run."""
+        """Batches ``first + worker_id, first + worker_id + num_workers, ...`` of this rank's
+        run (``first``: batches made elsewhere, e.g. by the loader while its workers start)."""
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id={worker_id} num_workers={num_workers}")
         part = self.partition(start, batch_size, last_batch)
-        for b in range(worker_id, part.num_batches(), num_workers):
+        for b in range(first + worker_id, part.num_batches(), num_workers):
             samples = self.read(epoch, part.batch_positions(b))
-            yield samples if collate_fn is None else collate_fn(samples)
+            # empty only when on_corrupt="skip" dropped every sample: nothing to collate
+            yield samples if collate_fn is None or not samples else collate_fn(samples)
 
     def set_epoch(self, epoch: int) -> None:
         """Epoch used by plain iteration (``iter(ds)``); the loader tracks its own."""
@@ -629,6 +834,39 @@ class StreamingDataset(IterableDataset):
             f"StreamingDataset([{roots}], kind={self.kind}, samples/epoch={self.epoch_length}, "
             f"seed={self.seed}, rank={self.rank}/{self.world_size})"
         )
+
+
+class _SharedCount:
+    """A counter the DataLoader workers add to and the training process reads.
+
+    Shared memory without a lock (a lock belongs to one multiprocessing context, and the
+    DataLoader may start its workers with another): one slot per worker id, each written by
+    one process only, summed on read. It reaches the workers by inheritance (fork) or with
+    the worker's start (spawn, forkserver); pickled any other way (e.g. ``copy.deepcopy``)
+    the copy counts on its own.
+    """
+
+    _SLOTS = 64
+
+    def __init__(self) -> None:
+        self._v: Any = mp.RawArray("q", self._SLOTS)
+        self._local = 0
+
+    def add(self, n: int) -> None:
+        if self._v is None:
+            self._local += n
+            return
+        info = get_worker_info()
+        slot = 0 if info is None else 1 + info.id % (self._SLOTS - 1)
+        self._v[slot] += n
+
+    @property
+    def value(self) -> int:
+        return self._local if self._v is None else int(sum(self._v))
+
+    def __getstate__(self) -> dict[str, Any]:
+        spawning = mp_context.get_spawning_popen() is not None
+        return {"_v": self._v if spawning else None, "_local": self.value}
 
 
 def _describe(sample: Any) -> str:

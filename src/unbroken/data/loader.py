@@ -25,6 +25,7 @@ global sequence (no sample missing, none repeated), and no skipped sample is rea
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterator
@@ -37,6 +38,7 @@ from torch.utils.data import DataLoader, IterableDataset, default_collate, get_w
 from unbroken.data._transport import RingReceiver, RingSender, transport_available, worker_fds
 from unbroken.data.dataset import StreamingDataset
 from unbroken.data.order import LAST_BATCH_POLICIES, mix_seed
+from unbroken.data.prefetch import map_tensors
 
 __all__ = ["StatefulLoader"]
 
@@ -66,8 +68,9 @@ class _RunStream(IterableDataset):
         batch_size: int,
         last_batch: str,
         collate_fn: Callable[[list[Any]], Any],
-        ring_slots: int = 0,
+        ring: bool = False,
         ring_fds: list[tuple[int, int, int]] | None = None,
+        first: int = 0,
     ) -> None:
         super().__init__()
         self.dataset = dataset
@@ -76,36 +79,36 @@ class _RunStream(IterableDataset):
         self.batch_size = batch_size
         self.last_batch = last_batch
         self.collate_fn = collate_fn
-        self.ring_slots = ring_slots  # 0: batches take torch's stock pipe
+        self.ring = ring  # False: batches take torch's stock pipe
         self.ring_fds = ring_fds or []  # one memfd per worker, inherited by forked workers
+        self.first = first  # batches of the run made by the loader itself
         self._sender: RingSender | None = None  # per worker process, made there
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
-        batches = self.dataset.iter_batches(
+        collate = self.collate_fn
+        if info is not None and self.ring:
+            # A persistent worker keeps its ring (and its mapped pages) from epoch to epoch.
+            if self._sender is None:
+                spec = self.ring_fds[wid] if wid < len(self.ring_fds) else None
+                self._sender = RingSender(worker_id=wid, fd_spec=spec)
+            collate = functools.partial(self._sender.collate, collate_fn=self.collate_fn)
+        yield from self.dataset.iter_batches(
             self.epoch,
             self.start,
             self.batch_size,
             last_batch=self.last_batch,
-            collate_fn=self.collate_fn,
+            collate_fn=collate,
             worker_id=wid,
             num_workers=nw,
+            first=self.first,
         )
-        if info is None or not self.ring_slots:
-            yield from batches
-        else:
-            # A persistent worker keeps its ring (and its mapped pages) from epoch to epoch.
-            if self._sender is None:
-                spec = self.ring_fds[wid] if wid < len(self.ring_fds) else None
-                self._sender = RingSender(self.ring_slots, worker_id=wid, fd_spec=spec)
-            pack = self._sender.pack
-            for batch in batches:
-                yield pack(batch)
         # A persistent worker keeps this object: the next pass after a complete one is the
         # next epoch from its start (the loader rebuilds the workers for any other start).
         self.epoch += 1
         self.start = 0
+        self.first = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # spawn/forkserver workers build their own ring
@@ -119,6 +122,12 @@ class StatefulLoader:
     batch size, world size) - not on ``num_workers``, ``prefetch_factor`` or
     ``persistent_workers``. See the module docstring for the state dict.
 
+    With workers, the first batch of each run (an epoch, or the rest of one after a resume)
+    is made in this process before the workers start - the same batch a worker would make -
+    so forking the workers overlaps the step that uses it (first batch of a resume: tens of
+    ms sooner); not with a ``worker_init_fn`` (the transform may depend on it), nor when
+    persistent workers already run that epoch.
+
     Args:
         dataset: the :class:`StreamingDataset` (it fixes the order, rank and world size).
         batch_size: samples per batch on this rank (global batch = ``batch_size*world_size``).
@@ -130,11 +139,14 @@ class StatefulLoader:
             then differ by one batch). ``drop_last=True`` is accepted as ``"drop"``.
         on_dataset_change: ``"error"`` (default) refuses a state saved on another dataset
             fingerprint; ``"restart_epoch"`` restarts the saved epoch from its first sample.
-        shm_transport: with workers, each batch's pickle crosses to this process through a
-            ring of reusable shared-memory slots per worker instead of torch's pipe (see
-            :mod:`unbroken.data._transport`; the batches are the same objects either way).
-            Default True; off with ``pin_memory=True`` (except token batches, pinned here), so
-            that torch's pin thread keeps pinning in the background.
+        shm_transport: with workers, batches cross to this process through a ring of
+            reusable shared-memory slots per worker instead of torch's pipe: tensors are
+            collated straight into a slot and arrive without a copy - pinned, when
+            ``pin_memory=True`` on CUDA (the slot is registered once; torch's pin-memory
+            thread and its copy are not used); small tensor-free batches keep the pipe,
+            which is faster for them (see :mod:`unbroken.data._transport`). The batches are
+            the same values, types and shapes either way. Default True; ``False`` is for
+            comparisons and for a platform where the ring misbehaves.
         num_workers, prefetch_factor, pin_memory, persistent_workers, timeout, worker_init_fn,
         multiprocessing_context, generator, pin_memory_device: as ``DataLoader``.
     """
@@ -182,27 +194,36 @@ class StatefulLoader:
             raise ValueError("persistent_workers=True needs num_workers > 0")
         self.dataset = dataset
         self.batch_size = batch_size
-        # Token rows with the default collate: stacked in the worker into one numpy array that
-        # crosses the worker pipe in one piece and becomes a tensor here without a copy. Same
-        # LongTensor as default_collate gives, without a shared-memory segment per batch
-        # (which costs more than the copy at language-model batch sizes).
-        self._tensor_here = (
+        ring = shm_transport and num_workers > 0 and transport_available()
+        if pin_memory and pin_memory_device and not pin_memory_device.startswith("cuda"):
+            ring = False  # another accelerator's pinned memory: torch's pin thread does it
+        self._ring = ring
+        # Token rows with the default collate: through the ring, default_collate stacks them
+        # into a slot (a LongTensor that arrives without a copy); otherwise they are stacked
+        # in the worker into one numpy array that crosses the pipe in one piece and becomes
+        # a tensor here without a copy - same LongTensor as default_collate gives, without a
+        # shared-memory segment per batch (which costs more than the copy at language-model
+        # batch sizes).
+        tokens = (
             collate_fn is None and dataset.kind == "tokens" and not dataset.transform
+            and not dataset.with_ids  # (row, id) pairs: default_collate makes (tokens, ids)
         )
-        self._pin_here = self._tensor_here and pin_memory
-        self.collate_fn = _stack_rows if self._tensor_here else (collate_fn or default_collate)
+        self._from_numpy = tokens and not ring
+        self._pin_here = self._from_numpy and pin_memory
+        if self._from_numpy:
+            self.collate_fn: Callable[[list[Any]], Any] = _stack_rows
+        else:
+            self.collate_fn = collate_fn or default_collate
         self.last_batch = last_batch
         self.on_dataset_change = on_dataset_change
         self.num_workers = num_workers
-        self._ring_slots = 0
-        if shm_transport and num_workers > 0 and transport_available():
-            if not pin_memory or self._pin_here:
-                # more than the batches a worker can have in flight (see RingSender)
-                self._ring_slots = (prefetch_factor or 2) * num_workers + 2
+        self._pin_ring = ring and pin_memory
+        self._pin_memory = pin_memory
         self._dl_kwargs: dict[str, Any] = dict(
             num_workers=num_workers,
             prefetch_factor=prefetch_factor,
-            pin_memory=pin_memory and not self._pin_here,
+            # the ring pins by registration; the numpy token path pins here
+            pin_memory=pin_memory and not ring and not self._pin_here,
             persistent_workers=persistent_workers,
             timeout=timeout,
             worker_init_fn=worker_init_fn,
@@ -257,13 +278,13 @@ class StatefulLoader:
 
     # --- iteration -----------------------------------------------------------------------
 
-    def _dataloader(self, epoch: int, start: int) -> tuple[DataLoader, RingReceiver]:
+    def _dataloader(self, epoch: int, start: int, first: int) -> tuple[DataLoader, RingReceiver]:
         persistent = self._dl_kwargs["persistent_workers"]
         if persistent and self._dl is not None and self._dl_next == (epoch, start):
             if self._rx is None:
                 raise RuntimeError("StatefulLoader: persistent DataLoader without its receiver")
             return self._dl, self._rx
-        fds = worker_fds(self.num_workers) if self._ring_slots else None
+        fds = worker_fds(self.num_workers) if self._ring else None
         stream = _RunStream(
             self.dataset,
             epoch,
@@ -271,8 +292,9 @@ class StatefulLoader:
             self.batch_size,
             self.last_batch,
             self.collate_fn,
-            self._ring_slots,
+            self._ring,
             fds,
+            first,
         )
         kwargs = dict(self._dl_kwargs)
         if kwargs["generator"] is None:
@@ -284,7 +306,7 @@ class StatefulLoader:
                 mix_seed(self.dataset.seed, epoch, start)
             )
         dl = DataLoader(stream, batch_size=None, collate_fn=_passthrough, in_order=True, **kwargs)
-        rx = RingReceiver(fds)
+        rx = RingReceiver(fds, pin=self._pin_ring)
         # Drop the old persistent workers now: they would replay a stale run.
         if self._rx is not None:
             self._rx.close()
@@ -302,14 +324,33 @@ class StatefulLoader:
         return self._generate(run_id, epoch, start)
 
     def _generate(self, run_id: int, epoch: int, start: int) -> Iterator[Any]:
-        dl, rx = self._dataloader(epoch, start)
-        it = iter(dl)
+        it: Any = None
+        rx: RingReceiver | None = None
         try:
-            for item in it:
+            first = 0
+            batches = self.dataset.partition(start, self.batch_size, self.last_batch).num_batches()
+            if batches and self._first_here(epoch, start):
+                # The run's first batch is made here, before the workers start: forking them
+                # and their start-up (tens of ms) then overlap the step that uses it instead
+                # of delaying it - most of the latency of a resume. Same batch as a worker
+                # makes (it depends only on the position; the transform's RNGs are seeded by
+                # it and this process's RNG states are put back).
+                batch = self._batch_here(epoch, start)
+                self._delivered += 1
+                yield batch
                 if self._run is None or self._run[0] != run_id:
                     return  # load_state_dict / set_epoch replaced this run
-                batch = rx.unpack(item)
-                if self._tensor_here:
+                first = 1
+            dl: DataLoader | None = None
+            if first < batches:  # else the run was one batch: no worker started for it
+                dl, rx = self._dataloader(epoch, start, first)
+                it = iter(dl)
+            unpack = rx.unpack if rx is not None else _passthrough
+            for item in it if it is not None else ():
+                if self._run is None or self._run[0] != run_id:
+                    return
+                batch = unpack(item)
+                if self._from_numpy and isinstance(batch, np.ndarray):
                     batch = torch.from_numpy(batch)
                     if self._pin_here:
                         batch = batch.pin_memory()
@@ -318,7 +359,7 @@ class StatefulLoader:
             if self._run is not None and self._run[0] == run_id:
                 self._epoch, self._start = epoch + 1, 0
                 self._run = None
-                if self._dl is dl:
+                if dl is not None and self._dl is dl:
                     self._dl_next = (epoch + 1, 0)
         finally:
             if self._run is not None and self._run[0] == run_id:
@@ -326,8 +367,28 @@ class StatefulLoader:
                 self._epoch, self._start = self._position()
                 self._run = None
             del it
-            if rx is not self._rx:
+            if rx is not None and rx is not self._rx:
                 rx.close()
+
+    def _first_here(self, epoch: int, start: int) -> bool:
+        """Make the run's first batch in this process: only when workers are about to be
+        started for it (not for persistent workers already running it), and only without a
+        ``worker_init_fn`` (the transform may need what it sets up in a worker)."""
+        if self.num_workers == 0 or self._dl_kwargs["worker_init_fn"] is not None:
+            return False
+        return self._dl is None or self._dl_next != (epoch, start)
+
+    def _batch_here(self, epoch: int, start: int) -> Any:
+        batches = self.dataset.iter_batches(
+            epoch, start, self.batch_size, last_batch=self.last_batch, collate_fn=self.collate_fn
+        )
+        batch = next(batches)
+        del batches  # a generator: closed here
+        if self._from_numpy and isinstance(batch, np.ndarray):
+            batch = torch.from_numpy(batch)
+        if self._pin_memory and torch.cuda.is_available():
+            batch = map_tensors(lambda t: t if t.is_pinned() else t.pin_memory(), batch)
+        return batch
 
     # --- Stateful ------------------------------------------------------------------------
 
@@ -375,7 +436,8 @@ class StatefulLoader:
                 f"seed={ds.seed}; construct StreamingDataset(..., seed={seed}) to resume the "
                 "same order"
             )
-        if epoch < 0 or not 0 <= consumed <= ds.epoch_length:
+        # The fingerprint first: a position beyond a dataset that shrank is a changed dataset.
+        if fp == ds.fingerprint and (epoch < 0 or not 0 <= consumed <= ds.epoch_length):
             raise ValueError(
                 f"loader state epoch={epoch} samples_consumed={consumed} is outside this "
                 f"dataset's epoch of {ds.epoch_length} samples"
@@ -386,7 +448,8 @@ class StatefulLoader:
                     f"the dataset changed since the checkpoint: the loader state was saved on "
                     f"dataset fingerprint {fp}, but {', '.join(s.root for s in ds.sources)} "
                     f"has fingerprint {ds.fingerprint}{_which_source(state, ds)}. Resuming "
-                    "would misalign the order. Restore the original data, or pass "
+                    f"would misalign the order{_beyond(epoch, consumed, ds)}. Restore the "
+                    "original data, or pass "
                     "StatefulLoader(..., on_dataset_change='restart_epoch') to restart epoch "
                     f"{epoch} from its first sample."
                 )
@@ -397,6 +460,8 @@ class StatefulLoader:
                 ds.fingerprint,
                 epoch,
             )
+            if epoch < 0:
+                raise ValueError(f"loader state epoch={epoch} must be >= 0")
             consumed = 0
         elif window != list(ds.shuffle_window):
             raise ValueError(
@@ -407,12 +472,26 @@ class StatefulLoader:
         self._run = None
         self._epoch, self._start = epoch, consumed
 
+    def stats(self) -> dict[str, int]:
+        """Counters of the data path: ``corrupt_skipped``, damaged samples left out under
+        ``StreamingDataset(..., on_corrupt="skip")`` (summed over all workers)."""
+        return {"corrupt_skipped": self.dataset.corrupt_skipped}
+
     def __repr__(self) -> str:
         epoch, consumed = self._position()
         return (
             f"StatefulLoader({self.dataset!r}, batch_size={self.batch_size}, "
             f"num_workers={self.num_workers}, epoch={epoch}, samples_consumed={consumed})"
         )
+
+
+def _beyond(epoch: int, consumed: int, ds: StreamingDataset) -> str:
+    if 0 <= consumed <= ds.epoch_length:
+        return ""
+    return (
+        f" (its position, sample {consumed} of epoch {epoch}, lies beyond the "
+        f"{ds.epoch_length} samples the dataset now holds)"
+    )
 
 
 def _which_source(state: dict[str, Any], ds: StreamingDataset) -> str:

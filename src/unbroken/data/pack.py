@@ -35,6 +35,7 @@ from typing import Any
 
 from unbroken._fs import atomic_write_bytes, checksum_bytes, checksum_file, is_temp_name
 from unbroken.data._packplan import (
+    BadInput,
     plan_dicts,
     plan_files,
     plan_jsonl,
@@ -43,10 +44,10 @@ from unbroken.data._packplan import (
     scan_dir,
 )
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
-from unbroken.data.shards import INDEX_SUFFIX, index_tar
+from unbroken.data.shards import INDEX_SUFFIX, index_format, index_tar
 from unbroken.data.writers import TarShardWriter, tar_checksum
 
-__all__ = ["PackResult", "index_directory", "pack"]
+__all__ = ["PackResult", "ensure_out_dir", "index_directory", "pack"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class PackResult:
     seconds: float
     shards_written: int
     shards_reused: int
+    skipped: int = 0
+    """bad inputs skipped (``skip_bad=True``): malformed lines, unreadable files, ..."""
 
     @property
     def bytes(self) -> int:
@@ -107,6 +110,9 @@ def _verify_reuse(task: _Task) -> ShardInfo | None:
         return None
     if (size, digest) != (info.bytes, info.checksum) or checksum_bytes(raw) != info.index_checksum:
         log.info("%s: committed shard does not verify; rewriting it", task.path)
+        return None
+    if index_format(raw) != 2:
+        log.info("%s: index without per-sample checksums (older format); rewriting", task.path)
         return None
     # In-memory samples: the plan digest covers keys and sizes only, so compare the content
     # through the checksum of the tar that would be written (hashing only, no write).
@@ -274,12 +280,15 @@ def pack(
     allow_partial: bool = False,
     fsync: bool = True,
     progress: bool = True,
+    skip_bad: bool = False,
 ) -> PackResult:
     """Pack ``src`` (directory, ``.jsonl`` file, or iterable of dicts) into tar shards in ``out``.
 
     ``shard_size`` is the target size in bytes of each tar (a sample is never split);
     ``workers`` defaults to the CPU count (1 for an iterable, whose samples live in this
-    process). Raises ValueError/RuntimeError naming the file or sample for bad input.
+    process). Raises ValueError/RuntimeError naming the file (``file:line`` for a malformed
+    JSONL line) or sample for bad input; with ``skip_bad`` malformed lines, unreadable files,
+    symlink loops and non-UTF-8 names are skipped instead and counted in ``skipped``.
     """
     if shard_size < _MIN_SHARD:
         raise ValueError(f"shard_size={shard_size} is below the minimum; pass >= {_MIN_SHARD}")
@@ -300,7 +309,7 @@ def pack(
         workers = 1 if kind == "mem" else min(os.cpu_count() or 1, 8)
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1")
-    os.makedirs(out, exist_ok=True)
+    ensure_out_dir(out)
     # Whatever was complete before is no longer complete once we start changing shards.
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(out, MANIFEST_NAME))
@@ -308,13 +317,14 @@ def pack(
     state = _load_state(out, config)
 
     plans: Iterator[tuple[Any, str]]
+    bad = BadInput(skip_bad)
     if kind == "files":
-        samples = scan_dir(path)
+        samples = scan_dir(path, bad)
         if not samples:
             raise ValueError(f"{path}: no files to pack")
         plans = plan_files(samples, shard_size, path, allow_partial)
     elif kind == "jsonl":
-        plans = (((path, lines), d) for lines, d in plan_jsonl(path, shard_size))
+        plans = (((path, lines), d) for lines, d in plan_jsonl(path, shard_size, bad))
     else:
         plans = plan_dicts(items, shard_size, "pack input", allow_partial)
 
@@ -354,7 +364,7 @@ def pack(
     manifest = DatasetManifest.create("tar", shards, extra={"tool": "unbroken pack"})
     manifest.save(out)
     secs = time.perf_counter() - t0
-    res = PackResult(manifest, secs, counts["written"], counts["reused"])
+    res = PackResult(manifest, secs, counts["written"], counts["reused"], bad.count)
     log.info(
         "packed %d samples into %d shards (%d written, %d reused) in %.2fs, %.1f MB/s",
         manifest.num_samples,
@@ -365,6 +375,20 @@ def pack(
         res.mb_per_s,
     )
     return res
+
+
+def ensure_out_dir(out: str) -> None:
+    """Create the output directory; an existing file (or other non-directory) there is an
+    error naming it, not a traceback from ``os.makedirs``."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise ValueError(
+            f"{out}: the output path exists and is not a directory; pass a directory (it is "
+            "created when missing)"
+        )
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{out}: cannot create the output directory ({e.strerror})") from None
 
 
 def _progress(enabled: bool) -> Any:
@@ -399,6 +423,13 @@ def index_directory(root: str, *, workers: int | None = None) -> PackResult:
     """Index every ``*.tar`` in ``root`` in place (e.g. webdataset shards) and write
     ``dataset.json``; the tar files are not modified. Shards are ordered by name."""
     t0 = time.perf_counter()
+    if not os.path.isdir(root):
+        if not os.path.lexists(root):
+            raise FileNotFoundError(f"{root}: no such directory (of .tar shards to index)")
+        raise ValueError(
+            f"{root}: not a directory; `unbroken index DIR` indexes every .tar in DIR - pass "
+            "the directory that holds the shards"
+        )
     names = sorted(n for n in os.listdir(root) if n.endswith(".tar") and not is_temp_name(n))
     if not names:
         raise ValueError(f"{root}: no .tar shards to index")

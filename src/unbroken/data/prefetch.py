@@ -3,16 +3,19 @@
 ``DevicePrefetcher`` wraps any iterable of batches (a ``StatefulLoader``, a plain
 ``DataLoader``, a generator) and keeps ``depth`` batches in flight on the device:
 
-* host tensors are pinned (skipped when the loader already pinned them, e.g.
-  ``DataLoader(pin_memory=True)``), then copied with ``non_blocking=True`` on a dedicated
-  CUDA side stream, so the copy of batch *k+1* overlaps the compute of batch *k*;
+* host tensors are pinned (skipped when the loader already pinned them:
+  ``StatefulLoader(pin_memory=True)`` delivers them in registered shared memory, no copy made;
+  ``DataLoader(pin_memory=True)`` copies them in its pin thread), then copied with
+  ``non_blocking=True`` on a dedicated CUDA side stream, so the copy of batch *k+1* overlaps
+  the compute of batch *k*;
 * an optional GPU-side ``transform`` (normalisation, augmentation) runs on the side stream
   right after the copy, so it overlaps compute as well;
 * on delivery the compute stream waits on the batch's ready event (it can never read a
   batch before its copy and transform finished) and every device tensor is
   ``record_stream``-ed on the compute stream, so the caching allocator does not hand its
   memory to a later side-stream allocation while the step still reads it; the pinned host
-  batch is kept alive until its copy event has completed.
+  batch is kept alive until its copy event has completed (for a ``StatefulLoader`` batch,
+  that is what keeps its shared-memory slot from being reused by a worker).
 
 On CPU (``device`` None or ``"cpu"``, or CUDA unavailable) it is a transparent pass-through:
 the same objects come out (after ``transform``, if given), so one training script runs
@@ -236,9 +239,10 @@ class DevicePrefetcher:
             on the CPU batch in pass-through mode.
         non_blocking: issue asynchronous copies (needs pinned host memory to overlap).
         pin_memory: pin host tensors that are not pinned yet before copying. Pinning in the
-            training process is a synchronous memcpy; prefer ``DataLoader(pin_memory=True)``,
-            whose pin thread does it off the critical path (already pinned tensors are
-            detected and not pinned twice).
+            training process is a synchronous memcpy; prefer a loader that delivers pinned
+            batches - ``StatefulLoader(pin_memory=True)`` (no copy at all) or
+            ``DataLoader(pin_memory=True)`` (a copy in its pin thread); already pinned tensors
+            are detected and not pinned twice.
 
     Host-side waiting for the wrapped loader happens inside ``next()`` on the calling
     thread: the loader's own buffer (``num_workers x prefetch_factor``) absorbs its

@@ -18,8 +18,8 @@ Timeline file (``<run_dir>/data_steps.csv``), appended once per ``window`` steps
 
     # unbroken step timeline v1 batch_size=32 num_workers=4
     step,wait_ms,compute_ms,h2d_ms,h2d_bytes,net_ms
-    0,812.113,10.201,,0,790.020
-    1,0.041,10.187,0.912,33554432,0.000
+    1,812.113,10.201,,0,790.020
+    2,0.041,10.187,0.912,33554432,0.000
 
 ``h2d_ms`` is empty where unknown (CPU runs, or a copy not timed), ``net_ms`` where no
 network is watched (local data). Files without the ``net_ms`` column are read as well.
@@ -192,7 +192,8 @@ class StepTimer:
 
     or mark the two instants yourself: ``timer.before_next()``, ``batch = next(it)``,
     ``timer.after_next()`` (a step is recorded at the following ``before_next()``, or at
-    ``close()``).
+    ``close()``). Leaving the loop with ``break`` (or an exception) records the step that
+    was running, its compute ending at that moment.
 
     Args:
         window: steps kept in the ring buffers that ``summary()`` averages over.
@@ -203,8 +204,11 @@ class StepTimer:
         batch_size: samples per batch, for samples/s (optional).
         num_workers: recorded in the timeline header so the report can relate a sawtooth
             period to it (optional).
-        start_step: number of the first step (pass the resumed global step after a restart,
-            so the timeline and the metrics continue instead of restarting at 0).
+        start_step: steps already done before this timer (0 for a new run; the restored
+            step after a restart). Steps are numbered like the training loop's
+            ``state.step += 1; metrics.log(state.step, ...)``: the first step this timer
+            records is ``start_step + 1``, so its summaries and timeline line up with the
+            metric log.
         network: the ``StreamingDataset`` this rank reads, when it reads a remote source (or
             a :class:`~unbroken.data.cache.NetworkWaitProbe`): each step's wait is split
             into the part the rank's readers spent blocked on downloads (``net_ms``) and the
@@ -298,7 +302,9 @@ class StepTimer:
         """Yield from ``iterable`` while timing each step.
 
         If ``iterable`` has ``observe_copies`` (a ``DevicePrefetcher``), its H2D copy events
-        are accounted too. Leaving the loop early (``break``) drops the unfinished step.
+        are accounted too. Leaving the loop early (``break``, an exception) records the step
+        in progress, its compute ending then (the generator is closed as the loop drops it;
+        ``close()`` records it too when a reference to the generator outlives the loop).
         """
         observe = getattr(iterable, "observe_copies", None)
         if observe is not None:
@@ -316,7 +322,7 @@ class StepTimer:
                     self._net_done()
                 yield batch
         finally:
-            self._t_got = -1
+            self.close_step()
             if observe is not None:
                 observe(None)
 
@@ -384,7 +390,7 @@ class StepTimer:
         """Send a summary of the last ``log_every`` steps to the sinks."""
         s = self.summary(self._log_every or None)
         self.last_summary = s
-        step = self._start_step + self._n - 1
+        step = self._start_step + self._n
         values = s.metrics(self._prefix)
         for sink in self._sinks:
             if hasattr(sink, "log"):
@@ -406,7 +412,7 @@ class StepTimer:
             return path
         lost = max(0, todo - self.window)  # only possible if flush() was never reached
         wait, comp, h2d, nbytes, net = self._ordered(todo - lost)
-        first = self._start_step + self._flushed + lost
+        first = self._start_step + self._flushed + lost + 1
         os.makedirs(self._run_dir, exist_ok=True)
         new = not os.path.exists(path)
         lines = []

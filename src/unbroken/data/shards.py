@@ -5,20 +5,25 @@ members with the same key form one sample, exactly as ``webdataset`` groups them
 ``webdataset.WebDataset`` reads our shards unchanged and we read theirs.
 
 Beside each shard lies ``<shard>.idx``, a little-endian binary offset index (all integers
-unsigned 64-bit)::
+unsigned 64-bit). Format 2 (written since issue 12)::
 
-    header (72 bytes): magic b"UBIDX\\x01\\x00\\x00", num_samples N, num_members M,
+    header (72 bytes): magic b"UBIDX\x02\x00\x00", num_samples N, num_members M,
                        strings_bytes S, tar_bytes, tar checksum (32 ASCII hex, xxh3_128)
     member_start[N+1]  first member of sample i is member_start[i]
     key_off[N+1]       key of sample i is strings[key_off[i]:key_off[i+1]] (UTF-8)
     data_offset[M]     byte offset of member j's data inside the tar
     data_size[M]       byte length of member j's data
     ext_off[M+1]       extension of member j is strings[ext_off[j]:ext_off[j+1]]
+    member_hash[M]     xxh3_64 of member j's data bytes
     strings[S]
+    index_hash         xxh3_64 of every byte above (the index checks itself)
 
-so sample *i* is found in O(1) and read with one ``pread`` of its contiguous byte span.
-The tar size and checksum in the header tie an index to exactly one shard. The writer lives
-in :mod:`unbroken.data.writers`.
+so sample *i* is found in O(1) and read with one ``pread`` of its contiguous byte span, and
+every member it hands out is checked against ``member_hash`` (T-NO-WRONG-BYTE: a checksum per
+member names the damaged member; xxh3_64 runs at >10 GB/s, so a 4 KB sample costs ~0.3 us).
+The tar size and checksum in the header tie an index to exactly one shard. Format 1 (magic
+``...\x01...``) is the same without ``member_hash`` and ``index_hash``: it still reads, with
+one warning that its samples are unverified. The writer lives in :mod:`unbroken.data.writers`.
 """
 
 from __future__ import annotations
@@ -29,29 +34,38 @@ import os
 import re
 import struct
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import xxhash
 
-from unbroken._fs import checksum_file
+from unbroken._fs import checksum_bytes, checksum_file
 
 __all__ = [
     "INDEX_SUFFIX",
+    "CorruptSampleError",
     "ShardError",
     "ShardIndex",
     "ShardReader",
+    "corrupt_sample",
+    "index_format",
     "index_tar",
+    "member_digests",
+    "read_index_file",
     "split_member_name",
     "verify_shard",
+    "warn_unverified",
 ]
 
 log = logging.getLogger(__name__)
 
 INDEX_SUFFIX = ".idx"
-_MAGIC = b"UBIDX\x01\x00\x00"
+_MAGIC = b"UBIDX\x02\x00\x00"
+_MAGIC_V1 = b"UBIDX\x01\x00\x00"
 _HEADER = struct.Struct("<8sQQQQ32s")
+_HASH = 8  # bytes of one xxh3_64 (member hashes, the index's own trailer)
 _BLOCK = 512
 # webdataset's rule: key = path prefix + basename up to its first dot, ext = the rest.
 _NAME_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
@@ -59,6 +73,79 @@ _NAME_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 
 class ShardError(ValueError):
     """A shard or index that is truncated, corrupt, mismatched or otherwise unusable."""
+
+
+class CorruptSampleError(ShardError):
+    """A sample whose bytes differ from the checksum recorded when it was packed.
+
+    The message names the dataset (when known), the shard, the sample key and the member (or
+    the token block); it is built from the message alone, because torch's DataLoader re-raises
+    a worker's exception as ``type(message)``.
+    """
+
+
+def corrupt_sample(path: str, what: str, *, dataset: str | None = None) -> CorruptSampleError:
+    """The error for damaged bytes: ``what`` is e.g. ``"sample 'k1' member 'jpg'"``."""
+    where = ""
+    if dataset:
+        where = f"dataset {dataset}: "
+        if os.path.dirname(path) == dataset.rstrip("/"):
+            path = os.path.basename(path)
+    return CorruptSampleError(
+        f"{where}shard {path}: {what} does not match the checksum recorded when it was "
+        "written (the shard is damaged: bit rot, a truncated or overwritten copy); re-copy "
+        "the shard (`unbroken stage` re-fetches it) or re-create the dataset"
+    )
+
+
+_warned: set[str] = set()
+
+
+def warn_unverified(what: str, path: str) -> None:
+    """One WARNING per ``what`` (a dataset root or a file) and process: its index predates
+    per-sample checksums, so its bytes are read unverified."""
+    if what in _warned:
+        return
+    _warned.add(what)
+    log.warning(
+        "%s: index %s has no per-sample checksums (written by an older unbroken): samples "
+        "are read unverified; re-create the indexes (`unbroken index DIR`, or re-run "
+        "`unbroken pack`/`unbroken tokenize`) to verify every byte on read",
+        what,
+        path,
+    )
+
+
+def index_format(head: bytes) -> int:
+    """The format of a shard or token index from its first 8 bytes: 1 (no checksums),
+    2 (checksums), or 0 (not an unbroken index)."""
+    if head[:5] not in (b"UBIDX", b"UBTOK") or head[6:8] != b"\x00\x00":
+        return 0
+    return {1: 1, 2: 2}.get(head[5], 0)
+
+
+def member_digests(datas: Iterable[Any], count: int | None = None) -> np.ndarray:
+    """xxh3_64 of each bytes-like in ``datas`` (uint64): the checksums the index records.
+    ``count``: how many there are, when ``datas`` is an iterator (no list is built)."""
+    n = len(datas) if count is None else count  # type: ignore[arg-type]
+    return np.fromiter(map(xxhash.xxh3_64_intdigest, datas), np.uint64, n)
+
+
+def read_index_file(path: str, checksum: str | None, *, dataset: str | None = None) -> bytes:
+    """The bytes of an index file; with ``checksum`` (dataset.json's ``index_checksum``) they
+    must hash to it, so an index edited or swapped after packing is refused by name."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    if checksum is not None:
+        got = checksum_bytes(raw)
+        if got != checksum:
+            where = f"dataset {dataset}: " if dataset else ""
+            raise ShardError(
+                f"{where}index {path} ({len(raw)} bytes, checksum {got}) is not the index "
+                f"dataset.json records (checksum {checksum}); it is damaged or stale - re-copy "
+                "the dataset or re-create its indexes (`unbroken index DIR`)"
+            )
+    return raw
 
 
 def split_member_name(name: str) -> tuple[str, str] | None:
@@ -89,6 +176,8 @@ class ShardIndex:
     strings: bytes
     tar_bytes: int
     tar_checksum: str
+    member_hash: np.ndarray | None = None
+    """uint64 xxh3_64 of each member's data; None for a format-1 index (unverified)."""
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ShardIndex):
@@ -97,6 +186,12 @@ class ShardIndex:
             self.strings == other.strings
             and self.tar_bytes == other.tar_bytes
             and self.tar_checksum == other.tar_checksum
+            and (
+                self.member_hash is None
+                if other.member_hash is None
+                else self.member_hash is not None
+                and np.array_equal(self.member_hash, other.member_hash)
+            )
             and all(
                 np.array_equal(np.asarray(a), np.asarray(b))
                 for a, b in zip(self._tables(), other._tables(), strict=True)
@@ -129,6 +224,7 @@ class ShardIndex:
         samples: Sequence[tuple[str, Sequence[tuple[str, int, int]]]],
         tar_bytes: int,
         tar_checksum: str,
+        member_hash: np.ndarray | None = None,
     ) -> ShardIndex:
         """From ``[(key, [(ext, data_offset, data_size), ...]), ...]``."""
         members = [m for _, ms in samples for m in ms]
@@ -140,6 +236,7 @@ class ShardIndex:
             [n for _, _, n in members],
             tar_bytes,
             tar_checksum,
+            member_hash,
         )
 
     @classmethod
@@ -152,8 +249,10 @@ class ShardIndex:
         sizes: Sequence[int],
         tar_bytes: int,
         tar_checksum: str,
+        member_hash: np.ndarray | None = None,
     ) -> ShardIndex:
-        """From flat per-sample and per-member columns (what the writer accumulates)."""
+        """From flat per-sample and per-member columns (what the writer accumulates);
+        ``member_hash``: :func:`member_digests` of the members' data (None: format 1)."""
         # Keys and extensions are stored in two separate runs so that each offset array is
         # monotone and its own sentinel ends the last string.
         kb = b"".join(keys)
@@ -172,12 +271,14 @@ class ShardIndex:
             strings=kb + b"".join(exts),
             tar_bytes=tar_bytes,
             tar_checksum=tar_checksum,
+            member_hash=None if member_hash is None else np.asarray(member_hash, np.uint64),
         )
 
     def to_bytes(self) -> bytes:
+        """Format 2, or format 1 for an index without member hashes (see the module doc)."""
         u64 = np.uint64
         head = _HEADER.pack(
-            _MAGIC,
+            _MAGIC_V1 if self.member_hash is None else _MAGIC,
             self.num_samples,
             len(self.data_offset),
             len(self.strings),
@@ -194,35 +295,70 @@ class ShardIndex:
                 self.ext_off,
             )
         ]
-        return b"".join([head, *arrays, self.strings])
+        if self.member_hash is None:
+            return b"".join([head, *arrays, self.strings])
+        hashes = np.asarray(self.member_hash, dtype="<u8").tobytes()
+        body = b"".join([head, *arrays, hashes, self.strings])
+        return body + xxhash.xxh3_64_intdigest(body).to_bytes(_HASH, "little")
 
     @classmethod
     def from_bytes(cls, data: bytes, *, source: str) -> ShardIndex:
-        if len(data) < _HEADER.size or data[:8] != _MAGIC:
+        """Parse and validate (format 2 checks its own hash first, then the structure)."""
+        fix = "rebuild it with `unbroken index DIR` (or re-copy the dataset)"
+        magic = bytes(data[:8])
+        if len(data) < _HEADER.size or magic not in (_MAGIC, _MAGIC_V1):
             raise ShardError(
-                f"{source}: not an unbroken shard index (bad magic or too short); "
-                "rebuild it with `unbroken index DIR`"
+                f"{source}: not an unbroken shard index (bad magic or too short); {fix}"
             )
+        hashed = magic == _MAGIC
+        if hashed:
+            body = memoryview(data)[: len(data) - _HASH]
+            if xxhash.xxh3_64_intdigest(body) != int.from_bytes(data[-_HASH:], "little"):
+                raise ShardError(
+                    f"{source}: index checksum does not match its content (damaged or "
+                    f"truncated); {fix}"
+                )
         _, n, m, s, tar_bytes, chk = _HEADER.unpack_from(data)
         want = _HEADER.size + 8 * (2 * (n + 1) + 2 * m + (m + 1)) + s
+        if hashed:
+            want += 8 * m + _HASH
         if len(data) != want:
             raise ShardError(
                 f"{source}: index is {len(data)} bytes, its header says {want} "
-                "(truncated or damaged); rebuild it with `unbroken index DIR`"
+                f"(truncated or damaged); {fix}"
             )
         pos = _HEADER.size
         out: list[np.ndarray] = []
         for count in (n + 1, n + 1, m, m, m + 1):
             raw = np.frombuffer(data, dtype="<u8", count=count, offset=pos)
             if count and int(raw.max()) >= 1 << 63:
-                raise ShardError(f"{source}: index holds an offset >= 2**63 (damaged); rebuild it")
+                raise ShardError(f"{source}: index holds an offset >= 2**63 (damaged); {fix}")
             out.append(raw.astype(np.int64))
             pos += 8 * count
+        hashes = None
+        if hashed:
+            hashes = np.frombuffer(data, dtype="<u8", count=m, offset=pos).astype(np.uint64)
+            pos += 8 * m
         strings = bytes(data[pos : pos + s])
         ms, ko, do, ds, eo = out
-        if ms[0] != 0 or ms[-1] != m or bool((ms[1:] < ms[:-1]).any()):
-            raise ShardError(f"{source}: index member table is inconsistent; rebuild it")
-        return cls(ms, ko, do, ds, eo, strings, int(tar_bytes), chk.decode("ascii", "replace"))
+        # Structure a reader relies on: every sample has a member, string offsets ascend
+        # inside the string table, member data lies inside the tar. A format-1 index has no
+        # hash of its own, so this is all that stands between a damaged one and a reader.
+        ok = ms[0] == 0 and ms[-1] == m and not bool((ms[1:] <= ms[:-1]).any())
+        ok = ok and ko[0] == 0 and ko[-1] == eo[0] and eo[-1] == s
+        ok = ok and not bool((np.diff(ko) < 0).any()) and not bool((np.diff(eo) < 0).any())
+        ok = ok and not bool((do + ds > tar_bytes).any())
+        if not ok:
+            raise ShardError(f"{source}: index tables are inconsistent (damaged); {fix}")
+        if not strings.isascii():  # every key and extension must decode on its own
+            cuts = np.concatenate((ko, eo[1:])).tolist()
+            try:
+                for a, b in zip(cuts[:-1], cuts[1:], strict=False):
+                    strings[a:b].decode()
+            except UnicodeDecodeError:
+                raise ShardError(f"{source}: index keys are not UTF-8 (damaged); {fix}") from None
+        tar_checksum = chk.decode("ascii", "replace")
+        return cls(ms, ko, do, ds, eo, strings, int(tar_bytes), tar_checksum, hashes)
 
     @classmethod
     def load(cls, path: str) -> ShardIndex:
@@ -286,7 +422,17 @@ def index_tar(path: str) -> ShardIndex:
     if skipped:
         log.warning("%s: skipped %d members without a <key>.<ext> name", path, skipped)
     _, digest = checksum_file(path)
-    return ShardIndex.build(samples, size, digest)
+    hashes = np.zeros(0, np.uint64)
+    if size:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            mv = memoryview(mm)
+            try:
+                spans = [mv[o : o + n] for _, ms in samples for _, o, n in ms]
+                hashes = member_digests(spans)
+            finally:
+                del spans
+                mv.release()
+    return ShardIndex.build(samples, size, digest, hashes)
 
 
 def verify_shard(path: str, index_path: str | None = None, *, checksum: str | None = None) -> None:
@@ -315,11 +461,26 @@ class ShardReader:
     A sample is ``{"__key__": key, ext: bytes, ...}``. Without an index file the tar is
     scanned once on open (as ``unbroken index`` would). Opening checks the index against the
     shard's size and the tar headers of its first and last members, so a mismatched index
-    fails loudly instead of returning garbage; :meth:`verify` checks every byte.
+    fails loudly instead of returning garbage; :meth:`verify` checks every byte of the file.
+
+    With ``verify`` (default) every member handed out is checked against the index's
+    checksum for it (:class:`CorruptSampleError` names shard, key and member); an index of
+    format 1 has none and is read unverified, with one WARNING. ``index_checksum`` (what
+    dataset.json records) refuses an index that is not the recorded one; ``dataset`` names
+    the dataset in errors and keys that warning.
     """
 
-    def __init__(self, path: str, index_path: str | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        index_path: str | None = None,
+        *,
+        verify: bool = True,
+        index_checksum: str | None = None,
+        dataset: str | None = None,
+    ) -> None:
         self.path = path
+        self.dataset = dataset
         if index_path is None:
             cand = path + INDEX_SUFFIX
             index_path = cand if os.path.exists(cand) else None
@@ -328,7 +489,14 @@ class ShardReader:
             log.warning("%s: no index file; scanning the tar (run `unbroken index`)", path)
             self.index = index_tar(path)
         else:
-            self.index = ShardIndex.load(index_path)
+            raw = read_index_file(index_path, index_checksum if verify else None, dataset=dataset)
+            self.index = ShardIndex.from_bytes(raw, source=index_path)
+        self._init = (verify, index_checksum)
+        self.verifies = verify and self.index.member_hash is not None
+        """whether members are checked on read (``verify`` and an index with checksums)"""
+        if verify and not self.verifies:
+            warn_unverified(dataset or path, index_path or path)
+        self._hashes: list[int] | None = None
         self._lists: tuple[list[int], ...] | None = None
         self._fd = os.open(path, os.O_RDONLY)
         try:
@@ -391,16 +559,29 @@ class ShardReader:
             self._lists = tuple(
                 x.tolist() if isinstance(x, np.ndarray) else list(x) for x in self.index._tables()
             )
+            if self.verifies and self.index.member_hash is not None:
+                self._hashes = self.index.member_hash.tolist()
         return self._lists
 
     def _sample(self, t: tuple[list[int], ...], i: int, data: Any, base: int) -> dict[str, Any]:
         ms, ko, off, size, eo = t
-        strings = self.index.strings
-        out: dict[str, Any] = {"__key__": strings[ko[i] : ko[i + 1]].decode()}
-        mv = memoryview(data)
-        for j in range(ms[i], ms[i + 1]):
-            a = off[j] - base
-            out[strings[eo[j] : eo[j + 1]].decode()] = bytes(mv[a : a + size[j]])
+        strings, hashes = self.index.strings, self._hashes
+        key = strings[ko[i] : ko[i + 1]].decode()
+        out: dict[str, Any] = {"__key__": key}
+        bad = None
+        with memoryview(data) as mv:  # released before raising: the caller closes its mmap
+            for j in range(ms[i], ms[i + 1]):
+                a = off[j] - base
+                ext = strings[eo[j] : eo[j + 1]].decode()
+                v = bytes(mv[a : a + size[j]])
+                if len(v) != size[j] or (
+                    hashes is not None and xxhash.xxh3_64_intdigest(v) != hashes[j]
+                ):
+                    bad = ext
+                    break
+                out[ext] = v
+        if bad is not None:
+            raise corrupt_sample(self.path, f"sample {key!r} member {bad!r}", dataset=self.dataset)
         return out
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -439,7 +620,20 @@ class ShardReader:
 
     def __getstate__(self) -> dict[str, Any]:
         # An fd does not survive pickling into a DataLoader worker; reopen there.
-        return {"path": self.path, "index_path": self.index_path}
+        verify, index_checksum = self._init
+        return {
+            "path": self.path,
+            "index_path": self.index_path,
+            "verify": verify,
+            "index_checksum": index_checksum,
+            "dataset": self.dataset,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"], state["index_path"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["path"],
+            state["index_path"],
+            verify=state.get("verify", True),
+            index_checksum=state.get("index_checksum"),
+            dataset=state.get("dataset"),
+        )

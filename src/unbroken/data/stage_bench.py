@@ -177,7 +177,7 @@ def _measure_transport(batch: Any, batch_size: int, nbytes: int, budget_ns: int)
             break
     ns = clock() - t0
     rx.close()
-    # the ring leaves batches holding tensors to torch's shared-memory hand-off
+    # small tensor-free batches take the pipe after the first (see unbroken.data._transport)
     how = "shared-memory ring" if tickets else "torch's pipe"
     return StageResult("transport", "main", _rate(got * batch_size, ns),
                        nbytes * got / (ns / 1e9) / 1e6 if got and ns > 0 else math.nan,
@@ -393,25 +393,57 @@ def _bench(
 
 def resolve_transform(spec: str | None) -> Callable[[Any], Any] | None:
     """``"basic"`` -> :func:`basic_decode`, ``"none"``/None -> no transform,
-    ``"pkg.module:function"`` -> that function (imported)."""
+    ``"pkg.module:function"`` -> that function (imported), ``"path/to/train.py:fn"`` -> a
+    function defined in a script (imported as module ``train``, its directory put on
+    ``sys.path`` so DataLoader workers can unpickle it; its ``__main__`` block does not run).
+    """
     if spec is None or spec == "none":
         return None
     if spec == "basic":
         return basic_decode
-    mod, sep, name = spec.partition(":")
+    mod, sep, name = spec.rpartition(":")
     if not sep or not mod or not name:
-        raise ValueError(
-            f"--transform {spec!r}: expected 'basic', 'none' or 'package.module:function'"
-        )
+        raise ValueError(f"--transform {spec!r}: expected 'basic', 'none', "
+                         "'package.module:function' or 'path/to/script.py:function'")
     import importlib
 
     try:
-        fn = getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as e:
+        module = _script_module(mod) if mod.endswith(".py") else importlib.import_module(mod)
+        fn = getattr(module, name)
+    except Exception as e:  # an import error, or the script's own top-level code failing
         raise ValueError(f"--transform {spec!r}: cannot import it ({e})") from e
     if not callable(fn):
         raise ValueError(f"--transform {spec!r} is not callable")
     return fn
+
+
+def _script_module(path: str) -> Any:
+    import importlib.util
+    import sys
+
+    if not os.path.isfile(path):
+        raise ImportError(f"no file {path!r}")
+    path = os.path.abspath(path)
+    name = os.path.splitext(os.path.basename(path))[0]
+    have = sys.modules.get(name)
+    if have is not None:
+        if os.path.abspath(getattr(have, "__file__", "") or "") == path:
+            return have
+        raise ImportError(f"a module named {name!r} is already imported from "
+                          f"{getattr(have, '__file__', 'elsewhere')}; rename the script")
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path!r} is not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # workers unpickle the function by module name
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        sys.path.remove(os.path.dirname(path))
+        raise
+    return module
 
 
 def consume_rate_from_timeline(path: str, batch_size: int | None) -> float:

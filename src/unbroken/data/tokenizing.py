@@ -31,7 +31,8 @@ import numpy as np
 from unbroken._fs import atomic_write_bytes, checksum_bytes, checksum_file, hasher, is_temp_name
 from unbroken.data._tokfast import WordCacheEncoder
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
-from unbroken.data.shards import ShardReader
+from unbroken.data.pack import ensure_out_dir
+from unbroken.data.shards import ShardReader, index_format
 from unbroken.data.tokens import (
     TOKEN_INDEX_SUFFIX,
     TokenShardWriter,
@@ -86,7 +87,13 @@ def _iter_docs(src: str, field: str, member: str) -> Iterator[tuple[str, str]]:
         if m.kind != "tar":
             raise ValueError(f"{src}: a {m.kind} dataset cannot be tokenized; pass tar shards")
         for i in range(len(m.shards)):
-            with ShardReader(m.shard_path(src, i)) as r:
+            info = m.shards[i]
+            with ShardReader(
+                m.shard_path(src, i),
+                m.index_path(src, i),
+                index_checksum=info.index_checksum,
+                dataset=src,
+            ) as r:
                 for s in r:
                     where = f"{r.path}:{s['__key__']}"
                     if member in s:
@@ -256,7 +263,7 @@ def tokenize(
     t0 = time.perf_counter()
     if seq_len is not None and seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 1 (or omitted for no packing)")
-    os.makedirs(out, exist_ok=True)
+    ensure_out_dir(out)
     if tokenizer is None and train_bpe_vocab is None:
         raise ValueError("pass a tokenizer (--tokenizer PATH) or --train-bpe VOCAB")
     if train_bpe_vocab is not None:
@@ -416,6 +423,8 @@ def _resume(out: str, config: dict[str, Any]) -> tuple[list[ShardInfo], int]:
         try:
             ok = checksum_file(os.path.join(out, s.name)) == (s.bytes, s.checksum)
             ok = ok and checksum_file(os.path.join(out, s.index))[1] == s.index_checksum
+            with open(os.path.join(out, s.index), "rb") as f:
+                ok = ok and index_format(f.read(8)) == 2  # older: no block checksums
         except OSError:
             ok = False
         if not ok:

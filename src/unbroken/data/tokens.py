@@ -3,11 +3,21 @@
 On disk, per shard (the nanoGPT/Megatron idea; ``np.memmap(bin, dtype)`` reads the tokens)::
 
     tokens-000000.bin      raw little-endian token ids, every document followed by EOS
-    tokens-000000.bin.idx  header (72 bytes): magic b"UBTOK\\x01\\x00\\x00", itemsize (u64),
+    tokens-000000.bin.idx  header (80 bytes): magic b"UBTOK\\x02\\x00\\x00", itemsize (u64),
                            num_documents N (u64), num_tokens T (u64), eos_id (i64),
-                           checksum of the .bin (32 ASCII hex, xxh3_128)
-                           then offsets[N+1] (u64): document d is tokens[off[d]:off[d+1]-1],
+                           checksum of the .bin (32 ASCII hex, xxh3_128),
+                           block_tokens B (u64)
+                           offsets[N+1] (u64): document d is tokens[off[d]:off[d+1]-1],
                            its EOS is tokens[off[d+1]-1]; off[N] == T
+                           block_hash[ceil(T/B)] (u64): xxh3_64 of the bytes of tokens
+                           [b*B : (b+1)*B]
+                           index_hash (u64): xxh3_64 of every byte above
+
+Every block of ``B`` tokens (64 Ki by default: 128 or 256 KiB) is verified against its hash
+the first time a reader touches it (T-NO-WRONG-BYTE); a damaged block is a
+:class:`~unbroken.data.shards.CorruptSampleError` naming the shard and the block. Format 1
+(magic ``...\\x01...``, a 72-byte header without ``B``, no block hashes, no index hash) still
+reads, unverified, with one warning.
 
 A shard holds whole documents only. Sequences for language-model training are cut from a
 shard's token stream as consecutive non-overlapping windows: sequence ``i`` at length ``L``
@@ -23,14 +33,22 @@ import struct
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from unbroken._fs import (
     checksum_file,
 )
-from unbroken.data.shards import ShardError
+from unbroken.data.shards import (
+    CorruptSampleError,
+    ShardError,
+    corrupt_sample,
+    read_index_file,
+    warn_unverified,
+)
 from unbroken.data.writers import IndexedFileWriter
 
 __all__ = [
+    "BLOCK_TOKENS",
     "TOKEN_INDEX_SUFFIX",
     "TokenShard",
     "TokenShardWriter",
@@ -39,10 +57,16 @@ __all__ = [
 ]
 
 TOKEN_INDEX_SUFFIX = ".idx"
-_MAGIC = b"UBTOK\x01\x00\x00"
-_HEADER = struct.Struct("<8sQQQq32s")
+BLOCK_TOKENS = 1 << 16
+_MAGIC = b"UBTOK\x02\x00\x00"
+_MAGIC_V1 = b"UBTOK\x01\x00\x00"
+_HEADER = struct.Struct("<8sQQQq32sQ")
+_HEADER_V1 = struct.Struct("<8sQQQq32s")
+_HASH = 8
 _DTYPES: dict[int, np.dtype[Any]] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 _FLUSH = 8 << 20
+# block states of a reader
+_UNCHECKED, _GOOD, _BAD = 0, 1, 2
 
 
 def dtype_for_vocab(vocab_size: int, requested: str | None = None) -> str:
@@ -74,7 +98,17 @@ class TokenShardWriter(IndexedFileWriter):
     """Append documents (EOS added) to a temporary sibling; :meth:`commit` publishes the .bin
     and then its index (the commit order of :class:`IndexedFileWriter`)."""
 
-    def __init__(self, path: str, dtype: str, eos_id: int, *, fsync: bool = True) -> None:
+    def __init__(
+        self,
+        path: str,
+        dtype: str,
+        eos_id: int,
+        *,
+        fsync: bool = True,
+        block_tokens: int = BLOCK_TOKENS,
+    ) -> None:
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens={block_tokens} must be >= 1")
         super().__init__(path, path + TOKEN_INDEX_SUFFIX, fsync=fsync)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.eos_id = int(eos_id)
@@ -82,6 +116,11 @@ class TokenShardWriter(IndexedFileWriter):
         self._offsets = [0]
         self._pending: list[np.ndarray] = []
         self._pending_bytes = 0
+        self.block_tokens = block_tokens
+        self._block_bytes = block_tokens * self.dtype.itemsize
+        self._block = xxhash.xxh3_64()  # the block being written
+        self._block_fill = 0
+        self._block_hashes: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -115,11 +154,29 @@ class TokenShardWriter(IndexedFileWriter):
             data = np.concatenate(self._pending)
             self._pending.clear()
             self._pending_bytes = 0
+            self._hash_blocks(data)
             self._write(data)
+
+    def _hash_blocks(self, data: np.ndarray) -> None:
+        """Feed the block hashes while writing (no second read of the shard)."""
+        mv = data.view(np.uint8).data
+        pos, n = 0, len(mv)
+        while pos < n:
+            take = min(self._block_bytes - self._block_fill, n - pos)
+            self._block.update(mv[pos : pos + take])
+            self._block_fill += take
+            pos += take
+            if self._block_fill == self._block_bytes:
+                self._block_hashes.append(self._block.intdigest())
+                self._block.reset()
+                self._block_fill = 0
 
     def commit(self) -> tuple[int, str, bytes]:
         """Publish; returns ``(bin_bytes, bin_checksum, index_bytes)``."""
         self._flush()
+        if self._block_fill:
+            self._block_hashes.append(self._block.intdigest())
+            self._block_fill = 0
         head = _HEADER.pack(
             _MAGIC,
             self.dtype.itemsize,
@@ -127,59 +184,165 @@ class TokenShardWriter(IndexedFileWriter):
             self.num_tokens,
             self.eos_id,
             self._w.digest.encode(),
+            self.block_tokens,
         )
-        raw = head + np.asarray(self._offsets, dtype="<u8").tobytes()
+        body = b"".join(
+            (
+                head,
+                np.asarray(self._offsets, dtype="<u8").tobytes(),
+                np.asarray(self._block_hashes, dtype="<u8").tobytes(),
+            )
+        )
+        raw = body + xxhash.xxh3_64_intdigest(body).to_bytes(_HASH, "little")
         self._publish(raw)
         return self.size, self.checksum, raw
 
 
 class TokenShard:
-    """A memory-mapped token shard: slice by document or by fixed-length sequence."""
+    """A memory-mapped token shard: slice by document or by fixed-length sequence.
 
-    def __init__(self, path: str, index_path: str | None = None) -> None:
+    With ``verify`` (default) each block of tokens is checked against the index's hash of it
+    the first time :meth:`document`, :meth:`sequence` or :meth:`damaged` touches it;
+    ``tokens`` itself is the raw map (a caller that slices it checks with :meth:`damaged`).
+    ``index_checksum`` (dataset.json's) refuses an index that is not the recorded one;
+    ``dataset`` names the dataset in errors and keys the warning for a format-1 index.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        index_path: str | None = None,
+        *,
+        verify: bool = True,
+        index_checksum: str | None = None,
+        dataset: str | None = None,
+    ) -> None:
         self.path = path
+        self.dataset = dataset
         self.index_path = index_path or path + TOKEN_INDEX_SUFFIX
+        fix = "re-run `unbroken tokenize` (it resumes) or re-copy the dataset"
         try:
-            with open(self.index_path, "rb") as f:
-                head = f.read(_HEADER.size)
+            raw = read_index_file(
+                self.index_path, index_checksum if verify else None, dataset=dataset
+            )
         except FileNotFoundError:
             raise FileNotFoundError(
-                f"{self.index_path}: token index missing next to {path}; re-run "
-                "`unbroken tokenize` (it resumes) or re-copy the dataset"
+                f"{self.index_path}: token index missing next to {path}; {fix}"
             ) from None
-        if len(head) < _HEADER.size or head[:8] != _MAGIC:
-            raise ShardError(f"{self.index_path}: not an unbroken token index; re-create it")
-        _, itemsize, n_docs, n_tokens, eos, chk = _HEADER.unpack(head)
-        if itemsize not in _DTYPES:
-            raise ShardError(f"{self.index_path}: unknown token size {itemsize}; re-create it")
+        magic = raw[:8]
+        hashed = magic == _MAGIC
+        head = _HEADER if hashed else _HEADER_V1
+        if len(raw) < head.size or magic not in (_MAGIC, _MAGIC_V1):
+            raise ShardError(f"{self.index_path}: not an unbroken token index; {fix}")
+        if hashed and xxhash.xxh3_64_intdigest(memoryview(raw)[:-_HASH]) != int.from_bytes(
+            raw[-_HASH:], "little"
+        ):
+            raise ShardError(
+                f"{self.index_path}: index checksum does not match its content (damaged or "
+                f"truncated); {fix}"
+            )
+        fields = head.unpack_from(raw)
+        _, itemsize, n_docs, n_tokens, eos, chk = fields[:6]
+        block = int(fields[6]) if hashed else 0
+        if itemsize not in _DTYPES or (hashed and block < 1):
+            raise ShardError(f"{self.index_path}: unknown token size or block size; {fix}")
         self.dtype = _DTYPES[itemsize]
         self.eos_id = int(eos)
         self.checksum = chk.decode("ascii", "replace")
-        want_idx = _HEADER.size + 8 * (n_docs + 1)
-        idx_size = os.path.getsize(self.index_path)
-        bin_size = os.path.getsize(path)
-        if idx_size != want_idx:
+        n_blocks = -(-n_tokens // block) if hashed else 0
+        want_idx = head.size + 8 * (n_docs + 1) + (8 * n_blocks + _HASH if hashed else 0)
+        if len(raw) != want_idx:
             raise ShardError(
-                f"{self.index_path}: {idx_size} bytes, header says {want_idx} (truncated); "
-                "re-create or re-copy it"
+                f"{self.index_path}: {len(raw)} bytes, header says {want_idx} (truncated); {fix}"
             )
+        try:
+            bin_size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: token shard missing; {fix}") from None
         if bin_size != n_tokens * itemsize:
             raise ShardError(
                 f"{path}: {bin_size} bytes but its index describes {n_tokens} tokens of "
                 f"{itemsize} bytes; the shard is truncated or the index is stale - re-copy"
             )
-        self.offsets = np.memmap(
-            self.index_path, dtype="<u8", mode="r", offset=_HEADER.size, shape=(n_docs + 1,)
-        )
-        if int(self.offsets[-1]) != n_tokens:
+        self.offsets = np.frombuffer(raw, dtype="<u8", count=n_docs + 1, offset=head.size)
+        off = self.offsets
+        if int(off[0]) != 0 or int(off[-1]) != n_tokens or bool((off[1:] < off[:-1]).any()):
             raise ShardError(
-                f"{self.index_path}: offsets end at {int(self.offsets[-1])}, not {n_tokens}"
+                f"{self.index_path}: document offsets do not run from 0 to {n_tokens} tokens "
+                f"in order (damaged); {fix}"
             )
         self.tokens: np.ndarray = (
             np.memmap(path, dtype=self.dtype, mode="r", shape=(n_tokens,))
             if n_tokens
             else np.zeros(0, dtype=self.dtype)
         )
+        self.block_tokens = block
+        self._block_hash: list[int] = []
+        self._state = bytearray()  # per block: _UNCHECKED, _GOOD or _BAD
+        self._unchecked = 0
+        if verify and hashed:
+            pos = head.size + 8 * (n_docs + 1)
+            self._block_hash = np.frombuffer(raw, "<u8", count=n_blocks, offset=pos).tolist()
+            self._state = bytearray(n_blocks)
+            self._unchecked = n_blocks
+        elif verify:
+            warn_unverified(dataset or path, self.index_path)
+        self._any_bad = False
+
+    # --- verification ----------------------------------------------------------------------
+
+    def _check_block(self, b: int) -> None:
+        B = self.block_tokens
+        data = self.tokens[b * B : (b + 1) * B]
+        ok = xxhash.xxh3_64_intdigest(np.ascontiguousarray(data).data) == self._block_hash[b]
+        self._state[b] = _GOOD if ok else _BAD
+        self._unchecked -= 1
+        self._any_bad |= not ok
+
+    def damaged(self, starts: np.ndarray, length: int) -> np.ndarray | None:
+        """Verify the blocks under the token ranges ``[s, s + length)``, each once per reader.
+
+        Returns None when every range is intact, else a bool mask of the ranges that touch a
+        damaged block (see :meth:`error` for the exception naming it).
+        """
+        if not self._unchecked and not self._any_bad:
+            return None  # every block verified and intact: the steady state costs nothing
+        B, last = self.block_tokens, len(self._state) - 1
+        span = max(length, 1) - 1
+        state = self._state
+        mask = None
+        # A plain loop: a batch holds a few ranges of one or two blocks each, fewer Python
+        # steps than the numpy calls that would find its unchecked blocks.
+        for k, s in enumerate(np.asarray(starts).tolist()):
+            for b in range(max(s // B, 0), min((s + span) // B, last) + 1):
+                if state[b] == _UNCHECKED:
+                    self._check_block(b)
+                if state[b] == _BAD:
+                    if mask is None:
+                        mask = np.zeros(len(starts), dtype=bool)
+                    mask[k] = True
+        return mask
+
+    def error(self, start: int, length: int) -> CorruptSampleError:
+        """The error for the token range ``[start, start + length)`` (it touches a bad block)."""
+        B = self.block_tokens
+        bad = [
+            b
+            for b in range(start // B, (start + max(length, 1) - 1) // B + 1)
+            if self._state[b] == _BAD
+        ]
+        b = bad[0] if bad else start // B
+        hi = min((b + 1) * B, self.num_tokens) - 1
+        return corrupt_sample(
+            self.path,
+            f"token block {b} (tokens {b * B}..{hi}, read for tokens {start}.."
+            f"{start + length - 1})",
+            dataset=self.dataset,
+        )
+
+    def _guard(self, start: int, length: int) -> None:
+        if self.damaged(np.array([start]), length) is not None:
+            raise self.error(start, length)
 
     @property
     def num_documents(self) -> int:
@@ -196,7 +359,9 @@ class TokenShard:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"{self.path}: document {i} out of range (0..{n - 1})")
-        return self.tokens[int(self.offsets[i]) : int(self.offsets[i + 1]) - 1]
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        self._guard(a, b - a)
+        return self.tokens[a : b - 1]
 
     def num_sequences(self, seq_len: int) -> int:
         return num_sequences(self.num_tokens, seq_len)
@@ -210,6 +375,7 @@ class TokenShard:
             raise IndexError(
                 f"{self.path}: sequence {i} out of range (0..{n - 1}) at seq_len={seq_len}"
             )
+        self._guard(i * seq_len, seq_len + 1)
         return self.tokens[i * seq_len : i * seq_len + seq_len + 1]
 
     def verify(self, checksum: str | None = None) -> None:

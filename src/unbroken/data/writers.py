@@ -22,7 +22,7 @@ import numpy as np
 
 from unbroken._fs import HashingWriter, atomic_write_bytes, hasher, temp_sibling
 from unbroken.data._ragged import concat_ranges
-from unbroken.data.shards import INDEX_SUFFIX, ShardIndex
+from unbroken.data.shards import INDEX_SUFFIX, ShardIndex, member_digests
 
 __all__ = [
     "IndexedFileWriter",
@@ -414,6 +414,7 @@ class TarShardWriter(IndexedFileWriter):
         self._exts: list[bytes] = []
         self._offs: list[np.ndarray] = []
         self._sizes: list[np.ndarray] = []
+        self._hashes: list[np.ndarray] = []
         self._finished = False
 
     def add(self, key: str, members: Sequence[tuple[str, Any]]) -> None:
@@ -440,6 +441,8 @@ class TarShardWriter(IndexedFileWriter):
         self._exts.extend(b.exts)
         self._offs.append(offs)
         self._sizes.append(b.sizes)
+        # per-member checksums for the index (T-NO-WRONG-BYTE); the bytes are hot in cache
+        self._hashes.append(member_digests(b.datas))
 
     @property
     def bytes_written(self) -> int:
@@ -473,6 +476,7 @@ class TarShardWriter(IndexedFileWriter):
             cat(self._sizes),
             self._pos,
             self._w.digest,
+            np.concatenate(self._hashes) if self._hashes else np.zeros(0, np.uint64),
         ).to_bytes()
         self._publish(raw)
         return self.size, self.checksum, raw

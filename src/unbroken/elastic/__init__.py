@@ -6,6 +6,9 @@ In the training loop, only two calls matter, both no-ops when not run under ``un
     beat(step)                                  # every step: progress for the hang watchdog
     mark("loaded", step=s, seconds=dt)          # after a restore (Checkpointer does this)
 
+A SIGTERM handler of your own calls ``peer_failed()`` first: when it returns a reason, a
+rank of the job died and no collective (so no save) can finish; exit at once.
+
 Importing this package does not import torch.
 """
 
@@ -23,7 +26,7 @@ from unbroken.elastic.faults import (
 from unbroken.elastic.heartbeat import beat, install
 from unbroken.elastic.planner import daly_interval, expected_goodput, plan, young_interval
 from unbroken.elastic.preflight import CheckResult, PreflightConfig, run_preflight
-from unbroken.elastic.recovery import mark
+from unbroken.elastic.recovery import mark, peer_failed
 from unbroken.elastic.supervisor import (
     RendezvousConfig,
     RunConfig,
@@ -51,6 +54,7 @@ __all__ = [
     "expected_goodput",
     "install",
     "mark",
+    "peer_failed",
     "plan",
     "run",
     "run_preflight",

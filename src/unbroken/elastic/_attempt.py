@@ -1,19 +1,27 @@
-"""One attempt: a child ``torchrun`` (the elastic agent) and everything it starts.
+"""One attempt: a torchrun agent (the elastic agent) and everything it starts.
 
 torchrun runs with ``--max-restarts 0``: the supervisor owns restarts, so that every failure
 passes through classification, backoff and pre-flight, and so that a restart is a fresh agent
 process (a wedged agent or stale in-process state cannot carry over). Membership changes
 (a spare joining) are still handled inside torchrun, which does not count them as restarts.
 
+The agent is either a pre-warmed :class:`Standby` (torch already imported, with a fork server
+for the workers, see ``_standby``) or, as the fallback, a fresh
+``python -m torch.distributed.run``. Either way torchrun starts ``_launch.py`` per rank, which
+reports how its rank ended (``worker_exit`` events) and forwards stop signals.
+
 Layout per attempt: ``RUN_DIR/attempts/<n>/torchrun.log`` (agent console, workers teed into it
-with ``[rankN]:`` prefixes) and ``RUN_DIR/attempts/<n>/torchelastic/`` (torchrun's
-``--log-dir``: per-rank ``stdout.log``/``stderr.log`` and ``@record`` ``error.json``).
+with ``[rankN]:`` prefixes), ``RUN_DIR/attempts/<n>/torchelastic/`` (torchrun's
+``--log-dir``: per-rank ``stdout.log``/``stderr.log`` and ``@record`` ``error.json``),
+``zygote.log`` (the fork server's own messages) and ``peer_failed`` (see
+:func:`recovery.peer_failed`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -22,63 +30,86 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
+from unbroken._fs import atomic_write_bytes
 from unbroken.elastic import recovery
-from unbroken.elastic._procs import children_of, is_alive, kill_matching
+from unbroken.elastic._launch import ENV_ZYGOTE
+from unbroken.elastic._procs import (
+    PidWatch,
+    children_of,
+    cmdline,
+    environ_of,
+    is_alive,
+    kill_matching,
+)
+from unbroken.elastic.faults import WorkerExit
 
-__all__ = ["ENV_TOKEN", "Attempt"]
+__all__ = [
+    "DEFAULT_PRELOAD",
+    "ENV_TOKEN",
+    "LAUNCHER",
+    "Attempt",
+    "Standby",
+    "attempt_env",
+    "worker_command",
+]
 
 log = logging.getLogger(__name__)
 
 ENV_TOKEN = "UNBROKEN_ATTEMPT_TOKEN"
 """Inherited by every process of an attempt; the supervisor kills by it (see _procs)."""
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch.py")
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "unbroken.elastic",
+                   "unbroken.ckpt", "unbroken.data", "unbroken.metrics")
+"""Modules a standby's fork server imports for the workers (``--preload`` adds more).
+``torch._dynamo``: the first optimizer a worker builds imports it (213 modules, ~1 s)."""
 
 
-class Attempt:
-    def __init__(
-        self,
-        *,
-        number: int,
-        gen: int,
-        run_dir: str,
-        torchrun_argv: Sequence[str],
-        catchup_step: int | None,
-        echo: bool,
-    ) -> None:
-        self.number = number
-        self.gen = gen
-        self.dir = os.path.join(run_dir, "attempts", str(number))
+def worker_command(command: Sequence[str], module: bool, torchrun_args: Sequence[str]) -> list[str]:
+    """torchrun's trailing arguments: the launcher (``_launch``) in front of the script."""
+    exec_ = any(a in ("--no-python", "--no_python") for a in torchrun_args)
+    mode = ["--exec"] if exec_ else (["-m"] if module else [])
+    return ["--no-python", sys.executable, "-S", LAUNCHER, *mode, *command]
+
+
+def attempt_env(run_dir: str, number: int, token: str, nproc: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env[recovery.ENV_RUN_DIR] = run_dir
+    env[recovery.ENV_ATTEMPT] = str(number)
+    env[ENV_TOKEN] = token
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    # With the agent-shared TCPStore (torch's default) a node that joins a later round
+    # (a spare, or a node coming back) waits forever for MASTER_ADDR: rank 0 publishes
+    # it only in its first round (dynamic_rendezvous.next_rendezvous; cf. pytorch#123678),
+    # and a group restarted by the agent often fails "Gloo connectFullMesh ... Connection
+    # refused" (10 of 16 restarts in benchmarks/elastic_recovery.py). A store per round,
+    # as before torch 2.4, fixes both.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    if nproc > 1:
+        # What torchrun sets for its workers; set before the standby imports torch, whose
+        # OpenMP runtime reads it once.
+        env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop(recovery.ENV_CATCHUP, None)
+    env.pop(ENV_ZYGOTE, None)
+    return env
+
+
+class _Agent:
+    """A torchrun agent process with its console copied to ``torchrun.log``."""
+
+    def __init__(self, number: int, run_dir: str, argv: list[str], env: dict[str, str],
+                 echo: bool, stdin: int) -> None:
+        self.dir = recovery.attempt_dir(run_dir, number)
         os.makedirs(self.dir, exist_ok=True)
-        self.log_dir = os.path.join(self.dir, "torchelastic")
-        self.token = uuid.uuid4().hex
-        self.t_launch = time.time()
-        self.killed_by_us = False
         self._tail: collections.deque[str] = collections.deque(maxlen=600)
         self._echo = echo
-        env = dict(os.environ)
-        env[recovery.ENV_RUN_DIR] = run_dir
-        env[recovery.ENV_ATTEMPT] = str(number)
-        env[ENV_TOKEN] = self.token
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        # With the agent-shared TCPStore (torch's default) a node that joins a later round
-        # (a spare, or a node coming back) waits forever for MASTER_ADDR: rank 0 publishes
-        # it only in its first round (dynamic_rendezvous.next_rendezvous; cf. pytorch#123678),
-        # and a group restarted by the agent often fails "Gloo connectFullMesh ... Connection
-        # refused" (10 of 16 restarts in benchmarks/elastic_recovery.py). A store per round,
-        # as before torch 2.4, fixes both.
-        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        env.pop(recovery.ENV_CATCHUP, None)
-        if catchup_step is not None:
-            env[recovery.ENV_CATCHUP] = str(catchup_step)
-        self.argv = [sys.executable, "-m", "torch.distributed.run", "--log-dir", self.log_dir,
-                     *torchrun_argv]
         self._log = open(os.path.join(self.dir, "torchrun.log"), "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            self.argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin,
+            start_new_session=True,
         )
-        self._reader = threading.Thread(target=self._pump, daemon=True, name=f"torchrun-{number}")
+        self._reader = threading.Thread(target=self._pump, daemon=True, name=f"agent-{number}")
         self._reader.start()
 
     def _pump(self) -> None:
@@ -96,15 +127,185 @@ class Attempt:
                     sys.stdout.flush()
 
     def console(self) -> str:
-        """The last ~600 lines of torchrun's console (agent summary included)."""
         self._reader.join(timeout=2.0)
         return "".join(self._tail)
+
+    def close(self) -> None:
+        self._reader.join(timeout=2.0)
+        with contextlib.suppress(OSError):
+            self._log.close()
+
+
+def _kill(proc: subprocess.Popen[bytes], token: str) -> int:
+    """SIGKILL a process group and every process carrying ``token``; reap the leader."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    n = kill_matching(ENV_TOKEN, token, timeout=10.0)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10.0)
+    return n
+
+
+class Standby:
+    """The next attempt's agent, started ahead and waiting with torch imported (``_standby``).
+
+    It carries that attempt's environment (run dir, attempt number, kill token) from birth,
+    so a crash of the supervisor or a kill by token reaches it like any attempt process.
+    """
+
+    def __init__(self, *, number: int, run_dir: str, nproc: int, preload: Sequence[str],
+                 echo: bool) -> None:
+        self.number = number
+        self.run_dir = run_dir
+        self.token = uuid.uuid4().hex
+        self.t_start = time.time()
+        self.argv = [sys.executable, "-m", "unbroken.elastic._standby", *preload]
+        self.agent = _Agent(number, run_dir, self.argv,
+                            attempt_env(run_dir, number, self.token, nproc), echo,
+                            stdin=subprocess.PIPE)
+
+    def alive(self) -> bool:
+        return self.agent.proc.poll() is None
+
+    def go(self, torchrun_argv: list[str], env: dict[str, str]) -> bool:
+        """Turn the standby into the running agent; False if it cannot take the order."""
+        req = {"argv": torchrun_argv, "env": env,
+               "log": os.path.join(self.agent.dir, "zygote.log")}
+        pipe = self.agent.proc.stdin
+        if pipe is None or not self.alive():
+            return False
+        try:
+            pipe.write(json.dumps(req).encode() + b"\n")
+            pipe.close()
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Dismiss an unused standby (nothing of it survives; it is reaped)."""
+        with contextlib.suppress(OSError):
+            if self.agent.proc.stdin is not None:
+                self.agent.proc.stdin.close()
+        _kill(self.agent.proc, self.token)
+        self.agent.close()
+
+
+class Attempt:
+    def __init__(
+        self,
+        *,
+        number: int,
+        gen: int,
+        run_dir: str,
+        torchrun_argv: Sequence[str],
+        catchup_step: int | None,
+        echo: bool,
+        nproc: int = 1,
+        standby: Standby | None = None,
+    ) -> None:
+        self.number = number
+        self.gen = gen
+        self.run_dir = run_dir
+        self.dir = recovery.attempt_dir(run_dir, number)
+        os.makedirs(self.dir, exist_ok=True)
+        self.log_dir = os.path.join(self.dir, "torchelastic")
+        self._events = recovery.EventTail(run_dir)
+        self.exits: list[WorkerExit] = []
+        self._launchers: dict[int, int | None] = {}  # launcher pid -> its rank
+        self._watch = PidWatch()
+        self.killed_by_us = False
+        targv = ["--log-dir", self.log_dir, *torchrun_argv]
+        extra = {} if catchup_step is None else {recovery.ENV_CATCHUP: str(catchup_step)}
+        self.prewarmed: float | None = None
+        """Seconds the standby had been warming up when it took over (None: fresh agent)."""
+        self.t_launch = time.time()
+        if (standby is not None and standby.number == number and standby.go(targv, extra)):
+            self.token, self._agent = standby.token, standby.agent
+            self.argv = [*standby.argv, "<stdin>", *targv]
+            self.prewarmed = self.t_launch - standby.t_start
+        else:
+            if standby is not None:
+                standby.close()
+            self.token = uuid.uuid4().hex
+            self.argv = [sys.executable, "-m", "torch.distributed.run", *targv]
+            env = attempt_env(run_dir, number, self.token, nproc)
+            env.update(extra)
+            self._agent = _Agent(number, run_dir, self.argv, env, echo, stdin=subprocess.DEVNULL)
+        self.proc = self._agent.proc
+
+    def console(self) -> str:
+        """The last ~600 lines of torchrun's console (agent summary included)."""
+        return self._agent.console()
 
     def poll(self) -> int | None:
         return self.proc.poll()
 
     def worker_pids(self) -> list[int]:
-        return [p for p in children_of(self.proc.pid) if is_alive(p)]
+        """The live launchers, i.e. torchrun's worker processes (one per local rank)."""
+        out = []
+        for pid in children_of(self.proc.pid):
+            if pid not in self._launchers:
+                argv = cmdline(pid)
+                if LAUNCHER not in argv:
+                    continue  # the fork server, or a launcher not exec'd yet
+                rank = environ_of(pid).get("RANK", "")
+                self._launchers[pid] = int(rank) if rank.isdigit() else None
+            if is_alive(pid):
+                out.append(pid)
+        return out
+
+    def _read_exits(self) -> None:
+        for e in self._events.read():
+            if e.get("event") == "worker_exit" and e.get("attempt") == self.number:
+                self.exits.append(WorkerExit.from_event(e))
+
+    def failure(self) -> WorkerExit | None:
+        """The first rank that failed (not stopped, not a clean or preemption exit), or a
+        launcher that vanished without reporting (only SIGKILL can do that)."""
+        gone = [p for p in self._launchers if not is_alive(p)]  # before reading: no race
+        self._read_exits()
+        failed = [x for x in self.exits if x.failed]
+        if failed:
+            return min(failed, key=lambda x: x.t)
+        reported = {x.launcher for x in self.exits}
+        for pid in gone:
+            if pid not in reported:
+                return WorkerExit(rank=self._launchers[pid], local_rank=None, exitcode=None,
+                                  stopped=False, pid=None, launcher=pid, t=time.time(),
+                                  via="?", vanished=True)
+        return None
+
+    def wait(self, pids: Iterable[int], timeout: float) -> None:
+        """Sleep ``timeout`` s, or less if the agent or one of ``pids`` exits."""
+        self._watch.wait([self.proc.pid, *pids], timeout)
+
+    def stop_workers(self, reason: str, grace: float,
+                     ranks_by_pid: dict[int, int]) -> tuple[list[int], list[int], float]:
+        """After a rank failed: mark ``peer_failed``, SIGTERM the other workers, SIGKILL
+        whatever is left after ``grace`` seconds (with the agent). Returns the ranks that
+        exited in time, those killed, and the seconds it took."""
+        t0 = time.monotonic()
+        with contextlib.suppress(OSError):
+            atomic_write_bytes(os.path.join(self.dir, recovery.PEER_FAILED_FILE),
+                               reason.encode() + b"\n", fsync=False)
+        ranks = dict(ranks_by_pid)
+        ranks.update({p: r for p, r in self._launchers.items() if r is not None})
+        ended = {p for x in self.exits for p in (x.pid, x.launcher)}  # e.g. the failed rank
+        targets = [p for p in ranks if p not in ended and is_alive(p)]
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = t0 + grace
+        while True:
+            alive = [p for p in targets if is_alive(p)]
+            left = deadline - time.monotonic()
+            if not alive or left <= 0:
+                break
+            self._watch.wait(alive, min(left, 0.5))
+        killed = sorted({ranks[p] for p in alive})
+        exited = sorted({ranks[p] for p in targets} - set(killed))
+        self.kill()
+        return exited, killed, time.monotonic() - t0
 
     def terminate(self, grace: float) -> int | None:
         """SIGTERM the agent (it forwards to the workers, which may save), wait ``grace``."""
@@ -118,11 +319,7 @@ class Attempt:
     def kill(self) -> None:
         """SIGKILL the agent and every process that inherited this attempt's token."""
         self.killed_by_us = True
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        n = kill_matching(ENV_TOKEN, self.token, timeout=10.0)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10.0)
+        n = _kill(self.proc, self.token)
         if n:
             log.debug("attempt %d: killed %d processes", self.number, n)
 
@@ -130,6 +327,6 @@ class Attempt:
         """Make sure nothing of this attempt runs any more, then release the log file."""
         if self.proc.poll() is None or kill_matching(ENV_TOKEN, self.token, timeout=0.0):
             self.kill()
-        self._reader.join(timeout=2.0)
-        with contextlib.suppress(OSError):
-            self._log.close()
+        self._read_exits()
+        self._watch.close()
+        self._agent.close()

@@ -6,7 +6,7 @@ truncated on disk, and the checkpoint directory is replaced by a plain file (whi
 cannot write through, unlike a ``chmod``).
 
 Processes are found as the supervisor tests find them: each worker's beacon names its pid
-and rank; a worker's parent is its torchrun agent; everything below one supervisor carries
+and rank; ``_procs.agent_of`` finds its torchrun agent; everything below one supervisor carries
 ``UNBROKEN_RUN_DIR=<its run dir>`` and everything the drill starts carries
 ``UNBROKEN_DRILL_TOKEN``, which is what cleanup kills by (see ``_procs.kill_matching``).
 """
@@ -26,7 +26,7 @@ from typing import IO, Any
 
 from unbroken.ckpt.store import Store
 from unbroken.elastic import heartbeat, recovery
-from unbroken.elastic._procs import is_alive, kill_matching
+from unbroken.elastic._procs import agent_of, is_alive, kill_matching
 from unbroken.elastic.drill_report import FaultSpec, Injection
 
 __all__ = ["Ctx", "Node", "inject"]
@@ -168,23 +168,6 @@ def _wait_dead(pids: Sequence[int], timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
     while any(is_alive(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.005)
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return int(data[data.rfind(b")") + 2 :].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode("utf-8", "replace")
-    except OSError:
-        return ""
 
 
 def _victim(beats: dict[str, list[heartbeat.BeatRecord]], index: int) -> tuple[str, heartbeat.BeatRecord]:
@@ -338,8 +321,8 @@ def _agent_loss(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None
     live = sorted(n for n, bs in beats.items() if bs)
     name = live[spec.victim % len(live)]
     b = min(beats[name], key=lambda x: x.rank)
-    agent = _ppid(b.pid)
-    if agent is None or "torch.distributed.run" not in _cmdline(agent):
+    agent = agent_of(b.pid)
+    if agent is None:
         raise RuntimeError(f"could not find the torchrun agent of worker pid {b.pid} on node {name}")
     before = ctx.committed()
     _signal(agent, signal.SIGKILL)

@@ -11,8 +11,15 @@ prove that the resumed run is the run that was never interrupted.
    once the job has recovered from the previous one and reached the fault's step.
 3. **Comparison** (:mod:`drill_report`): final model/optimizer/scheduler/EMA/loader state
    (exact), loss curve (exact on CPU), data order (every sample id, in order: none missing,
-   none twice), metric log (no duplicated step), and per fault the supervisor's verdict and
-   the four recovery phases. ``drill.txt``, ``drill.json`` and ``timeline.png`` land in DRILL.
+   none twice), metric log (no duplicated step), and per fault the supervisor's verdict, the
+   four recovery phases, whether ``restore()`` brought back exactly what each rank saved, and
+   the steps its recovery produced (its restored step to the next fault's) against the
+   reference. ``drill.txt``, ``drill.json`` and ``timeline.png`` land in DRILL.
+
+Every run the drill starts has ``UNBROKEN_STATE_AUDIT`` set to ``<its {dir}>.audit``: there
+the script's :class:`~unbroken.ckpt.Checkpointer` records fingerprints of each rank's state at
+every save, after every restore and one step later (:mod:`unbroken._audit`); the diagnosis
+names the component that was not restored from them.
 
 Fault kinds (``faults``; default: all that apply):
 
@@ -30,13 +37,15 @@ world-size     (2 nodes) a whole node is lost (supervisor, agent, worker): the j
                on with 1 rank instead of 2
 =============  =========================================================================
 
-What the training script must do: write under ``{dir}`` (the drill substitutes a directory
-per run); checkpoint with :class:`unbroken.ckpt.Checkpointer` into ``{dir}/ckpt`` and resume
-from it when started again with the same arguments; log every step's ``loss`` and, to have
-the data order compared, ``ids`` (the sample ids it consumed; without them the loader's
-position is still compared as part of the final state) to ``{dir}/metrics.jsonl`` with
-:class:`unbroken.metrics.MetricLog`
-(also ``world_size`` in multi-rank jobs); call :func:`unbroken.elastic.beat` every step; be
+What the training script must do (the README's "What unbroken drill needs from your
+script"): write under ``{dir}`` (the drill substitutes a directory per run); checkpoint with
+:class:`unbroken.ckpt.Checkpointer` into ``{dir}/ckpt``, resume from it when started again
+with the same arguments, and save a final checkpoint at the last step; log every step's
+``loss`` and, to have the data order compared, ``ids`` (the sample ids it consumed:
+``StreamingDataset(with_ids=True)`` hands them out, :func:`unbroken.metrics.global_ids`
+gathers them over ranks; without them the loader's position is still compared as part of
+the final state) to ``{dir}/metrics.jsonl`` with :class:`unbroken.metrics.MetricLog` (also
+``world_size`` in multi-rank jobs); call :func:`unbroken.elastic.beat` every step; be
 deterministic (seeds, ``torch.use_deterministic_algorithms``). For ``agent-loss`` and
 ``world-size`` (``multi_rank=True``) it must train data-parallel under torchrun on any world
 size with a sample order that does not depend on it (the demo and ``StatefulLoader`` do).
@@ -49,9 +58,9 @@ hyperparameters and schedules); plus that the job finished on the remaining node
 
 Layout of the drill directory::
 
-    reference-w1/  reference-w2/      {dir} of the reference runs (+ .log)
-    single/job/    single/node-A/      {dir} of the one-node run; its supervisor's run dir
-    elastic/job/   elastic/node-A/ elastic/node-B/
+    reference-w1/  reference-w2/      {dir} of the reference runs (+ .log, .audit)
+    single/job/    single/node-A/      {dir} of the one-node run (+ .audit); its supervisor's
+    elastic/job/   elastic/node-A/ elastic/node-B/                              run dir
     drill.txt  drill.json  timeline.png
 """
 
@@ -69,6 +78,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from unbroken._audit import ENV_AUDIT, read_audit
 from unbroken.elastic import recovery
 from unbroken.elastic._coord import free_port
 from unbroken.elastic._drill_inject import Ctx, Node, inject
@@ -79,9 +89,10 @@ from unbroken.elastic.drill_report import (
     FaultSpec,
     Injection,
     RunComparison,
-    charge_divergence,
+    audit_restore,
     compare_run,
     evaluate_fault,
+    judge_trajectories,
     unplanned_failures,
 )
 from unbroken.metrics import read_metrics
@@ -107,9 +118,10 @@ ENV_TOKEN = "UNBROKEN_DRILL_TOKEN"
 """Every process a drill starts inherits this; cleanup kills whatever still carries it."""
 
 _DRILL_FILES = ("drill.txt", "drill.json", "timeline.png")
+_REF_SUFFIXES = ("", ".log", ".torchrun", ".audit")
 _CHILD_ENV_DROP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                    "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                   recovery.ENV_RUN_DIR, recovery.ENV_ATTEMPT, recovery.ENV_CATCHUP)
+                   recovery.ENV_RUN_DIR, recovery.ENV_ATTEMPT, recovery.ENV_CATCHUP, ENV_AUDIT)
 
 
 @dataclass(frozen=True)
@@ -218,11 +230,18 @@ def plan_faults(kinds: tuple[str, ...], steps: int, ckpt_every: int, seed: int) 
 # --- processes ----------------------------------------------------------------------------
 
 
-def _child_env(token: str) -> dict[str, str]:
+def _child_env(token: str, audit: str | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _CHILD_ENV_DROP}
     env[ENV_TOKEN] = token
     env["PYTHONUNBUFFERED"] = "1"
+    if audit:
+        env[ENV_AUDIT] = audit  # the Checkpointer records state fingerprints there
     return env
+
+
+def _audit_dir(run_dir: str) -> str:
+    """Where the state audit of the run whose ``{dir}`` is ``run_dir`` goes (beside it)."""
+    return os.path.abspath(run_dir).rstrip("/") + ".audit"
 
 
 def _fill(command: tuple[str, ...], run_dir: str) -> list[str]:
@@ -234,6 +253,7 @@ def run_reference(cfg: DrillConfig, out_dir: str, world: int = 1, *,
     """Run the command once without faults on ``world`` ranks (``torchrun --standalone``)
     with ``{dir}`` = ``out_dir``; returns seconds. Raises RuntimeError naming the log."""
     shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.rmtree(_audit_dir(out_dir), ignore_errors=True)
     os.makedirs(out_dir)
     log_path = out_dir.rstrip("/") + ".log"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -246,7 +266,7 @@ def run_reference(cfg: DrillConfig, out_dir: str, world: int = 1, *,
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                env=_child_env(token))
+                                env=_child_env(token, _audit_dir(out_dir)))
         try:
             rc = proc.wait(timeout=cfg.timeout)
         except subprocess.TimeoutExpired:
@@ -271,7 +291,12 @@ def _infer_schedule(cfg: DrillConfig, ref_dir: str) -> tuple[int, int]:
         return steps, cfg.ckpt_every
     from unbroken.ckpt.store import Store
 
-    regular = [s for s in Store(os.path.join(ref_dir, cfg.ckpt_subdir)).steps() if s != steps]
+    # Every save the reference made (the state audit records them; retention has deleted
+    # most of their directories), else the checkpoints that are left.
+    audit = read_audit(_audit_dir(ref_dir)).get(0, [])
+    saved = {int(r["step"]) for r in audit if r["event"] == "saved"}
+    saved = saved or set(Store(os.path.join(ref_dir, cfg.ckpt_subdir)).steps())
+    regular = sorted(s for s in saved if s != steps)
     if not regular:
         raise RuntimeError(f"cannot infer the checkpoint interval from {ref_dir}/"
                            f"{cfg.ckpt_subdir} (no checkpoint before the last step); pass "
@@ -316,6 +341,7 @@ def _drilled_run(cfg: DrillConfig, name: str, specs: list[FaultSpec], env: dict[
     os.makedirs(job)
     ckpt = os.path.join(job, cfg.ckpt_subdir)
     command = _fill(cfg.command, job)
+    env = {**env, ENV_AUDIT: _audit_dir(job)}
     if name == "single":
         names, port = ["A"], None
     else:
@@ -363,15 +389,15 @@ def _prepare(cfg: DrillConfig) -> None:
     d = cfg.drill_dir
     if os.path.isdir(d) and os.listdir(d):
         ours = {f"{r}{x}" for r in ("reference-w1", "reference-w2")
-                for x in ("", ".log", ".torchrun")} | {"single", "elastic", *_DRILL_FILES}
+                for x in _REF_SUFFIXES} | {"single", "elastic", *_DRILL_FILES}
         if not os.path.exists(os.path.join(d, "drill.json")) and not set(os.listdir(d)) <= ours:
             raise ValueError(f"{d!r} exists and is not a drill directory; pass another --dir "
                              "or remove it")
     keep = os.path.abspath(cfg.reference).rstrip("/") if cfg.reference else None
-    names = [f"{r}{x}" for r in ("reference-w1", "reference-w2") for x in ("", ".log", ".torchrun")]
+    names = [f"{r}{x}" for r in ("reference-w1", "reference-w2") for x in _REF_SUFFIXES]
     for name in (*names, "single", "elastic", *_DRILL_FILES):
         p = os.path.abspath(os.path.join(d, name))
-        if keep and p in (keep, keep + ".log", keep + ".torchrun"):
+        if keep and p in {keep + x for x in _REF_SUFFIXES}:
             continue
         if os.path.isdir(p):
             shutil.rmtree(p)
@@ -441,7 +467,12 @@ def _evaluate(cfg: DrillConfig, plan: list[FaultSpec], runs: list[_Run], refs: d
         world = 1 if run.name == "single" else 2
         cmp = compare_run(run.name, refs[world], run.job, cfg.ckpt_subdir, cfg.metrics_file,
                           world, records)
-        charge_divergence(mine, cmp, records)
+        audit, ref_audit = read_audit(_audit_dir(run.job)), read_audit(_audit_dir(refs[world]))
+        findings = {r.injection.spec.index: audit_restore(r.injection.t or 0.0, r.restored, audit,
+                                                          ref_audit)
+                    for r in mine if r.restored is not None}
+        ref_records = read_metrics(os.path.join(refs[world], cfg.metrics_file))
+        judge_trajectories(mine, cmp, records, ref_records, findings)
         cmp.checks.append(unplanned_failures(
             [i.t for i in run.injections if i.t is not None],
             [(n.name, e) for n in run.ctx.nodes for e in n.events(fresh=True)

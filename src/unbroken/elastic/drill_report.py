@@ -7,9 +7,14 @@ a hang, the quarantined checkpoint, no restart during a storage outage, the worl
 after a node left). Per drilled run: the final state, loss curve, data order and metric log
 against the reference run (:func:`unbroken.demo.compare_runs`).
 
-A divergence is charged to the fault whose recovery produced the first differing step: the
-last fault injected before that step was logged. How far past the restored step it shows
-tells what was not restored (see :func:`diagnose`).
+Each fault's ``trajectory`` check compares the steps its recovery produced - from its
+restored step + 1 to the step the next fault's recovery restored - with the reference, and
+says which steps it compared. The fault whose steps hold the first difference fails; faults
+after it say "not checked: the run had already diverged at step N". Its ``restore`` check
+compares, per rank, the state right after the restore with what that rank saved (the state
+audit, :mod:`unbroken._audit`); the diagnosis names the component that was not brought back,
+or that differs from the reference one step after the restore, and only without an audit
+guesses from how far past the restore the runs part (:func:`diagnose`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,12 @@ __all__ = [
     "FaultSpec",
     "Injection",
     "RunComparison",
-    "charge_divergence",
+    "AuditFinding",
+    "audit_restore",
+    "explain",
+    "first_divergence",
+    "judge_trajectories",
+    "restore_check",
     "compare_run",
     "diagnose",
     "evaluate_fault",
@@ -86,6 +96,12 @@ class Check:
     name: str
     ok: bool
     detail: str
+    skipped: bool = False
+    """Nothing could be compared (``ok`` stays True: it is not a failure, nor a pass)."""
+
+    @property
+    def mark(self) -> str:
+        return "FAIL" if not self.ok else "n/c " if self.skipped else "ok  "
 
 
 @dataclass
@@ -99,6 +115,13 @@ class FaultResult:
     @property
     def passed(self) -> bool:
         return all(c.ok for c in self.checks)
+
+    @property
+    def verdict(self) -> str:
+        """PASS, FAIL, or NOT CHECKED when a check could compare nothing."""
+        if not self.passed:
+            return "FAIL"
+        return "NOT CHECKED" if any(c.skipped for c in self.checks) else "PASS"
 
     @property
     def why(self) -> str:
@@ -337,7 +360,8 @@ def _integral(pair: Any) -> bool:
 
 
 def diagnose(res: dict[str, Any], restored: int | None) -> str:
-    """Say what was probably not restored, from where the runs part after a restore."""
+    """Guess what was not restored from where the runs part after a restore (used when the
+    state audit cannot name it, see :func:`explain`)."""
     if res.get("first_sample_diff") is not None:
         ra, rb = res.get("first_sample_ids") or (None, None)
         return ("the data position was not restored: the resumed run consumed other samples "
@@ -362,41 +386,262 @@ def diagnose(res: dict[str, Any], restored: int | None) -> str:
             "that acts later was not restored (e.g. the learning-rate schedule)")
 
 
-def charge_divergence(results: list[FaultResult], cmp: RunComparison,
-                      records: list[dict[str, Any]]) -> None:
-    """Add a ``trajectory`` check to each fault of the run: the fault whose recovery
-    produced the first differing step fails it, with a diagnosis."""
-    res = cmp.result
-    bad_step = None
-    if res.get("first_sample_diff") is not None:
-        bad_step = res.get("first_sample_step")
-    d = res.get("first_loss_diff")
-    if d is not None and (cmp.exact_until is None or d <= cmp.exact_until):
-        bad_step = d if bad_step is None else min(bad_step, d)
-    mine = [r for r in results if r.injection.spec.run == cmp.run and r.injection.t is not None]
-    culprit = None
-    if bad_step is not None:
-        t = next((float(r["time"]) for r in records if r["step"] == bad_step), None)
-        if t is not None:
-            before = [r for r in mine if (r.injection.t or 0.0) < t]
-            culprit = before[-1] if before else None
-        if culprit is None:
-            cmp.checks.append(Check("before any fault", False, f"the runs part at step {bad_step}, "
-                                    "before any fault was injected: the training script is not "
-                                    "deterministic (seeds, data order, nondeterministic kernels)"))
-    elif not cmp.passed:
-        culprit = mine[-1] if mine else None
+# --- the state audit (see unbroken._audit) ----------------------------------------------
+
+
+@dataclass
+class AuditFinding:
+    """What the state audit says about one restore (all ranks that recorded it)."""
+
+    restored: int
+    ranks: list[int]
+    leaves: int
+    """Leaves compared per rank (the largest count)."""
+    restore_diff: dict[int, list[str]]
+    """rank -> leaves whose restored value is not the value that rank saved."""
+    from_rank0: dict[int, list[str]]
+    """rank -> those of its differing leaves that hold rank 0's saved value instead."""
+    step_diff: dict[int, list[str]] | None
+    """rank -> leaves that differ from the reference one step after the restore, as
+    ``kind:leaf`` (kinds of :func:`unbroken._audit._digest`); None: not compared."""
+    note: str = ""
+
+
+def _component(leaf: str) -> str:
+    return leaf.split("/", 1)[0]
+
+
+def _name_leaves(leaves: list[str], per: int = 3) -> str:
+    """``extra.hidden (h/0), model (fc.weight, fc.bias)``: components, a few leaves each."""
+    by: dict[str, list[str]] = {}
+    for leaf in leaves:
+        by.setdefault(_component(leaf), []).append(leaf.split("/", 1)[1] if "/" in leaf else "")
+    parts = []
+    for comp, keys in by.items():
+        keys = [k for k in keys if k]
+        shown = ", ".join(keys[:per]) + (", ..." if len(keys) > per else "")
+        parts.append(f"{comp} ({shown})" if shown else comp)
+    return ", ".join(parts)
+
+
+def audit_restore(inj_t: float, restored: int, audit: dict[int, list[dict[str, Any]]],
+                  ref_audit: dict[int, list[dict[str, Any]]]) -> AuditFinding | None:
+    """Compare, per rank, the state right after the restore of step ``restored`` (the first
+    one after ``inj_t``) with what that rank saved for that step, and the state one step
+    later with the reference run's state at that step. None when nothing was recorded."""
+    restore_diff: dict[int, list[str]] = {}
+    from_rank0: dict[int, list[str]] = {}
+    step_diff: dict[int, list[str]] = {}
+    ranks: list[int] = []
+    leaves = 0
+    notes: set[str] = set()
+    saved0 = None
+    for rank in sorted(audit):
+        recs = audit[rank]
+        at = next((i for i, r in enumerate(recs) if r["event"] == "restored"
+                   and r["step"] == restored and r["t"] >= inj_t), None)
+        if at is None:
+            continue
+        got = recs[at]
+        saved = next((r for r in reversed(recs[:at]) if r["event"] == "saved"
+                      and r["step"] == restored), None)
+        if saved is None:
+            notes.add(f"no record of the save of step {restored} on rank {rank}")
+            continue
+        ranks.append(rank)
+        a, b = saved["leaves"], got["leaves"]
+        if saved["world"] != got["world"]:  # per-rank RNG streams are re-derived, by design
+            notes.add(f"world size {saved['world']} -> {got['world']}: RNG re-derived, not "
+                      "compared")
+            a = {k: v for k, v in a.items() if not k.startswith("rng/")}
+            b = {k: v for k, v in b.items() if not k.startswith("rng/")}
+        leaves = max(leaves, len(a))
+        diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+        if rank == 0:
+            saved0 = a
+        if diff:
+            restore_diff[rank] = diff
+            if rank != 0 and saved0 is not None:
+                same = [k for k in diff if b.get(k) is not None and b.get(k) == saved0.get(k)]
+                if same:
+                    from_rank0[rank] = same
+        nxt = next((r for r in recs[at + 1:] if r["pid"] == got["pid"]), None)
+        mine = ref_audit.get(rank, [])
+        ref = next((r for r in mine if r["event"] == "step" and r["step"] == restored + 1
+                    and r["world"] == got["world"]), None)
+        ref_saved = next((r for r in mine if r["event"] == "saved" and r["step"] == restored
+                          and r["world"] == got["world"]), None)
+        if nxt is None or nxt["event"] != "step" or nxt["step"] != restored + 1 or ref is None:
+            continue
+        # Leaves that differ between the two runs already in the checkpoint both made of
+        # this step (an RNG the script never seeds nor uses) say nothing about the restore.
+        e = ref_saved["leaves"] if ref_saved else {}
+        noise = {k for k in a.keys() | e.keys() if a.get(k) != e.get(k)} if e else set()
+        c, d = ref["leaves"], nxt["leaves"]
+        step_diff[rank] = sorted(f"{(d.get(k) or c.get(k) or '?:')[0]}:{k}"
+                                 for k in c.keys() | d.keys()
+                                 if c.get(k) != d.get(k) and k not in noise)
+    if not ranks:
+        return None
+    return AuditFinding(restored, ranks, leaves, restore_diff, from_rank0,
+                        step_diff if step_diff else None, "; ".join(sorted(notes)))
+
+
+def restore_check(f: AuditFinding | None, restored: int | None) -> Check:
+    """The fault's ``restore`` check: did restore() bring back exactly what was saved?"""
+    if f is None:
+        why = ("the job did not resume" if restored is None else
+               "no state audit recorded for this restore (the state was not restored by "
+               "unbroken's Checkpointer, or its save was not recorded)")
+        return Check("restore", True, f"not checked: {why}", skipped=True)
+    if not f.restore_diff:
+        rk = ", ".join(map(str, f.ranks))
+        return Check("restore", True, f"every leaf ({f.leaves}) of step {f.restored} came back "
+                     f"exactly as it was saved, on rank{'s' if len(f.ranks) > 1 else ''} {rk}"
+                     + (f" ({f.note})" if f.note else ""))
+    return Check("restore", False, _restore_text(f))
+
+
+def _restore_text(f: AuditFinding) -> str:
+    out = []
+    for rank, diff in sorted(f.restore_diff.items()):
+        text = f"on rank {rank}, {_name_leaves(diff)} not as saved"
+        if f.from_rank0.get(rank):
+            text += (f" (it holds rank 0's value of {_name_leaves(f.from_rank0[rank])}: state "
+                     "that differs between ranks was saved once, not per rank)")
+        out.append(text)
+    return (f"restore() did not bring back what was saved at step {f.restored}: "
+            + "; ".join(out))
+
+
+def explain(f: AuditFinding | None, res: dict[str, Any], restored: int | None) -> str:
+    """The diagnosis of the fault whose recovery the runs part after: the component the state
+    audit names, else :func:`diagnose`'s guess from where they part."""
+    guess = diagnose(res, restored)
+    if f is None or restored is None:
+        return guess
+    if f.restore_diff:
+        return _restore_text(f)
+    if f.step_diff is None:
+        return guess + " (restore() itself brought back every leaf exactly)"
+    leaves = sorted({k for d in f.step_diff.values() for k in d})
+    causes = [k.split(":", 1)[1] for k in leaves if not k.startswith("f:")]
+    floats = [k.split(":", 1)[1] for k in leaves if k.startswith("f:")]
+    head = (f"restore() brought back every leaf of step {restored} exactly, but one step "
+            f"later (step {restored + 1}) ")
+    if causes:
+        # The component with most differing discrete leaves first: the one that was reset
+        # (an optimizer's step counts) ahead of what follows from it (a scheduler's last lr).
+        count: dict[str, int] = {}
+        for k in causes:
+            count[_component(k)] = count.get(_component(k), 0) + 1
+        comps = sorted(count, key=lambda c: (-count[c], c))
+        causes.sort(key=lambda k: (comps.index(_component(k)), k))
+        text = (head + f"{', '.join(comps)} differ{'s' if len(comps) == 1 else ''} from the "
+                f"reference: {_name_leaves(causes)}; {'it was' if len(comps) == 1 else 'they were'} "
+                "changed after restore() (re-seeded, re-created or reloaded by the script), or "
+                "the step takes them from somewhere the checkpoint does not cover")
+        if res.get("first_sample_diff") is not None and "loader" in comps:
+            text += f". {guess}"
+        return text
+    if floats:
+        return (head + f"only computed values differ ({_name_leaves(floats)}): the step used "
+                "state that is not in the checkpoint (a hidden state carried across batches, a "
+                "module attribute, a global or a generator TrainState does not capture); "
+                "register it with TrainState(extras={...})")
+    return guess + " (restore() brought back every leaf, and the state one step later matches)"
+
+
+# --- per fault: what its recovery's steps show --------------------------------------------
+
+
+def first_divergence(ref: list[dict[str, Any]], got: list[dict[str, Any]],
+                     exact_until: int | None) -> tuple[int | None, str, bool]:
+    """(first step where the logs part, what differs there, whether sample ids are compared).
+    Steps are matched by number (the last record of a step counts); the loss is compared up
+    to ``exact_until`` (None: everywhere), sample ids wherever both logs hold them."""
+    a = {int(r["step"]): r for r in ref}
+    b = {int(r["step"]): r for r in got}
+    ids = bool(ref) and all("ids" in r for r in ref) and all("ids" in r for r in got)
+    for s in sorted(a.keys() | b.keys()):
+        x, y = a.get(s), b.get(s)
+        if x is None:
+            return s, f"step {s} is not in the reference's log", ids
+        if y is None:
+            return s, f"step {s} is missing from the drilled run's log", ids
+        if ids and x["ids"] != y["ids"]:
+            return s, f"other samples than the reference at step {s}", ids
+        if (exact_until is None or s <= exact_until) and x.get("loss") != y.get("loss"):
+            return s, f"the loss differs from step {s} on", ids
+    return None, "", ids
+
+
+def judge_trajectories(results: list[FaultResult], cmp: RunComparison,
+                       records: list[dict[str, Any]], ref_records: list[dict[str, Any]],
+                       findings: dict[int, AuditFinding | None] | None = None) -> None:
+    """Add ``restore`` and ``trajectory`` checks to each fault of the run.
+
+    A fault's recovery produced the steps from its restored step + 1 up to the step the next
+    fault's recovery restored (the rest was rolled back) - those are what its trajectory
+    check compares with the reference. The fault whose steps hold the first difference fails,
+    with a diagnosis (:func:`explain`); faults after it say they were not checked.
+    """
+    findings = findings or {}
+    mine = sorted((r for r in results if r.injection.spec.run == cmp.run
+                   and r.injection.t is not None), key=lambda r: r.injection.spec.index)
     for r in mine:
-        if r is culprit:
-            r.checks.append(Check("trajectory", False, diagnose(res, r.restored)))
-        elif cmp.exact_until is not None and r.restored is not None and \
-                r.restored >= cmp.exact_until:
-            r.checks.append(Check("trajectory", True, "after the world-size change: data order "
-                                  "compared exactly, floats not"))
-        else:
-            what = "loss and samples" if res.get("ids_logged", True) else "loss (no sample ids)"
-            r.checks.append(Check("trajectory", True, f"{what} identical to the reference "
-                                  "after the restore"))
+        r.checks.append(restore_check(findings.get(r.injection.spec.index), r.restored))
+    d, what, ids = first_divergence(ref_records, records, cmp.exact_until)
+    last = max([int(x["step"]) for x in records + ref_records], default=0)
+    first_restore = mine[0].restored if mine else None
+    if d is not None and first_restore is not None and d <= first_restore:
+        cmp.checks.append(Check("before any fault", False, f"{what}, before any fault's "
+                                "recovery: the training script is not deterministic (seeds, "
+                                "data order, nondeterministic kernels)"))
+    culprit: FaultResult | None = None
+    for i, r in enumerate(mine):
+        if r.restored is None:
+            r.checks.append(Check("trajectory", True, "not checked: the job did not resume "
+                                  "(no restore recorded)", skipped=True))
+            continue
+        a = r.restored + 1
+        later = mine[i + 1] if i + 1 < len(mine) else None
+        b = later.restored if later is not None and later.restored is not None else last
+        if later is None:
+            b = last
+        if b < a:
+            r.checks.append(Check("trajectory", True, f"not checked: fault #"
+                                  f"{later.injection.spec.index if later else '?'} rolled the job "
+                                  f"back to step {b} before any step after this restore was "
+                                  "kept", skipped=True))
+            continue
+        if d is not None and d < a:
+            where = (f" after fault #{culprit.injection.spec.index}'s recovery" if culprit
+                     else " before any fault's recovery")
+            r.checks.append(Check("trajectory", True, f"not checked: the run had already "
+                                  f"diverged at step {d}{where}", skipped=True))
+            continue
+        if d is not None and d <= b:
+            culprit = r
+            why = explain(findings.get(r.injection.spec.index), cmp.result, r.restored)
+            r.checks.append(Check("trajectory", False, f"steps {a}..{b} compared: {what}; {why}"))
+            continue
+        r.checks.append(Check("trajectory", True, _compared(a, b, ids, cmp.exact_until)))
+
+
+def _compared(a: int, b: int, ids: bool, exact_until: int | None) -> str:
+    span = f"step {a}" if a == b else f"steps {a}..{b}"
+    if exact_until is None or exact_until >= b:
+        what = "loss and sample ids" if ids else "loss (no sample ids logged)"
+        return f"{what} of {span} identical to the reference"
+    if not ids:
+        return (f"{span} ran on another world size than the reference: floats not compared, "
+                "and no sample ids logged (only the final state's non-float leaves compare)")
+    if exact_until < a:
+        return (f"sample ids of {span} identical to the reference (another world size from "
+                f"step {exact_until + 1} on: floats not compared bit for bit)")
+    return (f"loss of steps {a}..{exact_until} and sample ids of {span} identical to the "
+            f"reference (another world size from step {exact_until + 1} on)")
 
 
 # --- the report ---------------------------------------------------------------------------
@@ -439,6 +684,7 @@ class DrillReport:
             "wall_seconds": round(self.wall, 2),
             "plan": [asdict(p) for p in self.plan],
             "faults": [{"spec": asdict(f.injection.spec), "passed": f.passed,
+                        "verdict": f.verdict,
                         "injection": _jsonable({k: v for k, v in asdict(f.injection).items()
                                                 if k != "spec"}),
                         "checks": [asdict(c) for c in f.checks], "failure": f.failure,
@@ -467,24 +713,27 @@ class DrillReport:
                 f"{inj.spec.index:>2}  {inj.spec.kind:<13}{inj.spec.run:<8}"
                 f"{_s(inj.step if inj.step is not None else inj.spec.step):>5}{_s(f.restored):>9}"
                 f"{_t(rec.get('detect')):>8}{_t(rec.get('relaunch')):>9}{_t(rec.get('load')):>7}"
-                f"{_t(rec.get('catch_up')):>9}{_t(rec.get('total')):>7}  "
-                f"{'PASS' if f.passed else 'FAIL'}")
+                f"{_t(rec.get('catch_up')):>9}{_t(rec.get('total')):>7}  {f.verdict}")
         lines.append("")
         for f in self.faults:
             inj = f.injection
             lines.append(f"#{inj.spec.index} {inj.spec.kind}: {inj.detail or inj.error}")
             for c in f.checks[1:]:
-                lines.append(f"     {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
+                lines.append(f"     {c.mark} {c.name}: {c.detail}")
         for r in self.runs:
             lines += ["", f"{r.run} run vs its reference ({r.world_reference} rank"
                       f"{'s' if r.world_reference > 1 else ''}, {r.reference}):"]
             for c in r.checks:
-                lines.append(f"     {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
+                lines.append(f"     {c.mark} {c.name}: {c.detail}")
         lines.append("")
         lines += [f"note: {x}" for x in self.notes]
         if self.passed:
             lines.append("result: PASS: every fault was recovered and the resumed runs match "
                          "their references")
+            for f in self.faults:
+                for c in f.checks:
+                    if c.skipped:
+                        lines.append(f"  (fault #{f.injection.spec.index} {c.name}: {c.detail})")
         else:
             lines.append("result: FAIL")
             lines += [f"  - {x}" for x in self.reasons()]

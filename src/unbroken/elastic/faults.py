@@ -1,11 +1,15 @@
 """Classify a failed attempt and decide what to do about it (E-CLASSIFY), plus the restart
 policy (budget, exponential backoff, no-progress guard, deterministic-bug stop).
 
-Evidence comes from torchrun: its failure summary (rank, exit code or signal, error file),
-the ``@record`` error files (``TORCHELASTIC_ERROR_FILE``: message + Python call stack) and the
-tail of each rank's stderr. Failures that merely follow another one (siblings stopped with
-SIGTERM by the agent, "Connection closed by peer" from a collective whose partner died) are
-*collateral*; the first non-collateral failure is the primary one and is what gets classified.
+Evidence comes from each rank's launcher (``worker_exit`` events: exit code or signal, and
+whether it had been told to stop, see ``_launch``), from torchrun (its failure summary, when
+it got to print one), the ``@record`` error files (``TORCHELASTIC_ERROR_FILE``: message +
+Python call stack) and the tail of each rank's stderr. Failures that merely follow another one
+(ranks stopped by the agent or the supervisor, "Connection closed by peer" from a collective
+whose partner died) are *collateral*; the first non-collateral failure is the primary one and
+is what gets classified. A rank that died of a signal is classified by the signal and by text
+that can explain a signal (CUDA, OOM, storage), never by an exception message or a peer error
+found earlier in its stderr: those did not kill it.
 
 The patterns live in one ordered table, :data:`DEFAULT_RULES`; the first match wins. Users
 extend it by passing ``rules=[Rule(...), *DEFAULT_RULES]`` (or ``unbroken run --fault-rule
@@ -56,6 +60,7 @@ __all__ = [
     "RestartPolicy",
     "RestartTracker",
     "Rule",
+    "WorkerExit",
     "WorkerFailure",
     "classify",
     "collect_worker_failures",
@@ -114,6 +119,10 @@ class Rule:
     """Python regex searched in the primary failure's message, traceback and stderr tail."""
     signals: tuple[str, ...] = ()
     """Signal names (``"SIGSEGV"``) that match when the primary failure died of one."""
+    signal_deaths: bool = True
+    """Whether ``pattern`` may classify a failure that died of a signal. False for text that
+    only an exception produces (a peer error, a traceback): in a rank killed by a signal such
+    text is older output, or output of its DataLoader workers, not the cause."""
 
     def __post_init__(self) -> None:
         if not self.pattern and not self.signals:
@@ -127,6 +136,8 @@ class Rule:
     def matches(self, text: str, sig: str | None) -> bool:
         if sig is not None and sig in self.signals:
             return True
+        if sig is not None and not self.signal_deaths:
+            return False
         return self.pattern is not None and re.search(self.pattern, text) is not None
 
 
@@ -146,12 +157,14 @@ DEFAULT_RULES: tuple[Rule, ...] = (
          r"|collective operation timeout|ProcessGroupNCCL.*[Tt]imeout|DistBackendError"
          r"|Timed out waiting|Socket Timeout|gloo.*[Tt]imed out"),
     Rule("peer_lost", _P, r"Connection closed by peer|Connection reset by peer"
-         r"|remote worker crashing|ncclRemoteError|Broken pipe"),
+         r"|remote worker crashing|ncclRemoteError|Broken pipe", signal_deaths=False),
     Rule("rendezvous", _N, r"Rendezvous(Timeout|Closed|Connection|State)?Error"
-         r"|RendezvousGracefulExitError|The node .* has closed the rendezvous"),
+         r"|RendezvousGracefulExitError|The node .* has closed the rendezvous",
+         signal_deaths=False),
     Rule("segfault", _P, signals=("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")),
     Rule("killed", _P, signals=("SIGKILL",)),
-    Rule("exception", _P, r"\b[A-Z]\w*(Error|Exception)\b|Traceback \(most recent call last\)"),
+    Rule("exception", _P, r"\b[A-Z]\w*(Error|Exception)\b|Traceback \(most recent call last\)",
+         signal_deaths=False),
 )
 """The built-in classification table, most specific first (storage before generic errors)."""
 
@@ -182,6 +195,8 @@ class WorkerFailure:
     message: str = ""
     traceback: str = ""
     stderr_tail: str = ""
+    stopped: bool = False
+    """It had been told to stop (by the agent or the supervisor) before it ended."""
 
     @property
     def signal_name(self) -> str | None:
@@ -195,7 +210,7 @@ class WorkerFailure:
     @property
     def collateral(self) -> bool:
         """Failed only because another worker failed first."""
-        if self.signal_name == "SIGTERM":
+        if self.stopped or self.signal_name == "SIGTERM":
             return True  # the agent stops the surviving siblings with SIGTERM
         return bool(_COLLATERAL.search(self.message or self.stderr_tail[-2000:]))
 
@@ -216,13 +231,85 @@ def _tail(path: str, nbytes: int = 8192) -> str:
         return ""
 
 
-def collect_worker_failures(console: str, log_dir: str) -> list[WorkerFailure]:
-    """Worker failures of one torchrun run from its console output and ``--log-dir``.
+_PREEMPT_EXITS = frozenset({-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM,
+                            128 + signal.SIGINT})
 
-    torchrun's summary gives rank, exit code, pid and error file; the ``@record`` error
-    file gives the message and call stack; ``--tee`` log files give each rank's stderr.
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """How one rank ended, as its launcher saw it (a ``worker_exit`` event, see ``_launch``)."""
+
+    rank: int | None
+    local_rank: int | None
+    exitcode: int | None
+    """Exit status; negative: killed by that signal; None: unknown."""
+    stopped: bool
+    """Its launcher had been sent a stop signal (agent or supervisor) before it ended."""
+    pid: int | None
+    launcher: int | None
+    t: float
+    via: str = ""
+    vanished: bool = False
+    """The launcher died without reporting (SIGKILL): nothing is known of the worker."""
+
+    @classmethod
+    def from_event(cls, e: dict[str, Any]) -> WorkerExit:
+        return cls(e.get("rank"), e.get("local_rank"), e.get("exitcode"),
+                   bool(e.get("stopped")), e.get("worker_pid"), e.get("pid"),
+                   float(e.get("t", 0.0)), str(e.get("via", "")))
+
+    @property
+    def failed(self) -> bool:
+        """A failure of its own: not a clean exit, not told to stop, not a preemption exit
+        (SIGTERM/SIGINT or 143/130 from a job that saved on SIGTERM)."""
+        if self.exitcode is None:
+            return True
+        return self.exitcode != 0 and not self.stopped and self.exitcode not in _PREEMPT_EXITS
+
+    def describe(self) -> str:
+        who = f"rank {self.rank}" if self.rank is not None else f"launcher {self.launcher}"
+        if self.vanished:
+            return f"{who}: its process {self.launcher} vanished (SIGKILL) without an exit status"
+        if self.exitcode is None:
+            return f"{who} ended with an unknown status (its fork server died)"
+        if self.exitcode < 0:
+            try:
+                name = signal.Signals(-self.exitcode).name
+            except ValueError:
+                name = f"signal {-self.exitcode}"
+            return f"{who} (pid {self.pid}) died of {name}"
+        return f"{who} (pid {self.pid}) exited with code {self.exitcode}"
+
+
+def collect_worker_failures(console: str, log_dir: str,
+                            exits: Sequence[WorkerExit] = ()) -> list[WorkerFailure]:
+    """Worker failures of one attempt, the primary one first.
+
+    The launchers' ``exits`` give rank, exit code or signal, whether the rank had been told
+    to stop, and the order of the failures; torchrun's summary (when it printed one) gives
+    the same for ranks without a launcher report; the ``@record`` error file gives the
+    message and call stack; ``--tee`` log files give each rank's stderr.
     """
     found: dict[int, WorkerFailure] = {}
+    order: dict[int, int] = {}
+    # A rank can end more than once in an attempt (torchrun restarts the group in place when
+    # a node joins): its first failure of its own counts, else its latest end.
+    last: dict[int, WorkerExit] = {}
+    for x in sorted(exits, key=lambda x: x.t):
+        if x.rank is not None and (x.rank not in last or not last[x.rank].failed):
+            last[x.rank] = x
+    for x in sorted(last.values(), key=lambda x: x.t):
+        if x.exitcode == 0 or x.rank is None:
+            continue
+        local = x.local_rank if x.local_rank is not None else -1
+        efiles = sorted(glob.glob(os.path.join(log_dir, "**", str(local), "error.json"),
+                                  recursive=True))
+        msg, tb = _read_error_file(efiles[-1]) if efiles else ("", "")
+        if x.exitcode is None:
+            msg = msg or x.describe()
+        found[x.rank] = WorkerFailure(x.rank, local, 1 if x.exitcode is None else x.exitcode,
+                                      x.pid, msg, tb, "", stopped=not x.failed)
+        order[x.rank] = len(order)
     for m in _BLOCK.finditer(console):
         rank, local, code, pid, efile = int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5]
         if rank in found:
@@ -243,8 +330,9 @@ def collect_worker_failures(console: str, log_dir: str) -> list[WorkerFailure]:
                                recursive=True))
         tail = _tail(err[-1]) if err else ""
         out.append(WorkerFailure(f.rank, f.local_rank, f.exitcode, f.pid, f.message,
-                                 f.traceback, tail))
-    return sorted(out, key=lambda f: (f.collateral, f.rank))
+                                 f.traceback, tail, f.stopped))
+    # launcher reports in the order the ranks ended, then the others by rank
+    return sorted(out, key=lambda f: (f.collateral, order.get(f.rank, len(order)), f.rank))
 
 
 def _read_error_file(path: str) -> tuple[str, str]:
@@ -320,9 +408,11 @@ def classify(ev: Evidence, rules: Sequence[Rule] = DEFAULT_RULES) -> Classificat
         return _mk(_P, "hang", ev.detail or "no progress beats within --hang-timeout",
                    signature="hang")
     primary = ev.failures[0] if ev.failures else None
-    if primary is not None and all(f.signal_name in ("SIGTERM", "SIGINT") for f in ev.failures):
+    if primary is not None and all(f.signal_name in ("SIGTERM", "SIGINT")
+                                   or f.exitcode in _PREEMPT_EXITS for f in ev.failures):
+        how = primary.signal_name or f"exit code {primary.exitcode}"
         return _mk(FaultClass.PREEMPTION, "sigterm",
-                   f"workers received {primary.signal_name} from outside the supervisor")
+                   f"workers stopped ({how}) by a signal from outside the supervisor")
     sig = primary.signal_name if primary else None
     text = ev.console_tail[-4000:]
     if primary is not None:
@@ -365,7 +455,9 @@ class RestartPolicy:
     max_restarts: int = 10
     """Restarts allowed in this supervisor's life (waiting for nodes does not count)."""
     backoff_initial: float = 1.0
-    """Seconds before the first restart; doubled per restart without progress."""
+    """Seconds before a restart when the failed attempt did not advance the checkpointed
+    step; doubled per further restart without progress. A restart after progress is
+    immediate: waiting would only add to the recovery time of an ordinary crash."""
     backoff_max: float = 60.0
     """Cap on the backoff (seconds)."""
     backoff_factor: float = 2.0
@@ -448,7 +540,9 @@ class RestartTracker:
 
     def _delay(self) -> float:
         p = self.policy
-        return min(p.backoff_max, p.backoff_initial * p.backoff_factor ** self.no_progress)
+        if self.no_progress == 0:
+            return 0.0
+        return min(p.backoff_max, p.backoff_initial * p.backoff_factor ** (self.no_progress - 1))
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -15,7 +15,9 @@ A reader accepts the body when both ``seq`` copies agree (a torn read is retried
 The first beat (or :func:`install`) also registers :mod:`faulthandler` on
 :data:`DUMP_SIGNAL`, writing every thread's Python stack to
 ``RUN_DIR/stacks/a<attempt>-r<rank>-p<pid>.txt`` when the supervisor asks before killing a
-hung worker group.
+hung worker group. Every worker opens its dump file up front (the signal handler can only
+write to an open descriptor); the supervisor deletes the ones left empty when the attempt
+ends (:func:`remove_empty_dumps`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "beat_dir",
     "install",
     "read_beats",
+    "remove_empty_dumps",
     "request_stack_dumps",
     "stack_dir",
     "stalled",
@@ -225,6 +228,24 @@ def request_stack_dumps(run_dir: str, beats: list[BeatRecord], grace: float) -> 
         time.sleep(0.05)
     time.sleep(0.05)  # let a dump that just started finish its last thread
     return [p for p in asked if _nonempty(p)]
+
+
+def remove_empty_dumps(run_dir: str, attempt: int) -> int:
+    """Delete the attempt's stack-dump files that were never written; returns how many."""
+    d = stack_dir(run_dir)
+    try:
+        names = os.listdir(d)
+    except FileNotFoundError:
+        return 0
+    n = 0
+    for name in names:
+        if name.startswith(f"a{attempt}-") and name.endswith(".txt"):
+            path = os.path.join(d, name)
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.getsize(path) == 0:
+                    os.unlink(path)
+                    n += 1
+    return n
 
 
 def _nonempty(path: str) -> bool:

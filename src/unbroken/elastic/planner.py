@@ -11,27 +11,44 @@ With checkpoint cost ``C`` (seconds the job is blocked per save), mean time betw
 
 Check values (Daly's paper, ``C`` = 5 min): ``T`` = 117, 57 and 9.1 min for ``M`` = 24 h, 6 h
 and 15 min.
+
+``M`` measured from one run is only as good as the failures it saw: with ``k`` failures in
+``T`` seconds, the 90% confidence interval of an exponential MTBF is
+``[2T / chi2(0.95; 2k+2), 2T / chi2(0.05; 2k)]`` (time-terminated observation) — for one
+failure, 0.21 T to 19 T. :func:`format_plan` warns when ``M`` rests on fewer than
+:data:`MIN_FAILURES` failures or on less than :data:`MIN_WINDOW` seconds of running.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken.elastic.recovery import phases
+from unbroken.elastic.recovery import EVENTS_FILE, load_events, phases
 
 __all__ = [
+    "MIN_FAILURES",
+    "MIN_WINDOW",
     "Plan",
     "daly_interval",
     "estimate_from_events",
     "expected_goodput",
     "format_plan",
+    "mtbf_interval",
     "plan",
+    "plan_from_run",
     "young_interval",
 ]
+
+MIN_FAILURES = 10
+"""Fewer failures than this leave a measured MTBF uncertain by more than about +-30%."""
+MIN_WINDOW = 24 * 3600.0
+"""Seconds of running below which a measured failure rate is not a long job's: failures
+cluster (a bad node, a maintenance window), and a short run sees one cluster or none."""
 
 
 def _check(ckpt_cost: float, mtbf: float) -> None:
@@ -78,25 +95,33 @@ class Plan:
     goodput_daly: float
     current: float | None = None
     goodput_current: float | None = None
+    failures: int | None = None
+    """Failures ``mtbf`` was measured from (None: given, not measured)."""
+    window: float | None = None
+    """Seconds of running ``mtbf`` was measured over (None: given)."""
 
 
 def plan(ckpt_cost: float, mtbf: float, restart_cost: float = 0.0,
-         current: float | None = None) -> Plan:
-    """Both optimal intervals and the goodput of the current and of Daly's interval."""
+         current: float | None = None, *, failures: int | None = None,
+         window: float | None = None) -> Plan:
+    """Both optimal intervals and the goodput of the current and of Daly's interval.
+    ``failures``/``window``: the evidence behind a measured ``mtbf`` (for the warning)."""
     d = daly_interval(ckpt_cost, mtbf)
     return Plan(
         ckpt_cost, mtbf, restart_cost, young_interval(ckpt_cost, mtbf), d,
         expected_goodput(d, ckpt_cost, mtbf, restart_cost), current,
         None if current is None else expected_goodput(current, ckpt_cost, mtbf, restart_cost),
+        failures, window,
     )
 
 
-def estimate_from_events(events: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+def estimate_from_events(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """``C``, ``M``, ``R`` and the current interval measured in a run's ``events.jsonl``.
 
-    ``C``: mean ``seconds`` of ``saved`` events; ``M``: wall time / failures; ``R``: mean
-    detect + relaunch + load; current interval: mean time between ``saved`` events of one
-    rank. A value the log cannot provide is None.
+    ``ckpt_cost``: mean ``seconds`` of ``saved`` events; ``mtbf``: wall time / failures;
+    ``restart_cost``: mean detect + relaunch + load; ``current``: mean time between
+    ``saved`` events of one rank; ``failures`` and ``window`` (seconds): what ``mtbf`` rests
+    on; ``saves``: saved events seen. A value the log cannot provide is None.
     """
     saved = [e for e in events if e["event"] == "saved"]
     costs = [float(e["seconds"]) for e in saved if e.get("seconds") is not None]
@@ -113,15 +138,106 @@ def estimate_from_events(events: Sequence[dict[str, Any]]) -> dict[str, float | 
         "mtbf": wall / len(recs) if recs else None,
         "restart_cost": statistics.fmean(restart) if restart else None,
         "current": statistics.fmean(gaps) if gaps else None,
+        "failures": len(recs),
+        "window": wall,
+        "saves": len(times),
     }
 
 
+def plan_from_run(run_dir: str | None, given: Mapping[str, float | None]) -> Plan:
+    """The plan from ``run_dir``'s events (if given), each value in ``given`` (``ckpt_cost``,
+    ``mtbf``, ``restart_cost``, ``current``; None = measure) overriding the measured one.
+    Raises ValueError saying what is missing and why."""
+    got: dict[str, Any] = dict.fromkeys(("ckpt_cost", "mtbf", "restart_cost", "current"))
+    why: dict[str, str] = {}
+    if run_dir is not None:
+        path = os.path.join(run_dir, EVENTS_FILE)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"--run-dir {run_dir!r} has no {EVENTS_FILE}: nothing to measure there. Pass "
+                "the --run-dir of an `unbroken run` (it writes RUN_DIR/events.jsonl), or give "
+                "--ckpt-cost and --mtbf")
+        got.update(estimate_from_events(load_events(run_dir)))
+        if not got["saves"]:
+            why["ckpt_cost"] = (f"{path} holds no checkpoint save (a Checkpointer under "
+                                "`unbroken run` records one per save)")
+        if not got["failures"]:
+            why["mtbf"] = f"{path} holds no failure, so there is no failure rate to measure"
+    for key, value in given.items():
+        if value is not None:
+            got[key] = value
+            if key == "mtbf":
+                got["failures"] = got["window"] = None  # given: no evidence to judge
+    c, m = got["ckpt_cost"], got["mtbf"]
+    if c is None or m is None:
+        missing = [k for k, v in (("ckpt_cost", c), ("mtbf", m)) if v is None]
+        need = " and ".join("--" + k.replace("_", "-") for k in missing)
+        reasons = [why[k] for k in missing if k in why]
+        raise ValueError(f"cannot plan without {need}: " + ("; ".join(reasons) if reasons else
+                         "pass them, or a --run-dir whose events hold saves and failures"))
+    return plan(c, m, got["restart_cost"] or 0.0, got["current"],
+                failures=got.get("failures"), window=got.get("window"))
+
+
+def _chi2_even_cdf(x: float, dof: int) -> float:
+    """CDF of chi-square with an even ``dof``: a Gamma(dof/2, 2), i.e. 1 - Poisson tail."""
+    k, lam = dof // 2, x / 2.0
+    term, total = 1.0, 1.0
+    for i in range(1, k):
+        term *= lam / i
+        total += term
+    return 1.0 - math.exp(-lam) * total
+
+
+def _chi2_even_ppf(p: float, dof: int) -> float:
+    lo, hi = 0.0, 10.0 * dof + 100.0
+    for _ in range(200):  # bisection: the CDF is monotone
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _chi2_even_cdf(mid, dof) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mtbf_interval(failures: int, window: float, confidence: float = 0.9) -> tuple[float, float]:
+    """Two-sided confidence interval of the MTBF after ``failures`` failures in ``window``
+    seconds (exponential failures, observation ended by time)."""
+    if failures < 1 or window <= 0:
+        raise ValueError(f"failures={failures} must be >= 1 and window={window} s > 0")
+    a = (1.0 - confidence) / 2.0
+    return (2.0 * window / _chi2_even_ppf(1.0 - a, 2 * failures + 2),
+            2.0 * window / _chi2_even_ppf(a, 2 * failures))
+
+
 def _dur(s: float) -> str:
-    if s >= 3600:
+    """Seconds in a unit that keeps the value readable: 7 ms is not "0.0 s"."""
+    a = abs(s)
+    if a >= 3600:
         return f"{s / 3600:.2f} h"
-    if s >= 60:
+    if a >= 60:
         return f"{s / 60:.1f} min"
-    return f"{s:.1f} s"
+    if a >= 10 or a == 0:
+        return f"{s:.1f} s"
+    if a >= 1:
+        return f"{s:.2f} s"
+    if a >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} us"
+
+
+def _mtbf_warning(p: Plan) -> str | None:
+    k, w = p.failures, p.window
+    if k is None or w is None or (k >= MIN_FAILURES and w >= MIN_WINDOW):
+        return None
+    lo, hi = mtbf_interval(k, w) if k >= 1 and w > 0 else (math.nan, math.nan)
+    weak = []
+    if k < MIN_FAILURES:
+        weak.append(f"fewer than {MIN_FAILURES} failures")
+    if w < MIN_WINDOW:
+        weak.append("less than a day of running")
+    return (f"warning: M = {_dur(p.mtbf)} rests on {k} failure{'s' if k != 1 else ''} in "
+            f"{_dur(w)} ({' and '.join(weak)}): its 90% confidence interval is {_dur(lo)} to "
+            f"{_dur(hi)}, so the intervals above are only a guess. Pass --mtbf with a rate "
+            "measured over many failures (e.g. your cluster's history); a drill's injected "
+            "faults are not a failure rate.")
 
 
 def format_plan(p: Plan) -> str:
@@ -137,4 +253,7 @@ def format_plan(p: Plan) -> str:
             f"current interval          = {_dur(p.current)}   expected goodput "
             f"{p.goodput_current:.1%} (wasted {1 - p.goodput_current:.1%})"
         )
+    warn = _mtbf_warning(p)
+    if warn:
+        lines.append(warn)
     return "\n".join(lines)

@@ -9,8 +9,16 @@ Event schema (common keys ``t`` = Unix time, ``event``, ``attempt``, ``pid``, ``
 
     start         supervisor started (config)
     preflight     ok, seconds, checks: [{name, ok, detail}]
-    launch        attempt, gen: a torchrun agent was started
+    standby       attempt, seconds, preload, failed, fork_server: a pre-warmed agent for the
+                  attempt finished its imports (``seconds``: what a restart no longer pays)
+    launch        attempt, gen, agent_pid, prewarmed: a torchrun agent was started
     workers_up    attempt, pids: the first worker processes of the attempt exist
+    worker_exit   attempt, rank, local_rank, worker_pid, exitcode (negative: signal; null:
+                  unknown), stopped (asked to stop first), via (zygote|spawn): one rank
+                  ended (written by its launcher, see ``_launch``)
+    stop_group    attempt, reason, grace, seconds, exited, killed: a rank failed, so the
+                  supervisor stopped the others (``exited`` ranks left within ``grace``
+                  seconds, ``killed`` ones were SIGKILLed) and relaunches
     loaded        step, seconds: a rank restored a checkpoint (from the Checkpointer)
     saved         step, seconds: a rank committed a checkpoint (optional)
     caught_up     step: local rank 0's beats reached the step reached before the last failure
@@ -46,12 +54,16 @@ __all__ = [
     "ENV_CATCHUP",
     "ENV_RUN_DIR",
     "EVENTS_FILE",
+    "PEER_FAILED_FILE",
+    "EventTail",
     "Recovery",
     "RunSummary",
     "append_event",
+    "attempt_dir",
     "format_summary",
     "load_events",
     "mark",
+    "peer_failed",
     "phases",
     "plot_timeline",
     "summarize",
@@ -66,6 +78,9 @@ ENV_ATTEMPT = "UNBROKEN_ATTEMPT"
 ENV_CATCHUP = "UNBROKEN_CATCHUP_STEP"
 """The highest step reached before the last failure; beats at or past it end catch-up."""
 EVENTS_FILE = "events.jsonl"
+PEER_FAILED_FILE = "peer_failed"
+"""Written into the attempt's directory (one line: why) before the supervisor stops the
+ranks that outlived a failed one; see :func:`peer_failed`."""
 _RESERVED = frozenset({"t", "event", "attempt", "pid"})
 _warned = False
 
@@ -109,6 +124,30 @@ def mark(event: str, **fields: Any) -> None:
             _warned = True
 
 
+def attempt_dir(run_dir: str, attempt: int) -> str:
+    """``RUN_DIR/attempts/<n>``: logs, torchrun's log dir and markers of one attempt."""
+    return os.path.join(run_dir, "attempts", str(attempt))
+
+
+def peer_failed() -> str | None:
+    """Why this worker's group is being stopped, if a rank of it failed; else None.
+
+    When one rank dies, the others cannot finish a collective with it, so a save on SIGTERM
+    would only hang until the supervisor's SIGKILL. A SIGTERM handler calls this first and
+    exits at once when it returns a reason (the Checkpointer's ``save_on_sigterm`` does).
+    One ``open`` call; None when not run under ``unbroken run``.
+    """
+    run_dir = os.environ.get(ENV_RUN_DIR)
+    attempt = _int_env(ENV_ATTEMPT)
+    if not run_dir or attempt is None:
+        return None
+    try:
+        with open(os.path.join(attempt_dir(run_dir, attempt), PEER_FAILED_FILE), "rb") as f:
+            return f.read().decode("utf-8", "replace").strip() or "a peer rank failed"
+    except OSError:
+        return None
+
+
 def _int_env(name: str) -> int | None:
     v = os.environ.get(name)
     try:
@@ -133,6 +172,37 @@ def load_events(run_dir: str) -> list[dict[str, Any]]:
     except FileNotFoundError:
         return []
     return out
+
+
+class EventTail:
+    """Reads only the events appended since the last :meth:`read` (the supervisor polls this
+    several times a second; re-reading the whole log each time would grow with the run)."""
+
+    def __init__(self, run_dir: str) -> None:
+        self.path = os.path.join(run_dir, EVENTS_FILE)
+        try:
+            self._offset = os.path.getsize(self.path)
+        except OSError:
+            self._offset = 0
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1  # a line still being written is read next time
+        self._offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and "event" in rec:
+                out.append(rec)
+        return out
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,14 @@ store the supervisor hosts or joins (see ``_coord``). Around it the supervisor a
 4. the four recovery phases of each failure in ``RUN_DIR/events.jsonl``, a per-failure
    ``RUN_DIR/recovery.jsonl`` and a summary table at the end (``recovery``).
 
+Recovery is fast by construction: the supervisor learns within milliseconds that a rank
+failed (each rank's launcher reports its exit; pidfds wake the watch loop), stops the ranks
+that outlived it after ``stop_grace`` seconds at most (they cannot finish a collective with
+a dead peer, so nothing is gained by waiting for them; ``peer_failed()`` tells their SIGTERM
+handlers to skip a hopeless save), restarts at once when the failed attempt made progress,
+and hands the restart to a standby agent that imported torch while the job was training and
+forks the new workers from there (``_standby``; ``prewarm=False`` starts fresh interpreters).
+
 Exit codes: see :mod:`unbroken.elastic.faults` (``EXIT_*``): 0 finished, 1 supervisor error,
 2 usage, 3 same failure twice (deterministic bug), 4 restart budget used up, 5 no progress,
 6 pre-flight never healthy, 7 preempted (SIGTERM/SIGINT; the job was asked to save).
@@ -32,7 +40,7 @@ from typing import Any
 
 from unbroken._fs import atomic_write_bytes
 from unbroken.elastic import faults, heartbeat, recovery
-from unbroken.elastic._attempt import Attempt
+from unbroken.elastic._attempt import DEFAULT_PRELOAD, Attempt, Standby, worker_command
 from unbroken.elastic._coord import Coordinator
 from unbroken.elastic._procs import is_alive
 from unbroken.elastic.faults import Action, Classification, Evidence, FaultClass, RestartPolicy
@@ -123,6 +131,16 @@ class RunConfig:
     """Seconds to keep waiting for a healthy pre-flight before exiting with code 6."""
     shutdown_timeout: float = 30.0
     """On SIGTERM: seconds the workers get to save before they are killed."""
+    stop_grace: float = 1.0
+    """When a rank failed: seconds the other ranks get to exit after SIGTERM before they
+    are SIGKILLed. They cannot finish a collective with the dead rank (a rank stuck in one
+    does not even run its SIGTERM handler), so this only bounds a flush of local state."""
+    prewarm: bool = True
+    """Keep the next attempt's agent started with torch imported, and fork workers from it
+    (see ``_standby``); False starts a fresh torchrun and fresh interpreters per attempt."""
+    preload: tuple[str, ...] = DEFAULT_PRELOAD
+    """Modules the pre-warmed agent imports before forking workers (add your heavy imports:
+    they are then free at every restart). A module that fails to import is skipped."""
     rules: tuple[faults.Rule, ...] = faults.DEFAULT_RULES
     torchrun_args: tuple[str, ...] = ()
     echo: bool = True
@@ -133,8 +151,9 @@ class RunConfig:
             raise ValueError("no training command: use `unbroken run [options] -- train.py ARGS`")
         if self.nproc_per_node < 1:
             raise ValueError(f"nproc_per_node={self.nproc_per_node} must be >= 1")
-        if self.preflight_max_wait < 0 or self.shutdown_timeout < 0:
-            raise ValueError("preflight_max_wait and shutdown_timeout must be >= 0 seconds")
+        for name in ("preflight_max_wait", "shutdown_timeout", "stop_grace"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} is negative; pass seconds >= 0")
 
 
 @dataclass
@@ -145,6 +164,8 @@ class _Outcome:
     t_detect: float = 0.0
     detail: str = ""
     stop: tuple[int, str] | None = None
+    step: int | None = None
+    """The step the failure is filed under, when fixed at detection (hangs)."""
 
 
 class Supervisor:
@@ -161,6 +182,7 @@ class Supervisor:
         self._coord: Coordinator | None = None
         self._failures: list[tuple[int, faults.Evidence, Classification]] = []
         self._preflight_ok_at = float("-inf")
+        self._standby: Standby | None = None
 
     # --- bookkeeping ---------------------------------------------------------------------
 
@@ -232,31 +254,46 @@ class Supervisor:
                 "--rdzv-id", f"{r.run_id}-g{gen}", "--rdzv-conf", conf,
                 "--max-restarts", "0", "--monitor-interval", f"{min(0.1, c.watchdog.poll_interval):g}",
                 "--tee", "3", *c.torchrun_args]
-        if c.module:
-            argv.append("-m")
-        return [*argv, *c.command]
+        return [*argv, *worker_command(c.command, c.module, c.torchrun_args)]
+
+    def _new_standby(self, number: int) -> Standby:
+        return Standby(number=number, run_dir=self.run_dir, nproc=self.cfg.nproc_per_node,
+                       preload=self.cfg.preload, echo=self.cfg.echo)
 
     def _launch(self, coord: Coordinator, number: int, gen: int) -> Attempt:
         target = self._max_step if self._failures and self._max_step >= 0 else None
+        sb, self._standby = self._standby, None
+        if self.cfg.prewarm and (sb is None or sb.number != number or not sb.alive()):
+            if sb is not None:
+                sb.close()
+            sb = self._new_standby(number)  # cold: the workers are still forked from it
         att = Attempt(number=number, gen=gen, run_dir=self.run_dir,
                       torchrun_argv=self._torchrun_argv(coord, gen), catchup_step=target,
-                      echo=self.cfg.echo)
+                      echo=self.cfg.echo, nproc=self.cfg.nproc_per_node, standby=sb)
         self._attempt = att
-        self._event("launch", attempt=number, gen=gen, catchup_step=target, argv=att.argv)
+        self._event("launch", attempt=number, gen=gen, catchup_step=target, argv=att.argv,
+                    agent_pid=att.proc.pid, prewarmed=att.prewarmed)
         log.info("attempt %d (generation %d) started: %s", number, gen, " ".join(att.argv))
         return att
 
+    def _maybe_prewarm(self, att: Attempt, beats: list[heartbeat.BeatRecord],
+                       t_up: float | None, now: float) -> None:
+        """Start the next attempt's standby once this attempt trains (every local rank beat,
+        or 30 s after its workers appeared), so that its imports do not slow this attempt's
+        start-up."""
+        if not self.cfg.prewarm or self._standby is not None or t_up is None:
+            return
+        if (len({b.rank for b in beats if b.started}) >= self.cfg.nproc_per_node
+                or now - t_up > 30.0):
+            self._standby = self._new_standby(att.number + 1)
+
     def _monitor(self, att: Attempt, coord: Coordinator) -> _Outcome:
         w = self.cfg.watchdog
-        seen: set[int] = set()
-        alive: set[int] = set()
         t_up: float | None = None
         store_lost: float | None = None
-        first_dead: float | None = None
-        dead_seen: float | None = None
         warned = False
         installed: dict[str, float] = {}  # beacon -> when first seen (workers may restart)
-        last_poll = time.time()
+        pids: set[int] = set()
         while True:
             rc = att.poll()
             now = time.time()
@@ -265,9 +302,10 @@ class Supervisor:
                     return _Outcome("success", 0)
                 kind = "agent_lost" if rc < 0 else "exit"
                 detail = f"torchrun killed by {_signame(-rc)}" if rc < 0 else ""
-                # Detected when a worker was first seen dead; torchrun's teardown of the
-                # others (and its exit) is already part of the relaunch.
-                return _Outcome(kind, rc, first_dead or last_poll, dead_seen or now, detail)
+                first = att.failure()
+                # The failure happened when the first rank failed; torchrun's teardown of
+                # the others (and its exit) is already part of the relaunch.
+                return _Outcome(kind, rc, first.t if first else now, now, detail)
             if self._signal is not None:
                 return self._preempt(att)
             try:
@@ -289,20 +327,17 @@ class Supervisor:
             if newer:
                 att.kill()
                 return _Outcome("peer", None, now, now, "another node failed; joining its restart")
-            pids = set(att.worker_pids())
             beats = heartbeat.read_beats(self.run_dir, att.number)
-            pids |= {b.pid for b in beats if is_alive(b.pid)}
+            pids = set(att.worker_pids()) | {b.pid for b in beats if is_alive(b.pid)}
             if pids and t_up is None:
                 t_up = now
                 self._event("workers_up", attempt=att.number, pids=sorted(pids))
-            if first_dead is None and any(not is_alive(p) for p in alive):
-                first_dead, dead_seen = last_poll, now  # last seen alive / seen dead
-            elif first_dead is not None and pids - seen:
-                first_dead = dead_seen = None  # torchrun replaced its workers: no failure
-            seen |= pids
-            alive = pids
+            failed = att.failure()
+            if failed is not None:
+                return self._stop_group(att, failed, beats)
             for b in beats:
                 self._max_step = max(self._max_step, b.step)
+            self._maybe_prewarm(att, beats, t_up, now)
             if not beats and t_up is not None and not warned and now - t_up > w.hang_timeout:
                 warned = True
                 log.warning("no heartbeat from the workers after %.0f s: call "
@@ -316,23 +351,40 @@ class Supervisor:
                         and now - installed[b.path] > w.startup_timeout]
             if hung:
                 return self._hang(att, beats, hung, now)
-            last_poll = now
-            time.sleep(w.poll_interval)
+            # Until the workers exist, look often: workers_up ends the relaunch phase.
+            att.wait(pids, w.poll_interval if t_up is not None else min(w.poll_interval, 0.05))
+
+    def _stop_group(self, att: Attempt, failed: faults.WorkerExit,
+                    beats: list[heartbeat.BeatRecord]) -> _Outcome:
+        """A rank failed: stop the rest now instead of waiting on them (see module doc)."""
+        t_detect = time.time()
+        reason = failed.describe()
+        exited, killed, took = att.stop_workers(
+            reason, self.cfg.stop_grace, {b.pid: b.rank for b in beats})
+        self._event("stop_group", attempt=att.number, reason=reason, t_fail=failed.t,
+                    grace=self.cfg.stop_grace, seconds=round(took, 3), exited=exited,
+                    killed=killed)
+        log.warning("attempt %d: %s; stopped the other ranks in %.2f s%s", att.number, reason,
+                    took, f" (SIGKILLed after {self.cfg.stop_grace:g} s: ranks {killed})"
+                    if killed else "")
+        return _Outcome("exit", att.poll(), min(failed.t, t_detect), t_detect)
 
     def _hang(self, att: Attempt, beats: list[heartbeat.BeatRecord],
               hung: list[heartbeat.BeatRecord], now: float) -> _Outcome:
         started = [b.t for b in beats if b.started]
         t_fail = max(started) if started else att.t_launch
         ranks = sorted({b.rank for b in hung})
+        # The step is fixed now: a SIGSTOPped rank resumed for its stack dump may still beat
+        # once before the kill, and the table must say what the message says.
+        step = max((b.step for b in beats), default=-1)
         stacks = heartbeat.request_stack_dumps(self.run_dir, beats, self.cfg.watchdog.dump_grace)
         detail = (f"ranks {ranks} made no progress for {now - t_fail:.1f} s "
-                  f"(--hang-timeout {self.cfg.watchdog.hang_timeout:g} s) at step "
-                  f"{max((b.step for b in beats), default=-1)}")
+                  f"(--hang-timeout {self.cfg.watchdog.hang_timeout:g} s) at step {step}")
         self._event("hang", attempt=att.number, ranks=ranks, stacks=stacks, detail=detail,
-                    t_detect=now)
+                    t_detect=now, step=step)
         log.error("attempt %d hung: %s; stack dumps: %s", att.number, detail, stacks or "none")
         att.kill()
-        return _Outcome("hang", None, t_fail, now, detail)
+        return _Outcome("hang", None, t_fail, now, detail, step=step if step >= 0 else None)
 
     def _preempt(self, att: Attempt) -> _Outcome:
         now = time.time()
@@ -348,10 +400,15 @@ class Supervisor:
         console = att.console()
         fails: tuple[faults.WorkerFailure, ...] = ()
         if out.kind in ("exit", "agent_lost"):
-            fails = tuple(faults.collect_worker_failures(console, att.log_dir))
-        step = max((b.step for b in heartbeat.read_beats(self.run_dir, att.number)), default=-1)
-        return Evidence(out.kind, out.rc, fails, console[-8000:],
-                        step if step >= 0 else None, out.detail)
+            fails = tuple(faults.collect_worker_failures(console, att.log_dir, att.exits))
+        step = out.step
+        if step is None:
+            last = max((b.step for b in heartbeat.read_beats(self.run_dir, att.number)),
+                       default=-1)
+            step = last if last >= 0 else None
+        if step is not None:  # a rank may have beaten once more after the last poll
+            self._max_step = max(self._max_step, step)
+        return Evidence(out.kind, out.rc, fails, console[-8000:], step, out.detail)
 
     def _lost_peers(self, coord: Coordinator, t_fail: float) -> list[str]:
         """Peers whose supervisors went silent around the failure (waits up to node_timeout)."""
@@ -451,6 +508,10 @@ class Supervisor:
         finally:
             if self._attempt is not None:
                 self._attempt.close()
+                heartbeat.remove_empty_dumps(self.run_dir, self._attempt.number)
+            if self._standby is not None:
+                self._standby.close()
+                self._standby = None
             for s, h in old.items():
                 signal.signal(s, h)
             self._event("finish" if code == 0 else "stop", exit_code=code)
@@ -478,6 +539,7 @@ class Supervisor:
             att = self._launch(coord, number, gen)
             out = self._monitor(att, coord)
             att.close()
+            heartbeat.remove_empty_dumps(self.run_dir, att.number)
             if out.kind == "success":
                 log.info("attempt %d finished successfully", number)
                 return faults.EXIT_OK

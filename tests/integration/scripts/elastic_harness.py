@@ -21,7 +21,13 @@ from typing import Any
 
 from unbroken.elastic import heartbeat, recovery
 from unbroken.elastic._coord import free_port  # noqa: F401 - used as h.free_port
-from unbroken.elastic._procs import kill_matching, pids_with_env
+from unbroken.elastic._procs import (
+    environ_of,
+    kill_matching,
+    parent_of,
+    pids_with_env,
+    proc_state,
+)
 from unbroken.metrics import read_metrics
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_train.py")
@@ -161,9 +167,37 @@ def live_beats(job: Job, attempt: int, min_step: int, ranks: int) -> list[heartb
     return []
 
 
-def pids_of(job: Job) -> list[int]:
-    """Live processes (torchrun, workers) started under this job's run directory."""
-    return pids_with_env(recovery.ENV_RUN_DIR, job.run_dir)
+def pids_of(job: Job, attempt: int | None = None) -> list[int]:
+    """Live processes (agents, standbys, workers) started under this job's run directory
+    (of one attempt only, if given)."""
+    pids = pids_with_env(recovery.ENV_RUN_DIR, job.run_dir)
+    if attempt is None:
+        return pids
+    return [p for p in pids if environ_of(p).get(recovery.ENV_ATTEMPT) == str(attempt)]
+
+
+def zombies_below(root: int) -> list[int]:
+    """Zombie processes among the descendants of ``root`` (unreaped children)."""
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            ppid = parent_of(int(name))
+            if ppid is not None:
+                kids.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            todo.append(c)
+            if proc_state(c) == "Z":
+                out.append(c)
+    return out
+
+
+def empty_dumps(run_dir: str) -> list[str]:
+    d = os.path.join(run_dir, "stacks")
+    if not os.path.isdir(d):
+        return []
+    return [n for n in os.listdir(d) if os.path.getsize(os.path.join(d, n)) == 0]
 
 
 def metric_steps(path: str) -> list[int]:
@@ -172,3 +206,34 @@ def metric_steps(path: str) -> list[int]:
 
 def metrics(path: str) -> list[dict[str, Any]]:
     return read_metrics(path)
+
+
+def reference_losses(steps: int, world: int) -> list[float]:
+    """Rank 0's loss per step of an uninterrupted elastic_train.py run on ``world`` ranks,
+    computed in this process: the same seeds and data, gradients summed over the ranks (as
+    gloo's all-reduce does for 2 ranks: a + b is exact and commutative) and divided by the
+    world size. A resumed run must log exactly these values."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = []
+    for step in range(steps):
+        grads = []
+        for rank in range(world):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x = torch.randn(8, 4, generator=g)
+            loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            if rank == 0:
+                out.append(loss.item())
+        for i, p in enumerate(model.parameters()):
+            total = grads[0][i]
+            for g_r in grads[1:]:
+                total = total + g_r[i]
+            p.grad = total / world
+        opt.step()
+    return out

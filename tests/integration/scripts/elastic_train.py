@@ -7,28 +7,45 @@ the hang watchdog test caught exactly that). ``--ckpt-kind file`` keeps a tiny p
 (step + weights, published with ``atomic_write_bytes``) and marks "loaded" itself.
 The other ranks receive the restored weights by broadcast. Every rank beats each step.
 On SIGTERM (preemption) rank 0 saves the step it just finished and the job stops cleanly
-(single-rank runs: the ranks do not agree on a common stopping step here).
+(single-rank runs: the ranks do not agree on a common stopping step here) -- unless
+``peer_failed()`` says a rank died, then it exits at once, as the Checkpointer does.
+
+Every rank marks ``startup`` after its first step with the times (Unix seconds) at which
+its script started, its imports were done, the process group was up, the restore was done
+and the first step finished: benchmarks/elastic_recovery.py splits recovery time with them.
+``--linger S`` makes a rank whose collective failed (a peer died) stay alive S more seconds
+ignoring SIGTERM, like a rank stuck on a save it can never finish.
+``--stderr-noise TEXT`` prints TEXT to stderr at start (old warnings in a rank's log).
+``--stop-file PATH``: the job finishes after the first step at which PATH exists (the ranks
+agree on that step by an all-reduce), so a test decides when it has seen enough.
 
     torchrun ... elastic_train.py --ckpt DIR --metrics FILE --steps N [--save-every K]
-        [--sleep S] [--raise-at STEP] [--ckpt-kind unbroken|file]
+        [--sleep S] [--raise-at STEP] [--ckpt-kind unbroken|file] [--linger S]
+        [--stderr-noise TEXT] [--stop-file PATH]
 """
 
 from __future__ import annotations
 
-import argparse
-import io
-import os
-import signal
 import time
-from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
+T_START = time.time()
 
-from unbroken._fs import atomic_write_bytes
-from unbroken.elastic import beat, install, mark
-from unbroken.metrics import MetricLog
+import argparse  # noqa: E402 - the start time is taken before the imports it measures
+import io  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
+
+from unbroken._fs import atomic_write_bytes  # noqa: E402
+from unbroken.elastic import beat, install, mark, peer_failed  # noqa: E402
+from unbroken.metrics import MetricLog  # noqa: E402
+
+T_IMPORTED = time.time()
 
 
 class _FileCkpt:
@@ -76,13 +93,25 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=0.05)
     ap.add_argument("--raise-at", type=int, default=None)
     ap.add_argument("--ckpt-kind", choices=("unbroken", "file"), default="file")
+    ap.add_argument("--linger", type=float, default=0.0)
+    ap.add_argument("--stderr-noise", default=None)
+    ap.add_argument("--stop-file", default=None)
     a = ap.parse_args()
+    if a.stderr_noise:
+        print(a.stderr_noise, file=sys.stderr, flush=True)
 
     preempted: list[int] = []
-    signal.signal(signal.SIGTERM, lambda signum, frame: preempted.append(signum))
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if peer_failed() and not a.linger:  # a rank died: a save could never finish
+            os._exit(143)
+        preempted.append(signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     install()  # stack dumps work from here on: a hang in init_process_group included
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    t_pg = time.time()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -92,8 +121,8 @@ def main() -> None:
         if a.ckpt_kind == "unbroken":
             from unbroken.ckpt import Checkpointer, TrainState  # DCP import costs ~1 s
 
-            state = TrainState(model=model, optimizer=opt, metrics=metrics)
-            ckpt = Checkpointer(a.ckpt, state, every_steps=a.save_every, keep_last=3)
+            ckpt = Checkpointer(a.ckpt, TrainState(model=model, optimizer=opt, metrics=metrics),
+                                every_steps=a.save_every, keep_last=3)
         else:
             ckpt = _FileCkpt(a.ckpt, model, metrics, a.save_every)
     t0 = time.perf_counter()
@@ -106,9 +135,27 @@ def main() -> None:
         dist.broadcast(p.data, 0)
     if rank != 0 and int(start[0]) >= 0:  # these ranks "loaded" through the broadcast
         mark("loaded", step=int(start[0]), seconds=time.perf_counter() - t0)
+    times = {"t_start": T_START, "imported": T_IMPORTED, "pg": t_pg, "restored": time.time()}
     start.clamp_(min=0)
+    try:
+        train(a, model, opt, metrics, ckpt, int(start[0]), preempted, times)
+    except RuntimeError:
+        if a.linger:  # a peer died mid-collective; stay (SIGTERM only sets a flag)
+            end = time.time() + a.linger
+            while time.time() < end:
+                time.sleep(0.05)
+        raise
+    dist.barrier()
+    if metrics is not None:
+        metrics.close()
+    dist.destroy_process_group()
 
-    for step in range(int(start[0]), a.steps):
+
+def train(a: argparse.Namespace, model: torch.nn.Module, opt: Any, metrics: MetricLog | None,
+          ckpt: Any, first: int, preempted: list[int], times: dict[str, float]) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = getattr(ckpt, "state", None)
+    for step in range(first, a.steps):
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(8, 4, generator=g)
         y = x.sum(1, keepdim=True)
@@ -124,6 +171,8 @@ def main() -> None:
         if a.raise_at is not None and done == a.raise_at and rank == 0:
             raise ValueError(f"boom at step {done}")
         beat(done)
+        if step == first:
+            mark("startup", step=done, first_step=time.time(), **times)
         if ckpt is not None and metrics is not None:
             metrics.log(
                 done,
@@ -131,7 +180,7 @@ def main() -> None:
                 world_size=world,
                 attempt=int(os.environ.get("UNBROKEN_ATTEMPT", "-1")),
             )
-            if a.ckpt_kind == "unbroken":
+            if state is not None:
                 state.step = done
             saved = ckpt.maybe_save(done)
             if preempted and not saved:
@@ -141,11 +190,12 @@ def main() -> None:
                 mark("saved", step=done, seconds=ckpt.last_save_seconds, preempted=bool(preempted))
         if preempted:
             break
+        if a.stop_file is not None:
+            stop = torch.tensor([float(os.path.exists(a.stop_file))])
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.item():
+                break
         time.sleep(a.sleep)
-    dist.barrier()
-    if metrics is not None:
-        metrics.close()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

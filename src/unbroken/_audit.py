@@ -1,0 +1,166 @@
+"""State fingerprints for ``unbroken drill``: what each rank held when it saved a checkpoint,
+right after it restored one, and one step later.
+
+Off unless ``UNBROKEN_STATE_AUDIT=<dir>`` is set (the drill sets it for the runs it starts);
+then :class:`unbroken.ckpt.Checkpointer` calls :meth:`StateAudit.saved` at each snapshot,
+:meth:`StateAudit.restored` after each restore and :meth:`StateAudit.step` at each
+``maybe_save()``. With the variable unset every call is a no-op.
+
+One JSONL file per rank, ``<dir>/rank-<R>.jsonl``, appended by every attempt of the run::
+
+    {"event": "saved" | "restored" | "step", "step": N, "rank": R, "world": W, "pid": P,
+     "t": unix seconds, "leaves": {"model/fc.weight": "f:<xxh3-64 hex>", "rng/torch": "d:..."}}
+
+``saved``: the state the checkpoint of step N holds, as this rank handed it over (before any
+de-duplication across ranks). ``restored``: the live state right after ``restore()`` applied
+step N. ``step``: the live state at the first ``maybe_save()`` after a save or a restore, i.e.
+one training step later (N = that step). Leaves are named ``<component>/<key path>`` as in a
+checkpoint (``model``, ``optimizer``, ``extra.<name>``, ``loader``, ...), plus ``counters/...``
+and ``rng/...``. Comparing ``restored`` with the same rank's ``saved`` finds state that a
+restore did not bring back; comparing ``step`` records of two runs finds state that was
+changed after the restore (see :mod:`unbroken.elastic.drill_report`).
+
+Cost: every tensor of the state is hashed (copied to the CPU first) at each save and once
+after each restore: fine for a drill, not meant for production runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import xxhash
+
+__all__ = ["ENV_AUDIT", "StateAudit", "fingerprint", "read_audit", "state_audit"]
+
+ENV_AUDIT = "UNBROKEN_STATE_AUDIT"
+
+
+_SCALARS = (int, float, str, bool, type(None))
+
+
+def _leaves(obj: Any, path: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _leaves(v, f"{path}/{k}" if path else str(k))
+    elif isinstance(obj, list | tuple) and not all(isinstance(v, _SCALARS) for v in obj):
+        for i, v in enumerate(obj):
+            yield from _leaves(v, f"{path}/{i}")
+    else:  # a list of plain values (python's RNG state, param ids) is one leaf
+        yield path, obj
+
+
+def _digest(v: Any) -> str:
+    """``<kind>:<xxh3-64>``; kind ``f``: a float tensor of several values (what a training
+    step computes), ``s``: one float (a scale, a learning rate, Adam's step), ``d``: anything
+    discrete (integers, positions, RNG states, strings)."""
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        t = v.detach()
+        if hasattr(t, "to_local"):  # DTensor: this rank's shard
+            t = t.to_local()
+        t = t.cpu().contiguous()
+        kind = ("f" if t.numel() > 1 else "s") if t.is_floating_point() or t.is_complex() else "d"
+        head = f"{t.dtype}{tuple(t.shape)}".encode()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return f"{kind}:{xxhash.xxh3_64_hexdigest(head + raw)}"
+    if isinstance(v, np.ndarray):
+        kind = "f" if v.dtype.kind in "fc" and v.size > 1 else "d"
+        return f"{kind}:{xxhash.xxh3_64_hexdigest(f'{v.dtype}{v.shape}'.encode() + v.tobytes())}"
+    if isinstance(v, bytes | bytearray):
+        return f"d:{xxhash.xxh3_64_hexdigest(bytes(v))}"
+    kind = "s" if isinstance(v, float) else "d"
+    return f"{kind}:{xxhash.xxh3_64_hexdigest(repr(v).encode())}"  # a float's repr is exact
+
+
+def fingerprint(sd: Mapping[str, Any], rng: Any = None) -> dict[str, str]:
+    """``{leaf: hash}`` of a ``TrainState.state_dict()`` (``rng`` given apart or inside)."""
+    out: dict[str, str] = {}
+    for part, value in sd.items():
+        prefix = "" if part == "components" else part
+        for k, v in _leaves(value, prefix):
+            out[k] = _digest(v)
+    if rng is not None:
+        for k, v in _leaves(rng, "rng"):
+            out[k] = _digest(v)
+    return out
+
+
+class StateAudit:
+    """Writes the records of one rank (module docstring). ``comm`` has ``rank``/``world``."""
+
+    def __init__(self, root: str, state: Any, comm: Any) -> None:
+        self.root = root
+        self.state = state
+        self.comm = comm
+        self._armed: int | None = None  # the step saved or restored last; None: not armed
+
+    def _write(self, event: str, step: int, leaves: dict[str, str]) -> None:
+        rank, world = int(self.comm.rank), int(self.comm.world)
+        rec = {"event": event, "step": int(step), "rank": rank, "world": world,
+               "pid": os.getpid(), "t": round(time.time(), 4), "leaves": leaves}
+        os.makedirs(self.root, exist_ok=True)
+        # one write of one line in append mode: records of successive attempts never mix
+        with open(os.path.join(self.root, f"rank-{rank}.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def saved(self, step: int, sd: Mapping[str, Any], rng: Any) -> None:
+        self._write("saved", step, fingerprint(sd, rng))
+        self._armed = step
+
+    def restored(self, step: int) -> None:
+        self._write("restored", step, fingerprint(self.state.state_dict()))
+        self._armed = step
+
+    def step(self, step: int) -> None:
+        if self._armed is None or step <= self._armed:
+            return
+        if step == self._armed + 1:
+            self._write("step", step, fingerprint(self.state.state_dict()))
+        self._armed = None
+
+
+class _Off:
+    def saved(self, step: int, sd: Mapping[str, Any], rng: Any) -> None:
+        pass
+
+    def restored(self, step: int) -> None:
+        pass
+
+    def step(self, step: int) -> None:
+        pass
+
+
+def state_audit(state: Any, comm: Any) -> StateAudit | _Off:
+    """A :class:`StateAudit` when ``UNBROKEN_STATE_AUDIT`` is set, else a no-op."""
+    root = os.environ.get(ENV_AUDIT)
+    return StateAudit(root, state, comm) if root else _Off()
+
+
+def read_audit(root: str) -> dict[int, list[dict[str, Any]]]:
+    """``{rank: records in file order}``; torn or damaged lines are skipped."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return out
+    for name in sorted(names):
+        if not (name.startswith("rank-") and name.endswith(".jsonl")):
+            continue
+        recs = []
+        with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("leaves"), dict):
+                    recs.append(rec)
+        if recs:
+            out[int(recs[0]["rank"])] = recs
+    return out

@@ -1,0 +1,267 @@
+"""Per-rank state (DESIGN C-PER-RANK): whatever differs between ranks is saved per rank.
+
+Every :class:`~unbroken.ckpt.TrainState` component is declared ``replicated`` (model,
+optimizer, scheduler, ema, scaler, loader, metrics by default) or ``per_rank`` (extras by
+default: an LSTM's hidden state, a per-rank buffer); ``TrainState(replicated=[...],
+per_rank=[...])`` overrides either way.
+
+At every save of a multi-rank job each rank fingerprints its plain tensors (xxh3-128 of
+the bytes; DTensors are sharded by construction and skipped) and the non-tensor state of its
+per-rank components, and one all-gather compares them:
+
+* a tensor equal on every rank is saved once (DCP de-duplicates it), as before;
+* a tensor that differs is saved by every rank, under ``rank<r>/<key>``, and each rank's
+  state file refers to its own copy: every rank restores exactly what it saved;
+* a *replicated* component whose tensors differ is reported by name (one WARNING per
+  component per ``Checkpointer``; INFO when only buffers that DDP re-broadcasts from rank 0
+  at each forward differ, such as BatchNorm statistics). Nothing is lost either way: the
+  save keeps every rank's copy.
+
+Non-tensor state is per rank by construction (every rank writes ``state-rank<r>.json``).
+
+World-size change (saved on W ranks, restored on W' != W), the documented rule:
+
+* rank ``r`` reads rank ``r``'s state if ``r < W``, else rank 0's; replicated state is the
+  same everywhere, or was reported at save (then this is said again, by name);
+* RNG is re-derived from ``(seed, rank, step)`` (:func:`unbroken.ckpt.rng.derive`);
+* a ``per_rank`` component that differed between the saving ranks is refused by name
+  (its copies cannot be mapped to other ranks); ``TrainState(per_rank_on_resize="skip")``
+  instead leaves it as constructed (each rank starts it fresh), with one WARNING naming it.
+  One saved by a single rank is copied to every rank, with one WARNING naming it (declare
+  it ``replicated`` if that is what it is).
+
+Manifest fields (added to the checkpoint manifest)::
+
+    "components": {"<name>": {"sharing": "replicated" | "per_rank",
+                              "differs": bool,          # between the saving ranks
+                              "differing": [<key>, ...]}}  # tensor keys, "<non-tensor state>"
+    "tensors": {"rank1/components/extra.hidden/h": {..., "rank": 1}, ...}
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from unbroken._fs import checksum_bytes
+from unbroken.ckpt import codec
+
+if TYPE_CHECKING:
+    from unbroken.ckpt.manifest import CheckpointManifest
+    from unbroken.ckpt.state import TrainState
+
+__all__ = [
+    "NON_TENSOR",
+    "check_resize",
+    "compare",
+    "fingerprints",
+    "manifest_section",
+    "rank_key",
+    "rename",
+    "report",
+    "split_key",
+]
+
+log = logging.getLogger(__name__)
+
+NON_TENSOR = "<non-tensor state>"
+_PREFIX = "components/"
+_RANK_KEY = re.compile(r"^rank(\d+)/(components/.+)$")
+_PROCESS = os.urandom(8).hex()  # unique to this process
+
+
+def rank_key(key: str, rank: int) -> str:
+    """The checkpoint key of ``rank``'s own copy of tensor ``key``."""
+    return f"rank{rank}/{key}"
+
+
+def split_key(key: str) -> tuple[int | None, str]:
+    """``rank1/components/x`` -> ``(1, "components/x")``; a shared key -> ``(None, key)``."""
+    m = _RANK_KEY.match(key)
+    return (int(m.group(1)), m.group(2)) if m else (None, key)
+
+
+def _component(key: str, names: Mapping[str, str]) -> str | None:
+    """The component a tensor key belongs to (``components/<escaped name>/...``)."""
+    if not key.startswith(_PREFIX):
+        return None
+    return names.get(key[len(_PREFIX) :].split("/", 1)[0])
+
+
+def _digest(t: torch.Tensor) -> str:
+    try:
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        raw = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
+    except (RuntimeError, TypeError):  # a layout without plain bytes (sparse, quantized)
+        return f"unhashable:{_PROCESS}"  # differs between ranks: each keeps its own copy
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{checksum_bytes(raw)}"
+
+
+def fingerprints(
+    components: Mapping[str, Any], tensors: Mapping[str, torch.Tensor], sharing: Mapping[str, str]
+) -> dict[str, dict[str, str]]:
+    """``{component: {tensor key: digest}}`` of this rank's plain tensors, plus the digest
+    of each per-rank component's non-tensor state under :data:`NON_TENSOR`.
+
+    ``components`` is the encoded ``"components"`` tree (tensor references, not values)."""
+    names = {n.replace("/", "%2F"): n for n in components}
+    out: dict[str, dict[str, str]] = {n: {} for n in components}
+    for key, t in tensors.items():
+        name = _component(key, names)
+        if name is not None and not isinstance(t, DTensor):
+            out[name][key] = _digest(t)
+    for name, sub in components.items():
+        if sharing.get(name) == "per_rank":
+            out[name][NON_TENSOR] = checksum_bytes(json.dumps(sub, sort_keys=True).encode())
+    return out
+
+
+def compare(ranks: Sequence[Mapping[str, Mapping[str, str]]]) -> dict[str, list[str]]:
+    """``{component: [keys whose fingerprints differ between ranks]}`` (differing only).
+
+    A key (or a whole component) that some ranks do not have differs: those that have it
+    each keep their own copy."""
+    out: dict[str, list[str]] = {}
+    for name in sorted({n for fp in ranks for n in fp}):
+        present = [fp.get(name, {}) for fp in ranks]
+        keys = sorted({k for fp in present for k in fp})
+        bad = [k for k in keys if len({fp.get(k) for fp in present}) > 1]
+        if bad:
+            out[name] = bad
+    return out
+
+
+def rename(
+    tree: Any, tensors: Mapping[str, torch.Tensor], differing: Mapping[str, list[str]], rank: int
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Give this rank's copy of every differing tensor its own key, in ``tensors`` and in
+    the tree's references."""
+    mapping = {k: rank_key(k, rank) for keys in differing.values() for k in keys if k in tensors}
+    if not mapping:
+        return tree, dict(tensors)
+    return codec.rekey(tree, mapping), {mapping.get(k, k): v for k, v in tensors.items()}
+
+
+def _short(name: str, key: str) -> str:
+    """A tensor key as the component's own state-dict path (``0.running_mean``)."""
+    if key == NON_TENSOR:
+        return key
+    return key.removeprefix(f"{_PREFIX}{name.replace('/', '%2F')}/")
+
+
+def report(
+    step: int,
+    differing: Mapping[str, list[str]],
+    state: TrainState,
+    warned: set[str],
+) -> None:
+    """Say which replicated components differ between ranks (rank 0, once per component)."""
+    for name, keys in differing.items():
+        if state.sharing.get(name, "per_rank") != "replicated" or name in warned:
+            continue
+        warned.add(name)
+        short = [_short(name, k) for k in keys]
+        synced = state.synced_buffers.get(name, set())
+        if synced and set(short) <= synced:
+            log.info(
+                "checkpoint step %d: buffers of %r differ between ranks (%s); DDP re-broadcasts "
+                "them from rank 0 at the next forward. Every rank's copy was saved",
+                step,
+                name,
+                ", ".join(short[:5]),
+            )
+            continue
+        log.warning(
+            "checkpoint step %d: %r is declared replicated but differs between ranks (%d "
+            "tensor(s), e.g. %s). Every rank's copy was saved and each rank restores its own. "
+            "If it is per-rank by design, declare TrainState(per_rank=[%r]); if not, the ranks "
+            "are out of sync (a parameter outside DDP, a rank-dependent update)",
+            step,
+            name,
+            len(short),
+            ", ".join(repr(s) for s in short[:3]),
+            name,
+        )
+
+
+def manifest_section(
+    differing: Mapping[str, list[str]], sharing: Mapping[str, str]
+) -> dict[str, dict[str, Any]]:
+    """The manifest's ``"components"`` entry (see the module docstring)."""
+    return {
+        name: {
+            "sharing": how,
+            "differs": name in differing,
+            "differing": [_short(name, k) for k in differing.get(name, [])],
+        }
+        for name, how in sorted(sharing.items())
+    }
+
+
+def check_resize(
+    manifest: CheckpointManifest, state: TrainState, world: int, rank: int
+) -> set[str]:
+    """Apply the world-size rule before anything is restored: returns the per-rank
+    components to leave as constructed, or raises ``ValueError`` naming the ones that
+    cannot be mapped to the new ranks."""
+    saved_world = manifest.world_size
+    comps = manifest.extra.get("components")
+    if saved_world == world or not isinstance(comps, Mapping):
+        return set()
+    per_rank: list[str] = []  # differed between the saving ranks: no rank-to-rank mapping
+    copied: list[str] = []  # per-rank, but saved by one rank: every rank starts from it
+    differed: list[str] = []  # replicated, yet differed: rank r's copy, else rank 0's
+    for name, how in sorted(state.sharing.items()):
+        info = comps.get(name)
+        differs = bool(info.get("differs")) if isinstance(info, Mapping) else False
+        if how == "per_rank" and differs:
+            per_rank.append(name)
+        elif how == "per_rank" and saved_world < 2:
+            copied.append(name)
+        elif differs:
+            differed.append(name)
+    step = manifest.step
+    if per_rank and state.per_rank_on_resize == "refuse":
+        raise ValueError(
+            f"checkpoint step {step} was saved by {saved_world} ranks and this job has "
+            f"{world}: per-rank state {per_rank} differs between the saving ranks, so it "
+            f"cannot be mapped to the new ranks. Resume with {saved_world} ranks; or pass "
+            "TrainState(per_rank_on_resize='skip') to leave it as constructed (each rank "
+            "starts it fresh)"
+        )
+    if rank == 0:
+        if copied:
+            log.warning(
+                "world size changed (%d -> %d ranks): per-rank state %s was saved by a single "
+                "rank; every rank starts from that copy (declare it TrainState(replicated=...) "
+                "if it is the same on every rank)",
+                saved_world,
+                world,
+                copied,
+            )
+        if per_rank:
+            log.warning(
+                "world size changed (%d -> %d ranks): per-rank state %s not restored, each "
+                "rank keeps it as constructed (per_rank_on_resize='skip')",
+                saved_world,
+                world,
+                per_rank,
+            )
+        if differed:
+            log.warning(
+                "world size changed (%d -> %d ranks): %s differed between the saving ranks; "
+                "rank r restores rank r's copy where that rank existed, else rank 0's",
+                saved_world,
+                world,
+                differed,
+            )
+    return set(per_rank)  # to skip: refusal was not asked for

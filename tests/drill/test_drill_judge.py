@@ -1,0 +1,184 @@
+"""How the drill judges each fault without running a job: which steps each fault's recovery
+produced and were compared, "not checked" after a divergence, and a diagnosis that names the
+component the state audit (unbroken._audit) finds not restored."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from unbroken._audit import StateAudit, fingerprint, read_audit
+from unbroken.elastic.drill_report import (
+    Check,
+    FaultResult,
+    FaultSpec,
+    Injection,
+    RunComparison,
+    audit_restore,
+    judge_trajectories,
+)
+
+
+def _log(n: int, *, bad_from: int | None = None, ids: bool = True) -> list[dict[str, Any]]:
+    out = []
+    for s in range(1, n + 1):
+        r: dict[str, Any] = {"step": s, "loss": 1.0 / s}
+        if bad_from is not None and s >= bad_from:
+            r["loss"] += 1e-7
+        if ids:
+            r["ids"] = [2 * s, 2 * s + 1]
+        out.append(r)
+    return out
+
+
+def _fault(i: int, t: float, restored: int | None) -> FaultResult:
+    inj = Injection(FaultSpec(i, "kill", "single", 0), t=t)
+    return FaultResult(inj, [Check("injected", True, "")], restored=restored)
+
+
+def _judge(faults: list[FaultResult], got: list[dict[str, Any]], ref: list[dict[str, Any]],
+           exact_until: int | None = None, findings: Any = None) -> RunComparison:
+    cmp = RunComparison("single", "ref", "job", 1, exact_until, [], {})
+    judge_trajectories(faults, cmp, got, ref, findings)
+    return cmp
+
+
+def _traj(f: FaultResult) -> Check:
+    return next(c for c in f.checks if c.name == "trajectory")
+
+
+def test_each_fault_says_which_steps_it_compared():
+    faults = [_fault(1, 10.0, 10), _fault(2, 20.0, 25), _fault(3, 30.0, 35)]
+    cmp = _judge(faults, _log(50), _log(50))
+    assert [_traj(f).detail for f in faults] == [
+        "loss and sample ids of steps 11..25 identical to the reference",
+        "loss and sample ids of steps 26..35 identical to the reference",
+        "loss and sample ids of steps 36..50 identical to the reference",
+    ]
+    assert all(f.verdict == "NOT CHECKED" for f in faults)  # no state audit: restore n/c
+    assert cmp.checks == []
+
+
+def test_only_the_fault_whose_steps_diverge_fails_and_later_ones_are_not_checked():
+    faults = [_fault(1, 10.0, 10), _fault(2, 20.0, 25), _fault(3, 30.0, 35)]
+    _judge(faults, _log(50, bad_from=28), _log(50))
+    first, second, third = (_traj(f) for f in faults)
+    assert first.ok and not first.skipped and "steps 11..25" in first.detail
+    assert not second.ok and second.detail.startswith(
+        "steps 26..35 compared: the loss differs from step 28 on")
+    assert third.ok and third.skipped and third.detail == (
+        "not checked: the run had already diverged at step 28 after fault #2's recovery")
+    assert [f.verdict for f in faults] == ["NOT CHECKED", "FAIL", "NOT CHECKED"]
+
+
+def test_other_samples_steps_rolled_back_and_a_divergence_before_any_fault():
+    got = _log(30)
+    got[20]["ids"] = [0, 1]  # step 21 consumed other samples
+    faults = [_fault(1, 10.0, 10), _fault(2, 20.0, 20), _fault(3, 21.0, 20)]
+    _judge(faults, got, _log(30))
+    assert _traj(faults[0]).detail.startswith("loss and sample ids of steps 11..20 identical")
+    # fault 3 struck before a new checkpoint: fault 2's steps were all rolled back
+    assert _traj(faults[1]).skipped and "rolled the job back to step 20" in _traj(faults[1]).detail
+    assert not _traj(faults[2]).ok and "other samples than the reference at step 21" in \
+        _traj(faults[2]).detail
+    cmp = _judge([_fault(1, 10.0, 10)], _log(30, bad_from=4), _log(30))
+    assert cmp.checks[0].name == "before any fault" and "step 4" in cmp.checks[0].detail
+
+
+def test_after_a_world_size_change_only_sample_ids_are_compared():
+    faults = [_fault(1, 10.0, 10), _fault(2, 20.0, 20)]
+    _judge(faults, _log(40, bad_from=21), _log(40), exact_until=20)
+    assert _traj(faults[0]).detail == "loss and sample ids of steps 11..20 identical to the reference"
+    assert _traj(faults[1]).ok and _traj(faults[1]).detail.startswith(
+        "sample ids of steps 21..40 identical to the reference (another world size from step 21")
+    again = [_fault(1, 10.0, 10), _fault(2, 20.0, 20)]
+    _judge(again, _log(40, ids=False), _log(40, ids=False))
+    assert "loss (no sample ids logged)" in _traj(again[1]).detail
+
+
+class _Comm:
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+
+class _State:
+    def __init__(self, sd: dict[str, Any]) -> None:
+        self.sd = sd
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sd
+
+
+def _sd(h: torch.Tensor, w: float, step: int = 10, rng: int = 7) -> dict[str, Any]:
+    return {"counters": {"step": step}, "components": {
+        "model": {"w": torch.full((3,), w)}, "extra.hidden": {"h": h}},
+        "rng": {"torch": torch.tensor([rng], dtype=torch.uint8), "python": (3, (1, 2, 3), None)}}
+
+
+def test_audit_names_a_per_rank_state_that_came_back_with_rank_0s_value(tmp_path):
+    """Two ranks each save their own hidden state; rank 1 restores rank 0's: the restore check
+    and the diagnosis name extra.hidden and say rank 1 holds rank 0's value."""
+    run, ref = str(tmp_path / "run"), str(tmp_path / "ref")
+    h = {0: torch.zeros(2), 1: torch.ones(2)}
+    for root in (run, ref):
+        for r in (0, 1):
+            a = StateAudit(root, _State(_sd(h[r], 1.0)), _Comm(r, 2))
+            sd = _sd(h[r], 1.0)
+            rng = sd.pop("rng")
+            a.saved(10, sd, rng)
+            a.step(11)
+            if root == ref:
+                a.state = _State(_sd(h[r], 2.0, 11))
+                a._armed = 10
+                a.step(11)
+    for r in (0, 1):  # the drilled run restores: rank 1 gets rank 0's hidden state
+        a = StateAudit(run, _State(_sd(h[0], 1.0)), _Comm(r, 2))
+        a.restored(10)
+    f = audit_restore(0.0, 10, read_audit(run), read_audit(ref))
+    assert f is not None and f.ranks == [0, 1] and f.restore_diff == {1: ["extra.hidden/h"]}
+    assert f.from_rank0 == {1: ["extra.hidden/h"]}
+    faults = [_fault(1, 0.0, 10)]
+    _judge(faults, _log(20, bad_from=11), _log(20), findings={1: f})
+    restore = next(c for c in faults[0].checks if c.name == "restore")
+    assert not restore.ok and "on rank 1, extra.hidden (h) not as saved" in restore.detail
+    assert "holds rank 0's value" in restore.detail and "saved once, not per rank" in restore.detail
+    assert "extra.hidden (h)" in _traj(faults[0]).detail
+
+
+def test_audit_names_what_changed_after_the_restore_and_ignores_unseeded_noise(tmp_path):
+    run, ref = str(tmp_path / "run"), str(tmp_path / "ref")
+    h = torch.zeros(2)
+    ra = StateAudit(ref, _State(_sd(h, 2.0, 11, rng=5)), _Comm(0, 1))
+    sd = _sd(h, 1.0)
+    ra.saved(10, {k: v for k, v in sd.items() if k != "rng"}, sd["rng"])
+    ra.step(11)
+    # the drilled run: python's RNG was never seeded (differs everywhere: noise); the script
+    # re-seeded torch after restore() (the cause), so the step's weights differ (the effect)
+    noisy = _sd(h, 1.0)
+    noisy["rng"]["python"] = (3, (9, 9, 9), None)
+    a = StateAudit(run, _State(noisy), _Comm(0, 1))
+    a.saved(10, {k: v for k, v in noisy.items() if k != "rng"}, noisy["rng"])
+    a.restored(10)
+    after = _sd(h, 2.5, 11, rng=99)
+    after["rng"]["python"] = (3, (9, 9, 9), None)
+    a.state = _State(after)
+    a.step(11)
+    f = audit_restore(0.0, 10, read_audit(run), read_audit(ref))
+    assert f is not None and not f.restore_diff
+    assert f.step_diff == {0: ["d:rng/torch", "f:model/w"]}
+    faults = [_fault(1, 0.0, 10)]
+    _judge(faults, _log(20, bad_from=11), _log(20), findings={1: f})
+    assert next(c for c in faults[0].checks if c.name == "restore").ok
+    why = _traj(faults[0]).detail
+    assert "one step later (step 11) rng differs from the reference: rng (torch)" in why
+    assert "python" not in why
+
+
+def test_fingerprint_kinds_and_collapsed_scalar_lists():
+    fp = fingerprint({"components": {"m": {"w": torch.ones(3), "s": torch.tensor(2.0),
+                                           "n": torch.tensor(3), "lr": 0.1, "ids": [0, 1, 2]}}},
+                     {"python": (3, tuple(range(625)), None)})
+    assert {k: v[0] for k, v in fp.items()} == {
+        "m/w": "f", "m/s": "s", "m/n": "d", "m/lr": "s", "m/ids": "d", "rng/python/0": "d",
+        "rng/python/1": "d", "rng/python/2": "d"}
