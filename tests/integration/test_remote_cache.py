@@ -9,6 +9,8 @@ ThreadedMotoServer on 127.0.0.1 + s3fs) and real reader processes.
   resumed position, the dead processes' partial downloads discarded;
 * a mixture of a remote and a local source reads the same as the all-local mixture;
 * a shard damaged in the bucket -> an error naming its URL, nothing wrong delivered;
+* a cached shard damaged on local disk after its verified download -> the same per-sample
+  checks as a local read (``on_corrupt="raise"`` names it, ``"skip"`` drops and counts it);
 * the server stopped mid-epoch -> a storage error within the timeout, no hang.
 """
 
@@ -34,6 +36,7 @@ from unbroken.data.cache import CacheOptions, RemoteStorageError, epoch_plan, re
 from unbroken.data.dataset import Source, StreamingDataset
 from unbroken.data.manifest import DatasetManifest
 from unbroken.data.profile import StepTimer
+from unbroken.data.shards import CorruptSampleError, ShardIndex
 
 s3fs = pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -306,6 +309,41 @@ def test_a_shard_damaged_in_the_bucket_is_named(
     first_bad = sum(s.samples for s in m.shards[:3])
     assert seen == [f"k{i:05d}" for i in range(len(seen))] and len(seen) <= first_bad
     assert not os.path.exists(os.path.join(str(tmp_path / "c"), m.fingerprint[:16], victim))
+
+
+def test_a_cached_shard_damaged_after_download_is_checked_like_a_local_one(
+    endpoint: str, local_ds: str, tmp_path: Any
+) -> None:
+    # The download is verified once; a bit flipped in the cache later (bit rot, a stray
+    # write) must still be caught when the next job reuses the file: verify=/on_corrupt= on
+    # a remote read are the local read's checks, applied to the cached copy.
+    m = DatasetManifest.load(local_ds)
+    _upload(endpoint, local_ds, "data", "rot")
+    cache = str(tmp_path / "c")
+    kw: dict[str, Any] = {"seed": 0, "shuffle": False, "rank": 0, "world_size": 1,
+                          "cache_dir": cache, "storage_options": _opts(endpoint),
+                          "cache_options": CacheOptions(timeout=20, backoff_s=0.01)}
+
+    def keys(ds: StreamingDataset) -> list[str]:
+        return [s["__key__"] for b in ds.iter_batches(0, 0, 16, last_batch="short") for s in b]
+
+    assert keys(StreamingDataset("s3://data/rot", **kw)) == [f"k{i:05d}" for i in range(N)]
+    tar = os.path.join(cache, m.fingerprint[:16], m.shards[2].name)
+    idx = ShardIndex.load(os.path.join(cache, m.fingerprint[:16], m.shards[2].index))
+    victim = idx.key(1)
+    j = next(k for k in range(int(idx.member_start[1]), int(idx.member_start[2]))
+             if idx.ext(k) == "bin")
+    with open(tar, "r+b") as f:
+        f.seek(int(idx.data_offset[j]) + 9)
+        b = f.read(1)[0]
+        f.seek(int(idx.data_offset[j]) + 9)
+        f.write(bytes([b ^ 0x10]))
+    with pytest.raises(CorruptSampleError, match=rf"{m.shards[2].name}.*{victim!r}"):
+        keys(StreamingDataset("s3://data/rot", **kw))
+    ds = StreamingDataset("s3://data/rot", on_corrupt="skip", **kw)
+    got = keys(ds)
+    assert got == [f"k{i:05d}" for i in range(N) if f"k{i:05d}" != victim]
+    assert ds.corrupt_skipped == 1
 
 
 def test_server_stopped_mid_epoch_fails_within_the_timeout(local_ds: str, tmp_path: Any) -> None:
