@@ -917,6 +917,20 @@ class RemoteCache:
             return  # same stretch of the plan, checked moments ago
         st.next_eval = (epoch, self._prefetch(st, plan, p), now)
 
+    def park(self) -> None:
+        """This process stopped reading (its batch iterator was closed): unpin its shards and
+        leave the node's frame. Else a process that made one batch and moved on (the
+        loader's first batch, made in the training process while its workers start) would
+        hold prefetch and eviction at its position until its registration went stale
+        (``timeout``). The next :meth:`advance` registers it again."""
+        st = self._state
+        if st is None or st.pid != os.getpid():
+            return  # never read here (or only in the parent before a fork)
+        self._unpin_all()
+        if st.reg_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.pwrite(st.reg_fd, np.array([-1], dtype=np.int64).tobytes(), 8)  # epoch -1
+
     def _release_done(self, plan: _Plan, p: int, q: int) -> None:
         for r in self.readers:
             if not r._open:

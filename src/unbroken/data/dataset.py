@@ -807,10 +807,14 @@ class StreamingDataset(IterableDataset):
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id={worker_id} num_workers={num_workers}")
         part = self.partition(start, batch_size, last_batch)
-        for b in range(first + worker_id, part.num_batches(), num_workers):
-            samples = self.read(epoch, part.batch_positions(b))
-            # empty only when on_corrupt="skip" dropped every sample: nothing to collate
-            yield samples if collate_fn is None or not samples else collate_fn(samples)
+        try:
+            for b in range(first + worker_id, part.num_batches(), num_workers):
+                samples = self.read(epoch, part.batch_positions(b))
+                # empty only when on_corrupt="skip" dropped every sample: nothing to collate
+                yield samples if collate_fn is None or not samples else collate_fn(samples)
+        finally:
+            if self._cache is not None:
+                self._cache.park()  # this process reads no further: it holds no shard back
 
     def set_epoch(self, epoch: int) -> None:
         """Epoch used by plain iteration (``iter(ds)``); the loader tracks its own."""
