@@ -346,6 +346,30 @@ def test_a_cached_shard_damaged_after_download_is_checked_like_a_local_one(
     assert ds.corrupt_skipped == 1
 
 
+def test_a_closed_batch_iterator_leaves_the_frame_and_unpins(
+    endpoint: str, local_ds: str, tmp_path: Any
+) -> None:
+    # The loader makes a run's first batch in the training process, then its workers read
+    # on. That process must not stay a reader at position 0: the node's frame is its slowest
+    # reader, so prefetch and eviction would wait for its registration to go stale.
+    _upload(endpoint, local_ds, "data", "park")
+    ds = StreamingDataset("s3://data/park", seed=0, shuffle_window=WINDOW, rank=0,
+                          world_size=1, cache_dir=str(tmp_path / "c"),
+                          storage_options=_opts(endpoint),
+                          cache_options=CacheOptions(timeout=20, backoff_s=0.01))
+    it = ds.iter_batches(0, 0, 16)
+    next(it)
+    cache = ds._cache
+    assert [(e, p) for e, p, _ in cache._registrations()] == [(0, 0)]
+    assert any(r._open for r in cache.readers)  # the first batch's shards are pinned
+    it.close()
+    assert cache._registrations() == [] and not any(r._open for r in cache.readers)
+    it = ds.iter_batches(0, 16, 16)
+    assert len(next(it)) == 16  # reading again registers again
+    assert [(e, p) for e, p, _ in cache._registrations()] == [(0, 16)]
+    it.close()
+
+
 def test_server_stopped_mid_epoch_fails_within_the_timeout(local_ds: str, tmp_path: Any) -> None:
     server = _start_server()
     host, port = server.get_host_and_port()
