@@ -12,6 +12,7 @@ from unbroken.data.tokens import TokenShard
 # streaming (order, dataset, loader): imported on first use, because they import torch and
 # `unbroken pack` / `unbroken stage` should start without it
 _LAZY = {
+    "CacheOptions": "unbroken.data.cache",
     "EpochOrder": "unbroken.data.order",
     "Source": "unbroken.data.dataset",
     "StatefulLoader": "unbroken.data.loader",
@@ -27,6 +28,7 @@ __getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = [
     # streaming and the GPU feed
+    "CacheOptions",
     "DevicePrefetcher",
     "StepTimer",
     "EpochOrder",

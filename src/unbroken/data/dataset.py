@@ -67,7 +67,7 @@ import os
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import context as mp_context
 from operator import itemgetter
 from typing import Any
@@ -78,6 +78,13 @@ import torch.distributed as dist
 import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
+from unbroken.data.cache import (
+    CacheOptions,
+    check_cache_args,
+    is_remote,
+    load_remote_manifest,
+    open_cache,
+)
 from unbroken.data.manifest import DatasetManifest
 from unbroken.data.order import (
     EpochOrder,
@@ -97,7 +104,7 @@ from unbroken.data.shards import (
 )
 from unbroken.data.tokens import TokenShard, num_sequences
 
-__all__ = ["ON_CORRUPT", "Source", "StreamingDataset"]
+__all__ = ["ON_CORRUPT", "CacheOptions", "Source", "StreamingDataset"]
 
 ON_CORRUPT = ("raise", "skip")
 _xxh64 = xxhash.xxh3_64_intdigest  # the member checksum of a shard index (shards.py)
@@ -139,18 +146,22 @@ def _seeded_rngs(seed: int, epoch: int, position: int) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Source:
-    """One dataset directory in a (possibly single-element) mixture.
+    """One dataset in a (possibly single-element) mixture.
 
-    root: a local directory holding ``dataset.json`` (stage remote data first with
-        ``unbroken stage``; reads are random inside a window, so they belong on local disk).
+    root: a local directory holding ``dataset.json``, or an fsspec URL (``s3://bucket/ds``)
+        whose shards are read through the node's bounded cache (``StreamingDataset``'s
+        ``cache_dir``/``cache_limit``; see :mod:`unbroken.data.cache`).
     weight: relative share of the mixture's positions (any positive scale; normalised).
     seq_len: token datasets only: tokens per sequence (a sample is ``seq_len + 1`` tokens);
         default: the ``seq_len`` the dataset was tokenized with.
+    storage_options: fsspec options for a URL root (endpoint, credentials); default: the
+        dataset's ``storage_options``.
     """
 
     root: str
     weight: float = 1.0
     seq_len: int | None = None
+    storage_options: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, str) or not self.root:
@@ -171,6 +182,7 @@ class _Reader:
     counts: np.ndarray
     fingerprint: str
     manifest: DatasetManifest
+    cache: Any = None  # a RemoteCache when the source is remote: it opens (pins) the shards
     verify: bool = True
     on_corrupt: str = "raise"
 
@@ -196,7 +208,7 @@ class _Reader:
     def _shard(self, shard: int) -> Any:
         r = self._open.get(shard)
         if r is None:
-            r = self._open_shard(shard)
+            r = self._open_shard(shard) if self.cache is None else self.cache.open(self, shard)
             self._open[shard] = r
             if len(self._open) > self.max_open:
                 _, old = self._open.popitem(last=False)
@@ -486,14 +498,25 @@ class _TokenReader(_Reader):
         return rows
 
 
-def _open_reader(source: Source, seq_len: int | None) -> _Reader:
-    if "://" in source.root and not source.root.startswith("file://"):
-        raise ValueError(
-            f"{source.root}: StreamingDataset reads a local directory; copy the dataset "
-            "to local disk first with `unbroken stage URL LOCAL_DIR`"
-        )
-    root = source.root.removeprefix("file://")
-    manifest = DatasetManifest.load(root)
+def _open_reader(
+    source: Source,
+    seq_len: int | None,
+    storage_options: dict[str, Any] | None = None,
+    cache_options: CacheOptions | None = None,
+) -> _Reader:
+    if is_remote(source.root):
+        # The reader's root becomes its local cache directory in open_cache().
+        root = source.root
+        opts = source.storage_options if source.storage_options is not None else storage_options
+        manifest = load_remote_manifest(root, opts, cache_options or CacheOptions())
+        if manifest.kind == "tokens" and any(s.tokens is None for s in manifest.shards):
+            raise ValueError(
+                f"{root}: the manifest lacks per-shard token counts (an old `unbroken "
+                "tokenize`); re-tokenize, or stage it with `unbroken stage` and read it locally"
+            )
+    else:
+        root = source.root.removeprefix("file://")
+        manifest = DatasetManifest.load(root)
     if manifest.kind == "tar":
         return _TarReader(source, root, manifest)
     return _TokenReader(source, root, manifest, seq_len)
@@ -538,6 +561,13 @@ class StreamingDataset(IterableDataset):
         on_corrupt: ``"raise"`` (default) a :class:`~unbroken.data.shards.CorruptSampleError`
             naming dataset, shard, sample and member; ``"skip"`` leaves the sample out of its
             batch, logs it and counts it in :attr:`corrupt_skipped`.
+        cache_dir: remote sources (fsspec URLs): local directory of the node's shard cache,
+            shared by its ranks and workers (:mod:`unbroken.data.cache`).
+        cache_limit: bytes the cache may hold (``"200GB"``, ``"1TiB"`` or an int; None:
+            unbounded); refused at start when smaller than two shuffle windows plus prefetch.
+        storage_options: fsspec options for remote sources (endpoint, credentials).
+        cache_options: prefetch depth, download threads, timeout, retries
+            (:class:`~unbroken.data.cache.CacheOptions`).
     """
 
     def __init__(
@@ -556,6 +586,10 @@ class StreamingDataset(IterableDataset):
         with_ids: bool = False,
         verify: bool = True,
         on_corrupt: str = "raise",
+        cache_dir: str | None = None,
+        cache_limit: int | str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        cache_options: CacheOptions | None = None,
     ) -> None:
         super().__init__()
         if on_corrupt not in ON_CORRUPT:
@@ -576,10 +610,13 @@ class StreamingDataset(IterableDataset):
         self.shuffle = shuffle
         self.transform = transform
         self.rank, self.world_size = _resolve_rank(rank, world_size)
-        self._readers = [_open_reader(s, seq_len) for s in srcs]
+        check_cache_args([s.root for s in srcs], cache_dir, cache_limit)  # before any download
+        self._readers = [_open_reader(s, seq_len, storage_options, cache_options) for s in srcs]
         self.verify = bool(verify)
         self.on_corrupt = on_corrupt
         for r in self._readers:
+            # A remote reader verifies what it reads from the cache exactly like a local one
+            # (the download itself is checked against dataset.json's checksums first).
             r.verify, r.on_corrupt = self.verify, on_corrupt
             r.warn_if_unverified()
         self._skipped = _SharedCount() if on_corrupt == "skip" else None
@@ -622,6 +659,7 @@ class StreamingDataset(IterableDataset):
         self._id_base = np.cumsum([0, *sizes[:-1]], dtype=np.int64)  # source -> first id
         self._epoch = 0
         self._orders: OrderedDict[tuple[int, ...], Any] = OrderedDict()
+        self._cache = open_cache(self, cache_dir, cache_limit, cache_options, storage_options)
 
     # --- the order ---------------------------------------------------------------------------
 
@@ -658,6 +696,10 @@ class StreamingDataset(IterableDataset):
                 salt=salt,
             ),
         )
+
+    def _pass_order(self, i: int, epoch: int, k: int) -> EpochOrder:
+        """Source ``i``'s ``k``-th pass inside epoch ``epoch`` (as :meth:`lookup` keys it)."""
+        return self._source_order(i, epoch, () if len(self._readers) == 1 else (i, k))
 
     def lookup(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Epoch positions -> (source index, sample id in that source's manifest order)."""
@@ -697,6 +739,8 @@ class StreamingDataset(IterableDataset):
     def read(self, epoch: int, positions: np.ndarray) -> list[Any]:
         """The samples at ``positions`` of ``epoch``, in that order, transformed (with
         ``on_corrupt="skip"``, without the damaged ones)."""
+        if self._cache is not None:
+            self._cache.advance(epoch, positions)  # prefetch from here; release what is done
         src, ids = self.lookup(epoch, positions)
         out: list[Any] = [None] * len(ids)
         for i in np.unique(src).tolist():
@@ -763,10 +807,14 @@ class StreamingDataset(IterableDataset):
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id={worker_id} num_workers={num_workers}")
         part = self.partition(start, batch_size, last_batch)
-        for b in range(first + worker_id, part.num_batches(), num_workers):
-            samples = self.read(epoch, part.batch_positions(b))
-            # empty only when on_corrupt="skip" dropped every sample: nothing to collate
-            yield samples if collate_fn is None or not samples else collate_fn(samples)
+        try:
+            for b in range(first + worker_id, part.num_batches(), num_workers):
+                samples = self.read(epoch, part.batch_positions(b))
+                # empty only when on_corrupt="skip" dropped every sample: nothing to collate
+                yield samples if collate_fn is None or not samples else collate_fn(samples)
+        finally:
+            if self._cache is not None:
+                self._cache.park()  # this process reads no further: it holds no shard back
 
     def set_epoch(self, epoch: int) -> None:
         """Epoch used by plain iteration (``iter(ds)``); the loader tracks its own."""
