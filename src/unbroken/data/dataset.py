@@ -56,20 +56,16 @@ rank's samples one by one from :meth:`set_epoch`'s epoch.
 
 from __future__ import annotations
 
-import array
 import contextlib
-import itertools
 import logging
 import mmap
 import multiprocessing as mp
-import operator
 import os
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import context as mp_context
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -92,7 +88,6 @@ from unbroken.data.shards import (
     ShardReader,
     corrupt_sample,
     index_format,
-    member_digests,
     warn_unverified,
 )
 from unbroken.data.tokens import TokenShard, num_sequences
@@ -101,7 +96,6 @@ __all__ = ["ON_CORRUPT", "Source", "StreamingDataset"]
 
 ON_CORRUPT = ("raise", "skip")
 _xxh64 = xxhash.xxh3_64_intdigest  # the member checksum of a shard index (shards.py)
-_SMALL_GROUP = 48  # below: verify a shard's group with lists, above: with numpy (measured)
 
 log = logging.getLogger(__name__)
 
@@ -283,23 +277,25 @@ class _MappedShard:
     Same samples as ``ShardReader[i]``; slicing costs ~1 us where a ``pread`` per sample costs
     several, which is most of a worker's time at 4 KB samples. When every sample of the shard
     has the same extensions in the same order (the usual case), their names are decoded once
-    and one row per sample (key span, then each member's data span) is gathered for a whole
-    group of samples with a single numpy indexing.
+    and one row per sample - key span, each member's data span and, when verifying, each
+    member's xxh3_64 - is gathered for a whole group of samples with a single numpy indexing.
+    Each member is hashed right after it is sliced, in the same loop (a separate pass over
+    the group's samples cost as much again as the hashing; measured in RESULTS.md).
     """
 
     def __init__(self, reader: ShardReader, *, skip: bool = False) -> None:
         self.reader = reader
         self.skip = skip
         idx = reader.index
-        # per-member checksums, checked group-wise in read() (None: not verifying)
-        self.hashes = idx.member_hash if reader.verifies else None
-        self._want: list[array.array[int]] | None = None  # uniform: per extension, per sample
+        self.verifies = reader.verifies
         with open(reader.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         self.index = idx
         self.strings = idx.strings
         self.exts: tuple[str, ...] | None = None
+        # uniform layout, per sample: key start, key end, each member's data start and end,
+        # then (verifying) each member's checksum; uint64, so tolist() gives plain ints
         self.rows: np.ndarray | None = None
         ms = np.asarray(idx.member_start, dtype=np.int64)
         eo = np.asarray(idx.ext_off, dtype=np.int64)
@@ -312,103 +308,111 @@ class _MappedShard:
                 self.exts = tuple(self.strings[eo[j] : eo[j + 1]].decode() for j in range(k))
                 ko = np.asarray(idx.key_off, dtype=np.int64)
                 off = np.asarray(idx.data_offset, dtype=np.int64).reshape(n, k)
-                rows = np.empty((n, 2 + 2 * k), dtype=np.int64)
+                rows = np.empty((n, 2 + 2 * k + (k if self.verifies else 0)), dtype=np.uint64)
                 rows[:, 0] = ko[:-1]
                 rows[:, 1] = ko[1:]
-                rows[:, 2::2] = off
-                rows[:, 3::2] = off + np.asarray(idx.data_size, dtype=np.int64).reshape(n, k)
+                rows[:, 2 : 2 + 2 * k : 2] = off
+                rows[:, 3 : 2 + 2 * k : 2] = off + np.asarray(idx.data_size).reshape(n, k)
+                if self.verifies:
+                    rows[:, 2 + 2 * k :] = np.asarray(idx.member_hash).reshape(n, k)
                 self.rows = rows
-                if self.hashes is not None:
-                    cols = self.hashes.reshape(n, k).T
-                    self._want = [array.array("Q", c.tobytes()) for c in cols]
 
     def read(self, local: np.ndarray) -> list[Any]:
         """Samples ``local`` of this shard; None for a damaged one when skipping."""
-        out: list[Any] = self._read(local)
-        hashes = self.hashes
-        if hashes is None or not out:
-            return out
-        bad: dict[int, str] = {}  # position in `out` -> its first damaged member
-        if self.exts is not None and self._want is not None and len(out) < _SMALL_GROUP:
-            # A small group (a batch spread over many shards): digests and expected values as
-            # lists compared in C - a numpy call per group would cost more than the hashing.
-            where = local.tolist()
-            for ext, want in zip(self.exts, self._want, strict=True):
-                got = list(map(_xxh64, map(itemgetter(ext), out)))
-                exp = list(map(want.__getitem__, where))
-                if got != exp:
-                    for p in itertools.compress(range(len(got)), map(operator.ne, got, exp)):
-                        bad.setdefault(p, ext)
-        elif self.exts is not None:
-            # a large group: one digest array per member column, compared in one numpy step
-            want2 = hashes.reshape(-1, len(self.exts))[local]
-            for j, ext in enumerate(self.exts):
-                got2 = member_digests(map(itemgetter(ext), out), len(out))
-                for p in np.flatnonzero(got2 != want2[:, j]).tolist():
-                    bad.setdefault(p, ext)
-        else:
-            for p, i in enumerate(local.tolist()):  # any layout: member by member
-                a, b = int(self.index.member_start[i]), int(self.index.member_start[i + 1])
-                digests = member_digests([out[p][self.index.ext(j)] for j in range(a, b)])
-                wrong = np.flatnonzero(digests != hashes[a:b])
-                if wrong.size:
-                    bad[p] = self.index.ext(a + int(wrong[0]))
-        for p in sorted(bad):
-            err = corrupt_sample(
-                self.reader.path,
-                f"sample {out[p]['__key__']!r} member {bad[p]!r}",
-                dataset=self.reader.dataset,
-            )
-            if not self.skip:
-                raise err
-            log.warning("%s; skipped (on_corrupt='skip')", err)
-            out[p] = None
-        return out
-
-    def _read(self, local: np.ndarray) -> list[dict[str, Any]]:
-        mm, strings, exts, rows = self.mm, self.strings, self.exts, self.rows
+        rows, exts = self.rows, self.exts
         if rows is None or exts is None:
             return self._read_any(local.tolist())
-        out = []
-        if len(exts) == 1:
+        mm, strings, h = self.mm, self.strings, _xxh64
+        out: list[Any] = []
+        bad: list[int] = []  # positions in `out` whose bytes do not match their checksums
+        if not self.verifies and len(exts) <= 2:
+            if len(exts) == 1:
+                (x,) = exts
+                for a, b, o, e in rows[local].tolist():
+                    out.append({"__key__": strings[a:b].decode(), x: mm[o:e]})
+            else:
+                x, y = exts
+                for a, b, o, e, p, q in rows[local].tolist():
+                    out.append({"__key__": strings[a:b].decode(), x: mm[o:e], y: mm[p:q]})
+        elif len(exts) == 1:
             (x,) = exts
-            for a, b, o, e in rows[local].tolist():
-                out.append({"__key__": strings[a:b].decode(), x: mm[o:e]})
+            for a, b, o, e, w in rows[local].tolist():
+                v = mm[o:e]
+                if h(v) != w:
+                    bad.append(len(out))
+                out.append({"__key__": strings[a:b].decode(), x: v})
         elif len(exts) == 2:
             x, y = exts
-            for a, b, o, e, p, q in rows[local].tolist():
-                out.append({"__key__": strings[a:b].decode(), x: mm[o:e], y: mm[p:q]})
+            for a, b, o, e, p, q, w, z in rows[local].tolist():
+                v, u = mm[o:e], mm[p:q]
+                if h(v) != w or h(u) != z:
+                    bad.append(len(out))
+                out.append({"__key__": strings[a:b].decode(), x: v, y: u})
         else:
-            spans = range(2, 2 + 2 * len(exts), 2)
+            k = len(exts)
+            cols = [(x, 2 + 2 * j, 3 + 2 * j, 2 + 2 * k + j) for j, x in enumerate(exts)]
+            verify = self.verifies
             for r in rows[local].tolist():
                 d: dict[str, Any] = {"__key__": strings[r[0] : r[1]].decode()}
-                for ext, c in zip(exts, spans, strict=True):
-                    d[ext] = mm[r[c] : r[c + 1]]
+                ok = True
+                for x, s, t, c in cols:
+                    v = d[x] = mm[r[s] : r[t]]
+                    if verify and ok and h(v) != r[c]:
+                        ok = False
+                if not ok:
+                    bad.append(len(out))
                 out.append(d)
-        return out
+        return self._damaged(out, bad, local) if bad else out
 
-    def _read_any(self, local: list[int]) -> list[dict[str, Any]]:
+    def _read_any(self, local: list[int]) -> list[Any]:
         """Any layout: members and extensions looked up per sample."""
-        idx, mm, strings = self.index, self.mm, self.strings
-        ms, off, size, ko, eo = (
-            idx.member_start,
-            idx.data_offset,
-            idx.data_size,
-            idx.key_off,
-            idx.ext_off,
-        )
+        ms, ko, off, size, eo = self.reader._tables()
+        hashes = self.reader._hashes if self.verifies else None
+        mm, strings, h = self.mm, self.strings, _xxh64
         cache: dict[bytes, str] = {}
-        out = []
+        out: list[Any] = []
+        bad: list[int] = []
         for i in local:
             d: dict[str, Any] = {"__key__": strings[ko[i] : ko[i + 1]].decode()}
+            ok = True
             for j in range(ms[i], ms[i + 1]):
                 raw = strings[eo[j] : eo[j + 1]]
                 ext = cache.get(raw)
                 if ext is None:
                     ext = cache[raw] = raw.decode()
                 o = off[j]
-                d[ext] = mm[o : o + size[j]]
+                v = d[ext] = mm[o : o + size[j]]
+                if hashes is not None and ok and h(v) != hashes[j]:
+                    ok = False
+            if not ok:
+                bad.append(len(out))
             out.append(d)
+        return self._damaged(out, bad, local) if bad else out
+
+    def _damaged(self, out: list[Any], bad: list[int], local: Any) -> list[Any]:
+        """Raise for the first damaged sample, naming its first damaged member, or (when
+        skipping) log each and put None in its place."""
+        idx, mm = self.index, self.mm
+        for p in bad:
+            i = int(local[p])
+            a, b = int(idx.member_start[i]), int(idx.member_start[i + 1])
+            wrong = [
+                idx.ext(j)
+                for j in range(a, b)
+                if _xxh64(mm[int(idx.data_offset[j]) : int(idx.data_offset[j] + idx.data_size[j])])
+                != int(idx.member_hash[j])  # type: ignore[index]
+            ]
+            err = corrupt_sample(
+                self.reader.path,
+                f"sample {out[p]['__key__']!r} member {wrong[0]!r}"
+                if wrong
+                else f"sample {out[p]['__key__']!r} (its bytes changed while it was read)",
+                dataset=self.reader.dataset,
+            )
+            if not self.skip:
+                raise err
+            log.warning("%s; skipped (on_corrupt='skip')", err)
+            out[p] = None
         return out
 
     def close(self) -> None:
@@ -512,6 +516,28 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} world_size={world_size}: need 0 <= rank < world_size")
     return int(rank), int(world_size)
+
+
+def _read_ids(reader: _Reader, ids: np.ndarray) -> list[Any]:
+    """Samples ``ids`` (manifest order) of one source, in the order given; read shard by
+    shard, each shard's samples in index order (sequential inside a shard, D-IO). Sorting
+    the ids once sorts by (shard, index): a shard is a contiguous run of ids."""
+    n = len(ids)
+    if n == 0:
+        return []
+    order = np.argsort(ids, kind="stable")
+    shard, local = reader.locate(ids[order])
+    if shard[0] == shard[-1]:
+        got = reader.read(int(shard[0]), local)
+    else:
+        cuts = (np.flatnonzero(shard[1:] != shard[:-1]) + 1).tolist()
+        got = []
+        for a, b in zip([0, *cuts], [*cuts, n], strict=True):
+            got += reader.read(int(shard[a]), local[a:b])
+    out: list[Any] = [None] * n
+    for dst, smp in zip(order.tolist(), got, strict=True):
+        out[dst] = smp
+    return out
 
 
 class StreamingDataset(IterableDataset):
@@ -697,22 +723,21 @@ class StreamingDataset(IterableDataset):
     def read(self, epoch: int, positions: np.ndarray) -> list[Any]:
         """The samples at ``positions`` of ``epoch``, in that order, transformed (with
         ``on_corrupt="skip"``, without the damaged ones)."""
-        src, ids = self.lookup(epoch, positions)
-        out: list[Any] = [None] * len(ids)
-        for i in np.unique(src).tolist():
-            sel = np.flatnonzero(src == i)
-            reader = self._readers[i]
-            shard, local = reader.locate(ids[sel])
-            # sorted reads: sequential inside each shard
-            order = np.lexsort((local, shard))
-            sel, shard, local = sel[order], shard[order], local[order]
-            cuts = np.flatnonzero(np.diff(shard)) + 1
-            for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(sel)], strict=True):
-                samples = reader.read(int(shard[a]), local[a:b])
-                for dst, smp in zip(sel[a:b].tolist(), samples, strict=True):
+        if len(self._readers) == 1:  # (lookup's per-source split, without its numpy calls)
+            ids = self._source_order(0, epoch, ()).ids(np.asarray(positions, dtype=np.int64))
+            out = _read_ids(self._readers[0], ids)
+            gid = ids
+        else:
+            src, ids = self.lookup(epoch, positions)
+            out = [None] * len(ids)
+            for i in np.unique(src).tolist():
+                sel = np.flatnonzero(src == i)
+                got = _read_ids(self._readers[i], ids[sel])
+                for dst, smp in zip(sel.tolist(), got, strict=True):
                     out[dst] = smp
+            gid = self._id_base[src] + ids
         kept = positions  # positions of the samples in `out`
-        gids = (self._id_base[src] + ids).tolist() if self.with_ids else []
+        gids = gid.tolist() if self.with_ids else []
         if self._skipped is not None and any(smp is None for smp in out):
             keep = [k for k, smp in enumerate(out) if smp is not None]
             self._skipped.add(len(out) - len(keep))
