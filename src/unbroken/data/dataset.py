@@ -328,22 +328,22 @@ class _MappedShard:
         if not self.verifies and len(exts) <= 2:
             if len(exts) == 1:
                 (x,) = exts
-                for a, b, o, e in rows[local].tolist():
+                for a, b, o, e in rows.take(local, 0).tolist():
                     out.append({"__key__": strings[a:b].decode(), x: mm[o:e]})
             else:
                 x, y = exts
-                for a, b, o, e, p, q in rows[local].tolist():
+                for a, b, o, e, p, q in rows.take(local, 0).tolist():
                     out.append({"__key__": strings[a:b].decode(), x: mm[o:e], y: mm[p:q]})
         elif len(exts) == 1:
             (x,) = exts
-            for a, b, o, e, w in rows[local].tolist():
+            for a, b, o, e, w in rows.take(local, 0).tolist():
                 v = mm[o:e]
                 if h(v) != w:
                     bad.append(len(out))
                 out.append({"__key__": strings[a:b].decode(), x: v})
         elif len(exts) == 2:
             x, y = exts
-            for a, b, o, e, p, q, w, z in rows[local].tolist():
+            for a, b, o, e, p, q, w, z in rows.take(local, 0).tolist():
                 v, u = mm[o:e], mm[p:q]
                 if h(v) != w or h(u) != z:
                     bad.append(len(out))
@@ -352,7 +352,7 @@ class _MappedShard:
             k = len(exts)
             cols = [(x, 2 + 2 * j, 3 + 2 * j, 2 + 2 * k + j) for j, x in enumerate(exts)]
             verify = self.verifies
-            for r in rows[local].tolist():
+            for r in rows.take(local, 0).tolist():
                 d: dict[str, Any] = {"__key__": strings[r[0] : r[1]].decode()}
                 ok = True
                 for x, s, t, c in cols:

@@ -173,12 +173,16 @@ class EpochOrder:
     def stream_index(self, positions: np.ndarray) -> np.ndarray:
         """Position in the epoch -> index in the stream of permuted shards laid end to end."""
         pos = np.asarray(positions, dtype=np.int64)
-        if pos.size and (pos.min() < 0 or pos.max() >= self.length):
-            raise IndexError(
-                f"positions must lie in [0, {self.length}), got {pos.min()}..{pos.max()}"
-            )
+        if not pos.size:
+            return pos.copy()
+        first, last = int(pos.min()), int(pos.max())
+        if first < 0 or last >= self.length:
+            raise IndexError(f"positions must lie in [0, {self.length}), got {first}..{last}")
         if not self.shuffle:
             return pos.copy()
+        if first // self.window == last // self.window:  # one window: a batch, usually
+            lo = first // self.window * self.window
+            return lo + self.window_permutation(first // self.window)[pos - lo]
         out = np.empty_like(pos)
         win = pos // self.window
         for k in np.unique(win):
