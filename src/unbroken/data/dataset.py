@@ -294,7 +294,8 @@ class _MappedShard:
         self.index = idx
         self.strings = idx.strings
         self.exts: tuple[str, ...] | None = None
-        # uniform layout, per sample: key start, key end, each member's data start and end,
+        self.text = ""  # uniform layout: the keys, decoded
+        # uniform layout, per sample: key start, key end (in `text`), each member's data start and end,
         # then (verifying) each member's checksum; uint64, so tolist() gives plain ints
         self.rows: np.ndarray | None = None
         ms = np.asarray(idx.member_start, dtype=np.int64)
@@ -307,6 +308,14 @@ class _MappedShard:
             if self.strings[eo[0] :] == first * n and bool((lens == lens[0]).all()):
                 self.exts = tuple(self.strings[eo[j] : eo[j + 1]].decode() for j in range(k))
                 ko = np.asarray(idx.key_off, dtype=np.int64)
+                # Keys are sliced from one str (one object per key instead of a bytes slice
+                # and its decode): offsets in characters, i.e. bytes minus the UTF-8
+                # continuation bytes before them (ShardIndex checked that every key decodes).
+                keys = self.strings[: int(ko[-1])]
+                self.text = keys.decode()
+                if not keys.isascii():
+                    cont = (np.frombuffer(keys, np.uint8) & 0xC0) == 0x80
+                    ko = ko - np.concatenate(([0], np.cumsum(cont)))[ko]
                 off = np.asarray(idx.data_offset, dtype=np.int64).reshape(n, k)
                 rows = np.empty((n, 2 + 2 * k + (k if self.verifies else 0)), dtype=np.uint64)
                 rows[:, 0] = ko[:-1]
@@ -322,38 +331,38 @@ class _MappedShard:
         rows, exts = self.rows, self.exts
         if rows is None or exts is None:
             return self._read_any(local.tolist())
-        mm, strings, h = self.mm, self.strings, _xxh64
+        mm, text, h = self.mm, self.text, _xxh64
         out: list[Any] = []
         bad: list[int] = []  # positions in `out` whose bytes do not match their checksums
         if not self.verifies and len(exts) <= 2:
             if len(exts) == 1:
                 (x,) = exts
                 for a, b, o, e in rows.take(local, 0).tolist():
-                    out.append({"__key__": strings[a:b].decode(), x: mm[o:e]})
+                    out.append({"__key__": text[a:b], x: mm[o:e]})
             else:
                 x, y = exts
                 for a, b, o, e, p, q in rows.take(local, 0).tolist():
-                    out.append({"__key__": strings[a:b].decode(), x: mm[o:e], y: mm[p:q]})
+                    out.append({"__key__": text[a:b], x: mm[o:e], y: mm[p:q]})
         elif len(exts) == 1:
             (x,) = exts
             for a, b, o, e, w in rows.take(local, 0).tolist():
                 v = mm[o:e]
                 if h(v) != w:
                     bad.append(len(out))
-                out.append({"__key__": strings[a:b].decode(), x: v})
+                out.append({"__key__": text[a:b], x: v})
         elif len(exts) == 2:
             x, y = exts
             for a, b, o, e, p, q, w, z in rows.take(local, 0).tolist():
                 v, u = mm[o:e], mm[p:q]
                 if h(v) != w or h(u) != z:
                     bad.append(len(out))
-                out.append({"__key__": strings[a:b].decode(), x: v, y: u})
+                out.append({"__key__": text[a:b], x: v, y: u})
         else:
             k = len(exts)
             cols = [(x, 2 + 2 * j, 3 + 2 * j, 2 + 2 * k + j) for j, x in enumerate(exts)]
             verify = self.verifies
             for r in rows.take(local, 0).tolist():
-                d: dict[str, Any] = {"__key__": strings[r[0] : r[1]].decode()}
+                d: dict[str, Any] = {"__key__": text[r[0] : r[1]]}
                 ok = True
                 for x, s, t, c in cols:
                     v = d[x] = mm[r[s] : r[t]]
