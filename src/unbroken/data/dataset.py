@@ -81,6 +81,7 @@ from unbroken.data.order import (
     Partition,
     default_shuffle_window,
     mix_seed,
+    mix_seeds,
     shards_per_window,
 )
 from unbroken.data.shards import (
@@ -104,18 +105,27 @@ log = logging.getLogger(__name__)
 # shuffle window can touch (reads move window by window, so nothing is reopened inside one).
 _MIN_OPEN = 8
 _ORDER_CACHE = 8
+_RNG_TAG = 0x5EED  # seed material of the transform's RNGs (vs the order's)
+_SEED_CHUNK = 64  # batches whose RNG seeds iter_batches computes at once
+
+
+def _batch_seeds(seed: int, epoch: int, firsts: list[int]) -> list[int]:
+    """:func:`_seeded_rngs`'s seeds for reads starting at positions ``firsts``, at once."""
+    return mix_seeds((seed, epoch), np.asarray(firsts, np.int64), (_RNG_TAG,)).tolist()
 
 
 @contextlib.contextmanager
-def _seeded_rngs(seed: int, epoch: int, position: int) -> Iterator[None]:
+def _seeded_rngs(seed: int, epoch: int, position: int, s: int | None = None) -> Iterator[None]:
     """Seed python's, numpy's and torch's global CPU RNGs for one read of samples.
 
     Random augmentations in ``transform`` then depend only on (seed, epoch, position of the
     read's first sample): the same after a resume, for any ``num_workers``. In a DataLoader
     worker the RNGs belong to the data pipeline; in the training process (``num_workers=0``)
     they are the model's, so they are put back afterwards and training draws stay the same.
+    ``s``: the seed, when the caller computed it (:func:`_batch_seeds`).
     """
-    s = mix_seed(seed, epoch, position, 0x5EED)
+    if s is None:
+        s = mix_seed(seed, epoch, position, _RNG_TAG)
     gen = torch.default_generator  # not torch.manual_seed: that also seeds every device
     saved = None
     if get_worker_info() is None:
@@ -752,6 +762,9 @@ class StreamingDataset(IterableDataset):
     def read(self, epoch: int, positions: np.ndarray) -> list[Any]:
         """The samples at ``positions`` of ``epoch``, in that order, transformed (with
         ``on_corrupt="skip"``, without the damaged ones)."""
+        return self._read(epoch, positions, None)
+
+    def _read(self, epoch: int, positions: np.ndarray, rng_seed: int | None) -> list[Any]:
         if len(self._readers) == 1:  # (lookup's per-source split, without its numpy calls)
             ids = self._source_order(0, epoch, ()).ids(np.asarray(positions, dtype=np.int64))
             out = _read_ids(self._readers[0], ids)
@@ -774,7 +787,7 @@ class StreamingDataset(IterableDataset):
             gids = [gids[k] for k in keep] if self.with_ids else []
         if self.transform is not None and len(out):
             fn = self.transform
-            with _seeded_rngs(self.seed, epoch, int(positions[0])):
+            with _seeded_rngs(self.seed, epoch, int(positions[0]), rng_seed):
                 for k, smp in enumerate(out):
                     try:
                         out[k] = fn(smp)
@@ -817,10 +830,16 @@ class StreamingDataset(IterableDataset):
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id={worker_id} num_workers={num_workers}")
         part = self.partition(start, batch_size, last_batch)
-        for b in range(first + worker_id, part.num_batches(), num_workers):
-            samples = self.read(epoch, part.batch_positions(b))
-            # empty only when on_corrupt="skip" dropped every sample: nothing to collate
-            yield samples if collate_fn is None or not samples else collate_fn(samples)
+        mine = range(first + worker_id, part.num_batches(), num_workers)
+        for c in range(0, len(mine), _SEED_CHUNK):
+            batches = [part.batch_positions(b) for b in mine[c : c + _SEED_CHUNK]]
+            seeds: list[Any] = [None] * len(batches)
+            if self.transform is not None:  # the RNG seeds of a chunk of batches, at once
+                seeds = _batch_seeds(self.seed, epoch, [int(p[0]) if p.size else 0 for p in batches])
+            for pos, rng_seed in zip(batches, seeds, strict=True):
+                samples = self._read(epoch, pos, rng_seed)
+                # empty only when on_corrupt="skip" dropped every sample: nothing to collate
+                yield samples if collate_fn is None or not samples else collate_fn(samples)
 
     def set_epoch(self, epoch: int) -> None:
         """Epoch used by plain iteration (``iter(ds)``); the loader tracks its own."""
