@@ -37,9 +37,9 @@ def _add_ckpt(sub: argparse._SubParsersAction) -> None:
     ins.add_argument("dir")
     ins.add_argument("--step", type=int, default=None, help="default: newest committed")
     ins.set_defaults(func=_ckpt_inspect)
-    ver = cs.add_parser("verify", help="verify checksums; exit 1 on damage")
+    ver = cs.add_parser("verify", help="restore()'s full verification, read-only; exit 1 on damage")
     ver.add_argument("dir")
-    ver.add_argument("--step", type=int, default=None, help="default: every committed step")
+    ver.add_argument("--step", type=int, default=None, help="default: every step-N directory")
     ver.set_defaults(func=_ckpt_verify)
     exp = cs.add_parser(
         "export",

@@ -7,10 +7,10 @@ raised; local retention may delete a step while it uploads; remote retention.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
-import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -250,15 +250,23 @@ def test_transient_failure_recovers_and_local_retention_does_not_wait(
     late = f"late-{uuid.uuid4().hex[:8]}"  # the bucket appears only after the first attempts
     up = BackgroundUploader(_archive(endpoint, late, retries=6, backoff_s=0.1))
     step_dir = os.path.join(root, "step-00000004")
-    creator = threading.Timer(0.3, lambda: s3.mkdir(late))
+
+    class _CreateOnFirstRetry(logging.Handler):  # the bucket appears once an attempt failed
+        def emit(self, record: logging.LogRecord) -> None:
+            if "retry 1/6" in record.getMessage():  # files upload in parallel: maybe twice
+                with contextlib.suppress(FileExistsError):
+                    s3.mkdir(late)
+
+    creator = _CreateOnFirstRetry()
+    archive_log = logging.getLogger("unbroken.ckpt.archive")
+    archive_log.addHandler(creator)
     with caplog.at_level(logging.INFO, logger="unbroken.ckpt.archive"):
         up.submit(step_dir, 4)
         shutil.rmtree(step_dir)  # local retention deletes the step while it still uploads
-        creator.start()
         try:
             assert up.flush(timeout=30)
         finally:
-            creator.join()
+            archive_log.removeHandler(creator)
             up.close()
     assert up.errors == [] and up.uploaded == [4]
     assert any("retry 1/6" in r.getMessage() for r in caplog.records)  # it did fail first

@@ -403,6 +403,7 @@ def _ranked_worker(rank: int, world: int, job: dict[str, Any]) -> None:
                         out["lock_pid"] = json.load(f)["pid"]
                     out["momentum"] = opt.state[own]["momentum_buffer"].tolist()
                     out["weight"] = model.weight.tolist()
+                dist.barrier()  # every rank has read the lock before rank 0's close() drops it
                 ck.close()
         else:
             st, ddp, model, own, opt, hidden, shared = _ranked_build(

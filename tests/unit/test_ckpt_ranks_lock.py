@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from unbroken.ckpt import TrainState, codec, lock, per_rank
+from unbroken.ckpt.manifest import CheckpointManifest
 
 
 class _Box:
@@ -51,9 +52,12 @@ def test_compare_names_what_differs_and_rename_points_each_rank_at_its_copy() ->
     assert per_rank.split_key("rank1/components/extra.h/t") == (1, "components/extra.h/t")
 
 
-def _manifest(world: int, differs: dict[str, bool]) -> dict:
-    comps = {n: {"sharing": "?", "differs": d, "differing": []} for n, d in differs.items()}
-    return {"step": 9, "world_size": world, "components": comps}
+def _manifest(world: int, differs: dict[str, bool] | None) -> CheckpointManifest:
+    extra = {}
+    if differs is not None:
+        comps = {n: {"sharing": "?", "differs": d, "differing": []} for n, d in differs.items()}
+        extra["components"] = comps
+    return CheckpointManifest(9, world, {}, {}, {}, {}, extra=extra)
 
 
 def test_world_size_rule(caplog) -> None:
@@ -73,7 +77,7 @@ def test_world_size_rule(caplog) -> None:
         same = {"model": False, "extra.h": False, "extra.s": False}
         assert per_rank.check_resize(_manifest(1, same), st, 2, 0) == set()
     assert "['extra.h'] was saved by a single rank" in caplog.text
-    assert per_rank.check_resize({"world_size": 2}, st, 1, 0) == set()  # no section: as before
+    assert per_rank.check_resize(_manifest(2, None), st, 1, 0) == set()  # no section: as before
 
 
 def test_writer_lock_is_shared_in_a_process_and_knows_its_temp_dirs(tmp_path) -> None:

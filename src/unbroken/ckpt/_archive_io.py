@@ -4,7 +4,7 @@ a committed checkpoint held open by file descriptor, manifest checks, a parallel
 from __future__ import annotations
 
 import contextlib
-import json
+import errno
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken.ckpt.store import FORMAT, MANIFEST
+from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest, ManifestError
 
 __all__ = ["ArchiveError", "Damaged", "LocalSnapshot", "SourceFile", "parse_manifest", "run_all"]
 
@@ -61,8 +61,8 @@ class LocalSnapshot:
         self.sources: list[SourceFile] = []
         mpath = os.path.join(step_dir, MANIFEST)
         try:
-            with open(mpath, "rb") as f:
-                self.manifest_bytes = f.read()
+            with open(mpath, "rb") as mf:
+                self.manifest_bytes = mf.read()
         except FileNotFoundError as e:
             raise ArchiveError(
                 url,
@@ -72,25 +72,27 @@ class LocalSnapshot:
             ) from e
         self.manifest = parse_manifest(self.manifest_bytes, step, url, mpath)
         try:
-            for name, f in sorted(self.manifest["files"].items()):
+            for name, f in sorted(self.manifest.files.items()):
                 path = os.path.join(step_dir, name)
                 try:
-                    fd = os.open(path, os.O_RDONLY)
-                except FileNotFoundError as e:
+                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                except OSError as e:
+                    if e.errno not in (errno.ENOENT, errno.ELOOP):
+                        raise
                     raise ArchiveError(
                         url,
                         path,
-                        "listed in the manifest but missing locally; the local "
-                        "checkpoint is damaged and is not archived",
+                        f"listed in the manifest but {'a symlink' if e.errno == errno.ELOOP else 'missing'}"
+                        " locally; the local checkpoint is damaged and is not archived",
                         damaged=True,
                     ) from e
-                self.sources.append(SourceFile(name, fd, int(f["size"]), str(f["checksum"])))
+                self.sources.append(SourceFile(name, fd, f.size, f.checksum))
                 size = os.fstat(fd).st_size
-                if size != int(f["size"]):
+                if size != f.size:
                     raise ArchiveError(
                         url,
                         path,
-                        f"local file has {size} bytes, manifest says {f['size']}; "
+                        f"local file has {size} bytes, manifest says {f.size}; "
                         "the local checkpoint is damaged and is not archived",
                         damaged=True,
                     )
@@ -119,27 +121,13 @@ def _local_files(d: str) -> Iterator[str]:
             yield os.path.relpath(os.path.join(base, n), d).replace(os.sep, "/")
 
 
-def parse_manifest(raw: bytes, step: int, url: str, where: str) -> dict[str, Any]:
+def parse_manifest(raw: bytes, step: int, url: str, where: str) -> CheckpointManifest:
+    """The manifest of ``step``, validated in full (:class:`CheckpointManifest`); a bad one
+    is a damaged copy (:class:`ArchiveError` with ``damaged=True``)."""
     try:
-        m = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArchiveError(url, where, f"manifest is not valid JSON ({e})", damaged=True) from e
-    if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("step") != step:
-        raise ArchiveError(url, where, f"not an unbroken manifest for step {step}", damaged=True)
-    files = m.get("files")
-    if not isinstance(files, dict) or not all(
-        isinstance(f, dict)
-        and isinstance(f.get("size"), int)
-        and isinstance(f.get("checksum"), str)
-        for f in files.values()
-    ):
-        raise ArchiveError(url, where, "manifest lacks a valid 'files' table", damaged=True)
-    for name in files:
-        if name.startswith("/") or ".." in name.split("/") or name == MANIFEST:
-            raise ArchiveError(
-                url, where, f"manifest lists unsafe file name {name!r}", damaged=True
-            )
-    return m
+        return CheckpointManifest.from_json(raw, step=step, where=where)
+    except ManifestError as e:
+        raise ArchiveError(url, where, str(e), damaged=True) from e
 
 
 def run_all(threads: int, name: str, tasks: Sequence[Callable[[], Any]]) -> None:

@@ -21,7 +21,6 @@ remote object is detected, and :func:`fetch_newest_valid` falls back to an older
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -44,7 +43,8 @@ from unbroken.ckpt._archive_io import (
     parse_manifest,
     run_all,
 )
-from unbroken.ckpt.store import MANIFEST, Store
+from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
+from unbroken.ckpt.store import Store
 
 __all__ = [
     "Archive",
@@ -175,8 +175,11 @@ class Archive:
                 out.add(int(m.group(1)))
         return sorted(out)
 
-    def read_manifest(self, step: int) -> dict[str, Any]:
-        """The verified-to-parse remote manifest of ``step`` (raises :class:`ArchiveError`)."""
+    def read_manifest(self, step: int) -> CheckpointManifest:
+        """The fully validated remote manifest of ``step`` (raises :class:`ArchiveError`)."""
+        return self._manifest(step)[1]
+
+    def _manifest(self, step: int) -> tuple[bytes, CheckpointManifest]:
         path = f"{self._step_path(step)}/{MANIFEST}"
 
         def get() -> bytes:
@@ -185,15 +188,12 @@ class Archive:
             except FileNotFoundError as e:
                 raise Damaged(f"{path} is missing: step {step} is not committed remotely") from e
 
-        return parse_manifest(self._retry(path, "manifest download", get), step, self.url, path)
+        raw = self._retry(path, "manifest download", get)
+        return raw, parse_manifest(raw, step, self.url, path)
 
     def info(self, step: int) -> RemoteInfo:
         m = self.read_manifest(step)
-        size = sum(int(f["size"]) for f in m["files"].values())
-        created = m.get("created")
-        return RemoteInfo(
-            step, self.step_url(step), size, float(created) if created is not None else None
-        )
+        return RemoteInfo(step, self.step_url(step), m.total_bytes, m.created)
 
     # --- upload -------------------------------------------------------------------------------
 
@@ -305,9 +305,9 @@ class Archive:
         Raises :class:`ArchiveError` (``damaged=True`` for a bad object: try an older step).
         """
         t0 = time.perf_counter()
-        m = self.read_manifest(step)
+        raw, m = self._manifest(step)
         prefix = self._step_path(step)
-        files: dict[str, dict[str, Any]] = m["files"]
+        files = m.files  # plain names only (validated): every path stays inside dest_dir
         have = self._retry(prefix, "listing", lambda: self._sizes(prefix))
         for name, f in sorted(files.items()):
             if name not in have:
@@ -317,11 +317,11 @@ class Archive:
                     "listed in the remote manifest but missing",
                     damaged=True,
                 )
-            if have[name] != f["size"]:
+            if have[name] != f.size:
                 raise ArchiveError(
                     self.url,
                     f"{prefix}/{name}",
-                    f"remote object has {have[name]} bytes, manifest says {f['size']}",
+                    f"remote object has {have[name]} bytes, manifest says {f.size}",
                     damaged=True,
                 )
         os.makedirs(dest_dir, exist_ok=True)
@@ -329,10 +329,11 @@ class Archive:
         try:
             parts: list[tuple[str, int, int]] = []
             for name, f in files.items():
-                lpath = os.path.join(dest_dir, *name.split("/"))
-                os.makedirs(os.path.dirname(lpath), exist_ok=True)
-                fds[name] = os.open(lpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                size = int(f["size"])
+                lpath = os.path.join(dest_dir, name)
+                fds[name] = os.open(
+                    lpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644
+                )
+                size = f.size
                 os.ftruncate(fds[name], size)
                 parts += [(name, o, min(o + _CHUNK, size)) for o in range(0, size, _CHUNK)]
 
@@ -344,15 +345,15 @@ class Archive:
                     view = view[os.pwrite(fds[name], view, start + len(data) - len(view)) :]
 
             def check(name: str) -> None:
-                lpath = os.path.join(dest_dir, *name.split("/"))
+                lpath = os.path.join(dest_dir, name)
                 os.fsync(fds[name])
                 size, digest = checksum_file(lpath)
-                if digest != files[name]["checksum"]:
+                if digest != files[name].checksum:
                     raise ArchiveError(
                         self.url,
                         f"{prefix}/{name}",
                         f"checksum mismatch after download ({size} bytes, xxh3-128 {digest}, "
-                        f"manifest says {files[name]['checksum']}): the remote copy is damaged",
+                        f"manifest says {files[name].checksum}): the remote copy is damaged",
                         damaged=True,
                     )
 
@@ -361,10 +362,10 @@ class Archive:
         finally:
             for fd in fds.values():
                 os.close(fd)
-        atomic_write_bytes(os.path.join(dest_dir, MANIFEST), json.dumps(m, indent=1).encode())
+        atomic_write_bytes(os.path.join(dest_dir, MANIFEST), raw)  # as validated, byte for byte
         fsync_dir(dest_dir)
         dt = time.perf_counter() - t0
-        total = sum(int(f["size"]) for f in files.values())
+        total = m.total_bytes
         log.info(
             "downloaded step %d from %s: %.1f MB in %.2f s (%.1f MB/s), checksums verified",
             step,

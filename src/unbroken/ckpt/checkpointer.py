@@ -44,18 +44,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 import unbroken
 from unbroken._audit import state_audit
 from unbroken._fs import atomic_write_bytes, checksum_file
 from unbroken.ckpt import _dist, codec, lock, per_rank
 from unbroken.ckpt import rng as _rng
-from unbroken.ckpt.saver import ItemLocation, load_into, write_tensors
+from unbroken.ckpt.manifest import CheckpointManifest, Chunk, FileEntry, TensorEntry
+from unbroken.ckpt.saver import ItemLocation, fill, write_tensors
 from unbroken.ckpt.snapshot import Snapshotter
 from unbroken.ckpt.state import TrainState
-from unbroken.ckpt.store import FORMAT, FORMAT_VERSION, CheckpointInfo, CorruptCheckpoint, Store
-from unbroken.ckpt.verify import into_live, load_verified
+from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint, Store
+from unbroken.ckpt.verify import Verified, check_fits, load_verified
 
 __all__ = ["Checkpointer"]
 
@@ -410,36 +410,38 @@ class Checkpointer:
         locations: Sequence[ItemLocation],
         meta: Mapping[str, Any],
         world: int,
-    ) -> dict[str, Any]:
-        tensors = {k: dict(v) for k, v in meta.items()}
+    ) -> CheckpointManifest:
+        chunks: dict[str, list[Chunk]] = {}
         for loc in locations:
-            tensors[loc.key].setdefault("chunks", []).append(
-                {
-                    "offsets": list(loc.chunk_offsets),
-                    "file": loc.file,
-                    "offset": loc.offset,
-                    "length": loc.length,
-                }
+            chunks.setdefault(loc.key, []).append(
+                Chunk(loc.chunk_offsets, loc.chunk_sizes, loc.file, loc.offset, loc.length)
             )
         loader = job.sd["components"].get("loader")
-        return {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "step": job.step,
-            "created": time.time(),
-            "world_size": world,
-            "ranks": {str(r): {"state": f"state-rank{r}.json"} for r in range(world)},
-            "components": per_rank.manifest_section(job.differing, self.state.sharing),
-            "unbroken_version": unbroken.__version__,
-            "torch_version": torch.__version__,
-            "checksum_algo": "xxh3_128",
-            "files": {k: {"size": s, "checksum": c} for k, (s, c) in sorted(files.items())},
-            "tensors": tensors,
-            "counters": dict(job.sd["counters"]),
-            "data_state": loader if _jsonable(loader) else None,
-            "save_seconds": round(time.perf_counter() - job.t0, 4),
-            "blocked_seconds": round(job.blocked, 4),
-        }
+        return CheckpointManifest(
+            step=job.step,
+            world_size=world,
+            ranks={r: f"state-rank{r}.json" for r in range(world)},
+            files={k: FileEntry(s, c) for k, (s, c) in files.items()},
+            tensors={
+                k: TensorEntry(
+                    v["dtype"],
+                    tuple(v["shape"]),
+                    v["sharded"],
+                    v["stats"],
+                    tuple(chunks[k]),
+                    v.get("rank"),  # set for a rank's own copy of state that differed
+                )
+                for k, v in meta.items()
+            },
+            counters=dict(job.sd["counters"]),
+            data_state=loader if _jsonable(loader) else None,
+            created=time.time(),
+            unbroken_version=unbroken.__version__,
+            torch_version=torch.__version__,
+            save_seconds=round(time.perf_counter() - job.t0, 4),
+            blocked_seconds=round(job.blocked, 4),
+            extra={"components": per_rank.manifest_section(job.differing, self.state.sharing)},
+        )
 
     # --- shutdown and preemption --------------------------------------------------------------
 
@@ -518,11 +520,15 @@ class Checkpointer:
     def restore(self, step: int | None = None) -> int | None:
         """Restore the newest checkpoint that verifies on every rank (or exactly ``step``).
 
-        Returns the restored step, or None when there is nothing to restore. Damaged
-        checkpoints are quarantined and the next older one is tried. When no local
-        checkpoint verifies and an archive is configured, the newest verified remote copy
-        is downloaded. A root that holds files but no valid checkpoint raises, unless
-        ``allow_fresh_start=True``.
+        Returns the restored step, or None when there is nothing to restore. A checkpoint
+        that fails verification in any way (T-FALL-BACK) is moved to
+        ``corrupt-step-N-<reason>`` (or, where the root cannot be renamed in, e.g. a
+        read-only file system, skipped) with one WARNING, and the next older one is tried.
+        When no local checkpoint verifies and an archive is configured, the newest verified
+        remote copy is downloaded. A root that holds files but no valid checkpoint raises,
+        listing what was tried and why, unless ``allow_fresh_start=True``. A checkpoint that
+        verifies but does not fit the live state (other keys, shapes or dtypes) raises a
+        ``ValueError`` naming them before anything is copied: the live state is unchanged.
         """
         self.wait()
         if step is not None:
@@ -531,18 +537,17 @@ class Checkpointer:
         rank, world = self._comm.rank, self._comm.world
         t0 = time.perf_counter()
         if rank == 0:
-            self.store.remove_debris()
-            for name in self.store.uncommitted():
-                log.warning(
-                    "ignoring %s/%s: a step directory without manifest.json", self.store.root, name
-                )
-        candidates = [step] if step is not None else sorted(self.store.steps(), reverse=True)
+            self.store.remove_debris(is_stale=lambda p: not lock.writer_alive(p))
+        candidates = [step] if step is not None else sorted(self.store.candidates(), reverse=True)
+        tried: list[str] = []
         for s in self._comm.broadcast(candidates):
-            if self._try_load(s, rank, world) is not None:
+            why = self._try_load(s, rank, world)
+            if why is None:
                 return self._restored(s, t0)
+            tried.append(f"step {s}: {why}")
             if step is not None:
                 raise CorruptCheckpoint(
-                    s, "damaged", "the requested checkpoint failed verification"
+                    s, "damaged", f"the requested checkpoint failed verification ({why})"
                 )
         older: int | None = None
         while self._archive is not None:  # node replaced or disk lost: newest good remote copy
@@ -554,14 +559,24 @@ class Checkpointer:
             fetched = self._comm.broadcast(fetched)
             if fetched is None:
                 break
-            if self._try_load(fetched, rank, world) is not None:
+            why = self._try_load(fetched, rank, world)
+            if why is None:
                 return self._restored(fetched, t0)
+            tried.append(f"step {fetched} (from {self._archive.url}): {why}")
             older = fetched
         if self.store.has_foreign_content() and not self.allow_fresh_start:
+            what = "; ".join(tried) if tried else "no step-N directory"
             raise RuntimeError(
-                f"{self.store.root!r} is not empty but holds no valid checkpoint (damaged ones "
-                "were moved to corrupt-step-*); refusing to silently start from scratch. Pass "
+                f"{self.store.root!r} is not empty but holds no valid checkpoint (tried: "
+                f"{what}); refusing to silently start from scratch. Pass "
                 "allow_fresh_start=True to start anew, or point at another directory"
+            )
+        if tried and rank == 0:
+            log.warning(
+                "no checkpoint in %s verified (%d tried); starting from scratch as "
+                "allow_fresh_start=True asks",
+                self.store.root,
+                len(tried),
             )
         for obj in self.state.components.values():  # a fresh start: e.g. MetricLog drops
             getattr(obj, "start_fresh", lambda: None)()  # what an earlier attempt logged
@@ -576,60 +591,79 @@ class Checkpointer:
         _mark("loaded", step=s, seconds=dt)
         return s
 
-    def _try_load(self, s: int, rank: int, world: int) -> int | None:
-        """Verify ``s`` on every rank; apply it only if all agree. Returns ``s`` or None."""
-        ver = None
+    def _try_load(self, s: int, rank: int, world: int) -> str | None:
+        """Verify ``s`` on every rank and apply it only if all agree. Returns None when it
+        was applied, else why not (after quarantining or skipping it)."""
+        ver: Verified | None = None
         why = None
         try:
             ver = load_verified(self.store, s, rank=rank, world=world)
-        except CorruptCheckpoint as e:
+        except CorruptCheckpoint as e:  # load_verified raises nothing else for damage
             why = (e.reason, e.detail)
         verdicts = self._comm.gather(why)
         bad = [(r, w) for r, w in enumerate(verdicts) if w]
         if bad:
+            r, (reason, detail) = bad[0]
             if rank == 0:
-                r, (reason, detail) = bad[0]
                 where = self.store.quarantine(s, reason)
-                log.warning(
-                    "checkpoint step %d is damaged (rank %d: %s: %s); moved to %s, trying an older one",
-                    s,
-                    r,
-                    reason,
-                    detail,
-                    where,
-                )
+                if isinstance(where, OSError):
+                    log.warning(
+                        "checkpoint step %d is damaged (rank %d: %s: %s); could not move it "
+                        "aside (%s), skipped; trying an older one",
+                        s, r, reason, detail, where.strerror or where,
+                    )  # fmt: skip
+                else:
+                    log.warning(
+                        "checkpoint step %d is damaged (rank %d: %s: %s); moved to %s, "
+                        "trying an older one",
+                        s, r, reason, detail, where,
+                    )  # fmt: skip
             self._comm.barrier()
-            return None
+            return f"{reason}: {detail}"
         if ver is None:  # unreachable: no rank reported damage
-            return None
+            return "not verified"
         self._apply(ver, rank, world)
-        return s
+        return None
 
-    def _apply(self, ver: Any, rank: int, world: int) -> None:
-        self.state.check_compatible(ver.tree)  # component names only: plain JSON keys
+    def _apply(self, ver: Verified, rank: int, world: int) -> None:
+        # The world-size rule (C-PER-RANK) is a refusal, like check_fits below: it raises
+        # to the caller and never quarantines the (intact) checkpoint.
         skip = per_rank.check_resize(ver.manifest, self.state, world, rank)
         if skip:  # neither read nor decoded: those components keep their live state
             comps = {n: None if n in skip else v for n, v in ver.tree["components"].items()}
-            ver = dataclasses.replace(ver, tree={**ver.tree, "components": comps})
+            tree = {**ver.tree, "components": comps}
+            ver = dataclasses.replace(ver, tree=tree, needed=ver.needed & codec.tensor_keys(tree))
         current = self.state.state_dict()
         current.pop("rng", None)
         live: dict[str, torch.Tensor] = {}
         codec.encode(current, live)
-        needed = codec.tensor_keys(ver.tree)  # this rank's tree: its own per-rank copies
-        for k in needed:  # "rank1/components/x" restores into the live "components/x"
+        for k in ver.needed:  # "rank1/components/x" restores into the live "components/x"
             base = per_rank.split_key(k)[1]
-            if base in live:
-                live[k] = live[base]
-        if ver.sharded or any(isinstance(t, DTensor) for t in live.values()):
-            saved = {k: v for k, v in ver.manifest["tensors"].items() if k in needed}
-            tensors = _dcp_targets(saved, live)
-            load_into(self.store.step_dir(ver.step), tensors, comm=self._comm)
-        else:
-            tensors = into_live({k: v for k, v in ver.tensors.items() if k in needed}, live)
-        sd = ver.decode(tensors)
+            if base != k and base in live:
+                live[k] = live.pop(base)
+        # All or nothing: every key, shape and dtype is checked on every rank before the
+        # first tensor is copied into the live state. Skipped components are not compared.
+        components = {n: None if n in skip else o for n, o in self.state.components.items()}
+        mine = check_fits(ver, live, components)
+        problems = [p for ps in self._comm.gather(mine) for p in ps]
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise ValueError(
+                f"checkpoint step {ver.step} in {self.store.root!r} does not fit the live "
+                f"state: {'; '.join(sorted(set(problems))[:5])}{more}. Nothing was restored "
+                "(the live state is unchanged); build the model and optimizer as the run "
+                "that saved it did, or restore from another directory"
+            )
+        tensors = ver.manifest.tensors
+        targets = {  # what this rank's state references: live tensors, or new ones
+            k: live[k] if k in live else torch.empty(tensors[k].shape, dtype=tensors[k].torch_dtype)
+            for k in sorted(ver.needed)
+        }
+        fill(self.store.step_dir(ver.step), ver.manifest, targets, views=ver.tensors)
+        sd = ver.decode(targets)
         self.state.load_state_dict(sd, restore_rng=ver.rng is not None, skip=skip)
         if ver.rng is None:
-            saved = ver.manifest["world_size"]
+            saved = ver.manifest.world_size
             _rng.derive(self.state.seed, rank, ver.step, self.state.numpy_generators)
             if rank == 0:
                 log.warning(
@@ -641,26 +675,6 @@ class Checkpointer:
                     ver.step,
                 )
         self._audit.restored(ver.step)
-
-
-def _dcp_targets(
-    saved: Mapping[str, Any], live: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Tensors for ``dcp.load``: live ones where they exist (re-sharded in place), fresh
-    ones for unsharded state the live objects do not hold yet (e.g. a new optimizer)."""
-    out: dict[str, torch.Tensor] = {}
-    for k, t in saved.items():
-        if k in live:
-            out[k] = live[k]
-        elif t.get("sharded"):
-            raise ValueError(
-                f"checkpoint holds sharded tensor {k!r} but the live state has no tensor there; "
-                "create it before restore (for optimizers: "
-                "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict)"
-            )
-        else:
-            out[k] = torch.empty(t["shape"], dtype=getattr(torch, t["dtype"]))
-    return out
 
 
 def _flush_at_exit(ref: weakref.ref[Checkpointer]) -> None:

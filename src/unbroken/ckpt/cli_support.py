@@ -3,29 +3,39 @@
 * :func:`format_listing`: one row per step with size, age and where it lives (local,
   remote, both), plus quarantined, uncommitted and in-progress directories.
 * :func:`format_manifest`: a manifest in human form.
-* :func:`verify_report`: full verification of each step (never modifies the directory).
+* :func:`verify_steps` / :func:`verify_report`: restore()'s own verification of each step
+  directory (never modifies anything), so its verdict always agrees with restore().
 * :func:`export_safetensors`: consolidated weights of one component for inference users,
   keys as the model's own ``state_dict`` names (``0.weight``).
+
+Every command reads the manifest through the one validated
+:class:`~unbroken.ckpt.manifest.CheckpointManifest`.
 """
 
 from __future__ import annotations
 
 import datetime
-import io
 import json
 import os
 import re
 import time
-from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
 from unbroken._fs import fsync_dir, temp_sibling
+from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
 from unbroken.ckpt.per_rank import split_key
-from unbroken.ckpt.store import MANIFEST, CorruptCheckpoint, Store
+from unbroken.ckpt.store import CorruptCheckpoint, Store
 
-__all__ = ["export_safetensors", "format_listing", "format_manifest", "verify_report"]
+__all__ = [
+    "StepVerdict",
+    "export_safetensors",
+    "format_listing",
+    "format_manifest",
+    "verify_report",
+    "verify_steps",
+]
 
 _COMPONENTS = "components/"
 _CORRUPT_RE = re.compile(r"^corrupt-step-(\d+)-(.+)$")
@@ -64,7 +74,7 @@ def _is_remote(url: str) -> bool:
     return "://" in url and not url.startswith("file://")
 
 
-def _manifest(store: Store, step: int) -> dict[str, Any]:
+def _manifest(store: Store, step: int) -> CheckpointManifest:
     try:
         return store.read_manifest(step)
     except CorruptCheckpoint as e:
@@ -116,7 +126,7 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
             if m:
                 notes.append(f"{name}: quarantined step {int(m.group(1))} ({m.group(2)})")
         notes += [
-            f"{n}: step directory without {MANIFEST} (not a checkpoint)"
+            f"{n}: DAMAGED, no {MANIFEST} (restore() moves it aside; see `ckpt verify`)"
             for n in store.uncommitted()
         ]
         notes += [f"{n}: save in progress, or debris of a killed one" for n in store.temp_dirs()]
@@ -153,17 +163,9 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
 
 
 def _component(key: str) -> str:
+    key = split_key(key)[1]  # a rank's own copy (rank1/components/...) counts as its component
     rest = key.removeprefix(_COMPONENTS)
     return rest.split("/", 1)[0] if rest != key else key.split("/", 1)[0]
-
-
-def _nbytes(t: Mapping[str, Any]) -> int:
-    dtype = getattr(torch, str(t.get("dtype")), None)
-    if not isinstance(dtype, torch.dtype):
-        return 0
-    return (
-        int(torch.Size(t.get("shape") or []).numel()) * torch.empty((), dtype=dtype).element_size()
-    )
 
 
 def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -> str:
@@ -171,59 +173,54 @@ def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -
     store = Store(directory)
     step = _pick_step(store, step)
     m = _manifest(store, step)
-    created = m.get("created")
     when = (
-        datetime.datetime.fromtimestamp(float(created)).isoformat(sep=" ", timespec="seconds")
-        + f" ({_age(float(created), time.time())})"
-        if created is not None
+        datetime.datetime.fromtimestamp(m.created).isoformat(sep=" ", timespec="seconds")
+        + f" ({_age(m.created, time.time())})"
+        if m.created is not None
         else "?"
     )
-    files: dict[str, Any] = m["files"]
-    tensors: dict[str, Any] = m["tensors"]
     out = [
         f"checkpoint {store.step_dir(step)}",
-        f"  step            {m['step']}",
+        f"  step            {m.step}",
         f"  created         {when}",
-        f"  format          {m.get('format')} v{m.get('version')}, checksums {m.get('checksum_algo', '?')}",
-        f"  versions        unbroken {m.get('unbroken_version', '?')}, torch {m.get('torch_version', '?')}",
-        f"  world size      {m.get('world_size', '?')}",
+        f"  format          unbroken-checkpoint v{m.version}, checksums xxh3_128",
+        f"  versions        unbroken {m.unbroken_version}, torch {m.torch_version}",
+        f"  world size      {m.world_size}",
     ]
-    for k in ("save_seconds", "blocked_seconds"):
-        if k in m:
-            out.append(f"  {k.replace('_', ' '):<15} {m[k]} s")
-    counters = m.get("counters") or {}
-    out.append("  counters        " + (", ".join(f"{k}={v}" for k, v in counters.items()) or "-"))
-    data = m.get("data_state")
+    for name, secs in (("save seconds", m.save_seconds), ("blocked seconds", m.blocked_seconds)):
+        if secs is not None:
+            out.append(f"  {name:<15} {secs} s")
+    out.append("  counters        " + (", ".join(f"{k}={v}" for k, v in m.counters.items()) or "-"))
+    data = m.data_state
     text = json.dumps(data, sort_keys=True) if data is not None else "- (no JSON-able loader state)"
     out.append("  data state      " + (text if len(text) <= 200 else text[:197] + "..."))
-    out.append(
-        f"  files           {len(files)} + {MANIFEST}, {_size(sum(f['size'] for f in files.values()))}"
-    )
+    out.append(f"  files           {len(m.files)} + {MANIFEST}, {_size(m.total_bytes)}")
     rows = [["", "FILE", "SIZE", "CHECKSUM"]]
-    rows += [["  ", n, _size(f["size"]), f["checksum"]] for n, f in sorted(files.items())]
+    rows += [["  ", n, _size(f.size), f.checksum] for n, f in sorted(m.files.items())]
     out += _table(rows, {2})
     by_comp: dict[str, list[int]] = {}
-    for k, t in tensors.items():
+    for k, t in m.tensors.items():
         c = by_comp.setdefault(_component(k), [0, 0])
         c[0] += 1
-        c[1] += _nbytes(t)
+        c[1] += t.nbytes
     total = sum(b for _, b in by_comp.values())
-    out.append(f"  tensors         {len(tensors)}, {_size(total)}")
+    out.append(f"  tensors         {len(m.tensors)}, {_size(total)}")
+    comps = m.extra.get("components")
+    differ = sorted(
+        n for n, c in (comps if isinstance(comps, dict) else {}).items()
+        if isinstance(c, dict) and c.get("differs")
+    )  # fmt: skip
+    if differ:
+        out.append(f"  saved per rank  {', '.join(differ)} (differed between the ranks)")
     rows = [["", "COMPONENT", "TENSORS", "BYTES"]]
     rows += [["  ", c, str(n), _size(b)] for c, (n, b) in sorted(by_comp.items())]
     out += _table(rows, {2, 3})
-    biggest = sorted(tensors.items(), key=lambda kv: -_nbytes(kv[1]))[:top]
+    biggest = sorted(m.tensors.items(), key=lambda kv: -kv[1].nbytes)[:top]
     if biggest:
         out.append(f"  largest tensors (top {len(biggest)})")
         rows = [["", "KEY", "SHAPE", "DTYPE", "BYTES"]]
         rows += [
-            [
-                "  ",
-                k,
-                "x".join(map(str, t.get("shape") or [])) or "()",
-                str(t.get("dtype")),
-                _size(_nbytes(t)),
-            ]
+            ["  ", k, "x".join(map(str, t.shape)) or "()", t.dtype, _size(t.nbytes)]
             for k, t in biggest
         ]
         out += _table(rows, {4})
@@ -233,64 +230,89 @@ def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -
 # --- verify --------------------------------------------------------------------------------
 
 
-def verify_report(directory: str, step: int | None = None) -> tuple[bool, str]:
-    """Fully verify ``step`` (default: every committed step): sizes, checksums, tensor
-    statistics, state decoding. Read-only: nothing is quarantined. Returns ``(ok, text)``."""
+@dataclass(frozen=True)
+class StepVerdict:
+    """What restore()'s verification says about one step directory."""
+
+    step: int
+    ok: bool
+    reason: str
+    """quarantine slug (``checksum``, ``no-manifest`` ...); empty when ok."""
+    detail: str
+    size: int
+    seconds: float
+
+
+def _dir_size(path: str) -> int:
+    try:
+        return sum(e.stat(follow_symlinks=False).st_size for e in os.scandir(path))
+    except OSError:
+        return 0
+
+
+def verify_steps(directory: str, step: int | None = None) -> list[StepVerdict]:
+    """Run restore()'s verification and decoding (``load_verified``, without a model) on
+    ``step`` or on every ``step-N`` directory, committed or not (a directory without a
+    manifest is damage to restore() too), with every rank's state file checked as the ranks
+    of a same-size restore check them between them. Read-only: nothing is quarantined."""
     from unbroken.ckpt.verify import load_verified
 
     store = Store(directory)
     if not os.path.isdir(store.root):
         raise FileNotFoundError(f"checkpoint directory {store.root!r} does not exist")
-    steps = [_pick_step(store, step)] if step is not None else store.steps()
-    if not steps:
-        return False, f"{store.root}: no committed checkpoint to verify"
-    ok = True
-    rows = [["STEP", "RESULT", "SIZE", "TIME", "DETAIL"]]
+    steps = store.candidates()
+    if step is not None:
+        if step not in steps:
+            raise ValueError(
+                f"no checkpoint directory for step {step} in {store.root!r}; steps: {steps}"
+            )
+        steps = [step]
+    out = []
     for s in steps:
-        size = store.info(s).size
         t0 = time.perf_counter()
         try:
-            v = load_verified(store, s)
+            v = load_verified(store, s, every_rank=True)
             del v  # drop the read-only mappings at once
-            result, detail = "ok", ""
+            reason = detail = ""
         except CorruptCheckpoint as e:
-            ok = False
-            result, detail = f"DAMAGED ({e.reason})", e.detail
-        rows.append([str(s), result, _size(size), f"{time.perf_counter() - t0:.2f} s", detail])
-    out = [f"verifying {store.root}"] + _table(rows, {0, 2, 3})
-    bad = sum(1 for r in rows[1:] if r[1] != "ok")
+            reason, detail = e.reason, e.detail
+        out.append(
+            StepVerdict(
+                s, not reason, reason, detail, _dir_size(store.step_dir(s)), time.perf_counter() - t0
+            )
+        )
+    return out
+
+
+def verify_report(directory: str, step: int | None = None) -> tuple[bool, str]:
+    """:func:`verify_steps` as a table. Returns ``(all ok, text)``."""
+    verdicts = verify_steps(directory, step)
+    root = Store(directory).root
+    if not verdicts:
+        return False, f"{root}: no committed checkpoint to verify (no step-N directory)"
+    rows = [["STEP", "RESULT", "SIZE", "TIME", "DETAIL"]]
+    rows += [
+        [
+            str(v.step),
+            "ok" if v.ok else f"DAMAGED ({v.reason})",
+            _size(v.size),
+            f"{v.seconds:.2f} s",
+            v.detail,
+        ]
+        for v in verdicts
+    ]
+    bad = sum(not v.ok for v in verdicts)
+    out = [f"verifying {root}"] + _table(rows, {0, 2, 3})
     out.append(
-        f"{len(steps)} checkpoint(s) verified, all intact"
-        if ok
-        else f"{bad} of {len(steps)} checkpoint(s) DAMAGED; Checkpointer.restore() would skip them"
+        f"{len(verdicts)} checkpoint(s) verified, all intact"
+        if not bad
+        else f"{bad} of {len(verdicts)} checkpoint(s) DAMAGED; Checkpointer.restore() would "
+        "move them aside (or skip them) and use the newest intact one"
     )
-    return ok, "\n".join(out)
+    return not bad, "\n".join(out)
 
 
 # --- export --------------------------------------------------------------------------------
-
-
-def _chunked(directory: str, meta: Mapping[str, Any]) -> torch.Tensor:
-    """One tensor assembled from its DCP chunks (sharded saves write one chunk per shard);
-    each chunk is read with ``torch.load(weights_only=True)``: no code from the file runs."""
-    dtype = getattr(torch, meta["dtype"])
-    out = torch.empty(meta["shape"], dtype=dtype)
-    for c in meta["chunks"]:
-        with open(os.path.join(directory, c["file"]), "rb") as f:
-            f.seek(c["offset"])
-            blob = f.read(c["length"])
-        part = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        if len(c["offsets"]) != part.dim() or part.dtype != dtype:
-            raise ValueError(
-                f"chunk of {meta['shape']} {meta['dtype']} at offsets {c['offsets']} in "
-                f"{c['file']} holds a {list(part.shape)} {part.dtype} tensor; the manifest does "
-                "not describe this file"
-            )
-        region = out
-        for dim, (off, n) in enumerate(zip(c["offsets"], part.shape, strict=True)):
-            region = region.narrow(dim, off, n)
-        region.copy_(part)
-    return out
 
 
 def _export_name(rest: str) -> str:
@@ -312,6 +334,7 @@ def export_safetensors(
         from safetensors.torch import save_file
     except ImportError as e:
         raise RuntimeError("exporting needs safetensors: pip install 'unbroken[export]'") from e
+    from unbroken.ckpt.saver import fill
     from unbroken.ckpt.verify import load_verified
 
     store = Store(directory)
@@ -323,23 +346,21 @@ def export_safetensors(
             f"checkpoint step {step} in {store.root!r} failed verification ({e}); export "
             "another step with --step (see `unbroken ckpt verify`)"
         ) from e
-    meta: dict[str, Any] = v.manifest["tensors"]
+    meta = v.manifest.tensors
     prefix = f"{_COMPONENTS}{component}/"
     # a tensor that differed between ranks is saved per rank: export rank 0's copy
     saved = {split_key(k)[1]: k for k in sorted(meta) if split_key(k)[0] in (None, 0)}
     keys = sorted(k for k in saved if k.startswith(prefix))
     if not keys:
-        have = sorted({_component(k) for k in meta if k.startswith(_COMPONENTS)})
+        have = sorted({_component(k) for k in saved if k.startswith(_COMPONENTS)})
         raise ValueError(
             f"checkpoint step {step} has no tensors for component {component!r}; "
             f"components with tensors: {have}. Pass --component with one of them"
         )
-    tensors: dict[str, torch.Tensor] = {}
-    d = store.step_dir(step)
-    for k in keys:
-        key = saved[k]
-        t = v.tensors[key].clone() if key in v.tensors else _chunked(d, meta[key])
-        tensors[_export_name(k[len(prefix) :])] = t.contiguous()
+    whole = {k: torch.empty(meta[saved[k]].shape, dtype=meta[saved[k]].torch_dtype) for k in keys}
+    # any number of shards; rank 0's copy of what was saved per rank
+    fill(store.step_dir(step), v.manifest, {saved[k]: t for k, t in whole.items()}, views=v.tensors)
+    tensors = {_export_name(k[len(prefix) :]): t for k, t in whole.items()}
     del v
     rest = [k for k in tensors if k != "n_averaged"]
     if "n_averaged" in tensors and rest and all(k.startswith("module.") for k in rest):

@@ -54,6 +54,7 @@ from unbroken._fs import checksum_bytes
 from unbroken.ckpt import codec
 
 if TYPE_CHECKING:
+    from unbroken.ckpt.manifest import CheckpointManifest
     from unbroken.ckpt.state import TrainState
 
 __all__ = [
@@ -206,12 +207,14 @@ def manifest_section(
     }
 
 
-def check_resize(manifest: Mapping[str, Any], state: TrainState, world: int, rank: int) -> set[str]:
+def check_resize(
+    manifest: CheckpointManifest, state: TrainState, world: int, rank: int
+) -> set[str]:
     """Apply the world-size rule before anything is restored: returns the per-rank
     components to leave as constructed, or raises ``ValueError`` naming the ones that
     cannot be mapped to the new ranks."""
-    saved_world = int(manifest["world_size"])
-    comps = manifest.get("components")
+    saved_world = manifest.world_size
+    comps = manifest.extra.get("components")
     if saved_world == world or not isinstance(comps, Mapping):
         return set()
     per_rank: list[str] = []  # differed between the saving ranks: no rank-to-rank mapping
@@ -226,7 +229,7 @@ def check_resize(manifest: Mapping[str, Any], state: TrainState, world: int, ran
             copied.append(name)
         elif differs:
             differed.append(name)
-    step = manifest.get("step")
+    step = manifest.step
     if per_rank and state.per_rank_on_resize == "refuse":
         raise ValueError(
             f"checkpoint step {step} was saved by {saved_world} ranks and this job has "

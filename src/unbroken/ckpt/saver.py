@@ -5,53 +5,60 @@ is written (no second read), and a planner that hands DCP compact tensors so eve
 storage is exactly its bytes. The resulting directory is an ordinary DCP checkpoint:
 ``dcp.load`` and DCP's tools read it.
 
-Reading has two paths:
-* unsharded state (:func:`read_tensors`): each ``.distcp`` file is memory-mapped read-only,
-  its checksum computed over the mapping (the page cache, no copy), and every tensor is a
-  zero-copy view of its storage record, located through the zip central directory of its
-  ``torch.save`` blob; the caller copies the views once into the live tensors. Item
-  locations come from our JSON manifest, so DCP's ``.metadata`` pickle is not read; a
-  foreign item layout falls back to ``torch.load(weights_only=True)`` of that item's bytes;
-* sharded state (:func:`load_into`): ``dcp.load`` re-shards into live DTensors, reading
-  ``.metadata`` through an allow-listed unpickler (:class:`SafeReader`).
+Reading never goes through DCP and never unpickles anything: item locations (file, byte
+range, chunk offsets and sizes) come from our JSON manifest (:mod:`unbroken.ckpt.manifest`).
+Each data file is memory-mapped read-only (opened with ``O_NOFOLLOW``), its checksum computed
+over the mapping (the page cache, no copy), and every stored chunk is a zero-copy view of its
+storage record, located through the zip central directory of its ``torch.save`` blob. A
+foreign item layout falls back to ``torch.load(weights_only=True)`` of that item's bytes.
+
+* :func:`read_tensors`: every tensor of an unsharded checkpoint, verified, as views;
+* :func:`verify_files`: checksums and chunk layout of some data files (ranks split the
+  files of a sharded checkpoint between them);
+* :func:`fill`: copies stored chunks into live tensors, plain or DTensor, re-sharding by
+  overlap (each rank reads only the byte ranges its shards need; no collectives).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import math
 import mmap
 import os
 import pickle
+import stat
 import struct
 import sys
 import threading
 import warnings
 import zipfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.tensor import DTensor
 
 from unbroken._fs import HashingWriter, checksum_bytes
 from unbroken.ckpt._dist import Comm
+from unbroken.ckpt.manifest import DTYPES, CheckpointManifest, Chunk, FileEntry, TensorEntry
 
 __all__ = [
     "ChecksumError",
     "ItemLocation",
-    "SafeReader",
-    "load_into",
+    "fill",
     "read_tensors",
+    "stats_match",
     "tensor_stats",
+    "verify_files",
     "write_tensors",
 ]
 
@@ -74,6 +81,7 @@ class ItemLocation:
     file: str
     offset: int
     length: int
+    chunk_sizes: tuple[int, ...] | None = None
 
 
 class _HashingFileSystem(FileSystem):
@@ -83,6 +91,7 @@ class _HashingFileSystem(FileSystem):
         super().__init__()
         self.written: dict[str, tuple[int, str]] = {}
         self.errors: list[BaseException] = []
+        self.caller: int | None = None  # the thread that called dcp.save
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -96,10 +105,14 @@ class _HashingFileSystem(FileSystem):
         try:
             yield w
         except BaseException as e:
-            # DCP's extra writer threads drop exceptions, and its main thread wraps them in a
-            # CheckpointException: keep the original so the caller can see e.g. ENOSPC.
+            # DCP's main thread wraps errors in a CheckpointException: keep the original so
+            # the caller can see e.g. ENOSPC.
             with self._lock:
                 self.errors.append(e)
+            if isinstance(e, Exception) and threading.get_ident() != self.caller:
+                # DCP's extra writer threads have no handler: an error escaping one is printed
+                # as a thread traceback. write_tensors raises it (once, clearly) instead.
+                return
             raise
         finally:
             w.close()
@@ -117,13 +130,23 @@ class _Writer(FileSystemWriter):
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
         super().finish(metadata, results)
+        sizes = {
+            (fqn, tuple(int(x) for x in c.offsets)): tuple(int(x) for x in c.sizes)
+            for fqn, md in metadata.state_dict_metadata.items()
+            for c in getattr(md, "chunks", ())
+        }
         for wr_list in results:
             for wr in wr_list:
                 sd = wr.storage_data
                 off = tuple(int(x) for x in (wr.index.offset or ()))
                 self.locations.append(
                     ItemLocation(
-                        wr.index.fqn, off, sd.relative_path, int(sd.offset), int(sd.length)
+                        wr.index.fqn,
+                        off,
+                        sd.relative_path,
+                        int(sd.offset),
+                        int(sd.length),
+                        sizes.get((wr.index.fqn, off)),
                     )
                 )
 
@@ -180,6 +203,8 @@ def tensor_stats(t: torch.Tensor) -> dict[str, float] | None:
         if math.isinf(norm):  # squares overflow float32 (e.g. Adam's exp_avg_sq)
             norm = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
         return {"sum": _fast_sum(flat), "norm": norm}
+    if t.is_floating_point() and t.element_size() == 1:  # float8: no promotion rules
+        t = t.to(torch.float32)
     if t.is_floating_point():  # 16-bit and 8-bit floats: accumulate in float32
         return {
             "sum": float(torch.sum(t, dtype=torch.float32)),
@@ -246,6 +271,7 @@ def write_tensors(
     per-tensor dtype/shape/stats (computed alongside the write).
     """
     writer = _Writer(directory, thread_count=max(1, threads))
+    writer.fs.caller = threading.get_ident()
     with ThreadPoolExecutor(1) as pool:  # torch reductions release the GIL: overlap with I/O
         fut = pool.submit(lambda: {k: _meta(v) for k, v in tensors.items()})
         with warnings.catch_warnings():  # single-process use is intended, not an accident
@@ -258,13 +284,13 @@ def write_tensors(
                     process_group=comm.group if comm else None,
                     no_dist=not (comm and comm.enabled),
                 )
-            except BaseException as e:  # DCP's CheckpointException is a BaseException
-                if writer.fs.errors:
-                    raise _first_cause(writer.fs.errors) from e
+            except BaseException:  # DCP's CheckpointException is a BaseException
+                if writer.fs.errors:  # the cause, without DCP's wrapper (a formatted traceback)
+                    raise _first_cause(writer.fs.errors) from None
                 raise
         meta = fut.result()
     if writer.fs.errors:
-        raise _first_cause(writer.fs.errors)
+        raise _first_cause(writer.fs.errors) from None
     if writer.locations:  # only the coordinator sees every rank's results
         missing = set(tensors) - {loc.key for loc in writer.locations}
         if missing:  # a silently dead writer thread: never commit an incomplete checkpoint
@@ -275,97 +301,238 @@ def write_tensors(
     return written, writer.locations, meta
 
 
-class _SafeUnpickler(pickle.Unpickler):
-    """DCP's ``.metadata`` is a pickle; allow only the plain data classes it consists of,
-    so loading a checkpoint can never execute code from it."""
-
-    _MODULES = ("torch.distributed.checkpoint.", "collections")
-    _TORCH = {"Size", "strided", "contiguous_format", "channels_last", "preserve_format"}
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (
-            module.startswith(self._MODULES)
-            or module == "builtins"
-            and name in {"set", "frozenset", "slice"}
-        ):
-            return super().find_class(module, name)
-        if module == "pathlib" and name in {
-            "PosixPath",
-            "PurePosixPath",
-            "WindowsPath",
-            "PureWindowsPath",
-        }:
-            return super().find_class(module, name)  # StorageMeta.checkpoint_id
-        if module == "torch.serialization" and name == "_get_layout":  # name -> torch.layout
-            return super().find_class(module, name)
-        if module == "torch" and (
-            name in self._TORCH or isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
-
-
-class SafeReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata is unpickled through an allow-list."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        path = os.path.join(str(self.path), ".metadata")
-        with open(path, "rb") as f:
-            metadata = _SafeUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def load_into(
-    directory: str, live: Mapping[str, torch.Tensor], *, comm: Comm | None = None
-) -> None:
-    """``dcp.load`` into live (possibly sharded) tensors, re-sharding as needed."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is")
-        dcp.load(
-            dict(live),
-            storage_reader=SafeReader(directory),
-            process_group=comm.group if comm else None,
-            no_dist=not (comm and comm.enabled),
-        )
-
-
 # --- reading ---------------------------------------------------------------------------------
 
-
-def _locate_storage(mm: mmap.mmap, loc: ItemLocation, nbytes: int) -> int | None:
-    """Byte offset (in the file) of the single storage record of the ``torch.save`` blob at
-    ``loc``, or None when the blob is not the compact layout we write. Record sizes come
-    from the zip central directory (torch's writer uses data descriptors)."""
-    blob = memoryview(mm)[loc.offset : loc.offset + loc.length]
+def _map(directory: str, name: str, want: FileEntry) -> mmap.mmap | None:
+    """``directory/name`` mapped read-only, after checking it is a regular file of the
+    recorded size; None when it is empty. Never follows a symlink (``O_NOFOLLOW``) and never
+    blocks on a FIFO planted in its place (``O_NONBLOCK``)."""
+    path = os.path.join(directory, name)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        zf = zipfile.ZipFile(_BlobView(blob))
-    except (zipfile.BadZipFile, ValueError):
-        return None
-    with zf:
-        infos = zf.infolist()
+        fd = os.open(path, flags)
+    except FileNotFoundError as e:
+        raise ChecksumError(path, "missing file") from e
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ChecksumError(path, "is a symlink; checkpoint files must lie in the step directory") from e
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ChecksumError(path, "is not a regular file")
+        if st.st_size != want.size:
+            raise ChecksumError(
+                path, f"truncated or grown: {st.st_size} bytes, manifest says {want.size}"
+            )
+        if st.st_size == 0:
+            return None
+        populate = getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+def _map_verified(directory: str, name: str, want: FileEntry) -> mmap.mmap | None:
+    """:func:`_map`, then the checksum over the mapping (one pass over the page cache)."""
+    mm = _map(directory, name, want)
+    if checksum_bytes(memoryview(mm) if mm is not None else b"") != want.checksum:
+        raise ChecksumError(
+            os.path.join(directory, name), "checksum mismatch (bit rot or a torn write)"
+        )
+    return mm
+
+
+def _chunk_tensor(mm: mmap.mmap | None, c: Chunk, t: TensorEntry, path: str) -> torch.Tensor:
+    """The stored chunk ``c`` of tensor ``t``: a read-only zero-copy view of its storage
+    record in ``mm``, or, for a foreign layout, ``torch.load(weights_only=True)`` of its
+    bytes (which runs no code from them), checked against the manifest's dtype and sizes."""
+    if mm is None:
+        raise ChecksumError(path, "is empty but the manifest places tensor data in it")
+    dtype = t.torch_dtype
+    sizes = c.sizes if c.sizes is not None else (None if t.sharded else t.shape)
+    if sizes is not None:
+        nbytes = math.prod(sizes) * dtype.itemsize
+        start = _locate_storage(mm, c, dtype, sizes)
+        if start is not None:
+            if nbytes == 0:
+                return torch.empty(sizes, dtype=dtype)
+            with warnings.catch_warnings():  # read-only on purpose: views never escape
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start)
+            return flat.view(dtype).view(sizes)
+    got = torch.load(
+        io.BytesIO(mm[c.offset : c.offset + c.length]), map_location="cpu", weights_only=True
+    )
+    if (
+        not isinstance(got, torch.Tensor)
+        or got.dtype != dtype
+        or got.dim() != len(t.shape)
+        or (sizes is not None and tuple(got.shape) != tuple(sizes))
+        or any(o + n > s for o, n, s in zip(c.offsets, got.shape, t.shape, strict=True))
+    ):
+        what = f"a {list(got.shape)} {got.dtype} tensor" if isinstance(got, torch.Tensor) else type(got).__name__
+        raise ChecksumError(
+            path,
+            f"bytes {c.offset}..{c.offset + c.length} hold {what}, not the manifest's "
+            f"{t.dtype} chunk at offsets {list(c.offsets)} of shape {list(t.shape)}",
+        )
+    return got
+
+
+def _locate_storage(mm: mmap.mmap, c: Chunk, dtype: torch.dtype, sizes: tuple[int, ...]) -> int | None:
+    """Byte offset (in the file) of the single storage record of the ``torch.save`` blob at
+    ``c``, or None when the blob is not exactly the compact layout we write: one stored
+    record of ``prod(sizes)`` elements, native byte order, and a ``data.pkl`` that describes
+    a contiguous ``sizes`` tensor of ``dtype`` at storage offset 0 (so a manifest whose shape
+    or dtype was changed never maps the bytes as something else). Record sizes come from
+    the zip central directory (torch's writer uses data descriptors)."""
+    nbytes = math.prod(sizes) * dtype.itemsize
+    blob = memoryview(mm)[c.offset : c.offset + c.length]
+    infos = _zip_entries(blob)
     data = [i for i in infos if "/data/" in i.filename]
     order = [i for i in infos if i.filename.endswith("/byteorder")]
+    pkl = [i for i in infos if i.filename.endswith("/data.pkl")]
     if not (
         len(data) == 1
+        and len(pkl) == 1
         and data[0].filename.endswith("/data/0")
-        and data[0].compress_type == zipfile.ZIP_STORED
+        and all(i.compress_type == zipfile.ZIP_STORED for i in (data[0], pkl[0]))
         and data[0].file_size == nbytes
     ):
         return None
     start = _record_start(blob, data[0])
+    p = _record_start(blob, pkl[0])
+    if start is None or start + nbytes > len(blob) or p is None:
+        return None
+    if not _describes(bytes(blob[p : p + pkl[0].file_size]), dtype, sizes):
+        return None
     if order:
         o = _record_start(blob, order[0])
         if o is None or bytes(blob[o : o + order[0].file_size]) != sys.byteorder.encode():
             return None
-    return None if start is None else loc.offset + start
+    return c.offset + start
+
+
+def _zip_entries(blob: memoryview) -> list[zipfile.ZipInfo]:
+    """The central directory of the zip archive ``blob`` (empty when it is none).
+
+    ``torch.save`` archives end in a plain end-of-central-directory record with no comment;
+    those are read here directly (``zipfile.ZipFile`` costs ~0.1 ms per archive, per tensor
+    on every restore). Anything else (zip64, a comment, an odd layout) goes to zipfile."""
+    try:
+        n = len(blob)
+        eocd = n - 22
+        if eocd >= 0 and bytes(blob[eocd : eocd + 4]) == b"PK\x05\x06":
+            count, size, start = struct.unpack_from("<HII", blob, eocd + 10)
+            if count != 0xFFFF and start != 0xFFFFFFFF and start + size <= eocd:
+                out, pos = [], start
+                for _ in range(count):
+                    if bytes(blob[pos : pos + 4]) != b"PK\x01\x02":
+                        break
+                    method, = struct.unpack_from("<H", blob, pos + 10)
+                    csize, usize, nlen, xlen, clen = struct.unpack_from("<IIHHH", blob, pos + 20)
+                    offset, = struct.unpack_from("<I", blob, pos + 42)
+                    if 0xFFFFFFFF in (csize, usize, offset):
+                        break  # zip64 fields
+                    info = zipfile.ZipInfo(bytes(blob[pos + 46 : pos + 46 + nlen]).decode("utf-8", "replace"))
+                    info.compress_type, info.file_size, info.header_offset = method, usize, offset
+                    out.append(info)
+                    pos += 46 + nlen + xlen + clen
+                else:
+                    return out
+        with zipfile.ZipFile(_BlobView(blob)) as zf:
+            return zf.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, struct.error):
+        return []
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Parses the ``data.pkl`` of a ``torch.save`` blob against inert stand-ins: globals
+    resolve to their names (from a short exact list), calls to records; nothing runs."""
+
+    _CALLS = frozenset(
+        {
+            ("torch._utils", "_rebuild_tensor_v2"),
+            ("torch._utils", "_rebuild_tensor_v3"),
+            ("collections", "OrderedDict"),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self._CALLS:
+            return lambda *args: (f"{module}.{name}", args)
+        if (module == "torch" and (name.endswith("Storage") or name in DTYPES)) or (
+            module,
+            name,
+        ) == ("torch.storage", "UntypedStorage"):
+            return f"{module}.{name}"
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return ("pid", pid)
+
+
+def _parse_tensor_pickle(raw: bytes) -> Any:
+    try:
+        return _TensorPickle(io.BytesIO(raw)).load()
+    except Exception:  # garbled or foreign: the caller takes the checked slow path
+        return None
+
+
+_STORAGE_NAMES: dict[torch.dtype, str | None] = {}
+
+
+def _storage_name(dtype: torch.dtype) -> str | None:
+    """The storage class torch.save names for ``dtype`` (``torch.FloatStorage``), learnt
+    once per dtype from torch itself."""
+    if dtype not in _STORAGE_NAMES:
+        buf = io.BytesIO()
+        torch.save(torch.empty(0, dtype=dtype), buf)
+        with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zf:
+            name = next(n for n in zf.namelist() if n.endswith("/data.pkl"))
+            top = _parse_tensor_pickle(zf.read(name))
+        try:
+            _STORAGE_NAMES[dtype] = top[1][0][1][1]
+        except (TypeError, IndexError):
+            _STORAGE_NAMES[dtype] = None
+    return _STORAGE_NAMES[dtype]
+
+
+def _contiguous_strides(sizes: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(sizes):
+        out.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(out))
+
+
+def _describes(raw: bytes, dtype: torch.dtype, sizes: tuple[int, ...]) -> bool:
+    """Does ``data.pkl`` say: a contiguous ``sizes`` tensor of ``dtype`` in storage "0"?"""
+    top = _parse_tensor_pickle(raw)
+    try:
+        fn, args = top
+        pid = args[0][1]
+        ok = (
+            pid[0] == "storage"
+            and pid[2] == "0"
+            and args[1] == 0
+            and tuple(args[2]) == tuple(sizes)
+            and tuple(args[3]) == _contiguous_strides(sizes)
+        )
+        if fn == "torch._utils._rebuild_tensor_v2":
+            return bool(ok and pid[1] == _storage_name(dtype))
+        if fn == "torch._utils._rebuild_tensor_v3":
+            dt = f"torch.{str(dtype).removeprefix('torch.')}"
+            return bool(ok and pid[1] == "torch.storage.UntypedStorage" and args[6] == dt)
+    except (TypeError, ValueError, IndexError, KeyError):
+        pass
+    return False
 
 
 def _record_start(blob: memoryview, info: zipfile.ZipInfo) -> int | None:
     h = info.header_offset
-    if bytes(blob[h : h + 4]) != b"PK\x03\x04":
+    if h < 0 or h + 30 > len(blob) or bytes(blob[h : h + 4]) != b"PK\x03\x04":
         return None
     nlen, xlen = struct.unpack_from("<HH", blob, h + 26)
     return h + 30 + nlen + xlen
@@ -388,79 +555,156 @@ class _BlobView(io.RawIOBase):
 
     def seek(self, pos: int, whence: int = 0) -> int:
         self.pos = {0: pos, 1: self.pos + pos, 2: len(self.mv) + pos}[whence]
+        if self.pos < 0:
+            raise ValueError("negative seek position")
         return self.pos
 
     def read(self, n: int | None = -1) -> bytes:
         end = len(self.mv) if n is None or n < 0 else min(len(self.mv), self.pos + n)
         data = bytes(self.mv[self.pos : end])
-        self.pos = end
+        self.pos = max(self.pos, end)
         return data
 
 
-def read_tensors(
-    directory: str,
-    files: Mapping[str, Mapping[str, Any]],
-    locations: list[ItemLocation],
-    meta: Mapping[str, Mapping[str, Any]],
-) -> dict[str, torch.Tensor]:
-    """Map and verify every tensor of a checkpoint we wrote.
+def _by_file(m: CheckpointManifest, names: Iterable[str]) -> dict[str, list[tuple[str, Chunk]]]:
+    want = set(names)
+    out: dict[str, list[tuple[str, Chunk]]] = {n: [] for n in sorted(want)}
+    for k, t in m.tensors.items():
+        for c in t.chunks:
+            if c.file in want:
+                out[c.file].append((k, c))
+    return out
+
+
+_PARALLEL_BYTES = 16 << 20  # below this, starting threads costs more than it saves
+
+
+def _per_file(fn: Any, m: CheckpointManifest, names: list[str]) -> list[Any]:
+    if len(names) <= 1 or sum(m.files[n].size for n in names) < _PARALLEL_BYTES:
+        return [fn(n) for n in names]
+    with ThreadPoolExecutor(min(len(names), 4)) as pool:  # hashing releases the GIL
+        return list(pool.map(fn, names))
+
+
+def read_tensors(directory: str, m: CheckpointManifest) -> dict[str, torch.Tensor]:
+    """Map and verify every tensor of an unsharded checkpoint we wrote.
 
     Each data file is memory-mapped read-only and its checksum verified over the mapping:
     one pass over the page cache, no copy. The returned tensors are READ-ONLY views into the
     mappings (zero-copy; the mapping lives as long as they do): callers must copy them into
-    live tensors or clone them, never hand them out (a write would fault). ``files``: ``{name: {"size", "checksum"}}``; ``meta``:
-    ``{key: {"dtype", "shape"}}``. Raises :class:`ChecksumError` on any mismatch. Whole
-    (unsharded) tensors only; sharded checkpoints load through ``dcp.load``.
+    live tensors (:func:`fill`) or clone them, never hand them out (a write would fault).
+    Raises :class:`ChecksumError` on any mismatch.
     """
-    by_file: dict[str, list[ItemLocation]] = {}
-    for loc in locations:
-        by_file.setdefault(loc.file, []).append(loc)
+    groups = _by_file(m, m.data_files)
 
     def one(name: str) -> dict[str, torch.Tensor]:
+        mm = _map_verified(directory, name, m.files[name])
         path = os.path.join(directory, name)
-        want = files.get(name)
-        if want is None:
-            raise ChecksumError(path, "data file is not listed in the manifest")
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError as e:
-            raise ChecksumError(path, "missing file") from e
-        try:
-            size = os.fstat(fd).st_size
-            if size != want["size"]:
-                raise ChecksumError(
-                    path, f"truncated or grown: {size} bytes, manifest says {want['size']}"
-                )
-            if size == 0:
-                return {}
-            flags = getattr(mmap, "MAP_POPULATE", 0)
-            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | flags, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        if checksum_bytes(memoryview(mm)) != want["checksum"]:
-            raise ChecksumError(path, "checksum mismatch (bit rot or a torn write)")
-        got: dict[str, torch.Tensor] = {}
-        for loc in by_file[name]:
-            m = meta[loc.key]
-            dtype = getattr(torch, m["dtype"])
-            shape = m["shape"]
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            start = _locate_storage(mm, loc, nbytes)
-            if start is None:  # foreign layout: torch.load of this item's bytes (no pickle code)
-                blob = io.BytesIO(mm[loc.offset : loc.offset + loc.length])
-                got[loc.key] = torch.load(blob, map_location="cpu", weights_only=True)
-            elif nbytes == 0:
-                got[loc.key] = torch.empty(shape, dtype=dtype)
-            else:
-                with warnings.catch_warnings():  # read-only on purpose: views never escape
-                    warnings.filterwarnings("ignore", message="The given buffer is not writable")
-                    flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start)
-                got[loc.key] = flat.view(dtype).view(shape)
-        return got
+        return {k: _chunk_tensor(mm, c, m.tensors[k], path) for k, c in groups[name]}
 
     out: dict[str, torch.Tensor] = {}
-    names = sorted(by_file)
-    with ThreadPoolExecutor(max(1, min(len(names), 4))) as pool:
-        for part in pool.map(one, names):
-            out.update(part)
+    for part in _per_file(one, m, list(groups)):
+        out.update(part)
     return out
+
+
+def verify_files(directory: str, m: CheckpointManifest, names: Iterable[str]) -> None:
+    """Verify the checksums of data files ``names`` and locate every chunk they hold (what
+    :func:`fill` will read). Ranks of a job split a sharded checkpoint's files this way."""
+    groups = _by_file(m, names)
+
+    def one(name: str) -> None:
+        mm = _map_verified(directory, name, m.files[name])
+        path = os.path.join(directory, name)
+        for k, c in groups[name]:
+            _chunk_tensor(mm, c, m.tensors[k], path)
+
+    _per_file(one, m, list(groups))
+
+
+def _local_parts(key: str, t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """(global offsets, local tensor) of each piece of ``t`` this rank holds: the whole of a
+    plain tensor, the local shard of a DTensor (as DCP's own planner finds it)."""
+    if isinstance(t, DTensor):
+        return [
+            (tuple(c.offsets), t.__get_tensor_shard__(MetadataIndex(key, c.offsets)))
+            for c in t.__create_chunk_list__()
+        ]
+    return [((0,) * t.dim(), t)]
+
+
+def _overlap(
+    lo: tuple[int, ...], lsz: torch.Size, co: tuple[int, ...], csz: torch.Size
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]], int] | None:
+    """Where box (co, csz) meets box (lo, lsz): (start, length) per dim in each, and volume."""
+    dst, src, n = [], [], 1
+    for a0, al, b0, bl in zip(lo, lsz, co, csz, strict=True):
+        start, end = max(a0, b0), min(a0 + al, b0 + bl)
+        if end <= start:
+            return None
+        dst.append((start - a0, end - start))
+        src.append((start - b0, end - start))
+        n *= end - start
+    return dst, src, n
+
+
+def _narrow(t: torch.Tensor, region: list[tuple[int, int]]) -> torch.Tensor:
+    for dim, (start, length) in enumerate(region):
+        t = t.narrow(dim, start, length)
+    return t
+
+
+def fill(
+    directory: str,
+    m: CheckpointManifest,
+    targets: Mapping[str, torch.Tensor],
+    views: Mapping[str, torch.Tensor] | None = None,
+) -> None:
+    """Copy the stored value of every key of ``targets`` into it: the whole of a plain
+    tensor, the shard(s) this rank holds of a DTensor, from whichever stored chunks overlap.
+
+    ``views`` (from :func:`read_tensors`) supplies whole tensors already mapped and
+    verified; other keys are read from their chunks' files, which the caller verified
+    (:func:`verify_files`, split over the ranks). Shapes and dtypes must already agree
+    (checked before the first copy by ``verify.check_fits``).
+    """
+    maps: dict[str, mmap.mmap | None] = {}
+
+    def stored(key: str, want: list[tuple[tuple[int, ...], torch.Size]]) -> list[Any]:
+        t = m.tensors[key]
+        if views is not None and key in views:
+            return [((0,) * len(t.shape), views[key])]
+        out = []
+        for c in t.chunks:
+            if c.sizes is not None and not any(
+                _overlap(lo, lsz, c.offsets, torch.Size(c.sizes)) for lo, lsz in want
+            ):
+                continue  # another rank's shard: never read
+            if c.file not in maps:
+                maps[c.file] = _map(directory, c.file, m.files[c.file])
+            out.append((c.offsets, _chunk_tensor(maps[c.file], c, t, os.path.join(directory, c.file))))
+        return out
+
+    # Plan every copy first (views only, no data moved) so a checkpoint whose chunks do not
+    # cover a shard exactly is refused before the first byte of the live state changes.
+    plan: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():  # views of live parameters, written in place
+        for key, target in targets.items():
+            parts = _local_parts(key, target)
+            saved = stored(key, [(lo, local.shape) for lo, local in parts])
+            for lo, local in parts:
+                covered = 0
+                for co, src in saved:
+                    hit = _overlap(lo, local.shape, co, src.shape)
+                    if hit is not None:
+                        dst_region, src_region, n = hit
+                        plan.append((_narrow(local, dst_region), _narrow(src, src_region)))
+                        covered += n
+                if covered != local.numel():
+                    raise ChecksumError(
+                        directory,
+                        f"the stored chunks of {key!r} cover {covered} of the {local.numel()} "
+                        f"elements at offsets {list(lo)} of this rank's shard",
+                    )
+        for dst, src in plan:
+            dst.copy_(src)

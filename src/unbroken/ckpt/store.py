@@ -20,19 +20,26 @@ old set of committed steps or the old set plus the new one.
 
 from __future__ import annotations
 
-import json
+import errno
 import logging
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from unbroken._fs import atomic_write_bytes, fsync_dir
-from unbroken.ckpt.lock import LOCK_NAME, note_temp, writer_alive
+from unbroken.ckpt.lock import LOCK_NAME, note_temp
+from unbroken.ckpt.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    CheckpointManifest,
+    ManifestError,
+)
 
 __all__ = [
     "FORMAT",
@@ -45,11 +52,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FORMAT = "unbroken-checkpoint"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_PREFIX = ".tmp-step-"
+_MAX_MANIFEST = 1 << 30  # a crafted multi-GB manifest.json must not exhaust memory
 
 
 class CorruptCheckpoint(Exception):
@@ -116,6 +121,12 @@ class Store:
                 out.append(int(m.group(1)))
         return sorted(out)
 
+    def candidates(self) -> list[int]:
+        """Every ``step-N`` directory, ascending, committed or not: what restore() and
+        ``ckpt verify`` examine (our commit never leaves one without a manifest, so such a
+        directory is damage, reported and moved aside like any other)."""
+        return sorted(int(m.group(1)) for n in self._entries() if (m := _STEP_RE.match(n)))
+
     def uncommitted(self) -> list[str]:
         """``step-N`` directories without a manifest: never produced by our commit."""
         return sorted(
@@ -141,32 +152,39 @@ class Store:
 
     # --- manifest -------------------------------------------------------------------------
 
-    def read_manifest(self, step: int) -> dict[str, Any]:
-        path = os.path.join(self.step_dir(step), MANIFEST)
+    def read_manifest(self, step: int) -> CheckpointManifest:
+        """The fully validated manifest of ``step`` (see :mod:`unbroken.ckpt.manifest`);
+        raises :class:`CorruptCheckpoint` naming what is wrong. Opens nothing else."""
+        d = self.step_dir(step)
+        path = os.path.join(d, MANIFEST)
         try:
-            with open(path, "rb") as f:
-                m = json.loads(f.read())
+            if stat.S_ISLNK(os.lstat(d).st_mode):
+                raise CorruptCheckpoint(
+                    step, "symlink", f"{d} is a symlink; checkpoints must lie in the root"
+                )
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError as e:
-            raise CorruptCheckpoint(step, "no-manifest", f"{path} is missing") from e
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CorruptCheckpoint(step, "bad-manifest", f"{path} is not valid JSON ({e})") from e
-        if not isinstance(m, dict) or m.get("format") != FORMAT:
-            raise CorruptCheckpoint(step, "bad-manifest", f"{path} is not an unbroken manifest")
-        if m.get("version") != FORMAT_VERSION:
             raise CorruptCheckpoint(
                 step,
-                "bad-manifest",
-                f"{path} has format version {m.get('version')!r}; this unbroken reads "
-                f"version {FORMAT_VERSION} (upgrade unbroken)",
-            )
-        if m.get("step") != step:
+                "no-manifest",
+                f"{path} is missing (deleted, or the directory was not written by unbroken)",
+            ) from e
+        except OSError as e:
             raise CorruptCheckpoint(
-                step, "bad-manifest", f"{path} says step {m.get('step')!r}, directory says {step}"
-            )
-        for key in ("files", "tensors", "ranks"):
-            if not isinstance(m.get(key), dict | list):
-                raise CorruptCheckpoint(step, "bad-manifest", f"{path} lacks {key!r}")
-        return m
+                step, "symlink" if e.errno == errno.ELOOP else "bad-manifest", f"{path}: {e}"
+            ) from e
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MANIFEST:
+                raise CorruptCheckpoint(step, "bad-manifest", f"{path} is not a manifest file")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                raw = f.read()
+        finally:
+            os.close(fd)
+        try:
+            return CheckpointManifest.from_json(raw, step=step, where=path)
+        except ManifestError as e:
+            raise CorruptCheckpoint(step, e.reason, str(e)) from e
 
     # --- commit ---------------------------------------------------------------------------
 
@@ -177,9 +195,9 @@ class Store:
         os.mkdir(tmp)
         return tmp
 
-    def commit(self, tmp: str, step: int, manifest: dict[str, Any]) -> str:
+    def commit(self, tmp: str, step: int, manifest: CheckpointManifest) -> str:
         """Write the manifest last, fsync, and atomically publish ``tmp`` as ``step-N``."""
-        atomic_write_bytes(os.path.join(tmp, MANIFEST), json.dumps(manifest, indent=1).encode())
+        atomic_write_bytes(os.path.join(tmp, MANIFEST), manifest.to_json())
         fsync_dir(tmp)
         final = self.step_dir(step)
         if os.path.exists(final):
@@ -195,28 +213,46 @@ class Store:
 
     # --- damage -----------------------------------------------------------------------------
 
-    def quarantine(self, step: int, reason: str) -> str:
+    def quarantine(self, step: int, reason: str) -> str | OSError:
+        """Move damaged ``step`` aside as ``corrupt-step-N-<reason>`` (never deleted).
+        Returns the new path, or the error when the directory cannot be renamed (a
+        read-only file system, no permission): the caller skips the step instead."""
         src = self.step_dir(step)
         dst = os.path.join(self.root, f"corrupt-step-{step:08d}-{reason}")
-        if os.path.exists(dst):
+        if os.path.lexists(dst):
             dst = f"{dst}.{int(time.time())}"
-        os.rename(src, dst)
-        fsync_dir(self.root)
+        try:
+            os.rename(src, dst)
+            fsync_dir(self.root)
+        except OSError as e:
+            return e
         return dst
 
-    def remove_debris(self) -> list[str]:
-        """Delete temp directories left by killed saves (never visible as checkpoints)."""
-        removed = []
+    def remove_debris(self, is_stale: Callable[[str], bool] | None = None) -> list[str]:
+        """Delete temp directories left by killed saves (never visible as checkpoints), those
+        for which ``is_stale(path)`` holds (default: all). Logs what was removed and, once,
+        what could not be (e.g. a read-only file system); returns the removed names."""
+        removed: list[str] = []
+        failed: list[str] = []
         for name in self.temp_dirs():
-            if writer_alive(os.path.join(self.root, name)):
-                continue  # a live save, or one whose writer we cannot know is gone
-            shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-            removed.append(name)
+            path = os.path.join(self.root, name)
+            if is_stale is not None and not is_stale(path):
+                continue  # e.g. a live save, or one whose writer we cannot know is gone
+            shutil.rmtree(path, ignore_errors=True)
+            (failed if os.path.lexists(path) else removed).append(name)
         if removed:
             log.warning(
                 "removed %d stale temporary checkpoint dir(s) left by an interrupted save: %s",
                 len(removed),
                 ", ".join(removed),
+            )
+        if failed:
+            log.warning(
+                "could not delete %d stale temporary checkpoint dir(s) in %s (read-only or no "
+                "permission): %s; they are never read as checkpoints",
+                len(failed),
+                self.root,
+                ", ".join(failed),
             )
         return removed
 

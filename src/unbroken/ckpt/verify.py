@@ -1,32 +1,51 @@
-"""Reading a checkpoint back: full verification before anything is applied (C-VERIFIED).
+"""Reading a checkpoint back: full verification and decoding before anything is applied
+(C-VERIFIED, T-FALL-BACK, T-NO-CODE).
 
-Checks, in order: the manifest parses and matches its directory; every listed file exists
-with its recorded size; every data file's xxh3 checksum (over a read-only mapping of the
-page cache); the rank state file and DCP metadata checksums; every unsharded tensor's
-sum/norm against the statistics recorded at save time. Any failure raises
-:class:`CorruptCheckpoint` with a short reason slug used for quarantine names.
+:func:`load_verified` is the one implementation behind ``Checkpointer.restore()``,
+``unbroken ckpt verify``, ``ckpt export`` and :func:`read_checkpoint`, so their verdicts
+always agree. Checks, cheapest first:
 
-In a multi-rank job each rank verifies what it needs: replicated tensors are read (and so
-verified) by every rank; for sharded checkpoints rank ``r`` verifies data files
-``r, r+W, ...`` and the ranks then agree (see ``Checkpointer.restore``).
+1. ``manifest.json`` parses and validates completely, including its own checksum
+   (:class:`~unbroken.ckpt.manifest.CheckpointManifest`); the step directory is no symlink;
+2. every listed file is a regular file (not a symlink) of its recorded size;
+3. this rank's state file: checksum, JSON, decodable by the codec's allow-list of types;
+4. DCP's ``.metadata``: checksum, and made only of DCP's data classes (checked without
+   running anything it names, see :mod:`unbroken.ckpt.dcp_metadata`);
+5. tensor data: unsharded: every data file's checksum (over a read-only mapping of the page
+   cache), every tensor located, its sum and norm against the values recorded at save;
+   sharded: rank ``r`` of ``W`` verifies data files ``r, r+W, ...`` (the ranks then agree,
+   see ``Checkpointer.restore``);
+6. the saved state tree decodes, and every tensor it references is in the checkpoint.
+
+ANY failure (whatever its exception type, except ``KeyboardInterrupt``/``SystemExit``)
+raises :class:`CorruptCheckpoint` with a short reason slug used in quarantine names.
+
+:func:`check_fits` then compares a verified checkpoint with the live state (keys, shapes,
+dtypes, optimizer parameter groups) so restore copies nothing unless everything fits.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import stat
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from unbroken._fs import checksum_bytes, checksum_file
+from unbroken._fs import checksum_bytes
 from unbroken.ckpt import codec
-from unbroken.ckpt.saver import ChecksumError, ItemLocation, read_tensors, stats_match
+from unbroken.ckpt.dcp_metadata import UnsafeMetadata, check_dcp_metadata
+from unbroken.ckpt.manifest import METADATA, CheckpointManifest, FileEntry, ManifestError
+from unbroken.ckpt.per_rank import split_key
+from unbroken.ckpt.saver import ChecksumError, read_tensors, stats_match, verify_files
 from unbroken.ckpt.store import CorruptCheckpoint, Store
 
-__all__ = ["Verified", "into_live", "load_verified", "read_checkpoint"]
+__all__ = ["Verified", "check_fits", "load_verified", "read_checkpoint"]
+
+_ANY = torch.empty(0)  # stands for every stored tensor while the state tree is test-decoded
 
 
 @dataclass(frozen=True)
@@ -34,19 +53,21 @@ class Verified:
     """A fully verified checkpoint, not yet applied.
 
     ``tensors`` are read-only zero-copy views (see :func:`read_tensors`); empty when the
-    checkpoint is sharded (it then loads through DCP into live DTensors). ``rng`` is None
+    checkpoint is sharded (each rank then reads the chunks its shards need). ``rng`` is None
     when the checkpoint was saved with another world size (per-rank streams are re-derived).
     """
 
     step: int
-    manifest: dict[str, Any]
+    manifest: CheckpointManifest
     tree: Any
     tensors: dict[str, torch.Tensor]
     rng: Any
+    needed: frozenset[str] = frozenset()
+    """The stored tensors this rank's state references (what restore copies)."""
 
     @property
     def sharded(self) -> bool:
-        return any(t.get("sharded") for t in self.manifest["tensors"].values())
+        return self.manifest.sharded
 
     def decode(self, tensors: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
         """The state dict; with no ``tensors`` given, owned copies of every tensor."""
@@ -58,71 +79,109 @@ class Verified:
         return sd
 
 
-def _locations(m: Mapping[str, Any]) -> list[ItemLocation]:
-    return [
-        ItemLocation(k, tuple(c["offsets"]), c["file"], c["offset"], c["length"])
-        for k, t in m["tensors"].items()
-        for c in t["chunks"]
-    ]
+def load_verified(
+    store: Store, step: int, *, rank: int = 0, world: int = 1, every_rank: bool = False
+) -> Verified:
+    """Read, fully verify and decode ``step`` for ``rank`` of ``world``; raises
+    :class:`CorruptCheckpoint` for any damage, never another exception type.
+    ``every_rank``: also verify and decode every other rank's state file (what the ranks
+    of a restore at the saved world size check between them; ``ckpt verify`` does this)."""
+    try:
+        return _load_verified(store, step, rank, world, every_rank)
+    except (CorruptCheckpoint, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - DCP's and torch's errors include BaseException
+        reason = (
+            e.reason
+            if isinstance(e, ManifestError)
+            else "checksum"
+            if isinstance(e, ChecksumError)
+            else "metadata"
+            if isinstance(e, UnsafeMetadata)
+            else "unreadable"
+        )
+        detail = str(e) if isinstance(e, ChecksumError | ManifestError | UnsafeMetadata) else (
+            f"{store.step_dir(step)}: {type(e).__name__}: {e}"
+        )
+        raise CorruptCheckpoint(step, reason, detail.splitlines()[0] if detail else "") from e
 
 
-def load_verified(store: Store, step: int, *, rank: int = 0, world: int = 1) -> Verified:
-    """Read and fully verify ``step`` for ``rank`` of ``world``."""
+class _Refs(dict[str, torch.Tensor]):
+    """The stored tensors by key, recording which ones the state tree references."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        super().__init__(dict.fromkeys(keys, _ANY))
+        self.seen: set[str] = set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.seen.add(key)
+        return super().__getitem__(key)
+
+
+def _read_checked(directory: str, name: str, want: FileEntry) -> bytes:
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ChecksumError(path, "is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(want.size + 1)
+    finally:
+        os.close(fd)
+    if len(raw) != want.size or checksum_bytes(raw) != want.checksum:
+        raise ChecksumError(path, "checksum mismatch (bit rot or a torn write)")
+    return raw
+
+
+def _load_verified(store: Store, step: int, rank: int, world: int, every_rank: bool) -> Verified:
     m = store.read_manifest(step)
     d = store.step_dir(step)
-    files: dict[str, Any] = m["files"]
+    m.check_files(d)
+    rank_file = m.ranks[rank if rank < m.world_size else 0]
+    raw = _read_checked(d, rank_file, m.files[rank_file])
+    if every_rank:
+        for other in sorted(set(m.ranks.values()) - {rank_file}):
+            _decode_state(step, d, other, _read_checked(d, other, m.files[other]), m, world)
+    check_dcp_metadata(_read_checked(d, METADATA, m.files[METADATA]), os.path.join(d, METADATA))
     tensors: dict[str, torch.Tensor] = {}
-    try:
-        for name, f in files.items():
-            p = os.path.join(d, name)
-            if not os.path.isfile(p):
-                raise CorruptCheckpoint(step, "missing-file", f"{p} is missing")
-            if os.path.getsize(p) != f["size"]:
+    if m.sharded:
+        verify_files(d, m, m.data_files[rank::world])
+    else:
+        tensors = read_tensors(d, m)
+        for k, t in tensors.items():
+            if not stats_match(m.tensors[k].stats, t):
                 raise CorruptCheckpoint(
-                    step, "size", f"{p} has {os.path.getsize(p)} bytes, manifest says {f['size']}"
+                    step, "stats", f"tensor {k!r} in {d} does not match its recorded sum/norm"
                 )
-        locs = _locations(m)
-        data_names = sorted({loc.file for loc in locs})
-        if any(t.get("sharded") for t in m["tensors"].values()):
-            for i, name in enumerate(data_names):  # split the verification across ranks
-                if (
-                    i % world == rank
-                    and checksum_file(os.path.join(d, name))[1] != files[name]["checksum"]
-                ):
-                    raise ChecksumError(os.path.join(d, name), "checksum mismatch")
-        else:
-            tensors = read_tensors(d, {n: files[n] for n in data_names}, locs, m["tensors"])
-        saved_world = int(m["world_size"])
-        rank_file = m["ranks"][str(rank if rank < saved_world else 0)]["state"]
-        p = os.path.join(d, rank_file)
-        with open(p, "rb") as fh:
-            raw = fh.read()
-        if checksum_bytes(raw) != files[rank_file]["checksum"]:
-            raise CorruptCheckpoint(step, "checksum", f"{p}: checksum mismatch")
-        md = os.path.join(d, ".metadata")
-        if checksum_file(md)[1] != files[".metadata"]["checksum"]:
-            raise CorruptCheckpoint(step, "checksum", f"{md}: checksum mismatch")
-    except ChecksumError as e:
-        raise CorruptCheckpoint(step, "checksum", str(e)) from e
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpoint(step, "bad-manifest", f"{d}: {e!r}") from e
-    for k, t in tensors.items():
-        if not stats_match(m["tensors"][k].get("stats"), t):
-            raise CorruptCheckpoint(
-                step, "stats", f"tensor {k!r} in {d} does not match its recorded sum/norm"
-            )
+    tree, rng, needed = _decode_state(step, d, rank_file, raw, m, world)
+    return Verified(step, m, tree, tensors, rng, needed)
+
+
+def _decode_state(
+    step: int, d: str, name: str, raw: bytes, m: CheckpointManifest, world: int
+) -> tuple[Any, Any, frozenset[str]]:
+    """The state tree, RNG and referenced tensor keys of one rank's state file, decoded as
+    restore will decode them."""
+    where = os.path.join(d, name)
     try:
         blob = json.loads(raw)
-        rng = codec.decode(blob["rng"]) if saved_world == world else None
-        return Verified(step, m, blob["state"], tensors, rng)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpoint(step, "bad-state", f"{p}: {e!r}") from e
+        tree = blob["state"]
+        rng = codec.decode(blob["rng"]) if m.world_size == world else None
+        refs = _Refs(m.tensors)
+        sd = codec.decode(tree, refs)  # every reference resolves
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise CorruptCheckpoint(step, "bad-state", f"{where}: {e!r}") from e
+    if not (isinstance(sd, dict) and isinstance(sd.get("components"), dict)):
+        raise CorruptCheckpoint(step, "bad-state", f"{where} holds no component state")
+    return tree, rng, frozenset(refs.seen)
 
 
 def read_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
-    """Verify and decode one unsharded checkpoint (default: the newest) without a
-    TrainState. Returns the state dict as saved: ``counters``, ``components`` and ``rng``.
-    """
+    """Verify and decode one checkpoint (default: the newest) without a TrainState.
+    Returns the state dict as saved: ``counters``, ``components`` and ``rng``; tensors of a
+    sharded checkpoint are assembled whole."""
+    from unbroken.ckpt.saver import fill
+
     store = Store(root)
     steps = store.steps()
     if not steps:
@@ -134,26 +193,79 @@ def read_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
             f"no committed checkpoint for step {step} in {root!r}; committed steps: {steps}"
         )
     v = load_verified(store, step)
-    if v.sharded:
-        raise ValueError(
-            f"checkpoint step {step} in {root!r} holds sharded tensors; load it with "
-            "Checkpointer.restore() inside the distributed job"
+    if not v.sharded:
+        return v.decode()
+    whole = {k: torch.empty(t.shape, dtype=t.torch_dtype) for k, t in v.manifest.tensors.items()}
+    fill(store.step_dir(step), v.manifest, whole)
+    return v.decode(whole)
+
+
+def _component(key: str) -> str:
+    """``components/model/0.weight`` -> ``model`` (the codec's key layout); a rank's own
+    copy (``rank1/components/model/0.weight``) belongs to the same component."""
+    parts = split_key(key)[1].split("/", 2)
+    return parts[1] if len(parts) > 1 and parts[0] == "components" else parts[0]
+
+
+def _desc(shape: Any, dtype: Any) -> str:
+    return f"{list(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+def check_fits(
+    v: Verified, live: Mapping[str, torch.Tensor], components: Mapping[str, Any]
+) -> list[str]:
+    """Every way the verified checkpoint ``v`` does not fit the live state: ``live`` is the
+    live state's tensors by checkpoint key, ``components`` the live objects by name. Empty
+    when it fits. Checked before the first tensor is copied, so a mismatch leaves the live
+    state untouched (torch's ``load_state_dict`` copies the tensors that match before it
+    reports the ones that do not)."""
+    problems: list[str] = []
+    saved = v.tree.get("components") if isinstance(v.tree, dict) else None
+    saved_names = set(saved) if isinstance(saved, dict) else set()
+    missing = sorted(set(components) - saved_names)
+    extra = sorted(saved_names - set(components))
+    if missing or extra:
+        problems.append(
+            f"components missing from the checkpoint {missing}, present only in the "
+            f"checkpoint {extra} (construct TrainState with the components the run that saved "
+            "it had)"
         )
-    return v.decode()
 
+    def strict(key: str) -> bool:  # modules load strictly: every key on both sides
+        return isinstance(components.get(_component(key)), torch.nn.Module)
 
-def into_live(
-    views: Mapping[str, torch.Tensor], live: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Copy verified views into the live tensors of matching key, shape and dtype (memory
-    that is already paged in); clone the rest."""
-    out = {}
-    for k, v in views.items():
+    for k in sorted(v.needed):
+        t = v.manifest.tensors[k]
         dst = live.get(k)
-        if dst is not None and dst.shape == v.shape and dst.dtype == v.dtype:
-            with torch.no_grad():
-                dst.copy_(v)
-            out[k] = dst
-        else:
-            out[k] = v.clone()
-    return out
+        if dst is None:
+            if t.sharded:
+                problems.append(
+                    f"{k}: sharded {_desc(t.shape, t.dtype)} in the checkpoint, no tensor in the "
+                    "live state (create it before restore; for optimizers: torch.distributed."
+                    "checkpoint.state_dict.get_optimizer_state_dict)"
+                )
+            elif strict(k):
+                problems.append(f"{k}: {_desc(t.shape, t.dtype)} in the checkpoint, not live")
+        elif tuple(dst.shape) != t.shape or dst.dtype != t.torch_dtype:
+            problems.append(
+                f"{k}: {_desc(t.shape, t.dtype)} in the checkpoint, "
+                f"{_desc(dst.shape, dst.dtype)} live"
+            )
+    for k, dst in live.items():
+        if k not in v.needed and strict(k):
+            problems.append(f"{k}: {_desc(dst.shape, dst.dtype)} live, not in the checkpoint")
+    for name, obj in components.items():
+        if isinstance(obj, torch.optim.Optimizer) and isinstance(saved, dict):
+            groups = saved.get(name, {}).get("param_groups") if isinstance(saved.get(name), dict) else None
+            have = [len(g["params"]) for g in obj.param_groups]
+            got = (
+                [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups]
+                if isinstance(groups, list)
+                else None
+            )
+            if got != have:
+                problems.append(
+                    f"components/{name}: parameter groups of sizes {got} in the checkpoint, "
+                    f"{have} live"
+                )
+    return problems

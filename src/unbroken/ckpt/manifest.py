@@ -1,0 +1,474 @@
+"""``manifest.json``: the one typed description of a committed checkpoint, validated once.
+
+On disk (written last by the commit, so a step directory counts only once it is complete)::
+
+    {
+      "format": "unbroken-checkpoint", "version": 2, "step": 500,
+      "created": 1718000000.0, "world_size": 2,
+      "ranks": {"0": {"state": "state-rank0.json"}, "1": {"state": "state-rank1.json"}},
+      "unbroken_version": "0.1.0", "torch_version": "2.13.0", "checksum_algo": "xxh3_128",
+      "files": {"__0_0.distcp": {"size": 2600, "checksum": "<32 hex digits>"},
+                ".metadata": {...}, "state-rank0.json": {...}},
+      "tensors": {
+        "components/model/0.weight": {
+          "dtype": "float32", "shape": [32, 16], "sharded": false,
+          "stats": {"sum": 1.5, "norm": 4.2},          # null for sharded tensors
+          "chunks": [{"offsets": [0, 0], "sizes": [32, 16],
+                      "file": "__0_0.distcp", "offset": 0, "length": 2600}]}},
+      "counters": {"step": 500, "samples": 16000, "tokens": 0, "micro_step": 0},
+      "data_state": {...} | null,                       # the loader's state, for humans
+      "save_seconds": 1.2, "blocked_seconds": 0.2,
+      "manifest_checksum": "<xxh3-128 of the canonical JSON of every other field>"
+    }
+
+Every file of a checkpoint is untrusted input (bit rot, truncation, a crafted copy), so
+:meth:`CheckpointManifest.from_json` checks everything before any other file is opened:
+types, dtypes from a fixed set, shapes, chunks inside their tensor and covering it, byte
+ranges inside their file's recorded size, rank state files listed, every file name a plain
+name inside the step directory (no ``/``, no ``..``, not absolute), the step number, and
+(version 2) the manifest's own checksum, so a flipped bit in any field is caught even when
+the JSON still parses. :meth:`CheckpointManifest.check_files` then checks the directory:
+every listed file a regular file (not a symlink) of its recorded size.
+
+Version 1 (written before chunk sizes and the self-checksum) is still read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+import torch
+
+from unbroken._fs import CHECKSUM_ALGO, checksum_bytes
+from unbroken.ckpt.per_rank import split_key
+
+__all__ = [
+    "DTYPES",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "METADATA",
+    "Chunk",
+    "CheckpointManifest",
+    "FileEntry",
+    "ManifestError",
+    "TensorEntry",
+    "manifest_digest",
+    "torch_dtype",
+]
+
+FORMAT = "unbroken-checkpoint"
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+MANIFEST = "manifest.json"
+METADATA = ".metadata"  # DCP's own metadata (a pickle): checked, never unpickled by us
+DTYPES = (
+    "float64", "float32", "float16", "bfloat16",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+    "complex128", "complex64",
+    "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+)  # fmt: skip
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
+_HEX32_RE = re.compile(r"^[0-9a-f]{32}$")
+_CHECKSUM_KEY = "manifest_checksum"
+_KNOWN = frozenset(
+    {
+        "format", "version", "step", "created", "world_size", "ranks", "unbroken_version",
+        "torch_version", "checksum_algo", "files", "tensors", "counters", "data_state",
+        "save_seconds", "blocked_seconds", _CHECKSUM_KEY,
+    }
+)  # fmt: skip
+
+
+class ManifestError(ValueError):
+    """A manifest (or a file it lists) that cannot be trusted; ``reason`` is a short slug
+    (``bad-manifest``, ``missing-file``, ``size``, ``symlink``) used in quarantine names."""
+
+    def __init__(self, where: str, detail: str, reason: str = "bad-manifest") -> None:
+        super().__init__(f"{where}: {detail}")
+        self.reason = reason
+
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    n: getattr(torch, n) for n in DTYPES if isinstance(getattr(torch, n, None), torch.dtype)
+}  # the fixed set, as far as this torch knows it
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a manifest dtype name (from :data:`DTYPES` only)."""
+    dt = _TORCH_DTYPES.get(name) if isinstance(name, str) else None
+    if dt is None:
+        raise ValueError(f"dtype {name!r} is not one of {', '.join(_TORCH_DTYPES)}")
+    return dt
+
+
+def manifest_digest(d: Mapping[str, Any]) -> str:
+    """xxh3-128 of the canonical JSON of every field but ``manifest_checksum``."""
+    body = {k: v for k, v in d.items() if k != _CHECKSUM_KEY}
+    return checksum_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+@dataclass(frozen=True, slots=True)  # thousands per manifest: no __dict__
+class FileEntry:
+    size: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)  # thousands per manifest: no __dict__
+class Chunk:
+    """Where one tensor (or one shard of it) lies: a ``torch.save`` blob of ``length`` bytes
+    at ``offset`` in ``file``, covering ``sizes`` elements from ``offsets`` of the tensor.
+    ``sizes`` is None only in version-1 manifests."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...] | None
+    file: str
+    offset: int
+    length: int
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"offsets": list(self.offsets)}
+        if self.sizes is not None:
+            d["sizes"] = list(self.sizes)
+        d.update(file=self.file, offset=self.offset, length=self.length)
+        return d
+
+
+@dataclass(frozen=True, slots=True)  # thousands per manifest: no __dict__
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    sharded: bool
+    stats: dict[str, float] | None
+    chunks: tuple[Chunk, ...]
+    rank: int | None = None
+    """The rank whose own copy this is, for state that differed between ranks (saved per
+    rank as ``rank<r>/<key>``); None for state saved once."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.torch_dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "stats": self.stats,
+            "sharded": self.sharded,
+            "chunks": [c.to_json() for c in self.chunks],
+        }
+        if self.rank is not None:
+            d["rank"] = self.rank
+        return d
+
+
+@dataclass(frozen=True)
+class CheckpointManifest:
+    """The content of ``step-N/manifest.json``; read with :meth:`from_json` (validates it
+    all), write with :meth:`to_json`."""
+
+    step: int
+    world_size: int
+    ranks: dict[int, str]
+    """rank -> its state file (``state-rank<r>.json``)."""
+    files: dict[str, FileEntry]
+    tensors: dict[str, TensorEntry]
+    counters: dict[str, int]
+    data_state: Any = None
+    created: float | None = None
+    unbroken_version: str = "?"
+    torch_version: str = "?"
+    save_seconds: float | None = None
+    blocked_seconds: float | None = None
+    version: int = FORMAT_VERSION
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Fields this version does not know (a later minor addition), kept as read."""
+
+    @property
+    def sharded(self) -> bool:
+        return any(t.sharded for t in self.tensors.values())
+
+    @property
+    def data_files(self) -> list[str]:
+        """Files holding tensor data, sorted."""
+        return sorted({c.file for t in self.tensors.values() for c in t.chunks})
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    # --- writing --------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "step": self.step,
+            "created": self.created,
+            "world_size": self.world_size,
+            "ranks": {str(r): {"state": n} for r, n in sorted(self.ranks.items())},
+            "unbroken_version": self.unbroken_version,
+            "torch_version": self.torch_version,
+            "checksum_algo": CHECKSUM_ALGO,
+            "files": {
+                n: {"size": f.size, "checksum": f.checksum} for n, f in sorted(self.files.items())
+            },
+            "tensors": {k: t.to_json() for k, t in self.tensors.items()},
+            "counters": dict(self.counters),
+            "data_state": self.data_state,
+            "save_seconds": self.save_seconds,
+            "blocked_seconds": self.blocked_seconds,
+            **self.extra,
+        }
+        d = json.loads(json.dumps(d))  # plain JSON (int keys -> str, tuples -> lists) first
+        d[_CHECKSUM_KEY] = manifest_digest(d)
+        return d
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), indent=1).encode()
+
+    # --- reading --------------------------------------------------------------------------
+
+    @classmethod
+    def from_json(cls, raw: bytes, *, step: int | None, where: str) -> CheckpointManifest:
+        """Parse and fully validate ``raw`` (the bytes of ``where``); ``step`` is the step
+        its directory names (None: any). Raises :class:`ManifestError` naming the field."""
+        try:
+            d = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise ManifestError(where, f"not valid JSON ({e})") from e
+        return cls.from_dict(d, step=step, where=where)
+
+    @classmethod
+    def from_dict(cls, d: Any, *, step: int | None, where: str) -> CheckpointManifest:
+        v = _Checker(where)
+        v.require(isinstance(d, dict) and d.get("format") == FORMAT, "is not an unbroken checkpoint manifest")
+        version = d.get("version")
+        v.require(
+            type(version) is int and version in READABLE_VERSIONS,
+            f"has format version {version!r}; this unbroken reads versions "
+            f"{list(READABLE_VERSIONS)} (upgrade unbroken)",
+        )
+        if version >= 2:
+            got = d.get(_CHECKSUM_KEY)
+            v.require(
+                isinstance(got, str) and got == manifest_digest(d),
+                "does not match its own checksum (a changed or flipped field)",
+            )
+        mstep = v.int_(d.get("step"), "step")
+        v.require(step is None or mstep == step, f"says step {mstep}, its directory says {step}")
+        world = v.int_(d.get("world_size"), "world_size", lo=1)
+        v.require(d.get("checksum_algo", CHECKSUM_ALGO) == CHECKSUM_ALGO, f"checksum_algo is not {CHECKSUM_ALGO}")
+
+        files: dict[str, FileEntry] = {}
+        for name, f in v.dict_(d.get("files"), "files").items():
+            v.name(name, "files")
+            f = v.dict_(f, f"files[{name!r}]")
+            files[name] = FileEntry(
+                v.int_(f.get("size"), f"files[{name!r}].size"),
+                v.hex32(f.get("checksum"), f"files[{name!r}].checksum"),
+            )
+        v.require(METADATA in files, f"does not list {METADATA}")
+
+        ranks: dict[int, str] = {}
+        for r, e in v.dict_(d.get("ranks"), "ranks").items():
+            v.require(r.isdigit() and str(int(r)) == r, f"ranks has a non-rank key {r!r}")
+            state = v.dict_(e, f"ranks[{r!r}]").get("state")
+            v.require(isinstance(state, str) and state in files, f"ranks[{r!r}].state {state!r} is not a listed file")
+            ranks[int(r)] = str(state)
+        v.require(
+            sorted(ranks) == list(range(world)),
+            f"lists state files for ranks {sorted(ranks)}, world_size is {world}",
+        )
+
+        data_names = set(files) - set(ranks.values()) - {METADATA}
+        tensors = {
+            k: v.tensor(k, t, files, data_names, version, world)
+            for k, t in v.dict_(d.get("tensors"), "tensors").items()
+        }
+        counters = {
+            k: v.int_(c, f"counters[{k!r}]", lo=None)
+            for k, c in v.dict_(d.get("counters", {}), "counters").items()
+        }
+        created = v.num(d.get("created"), "created", optional=True)
+        return cls(
+            step=mstep,
+            world_size=world,
+            ranks=ranks,
+            files=files,
+            tensors=tensors,
+            counters=counters,
+            data_state=d.get("data_state"),
+            created=created,
+            unbroken_version=str(d.get("unbroken_version", "?")),
+            torch_version=str(d.get("torch_version", "?")),
+            save_seconds=v.num(d.get("save_seconds"), "save_seconds", optional=True),
+            blocked_seconds=v.num(d.get("blocked_seconds"), "blocked_seconds", optional=True),
+            version=version,
+            extra={k: x for k, x in d.items() if k not in _KNOWN},
+        )
+
+    # --- the directory ----------------------------------------------------------------------
+
+    def check_files(self, directory: str) -> None:
+        """Every listed file is a regular file (never a symlink, which could lead out of the
+        step directory) of its recorded size. Opens nothing."""
+        for name, f in self.files.items():
+            path = os.path.join(directory, name)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError as e:
+                raise ManifestError(path, "is missing", "missing-file") from e
+            if stat.S_ISLNK(st.st_mode):
+                raise ManifestError(path, "is a symlink; checkpoint files must lie in the step directory", "symlink")
+            if not stat.S_ISREG(st.st_mode):
+                raise ManifestError(path, "is not a regular file", "missing-file")
+            if st.st_size != f.size:
+                raise ManifestError(path, f"has {st.st_size} bytes, manifest says {f.size}", "size")
+
+
+class _Checker:
+    """Field checks that raise :class:`ManifestError` naming the field."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def require(self, ok: bool, what: str) -> None:
+        if not ok:
+            raise ManifestError(self.where, what)
+
+    def int_(self, x: Any, what: str, lo: int | None = 0) -> int:
+        self.require(
+            isinstance(x, int) and not isinstance(x, bool) and (lo is None or x >= lo),
+            f"{what}={x!r} is not an integer" + (f" >= {lo}" if lo is not None else ""),
+        )
+        return int(x)
+
+    def num(self, x: Any, what: str, optional: bool = False) -> float | None:
+        if x is None and optional:
+            return None
+        self.require(isinstance(x, int | float) and not isinstance(x, bool), f"{what}={x!r} is not a number")
+        return float(x)
+
+    def hex32(self, x: Any, what: str) -> str:
+        self.require(isinstance(x, str) and bool(_HEX32_RE.match(x)), f"{what}={x!r} is not an xxh3-128 hex digest")
+        return str(x)
+
+    def dict_(self, x: Any, what: str) -> dict[str, Any]:
+        self.require(isinstance(x, dict), f"{what} is not a JSON object")
+        return x  # type: ignore[no-any-return]
+
+    def name(self, name: str, what: str) -> None:
+        # Plain names only: no "/" (so no "../x" and no absolute path), not "." or "..".
+        self.require(
+            bool(_NAME_RE.match(name)) and name not in (".", "..", MANIFEST),
+            f"{what} names {name!r}, which is not a plain file name inside the step directory",
+        )
+
+    def tensor(
+        self,
+        key: str,
+        t: Any,
+        files: Mapping[str, FileEntry],
+        data_names: set[str],
+        version: int,
+        world: int,
+    ) -> TensorEntry:
+        # Runs once per tensor of every manifest read (thousands per restore): plain type
+        # checks, and a message only built on failure.
+        def bad(detail: str) -> NoReturn:
+            raise ManifestError(self.where, f"tensors[{key!r}]{detail}")
+
+        if type(t) is not dict:
+            bad(" is not a JSON object")
+        dtype = t.get("dtype")
+        if type(dtype) is not str or dtype not in _TORCH_DTYPES:
+            bad(f".dtype={dtype!r} is not one of {', '.join(_TORCH_DTYPES)}")
+        shape = _ints(t.get("shape"))
+        if shape is None:
+            bad(f".shape={t.get('shape')!r} is not a list of integers >= 0")
+        sharded = t.get("sharded", False)
+        if type(sharded) is not bool:
+            bad(f".sharded={sharded!r} is not true/false")
+        stats = t.get("stats")
+        if stats is not None:
+            # We record no statistics for sharded tensors (a DTensor's would need collectives).
+            if sharded:
+                bad(" is sharded but has stats")
+            if type(stats) is not dict or stats.keys() != {"sum", "norm"}:
+                bad(f".stats={stats!r} is not {{sum, norm}}")
+            for x in stats.values():
+                if type(x) not in (int, float):
+                    bad(f".stats={stats!r} holds a non-number")
+        raw = t.get("chunks")
+        if type(raw) is not list or not raw:
+            bad(".chunks is not a non-empty list")
+        chunks = []
+        volume = 0
+        ndim = len(shape)
+        for i, c in enumerate(raw):
+            if type(c) is not dict:
+                bad(f".chunks[{i}] is not a JSON object")
+            offsets = _ints(c.get("offsets"))
+            sizes = None if version < 2 and "sizes" not in c else _ints(c.get("sizes"))
+            if offsets is None or len(offsets) != ndim:
+                bad(f".chunks[{i}].offsets={c.get('offsets')!r} is not {ndim} integers >= 0")
+            if sizes is not None:
+                if len(sizes) != ndim or any(
+                    o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)
+                ):
+                    bad(f".chunks[{i}] (offsets {c.get('offsets')}, sizes {c.get('sizes')}) lies "
+                        f"outside shape {list(shape)}")  # fmt: skip
+                volume += math.prod(sizes)
+            elif version >= 2:
+                bad(f".chunks[{i}].sizes={c.get('sizes')!r} is not a list of integers >= 0")
+            elif any(o >= max(d, 1) for o, d in zip(offsets, shape, strict=True)):
+                bad(f".chunks[{i}].offsets lie outside shape {list(shape)}")
+            name, offset, length = c.get("file"), c.get("offset"), c.get("length")
+            # data_names are validated plain names: membership confines the path too.
+            if type(name) is not str or name not in data_names:
+                bad(f".chunks[{i}].file={name!r} is not a data file listed in the manifest")
+            if type(offset) is not int or type(length) is not int or offset < 0 or length < 1:
+                bad(f".chunks[{i}] has offset={offset!r}, length={length!r}")
+            if offset + length > files[name].size:
+                bad(f".chunks[{i}] (bytes {offset}..{offset + length}) lies outside {name} "
+                    f"({files[name].size} bytes)")  # fmt: skip
+            chunks.append(Chunk(offsets, sizes, name, offset, length))
+        if all(c.sizes is not None for c in chunks) and volume != math.prod(shape):
+            bad(f".chunks cover {volume} elements, shape {list(shape)} has {math.prod(shape)}")
+        if not sharded:
+            only = chunks[0]
+            if len(chunks) != 1 or any(only.offsets) or only.sizes not in (None, shape):
+                bad(" is not sharded but is not one whole chunk")
+        rank = t.get("rank")
+        if rank is not None and (type(rank) is not int or not 0 <= rank < world):
+            bad(f".rank={rank!r} is not a rank of the {world} that saved it")
+        if (split_key(key)[0] if key.startswith("rank") else None) != rank:
+            # a rank's own copy (state that differed between ranks) is keyed rank<r>/, says r
+            bad(f".rank={rank!r} does not match its key")
+        return TensorEntry(
+            dtype,
+            shape,
+            sharded,
+            None if stats is None else {k: float(x) for k, x in stats.items()},
+            tuple(chunks),
+            rank,
+        )
+
+
+def _ints(x: Any) -> tuple[int, ...] | None:
+    """``x`` as a tuple of non-negative ints, or None when it is anything else."""
+    if type(x) is list and all(type(i) is int and i >= 0 for i in x):
+        return tuple(x)
+    return None

@@ -1,0 +1,244 @@
+"""Checkpoint builders and damage tools for the checkpoint trust tests: a small two-checkpoint
+root with the exact state of each step, manifest edits an attacker would make (checksums
+recomputed), and a tiny pickle assembler for crafted ``.metadata`` payloads.
+
+A plain module, not a conftest (see datakit.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import struct
+import subprocess
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from unbroken._fs import checksum_bytes
+from unbroken.ckpt import Checkpointer, TrainState
+
+STEPS = (2, 4)
+
+
+class Blob:
+    """The smallest Stateful: one value under ``t``."""
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"t": self.t}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.t = sd["t"]
+
+
+def can_mount() -> bool:
+    """Root with mount(8): real tmpfs mounts (tiny disks, read-only roots) are possible."""
+    return os.geteuid() == 0 and subprocess.run(["which", "mount"], capture_output=True).returncode == 0
+
+
+@contextlib.contextmanager
+def tmpfs(path: str, size: str = "16m") -> Iterator[str]:
+    """A real tmpfs of ``size`` mounted at ``path`` for the duration."""
+    os.makedirs(path, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], check=False)
+
+
+def small_state(
+    seed: int = 0, **kw: Any
+) -> tuple[TrainState, torch.nn.Module, torch.optim.Optimizer]:
+    """Model, AdamW, StepLR (and whatever further ``TrainState`` arguments ``kw`` holds)."""
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3)
+    return TrainState(model=m, optimizer=opt, scheduler=sched, **kw), m, opt
+
+
+def train(st: TrainState, m: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:
+    for _ in range(n):
+        m(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        st.components["scheduler"].step()
+        st.step += 1
+
+
+def snapshot(st: TrainState) -> dict[str, Any]:
+    """Every tensor, number and RNG state of the live state, owned (for bit-identity)."""
+    sd = st.state_dict()
+
+    def own(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().clone()
+        if isinstance(x, np.ndarray):
+            return x.copy()
+        if isinstance(x, dict):
+            return {k: own(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return type(x)(own(v) for v in x)
+        return x
+
+    return own(sd)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().reshape(-1).view(torch.uint8)
+
+
+def identical(a: Any, b: Any) -> bool:
+    """Bit-identical: same structure, same tensor dtypes/shapes/bytes, same scalars."""
+    if isinstance(a, torch.Tensor):
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(_bytes(a), _bytes(b))
+        )
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(identical, a, b))
+    return type(a) is type(b) and a == b
+
+
+def build_root(root: str) -> dict[int, dict[str, Any]]:
+    """Steps 2 and 4 of a small run (model, AdamW, StepLR); the exact state of each."""
+    st, m, opt = small_state()
+    ck = Checkpointer(root, st, keep_last=None)
+    want: dict[int, dict[str, Any]] = {}
+    for s in STEPS:
+        train(st, m, opt, s - st.step)
+        ck.save()
+        want[s] = snapshot(st)
+    ck.close()
+    return want
+
+
+def _ranked_saver(rank: int, root: str, store: str, want: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        h = Blob(torch.zeros(5))
+        st, m, opt = small_state(extras={"h": h})
+        ck = Checkpointer(root, st, keep_last=None)
+        states: dict[int, dict[str, Any]] = {}
+        for s in STEPS:
+            train(st, m, opt, s - st.step)  # same seed, same batches: the model stays equal
+            h.t = torch.arange(5.0) + 100 * rank + s  # differs: saved per rank
+            ck.save()
+            states[s] = snapshot(st)
+        ck.close()
+        if rank == 0:
+            with open(want, "wb") as f:
+                pickle.dump(states, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def build_ranked_root(root: str) -> dict[int, dict[str, Any]]:
+    """Steps 2 and 4 saved by 2 gloo ranks (forked): model, AdamW, StepLR equal on both,
+    ``extra.h`` different (saved per rank, ``rank<r>/`` keys). Returns rank 0's state of
+    each step (restored at world size 1, rank 0 takes rank 0's copy)."""
+    work = os.path.dirname(os.path.abspath(root))
+    store, want = os.path.join(work, "pg-store"), os.path.join(work, "rank0-states.pkl")
+    ctx = mp.get_context("fork")  # no re-import of torch: ~1 s for both ranks
+    procs = [ctx.Process(target=_ranked_saver, args=(r, root, store, want)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    codes = [p.exitcode for p in procs]
+    if codes != [0, 0]:
+        for p in procs:
+            p.kill()
+        raise RuntimeError(f"2-rank save failed: exit codes {codes}")
+    with open(want, "rb") as f:
+        return pickle.load(f)  # type: ignore[no-any-return]  # our own file, just written
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:08d}")
+
+
+def data_files(d: str) -> list[str]:
+    return sorted(n for n in os.listdir(d) if n.endswith(".distcp"))
+
+
+def read_manifest(d: str) -> dict[str, Any]:
+    with open(os.path.join(d, "manifest.json"), "rb") as f:
+        return json.loads(f.read())
+
+
+def write_manifest(d: str, m: dict[str, Any], *, resign: bool = True) -> None:
+    """Write ``m`` as ``d``'s manifest; ``resign`` recomputes its self-checksum the way an
+    attacker would (when the format has one)."""
+    if resign and "manifest_checksum" in m:
+        from unbroken.ckpt.manifest import manifest_digest
+
+        m["manifest_checksum"] = manifest_digest(m)
+    with open(os.path.join(d, "manifest.json"), "w") as f:
+        f.write(json.dumps(m, indent=1))
+
+
+def edit_manifest(d: str, edit: Callable[[dict[str, Any]], object], *, resign: bool = True) -> None:
+    m = read_manifest(d)
+    edit(m)
+    write_manifest(d, m, resign=resign)
+
+
+def replace_file(d: str, name: str, data: bytes) -> None:
+    """Replace ``d/name`` and record its new size and checksum in the manifest (re-signed)."""
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+    edit_manifest(
+        d, lambda m: m["files"].__setitem__(name, {"size": len(data), "checksum": checksum_bytes(data)})
+    )
+
+
+def copy_root(src: str, dst: str) -> None:
+    if os.path.exists(dst):
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst, symlinks=True)
+
+
+# --- a pickle assembler for crafted payloads ---------------------------------------------------
+
+
+def p_str(s: str) -> bytes:
+    """SHORT_BINUNICODE / BINUNICODE."""
+    b = s.encode()
+    return (b"\x8c" + bytes([len(b)]) if len(b) < 256 else b"X" + struct.pack("<I", len(b))) + b
+
+
+def p_global(module: str, name: str) -> bytes:
+    """Protocol-0 GLOBAL opcode."""
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+def p_stack_global(module: str, name: str) -> bytes:
+    return p_str(module) + p_str(name) + b"\x93"
+
+
+def p_call(fn: bytes, *args: str) -> bytes:
+    """``fn(*args)`` through REDUCE; ``fn`` is the bytes that push the callable."""
+    return fn + b"(" + b"".join(p_str(a) for a in args) + b"tR"
+
+
+PROTO = b"\x80\x04"
+STOP = b"."
