@@ -54,6 +54,7 @@ import json
 import os
 import pickle
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -107,15 +108,33 @@ def _litdata_item(i: int) -> dict[str, Any]:
     return {"key": s["__key__"], "bin": s["bin"], "json": s["json"]}
 
 
+def _pack_tar(root: str, n: int) -> None:
+    from unbroken.data.prepare.pack import pack
+
+    pack((make_sample(i) for i in range(n)), f"{root}/tar", shard_size=SHARD, progress=False)
+
+
+def _tar_has_checksums(root: str) -> bool:
+    """Whether our shards' indexes record per-sample checksums: ones packed by an unbroken
+    older than issue 12 do not, and would make the verify-on row read unverified."""
+    from unbroken.data.tar.reader import index_format
+
+    idx = sorted(f for f in os.listdir(f"{root}/tar") if f.endswith(".idx"))
+    with open(f"{root}/tar/{idx[0]}", "rb") as f:
+        return index_format(f.read(8)) >= 2
+
+
 def prepare(root: str, n: int) -> None:
     os.makedirs(root, exist_ok=True)
     done = os.path.join(root, f"ready-{n}")
     if os.path.exists(done):
+        if not _tar_has_checksums(root):
+            print(f"{root}/tar: indexes without per-sample checksums; re-packing", flush=True)
+            shutil.rmtree(f"{root}/tar")
+            _pack_tar(root, n)
         return
     t0 = time.perf_counter()
-    from unbroken.data.prepare.pack import pack
-
-    pack((make_sample(i) for i in range(n)), f"{root}/tar", shard_size=SHARD, progress=False)
+    _pack_tar(root, n)
     from streaming import MDSWriter
 
     cols = {"key": "str", "bin": "bytes", "json": "bytes"}

@@ -7,6 +7,7 @@ a small JSON per sample, 64 MB tar shards) and on uint16 token shards:
 1. ``read``: the worker's own cost, ``StreamingDataset.read`` of whole shuffled batches in
    this process (no DataLoader), in samples per CPU second - the worst case for the ratio,
    nothing else dilutes it; a batch of 256 takes ~64 samples from each of 4 shards.
+   ``read-64``: batches of 64 (data_read.py's batch size: ~16 samples per shard group).
    ``read-1mb``: the same samples in 1 MB shards, so a batch takes 1-2 samples from each of
    ~200 shards (verification works per shard group: its fixed cost weighs more);
 2. ``loader``: ``StatefulLoader`` with 2 workers, the per-sample ``touch`` function and list
@@ -141,7 +142,9 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=50_000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
-        "--only", nargs="*", default=["read", "read-1mb", "loader", "tokens", "tokens2"]
+        "--only",
+        nargs="*",
+        default=["read", "read-64", "read-1mb", "loader", "tokens", "tokens2"],
     )
     a = ap.parse_args()
     prepare(a.root, a.samples)
@@ -153,6 +156,7 @@ def main() -> None:
 
     kinds: dict[str, Any] = {
         "read": lambda v, r: {"read": time_read(tar, v, BATCH, r)},
+        "read-64": lambda v, r: {"read-64": time_read(tar, v, 64, r)},
         "read-1mb": lambda v, r: {"read-1mb": time_read(f"{a.root}/tar1m", v, BATCH, r)},
         "loader": loader,
         "tokens": lambda v, r: {"tokens": time_read(tok, v, TOK_BATCH, r) * SEQ_LEN},
@@ -160,6 +164,7 @@ def main() -> None:
     }
     units = {
         "read": "samples/CPU-s",
+        "read-64": "samples/CPU-s",
         "read-1mb": "samples/CPU-s",
         "loader": "samples/s",
         "loader-cpu": "CPU us/sample",

@@ -10,6 +10,14 @@ import os
 
 import numpy as np
 
+# Environment for moto's S3 server and the clients that talk to it (never a real account).
+S3_TEST_CREDS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
 
 def build_tar_dataset(out: str, n: int, *, prefix: str = "s", shard_size: int = 12_000) -> str:
     """``n`` samples keyed ``<prefix><i:05d>`` with a 300-700 byte payload, 2-4 per shard."""

@@ -150,11 +150,16 @@ def _add_data_bench(ds: argparse._SubParsersAction) -> None:
     p = ds.add_parser(
         "bench",
         help="time each input-pipeline stage alone and name the one that limits",
-        description="Run each stage alone on DIR - shard read, decode/transform, collate, "
-        "worker transport, pin, H2D - print each one's samples/s next to the consumer's "
-        "rate, name the stage that limits, and suggest num_workers and prefetch_factor.",
+        description="Run each stage alone on DIR - (network,) shard read, decode/transform, "
+        "collate, worker transport, pin, H2D - print each one's samples/s next to the "
+        "consumer's rate, name the stage that limits, and suggest num_workers and "
+        "prefetch_factor (and, for a remote URL, the prefetch depth in shards).",
     )
-    p.add_argument("dir", help="local dataset directory (holds dataset.json)")
+    p.add_argument("dir", help="dataset directory or fsspec URL (holds dataset.json)")
+    p.add_argument("--cache-dir", default=None,
+                   help="remote URL: where the scratch cache goes (default: the temp dir)")
+    p.add_argument("--storage-options", default=None, metavar="JSON",
+                   help='remote URL: fsspec options, e.g. \'{"endpoint_url": "http://..."}\'')
     p.add_argument("--batch-size", type=int, default=32, help="samples per batch (default: 32)")
     p.add_argument("--num-workers", type=int, default=None,
                    help="DataLoader workers to evaluate (default: cores - 1)")
@@ -185,11 +190,16 @@ def _data_bench(a: argparse.Namespace) -> int:
 
     from unbroken.data.diagnose.bench import run_bench
 
+    try:
+        opts = None if a.storage_options is None else json.loads(a.storage_options)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--storage-options {a.storage_options!r} is not JSON ({e})") from None
     report, path = run_bench(
         a.dir, batch_size=a.batch_size, num_workers=a.num_workers,
         consume_rate=a.consume_rate, timeline=a.timeline, transform=a.transform,
         seq_len=a.seq_len, device=a.device, num_batches=a.batches,
         max_seconds=a.max_seconds, seed=a.seed, out=a.out, metrics=a.metrics,
+        cache_dir=a.cache_dir, storage_options=opts,
     )
     print(json.dumps(report.to_json()) if a.json else report.format())
     if path is not None:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from datakit import S3_TEST_CREDS
 from unbroken.ckpt import Checkpointer, TrainState
 from unbroken.ckpt.archive.remote import Archive, ArchiveError, fetch_newest_valid
 from unbroken.ckpt.archive.uploader import BackgroundUploader
@@ -26,12 +27,7 @@ from unbroken.elastic._coord import free_port
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-_CREDS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_SESSION_TOKEN": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
+_CREDS = S3_TEST_CREDS
 
 
 

@@ -1,5 +1,6 @@
 """The per-rank decisions (compare, rename, world-size rule) and the writer lock's
-process semantics (shared in a process, not inherited by forked children)."""
+process semantics (shared in a process, not inherited by forked children, and a dead
+writer's children holding it for a moment delay its successor but never let it in early)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -128,3 +130,75 @@ def test_a_forked_child_does_not_keep_a_killed_writers_lock(tmp_path) -> None:
         lease.release()
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _let_go_on_cue(fd: int, cue: int) -> None:
+    os.read(cue, 1)
+    os.close(fd)
+    signal.pause()
+
+
+def _holder_with_a_slow_child(root: str, ready: mp.synchronize.Event, cue: int) -> None:  # type: ignore[name-defined]
+    lock.acquire(root)
+    # A forked child that has not run yet still holds the open file the lock belongs to.
+    # Stand in for it, deterministically: a copy the fork hook does not know about, which
+    # the child drops only when the test says so.
+    copy = os.dup(lock._HELD[lock._key(root)].fd)  # type: ignore[arg-type]
+    child = mp.get_context("fork").Process(target=_let_go_on_cue, args=(copy, cue))
+    child.start()
+    os.close(copy)
+    with open(os.path.join(root, "child.pid"), "w") as f:
+        f.write(str(child.pid))
+    ready.set()
+    signal.pause()
+
+
+def test_a_killed_writers_slow_child_delays_its_successor_but_never_lets_it_in_early(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    root = str(tmp_path / "ck")
+    cue_r, cue_w = os.pipe()
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=_holder_with_a_slow_child, args=(root, ready, cue_r))
+    p.start()
+    assert ready.wait(60)
+    child = int(open(os.path.join(root, "child.pid")).read())
+    try:
+        with pytest.raises(lock.RootLocked, match="in use by another writer"):
+            lock.acquire(root)  # a live holder: refused at once
+        os.kill(p.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while _state(p.pid) != "Z":  # killed, not reaped yet: a zombie holds no files
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        monkeypatch.setattr(lock, "ORPHAN_WAIT_S", 0.2)
+        with pytest.raises(lock.RootLocked, match=rf"no longer running: pid {p.pid} .*fuser -v"):
+            lock.acquire(root)  # the child never let go: never taken, the dead holder named
+        p.join()
+        monkeypatch.setattr(lock, "ORPHAN_WAIT_S", 600.0)
+        cued: list[str] = []
+
+        class _Cue(logging.Handler):  # the child lets go while the successor waits
+            def emit(self, record: logging.LogRecord) -> None:
+                cued.append(record.getMessage())
+                os.write(cue_w, b"x")
+
+        cue = _Cue()
+        logging.getLogger("unbroken.ckpt.lock").addHandler(cue)
+        try:
+            with caplog.at_level(logging.INFO, logger="unbroken.ckpt.lock"):
+                lease = lock.acquire(root)
+        finally:
+            logging.getLogger("unbroken.ckpt.lock").removeHandler(cue)
+        lease.release()
+        assert len(cued) == 1 and f"holder (pid {p.pid}) is gone" in cued[0]
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.close(cue_r)
+        os.close(cue_w)

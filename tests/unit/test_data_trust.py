@@ -250,7 +250,9 @@ def test_rerunning_pack_upgrades_an_index_without_checksums(tmp_path):
     assert open(os.path.join(root, name + ".idx"), "rb").read(8) == b"UBIDX\x02\x00\x00"
 
 
-@pytest.mark.parametrize("group", [5, 120])  # a shard's group below / above _SMALL_GROUP
+# 5: the shard's first read goes through the index's views, later ones through its row table;
+# 120: one read through the row table
+@pytest.mark.parametrize("group", [5, 120])
 def test_damage_found_in_small_and_large_groups_of_one_shard(tmp_path, group):
     root = build_tar_dataset(str(tmp_path / "ds"), 120, shard_size=1 << 20)  # one shard
     tar, key, off = _member(root, 0, 77, "bin")
@@ -261,3 +263,34 @@ def test_damage_found_in_small_and_large_groups_of_one_shard(tmp_path, group):
     assert ds.corrupt_skipped == 1
     with pytest.raises(CorruptSampleError, match=f"'{key}' member 'bin'"):
         StreamingDataset(root, shuffle=False).read(0, np.arange(120)[77 - group // 2 :][:group])
+
+
+@pytest.mark.parametrize("layout", ["one", "three", "mixed"])
+@pytest.mark.parametrize("group", [3, 40])
+def test_damage_named_in_every_sample_layout(tmp_path, layout, group):
+    """The read loops per layout (one member, three members, a different set per sample),
+    each for a shard's first small read and for its row table: the damaged member is named,
+    skipped and counted; every other sample arrives exactly."""
+    from unbroken.data.prepare.pack import pack
+
+    rng = np.random.default_rng(5)
+    want = []
+    for i in range(40):
+        s: dict[str, object] = {"__key__": f"k{i:03d}", "bin": rng.bytes(200 + i)}
+        if layout == "three" or (layout == "mixed" and i % 2):
+            s["json"] = b'{"i": %d}' % i
+            s["seg.png"] = rng.bytes(30)
+        want.append(s)
+    root = str(tmp_path / layout)
+    pack(iter(want), root, shard_size=1 << 20, workers=1, fsync=False, progress=False,
+         allow_partial=layout == "mixed")
+    member = "bin" if layout == "one" else "seg.png"
+    victim = 21  # odd: it has seg.png in the mixed layout
+    tar, key, off = _member(root, 0, victim, member)
+    _flip(tar, off + 3)
+    ds = StreamingDataset(root, shuffle=False, on_corrupt="skip")
+    got = [s for a in range(0, 40, group) for s in ds.read(0, np.arange(a, min(a + group, 40)))]
+    assert got == [s for i, s in enumerate(want) if i != victim]
+    assert ds.corrupt_skipped == 1
+    with pytest.raises(CorruptSampleError, match=f"'{key}' member '{member}'"):
+        StreamingDataset(root, shuffle=False).read(0, np.arange(victim - 1, 40)[:group])

@@ -14,6 +14,8 @@ from unbroken.data.stream.order import (
     MixtureOrder,
     Partition,
     default_shuffle_window,
+    mix_seed,
+    mix_seeds,
     shards_per_window,
 )
 
@@ -241,3 +243,17 @@ def test_order_of_a_hundred_million_samples_is_lazy_and_bounded():
     assert shard.max() < 100_000
     # materialising the order would take 800 MB; we hold shard tables + one window (~5 MB)
     assert peak < 16 * 2**20, f"peak {peak / 2**20:.1f} MiB"
+
+
+def test_mix_seeds_is_mix_seed_for_every_value():
+    """The vectorized twin (a batch's transform RNG seed, computed for many batches at once)
+    gives mix_seed's numbers exactly: one- and two-word values, zero, any head and tail."""
+    rng = np.random.default_rng(4)
+    for head, tail in [((0, 3), (0x5EED,)), ((2**40, 0, 7), ()), ((), (1, 2**63 - 1)), ((5,), (0,))]:
+        vals = np.concatenate(
+            ([0, 1, 2**32 - 1, 2**32, 2**63 - 1], rng.integers(0, 2**63 - 1, 40))
+        ).astype(np.int64)
+        assert mix_seeds(head, vals, tail).tolist() == [
+            mix_seed(*head, int(v), *tail) for v in vals
+        ]
+    assert mix_seeds((1,), np.zeros(0, np.int64), ()).size == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -287,7 +288,7 @@ def test_real_dataloader_sawtooth_is_detected_with_period_num_workers() -> None:
     timer = StepTimer(log_every=0, num_workers=workers)
     for _ in timer.wrap(DevicePrefetcher(loader)):
         time.sleep(0.008)
-    wait, comp, _, _ = timer._ordered(timer.steps)
+    wait, comp, *_ = timer._ordered(timer.steps)
     st = detect_sawtooth(wait, comp)
     assert st is not None, wait.round(1).tolist()
     assert st.period == workers
@@ -305,3 +306,37 @@ def test_tensorboard_writer_is_a_sink_or_none(tmp_path: Any) -> None:
     assert hasattr(w, "add_scalar")
     StepTimer(sinks=[w])  # accepted as a sink
     w.close()
+
+
+def test_network_wait_is_its_own_column(tmp_path) -> None:
+    """A reader blocked on a download (as the remote cache records it in .stats/<pid>) shows
+    as net_ms within the step's wait; the timeline keeps it, and old files still load."""
+    from unbroken.data.diagnose.timer import load_timeline
+    from unbroken.data.stream.cache import NetworkWaitProbe
+
+    probe = NetworkWaitProbe(str(tmp_path))
+    slot = probe._slots[1]  # DataLoader worker 1 of this process
+
+    def batches():
+        for i in range(6):
+            if i % 2 == 0:  # even batches wait 30 ms for the network
+                t0 = time.monotonic_ns()
+                slot[1] = t0
+                time.sleep(0.03)
+                slot[0] += time.monotonic_ns() - t0
+                slot[1] = 0
+            yield i
+
+    timer = StepTimer(log_every=0, run_dir=str(tmp_path / "run"), network=probe)
+    for _ in timer.wrap(batches()):
+        pass
+    s = timer.close()
+    wait, _, _, _, net = timer._ordered(timer.steps)
+    assert (net[0::2] >= 25).all() and (net[1::2] < 5).all() and (net <= wait).all()
+    assert 10 < s.net_ms < 30 and s.net_pct > 50 and "network" in s.format()
+    tl = load_timeline(str(tmp_path / "run"))
+    assert tl.net_ms is not None and np.allclose(tl.net_ms, net, atol=1e-3)
+    old = tmp_path / "old.csv"
+    old.write_text("step,wait_ms,compute_ms,h2d_ms,h2d_bytes\n0,1.0,2.0,,0\n1,1.0,2.0,,0\n")
+    assert load_timeline(str(old)).net_ms is None
+    assert math.isnan(load_timeline(str(old)).summary().net_ms)

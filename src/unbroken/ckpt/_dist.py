@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
 from typing import Any, TypeVar
 
 import torch
@@ -10,6 +12,18 @@ import torch.distributed as dist
 __all__ = ["Comm", "is_dist"]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+
+def _live(group: Any) -> Any:
+    # None in an enabled Comm means destroyed; passing None on would mean the default group
+    if group is None:
+        raise RuntimeError(
+            "this checkpointer left the job (preemption exit, or interpreter exit) and its "
+            "process groups are destroyed; create a new Checkpointer to save or restore"
+        )
+    return group
 
 
 def is_dist() -> bool:
@@ -37,6 +51,8 @@ class Comm:
         # background save's collectives run on ``group`` from another thread, and two
         # threads issuing collectives on one group can pair up different calls across ranks.
         self.control: Any = dist.new_group(backend="gloo") if self.enabled else None
+        if self.enabled:  # runs after the checkpointer's own flush at exit (LIFO)
+            atexit.register(self.destroy)
 
     @property
     def rank(self) -> int:
@@ -51,15 +67,16 @@ class Comm:
         if not self.enabled:
             return obj
         box: list[Any] = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.group)
+        dist.broadcast_object_list(box, src=0, group=_live(self.group))
         return box[0]
 
     def gather(self, obj: T) -> list[T]:
         """Every rank's ``obj``, on every rank (collective decisions need all of them)."""
         if not self.enabled:
             return [obj]
-        out: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, obj, group=self.group)
+        group = _live(self.group)
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
         return out
 
     def any_of(self, *flags: bool) -> tuple[bool, ...]:
@@ -67,9 +84,51 @@ class Comm:
         if not self.enabled:
             return tuple(flags)
         t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_live(self.control))
         return tuple(bool(v) for v in t.tolist())
 
     def barrier(self) -> None:
         if self.enabled:
-            dist.barrier(group=self.group)
+            dist.barrier(group=_live(self.group))
+
+    def destroy(self) -> None:
+        """Destroy this checkpointer's two groups (local, idempotent); no collective may
+        follow. Joins their gloo worker threads while the interpreter is intact.
+
+        Why: a gloo worker thread drops its reference to a finished collective (and the
+        tensors it used) just after the caller's ``wait()`` returns. If that happens while
+        Python is finalizing, freeing a tensor that a Python object owns takes the GIL, the
+        finalizing interpreter ends the thread there (``pthread_exit`` unwinding through a
+        ``noexcept`` destructor), and the process aborts with "terminate called without an
+        active exception" (SIGABRT) instead of its exit status. Also run at exit: until
+        then this object keeps the groups alive, even past the script's own
+        ``destroy_process_group()``.
+        """
+        groups, self.group, self.control = (self.group, self.control), None, None
+        for g in groups:
+            if g is not None:
+                try:
+                    dist.destroy_process_group(g)
+                except ValueError:  # already gone with the default group
+                    pass
+                except Exception as e:  # noqa: BLE001 - teardown never changes how we exit
+                    log.warning("destroying the checkpoint's process group failed: %s", e)
+
+    def leave(self) -> None:
+        """Leave the job together: wait until every rank is here, then :meth:`destroy`.
+
+        For the preemption exit, after the final save. No rank tears its side of the
+        groups down while a peer is still in one of their collectives, and the ranks exit
+        within moments of each other: torchrun stops every other worker as soon as one
+        exits, and a peer still flushing would be cut short. The user's groups are left
+        alone: their last collective is a whole save ago, the loop is in none of them (the
+        ranks agreed on this step), and destroying them is the script's business (its own
+        ``destroy_process_group()`` in a ``finally`` would then raise, turning exit status
+        143 into 1).
+        """
+        if self.control is not None:
+            try:
+                dist.barrier(group=self.control)
+            except Exception as e:  # noqa: BLE001 - a peer already gone: leave all the same
+                log.warning("leaving without the other ranks (%s)", e)
+        self.destroy()

@@ -104,7 +104,9 @@ class Checkpointer:
         save_on_sigterm: on SIGTERM (preemption) the next :meth:`maybe_save` saves
             synchronously, flushes, and exits with status 143. In a multi-rank job a
             SIGTERM seen by any rank stops every rank at the same step (one tiny
-            all-reduce per :meth:`maybe_save` call).
+            all-reduce per :meth:`maybe_save` call), and the ranks exit together (torchrun
+            stops the others as soon as one exits). Your own process groups are left to
+            your ``finally``.
         distributed: ``None`` (default): collective when ``torch.distributed`` is
             initialised (every rank calls save/restore at the same step). ``False``: this
             process saves and restores alone (e.g. only rank 0 of a DDP job checkpoints;
@@ -511,7 +513,10 @@ class Checkpointer:
                 self.save(step)
             finally:
                 self._pool = pool
-        self.close()
+        try:
+            self.close()
+        finally:  # every rank reaches the barrier, even one whose flush failed
+            self._comm.leave()
         sys.exit(143)
 
     # --- restore ----------------------------------------------------------------------------

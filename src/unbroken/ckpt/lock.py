@@ -22,10 +22,16 @@ tell and deletes nothing (:func:`writer_alive`).
 
 In one process the lock is shared: every ``Checkpointer`` of a root in the same process
 is the same writer (a lease count keeps the lock until the last one closes). Forked
-children (e.g. DataLoader workers) drop their inherited copy, so they never keep a dead
-writer's lock alive. On a filesystem without ``flock`` support (some FUSE or Lustre
-mounts) one WARNING says the root is not protected, and saving goes on without the lock;
-a root this process cannot write is restored without it (nothing there can be changed).
+children (e.g. DataLoader workers) drop their inherited copy as soon as they run (an
+``flock`` belongs to the open file, which a fork shares), so they never keep a dead
+writer's lock alive for long. A writer killed between a fork and its child's first
+instructions leaves the lock held for that moment: a successor that finds the lock held
+while the recorded holder is no longer running on this host waits for the children (at
+most ``ORPHAN_WAIT_S``), never takes the lock while anyone holds it, and if they
+do not let go names the dead holder and how to find them. On a filesystem without
+``flock`` support (some FUSE or Lustre mounts) one WARNING says the root is not protected,
+and saving goes on without the lock; a root this process cannot write is restored without
+it (nothing there can be changed).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ __all__ = ["LOCK_NAME", "Lease", "RootLocked", "acquire", "note_temp", "writer_a
 log = logging.getLogger(__name__)
 
 LOCK_NAME = ".lock"
+ORPHAN_WAIT_S = 10.0  # a forked child drops the lock at its first instructions; load delays it
 
 
 class RootLocked(RuntimeError):
@@ -108,6 +115,26 @@ def _write_info(fd: int) -> None:
     os.pwrite(fd, data, 0)
 
 
+def _dead_here(info: dict[str, Any]) -> bool:
+    """Whether the holder recorded in ``info`` ran on this host and is no longer running.
+    Only ever a reason to wait longer for the lock, never to take it: a holder in another
+    PID namespace with the same host name looks dead here."""
+    pid = info.get("pid")
+    if not isinstance(pid, int) or pid <= 0 or info.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    try:  # a killed holder nobody has reaped yet is a zombie: its files are closed
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
 def _unlocked(root: str, path: str, why: str, level: int) -> _Held:
     log.log(level, "checkpoint root %s: %s", root, why)
     return _Held(path, None)
@@ -145,13 +172,36 @@ def _lock(root: str) -> _Held:
             f"cannot create checkpoint directory {root!r} or its lock file: {e.strerror}; "
             "pass a writable path"
         ) from e
+    waited_since: float | None = None  # since when the lock is held for a dead holder
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             info = _read_info(fd)
-            os.close(fd)
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                dead = _dead_here(info)
+                if dead:
+                    if waited_since is None:
+                        waited_since = time.monotonic()
+                        log.info(
+                            "checkpoint root %s: the lock's holder (pid %s) is gone; waiting "
+                            "up to %.0f s for the processes it forked to let go of the lock",
+                            root,
+                            info["pid"],
+                            ORPHAN_WAIT_S,
+                        )
+                    if time.monotonic() - waited_since < ORPHAN_WAIT_S:
+                        time.sleep(0.02)
+                        continue
+                os.close(fd)
+                if dead:
+                    raise RootLocked(
+                        f"checkpoint root {root!r} is locked, but its writer is no longer "
+                        f"running: {_holder_text(info, path)}. Processes it forked (e.g. "
+                        "DataLoader workers) still hold the lock open after "
+                        f"{ORPHAN_WAIT_S:.0f} s; find them with `fuser -v {path}` and stop "
+                        "them, then start this run again"
+                    ) from None
                 raise RootLocked(
                     f"checkpoint root {root!r} is in use by another writer: "
                     f"{_holder_text(info, path)}. Two runs writing one root would interleave "
@@ -159,6 +209,7 @@ def _lock(root: str) -> _Held:
                     "(its lock goes away when it exits, even if killed), or give this run "
                     "another checkpoint directory"
                 ) from None
+            os.close(fd)
             if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 why = (
                     f"this filesystem does not support flock ({e.strerror}): a second run "

@@ -14,6 +14,7 @@ _LAZY = {
     "pack": "unbroken.data.prepare.pack",
     "index_directory": "unbroken.data.prepare.pack",
     "stage": "unbroken.data.prepare.stage",
+    "CacheOptions": "unbroken.data.stream.cache",
     "EpochOrder": "unbroken.data.stream.order",
     "Source": "unbroken.data.stream.dataset",
     "StatefulLoader": "unbroken.data.stream.loader",
@@ -29,6 +30,7 @@ __getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = [
     # streaming and the GPU feed
+    "CacheOptions",
     "DevicePrefetcher",
     "StepTimer",
     "EpochOrder",

@@ -23,7 +23,8 @@ process                 restart             CUDA error, OOM, collective timeout,
 node_lost               wait_for_nodes      agent gone / rendezvous failed: relaunch and let
                                             the rendezvous use spares or shrink within MIN
 storage                 preflight           EIO, ENOSPC, stale handle, read-only, hung
-                                            probe: pre-flight until healthy, then restart
+                                            probe, a remote dataset's store unreachable:
+                                            pre-flight until healthy, then restart
 deterministic           stop                the same failure at the same step twice
 preemption              exit                SIGTERM: the job was asked to save; exit cleanly
 ======================  ==================  ==============================================
@@ -146,7 +147,8 @@ DEFAULT_RULES: tuple[Rule, ...] = (
     Rule("storage", _S, r"No space left on device|\bENOSPC\b|\[Errno 28\]|Input/output error"
          r"|\bEIO\b|\[Errno 5\]|Stale file handle|\bESTALE\b|\[Errno 116\]|Read-only file system"
          r"|\bEROFS\b|\[Errno 30\]|Disk quota exceeded|\bEDQUOT\b|\[Errno 122\]"
-         r"|Transport endpoint is not connected|\[Errno 107\]"),
+         r"|Transport endpoint is not connected|\[Errno 107\]"
+         r"|RemoteStorageError"),  # unbroken.data: an object store failed every retry
     Rule("oom", _P, r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"
          r"|\bMemoryError\b|Cannot allocate memory"),
     Rule("cuda", _P, r"CUDA error|cudaError\w*|CUDNN_STATUS_\w+|CUBLAS_STATUS_\w+|NCCL error"

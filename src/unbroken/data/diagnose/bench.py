@@ -5,6 +5,11 @@ the worker->main transport (through the shared-memory ring :class:`StatefulLoade
 and pinning + host->device copies when a CUDA device is there; :func:`bench_dataset` does
 it on a packed dataset directory and hands the rates to
 :func:`unbroken.data.diagnose.bottleneck.analyse`; :func:`run_bench` is the CLI's entry point.
+
+For a remote dataset (an fsspec URL) :func:`measure_network` first downloads shards through
+the node cache machinery (parallel, verified) into a scratch cache: that is the ``network``
+stage, and its per-shard time gives the suggested prefetch depth. The other stages then read
+the downloaded shards in manifest order.
 """
 
 from __future__ import annotations
@@ -260,6 +265,44 @@ def _decode_image(data: bytes) -> Any:
         return torch.from_numpy(np.asarray(im.convert("RGB"))).permute(2, 0, 1).contiguous()
 
 
+def measure_network(ds: Any, samples: int, max_seconds: float) -> tuple[StageResult, Any]:
+    """Download, through ``ds``'s cache, the shards holding the first ``samples`` samples in
+    manifest order, and more (at least two per download thread) until ``max_seconds``.
+
+    Returns the ``network`` stage (samples/s and MB/s of the parallel downloads) and the
+    prefetch hint for :func:`~unbroken.data.diagnose.bottleneck.analyse`: (seconds one shard takes,
+    samples per shard, shards per shuffle window).
+    """
+    from unbroken.data.stream.cache import read_events
+
+    cache = ds._cache
+    reader = ds._readers[0]
+    counts = np.asarray(reader.counts)
+    need = int(np.searchsorted(np.cumsum(counts), samples, side="left")) + 1
+    threads = cache.options.threads
+    total = len(counts)
+    want = min(total, max(need, 2 * threads))
+    t0 = time.perf_counter()
+    done = 0
+    # all the shards the timed batches read, at least two rounds of parallel downloads, more
+    # while the time budget lasts (a better estimate of the rate)
+    while done < total and (done < want or time.perf_counter() - t0 < max_seconds):
+        batch = list(range(done, min(total, done + threads)))
+        cache.fetch(batch, prio=0)
+        done = batch[-1] + 1
+    secs = time.perf_counter() - t0
+    nbytes = int(cache.unit_bytes[:done].sum())
+    n = int(counts[:done].sum())
+    per_unit = [e["secs"] for e in read_events(cache.cache_dir) if e["ev"] == "download"]
+    unit_s = float(np.mean(per_unit)) if per_unit else secs / max(done, 1)
+    stage = StageResult("network", "remote", _rate(n, int(secs * 1e9)),
+                        nbytes / secs / 1e6 if secs > 0 else math.nan,
+                        f"{done} shards, {threads} parallel downloads, "
+                        f"{unit_s:.2f} s per shard")
+    window = cache._window_units(0)
+    return stage, (unit_s, n / max(done, 1), window)
+
+
 def bench_dataset(
     root: str,
     *,
@@ -273,15 +316,61 @@ def bench_dataset(
     num_batches: int = 50,
     max_seconds: float = 20.0,
     seed: int = 0,
+    cache_dir: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> BottleneckReport:
-    """Measure every stage on a packed dataset directory (tar or token shards) and analyse.
+    """Measure every stage on a packed dataset (tar or token shards) and analyse.
 
-    Shard read is :meth:`StreamingDataset.read` on the shuffled epoch-0 order (the real
-    window-local read path), without its transform; ``transform`` is then timed alone.
+    Local directory: shard read is :meth:`StreamingDataset.read` on the shuffled epoch-0
+    order (the real window-local read path), without its transform; ``transform`` is then
+    timed alone. Remote URL: the ``network`` stage first (:func:`measure_network`, into a
+    scratch cache under ``cache_dir``, removed afterwards), then the other stages on the
+    downloaded shards in manifest order.
     """
+    from unbroken.data.stream.cache import is_remote
+
+    if is_remote(root):
+        import shutil
+        import tempfile
+
+        if cache_dir is not None:
+            os.makedirs(cache_dir, exist_ok=True)
+        scratch = tempfile.mkdtemp(prefix="unbroken-bench-cache-", dir=cache_dir)
+        try:
+            return _bench(root, batch_size, num_workers, consume_rate, transform, collate,
+                          seq_len, device, num_batches, max_seconds, seed, scratch,
+                          storage_options)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return _bench(root, batch_size, num_workers, consume_rate, transform, collate, seq_len,
+                  device, num_batches, max_seconds, seed, None, None)
+
+
+def _bench(
+    root: str,
+    batch_size: int,
+    num_workers: int,
+    consume_rate: float | None,
+    transform: Callable[[Any], Any] | None,
+    collate: Callable[[list[Any]], Any] | None,
+    seq_len: int | None,
+    device: str | None,
+    num_batches: int,
+    max_seconds: float,
+    seed: int,
+    cache_dir: str | None,
+    storage_options: dict[str, Any] | None,
+) -> BottleneckReport:
+    from unbroken.data.stream.cache import CacheOptions
     from unbroken.data.stream.dataset import StreamingDataset
 
-    ds = StreamingDataset(root, seed=seed, seq_len=seq_len, rank=0, world_size=1)
+    remote = cache_dir is not None
+    ds = StreamingDataset(
+        root, seed=seed, seq_len=seq_len, rank=0, world_size=1, shuffle=not remote,
+        cache_dir=cache_dir, storage_options=storage_options,
+        # the bench downloads in this process: there is no decoding worker to get in its way
+        cache_options=CacheOptions(fetch_process=False, prefetch_shards=0) if remote else None,
+    )
     part = ds.partition(0, batch_size, "drop")
     total = part.num_batches()
     if total < 2:
@@ -289,17 +378,23 @@ def bench_dataset(
             f"{root}: {ds.epoch_length} samples make {total} batch(es) of {batch_size}; the "
             "bench needs at least 2 - pass a smaller --batch-size"
         )
+    nb = min(num_batches, total)
+    pre: list[StageResult] = []
+    hint = None
+    if remote:
+        net, hint = measure_network(ds, nb * batch_size, max_seconds / 6)
+        pre.append(net)
     stages, worker_ms = measure_stages(
         lambda b: ds.read(0, part.batch_positions(b)),
         batch_size=batch_size,
-        num_batches=min(num_batches, total),
+        num_batches=nb,
         decode=transform,
         collate=collate,
         device=device,
         max_seconds=max_seconds,
     )
-    return analyse(stages, batch_size=batch_size, num_workers=num_workers,
-                   consume_rate=consume_rate, worker_batch_ms=worker_ms)
+    return analyse(pre + stages, batch_size=batch_size, num_workers=num_workers,
+                   consume_rate=consume_rate, worker_batch_ms=worker_ms, prefetch_hint=hint)
 
 
 def resolve_transform(spec: str | None) -> Callable[[Any], Any] | None:
@@ -387,6 +482,8 @@ def run_bench(
     out: str | None = None,
     metrics: str | None = None,
     metrics_step: int = 0,
+    cache_dir: str | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> tuple[BottleneckReport, str | None]:
     """What ``unbroken data bench`` does: returns the report and the JSON path written."""
     if consume_rate is not None and timeline is not None:
@@ -406,6 +503,8 @@ def run_bench(
         num_batches=num_batches,
         max_seconds=max_seconds,
         seed=seed,
+        cache_dir=cache_dir,
+        storage_options=storage_options,
     )
     path = None
     if out is not None:

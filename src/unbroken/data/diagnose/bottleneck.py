@@ -2,14 +2,18 @@
 
 Stages, in the order a sample meets them::
 
-    shard read -> decode/transform -> collate      (inside each DataLoader worker)
+    network                                        (remote datasets: the node's downloads)
+    -> shard read -> decode/transform -> collate   (inside each DataLoader worker)
     -> worker transport -> pin                     (in the training process)
     -> h2d                                         (copy engine)
 
 Worker stages run one after another inside a worker, so a worker delivers
 ``1 / sum(1 / rate_i)`` samples/s and ``num_workers`` workers (at most one per core) deliver
-that many times more. Transport, pin and H2D each run on their own thread or engine, so the
-pipeline delivers the minimum of the worker group and those three. :func:`analyse` compares
+that many times more. Network, transport, pin and H2D each run on their own threads, process
+or engine, so the pipeline delivers the minimum of the worker group and those four. For a
+remote dataset the report also suggests the prefetch depth (shards fetched ahead): enough
+downloads in flight to cover one shard's download time at the pipeline's rate, and never
+less than a shuffle window's shards. :func:`analyse` compares
 that with the consumer's rate (the model: measured from a step timeline, or
 ``--consume-rate``), names the stage that limits, and suggests ``num_workers`` and
 ``prefetch_factor``. The stages are measured by :mod:`unbroken.data.diagnose.bench`.
@@ -39,7 +43,7 @@ __all__ = [
 ]
 
 BENCH_FILE = "data_bench.json"
-STAGES = ("shard read", "decode", "collate", "transport", "pin", "h2d")
+STAGES = ("network", "shard read", "decode", "collate", "transport", "pin", "h2d")
 _WORKER_STAGES = ("shard read", "decode", "collate")
 _HEADROOM = 1.2  # suggest workers for 20% more than the consumer eats: rates jitter
 
@@ -51,7 +55,8 @@ class StageResult:
 
     name: str
     where: str
-    """``worker`` (runs inside each DataLoader worker), ``main`` or ``device``."""
+    """``worker`` (runs inside each DataLoader worker), ``main``, ``device`` or ``remote``
+    (the node's downloads of a remote dataset)."""
     samples_per_s: float
     mb_per_s: float = float("nan")
     note: str = ""
@@ -81,6 +86,8 @@ class BottleneckReport:
     suggested_workers: int
     suggested_prefetch_factor: int
     advice: tuple[str, ...] = field(default_factory=tuple)
+    suggested_prefetch_shards: int | None = None
+    """Remote datasets: ``CacheOptions(prefetch_shards=...)``; None for local data."""
 
     def stage(self, name: str) -> StageResult:
         for s in self.stages:
@@ -109,9 +116,11 @@ class BottleneckReport:
         rows.append("")
         rows.append(f"bottleneck: {self.bottleneck}")
         rows.extend(self.advice)
+        shards = ("" if self.suggested_prefetch_shards is None
+                  else f" CacheOptions(prefetch_shards={self.suggested_prefetch_shards})")
         rows.append(
             f"suggest: num_workers={self.suggested_workers} "
-            f"prefetch_factor={self.suggested_prefetch_factor}"
+            f"prefetch_factor={self.suggested_prefetch_factor}{shards}"
         )
         return "\n".join(rows)
 
@@ -178,8 +187,13 @@ def analyse(
     consume_rate: float | None = None,
     cpu_count: int | None = None,
     worker_batch_ms: np.ndarray | None = None,
+    prefetch_hint: tuple[float, float, int] | None = None,
 ) -> BottleneckReport:
-    """Combine per-stage rates into the pipeline rate, the limiting stage and suggestions."""
+    """Combine per-stage rates into the pipeline rate, the limiting stage and suggestions.
+
+    ``prefetch_hint`` (remote datasets): (seconds one shard takes to download, samples per
+    shard, shards per shuffle window) for the suggested prefetch depth.
+    """
     if num_workers < 0:
         raise ValueError(f"num_workers={num_workers} must be >= 0")
     if consume_rate is not None and not consume_rate > 0:
@@ -195,7 +209,7 @@ def analyse(
     if worker:
         slowest = max(worker, key=lambda s: 1.0 / s.samples_per_s)
         candidates.append((worker_rate * eff, slowest.name))
-    for name in ("transport", "pin", "h2d"):
+    for name in ("network", "transport", "pin", "h2d"):
         s = by.get(name)
         if s is not None and s.measured and not (name == "transport" and num_workers == 0):
             candidates.append((s.samples_per_s, name))
@@ -239,6 +253,14 @@ def analyse(
         )
     elif bottleneck == "no data stall":
         pass
+    elif limiting == "network":
+        net = by["network"]
+        advice.append(
+            f"the network limits: downloads deliver {net.mb_per_s:,.1f} MB/s "
+            f"({net.samples_per_s:,.0f} samples/s); if one stream is what limits, more parallel "
+            "downloads help (CacheOptions(threads=...)); otherwise stage the dataset "
+            "(`unbroken stage`) or put the cache nearer the store"
+        )
     elif limiting == "transport":
         advice.append("transport limits: return tensors (shared memory) rather than Python "
                       "objects or bytes from the workers, and collate in the worker")
@@ -261,7 +283,21 @@ def analyse(
         suggested_workers=workers,
         suggested_prefetch_factor=_prefetch_factor(worker_batch_ms),
         advice=tuple(advice),
+        suggested_prefetch_shards=_prefetch_shards(prefetch_hint, pipeline_rate, consume_rate),
     )
+
+
+def _prefetch_shards(hint: tuple[float, float, int] | None, pipeline_rate: float,
+                     consume_rate: float | None) -> int | None:
+    # Little's law: shards in flight = shard download time x shards consumed per second; one
+    # more for jitter; at least a window's shards, all needed together when readers enter it.
+    if hint is None:
+        return None
+    unit_s, unit_samples, window = hint
+    rate = min(pipeline_rate, consume_rate) if consume_rate is not None else pipeline_rate
+    if not (math.isfinite(rate) and rate > 0 and unit_samples > 0):
+        return max(1, window)
+    return max(window, math.ceil(unit_s * rate / unit_samples) + 1)
 
 
 def _prefetch_factor(worker_batch_ms: np.ndarray | None) -> int:

@@ -9,15 +9,20 @@ Cost: two ``perf_counter_ns`` calls and four numpy stores per step (no allocatio
 lock); summaries are computed every ``log_every`` steps over the preallocated ring buffers.
 The measured overhead is in ``benchmarks/RESULTS.md`` and checked by a unit test.
 
+With ``network=dataset`` (a ``StreamingDataset`` reading a remote source through its cache,
+:mod:`unbroken.data.stream.cache`) it also records how much of each wait the rank's readers spent
+blocked on a download: the network as its own stage, next to the loop's total wait.
+
 Timeline file (``<run_dir>/data_steps.csv``), appended once per ``window`` steps and on
 ``close()``; ``unbroken data report`` reads it::
 
     # unbroken step timeline v1 batch_size=32 num_workers=4
-    step,wait_ms,compute_ms,h2d_ms,h2d_bytes
-    0,812.113,10.201,,0
-    1,0.041,10.187,0.912,33554432
+    step,wait_ms,compute_ms,h2d_ms,h2d_bytes,net_ms
+    1,812.113,10.201,,0,790.020
+    2,0.041,10.187,0.912,33554432,0.000
 
-``h2d_ms`` is empty where unknown (CPU runs, or a copy not timed).
+``h2d_ms`` is empty where unknown (CPU runs, or a copy not timed), ``net_ms`` where no
+network is watched (local data). Files without the ``net_ms`` column are read as well.
 
 Host clock caveat: wait and compute are measured on the host. A loop that never
 synchronises with the GPU lets the host run ahead of the device; its waits then stall the
@@ -50,8 +55,17 @@ __all__ = [
 ]
 
 TIMELINE_FILE = "data_steps.csv"
-_HEADER = "step,wait_ms,compute_ms,h2d_ms,h2d_bytes"
+_HEADER = "step,wait_ms,compute_ms,h2d_ms,h2d_bytes,net_ms"
+_HEADER_V0 = "step,wait_ms,compute_ms,h2d_ms,h2d_bytes"  # before the network column
 _NS_PER_MS = 1_000_000
+
+
+def _network_probe(network: Any) -> Any:
+    if network is None or hasattr(network, "blocked_ns"):
+        return network
+    from unbroken.data.stream.cache import network_probe
+
+    return network_probe(network)
 
 
 def tensorboard_writer(log_dir: str) -> Any | None:
@@ -81,6 +95,10 @@ class StallSummary:
     """Bytes copied / copy time, GB/s (1e9), NaN on CPU."""
     samples_per_s: float
     """batch_size / mean step time; NaN when the batch size is unknown."""
+    net_ms: float = float("nan")
+    """Mean wait per step spent on downloads of a remote dataset; NaN when not watched."""
+    net_pct: float = float("nan")
+    """100 x download wait / total step time: the share of the run lost to the network."""
 
     def metrics(self, prefix: str = "data/") -> dict[str, float]:
         """The finite values, named for a metric log / TensorBoard."""
@@ -93,6 +111,8 @@ class StallSummary:
             "h2d_ms": self.h2d_ms,
             "h2d_gbps": self.h2d_gbps,
             "samples_per_s": self.samples_per_s,
+            "net_ms": self.net_ms,
+            "net_pct": self.net_pct,
         }
         return {prefix + k: round(v, 6) for k, v in vals.items() if math.isfinite(v)}
 
@@ -103,6 +123,8 @@ class StallSummary:
             f"wait {self.wait_ms:.2f} ms (p95 {self.wait_p95_ms:.2f})",
             f"stall {self.stall_pct:.1f}%",
         ]
+        if math.isfinite(self.net_ms):
+            parts.append(f"network {self.net_ms:.2f} ms ({self.net_pct:.1f}% of the time)")
         if math.isfinite(self.h2d_ms):
             parts.append(f"H2D {self.h2d_ms:.2f} ms ({self.h2d_gbps:.1f} GB/s)")
         if math.isfinite(self.samples_per_s):
@@ -116,6 +138,7 @@ def summarize(
     h2d_ms: np.ndarray | None = None,
     h2d_bytes: np.ndarray | None = None,
     batch_size: int | None = None,
+    net_ms: np.ndarray | None = None,
 ) -> StallSummary:
     """The stall arithmetic, shared by the live timer and the report on a saved timeline."""
     n = int(wait_ms.size)
@@ -134,6 +157,12 @@ def summarize(
             secs = float(h2d_ms[known].sum()) / 1e3
             gbps = float(h2d_bytes[known].sum()) / secs / 1e9 if secs > 0 else float("nan")
     rate = batch_size / (step_mean / 1e3) if batch_size and step_mean > 0 else float("nan")
+    net = net_pct = float("nan")
+    if net_ms is not None and np.isfinite(net_ms).any():
+        known = np.isfinite(net_ms)
+        net = float(net_ms[known].mean())
+        known_total = float(wait_ms[known].sum() + compute_ms[known].sum())
+        net_pct = 100.0 * float(net_ms[known].sum()) / known_total if known_total > 0 else 0.0
     return StallSummary(
         steps=n,
         step_ms=step_mean,
@@ -145,6 +174,8 @@ def summarize(
         h2d_ms=h2d,
         h2d_gbps=gbps,
         samples_per_s=rate,
+        net_ms=net,
+        net_pct=net_pct,
     )
 
 
@@ -178,6 +209,10 @@ class StepTimer:
             ``state.step += 1; metrics.log(state.step, ...)``: the first step this timer
             records is ``start_step + 1``, so its summaries and timeline line up with the
             metric log.
+        network: the ``StreamingDataset`` this rank reads, when it reads a remote source (or
+            a :class:`~unbroken.data.stream.cache.NetworkWaitProbe`): each step's wait is split
+            into the part the rank's readers spent blocked on downloads (``net_ms``) and the
+            rest. Ignored for local data.
     """
 
     def __init__(
@@ -191,6 +226,7 @@ class StepTimer:
         num_workers: int | None = None,
         start_step: int = 0,
         prefix: str = "data/",
+        network: Any = None,
     ) -> None:
         if window < 2:
             raise ValueError(f"StepTimer: window={window} must be >= 2 steps; pass window=1000")
@@ -214,6 +250,10 @@ class StepTimer:
         self._compute = np.zeros(window, np.int64)
         self._h2d = np.full(window, -1, np.int64)  # ns; -1 = unknown
         self._bytes = np.zeros(window, np.int64)
+        self._net = np.full(window, -1, np.int64)  # ns; -1 = not watched
+        self._probe = _network_probe(network)
+        self._net0: np.ndarray | None = None  # readers' blocked ns when the wait began
+        self._net_ns = -1  # the open step's network wait
         self._n = 0  # steps recorded
         self._flushed = 0  # steps already appended to the timeline file
         self._t_req = -1  # when the loop asked for the pending batch
@@ -235,10 +275,22 @@ class StepTimer:
             self._record(self._t_got - self._t_req, t - self._t_got)
         self._t_req = t
         self._t_got = -1
+        if self._probe is not None:
+            self._net0 = self._probe.blocked_ns()
 
     def after_next(self) -> None:
         """The loop has its batch: the wait is over, the step's compute begins."""
         self._t_got = time.perf_counter_ns()
+        if self._probe is not None:
+            self._net_done()
+
+    def _net_done(self) -> None:
+        # The readers that were blocked while the loop waited: the most any one of them was
+        # blocked is how long the network held this batch up (capped at the wait itself).
+        if self._probe is None or self._net0 is None:
+            return
+        grew = self._probe.blocked_ns() - self._net0
+        self._net_ns = min(int(grew.max()) if grew.size else 0, self._t_got - self._t_req)
 
     def close_step(self) -> None:
         """Record the open step now (its compute ends now); used at the end of a loop."""
@@ -266,6 +318,8 @@ class StepTimer:
                 except StopIteration:
                     return
                 self._t_got = time.perf_counter_ns()
+                if self._probe is not None:
+                    self._net_done()
                 yield batch
         finally:
             self.close_step()
@@ -283,6 +337,8 @@ class StepTimer:
         self._compute[slot] = compute_ns
         self._h2d[slot] = -1
         self._bytes[slot] = 0
+        self._net[slot] = self._net_ns
+        self._net_ns = -1
         self._n += 1
         if self._pending:
             self._resolve_copies(block=False)
@@ -315,17 +371,20 @@ class StepTimer:
         idx = np.arange(self._n - last, self._n) % self.window
         h2d = self._h2d[idx].astype(np.float64)
         h2d[h2d < 0] = np.nan
+        net = self._net[idx].astype(np.float64)
+        net[net < 0] = np.nan
         return (
             self._wait[idx] / _NS_PER_MS,
             self._compute[idx] / _NS_PER_MS,
             h2d / _NS_PER_MS,
             self._bytes[idx].copy(),
+            net / _NS_PER_MS,
         )
 
     def summary(self, last: int | None = None) -> StallSummary:
         """Averages over the last ``last`` steps (default: the whole window)."""
-        wait, comp, h2d, nbytes = self._ordered(self.window if last is None else last)
-        return summarize(wait, comp, h2d, nbytes, self.batch_size)
+        wait, comp, h2d, nbytes, net = self._ordered(self.window if last is None else last)
+        return summarize(wait, comp, h2d, nbytes, self.batch_size, net)
 
     def emit(self) -> StallSummary:
         """Send a summary of the last ``log_every`` steps to the sinks."""
@@ -352,7 +411,7 @@ class StepTimer:
         if todo <= 0:
             return path
         lost = max(0, todo - self.window)  # only possible if flush() was never reached
-        wait, comp, h2d, nbytes = self._ordered(todo - lost)
+        wait, comp, h2d, nbytes, net = self._ordered(todo - lost)
         first = self._start_step + self._flushed + lost + 1
         os.makedirs(self._run_dir, exist_ok=True)
         new = not os.path.exists(path)
@@ -365,7 +424,8 @@ class StepTimer:
             lines.append(_HEADER + "\n")
         for i in range(wait.size):
             h = "" if math.isnan(h2d[i]) else f"{h2d[i]:.4f}"
-            lines.append(f"{first + i},{wait[i]:.4f},{comp[i]:.4f},{h},{int(nbytes[i])}\n")
+            n = "" if math.isnan(net[i]) else f"{net[i]:.4f}"
+            lines.append(f"{first + i},{wait[i]:.4f},{comp[i]:.4f},{h},{int(nbytes[i])},{n}\n")
         with open(path, "a", encoding="utf-8") as f:
             f.writelines(lines)
         self._flushed = self._n
@@ -392,10 +452,12 @@ class Timeline:
     h2d_bytes: np.ndarray
     batch_size: int | None = None
     num_workers: int | None = None
+    net_ms: np.ndarray | None = None
+    """Download wait per step (NaN where not watched); None for a file without the column."""
 
     def summary(self) -> StallSummary:
         return summarize(self.wait_ms, self.compute_ms, self.h2d_ms, self.h2d_bytes,
-                         self.batch_size)
+                         self.batch_size, self.net_ms)
 
 
 def _header_field(line: str, name: str) -> int | None:
@@ -419,16 +481,17 @@ def load_timeline(path: str) -> Timeline:
         lines = f.read().splitlines()
     meta = lines[0] if lines and lines[0].startswith("#") else ""
     body = [ln for ln in lines if ln and not ln.startswith("#")]
-    if not body or body[0].strip() != _HEADER:
+    if not body or body[0].strip() not in (_HEADER, _HEADER_V0):
         raise ValueError(f"{path}: first row is not {_HEADER!r}; is this a data_steps.csv?")
-    cols: list[list[float]] = [[], [], [], [], []]
+    width = body[0].count(",") + 1
+    cols: list[list[float]] = [[] for _ in range(width)]
     for k, ln in enumerate(body[1:], start=2):
         fields = ln.split(",")
-        if len(fields) != 5:
+        if len(fields) != width:
             # A torn last line from a crash mid-append is skipped; anything else is damage.
             if k == len(body):
                 break
-            raise ValueError(f"{path}: row {k} {ln!r} has {len(fields)} fields, expected 5")
+            raise ValueError(f"{path}: row {k} {ln!r} has {len(fields)} fields, expected {width}")
         try:
             vals = [float(v) if v else math.nan for v in fields]
         except ValueError as e:
@@ -444,6 +507,7 @@ def load_timeline(path: str) -> Timeline:
         h2d_bytes=np.asarray(cols[4], dtype=np.int64),
         batch_size=_header_field(meta, "batch_size"),
         num_workers=_header_field(meta, "num_workers"),
+        net_ms=np.asarray(cols[5]) if width > 5 else None,
     )
 
 

@@ -38,7 +38,7 @@ from unbroken.common.fs import (
 )
 from unbroken.data.manifest import DatasetManifest, join_path
 
-__all__ = ["MARKER_NAME", "StageResult", "stage"]
+__all__ = ["MARKER_NAME", "RemoteStorageError", "StageResult", "fetch_verified", "stage"]
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,24 @@ def _copy_stream(r: Any, tmp: str, fsync: bool, on_bytes: Callable[[int], None])
     return w.size, w.digest
 
 
+class RemoteStorageError(RuntimeError):
+    """A remote store failed a transfer on every attempt (unreachable, timing out, refusing).
+
+    The supervisor classifies it as a ``storage`` fault (probe until healthy, then restart);
+    a damaged or missing object is *not* one of these (restarting would not fix it).
+    """
+
+
+def _open_remote(fs: Any, src: str, size: int) -> Any:
+    # The size is known from the manifest: passing it saves object stores a HEAD request
+    # per file (a large share of the time for small shards). A longer object is read only
+    # up to that size; the checksum still covers every byte that is kept.
+    try:
+        return fs.open(src, "rb", block_size=_CHUNK, size=size)
+    except TypeError:  # a filesystem whose open() takes no size
+        return fs.open(src, "rb", block_size=_CHUNK)
+
+
 def _copy_one(
     fs: Any, src: str, dst: str, f: _File, fsync: bool, on_bytes: Callable[[int], None]
 ) -> None:
@@ -155,23 +173,96 @@ def _copy_one(
     try:
         if _is_local(fs):
             size, digest = _copy_local(fs._strip_protocol(src), tmp, fsync, on_bytes)
+        elif f.size <= _CHUNK:
+            # One request for the whole object: what a streamed read costs for its first
+            # chunk anyway, without a file object, a ranged GET and a read-ahead copy.
+            data = fs.cat_file(src)
+            with HashingWriter(tmp, fsync=fsync) as w:
+                w.write(data)
+            on_bytes(len(data))
+            size, digest = w.size, w.digest
         else:
-            size, digest = _copy_stream(fs.open(src, "rb", block_size=_CHUNK), tmp, fsync, on_bytes)
+            size, digest = _copy_stream(_open_remote(fs, src, f.size), tmp, fsync, on_bytes)
         if size != f.size or digest != f.checksum:
             raise _ChecksumMismatch(
                 f"{src}: got {size} bytes with checksum {digest}, manifest says "
                 f"{f.size} bytes with {f.checksum}"
             )
         os.replace(tmp, dst)
-    except BaseException as e:
+    except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise RuntimeError(
-                f"{dst}: disk full while staging ({os.strerror(errno.ENOSPC)}); free space on "
-                f"{os.path.dirname(os.path.abspath(dst))} or stage elsewhere, then re-run"
-            ) from e
         raise
+
+
+def _disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def fetch_verified(
+    fs: Any,
+    src: str,
+    dst: str,
+    size: int,
+    checksum: str,
+    *,
+    url: str | None = None,
+    retries: int = 1,
+    backoff_s: float = 0.0,
+    fsync: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+    what: str = "staging",
+) -> int:
+    """Copy one file ``fs:src`` to the local path ``dst``, verified; returns the re-fetches.
+
+    The one implementation of "copy a shard and verify it" (``stage`` and the remote-dataset
+    cache both use it): the bytes go to a temporary sibling of ``dst``, their size and
+    xxh3-128 checksum are compared with ``size``/``checksum`` (from ``dataset.json``) and only
+    a match is renamed into place, so ``dst`` is either absent or verified. A failed attempt
+    (checksum mismatch, missing object, any transfer error) is retried ``retries`` times,
+    ``backoff_s * 2**attempt`` seconds apart; a full local disk is not retried. After the last
+    attempt: ``RuntimeError`` (checksum mismatch), ``FileNotFoundError`` (missing) or
+    :class:`RemoteStorageError` (the store failed), each naming ``url`` (default ``src``).
+    ``on_bytes(n)`` is called as bytes arrive (``n == 0`` when an attempt starts).
+    """
+    url = url or src
+    tick = on_bytes or (lambda n: None)
+    f = _File(os.path.basename(dst), size, checksum)
+    for attempt in range(retries + 1):
+        tick(0)
+        try:
+            _copy_one(fs, src, dst, f, fsync, tick)
+            return attempt
+        except Exception as e:
+            if _disk_full(e):
+                raise RuntimeError(
+                    f"{dst}: disk full while {what} ({os.strerror(errno.ENOSPC)}); free space on "
+                    f"{os.path.dirname(os.path.abspath(dst))} or use another directory, then re-run"
+                ) from e
+            if attempt == retries:
+                n = f"{retries + 1} {'fetches' if retries else 'fetch'}"
+                if isinstance(e, _ChecksumMismatch):
+                    raise RuntimeError(
+                        f"{url}: checksum mismatch after {n} ({e}); the source copy is damaged - "
+                        "re-pack or re-upload it, or re-create the manifest"
+                    ) from None
+                if isinstance(e, FileNotFoundError):
+                    raise FileNotFoundError(
+                        f"{url}: not found after {n}; dataset.json lists it - re-upload it or "
+                        "re-create the manifest"
+                    ) from None
+                raise RemoteStorageError(
+                    f"{url}: {what} failed after {n} ({type(e).__name__}: {e}); the storage is "
+                    "unreachable or failing - check it (endpoint, credentials, network), then "
+                    "re-run"
+                ) from e
+            delay = backoff_s * 2**attempt
+            log.warning("%s: %s (%s: %s); re-fetch %d/%d in %.2fs", url,
+                        "checksum mismatch" if isinstance(e, _ChecksumMismatch) else "fetch failed",
+                        type(e).__name__, e, attempt + 1, retries, delay)
+            if delay > 0:
+                time.sleep(delay)
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _wait_for_rank0(local_dir: str, fingerprint: str, timeout: float, url: str) -> float:
@@ -199,13 +290,15 @@ def stage(
     ranks_local: bool = False,
     wait_timeout: float = 3600.0,
     retries: int = 1,
+    backoff_s: float = 0.5,
     progress: bool = True,
     storage_options: dict[str, Any] | None = None,
 ) -> StageResult:
     """Copy the dataset at ``url`` into ``local_dir``; returns a :class:`StageResult`.
 
     ``workers`` parallel transfers (at most the CPU count for a local source); ``retries``
-    re-fetches of a file whose checksum does not match before the error is raised;
+    re-fetches of a file whose checksum does not match, or whose transfer failed, before the
+    error is raised (``backoff_s * 2**attempt`` seconds apart; see :func:`fetch_verified`);
     ``ranks_local``: only ``LOCAL_RANK`` 0 copies, the other local ranks wait (up to
     ``wait_timeout`` seconds) for its completion marker.
     """
@@ -262,23 +355,13 @@ def stage(
                 stats["skipped"] += 1
             return
         src = root.rstrip("/") + "/" + f.name
-        for attempt in range(retries + 1):
-            try:
-                _copy_one(fs, src, dst, f, fsync, on_bytes)
-                break
-            except _ChecksumMismatch as e:
-                if attempt == retries:
-                    raise RuntimeError(
-                        f"{join_path(url, f.name)}: checksum mismatch after {retries + 1} "
-                        f"fetches ({e}); the source copy is damaged - re-pack or re-upload "
-                        "it, or re-create the manifest"
-                    ) from None
-                log.warning("%s: checksum mismatch, re-fetching (%s)", src, e)
-                with lock:
-                    stats["refetched"] += 1
+        refetched = fetch_verified(fs, src, dst, f.size, f.checksum, url=join_path(url, f.name),
+                                   retries=retries, backoff_s=backoff_s, fsync=fsync,
+                                   on_bytes=on_bytes)
         with lock:
             stats["copied"] += 1
             stats["bytes"] += f.size
+            stats["refetched"] += refetched
 
     try:
         # Largest first so one big shard does not start last and run alone.

@@ -56,20 +56,16 @@ rank's samples one by one from :meth:`set_epoch`'s epoch.
 
 from __future__ import annotations
 
-import array
 import contextlib
-import itertools
 import logging
 import mmap
 import multiprocessing as mp
-import operator
 import os
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import context as mp_context
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -79,12 +75,20 @@ import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
 from unbroken.data.manifest import DatasetManifest
+from unbroken.data.stream.cache import (
+    CacheOptions,
+    check_cache_args,
+    is_remote,
+    load_remote_manifest,
+    open_cache,
+)
 from unbroken.data.stream.order import (
     EpochOrder,
     MixtureOrder,
     Partition,
     default_shuffle_window,
     mix_seed,
+    mix_seeds,
     shards_per_window,
 )
 from unbroken.data.tar.reader import (
@@ -92,16 +96,15 @@ from unbroken.data.tar.reader import (
     ShardReader,
     corrupt_sample,
     index_format,
-    member_digests,
     warn_unverified,
 )
 from unbroken.data.tokens.shard import TokenShard, num_sequences
 
-__all__ = ["ON_CORRUPT", "Source", "StreamingDataset"]
+__all__ = ["ON_CORRUPT", "CacheOptions", "Source", "StreamingDataset"]
 
 ON_CORRUPT = ("raise", "skip")
+_FEW = 8  # a shard's first read of up to this many samples skips building its row table
 _xxh64 = xxhash.xxh3_64_intdigest  # the member checksum of a shard index (shards.py)
-_SMALL_GROUP = 48  # below: verify a shard's group with lists, above: with numpy (measured)
 
 log = logging.getLogger(__name__)
 
@@ -109,18 +112,27 @@ log = logging.getLogger(__name__)
 # shuffle window can touch (reads move window by window, so nothing is reopened inside one).
 _MIN_OPEN = 8
 _ORDER_CACHE = 8
+_RNG_TAG = 0x5EED  # seed material of the transform's RNGs (vs the order's)
+_SEED_CHUNK = 64  # batches whose RNG seeds iter_batches computes at once
+
+
+def _batch_seeds(seed: int, epoch: int, firsts: list[int]) -> list[int]:
+    """:func:`_seeded_rngs`'s seeds for reads starting at positions ``firsts``, at once."""
+    return mix_seeds((seed, epoch), np.asarray(firsts, np.int64), (_RNG_TAG,)).tolist()
 
 
 @contextlib.contextmanager
-def _seeded_rngs(seed: int, epoch: int, position: int) -> Iterator[None]:
+def _seeded_rngs(seed: int, epoch: int, position: int, s: int | None = None) -> Iterator[None]:
     """Seed python's, numpy's and torch's global CPU RNGs for one read of samples.
 
     Random augmentations in ``transform`` then depend only on (seed, epoch, position of the
     read's first sample): the same after a resume, for any ``num_workers``. In a DataLoader
     worker the RNGs belong to the data pipeline; in the training process (``num_workers=0``)
     they are the model's, so they are put back afterwards and training draws stay the same.
+    ``s``: the seed, when the caller computed it (:func:`_batch_seeds`).
     """
-    s = mix_seed(seed, epoch, position, 0x5EED)
+    if s is None:
+        s = mix_seed(seed, epoch, position, _RNG_TAG)
     gen = torch.default_generator  # not torch.manual_seed: that also seeds every device
     saved = None
     if get_worker_info() is None:
@@ -139,18 +151,22 @@ def _seeded_rngs(seed: int, epoch: int, position: int) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Source:
-    """One dataset directory in a (possibly single-element) mixture.
+    """One dataset in a (possibly single-element) mixture.
 
-    root: a local directory holding ``dataset.json`` (stage remote data first with
-        ``unbroken stage``; reads are random inside a window, so they belong on local disk).
+    root: a local directory holding ``dataset.json``, or an fsspec URL (``s3://bucket/ds``)
+        whose shards are read through the node's bounded cache (``StreamingDataset``'s
+        ``cache_dir``/``cache_limit``; see :mod:`unbroken.data.stream.cache`).
     weight: relative share of the mixture's positions (any positive scale; normalised).
     seq_len: token datasets only: tokens per sequence (a sample is ``seq_len + 1`` tokens);
         default: the ``seq_len`` the dataset was tokenized with.
+    storage_options: fsspec options for a URL root (endpoint, credentials); default: the
+        dataset's ``storage_options``.
     """
 
     root: str
     weight: float = 1.0
     seq_len: int | None = None
+    storage_options: dict[str, Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, str) or not self.root:
@@ -171,6 +187,7 @@ class _Reader:
     counts: np.ndarray
     fingerprint: str
     manifest: DatasetManifest
+    cache: Any = None  # a RemoteCache when the source is remote: it opens (pins) the shards
     verify: bool = True
     on_corrupt: str = "raise"
 
@@ -196,7 +213,7 @@ class _Reader:
     def _shard(self, shard: int) -> Any:
         r = self._open.get(shard)
         if r is None:
-            r = self._open_shard(shard)
+            r = self._open_shard(shard) if self.cache is None else self.cache.open(self, shard)
             self._open[shard] = r
             if len(self._open) > self.max_open:
                 _, old = self._open.popitem(last=False)
@@ -283,24 +300,36 @@ class _MappedShard:
     Same samples as ``ShardReader[i]``; slicing costs ~1 us where a ``pread`` per sample costs
     several, which is most of a worker's time at 4 KB samples. When every sample of the shard
     has the same extensions in the same order (the usual case), their names are decoded once
-    and one row per sample (key span, then each member's data span) is gathered for a whole
-    group of samples with a single numpy indexing.
+    and one row per sample - key span, each member's data span and, when verifying, each
+    member's xxh3_64 - is gathered for a whole group of samples with a single numpy indexing.
+    Each member is hashed right after it is sliced, in the same loop (a separate pass over
+    the group's samples cost as much again as the hashing; measured in RESULTS.md).
     """
 
     def __init__(self, reader: ShardReader, *, skip: bool = False) -> None:
         self.reader = reader
         self.skip = skip
         idx = reader.index
-        # per-member checksums, checked group-wise in read() (None: not verifying)
-        self.hashes = idx.member_hash if reader.verifies else None
-        self._want: list[array.array[int]] | None = None  # uniform: per extension, per sample
+        self.verifies = reader.verifies
         with open(reader.path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         self.index = idx
         self.strings = idx.strings
         self.exts: tuple[str, ...] | None = None
+        self.text = ""  # uniform layout: the keys, decoded
+        # uniform layout, per sample: key start, key end (in `text`), each member's data
+        # start and end, then (verifying) each member's checksum; uint64: tolist() gives ints
         self.rows: np.ndarray | None = None
+        self._planned = False
+        self._first_done = False  # a first small read goes without the table
+
+    def _plan(self) -> None:
+        """Decide the layout and build the row table (or, for any other layout, the index as
+        lists); ~0.3 ms for a 64 MB shard, so a shard read once for a few samples (the first
+        batch after a resume touches many shards) skips it."""
+        self._planned = True
+        idx = self.index
         ms = np.asarray(idx.member_start, dtype=np.int64)
         eo = np.asarray(idx.ext_off, dtype=np.int64)
         n = ms.size - 1
@@ -311,104 +340,130 @@ class _MappedShard:
             if self.strings[eo[0] :] == first * n and bool((lens == lens[0]).all()):
                 self.exts = tuple(self.strings[eo[j] : eo[j + 1]].decode() for j in range(k))
                 ko = np.asarray(idx.key_off, dtype=np.int64)
+                # Keys are sliced from one str (one object per key instead of a bytes slice
+                # and its decode): offsets in characters, i.e. bytes minus the UTF-8
+                # continuation bytes before them (ShardIndex checked that every key decodes).
+                keys = self.strings[: int(ko[-1])]
+                self.text = keys.decode()
+                if not keys.isascii():
+                    cont = (np.frombuffer(keys, np.uint8) & 0xC0) == 0x80
+                    ko = ko - np.concatenate(([0], np.cumsum(cont)))[ko]
                 off = np.asarray(idx.data_offset, dtype=np.int64).reshape(n, k)
-                rows = np.empty((n, 2 + 2 * k), dtype=np.int64)
+                rows = np.empty((n, 2 + 2 * k + (k if self.verifies else 0)), dtype=np.uint64)
                 rows[:, 0] = ko[:-1]
                 rows[:, 1] = ko[1:]
-                rows[:, 2::2] = off
-                rows[:, 3::2] = off + np.asarray(idx.data_size, dtype=np.int64).reshape(n, k)
+                rows[:, 2 : 2 + 2 * k : 2] = off
+                rows[:, 3 : 2 + 2 * k : 2] = off + np.asarray(idx.data_size).reshape(n, k)
+                if self.verifies:
+                    rows[:, 2 + 2 * k :] = np.asarray(idx.member_hash).reshape(n, k)
                 self.rows = rows
-                if self.hashes is not None:
-                    cols = self.hashes.reshape(n, k).T
-                    self._want = [array.array("Q", c.tobytes()) for c in cols]
+                return
+        self.reader._tables()  # Python ints for _read_any's per-member lookups
 
     def read(self, local: np.ndarray) -> list[Any]:
         """Samples ``local`` of this shard; None for a damaged one when skipping."""
-        out: list[Any] = self._read(local)
-        hashes = self.hashes
-        if hashes is None or not out:
-            return out
-        bad: dict[int, str] = {}  # position in `out` -> its first damaged member
-        if self.exts is not None and self._want is not None and len(out) < _SMALL_GROUP:
-            # A small group (a batch spread over many shards): digests and expected values as
-            # lists compared in C - a numpy call per group would cost more than the hashing.
-            where = local.tolist()
-            for ext, want in zip(self.exts, self._want, strict=True):
-                got = list(map(_xxh64, map(itemgetter(ext), out)))
-                exp = list(map(want.__getitem__, where))
-                if got != exp:
-                    for p in itertools.compress(range(len(got)), map(operator.ne, got, exp)):
-                        bad.setdefault(p, ext)
-        elif self.exts is not None:
-            # a large group: one digest array per member column, compared in one numpy step
-            want2 = hashes.reshape(-1, len(self.exts))[local]
-            for j, ext in enumerate(self.exts):
-                got2 = member_digests(map(itemgetter(ext), out), len(out))
-                for p in np.flatnonzero(got2 != want2[:, j]).tolist():
-                    bad.setdefault(p, ext)
-        else:
-            for p, i in enumerate(local.tolist()):  # any layout: member by member
-                a, b = int(self.index.member_start[i]), int(self.index.member_start[i + 1])
-                digests = member_digests([out[p][self.index.ext(j)] for j in range(a, b)])
-                wrong = np.flatnonzero(digests != hashes[a:b])
-                if wrong.size:
-                    bad[p] = self.index.ext(a + int(wrong[0]))
-        for p in sorted(bad):
-            err = corrupt_sample(
-                self.reader.path,
-                f"sample {out[p]['__key__']!r} member {bad[p]!r}",
-                dataset=self.reader.dataset,
-            )
-            if not self.skip:
-                raise err
-            log.warning("%s; skipped (on_corrupt='skip')", err)
-            out[p] = None
-        return out
-
-    def _read(self, local: np.ndarray) -> list[dict[str, Any]]:
-        mm, strings, exts, rows = self.mm, self.strings, self.exts, self.rows
+        rows, exts = self.rows, self.exts
         if rows is None or exts is None:
+            if not self._planned and (self._first_done or len(local) > _FEW):
+                self._plan()
+                return self.read(local)
+            self._first_done = True
             return self._read_any(local.tolist())
-        out = []
-        if len(exts) == 1:
+        mm, text, h = self.mm, self.text, _xxh64
+        out: list[Any] = []
+        bad: list[int] = []  # positions in `out` whose bytes do not match their checksums
+        if not self.verifies and len(exts) <= 2:
+            if len(exts) == 1:
+                (x,) = exts
+                for a, b, o, e in rows.take(local, 0).tolist():
+                    out.append({"__key__": text[a:b], x: mm[o:e]})
+            else:
+                x, y = exts
+                for a, b, o, e, p, q in rows.take(local, 0).tolist():
+                    out.append({"__key__": text[a:b], x: mm[o:e], y: mm[p:q]})
+        elif len(exts) == 1:
             (x,) = exts
-            for a, b, o, e in rows[local].tolist():
-                out.append({"__key__": strings[a:b].decode(), x: mm[o:e]})
+            for a, b, o, e, w in rows.take(local, 0).tolist():
+                v = mm[o:e]
+                if h(v) != w:
+                    bad.append(len(out))
+                out.append({"__key__": text[a:b], x: v})
         elif len(exts) == 2:
             x, y = exts
-            for a, b, o, e, p, q in rows[local].tolist():
-                out.append({"__key__": strings[a:b].decode(), x: mm[o:e], y: mm[p:q]})
+            for a, b, o, e, p, q, w, z in rows.take(local, 0).tolist():
+                v, u = mm[o:e], mm[p:q]
+                if h(v) != w or h(u) != z:
+                    bad.append(len(out))
+                out.append({"__key__": text[a:b], x: v, y: u})
         else:
-            spans = range(2, 2 + 2 * len(exts), 2)
-            for r in rows[local].tolist():
-                d: dict[str, Any] = {"__key__": strings[r[0] : r[1]].decode()}
-                for ext, c in zip(exts, spans, strict=True):
-                    d[ext] = mm[r[c] : r[c + 1]]
+            k = len(exts)
+            cols = [(x, 2 + 2 * j, 3 + 2 * j, 2 + 2 * k + j) for j, x in enumerate(exts)]
+            verify = self.verifies
+            for r in rows.take(local, 0).tolist():
+                d: dict[str, Any] = {"__key__": text[r[0] : r[1]]}
+                ok = True
+                for x, s, t, c in cols:
+                    v = d[x] = mm[r[s] : r[t]]
+                    if verify and ok and h(v) != r[c]:
+                        ok = False
+                if not ok:
+                    bad.append(len(out))
                 out.append(d)
-        return out
+        return self._damaged(out, bad, local) if bad else out
 
-    def _read_any(self, local: list[int]) -> list[dict[str, Any]]:
+    def _read_any(self, local: list[int]) -> list[Any]:
         """Any layout: members and extensions looked up per sample."""
-        idx, mm, strings = self.index, self.mm, self.strings
-        ms, off, size, ko, eo = (
-            idx.member_start,
-            idx.data_offset,
-            idx.data_size,
-            idx.key_off,
-            idx.ext_off,
-        )
+        # lists once planned; before, the index's numpy views (a few samples: no tables)
+        lists = self.reader._lists
+        ms, ko, off, size, eo = lists if lists is not None else self.index._tables()
+        hashes = None
+        if self.verifies:
+            hashes = self.reader._hashes if lists is not None else self.index.member_hash
+        mm, strings, h = self.mm, self.strings, _xxh64
         cache: dict[bytes, str] = {}
-        out = []
+        out: list[Any] = []
+        bad: list[int] = []
         for i in local:
             d: dict[str, Any] = {"__key__": strings[ko[i] : ko[i + 1]].decode()}
+            ok = True
             for j in range(ms[i], ms[i + 1]):
                 raw = strings[eo[j] : eo[j + 1]]
                 ext = cache.get(raw)
                 if ext is None:
                     ext = cache[raw] = raw.decode()
                 o = off[j]
-                d[ext] = mm[o : o + size[j]]
+                v = d[ext] = mm[o : o + size[j]]
+                if hashes is not None and ok and h(v) != hashes[j]:
+                    ok = False
+            if not ok:
+                bad.append(len(out))
             out.append(d)
+        return self._damaged(out, bad, local) if bad else out
+
+    def _damaged(self, out: list[Any], bad: list[int], local: Any) -> list[Any]:
+        """Raise for the first damaged sample, naming its first damaged member, or (when
+        skipping) log each and put None in its place."""
+        idx, mm = self.index, self.mm
+        for p in bad:
+            i = int(local[p])
+            a, b = int(idx.member_start[i]), int(idx.member_start[i + 1])
+            wrong = [
+                idx.ext(j)
+                for j in range(a, b)
+                if _xxh64(mm[int(idx.data_offset[j]) : int(idx.data_offset[j] + idx.data_size[j])])
+                != int(idx.member_hash[j])  # type: ignore[index]
+            ]
+            err = corrupt_sample(
+                self.reader.path,
+                f"sample {out[p]['__key__']!r} member {wrong[0]!r}"
+                if wrong
+                else f"sample {out[p]['__key__']!r} (its bytes changed while it was read)",
+                dataset=self.reader.dataset,
+            )
+            if not self.skip:
+                raise err
+            log.warning("%s; skipped (on_corrupt='skip')", err)
+            out[p] = None
         return out
 
     def close(self) -> None:
@@ -486,14 +541,25 @@ class _TokenReader(_Reader):
         return rows
 
 
-def _open_reader(source: Source, seq_len: int | None) -> _Reader:
-    if "://" in source.root and not source.root.startswith("file://"):
-        raise ValueError(
-            f"{source.root}: StreamingDataset reads a local directory; copy the dataset "
-            "to local disk first with `unbroken stage URL LOCAL_DIR`"
-        )
-    root = source.root.removeprefix("file://")
-    manifest = DatasetManifest.load(root)
+def _open_reader(
+    source: Source,
+    seq_len: int | None,
+    storage_options: dict[str, Any] | None = None,
+    cache_options: CacheOptions | None = None,
+) -> _Reader:
+    if is_remote(source.root):
+        # The reader's root becomes its local cache directory in open_cache().
+        root = source.root
+        opts = source.storage_options if source.storage_options is not None else storage_options
+        manifest = load_remote_manifest(root, opts, cache_options or CacheOptions())
+        if manifest.kind == "tokens" and any(s.tokens is None for s in manifest.shards):
+            raise ValueError(
+                f"{root}: the manifest lacks per-shard token counts (an old `unbroken "
+                "tokenize`); re-tokenize, or stage it with `unbroken stage` and read it locally"
+            )
+    else:
+        root = source.root.removeprefix("file://")
+        manifest = DatasetManifest.load(root)
     if manifest.kind == "tar":
         return _TarReader(source, root, manifest)
     return _TokenReader(source, root, manifest, seq_len)
@@ -512,6 +578,28 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} world_size={world_size}: need 0 <= rank < world_size")
     return int(rank), int(world_size)
+
+
+def _read_ids(reader: _Reader, ids: np.ndarray) -> list[Any]:
+    """Samples ``ids`` (manifest order) of one source, in the order given; read shard by
+    shard, each shard's samples in index order (sequential inside a shard, D-IO). Sorting
+    the ids once sorts by (shard, index): a shard is a contiguous run of ids."""
+    n = len(ids)
+    if n == 0:
+        return []
+    order = np.argsort(ids, kind="stable")
+    shard, local = reader.locate(ids[order])
+    if shard[0] == shard[-1]:
+        got = reader.read(int(shard[0]), local)
+    else:
+        cuts = (np.flatnonzero(shard[1:] != shard[:-1]) + 1).tolist()
+        got = []
+        for a, b in zip([0, *cuts], [*cuts, n], strict=True):
+            got += reader.read(int(shard[a]), local[a:b])
+    out: list[Any] = [None] * n
+    for dst, smp in zip(order.tolist(), got, strict=True):
+        out[dst] = smp
+    return out
 
 
 class StreamingDataset(IterableDataset):
@@ -538,6 +626,13 @@ class StreamingDataset(IterableDataset):
         on_corrupt: ``"raise"`` (default) a :class:`~unbroken.data.tar.reader.CorruptSampleError`
             naming dataset, shard, sample and member; ``"skip"`` leaves the sample out of its
             batch, logs it and counts it in :attr:`corrupt_skipped`.
+        cache_dir: remote sources (fsspec URLs): local directory of the node's shard cache,
+            shared by its ranks and workers (:mod:`unbroken.data.stream.cache`).
+        cache_limit: bytes the cache may hold (``"200GB"``, ``"1TiB"`` or an int; None:
+            unbounded); refused at start when smaller than two shuffle windows plus prefetch.
+        storage_options: fsspec options for remote sources (endpoint, credentials).
+        cache_options: prefetch depth, download threads, timeout, retries
+            (:class:`~unbroken.data.stream.cache.CacheOptions`).
     """
 
     def __init__(
@@ -556,6 +651,10 @@ class StreamingDataset(IterableDataset):
         with_ids: bool = False,
         verify: bool = True,
         on_corrupt: str = "raise",
+        cache_dir: str | None = None,
+        cache_limit: int | str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        cache_options: CacheOptions | None = None,
     ) -> None:
         super().__init__()
         if on_corrupt not in ON_CORRUPT:
@@ -576,10 +675,13 @@ class StreamingDataset(IterableDataset):
         self.shuffle = shuffle
         self.transform = transform
         self.rank, self.world_size = _resolve_rank(rank, world_size)
-        self._readers = [_open_reader(s, seq_len) for s in srcs]
+        check_cache_args([s.root for s in srcs], cache_dir, cache_limit)  # before any download
+        self._readers = [_open_reader(s, seq_len, storage_options, cache_options) for s in srcs]
         self.verify = bool(verify)
         self.on_corrupt = on_corrupt
         for r in self._readers:
+            # A remote reader verifies what it reads from the cache exactly like a local one
+            # (the download itself is checked against dataset.json's checksums first).
             r.verify, r.on_corrupt = self.verify, on_corrupt
             r.warn_if_unverified()
         self._skipped = _SharedCount() if on_corrupt == "skip" else None
@@ -622,6 +724,7 @@ class StreamingDataset(IterableDataset):
         self._id_base = np.cumsum([0, *sizes[:-1]], dtype=np.int64)  # source -> first id
         self._epoch = 0
         self._orders: OrderedDict[tuple[int, ...], Any] = OrderedDict()
+        self._cache = open_cache(self, cache_dir, cache_limit, cache_options, storage_options)
 
     # --- the order ---------------------------------------------------------------------------
 
@@ -658,6 +761,10 @@ class StreamingDataset(IterableDataset):
                 salt=salt,
             ),
         )
+
+    def _pass_order(self, i: int, epoch: int, k: int) -> EpochOrder:
+        """Source ``i``'s ``k``-th pass inside epoch ``epoch`` (as :meth:`lookup` keys it)."""
+        return self._source_order(i, epoch, () if len(self._readers) == 1 else (i, k))
 
     def lookup(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Epoch positions -> (source index, sample id in that source's manifest order)."""
@@ -697,22 +804,26 @@ class StreamingDataset(IterableDataset):
     def read(self, epoch: int, positions: np.ndarray) -> list[Any]:
         """The samples at ``positions`` of ``epoch``, in that order, transformed (with
         ``on_corrupt="skip"``, without the damaged ones)."""
-        src, ids = self.lookup(epoch, positions)
-        out: list[Any] = [None] * len(ids)
-        for i in np.unique(src).tolist():
-            sel = np.flatnonzero(src == i)
-            reader = self._readers[i]
-            shard, local = reader.locate(ids[sel])
-            # sorted reads: sequential inside each shard
-            order = np.lexsort((local, shard))
-            sel, shard, local = sel[order], shard[order], local[order]
-            cuts = np.flatnonzero(np.diff(shard)) + 1
-            for a, b in zip(np.r_[0, cuts], np.r_[cuts, len(sel)], strict=True):
-                samples = reader.read(int(shard[a]), local[a:b])
-                for dst, smp in zip(sel[a:b].tolist(), samples, strict=True):
+        return self._read(epoch, positions, None)
+
+    def _read(self, epoch: int, positions: np.ndarray, rng_seed: int | None) -> list[Any]:
+        if self._cache is not None:
+            self._cache.advance(epoch, positions)  # prefetch from here; release what is done
+        if len(self._readers) == 1:  # (lookup's per-source split, without its numpy calls)
+            ids = self._source_order(0, epoch, ()).ids(np.asarray(positions, dtype=np.int64))
+            out = _read_ids(self._readers[0], ids)
+            gid = ids
+        else:
+            src, ids = self.lookup(epoch, positions)
+            out = [None] * len(ids)
+            for i in np.unique(src).tolist():
+                sel = np.flatnonzero(src == i)
+                got = _read_ids(self._readers[i], ids[sel])
+                for dst, smp in zip(sel.tolist(), got, strict=True):
                     out[dst] = smp
+            gid = self._id_base[src] + ids
         kept = positions  # positions of the samples in `out`
-        gids = (self._id_base[src] + ids).tolist() if self.with_ids else []
+        gids = gid.tolist() if self.with_ids else []
         if self._skipped is not None and any(smp is None for smp in out):
             keep = [k for k, smp in enumerate(out) if smp is not None]
             self._skipped.add(len(out) - len(keep))
@@ -720,7 +831,7 @@ class StreamingDataset(IterableDataset):
             gids = [gids[k] for k in keep] if self.with_ids else []
         if self.transform is not None and len(out):
             fn = self.transform
-            with _seeded_rngs(self.seed, epoch, int(positions[0])):
+            with _seeded_rngs(self.seed, epoch, int(positions[0]), rng_seed):
                 for k, smp in enumerate(out):
                     try:
                         out[k] = fn(smp)
@@ -763,10 +874,20 @@ class StreamingDataset(IterableDataset):
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id={worker_id} num_workers={num_workers}")
         part = self.partition(start, batch_size, last_batch)
-        for b in range(first + worker_id, part.num_batches(), num_workers):
-            samples = self.read(epoch, part.batch_positions(b))
-            # empty only when on_corrupt="skip" dropped every sample: nothing to collate
-            yield samples if collate_fn is None or not samples else collate_fn(samples)
+        try:
+            mine = range(first + worker_id, part.num_batches(), num_workers)
+            for c in range(0, len(mine), _SEED_CHUNK):
+                batches = [part.batch_positions(b) for b in mine[c : c + _SEED_CHUNK]]
+                seeds: list[Any] = [None] * len(batches)
+                if self.transform is not None:  # the RNG seeds of a chunk of batches, at once
+                    seeds = _batch_seeds(self.seed, epoch, [int(p[0]) if p.size else 0 for p in batches])
+                for pos, rng_seed in zip(batches, seeds, strict=True):
+                    samples = self._read(epoch, pos, rng_seed)
+                    # empty only when on_corrupt="skip" dropped every sample: nothing to collate
+                    yield samples if collate_fn is None or not samples else collate_fn(samples)
+        finally:
+            if self._cache is not None:
+                self._cache.park()  # this process reads no further: it holds no shard back
 
     def set_epoch(self, epoch: int) -> None:
         """Epoch used by plain iteration (``iter(ds)``); the loader tracks its own."""

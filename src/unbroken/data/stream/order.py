@@ -61,6 +61,67 @@ def mix_seed(*parts: int) -> int:
     return int(np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0] >> 1)
 
 
+def _words(n: int) -> list[int]:
+    """SeedSequence's entropy words of a non-negative int (little-endian uint32s; 0 -> [0])."""
+    out = [n & 0xFFFFFFFF]
+    while n > 0xFFFFFFFF:
+        n >>= 32
+        out.append(n & 0xFFFFFFFF)
+    return out
+
+
+def mix_seeds(head: Sequence[int], values: np.ndarray, tail: Sequence[int]) -> np.ndarray:
+    """``[mix_seed(*head, v, *tail) for v in values]`` as uint64, computed for all values at
+    once: numpy's SeedSequence mixing (entropy pool of 4, hashmix/mix constants) on uint32
+    columns. ~0.1 us per value instead of ~8 us per call (a batch's RNG seed)."""
+    vals = np.asarray(values, dtype=np.int64)
+    out = np.empty(vals.size, dtype=np.uint64)
+    if vals.size and int(vals.min()) < 0:
+        raise ValueError("mix_seeds: values must be non-negative")
+    hw = [w for n in head for w in _words(int(n))]
+    tw = [w for n in tail for w in _words(int(n))]
+    u = vals.astype(np.uint64)
+    for big in (False, True):  # values of one uint32 word, then of two
+        sel = np.flatnonzero((u > 0xFFFFFFFF) == big)
+        if not sel.size:
+            continue
+        v = u[sel]
+        mid = [v & 0xFFFFFFFF] + ([v >> 32] if big else [])
+        cols = [np.full(sel.size, c, np.uint32) for c in hw]
+        cols += [m.astype(np.uint32) for m in mid]
+        cols += [np.full(sel.size, c, np.uint32) for c in tw]
+        cols += [np.zeros(sel.size, np.uint32)] * (4 - len(cols))
+        hc = 0x43B0D7E5
+
+        def hashmix(x: np.ndarray) -> np.ndarray:
+            nonlocal hc
+            x = x ^ np.uint32(hc)
+            hc = (hc * 0x931E8875) & 0xFFFFFFFF
+            x = x * np.uint32(hc)
+            return x ^ (x >> np.uint32(16))
+
+        def mix(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+            r: np.ndarray = np.uint32(0xCA01F9DD) * x - np.uint32(0x4973F715) * y
+            return r ^ (r >> np.uint32(16))
+
+        pool = [hashmix(cols[i]) for i in range(4)]
+        for i in range(4):
+            for j in range(4):
+                if i != j:
+                    pool[j] = mix(pool[j], hashmix(pool[i]))
+        for c in cols[4:]:
+            for j in range(4):
+                pool[j] = mix(pool[j], hashmix(c))
+        hb, state = 0x8B51F9DD, []
+        for j in range(2):  # generate_state(1, uint64): two uint32 words, little-endian
+            x = pool[j] ^ np.uint32(hb)
+            hb = (hb * 0x58F38DED) & 0xFFFFFFFF
+            x = x * np.uint32(hb)
+            state.append((x ^ (x >> np.uint32(16))).astype(np.uint64))
+        out[sel] = (state[0] | (state[1] << np.uint64(32))) >> np.uint64(1)
+    return out
+
+
 def seeded_rng(fingerprint: str, seed: int, *parts: int) -> np.random.Generator:
     """A numpy Generator keyed by ``(fingerprint, seed, *parts)``; same key, same stream."""
     fp = xxhash.xxh3_64_intdigest(fingerprint.encode())
@@ -173,12 +234,16 @@ class EpochOrder:
     def stream_index(self, positions: np.ndarray) -> np.ndarray:
         """Position in the epoch -> index in the stream of permuted shards laid end to end."""
         pos = np.asarray(positions, dtype=np.int64)
-        if pos.size and (pos.min() < 0 or pos.max() >= self.length):
-            raise IndexError(
-                f"positions must lie in [0, {self.length}), got {pos.min()}..{pos.max()}"
-            )
+        if not pos.size:
+            return pos.copy()
+        first, last = int(pos.min()), int(pos.max())
+        if first < 0 or last >= self.length:
+            raise IndexError(f"positions must lie in [0, {self.length}), got {first}..{last}")
         if not self.shuffle:
             return pos.copy()
+        if first // self.window == last // self.window:  # one window: a batch, usually
+            lo = first // self.window * self.window
+            return lo + self.window_permutation(first // self.window)[pos - lo]
         out = np.empty_like(pos)
         win = pos // self.window
         for k in np.unique(win):

@@ -1,0 +1,381 @@
+"""A dataset 4x larger than the local cache, streamed from S3: unbroken vs the anchors.
+
+Same run, same 100,000 samples (2-6 KB random bytes + a small JSON each, data_read.py's
+recipe), each loader on its own format of them (our tar shards, MosaicML Streaming's MDS,
+LitData's optimized chunks; 4 MB shards/chunks everywhere), uploaded to one moto S3 server
+(its own process on 127.0.0.1, with a byte counter around its WSGI app). Each loader reads two
+epochs through a local cache limited to 25% of *its* dataset's size, 2 DataLoader workers,
+batches of 256, shuffle on, the same decode (``json.loads`` of the metadata + the first 2,048
+payload bytes as a float tensor) and ``default_collate``:
+
+* unbroken: ``StreamingDataset("s3://...", cache_dir=, cache_limit=, shuffle_window=5000)``;
+* MosaicML Streaming: ``StreamingDataset(remote="s3://...", local=, cache_limit=,
+  shuffle_block_size=5000)`` (the same shuffle span as ours; its default block of 262,144
+  samples spans the whole dataset, which a 25% cache can only thrash on);
+* LitData: ``StreamingDataset("s3://...", cache_dir=, max_cache_size=)``;
+* unbroken-local (reference, not a contender): our loader on the same tar shards in a local
+  directory, no cache and no network - what this decode allows on this box.
+
+Per epoch: samples/s over the whole epoch (its first batch included: an epoch that waits for
+the network shows it), samples delivered and distinct, bytes the server sent (GET bodies,
+counted at the server), and the peak bytes under the cache directory (a watcher thread
+sampling every 2 ms). Every loader runs in a fresh subprocess of the same interpreter.
+
+Run from the anchor venv, from the repository root, under the bench lock:
+
+    flock /tmp/unbroken-bench.lock env PYTHONPATH=$PWD/src \\
+        /work/main/.venv-bench/bin/python benchmarks/data_remote.py [--only unbroken mosaicml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = "/tmp/unbroken-bench-remote"
+N = 100_000
+BATCH = 256
+WORKERS = 2
+SHARD = 4 << 20
+WINDOW = 5000
+CACHE_FRAC = 0.25
+EPOCHS = 2
+LOADERS = ("unbroken", "mosaicml", "litdata", "unbroken-local")
+# unbroken-local: the same tar shards, the same decode, read from the local directory (no
+# cache, no network): the ceiling of this decode on this box, for reference.
+_CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+          "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+BUCKET = "bench"
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from data_read import _litdata_item, make_sample  # noqa: E402 - same samples as data_read
+
+# --- the data ------------------------------------------------------------------------------
+
+
+def prepare(root: str) -> None:
+    done = os.path.join(root, f"ready-{N}-{SHARD}")
+    if os.path.exists(done):
+        return
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    t0 = time.perf_counter()
+    from unbroken.data.prepare.pack import pack
+
+    pack((make_sample(i) for i in range(N)), f"{root}/tar", shard_size=SHARD, progress=False,
+         fsync=False)
+    from streaming import MDSWriter
+
+    cols = {"key": "str", "bin": "bytes", "json": "bytes"}
+    with MDSWriter(out=f"{root}/mds", columns=cols, size_limit=SHARD) as w:
+        for i in range(N):
+            w.write(_litdata_item(i))
+    import litdata
+
+    litdata.optimize(fn=_litdata_item, inputs=list(range(N)), output_dir=f"{root}/litdata",
+                     chunk_bytes=SHARD, num_workers=1, verbose=False)
+    open(done, "w").close()
+    print(f"prepared {root} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(dirpath, f)).st_size
+            except FileNotFoundError:
+                pass  # evicted between listing and stat
+    return total
+
+
+# --- the S3 server: moto behind a byte counter ---------------------------------------------
+
+
+def serve(port_file: str) -> None:
+    import logging
+
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from werkzeug.serving import make_server
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    app = DomainDispatcherApplication(create_backend_app)
+    counts = {"get_bytes": 0, "gets": 0, "requests": 0}
+    lock = threading.Lock()
+
+    def counting(environ: dict[str, Any], start_response: Any) -> Any:
+        path = environ.get("PATH_INFO", "")
+        if path == "/__counts__":
+            body = json.dumps(counts).encode()
+            start_response("200 OK", [("Content-Type", "application/json")])
+            return [body]
+        with lock:
+            counts["requests"] += 1
+        out = app(environ, start_response)
+        if environ.get("REQUEST_METHOD") != "GET":
+            return out
+
+        def counted() -> Any:
+            n = 0
+            try:
+                for chunk in out:
+                    n += len(chunk)
+                    yield chunk
+            finally:
+                with lock:
+                    counts["get_bytes"] += n
+                    counts["gets"] += 1
+                close = getattr(out, "close", None)
+                if close is not None:
+                    close()
+
+        return counted()
+
+    server = make_server("127.0.0.1", 0, counting, threaded=True,
+                         request_handler=MotoRequestHandler)
+    with open(port_file + ".tmp", "w") as f:
+        f.write(str(server.server_address[1]))
+    os.replace(port_file + ".tmp", port_file)
+    server.serve_forever()
+
+
+def counts(endpoint: str) -> dict[str, int]:
+    with urllib.request.urlopen(f"{endpoint}/__counts__", timeout=30) as r:
+        return json.loads(r.read())
+
+
+def upload(endpoint: str, root: str) -> None:
+    import s3fs
+
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
+    fs.mkdir(BUCKET)
+    for fmt in ("tar", "mds", "litdata"):
+        fs.put(f"{root}/{fmt}/", f"{BUCKET}/{fmt}/", recursive=True)
+
+
+# --- the same decode and collate for every loader ------------------------------------------
+
+
+def decode(key: str, payload: Any, meta: Any) -> dict[str, Any]:
+    m = json.loads(bytes(meta))
+    x = torch.frombuffer(bytearray(payload[:2048]), dtype=torch.uint8).float()
+    return {"x": x, "label": m["label"], "i": m["i"], "size": m["size"]}
+
+
+def decode_tar(s: dict[str, Any]) -> dict[str, Any]:
+    return decode(s["__key__"], s["bin"], s["json"])
+
+
+def decode_dict(s: dict[str, Any]) -> dict[str, Any]:
+    return decode(s["key"], s["bin"], s["json"])
+
+
+# --- loaders --------------------------------------------------------------------------------
+
+
+def make_loader(name: str, endpoint: str, cache: str, limit: int) -> Any:
+    from torch.utils.data import default_collate
+
+    url = f"s3://{BUCKET}"
+    if name == "unbroken-local":
+        from unbroken.data.stream.dataset import StreamingDataset
+        from unbroken.data.stream.loader import StatefulLoader
+
+        local = os.path.join(os.path.dirname(cache), "tar")  # cache is <root>/cache-<name>
+        ds = StreamingDataset(local, seed=0, shuffle_window=WINDOW, transform=decode_tar)
+        return StatefulLoader(ds, BATCH, num_workers=WORKERS, collate_fn=default_collate)
+    if name == "unbroken":
+        from unbroken.data.stream.cache import CacheOptions
+        from unbroken.data.stream.dataset import StreamingDataset
+        from unbroken.data.stream.loader import StatefulLoader
+
+        ds = StreamingDataset(f"{url}/tar", seed=0, shuffle_window=WINDOW, transform=decode_tar,
+                              cache_dir=cache, cache_limit=limit,
+                              storage_options={"client_kwargs": {"endpoint_url": endpoint}},
+                              cache_options=CacheOptions(threads=4))
+        return StatefulLoader(ds, BATCH, num_workers=WORKERS, collate_fn=default_collate)
+    if name == "mosaicml":
+        from streaming import StreamingDataLoader, StreamingDataset
+        from streaming.base.util import clean_stale_shared_memory
+
+        clean_stale_shared_memory()
+
+        class _Decoded(StreamingDataset):
+            def __getitem__(self, i: Any) -> Any:
+                return decode_dict(super().__getitem__(i))
+
+        ds = _Decoded(remote=f"{url}/mds", local=cache, cache_limit=limit, shuffle=True,
+                      shuffle_seed=0, shuffle_block_size=WINDOW, batch_size=BATCH)
+        return StreamingDataLoader(ds, batch_size=BATCH, num_workers=WORKERS,
+                                   collate_fn=default_collate)
+    if name == "litdata":
+        import litdata.streaming.downloader as ldl
+        from litdata import StreamingDataLoader, StreamingDataset
+
+        # LitData fetches chunks with obstore, which refuses a plain-http endpoint unless
+        # told; the test server speaks http (a configuration, not a speed change).
+        ldl._OBSTORE_CLIENT_OPTIONS = {**ldl._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
+
+        ds = StreamingDataset(f"{url}/litdata", cache_dir=cache, max_cache_size=limit,
+                              shuffle=True, seed=0, transform=decode_dict,
+                              storage_options={"endpoint_url": endpoint})
+        return StreamingDataLoader(ds, batch_size=BATCH, num_workers=WORKERS,
+                                   collate_fn=default_collate)
+    raise ValueError(f"unknown loader {name!r}; one of {LOADERS}")
+
+
+def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
+    shutil.rmtree(cache, ignore_errors=True)
+    os.makedirs(cache)
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], dir_bytes(cache))
+            stop.wait(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    ld = make_loader(name, endpoint, cache, limit)
+    epochs = []
+    for e in range(EPOCHS):
+        if name.startswith("unbroken"):
+            ld.set_epoch(e)
+        c0 = counts(endpoint)
+        t0 = time.perf_counter()
+        ids: list[np.ndarray] = []
+        shapes_ok = True
+        for batch in ld:
+            ids.append(batch["i"].numpy())
+            shapes_ok &= tuple(batch["x"].shape[1:]) == (2048,) and batch["x"].dtype == torch.float32
+        dt = time.perf_counter() - t0
+        c1 = counts(endpoint)
+        seen = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+        epochs.append({
+            "seconds": dt,
+            "samples": int(seen.size),
+            "distinct": int(np.unique(seen).size),
+            "samples_per_s": seen.size / dt,
+            "bytes_downloaded": c1["get_bytes"] - c0["get_bytes"],
+            "gets": c1["gets"] - c0["gets"],
+            "decoded_ok": bool(shapes_ok),
+        })
+    stop.set()
+    watcher.join()
+    return {"epochs": epochs, "peak_cache_bytes": peak[0]}
+
+
+# --- driver ---------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--root", default=ROOT)
+    ap.add_argument("--only", nargs="*", default=None, help=f"subset of {LOADERS}")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over the loaders (median)")
+    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--child", nargs=4, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    os.environ.update(_CREDS)
+    if a.serve:
+        serve(a.serve)
+        return 0
+    if a.child:
+        name, endpoint, limit, cache = a.child
+        print(json.dumps(child(name, endpoint, int(limit), cache)), flush=True)
+        return 0
+
+    prepare(a.root)
+    port_file = os.path.join(a.root, "port")
+    with __import__("contextlib").suppress(FileNotFoundError):
+        os.unlink(port_file)
+    server = subprocess.Popen([sys.executable, __file__, "--serve", port_file],
+                              env={**os.environ, **_CREDS})
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(port_file):
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("the moto server did not start")
+            time.sleep(0.05)
+        endpoint = f"http://127.0.0.1:{open(port_file).read().strip()}"
+        t0 = time.perf_counter()
+        upload(endpoint, a.root)
+        print(f"uploaded to {endpoint} in {time.perf_counter() - t0:.0f} s", flush=True)
+        fmt = {"unbroken": "tar", "mosaicml": "mds", "litdata": "litdata",
+               "unbroken-local": "tar"}
+        names = list(a.only or LOADERS)
+        results: dict[str, Any] = {n: {"rounds": []} for n in names}
+        for rnd in range(a.rounds):
+            # rotate the order each round: a busy box drifts, no loader always goes first
+            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                size = dir_bytes(f"{a.root}/{fmt[name]}")
+                limit = int(size * CACHE_FRAC)
+                env = {**os.environ, **_CREDS, "S3_ENDPOINT_URL": endpoint,
+                       "AWS_ENDPOINT_URL": endpoint}
+                r = subprocess.run([sys.executable, __file__, "--child", name, endpoint,
+                                    str(limit), f"{a.root}/cache-{name}"], env=env,
+                                   capture_output=True, text=True, timeout=1800)
+                if r.returncode != 0:
+                    print(f"{name}: failed\n{r.stderr[-4000:]}", flush=True)
+                    results[name]["rounds"].append({"error": r.stderr[-2000:]})
+                    continue
+                res = json.loads(r.stdout.strip().splitlines()[-1])
+                results[name].update(dataset_bytes=size, cache_limit=limit)
+                results[name]["rounds"].append(res)
+                for e, ep in enumerate(res["epochs"]):
+                    print(f"round {rnd} {name:>9} epoch {e + 1}: {ep['samples_per_s']:8,.0f} "
+                          f"samples/s ({ep['samples']:,} samples, {ep['distinct']:,} distinct, "
+                          f"{ep['seconds']:.1f} s), downloaded "
+                          f"{ep['bytes_downloaded'] / size:.2f}x its dataset "
+                          f"({ep['bytes_downloaded'] / 1e6:,.0f} MB, {ep['gets']} GETs)",
+                          flush=True)
+                print(f"round {rnd} {name:>9} peak cache {res['peak_cache_bytes'] / 1e6:,.1f} "
+                      f"MB of {limit / 1e6:,.1f} MB limit; dataset {size / 1e6:,.1f} MB",
+                      flush=True)
+        print("\nmedian over rounds:")
+        for name in names:
+            ok = [r for r in results[name]["rounds"] if "epochs" in r]
+            if not ok:
+                continue
+            size = results[name]["dataset_bytes"]
+            summ = {
+                f"epoch{e + 1}_samples_per_s": statistics.median(
+                    r["epochs"][e]["samples_per_s"] for r in ok) for e in range(EPOCHS)
+            }
+            summ.update({
+                f"epoch{e + 1}_downloaded_x": statistics.median(
+                    r["epochs"][e]["bytes_downloaded"] for r in ok) / size for e in range(EPOCHS)
+            })
+            summ["peak_cache_mb"] = max(r["peak_cache_bytes"] for r in ok) / 1e6
+            summ["cache_limit_mb"] = results[name]["cache_limit"] / 1e6
+            results[name]["summary"] = summ
+            print(f"{name:>9}: " + ", ".join(f"{k} {v:,.2f}" for k, v in summ.items()))
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(results, f, indent=1)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""The per-node download process of a remote dataset: ``python -m unbroken.data.stream.fetcher SPEC``.
+
+Started by the first reader of a :class:`~unbroken.data.stream.cache.RemoteCache` that finds none
+running (``SPEC`` is the pickled cache: manifests, order, options; no torch, no transform);
+holds ``<cache_dir>/.fetch/<dataset>.lock`` while it runs, so there is one per node and
+dataset; exits 10 s after the last reader is gone. Downloads run here rather than in the
+DataLoader workers because a worker busy decoding holds the GIL and starves the I/O threads
+of its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import sys
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s fetcher %(message)s")
+    if len(argv) != 1:
+        print("usage: python -m unbroken.data.stream.fetcher SPEC", file=sys.stderr)
+        return 2
+    with open(argv[0], "rb") as f:
+        cache = pickle.load(f)  # written by RemoteCache._spawn_fetcher on this node
+    cache.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

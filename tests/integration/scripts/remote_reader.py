@@ -1,0 +1,54 @@
+"""One rank reading a remote dataset through the node cache, for tests/integration.
+
+Usage: ``python remote_reader.py CONFIG.json``. The config names the dataset URL, the S3
+endpoint, the cache, this rank, the loader layout and an output file. One JSON line per
+delivered batch: ``{"epoch": e, "keys": [...], "state": loader.state_dict()}`` (flushed, so a
+test can kill the process at any time and resume from the last line's state, given as
+``"resume"`` in the config).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from unbroken.data import StatefulLoader, StreamingDataset
+from unbroken.data.stream.cache import CacheOptions
+
+
+def keys(batch: list[dict[str, object]]) -> list[str]:
+    return [str(s["__key__"]) for s in batch]
+
+
+def main() -> int:
+    with open(sys.argv[1]) as f:
+        cfg = json.load(f)
+    opts = {
+        "client_kwargs": {"endpoint_url": cfg["endpoint"]},
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    ds = StreamingDataset(
+        cfg["url"], seed=cfg["seed"], shuffle_window=cfg["window"], rank=cfg["rank"],
+        world_size=cfg["world_size"], cache_dir=cfg["cache_dir"], cache_limit=cfg["limit"],
+        storage_options=opts,
+        cache_options=CacheOptions(prefetch_shards=cfg["prefetch"], timeout=20, backoff_s=0.05),
+    )
+    loader = StatefulLoader(ds, batch_size=cfg["batch"], num_workers=cfg["workers"],
+                            collate_fn=keys)
+    if cfg.get("resume") is not None:
+        loader.load_state_dict(cfg["resume"])
+    with open(cfg["out"], "a") as out:
+        while loader.epoch < cfg["epochs"]:
+            epoch = loader.epoch
+            loader.set_epoch(epoch)
+            for batch in loader:
+                out.write(json.dumps({"epoch": epoch, "keys": batch,
+                                      "state": loader.state_dict()}) + "\n")
+                out.flush()
+    os.close(os.open(cfg["out"] + ".done", os.O_CREAT | os.O_WRONLY, 0o644))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

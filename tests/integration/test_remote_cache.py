@@ -1,0 +1,447 @@
+"""Remote datasets through the bounded node cache, against a real S3 API (moto's
+ThreadedMotoServer on 127.0.0.1 + s3fs) and real reader processes.
+
+* 2 ranks x 2 DataLoader workers (separate processes sharing one cache directory) read a
+  dataset 4x larger than ``cache_limit`` for two epochs; the job is SIGKILLed mid-epoch and
+  resumed: every sample exactly once per epoch, the same batches as reading the dataset from
+  a local directory, the cache never above its limit (sampled by a watcher thread), no shard
+  downloaded twice without an eviction in between, prefetch after the resume starts at the
+  resumed position, the dead processes' partial downloads discarded;
+* a mixture of a remote and a local source reads the same as the all-local mixture;
+* a shard damaged in the bucket -> an error naming its URL, nothing wrong delivered;
+* a cached shard damaged on local disk after its verified download -> the same per-sample
+  checks as a local read (``on_corrupt="raise"`` names it, ``"skip"`` drops and counts it);
+* the server stopped mid-epoch -> a storage error within the timeout, no hang.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from datakit import S3_TEST_CREDS
+from unbroken.data.diagnose.timer import StepTimer
+from unbroken.data.manifest import DatasetManifest
+from unbroken.data.stream.cache import CacheOptions, RemoteStorageError, epoch_plan, read_events
+from unbroken.data.stream.dataset import Source, StreamingDataset
+from unbroken.data.tar.reader import CorruptSampleError, ShardIndex
+
+s3fs = pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+_CREDS = S3_TEST_CREDS
+_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "remote_reader.py")
+N, SHARD, WINDOW, BATCH, SEED = 1280, 24_000, 40, 8, 5
+
+
+def _start_server() -> Any:
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    return server
+
+
+def _opts(endpoint: str) -> dict[str, Any]:
+    # One botocore attempt: retrying (with backoff) is the cache's job.
+    return {"client_kwargs": {"endpoint_url": endpoint},
+            "config_kwargs": {"retries": {"max_attempts": 1}}}
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in _CREDS.items():
+            mp.setenv(k, v)
+        mp.setattr(logging.getLogger("werkzeug"), "level", logging.ERROR)
+        server = _start_server()
+        host, port = server.get_host_and_port()
+        try:
+            yield f"http://{host}:{port}"
+        finally:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def local_ds(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from unbroken.data.prepare.pack import pack
+
+    out = str(tmp_path_factory.mktemp("remote-src") / "ds")
+    rng = np.random.default_rng(14)
+    samples = ({"__key__": f"k{i:05d}", "bin": rng.bytes(int(rng.integers(200, 500)))}
+               for i in range(N))
+    pack(samples, out, shard_size=SHARD, workers=1, fsync=False, progress=False)
+    return out
+
+
+def _upload(endpoint: str, local: str, bucket: str, prefix: str) -> Any:
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **_opts(endpoint))
+    if not fs.exists(bucket):
+        fs.mkdir(bucket)
+    for n in os.listdir(local):
+        fs.put_file(os.path.join(local, n), f"{bucket}/{prefix}/{n}")
+    return fs
+
+
+def _cache_bytes(cache: str) -> int:
+    """Bytes of shard/index files (published or being written) in the dataset directories."""
+    total = 0
+    for d in os.scandir(cache):
+        if d.is_dir() and not d.name.startswith("."):
+            for f in os.scandir(d.path):
+                if f.name != "dataset.json":
+                    try:
+                        total += f.stat().st_size
+                    except FileNotFoundError:
+                        pass  # evicted or renamed between listing and stat
+    return total
+
+
+def _complete_units(cache: str, m: DatasetManifest) -> set[int]:
+    d = os.path.join(cache, m.fingerprint[:16])
+    out = set()
+    for k, s in enumerate(m.shards):
+        try:
+            if (os.path.getsize(os.path.join(d, s.name)) == s.bytes
+                    and os.path.getsize(os.path.join(d, s.index)) == s.index_bytes):
+                out.add(k)
+        except OSError:
+            pass
+    return out
+
+
+class _Watcher(threading.Thread):
+    def __init__(self, cache: str) -> None:
+        super().__init__(daemon=True)
+        self.cache, self.peak, self.samples = cache, 0, 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            if os.path.isdir(self.cache):
+                self.peak = max(self.peak, _cache_bytes(self.cache))
+                self.samples += 1
+            self.stop.wait(0.001)
+
+
+def _wait(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def _lines(path: str) -> list[dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.endswith("\n"):
+                out.append(json.loads(line))
+    return out
+
+
+def _launch(cfg: dict[str, Any], path: str) -> subprocess.Popen[bytes]:
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    env = {**os.environ, **_CREDS}
+    return subprocess.Popen([sys.executable, _SCRIPT, path], env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+@pytest.mark.slow
+def test_two_ranks_two_workers_bounded_cache_kill_and_resume(
+    endpoint: str, local_ds: str, tmp_path: Any
+) -> None:
+    m = DatasetManifest.load(local_ds)
+    _upload(endpoint, local_ds, "data", "big")
+    limit = m.total_bytes // 4  # the dataset is 4x the cache
+    cache = str(tmp_path / "cache")
+    world, epochs, workers = 2, 2, 2
+    base = {"url": "s3://data/big", "endpoint": endpoint, "cache_dir": cache, "limit": limit,
+            "seed": SEED, "window": WINDOW, "prefetch": 4, "world_size": world,
+            "workers": workers, "batch": BATCH, "epochs": epochs}
+    watcher = _Watcher(cache)
+    watcher.start()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        first = [str(tmp_path / f"rank{r}-a.jsonl") for r in range(world)]
+        procs = [_launch({**base, "rank": r, "out": first[r]}, str(tmp_path / f"a{r}.json"))
+                 for r in range(world)]
+        steps = N // (world * BATCH)
+        # kill the job in the middle of its second epoch
+        _wait(lambda: max(len(_lines(p)) for p in first) >= steps + steps // 2, 120,
+              "a rank to reach the middle of epoch 1")
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.wait(timeout=30)
+        killed_at = time.time()
+        states = [_lines(p)[-1]["state"] if _lines(p) else None for p in first]
+        complete = _complete_units(cache, m)
+        second = [str(tmp_path / f"rank{r}-b.jsonl") for r in range(world)]
+        procs = [_launch({**base, "rank": r, "out": second[r], "resume": states[r]},
+                         str(tmp_path / f"b{r}.json")) for r in range(world)]
+        for p in procs:
+            _, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err.decode()[-3000:]
+    finally:
+        watcher.stop.set()
+        watcher.join()
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+    # the same batches, in the same order, as reading the dataset from a local directory
+    for r in range(world):
+        ref = StreamingDataset(local_ds, seed=SEED, shuffle_window=WINDOW, rank=r,
+                               world_size=world)
+        got = _lines(first[r]) + _lines(second[r])
+        for e in range(epochs):
+            want = [[s["__key__"] for s in b] for b in ref.iter_batches(e, 0, BATCH)]
+            assert [x["keys"] for x in got if x["epoch"] == e] == want, (r, e)
+    # every sample exactly once per epoch over both ranks
+    for e in range(epochs):
+        keys = [k for r in range(world) for x in _lines(first[r]) + _lines(second[r])
+                if x["epoch"] == e for k in x["keys"]]
+        assert sorted(keys) == [f"k{i:05d}" for i in range(N)]
+
+    # never above the limit, and the limit was really in play
+    assert watcher.samples > 100
+    assert 0 < watcher.peak <= limit, (watcher.peak, limit)
+    events = read_events(cache)
+    evicted = [e for e in events if e["ev"] == "evict"]
+    downloads = [e for e in events if e["ev"] == "download"]
+    assert evicted and len(downloads) >= 2 * len(m.shards) * 0.75
+    # no shard downloaded twice unless it was evicted in between
+    last: dict[int, str] = {}
+    for e in events:
+        if e["ev"] in ("download", "evict"):
+            assert not (e["ev"] == "download" and last.get(e["shard"]) == "download"), e
+            last[e["shard"]] = e["ev"]
+    # after the resume, prefetch started at the resumed position: nothing already consumed
+    # by both ranks was fetched again, and what was complete at the kill was kept
+    resumed = [s for s in states if s is not None and s["epoch"] == 1]
+    assert resumed
+    p_min = min(s["samples_consumed"] for s in resumed)
+    plan = epoch_plan(StreamingDataset(local_ds, seed=SEED, shuffle_window=WINDOW, rank=0,
+                                       world_size=world), 1, {0: 0})
+    after = [e for e in events if e["t"] > killed_at]
+    for e in after:
+        if e["ev"] == "download" and e["for_epoch"] == 1:
+            assert plan.next_use(np.array([e["shard"]]), p_min)[0] != np.iinfo(np.int64).max, e
+    first_after: dict[int, str] = {}
+    for e in after:
+        if e["ev"] in ("download", "evict"):
+            first_after.setdefault(e["shard"], e["ev"])
+    assert complete and not [s for s in complete if first_after.get(s) == "download"]
+    # the killed processes' partial downloads are gone; the index matches the disk
+    names = os.listdir(os.path.join(cache, m.fingerprint[:16]))
+    assert not [n for n in names if n.startswith(".tmp-")]
+    from unbroken.data.stream.cache import _unpack_index
+
+    with open(os.path.join(cache, ".index"), "rb") as f:
+        got_index = _unpack_index(f.read())
+    assert got_index is not None
+    assert int(got_index[1][:, 2].sum()) == _cache_bytes(cache) <= limit
+
+
+def test_mixture_with_a_remote_source_reads_like_local(
+    endpoint: str, local_ds: str, stream_data: Any, tmp_path: Any
+) -> None:
+    _upload(endpoint, local_ds, "data", "mix")
+    kw: dict[str, Any] = {"seed": 2, "shuffle_window": WINDOW, "rank": 1, "world_size": 2,
+                          "mix_block": 64}
+    local = StreamingDataset([Source(local_ds, 0.75), Source(stream_data("tar_b"), 0.25)], **kw)
+    remote = StreamingDataset(
+        [Source("s3://data/mix", 0.75, storage_options=_opts(endpoint)),
+         Source(stream_data("tar_b"), 0.25)],
+        cache_dir=str(tmp_path / "c"), cache_limit="600KB", **kw,
+        cache_options=CacheOptions(prefetch_shards=4, timeout=20, backoff_s=0.05),
+    )
+    assert remote.fingerprint == local.fingerprint
+    timer = StepTimer(log_every=0, network=remote)  # the network as its own stage
+    for a, b in zip(local.iter_batches(0, 0, 16), timer.wrap(remote.iter_batches(0, 0, 16)),
+                    strict=True):
+        assert [s["__key__"] for s in a] == [s["__key__"] for s in b]
+        assert [s["bin"] for s in a] == [s["bin"] for s in b]
+    wait, _, _, _, net = timer._ordered(timer.steps)
+    assert np.isfinite(net).all() and (net <= wait + 1e-6).all()
+    assert net[0] > 0  # the cold cache: the first batch waited for its downloads
+    s = timer.summary()
+    assert 0 < s.net_ms <= s.wait_ms and "network" in s.format()
+    with pytest.raises(ValueError, match=r"cache_limit=10,000 bytes is too small: two "
+                                         r"consecutive shuffle windows .* need"):
+        StreamingDataset("s3://data/mix", cache_dir=str(tmp_path / "c2"), cache_limit=10_000,
+                         storage_options=_opts(endpoint), shuffle_window=WINDOW)
+
+
+def test_a_shard_damaged_in_the_bucket_is_named(
+    endpoint: str, local_ds: str, tmp_path: Any
+) -> None:
+    m = DatasetManifest.load(local_ds)
+    fs = _upload(endpoint, local_ds, "data", "bad")
+    victim = m.shards[3].name
+    raw = bytearray(open(os.path.join(local_ds, victim), "rb").read())
+    raw[700] ^= 0x01
+    fs.pipe_file(f"data/bad/{victim}", bytes(raw))
+    ds = StreamingDataset("s3://data/bad", seed=0, shuffle=False, rank=0, world_size=1,
+                          cache_dir=str(tmp_path / "c"), storage_options=_opts(endpoint),
+                          cache_options=CacheOptions(retries=1, backoff_s=0.01, timeout=20))
+    seen: list[str] = []
+    with pytest.raises(RuntimeError, match=rf"s3://data/bad/{victim}: checksum mismatch after "
+                                           r"2 fetches"):
+        for b in ds.iter_batches(0, 0, 16):
+            seen.extend(s["__key__"] for s in b)
+    # everything delivered came before the damaged shard, and was right
+    first_bad = sum(s.samples for s in m.shards[:3])
+    assert seen == [f"k{i:05d}" for i in range(len(seen))] and len(seen) <= first_bad
+    assert not os.path.exists(os.path.join(str(tmp_path / "c"), m.fingerprint[:16], victim))
+
+
+def test_a_cached_shard_damaged_after_download_is_checked_like_a_local_one(
+    endpoint: str, local_ds: str, tmp_path: Any
+) -> None:
+    # The download is verified once; a bit flipped in the cache later (bit rot, a stray
+    # write) must still be caught when the next job reuses the file: verify=/on_corrupt= on
+    # a remote read are the local read's checks, applied to the cached copy.
+    m = DatasetManifest.load(local_ds)
+    _upload(endpoint, local_ds, "data", "rot")
+    cache = str(tmp_path / "c")
+    kw: dict[str, Any] = {"seed": 0, "shuffle": False, "rank": 0, "world_size": 1,
+                          "cache_dir": cache, "storage_options": _opts(endpoint),
+                          "cache_options": CacheOptions(timeout=20, backoff_s=0.01)}
+
+    def keys(ds: StreamingDataset) -> list[str]:
+        return [s["__key__"] for b in ds.iter_batches(0, 0, 16, last_batch="short") for s in b]
+
+    assert keys(StreamingDataset("s3://data/rot", **kw)) == [f"k{i:05d}" for i in range(N)]
+    tar = os.path.join(cache, m.fingerprint[:16], m.shards[2].name)
+    idx = ShardIndex.load(os.path.join(cache, m.fingerprint[:16], m.shards[2].index))
+    victim = idx.key(1)
+    j = next(k for k in range(int(idx.member_start[1]), int(idx.member_start[2]))
+             if idx.ext(k) == "bin")
+    with open(tar, "r+b") as f:
+        f.seek(int(idx.data_offset[j]) + 9)
+        b = f.read(1)[0]
+        f.seek(int(idx.data_offset[j]) + 9)
+        f.write(bytes([b ^ 0x10]))
+    with pytest.raises(CorruptSampleError, match=rf"{m.shards[2].name}.*{victim!r}"):
+        keys(StreamingDataset("s3://data/rot", **kw))
+    ds = StreamingDataset("s3://data/rot", on_corrupt="skip", **kw)
+    got = keys(ds)
+    assert got == [f"k{i:05d}" for i in range(N) if f"k{i:05d}" != victim]
+    assert ds.corrupt_skipped == 1
+
+
+def test_a_closed_batch_iterator_leaves_the_frame_and_unpins(
+    endpoint: str, local_ds: str, tmp_path: Any
+) -> None:
+    # The loader makes a run's first batch in the training process, then its workers read
+    # on. That process must not stay a reader at position 0: the node's frame is its slowest
+    # reader, so prefetch and eviction would wait for its registration to go stale.
+    _upload(endpoint, local_ds, "data", "park")
+    ds = StreamingDataset("s3://data/park", seed=0, shuffle_window=WINDOW, rank=0,
+                          world_size=1, cache_dir=str(tmp_path / "c"),
+                          storage_options=_opts(endpoint),
+                          cache_options=CacheOptions(timeout=20, backoff_s=0.01))
+    it = ds.iter_batches(0, 0, 16)
+    next(it)
+    cache = ds._cache
+    assert [(e, p) for e, p, _ in cache._registrations()] == [(0, 0)]
+    assert any(r._open for r in cache.readers)  # the first batch's shards are pinned
+    it.close()
+    assert cache._registrations() == [] and not any(r._open for r in cache.readers)
+    it = ds.iter_batches(0, 16, 16)
+    assert len(next(it)) == 16  # reading again registers again
+    assert [(e, p) for e, p, _ in cache._registrations()] == [(0, 16)]
+    it.close()
+
+
+def test_server_stopped_mid_epoch_fails_within_the_timeout(local_ds: str, tmp_path: Any) -> None:
+    server = _start_server()
+    host, port = server.get_host_and_port()
+    ep = f"http://{host}:{port}"
+    stopped = False
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in _CREDS.items():
+                mp.setenv(k, v)
+            _upload(ep, local_ds, "data", "gone")
+            m = DatasetManifest.load(local_ds)
+            ds = StreamingDataset(
+                "s3://data/gone", seed=0, shuffle_window=WINDOW, rank=0, world_size=1,
+                cache_dir=str(tmp_path / "c"), cache_limit=m.total_bytes // 4,
+                storage_options=_opts(ep),
+                cache_options=CacheOptions(prefetch_shards=2, timeout=4, retries=2,
+                                           backoff_s=0.05, grace_s=0.2),
+            )
+            it = ds.iter_batches(0, 0, 16)
+            for _ in range(3):
+                next(it)
+            server.stop()
+            stopped = True
+            t0 = time.monotonic()
+            with pytest.raises(RemoteStorageError, match=r"s3://data/gone/shard-\d+\.tar"):
+                for _ in it:
+                    pass
+            assert time.monotonic() - t0 < 30
+    finally:
+        if not stopped:
+            server.stop()
+        shutil.rmtree(str(tmp_path / "c"), ignore_errors=True)
+
+
+def test_data_bench_on_a_remote_dataset_names_the_network(
+    endpoint: str, local_ds: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from unbroken.cli import main
+
+    _upload(endpoint, local_ds, "data", "bench")
+    opts = json.dumps(_opts(endpoint))
+    rc = main(["data", "bench", "s3://data/bench", "--storage-options", opts, "--cache-dir",
+               str(tmp_path / "scratch"), "--batch-size", "16", "--batches", "6",
+               "--max-seconds", "4", "--num-workers", "1", "--consume-rate", "1e9"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    row = next(ln for ln in out.splitlines() if ln.startswith("network"))
+    assert "remote" in row and "parallel downloads" in row
+    assert "CacheOptions(prefetch_shards=" in out
+    assert os.listdir(str(tmp_path / "scratch")) == []  # the scratch cache is gone
+    rc = main(["data", "bench", "s3://data/bench", "--storage-options", "{oops"])
+    assert rc == 2 and "--storage-options" in capsys.readouterr().err
+
+
+def test_a_fetcher_in_a_fresh_interpreter_serves_the_readers(
+    endpoint: str, local_ds: str, tmp_path: Any
+) -> None:
+    """The path a DataLoader worker takes when no fetcher runs (it may not fork): ``python -m
+    unbroken.data.stream.fetcher SPEC``; every download then comes from that process."""
+    _upload(endpoint, local_ds, "data", "fresh")
+    cache = str(tmp_path / "c")
+    ds = StreamingDataset("s3://data/fresh", seed=1, shuffle_window=WINDOW, rank=0,
+                          world_size=1, cache_dir=cache, storage_options=_opts(endpoint),
+                          cache_options=CacheOptions(fetch_process=False, prefetch_shards=4,
+                                                     grace_s=30, timeout=30))
+    c = ds._cache
+    c._spawn_fetcher(fresh=True)
+    _wait(lambda: any(e["ev"] == "fetcher" for e in read_events(cache)), 60, "the fetcher")
+    c._proc().fetcher_checked = -1e9
+    assert c.fetcher_alive()
+    keys = [s["__key__"] for b in ds.iter_batches(0, 0, 32) for s in b]
+    assert sorted(keys) == [f"k{i:05d}" for i in range(N)]
+    events = read_events(cache)
+    fetcher = {e["pid"] for e in events if e["ev"] == "fetcher"}
+    assert {e["pid"] for e in events if e["ev"] == "download"} == fetcher != {os.getpid()}

@@ -1,0 +1,74 @@
+"""The remote cache's epoch plan and small parts (no object store needed).
+
+The plan says, for every shard, which span of epoch positions reads it; prefetch, release and
+eviction all trust it, so it must cover every read: for every position, the shard that
+position's sample lives in is planned for it (single source, no shuffle, mixtures).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from unbroken.data.stream.cache import CacheOptions, check_cache_args, epoch_plan, parse_size
+from unbroken.data.stream.dataset import Source, StreamingDataset
+from unbroken.elastic.faults import DEFAULT_RULES, FaultClass
+
+
+def _assert_covers(ds: StreamingDataset, epoch: int, bases: dict[int, int]) -> None:
+    plan = epoch_plan(ds, epoch, bases)
+    pos = np.arange(ds.epoch_length, dtype=np.int64)
+    src, ids = ds.lookup(epoch, pos)
+    for i, base in bases.items():
+        sel = src == i
+        shard, _ = ds._readers[i].locate(ids[sel])
+        for p, u in zip(pos[sel].tolist(), (shard + base).tolist(), strict=True):
+            assert plan.overlaps(np.array([u]), p, p)[0], (epoch, p, u)
+    # next_use: the first span of a unit at or after p is where it is next read
+    u = int(plan.uid[len(plan.uid) // 2])
+    p = int(plan.lo[len(plan.uid) // 2])
+    nu = int(plan.next_use(np.array([u]), p)[0])
+    assert nu == epoch * (ds.epoch_length + 1) + p
+
+
+@pytest.mark.parametrize("shuffle,window", [(True, 40), (True, None), (False, None)])
+def test_plan_covers_every_read_of_one_source(stream_data, shuffle, window) -> None:
+    ds = StreamingDataset(stream_data("tar"), seed=3, shuffle=shuffle, shuffle_window=window,
+                          rank=0, world_size=1)
+    for epoch in (0, 1):
+        _assert_covers(ds, epoch, {0: 0})
+    plan = epoch_plan(ds, 0, {0: 0})
+    n = len(ds._readers[0].manifest.shards)
+    assert set(plan.uid.tolist()) == set(range(n))  # every shard is read once an epoch
+    if shuffle and window:
+        # a shard is planned for whole windows, never for the epoch
+        assert int((plan.hi - plan.lo).max()) <= 2 * window
+
+
+def test_plan_covers_every_read_of_a_mixture(stream_data) -> None:
+    ds = StreamingDataset([Source(stream_data("tar"), 0.7), Source(stream_data("tar_b"), 0.3)],
+                          seed=1, shuffle_window=30, rank=0, world_size=1, mix_block=64)
+    for epoch in (0, 2):
+        _assert_covers(ds, epoch, {0: 0, 1: 1000})
+
+
+def test_sizes_options_and_the_storage_fault_class() -> None:
+    assert parse_size("200GB") == 200 * 10**9
+    assert parse_size("1GiB") == 2**30
+    assert parse_size(4096) == 4096
+    with pytest.raises(ValueError, match="not a size like 256MB"):
+        parse_size("lots")
+    with pytest.raises(ValueError, match="threads=0 must be >= 1"):
+        CacheOptions(threads=0)
+    with pytest.raises(ValueError, match="timeout=0 must be > 0"):
+        CacheOptions(timeout=0)
+    assert CacheOptions(prefetch_bytes="1MB").cap_bytes == 10**6
+    with pytest.raises(ValueError, match=r"s3://b/ds: .* pass cache_dir="):
+        check_cache_args(["s3://b/ds"], None, "1GB")
+    assert check_cache_args(["/local"], None, None) is None
+    # a store that failed every retry is a storage fault (probe, then restart), also when
+    # torch wraps it in a DataLoader worker's RuntimeError
+    text = ("RuntimeError: Caught RemoteStorageError in DataLoader worker process 0.\n"
+            "unbroken.data.prepare.stage.RemoteStorageError: s3://b/ds/shard-000001.tar: caching failed")
+    first = next(r for r in DEFAULT_RULES if r.matches(text, None))
+    assert first.fault == FaultClass.STORAGE
