@@ -21,7 +21,10 @@ import time
 from unbroken.ckpt.compare import compare_runs
 from unbroken.common.metrics import read_metrics
 
-__all__ = ["run_demo", "run_training", "run_until"]
+__all__ = ["MIN_STEPS", "run_demo", "run_training", "run_until"]
+
+MIN_STEPS = 20
+"""Fewest steps ``run_demo`` takes: room for a kill after step ``steps // 5`` and 10 more."""
 
 
 def _train_cmd(run_dir: str, steps: int, seed: int, extra: list[str]) -> list[str]:
@@ -85,6 +88,9 @@ def run_until(
 
 def run_demo(work_dir: str, *, steps: int = 200, seed: int = 0) -> int:
     """The main job of ``make demo``; returns 0 when the resumed run is bit-identical."""
+    if steps < MIN_STEPS:  # the kill step is drawn from [steps // 5, steps - 10)
+        raise ValueError(f"steps={steps}: the demo needs at least {MIN_STEPS}; pass --steps "
+                         f"{MIN_STEPS} or more (default 200)")
     shutil.rmtree(work_dir, ignore_errors=True)
     ref_dir, run_dir = os.path.join(work_dir, "reference"), os.path.join(work_dir, "killed")
     os.makedirs(ref_dir)

@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PreflightConfig:
+    """What pre-flight checks (``unbroken preflight``, and ``unbroken run`` before every start);
+    the single source of its defaults."""
+
     ckpt_dir: str | None = None
     """Checkpoint root to probe (local or mounted path); None skips the storage check."""
     data: str | None = None
