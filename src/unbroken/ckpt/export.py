@@ -27,6 +27,7 @@ from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
 from unbroken.ckpt.per_rank import split_key
 from unbroken.ckpt.store import CorruptCheckpoint, Store
 from unbroken.common.fs import fsync_dir, temp_sibling
+from unbroken.common.tables import render_table
 
 __all__ = [
     "StepVerdict",
@@ -59,15 +60,7 @@ def _age(t: float | None, now: float) -> str:
     return f"{s:.0f}s ago"
 
 
-def _table(rows: list[list[str]], right: set[int]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [
-        "  ".join(
-            c.rjust(w) if i in right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ).rstrip()
-        for r in rows
-    ]
+_IN = "    "  # the tables inside `ckpt inspect` sit under its two-space-indented fields
 
 
 def _is_remote(url: str) -> bool:
@@ -140,7 +133,7 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
                 notes.append(f"remote step {s}: unreadable manifest ({e})")
                 continue
             remote[s] = (rinfo.size, rinfo.created)
-    rows = [["STEP", "SIZE", "AGE", "STATUS"]]
+    rows = []
     for s in sorted(set(local) | set(remote)):
         size, when = local[s] if s in local else remote[s]
         where = "+".join(w for w, d in (("local", local), ("remote", remote)) if s in d)
@@ -149,7 +142,11 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
     if archive is not None:
         where = f"{where} (archive {archive})" if where else f"archive {archive}"
     out = [f"checkpoints in {where}"]
-    out += _table(rows, {0, 1}) if len(rows) > 1 else ["(no committed checkpoint)"]
+    out.append(
+        render_table(rows, header=["STEP", "SIZE", "AGE", "STATUS"], right={0, 1})
+        if rows
+        else "(no committed checkpoint)"
+    )
     if store is not None:
         summary = f"{len(local)} local"
         if archive is not None:
@@ -195,9 +192,8 @@ def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -
     text = json.dumps(data, sort_keys=True) if data is not None else "- (no JSON-able loader state)"
     out.append("  data state      " + (text if len(text) <= 200 else text[:197] + "..."))
     out.append(f"  files           {len(m.files)} + {MANIFEST}, {_size(m.total_bytes)}")
-    rows = [["", "FILE", "SIZE", "CHECKSUM"]]
-    rows += [["  ", n, _size(f.size), f.checksum] for n, f in sorted(m.files.items())]
-    out += _table(rows, {2})
+    rows = [[n, _size(f.size), f.checksum] for n, f in sorted(m.files.items())]
+    out.append(render_table(rows, header=["FILE", "SIZE", "CHECKSUM"], right={1}, indent=_IN))
     by_comp: dict[str, list[int]] = {}
     for k, t in m.tensors.items():
         c = by_comp.setdefault(_component(k), [0, 0])
@@ -212,18 +208,20 @@ def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -
     )  # fmt: skip
     if differ:
         out.append(f"  saved per rank  {', '.join(differ)} (differed between the ranks)")
-    rows = [["", "COMPONENT", "TENSORS", "BYTES"]]
-    rows += [["  ", c, str(n), _size(b)] for c, (n, b) in sorted(by_comp.items())]
-    out += _table(rows, {2, 3})
+    rows = [[c, str(n), _size(b)] for c, (n, b) in sorted(by_comp.items())]
+    out.append(
+        render_table(rows, header=["COMPONENT", "TENSORS", "BYTES"], right={1, 2}, indent=_IN)
+    )
     biggest = sorted(m.tensors.items(), key=lambda kv: -kv[1].nbytes)[:top]
     if biggest:
         out.append(f"  largest tensors (top {len(biggest)})")
-        rows = [["", "KEY", "SHAPE", "DTYPE", "BYTES"]]
-        rows += [
-            ["  ", k, "x".join(map(str, t.shape)) or "()", t.dtype, _size(t.nbytes)]
+        rows = [
+            [k, "x".join(map(str, t.shape)) or "()", t.dtype, _size(t.nbytes)]
             for k, t in biggest
         ]
-        out += _table(rows, {4})
+        out.append(
+            render_table(rows, header=["KEY", "SHAPE", "DTYPE", "BYTES"], right={3}, indent=_IN)
+        )
     return "\n".join(out)
 
 
@@ -290,8 +288,7 @@ def verify_report(directory: str, step: int | None = None) -> tuple[bool, str]:
     root = Store(directory).root
     if not verdicts:
         return False, f"{root}: no committed checkpoint to verify (no step-N directory)"
-    rows = [["STEP", "RESULT", "SIZE", "TIME", "DETAIL"]]
-    rows += [
+    rows = [
         [
             str(v.step),
             "ok" if v.ok else f"DAMAGED ({v.reason})",
@@ -302,7 +299,10 @@ def verify_report(directory: str, step: int | None = None) -> tuple[bool, str]:
         for v in verdicts
     ]
     bad = sum(not v.ok for v in verdicts)
-    out = [f"verifying {root}"] + _table(rows, {0, 2, 3})
+    table = render_table(
+        rows, header=["STEP", "RESULT", "SIZE", "TIME", "DETAIL"], right={0, 2, 3}
+    )
+    out = [f"verifying {root}", table]
     out.append(
         f"{len(verdicts)} checkpoint(s) verified, all intact"
         if not bad

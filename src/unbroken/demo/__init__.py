@@ -20,6 +20,7 @@ import time
 
 from unbroken.ckpt.compare import compare_runs
 from unbroken.common.metrics import read_metrics
+from unbroken.common.tables import render_table
 
 __all__ = ["MIN_STEPS", "run_demo", "run_training", "run_until"]
 
@@ -162,9 +163,7 @@ def run_demo(work_dir: str, *, steps: int = 200, seed: int = 0) -> int:
     )
     rows.append(("save time", timings.get("save", "n/a")))
     rows.append(("restore time", timings.get("restore", "n/a")))
-    width = max(len(r[0]) for r in rows)
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v}")
+    print(render_table(rows, indent="  "))
     verdict = "BIT-IDENTICAL" if res["identical"] else "NOT identical"
     print(f"result: resumed run is {verdict} to the uninterrupted run (killed at step {kill_at})")
     return 0 if res["identical"] else 1
