@@ -26,6 +26,7 @@ import torch
 from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
 from unbroken.ckpt.per_rank import split_key
 from unbroken.ckpt.store import CorruptCheckpoint, Store
+from unbroken.common.errors import CheckFailed
 from unbroken.common.fs import fsync_dir, temp_sibling
 from unbroken.common.tables import render_table
 
@@ -79,7 +80,7 @@ def _pick_step(store: Store, step: int | None) -> int:
         raise FileNotFoundError(f"checkpoint directory {store.root!r} does not exist")
     steps = store.steps()
     if not steps:
-        raise ValueError(
+        raise CheckFailed(
             f"{store.root!r} holds no committed checkpoint (no step-N/{MANIFEST}); "
             "is this a checkpoint root?"
         )
@@ -126,6 +127,8 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
     remote: dict[int, tuple[int, float | None]] = {}
     if archive is not None:
         arch = Archive(archive)
+        if not _is_remote(archive) and not arch.fs.isdir(arch.root):
+            raise FileNotFoundError(f"archive directory {arch.root!r} does not exist")
         for s in arch.steps():
             try:
                 rinfo = arch.info(s)
@@ -283,11 +286,12 @@ def verify_steps(directory: str, step: int | None = None) -> list[StepVerdict]:
 
 
 def verify_report(directory: str, step: int | None = None) -> tuple[bool, str]:
-    """:func:`verify_steps` as a table. Returns ``(all ok, text)``."""
+    """:func:`verify_steps` as a table. Returns ``(all ok, text)``; raises
+    :class:`~unbroken.common.errors.CheckFailed` when there is no step directory at all."""
     verdicts = verify_steps(directory, step)
     root = Store(directory).root
     if not verdicts:
-        return False, f"{root}: no committed checkpoint to verify (no step-N directory)"
+        raise CheckFailed(f"{root}: no committed checkpoint to verify (no step-N directory)")
     rows = [
         [
             str(v.step),

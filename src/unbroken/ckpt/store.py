@@ -39,6 +39,7 @@ from unbroken.ckpt.manifest import (
     CheckpointManifest,
     ManifestError,
 )
+from unbroken.common.errors import CheckFailed
 from unbroken.common.fs import atomic_write_bytes, fsync_dir
 
 __all__ = [
@@ -57,7 +58,7 @@ _TMP_PREFIX = ".tmp-step-"
 _MAX_MANIFEST = 1 << 30  # a crafted multi-GB manifest.json must not exhaust memory
 
 
-class CorruptCheckpoint(Exception):
+class CorruptCheckpoint(CheckFailed):
     """A committed checkpoint failed verification; ``reason`` is a short slug."""
 
     def __init__(self, step: int, reason: str, detail: str) -> None:

@@ -49,7 +49,7 @@ DEPRECATED: dict[str, tuple[str, ...]] = {c: ("data", c) for c in sorted(PREP_CO
 """Old top-level spellings (removed in the next release) and what they now are."""
 
 _ABOUT = (
-    "unbroken keeps PyTorch training jobs fed and alive: it packs and streams sharded "
+    "unbroken keeps PyTorch training jobs fed and alive.\n\nIt packs and streams sharded "
     "datasets that resume at the exact sample, writes checkpoints that survive a kill at any "
     "moment and are verified before they are restored, and supervises torchrun so that a "
     "crash, hang or lost node costs a restart, not the job."

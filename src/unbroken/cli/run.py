@@ -139,8 +139,8 @@ def _preflight(a: argparse.Namespace) -> int:
 def _add_run(sub: Sub) -> None:
     p = add_command(
         sub, "run",
-        "run a training script under torchrun with pre-flight, hang watchdog, fault "
-        "classification and restarts",
+        "run a training script under torchrun: pre-flight, hang watchdog, fault "
+        "classification, restarts",
         "unbroken run --nproc-per-node 8 --ckpt-dir /ckpt -- train.py --lr 3e-4",
         "Exit codes of run: 0 finished, 1 supervisor error, 2 usage, 3 same failure twice "
         "(see RUN_DIR/stop-report.txt), 4 restart budget used up, 5 no progress, 6 pre-flight "
