@@ -36,6 +36,7 @@ from unbroken.common.fs import (
     is_temp_name,
     temp_sibling,
 )
+from unbroken.common.progress import progress_bar
 from unbroken.data.manifest import DatasetManifest, join_path
 
 __all__ = ["MARKER_NAME", "StageResult", "stage"]
@@ -244,16 +245,11 @@ def stage(
 
     lock = threading.Lock()
     stats = {"copied": 0, "skipped": 0, "refetched": 0, "bytes": 0}
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=need, unit="B", unit_scale=True, unit_divisor=1000, desc="stage")
+    bar = progress_bar("stage", total=need, unit="B", enabled=progress)
 
     def on_bytes(n: int) -> None:
-        if bar is not None:
-            with lock:
-                bar.update(n)
+        with lock:
+            bar.update(n)
 
     def one(f: _File) -> None:
         dst = os.path.join(local_dir, f.name)
@@ -295,8 +291,7 @@ def stage(
                 for fut in [ex.submit(one, f) for f in order]:
                     fut.result()
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     manifest.save(local_dir)
     atomic_write_bytes(marker, manifest.fingerprint.encode(), fsync=fsync)
     res = StageResult(
