@@ -26,7 +26,7 @@ import torch
 from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
 from unbroken.ckpt.per_rank import split_key
 from unbroken.ckpt.store import CorruptCheckpoint, Store
-from unbroken.common.fs import fsync_dir, temp_sibling
+from unbroken.common.fs import fsync_dir, is_remote, temp_sibling
 from unbroken.common.progress import Progress, progress_bar
 from unbroken.common.tables import render_table
 
@@ -62,10 +62,6 @@ def _age(t: float | None, now: float) -> str:
 
 
 _IN = "    "  # the tables inside `ckpt inspect` sit under its two-space-indented fields
-
-
-def _is_remote(url: str) -> bool:
-    return "://" in url and not url.startswith("file://")
 
 
 def _manifest(store: Store, step: int) -> CheckpointManifest:
@@ -106,7 +102,7 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
     now = time.time()
     local: dict[int, tuple[int, float]] = {}
     notes: list[str] = []
-    if _is_remote(directory):
+    if is_remote(directory):
         archive, store = archive or directory, None
     else:
         store = Store(directory)

@@ -32,7 +32,6 @@ from functools import partial
 from typing import Any, TypeVar
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from unbroken.ckpt.archive.io import (
     ArchiveError,
@@ -44,7 +43,13 @@ from unbroken.ckpt.archive.io import (
 )
 from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
 from unbroken.ckpt.store import Store
-from unbroken.common.fs import atomic_write_bytes, checksum_file, fsync_dir, hasher
+from unbroken.common.fs import (
+    atomic_write_bytes,
+    checksum_file,
+    fsync_dir,
+    hasher,
+    is_local_fs,
+)
 from unbroken.common.progress import progress_bar
 
 __all__ = [
@@ -111,7 +116,7 @@ class Archive:
                 "protocol (s3://: pip install 'unbroken[s3]')"
             ) from e
         self.root: str = root.rstrip("/")
-        self._local = isinstance(self.fs, LocalFileSystem)
+        self._local = is_local_fs(self.fs)
 
     def __repr__(self) -> str:
         return f"Archive({self.url!r})"

@@ -33,6 +33,7 @@ from unbroken.common.fs import (
     HashingWriter,
     atomic_write_bytes,
     checksum_file,
+    is_local_fs,
     is_temp_name,
     temp_sibling,
 )
@@ -98,12 +99,6 @@ def _valid_local(path: str, f: _File) -> bool:
         return False
 
 
-def _is_local(fs: Any) -> bool:
-    from fsspec.implementations.local import LocalFileSystem
-
-    return isinstance(fs, LocalFileSystem)
-
-
 def _copy_local(
     src: str, tmp: str, fsync: bool, on_bytes: Callable[[int], None]
 ) -> tuple[int, str]:
@@ -154,7 +149,7 @@ def _copy_one(
     """Copy src -> temp sibling of dst; checksum it; rename only if it verifies."""
     tmp = temp_sibling(dst)
     try:
-        if _is_local(fs):
+        if is_local_fs(fs):
             size, digest = _copy_local(fs._strip_protocol(src), tmp, fsync, on_bytes)
         else:
             size, digest = _copy_stream(fs.open(src, "rb", block_size=_CHUNK), tmp, fsync, on_bytes)
@@ -279,7 +274,7 @@ def stage(
     try:
         # Largest first so one big shard does not start last and run alone.
         order = sorted(files, key=lambda f: -f.size)
-        if _is_local(fs):
+        if is_local_fs(fs):
             # A local copy is CPU/memory bound (in-kernel copy + checksum): threads beyond
             # the core count only contend (measured: 8 threads cost ~1.5x the CPU of 2).
             workers = min(workers, os.cpu_count() or 1)
