@@ -27,7 +27,8 @@ from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
 from unbroken.ckpt.per_rank import split_key
 from unbroken.ckpt.store import CorruptCheckpoint, Store
 from unbroken.common.errors import CheckFailed
-from unbroken.common.fs import fsync_dir, temp_sibling
+from unbroken.common.fs import fsync_dir, is_remote, temp_sibling
+from unbroken.common.progress import Progress, progress_bar
 from unbroken.common.tables import render_table
 
 __all__ = [
@@ -62,10 +63,6 @@ def _age(t: float | None, now: float) -> str:
 
 
 _IN = "    "  # the tables inside `ckpt inspect` sit under its two-space-indented fields
-
-
-def _is_remote(url: str) -> bool:
-    return "://" in url and not url.startswith("file://")
 
 
 def _manifest(store: Store, step: int) -> CheckpointManifest:
@@ -106,7 +103,7 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
     now = time.time()
     local: dict[int, tuple[int, float]] = {}
     notes: list[str] = []
-    if _is_remote(directory):
+    if is_remote(directory):
         archive, store = archive or directory, None
     else:
         store = Store(directory)
@@ -127,7 +124,7 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
     remote: dict[int, tuple[int, float | None]] = {}
     if archive is not None:
         arch = Archive(archive)
-        if not _is_remote(archive) and not arch.fs.isdir(arch.root):
+        if not is_remote(archive) and not arch.fs.isdir(arch.root):
             raise FileNotFoundError(f"archive directory {arch.root!r} does not exist")
         for s in arch.steps():
             try:
@@ -251,7 +248,9 @@ def _dir_size(path: str) -> int:
         return 0
 
 
-def verify_steps(directory: str, step: int | None = None) -> list[StepVerdict]:
+def verify_steps(
+    directory: str, step: int | None = None, *, progress: bool = True
+) -> list[StepVerdict]:
     """Run restore()'s verification and decoding (``load_verified``, without a model) on
     ``step`` or on every ``step-N`` directory, committed or not (a directory without a
     manifest is damage to restore() too), with every rank's state file checked as the ranks
@@ -269,26 +268,29 @@ def verify_steps(directory: str, step: int | None = None) -> list[StepVerdict]:
             )
         steps = [step]
     out = []
-    for s in steps:
-        t0 = time.perf_counter()
-        try:
-            v = load_verified(store, s, every_rank=True)
-            del v  # drop the read-only mappings at once
-            reason = detail = ""
-        except CorruptCheckpoint as e:
-            reason, detail = e.reason, e.detail
-        out.append(
-            StepVerdict(
-                s, not reason, reason, detail, _dir_size(store.step_dir(s)), time.perf_counter() - t0
+    sizes = {s: _dir_size(store.step_dir(s)) for s in steps}
+    with progress_bar("verify", total=sum(sizes.values()), enabled=progress) as bar:
+        for s in steps:
+            t0 = time.perf_counter()
+            try:
+                v = load_verified(store, s, every_rank=True)
+                del v  # drop the read-only mappings at once
+                reason = detail = ""
+            except CorruptCheckpoint as e:
+                reason, detail = e.reason, e.detail
+            out.append(
+                StepVerdict(s, not reason, reason, detail, sizes[s], time.perf_counter() - t0)
             )
-        )
+            bar.update(sizes[s])
     return out
 
 
-def verify_report(directory: str, step: int | None = None) -> tuple[bool, str]:
+def verify_report(
+    directory: str, step: int | None = None, *, progress: bool = True
+) -> tuple[bool, str]:
     """:func:`verify_steps` as a table. Returns ``(all ok, text)``; raises
     :class:`~unbroken.common.errors.CheckFailed` when there is no step directory at all."""
-    verdicts = verify_steps(directory, step)
+    verdicts = verify_steps(directory, step, progress=progress)
     root = Store(directory).root
     if not verdicts:
         raise CheckFailed(f"{root}: no committed checkpoint to verify (no step-N directory)")
@@ -325,24 +327,39 @@ def _export_name(rest: str) -> str:
 
 
 def export_safetensors(
-    directory: str, out: str, *, step: int | None = None, component: str = "model"
+    directory: str,
+    out: str,
+    *,
+    step: int | None = None,
+    component: str = "model",
+    progress: bool = True,
 ) -> str:
     """Write ``component``'s tensors of a verified checkpoint to ``out`` (safetensors),
     consolidated from any number of shards, keyed by the component's own state-dict names.
 
     An EMA saved as ``torch.optim.swa_utils.AveragedModel`` is exported as the averaged
     model's weights (``module.`` stripped, ``n_averaged`` dropped) so it loads into the base
-    model. Returns a one-line summary.
+    model. Returns a one-line summary. ``progress``: a bar over the three phases (verify the
+    whole step, read the component, write the file) on a terminal.
     """
     try:
-        from safetensors.torch import save_file
+        import safetensors.torch  # noqa: F401 - fail before any work, with the fix
     except ImportError as e:
         raise RuntimeError("exporting needs safetensors: pip install 'unbroken[export]'") from e
-    from unbroken.ckpt.tensor_io import fill
-    from unbroken.ckpt.verify import load_verified
 
     store = Store(directory)
     step = _pick_step(store, step)
+    with progress_bar("export", total=3, unit="phase", enabled=progress) as bar:
+        return _export(store, step, out, component, bar)
+
+
+def _export(store: Store, step: int, out: str, component: str, bar: Progress) -> str:
+    from safetensors.torch import save_file
+
+    from unbroken.ckpt.tensor_io import fill
+    from unbroken.ckpt.verify import load_verified
+
+    bar.set_postfix_str("verifying")
     try:
         v = load_verified(store, step)
     except CorruptCheckpoint as e:
@@ -361,6 +378,8 @@ def export_safetensors(
             f"checkpoint step {step} has no tensors for component {component!r}; "
             f"components with tensors: {have}. Pass --component with one of them"
         )
+    bar.update()
+    bar.set_postfix_str(f"reading {component}")
     whole = {k: torch.empty(meta[saved[k]].shape, dtype=meta[saved[k]].torch_dtype) for k in keys}
     # any number of shards; rank 0's copy of what was saved per rank
     fill(store.step_dir(step), v.manifest, {saved[k]: t for k, t in whole.items()}, views=v.tensors)
@@ -369,6 +388,8 @@ def export_safetensors(
     rest = [k for k in tensors if k != "n_averaged"]
     if "n_averaged" in tensors and rest and all(k.startswith("module.") for k in rest):
         tensors = {k.removeprefix("module."): tensors[k] for k in rest}
+    bar.update()
+    bar.set_postfix_str(f"writing {os.path.basename(out)}")
     out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = temp_sibling(out)
@@ -386,6 +407,7 @@ def export_safetensors(
             os.unlink(tmp)
         raise
     fsync_dir(os.path.dirname(out))
+    bar.update()
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     return (
         f"exported {len(tensors)} tensors ({_size(total)}) of component {component!r} "

@@ -40,7 +40,7 @@ from unbroken.ckpt.manifest import (
     ManifestError,
 )
 from unbroken.common.errors import CheckFailed
-from unbroken.common.fs import atomic_write_bytes, fsync_dir
+from unbroken.common.fs import atomic_write_bytes, fsync_dir, is_remote, local_path
 
 __all__ = [
     "FORMAT",
@@ -80,12 +80,12 @@ class Store:
     """A checkpoint root directory: names, commit, listing, quarantine, retention."""
 
     def __init__(self, root: str) -> None:
-        if "://" in root and not root.startswith("file://"):
+        if is_remote(root):
             raise ValueError(
                 f"checkpoint root {root!r} is a remote URL; write checkpoints to a local or "
                 "shared filesystem path and use archive='s3://...' for remote copies"
             )
-        self.root = os.path.abspath(root.removeprefix("file://"))
+        self.root = os.path.abspath(local_path(root))
 
     # --- names --------------------------------------------------------------------------
 

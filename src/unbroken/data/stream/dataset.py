@@ -78,6 +78,7 @@ import torch.distributed as dist
 import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
+from unbroken.common.fs import is_remote, local_path
 from unbroken.data.manifest import DatasetManifest
 from unbroken.data.stream.order import (
     EpochOrder,
@@ -487,12 +488,12 @@ class _TokenReader(_Reader):
 
 
 def _open_reader(source: Source, seq_len: int | None) -> _Reader:
-    if "://" in source.root and not source.root.startswith("file://"):
+    if is_remote(source.root):
         raise ValueError(
             f"{source.root}: StreamingDataset reads a local directory; copy the dataset "
             "to local disk first with `unbroken stage URL LOCAL_DIR`"
         )
-    root = source.root.removeprefix("file://")
+    root = local_path(source.root)
     manifest = DatasetManifest.load(root)
     if manifest.kind == "tar":
         return _TarReader(source, root, manifest)
