@@ -43,7 +43,7 @@ from unbroken.cli.demo import add_demo
 from unbroken.cli.run import add_run
 from unbroken.common.errors import is_check_failure
 
-__all__ = ["DEPRECATED", "build_parser", "main"]
+__all__ = ["DEPRECATED", "build_parser", "exit_code", "main"]
 
 DEPRECATED: dict[str, tuple[str, ...]] = {c: ("data", c) for c in sorted(PREP_COMMANDS)}
 """Old top-level spellings (removed in the next release) and what they now are."""
@@ -54,10 +54,10 @@ _ABOUT = (
     "moment and are verified before they are restored, and supervises torchrun so that a "
     "crash, hang or lost node costs a restart, not the job."
 )
-_EXIT_CODES = __doc__.split("Exit codes (every command):\n", 1)[1].split("An error is", 1)[0]
-_EPILOG = (
-    "example:\n  unbroken run --nproc-per-node 8 --ckpt-dir /ckpt -- train.py\n\n"
-    "exit codes:\n" + _EXIT_CODES
+# the table above, once: `unbroken --help` shows it (python -OO drops docstrings, and it)
+_EXIT_CODES = (__doc__ or "").partition("Exit codes (every command):\n")[2].partition("An error")[0]
+_EPILOG = "example:\n  unbroken run --nproc-per-node 8 --ckpt-dir /ckpt -- train.py" + (
+    f"\n\nexit codes:\n{_EXIT_CODES}" if _EXIT_CODES else ""
 )
 
 
