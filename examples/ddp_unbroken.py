@@ -1,6 +1,6 @@
 """examples/ddp_stock.py after adopting unbroken: resumable, supervised and drillable.
 
-    unbroken tokenize corpus.txt tok --train-bpe 512 --seq-len 32    # once: token shards
+    unbroken data tokenize corpus.txt tok --train-bpe 512 --seq-len 32    # once: token shards
     unbroken run --nproc-per-node 2 -- examples/ddp_unbroken.py --data tok --out run
     unbroken drill --multi-rank -- examples/ddp_unbroken.py --data tok --out {dir}
 

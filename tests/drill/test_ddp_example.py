@@ -38,7 +38,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     text = " ".join(r.choice(WORDS) + ("." if r.random() < 0.08 else "") for _ in range(12000))
     (d / "corpus.txt").write_text(text)
     tok = str(d / "tok")
-    assert main(["tokenize", str(d / "corpus.txt"), tok, "--train-bpe", "512",
+    assert main(["data", "tokenize", str(d / "corpus.txt"), tok, "--train-bpe", "512",
                  "--seq-len", "32"]) == 0
     return str(d / "corpus.txt"), tok
 

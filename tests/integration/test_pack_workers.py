@@ -169,17 +169,17 @@ def test_cli_pack_index_tokenize_stage(tmp_path: str, capsys: pytest.CaptureFixt
     _tree(src, 30)
     out = os.path.join(tmp_path, "packed")
     assert (
-        cli_main(["pack", src, out, "--shard-size", "20KB", "--workers", "2", "--no-progress"]) == 0
+        cli_main(["data", "pack", src, out, "--shard-size", "20KB", "--workers", "2", "--no-progress"]) == 0
     )
     assert "30 samples in" in capsys.readouterr().out
     m = DatasetManifest.load(out)
     os.unlink(os.path.join(out, "dataset.json"))
     for s in m.shards:
         os.unlink(os.path.join(out, s.index))
-    assert cli_main(["index", out, "--workers", "1"]) == 0
+    assert cli_main(["data", "index", out, "--workers", "1"]) == 0
     assert DatasetManifest.load(out).fingerprint == m.fingerprint  # same shards, same identity
     staged = os.path.join(tmp_path, "staged")
-    assert cli_main(["stage", out, staged, "--no-progress"]) == 0
+    assert cli_main(["data", "stage", out, staged, "--no-progress"]) == 0
     assert f"{2 * len(m.shards)} files copied" in capsys.readouterr().out
     assert ShardReader(m.shard_path(staged, 0))[0]["__key__"] == "g0/00000"
     corpus = _corpus(os.path.join(tmp_path, "c.jsonl"), 50)
@@ -204,8 +204,8 @@ def test_cli_pack_index_tokenize_stage(tmp_path: str, capsys: pytest.CaptureFixt
     assert "50 documents" in capsys.readouterr().out
     assert TokenShard(os.path.join(toks, "tokens-000000.bin")).num_documents == 50
     assert (
-        cli_main(["tokenize", corpus, toks, "--tokenizer", os.path.join(tmp_path, "no.json")]) == 2
+        cli_main(["data", "tokenize", corpus, toks, "--tokenizer", os.path.join(tmp_path, "no.json")]) == 2
     )
     assert "no.json: tokenizer file not found" in capsys.readouterr().err
-    assert cli_main(["pack", src, out, "--shard-size", "1KB", "--no-progress"]) == 2
+    assert cli_main(["data", "pack", src, out, "--shard-size", "1KB", "--no-progress"]) == 2
     assert "shard_size=1000 is below the minimum" in capsys.readouterr().err

@@ -160,7 +160,11 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys) -> None:
     rc, _, err = _run(["ckpt", "verify", str(tmp_path / "nope")], capsys)
     assert rc == 2 and "does not exist" in err
     os.mkdir(tmp_path / "empty")
-    rc, _, err = _run(["ckpt", "inspect", str(tmp_path / "empty")], capsys)
-    assert rc == 2 and "no committed checkpoint" in err
-    rc, out, _ = _run(["ckpt", "verify", str(tmp_path / "empty")], capsys)
-    assert rc == 1 and "no committed checkpoint" in out
+    # a checkpoint root without a checkpoint: the check failed (1), the message on stderr
+    rc, out, err = _run(["ckpt", "inspect", str(tmp_path / "empty")], capsys)
+    assert rc == 1 and "no committed checkpoint" in err and not out
+    rc, out, err = _run(["ckpt", "verify", str(tmp_path / "empty")], capsys)
+    assert rc == 1 and "no committed checkpoint" in err and not out
+    # an archive that is not there is a bad argument, not an empty listing
+    rc, out, err = _run(["ckpt", "ls", str(tmp_path / "empty"), "--archive", "no-such"], capsys)
+    assert rc == 2 and "no-such" in err and "does not exist" in err and not out

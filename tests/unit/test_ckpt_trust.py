@@ -221,7 +221,7 @@ def test_paths_leaving_the_step_directory_are_refused(root, tmp_path, caplog, wh
     out = str(tmp_path / "model.safetensors")
     with pytest.raises(RuntimeError, match="failed verification"):
         export_safetensors(r, out, step=4)
-    assert main(["ckpt", "export", r, "--to", out, "--step", "4"]) == 2
+    assert main(["ckpt", "export", r, "--to", out, "--step", "4"]) == 1  # damaged: check failed
     assert not os.path.exists(out)
     assert _verdicts(r) == {2: "ok", 4: "DAMAGED"}
     got, st, warns = _restore(r, caplog)

@@ -72,10 +72,10 @@ def _bases(p: dict[str, str]) -> dict[tuple[str, ...], list[list[str]]]:
         ("preflight",): [["--rdzv-endpoint", "not-a-host-port"]],
         ("report",): [[m], [j], [e]],
         ("plan",): [["--run-dir", m], ["--mtbf", "-1", "--ckpt-cost", "3"], []],
-        ("pack",): [[m, p["out"]], [p["bad_jsonl"], p["out"]], [p["bad_jsonl"], j], [e, p["out"]]],
-        ("index",): [[m], [j], [e]],
-        ("tokenize",): [[m, p["out"], "--train-bpe", "300"], [j, p["out"], "--tokenizer", j]],
-        ("stage",): [[m, p["out"]], [j, p["out"]], [p["tar"], j]],
+        ("data", "pack"): [[m, p["out"]], [p["bad_jsonl"], p["out"]], [p["bad_jsonl"], j], [e, p["out"]]],
+        ("data", "index"): [[m], [j], [e]],
+        ("data", "tokenize"): [[m, p["out"], "--train-bpe", "300"], [j, p["out"], "--tokenizer", j]],
+        ("data", "stage"): [[m, p["out"]], [j, p["out"]], [p["tar"], j]],
         ("drill",): [["--dir", p["out"], "--", m, "{dir}"], ["--dir", j, "--example"]],
     }
 
@@ -131,9 +131,9 @@ def _good(p: dict[str, str]) -> dict[tuple[str, ...], list[str]]:
     return {
         ("data", "inspect"): [p["tar"], "--epochs", "1"],
         ("plan",): ["--mtbf", "3600", "--ckpt-cost", "30"],
-        ("pack",): [p["bad_jsonl"], p["out"] + "/pk", "--skip-bad", "--no-progress"],
-        ("index",): [p["out"] + "/pk"],
-        ("stage",): [p["tar"], p["out"] + "/st", "--no-progress"],
+        ("data", "pack"): [p["bad_jsonl"], p["out"] + "/pk", "--skip-bad", "--no-progress"],
+        ("data", "index"): [p["out"] + "/pk"],
+        ("data", "stage"): [p["tar"], p["out"] + "/st", "--no-progress"],
         ("ckpt", "ls"): [p["empty"]],
     }
 
@@ -170,8 +170,8 @@ def test_unknown_verb_and_missing_arguments_are_usage_errors(capsys):
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["pack", "{bad_jsonl}", "{out}/p", "--no-progress"], "bad.jsonl:2: not a JSON line"),
-        (["index", "{junk}"], "not a directory"),
+        (["data", "pack", "{bad_jsonl}", "{out}/p", "--no-progress"], "bad.jsonl:2: not a JSON line"),
+        (["data", "index", "{junk}"], "not a directory"),
         (["run", "--run-dir", "{out}/r", "--", "{missing}"], "does-not-exist"),
     ],
 )

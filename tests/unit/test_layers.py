@@ -22,7 +22,7 @@ TOP = [
     [("unbroken.data",), ("unbroken.ckpt",)],
     [("unbroken.elastic",)],
     [("unbroken.demo",)],
-    [("unbroken.cli", "unbroken._cli_dataprep")],
+    [("unbroken.cli",)],
 ]
 INNER = {
     "unbroken.data": [

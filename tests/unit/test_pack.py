@@ -345,5 +345,5 @@ def test_output_path_that_is_a_file_and_index_of_a_file_are_errors(tmp_path: str
         index_directory(src)
     with pytest.raises(FileNotFoundError, match="no such directory"):
         index_directory(os.path.join(tmp_path, "nope"))
-    assert main(["pack", src, src, "--no-progress"]) == 2
-    assert main(["index", src]) == 2
+    assert main(["data", "pack", src, src, "--no-progress"]) == 2
+    assert main(["data", "index", src]) == 2

@@ -26,7 +26,10 @@ import torch
 from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
 from unbroken.ckpt.per_rank import split_key
 from unbroken.ckpt.store import CorruptCheckpoint, Store
-from unbroken.common.fs import fsync_dir, temp_sibling
+from unbroken.common.errors import CheckFailed
+from unbroken.common.fs import fsync_dir, is_remote, temp_sibling
+from unbroken.common.progress import Progress, progress_bar
+from unbroken.common.tables import render_table
 
 __all__ = [
     "StepVerdict",
@@ -59,19 +62,7 @@ def _age(t: float | None, now: float) -> str:
     return f"{s:.0f}s ago"
 
 
-def _table(rows: list[list[str]], right: set[int]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return [
-        "  ".join(
-            c.rjust(w) if i in right else c.ljust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ).rstrip()
-        for r in rows
-    ]
-
-
-def _is_remote(url: str) -> bool:
-    return "://" in url and not url.startswith("file://")
+_IN = "    "  # the tables inside `ckpt inspect` sit under its two-space-indented fields
 
 
 def _manifest(store: Store, step: int) -> CheckpointManifest:
@@ -86,7 +77,7 @@ def _pick_step(store: Store, step: int | None) -> int:
         raise FileNotFoundError(f"checkpoint directory {store.root!r} does not exist")
     steps = store.steps()
     if not steps:
-        raise ValueError(
+        raise CheckFailed(
             f"{store.root!r} holds no committed checkpoint (no step-N/{MANIFEST}); "
             "is this a checkpoint root?"
         )
@@ -112,7 +103,7 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
     now = time.time()
     local: dict[int, tuple[int, float]] = {}
     notes: list[str] = []
-    if _is_remote(directory):
+    if is_remote(directory):
         archive, store = archive or directory, None
     else:
         store = Store(directory)
@@ -133,6 +124,8 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
     remote: dict[int, tuple[int, float | None]] = {}
     if archive is not None:
         arch = Archive(archive)
+        if not is_remote(archive) and not arch.fs.isdir(arch.root):
+            raise FileNotFoundError(f"archive directory {arch.root!r} does not exist")
         for s in arch.steps():
             try:
                 rinfo = arch.info(s)
@@ -140,7 +133,7 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
                 notes.append(f"remote step {s}: unreadable manifest ({e})")
                 continue
             remote[s] = (rinfo.size, rinfo.created)
-    rows = [["STEP", "SIZE", "AGE", "STATUS"]]
+    rows = []
     for s in sorted(set(local) | set(remote)):
         size, when = local[s] if s in local else remote[s]
         where = "+".join(w for w, d in (("local", local), ("remote", remote)) if s in d)
@@ -149,7 +142,11 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
     if archive is not None:
         where = f"{where} (archive {archive})" if where else f"archive {archive}"
     out = [f"checkpoints in {where}"]
-    out += _table(rows, {0, 1}) if len(rows) > 1 else ["(no committed checkpoint)"]
+    out.append(
+        render_table(rows, header=["STEP", "SIZE", "AGE", "STATUS"], right={0, 1})
+        if rows
+        else "(no committed checkpoint)"
+    )
     if store is not None:
         summary = f"{len(local)} local"
         if archive is not None:
@@ -195,9 +192,8 @@ def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -
     text = json.dumps(data, sort_keys=True) if data is not None else "- (no JSON-able loader state)"
     out.append("  data state      " + (text if len(text) <= 200 else text[:197] + "..."))
     out.append(f"  files           {len(m.files)} + {MANIFEST}, {_size(m.total_bytes)}")
-    rows = [["", "FILE", "SIZE", "CHECKSUM"]]
-    rows += [["  ", n, _size(f.size), f.checksum] for n, f in sorted(m.files.items())]
-    out += _table(rows, {2})
+    rows = [[n, _size(f.size), f.checksum] for n, f in sorted(m.files.items())]
+    out.append(render_table(rows, header=["FILE", "SIZE", "CHECKSUM"], right={1}, indent=_IN))
     by_comp: dict[str, list[int]] = {}
     for k, t in m.tensors.items():
         c = by_comp.setdefault(_component(k), [0, 0])
@@ -212,18 +208,20 @@ def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -
     )  # fmt: skip
     if differ:
         out.append(f"  saved per rank  {', '.join(differ)} (differed between the ranks)")
-    rows = [["", "COMPONENT", "TENSORS", "BYTES"]]
-    rows += [["  ", c, str(n), _size(b)] for c, (n, b) in sorted(by_comp.items())]
-    out += _table(rows, {2, 3})
+    rows = [[c, str(n), _size(b)] for c, (n, b) in sorted(by_comp.items())]
+    out.append(
+        render_table(rows, header=["COMPONENT", "TENSORS", "BYTES"], right={1, 2}, indent=_IN)
+    )
     biggest = sorted(m.tensors.items(), key=lambda kv: -kv[1].nbytes)[:top]
     if biggest:
         out.append(f"  largest tensors (top {len(biggest)})")
-        rows = [["", "KEY", "SHAPE", "DTYPE", "BYTES"]]
-        rows += [
-            ["  ", k, "x".join(map(str, t.shape)) or "()", t.dtype, _size(t.nbytes)]
+        rows = [
+            [k, "x".join(map(str, t.shape)) or "()", t.dtype, _size(t.nbytes)]
             for k, t in biggest
         ]
-        out += _table(rows, {4})
+        out.append(
+            render_table(rows, header=["KEY", "SHAPE", "DTYPE", "BYTES"], right={3}, indent=_IN)
+        )
     return "\n".join(out)
 
 
@@ -250,7 +248,9 @@ def _dir_size(path: str) -> int:
         return 0
 
 
-def verify_steps(directory: str, step: int | None = None) -> list[StepVerdict]:
+def verify_steps(
+    directory: str, step: int | None = None, *, progress: bool = True
+) -> list[StepVerdict]:
     """Run restore()'s verification and decoding (``load_verified``, without a model) on
     ``step`` or on every ``step-N`` directory, committed or not (a directory without a
     manifest is damage to restore() too), with every rank's state file checked as the ranks
@@ -268,30 +268,33 @@ def verify_steps(directory: str, step: int | None = None) -> list[StepVerdict]:
             )
         steps = [step]
     out = []
-    for s in steps:
-        t0 = time.perf_counter()
-        try:
-            v = load_verified(store, s, every_rank=True)
-            del v  # drop the read-only mappings at once
-            reason = detail = ""
-        except CorruptCheckpoint as e:
-            reason, detail = e.reason, e.detail
-        out.append(
-            StepVerdict(
-                s, not reason, reason, detail, _dir_size(store.step_dir(s)), time.perf_counter() - t0
+    sizes = {s: _dir_size(store.step_dir(s)) for s in steps}
+    with progress_bar("verify", total=sum(sizes.values()), enabled=progress) as bar:
+        for s in steps:
+            t0 = time.perf_counter()
+            try:
+                v = load_verified(store, s, every_rank=True)
+                del v  # drop the read-only mappings at once
+                reason = detail = ""
+            except CorruptCheckpoint as e:
+                reason, detail = e.reason, e.detail
+            out.append(
+                StepVerdict(s, not reason, reason, detail, sizes[s], time.perf_counter() - t0)
             )
-        )
+            bar.update(sizes[s])
     return out
 
 
-def verify_report(directory: str, step: int | None = None) -> tuple[bool, str]:
-    """:func:`verify_steps` as a table. Returns ``(all ok, text)``."""
-    verdicts = verify_steps(directory, step)
+def verify_report(
+    directory: str, step: int | None = None, *, progress: bool = True
+) -> tuple[bool, str]:
+    """:func:`verify_steps` as a table. Returns ``(all ok, text)``; raises
+    :class:`~unbroken.common.errors.CheckFailed` when there is no step directory at all."""
+    verdicts = verify_steps(directory, step, progress=progress)
     root = Store(directory).root
     if not verdicts:
-        return False, f"{root}: no committed checkpoint to verify (no step-N directory)"
-    rows = [["STEP", "RESULT", "SIZE", "TIME", "DETAIL"]]
-    rows += [
+        raise CheckFailed(f"{root}: no committed checkpoint to verify (no step-N directory)")
+    rows = [
         [
             str(v.step),
             "ok" if v.ok else f"DAMAGED ({v.reason})",
@@ -302,7 +305,10 @@ def verify_report(directory: str, step: int | None = None) -> tuple[bool, str]:
         for v in verdicts
     ]
     bad = sum(not v.ok for v in verdicts)
-    out = [f"verifying {root}"] + _table(rows, {0, 2, 3})
+    table = render_table(
+        rows, header=["STEP", "RESULT", "SIZE", "TIME", "DETAIL"], right={0, 2, 3}
+    )
+    out = [f"verifying {root}", table]
     out.append(
         f"{len(verdicts)} checkpoint(s) verified, all intact"
         if not bad
@@ -321,24 +327,39 @@ def _export_name(rest: str) -> str:
 
 
 def export_safetensors(
-    directory: str, out: str, *, step: int | None = None, component: str = "model"
+    directory: str,
+    out: str,
+    *,
+    step: int | None = None,
+    component: str = "model",
+    progress: bool = True,
 ) -> str:
     """Write ``component``'s tensors of a verified checkpoint to ``out`` (safetensors),
     consolidated from any number of shards, keyed by the component's own state-dict names.
 
     An EMA saved as ``torch.optim.swa_utils.AveragedModel`` is exported as the averaged
     model's weights (``module.`` stripped, ``n_averaged`` dropped) so it loads into the base
-    model. Returns a one-line summary.
+    model. Returns a one-line summary. ``progress``: a bar over the three phases (verify the
+    whole step, read the component, write the file) on a terminal.
     """
     try:
-        from safetensors.torch import save_file
+        import safetensors.torch  # noqa: F401 - fail before any work, with the fix
     except ImportError as e:
         raise RuntimeError("exporting needs safetensors: pip install 'unbroken[export]'") from e
-    from unbroken.ckpt.tensor_io import fill
-    from unbroken.ckpt.verify import load_verified
 
     store = Store(directory)
     step = _pick_step(store, step)
+    with progress_bar("export", total=3, unit="phase", enabled=progress) as bar:
+        return _export(store, step, out, component, bar)
+
+
+def _export(store: Store, step: int, out: str, component: str, bar: Progress) -> str:
+    from safetensors.torch import save_file
+
+    from unbroken.ckpt.tensor_io import fill
+    from unbroken.ckpt.verify import load_verified
+
+    bar.set_postfix_str("verifying")
     try:
         v = load_verified(store, step)
     except CorruptCheckpoint as e:
@@ -357,6 +378,8 @@ def export_safetensors(
             f"checkpoint step {step} has no tensors for component {component!r}; "
             f"components with tensors: {have}. Pass --component with one of them"
         )
+    bar.update()
+    bar.set_postfix_str(f"reading {component}")
     whole = {k: torch.empty(meta[saved[k]].shape, dtype=meta[saved[k]].torch_dtype) for k in keys}
     # any number of shards; rank 0's copy of what was saved per rank
     fill(store.step_dir(step), v.manifest, {saved[k]: t for k, t in whole.items()}, views=v.tensors)
@@ -365,6 +388,8 @@ def export_safetensors(
     rest = [k for k in tensors if k != "n_averaged"]
     if "n_averaged" in tensors and rest and all(k.startswith("module.") for k in rest):
         tensors = {k.removeprefix("module."): tensors[k] for k in rest}
+    bar.update()
+    bar.set_postfix_str(f"writing {os.path.basename(out)}")
     out = os.path.abspath(out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = temp_sibling(out)
@@ -382,6 +407,7 @@ def export_safetensors(
             os.unlink(tmp)
         raise
     fsync_dir(os.path.dirname(out))
+    bar.update()
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     return (
         f"exported {len(tensors)} tensors ({_size(total)}) of component {component!r} "

@@ -39,7 +39,8 @@ from unbroken.ckpt.manifest import (
     CheckpointManifest,
     ManifestError,
 )
-from unbroken.common.fs import atomic_write_bytes, fsync_dir
+from unbroken.common.errors import CheckFailed
+from unbroken.common.fs import atomic_write_bytes, fsync_dir, is_remote, local_path
 
 __all__ = [
     "FORMAT",
@@ -57,7 +58,7 @@ _TMP_PREFIX = ".tmp-step-"
 _MAX_MANIFEST = 1 << 30  # a crafted multi-GB manifest.json must not exhaust memory
 
 
-class CorruptCheckpoint(Exception):
+class CorruptCheckpoint(CheckFailed):
     """A committed checkpoint failed verification; ``reason`` is a short slug."""
 
     def __init__(self, step: int, reason: str, detail: str) -> None:
@@ -79,12 +80,12 @@ class Store:
     """A checkpoint root directory: names, commit, listing, quarantine, retention."""
 
     def __init__(self, root: str) -> None:
-        if "://" in root and not root.startswith("file://"):
+        if is_remote(root):
             raise ValueError(
                 f"checkpoint root {root!r} is a remote URL; write checkpoints to a local or "
                 "shared filesystem path and use archive='s3://...' for remote copies"
             )
-        self.root = os.path.abspath(root.removeprefix("file://"))
+        self.root = os.path.abspath(local_path(root))
 
     # --- names --------------------------------------------------------------------------
 

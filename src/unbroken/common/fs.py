@@ -1,6 +1,6 @@
 """Durable-file primitives shared by the data pipeline and the checkpointer.
 
-One place for: checksums (xxh3-128, fast enough to compute inline at disk speed),
+One place for: telling a remote URL from a local path, checksums (xxh3-128, fast enough to compute inline at disk speed),
 a writer that hashes while it writes, fsync of files *and* directories, and atomic
 publication of a file (temp sibling -> write -> fsync -> rename -> fsync dir).
 """
@@ -27,7 +27,10 @@ __all__ = [
     "fsync_dir",
     "ensure_out_dir",
     "hasher",
+    "is_local_fs",
+    "is_remote",
     "is_temp_name",
+    "local_path",
     "temp_sibling",
 ]
 
@@ -35,6 +38,29 @@ CHECKSUM_ALGO = "xxh3_128"
 _TEMP_MARK = ".tmp-"
 _READ_CHUNK = 16 << 20
 _IOV_MAX = 1024  # buffers per writev call (POSIX guarantees at least 16; Linux allows 1024)
+
+
+_FILE_SCHEME = "file://"
+
+
+def is_remote(url: str) -> bool:
+    """True for a URL only fsspec can open (``s3://b/x``, ``gs://``, ``memory://x``); False
+    for a plain path and for ``file://`` (a local path spelled as a URL)."""
+    return "://" in url and not url.startswith(_FILE_SCHEME)
+
+
+def local_path(url: str) -> str:
+    """``file:///mnt/x`` -> ``/mnt/x``; a plain path is returned as is. The caller checks
+    :func:`is_remote` first: a remote URL has no local path."""
+    return url.removeprefix(_FILE_SCHEME)
+
+
+def is_local_fs(fs: Any) -> bool:
+    """Whether an fsspec filesystem (from ``fsspec.core.url_to_fs``) is the local disk or a
+    mount, where ``os`` calls, in-kernel copies and rename-to-publish apply."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    return isinstance(fs, LocalFileSystem)
 
 
 def hasher() -> Any:

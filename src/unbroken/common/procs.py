@@ -33,18 +33,24 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def proc_state(pid: int) -> str | None:
-    """The one-letter state from ``/proc/<pid>/stat`` (R, S, D, T, Z, ...), None if gone."""
+def _stat(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (``[state, ppid, pgrp,
+    ...]``, see proc(5)), None if the process is gone or the line is cut short."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
     except OSError:
         return None
-    # The command name may contain spaces or parentheses; the state follows the last ')'.
+    # The command name may contain spaces or parentheses; the fields follow the last ')'.
     end = data.rfind(b")")
-    if end < 0 or end + 2 >= len(data):
-        return None
-    return chr(data[end + 2])
+    fields = data[end + 1 :].split() if end >= 0 else []
+    return fields if len(fields) >= 2 else None
+
+
+def proc_state(pid: int) -> str | None:
+    """The one-letter state from ``/proc/<pid>/stat`` (R, S, D, T, Z, ...), None if gone."""
+    fields = _stat(pid)
+    return None if fields is None else fields[0][:1].decode("ascii", "replace")
 
 
 def is_alive(pid: int) -> bool:
@@ -55,11 +61,10 @@ def is_alive(pid: int) -> bool:
 
 def parent_of(pid: int) -> int | None:
     """The parent pid from ``/proc/<pid>/stat``, None if gone."""
+    fields = _stat(pid)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-        return int(data[data.rfind(b")") + 2 :].split()[1])
-    except (OSError, ValueError, IndexError):
+        return None if fields is None else int(fields[1])
+    except ValueError:
         return None
 
 

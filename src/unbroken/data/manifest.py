@@ -32,7 +32,7 @@ from typing import Any
 
 import fsspec
 
-from unbroken.common.fs import atomic_write_bytes, hasher
+from unbroken.common.fs import atomic_write_bytes, hasher, is_remote, local_path
 
 __all__ = [
     "MANIFEST_NAME",
@@ -269,13 +269,12 @@ class DatasetManifest:
         """Atomically write ``<root>/dataset.json`` (local dir or fsspec URL); returns path."""
         path = join_path(root, MANIFEST_NAME)
         data = self.dumps().encode()
-        if "://" in root and not root.startswith("file://"):
+        if is_remote(root):
             # Object stores publish a PUT atomically; no temp+rename needed (or possible).
             with fsspec.open(path, "wb") as f:
                 f.write(data)
         else:
-            local = path[len("file://") :] if path.startswith("file://") else path
-            atomic_write_bytes(local, data)
+            atomic_write_bytes(local_path(path), data)
         return path
 
     # --- helpers ---------------------------------------------------------------------------

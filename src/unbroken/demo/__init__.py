@@ -20,8 +20,12 @@ import time
 
 from unbroken.ckpt.compare import compare_runs
 from unbroken.common.metrics import read_metrics
+from unbroken.common.tables import render_table
 
-__all__ = ["run_demo", "run_training", "run_until"]
+__all__ = ["MIN_STEPS", "run_demo", "run_training", "run_until"]
+
+MIN_STEPS = 20
+"""Fewest steps ``run_demo`` takes: room for a kill after step ``steps // 5`` and 10 more."""
 
 
 def _train_cmd(run_dir: str, steps: int, seed: int, extra: list[str]) -> list[str]:
@@ -85,6 +89,9 @@ def run_until(
 
 def run_demo(work_dir: str, *, steps: int = 200, seed: int = 0) -> int:
     """The main job of ``make demo``; returns 0 when the resumed run is bit-identical."""
+    if steps < MIN_STEPS:  # the kill step is drawn from [steps // 5, steps - 10)
+        raise ValueError(f"steps={steps}: the demo needs at least {MIN_STEPS}; pass --steps "
+                         f"{MIN_STEPS} or more (default 200)")
     shutil.rmtree(work_dir, ignore_errors=True)
     ref_dir, run_dir = os.path.join(work_dir, "reference"), os.path.join(work_dir, "killed")
     os.makedirs(ref_dir)
@@ -156,9 +163,7 @@ def run_demo(work_dir: str, *, steps: int = 200, seed: int = 0) -> int:
     )
     rows.append(("save time", timings.get("save", "n/a")))
     rows.append(("restore time", timings.get("restore", "n/a")))
-    width = max(len(r[0]) for r in rows)
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v}")
+    print(render_table(rows, indent="  "))
     verdict = "BIT-IDENTICAL" if res["identical"] else "NOT identical"
     print(f"result: resumed run is {verdict} to the uninterrupted run (killed at step {kill_at})")
     return 0 if res["identical"] else 1

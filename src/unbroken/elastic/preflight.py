@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from unbroken.common.tables import render_table
+
 __all__ = [
     "CheckResult",
     "PreflightConfig",
@@ -48,6 +50,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PreflightConfig:
+    """What pre-flight checks (``unbroken preflight``, and ``unbroken run`` before every start);
+    the single source of its defaults."""
+
     ckpt_dir: str | None = None
     """Checkpoint root to probe (local or mounted path); None skips the storage check."""
     data: str | None = None
@@ -276,11 +281,12 @@ def run_preflight(cfg: PreflightConfig) -> list[CheckResult]:
 
 
 def format_results(results: list[CheckResult]) -> str:
-    lines = []
-    for r in results:
-        status = "skip" if r.skipped else ("ok" if r.ok else "FAIL")
-        lines.append(f"{status:<5} {r.name:<11} {r.seconds:6.2f} s  {r.detail}")
-    return "\n".join(lines)
+    rows = [
+        ("skip" if r.skipped else ("ok" if r.ok else "FAIL"), r.name, f"{r.seconds:.2f} s", r.detail)
+        for r in results
+    ]
+    # the status column is as wide as "FAIL" even when every check passed: scripts grep it
+    return render_table(rows, right={2}, min_widths=(4,))
 
 
 def wait_until_healthy(

@@ -21,6 +21,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from unbroken.common.tables import cell, render_table
+
 __all__ = [
     "Recovery",
     "RunSummary",
@@ -161,21 +163,18 @@ def _trend(recs: Sequence[Recovery]) -> str | None:
     return None
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
 def format_summary(summary: RunSummary) -> str:
     """A plain-text table, one row per failure, then totals and goodput."""
-    head = f"{'#':>2} {'attempt':>7} {'fault':<13} {'step':>6} {'detect':>7} {'relaunch':>8} " \
-           f"{'load':>7} {'catch-up':>8} {'total':>7}  reason"
-    lines = ["recovery phases (seconds):", head]
-    for r in summary.recoveries:
-        lines.append(
-            f"{r.index:>2} {r.attempt:>7} {r.fault:<13} {str(r.step_at_failure):>6} "
-            f"{_fmt(r.detect):>7} {_fmt(r.relaunch):>8} {_fmt(r.load):>7} "
-            f"{_fmt(r.catch_up):>8} {_fmt(r.total):>7}  {r.reason[:60]}"
-        )
+    rows = [
+        (r.index, r.attempt, r.fault, r.step_at_failure,
+         *(cell(x, ".2f") for x in (r.detect, r.relaunch, r.load, r.catch_up, r.total)),
+         r.reason[:60])
+        for r in summary.recoveries
+    ]
+    header = ("#", "attempt", "fault", "step", "detect", "relaunch", "load", "catch-up", "total",
+              "reason")
+    lines = ["recovery phases (seconds):",
+             render_table(rows, header=header, right={0, 1, 3, 4, 5, 6, 7, 8})]
     if not summary.recoveries:
         lines.append("   (no failures)")
     lines.append(

@@ -48,13 +48,22 @@ from unbroken.elastic._coord import Coordinator
 from unbroken.elastic.faults import Action, Classification, Evidence, FaultClass, RestartPolicy
 from unbroken.elastic.preflight import CheckResult, PreflightConfig, wait_until_healthy
 
-__all__ = ["RendezvousConfig", "RunConfig", "Supervisor", "WatchdogConfig", "run"]
+__all__ = [
+    "RendezvousConfig",
+    "RunConfig",
+    "Supervisor",
+    "WatchdogConfig",
+    "require_script",
+    "run",
+]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class WatchdogConfig:
+    """The hang watchdog over the workers' progress beats (``unbroken run --hang-timeout``)."""
+
     hang_timeout: float = 300.0
     """Seconds without a beat from a live worker before the group is declared hung. Must
     exceed the longest step, blocking save or evaluation between two beats."""
@@ -80,11 +89,14 @@ class WatchdogConfig:
 
 @dataclass(frozen=True)
 class RendezvousConfig:
+    """Where and how the nodes' supervisors meet (torchrun's c10d rendezvous)."""
+
     nnodes: str = "1"
     """``N`` or ``MIN:MAX`` nodes (torchrun's ``--nnodes``)."""
     endpoint: str = "127.0.0.1:0"
     """``host:port`` of the store; port 0 (single node only) hosts it on a free port."""
     run_id: str = "unbroken"
+    """Job name shared by all nodes: supervisors of different jobs on one store never meet."""
     node: str = ""
     """This node's name among the supervisors (default ``<hostname>-<pid>``)."""
     last_call_timeout: float = 5.0
@@ -120,15 +132,25 @@ class RendezvousConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
+    """Everything ``unbroken run`` does, one field per flag; the single source of its defaults
+    (the CLI reads them from here)."""
+
     command: tuple[str, ...]
     """Training script and its arguments (a module name and arguments with ``module``)."""
     run_dir: str = "unbroken-run"
+    """Holds events.jsonl, recovery.jsonl, the attempts' logs, beats and stack dumps."""
     nproc_per_node: int = 1
+    """Worker processes per node (torchrun's ``--nproc-per-node``)."""
     module: bool = False
+    """``command[0]`` is a module name (``python -m``), not a script path."""
     rdzv: RendezvousConfig = field(default_factory=RendezvousConfig)
+    """Rendezvous of the nodes."""
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Hang detection."""
     policy: RestartPolicy = field(default_factory=RestartPolicy)
+    """When to restart, how long to wait, when to give up."""
     preflight: PreflightConfig = field(default_factory=PreflightConfig)
+    """Checks before the first start and before every restart."""
     preflight_max_wait: float = 3600.0
     """Seconds to keep waiting for a healthy pre-flight before exiting with code 6."""
     shutdown_timeout: float = 30.0
@@ -144,7 +166,9 @@ class RunConfig:
     """Modules the pre-warmed agent imports before forking workers (add your heavy imports:
     they are then free at every restart). A module that fails to import is skipped."""
     rules: tuple[faults.Rule, ...] = faults.DEFAULT_RULES
+    """Failure classification rules, first match wins (yours before the built-in table)."""
     torchrun_args: tuple[str, ...] = ()
+    """Extra arguments passed to torchrun as they are."""
     echo: bool = True
     """Copy torchrun's console to this process's stdout."""
 
@@ -156,6 +180,17 @@ class RunConfig:
         for name in ("preflight_max_wait", "shutdown_timeout", "stop_grace"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} is negative; pass seconds >= 0")
+
+
+def require_script(command: Sequence[str], module: bool, verb: str = "run") -> None:
+    """Refuse a training script that does not exist, before any process starts (torchrun
+    would start, fail, and the restart policy would try again). ``verb`` names the command
+    in the fix (``run`` or ``drill``)."""
+    if command and not module and not os.path.isfile(command[0]):
+        raise FileNotFoundError(
+            f"{command[0]}: training script not found; use `unbroken {verb} [options] -- "
+            "SCRIPT ARGS` with the path of a Python script, or -m for a module name"
+        )
 
 
 @dataclass

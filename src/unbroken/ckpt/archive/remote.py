@@ -32,7 +32,6 @@ from functools import partial
 from typing import Any, TypeVar
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from unbroken.ckpt.archive.io import (
     ArchiveError,
@@ -44,7 +43,14 @@ from unbroken.ckpt.archive.io import (
 )
 from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
 from unbroken.ckpt.store import Store
-from unbroken.common.fs import atomic_write_bytes, checksum_file, fsync_dir, hasher
+from unbroken.common.fs import (
+    atomic_write_bytes,
+    checksum_file,
+    fsync_dir,
+    hasher,
+    is_local_fs,
+)
+from unbroken.common.progress import progress_bar
 
 __all__ = [
     "Archive",
@@ -110,7 +116,7 @@ class Archive:
                 "protocol (s3://: pip install 'unbroken[s3]')"
             ) from e
         self.root: str = root.rstrip("/")
-        self._local = isinstance(self.fs, LocalFileSystem)
+        self._local = is_local_fs(self.fs)
 
     def __repr__(self) -> str:
         return f"Archive({self.url!r})"
@@ -297,9 +303,10 @@ class Archive:
 
     # --- download -----------------------------------------------------------------------------
 
-    def download(self, step: int, dest_dir: str) -> None:
+    def download(self, step: int, dest_dir: str, *, progress: bool = True) -> None:
         """Download remote ``step`` into ``dest_dir`` and verify every file's size and xxh3-128
-        checksum against the remote manifest; manifest.json is written last.
+        checksum against the remote manifest; manifest.json is written last. ``progress``: a
+        bar of the bytes fetched on a terminal (only rank 0 downloads, see Checkpointer).
 
         ``dest_dir`` should be a temporary directory the caller renames once this returns.
         Raises :class:`ArchiveError` (``damaged=True`` for a bad object: try an older step).
@@ -337,12 +344,16 @@ class Archive:
                 os.ftruncate(fds[name], size)
                 parts += [(name, o, min(o + _CHUNK, size)) for o in range(0, size, _CHUNK)]
 
+            lock = threading.Lock()
+
             def get(name: str, start: int, end: int) -> None:
                 rpath = f"{prefix}/{name}"
                 data = self._retry(rpath, "download", lambda: self._get_range(rpath, start, end))
                 view = memoryview(data)
                 while view:  # pwrite may be short
                     view = view[os.pwrite(fds[name], view, start + len(data) - len(view)) :]
+                with lock:
+                    bar.update(len(data))
 
             def check(name: str) -> None:
                 lpath = os.path.join(dest_dir, name)
@@ -357,7 +368,9 @@ class Archive:
                         damaged=True,
                     )
 
-            run_all(self.threads, "unbroken-download", [partial(get, *p) for p in parts])
+            total = sum(f.size for f in files.values())
+            with progress_bar(f"download step {step}", total=total, enabled=progress) as bar:
+                run_all(self.threads, "unbroken-download", [partial(get, *p) for p in parts])
             run_all(self.threads, "unbroken-verify", [partial(check, n) for n in files])
         finally:
             for fd in fds.values():

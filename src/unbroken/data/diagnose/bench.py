@@ -327,7 +327,7 @@ def bench_dataset(
     scratch cache under ``cache_dir``, removed afterwards), then the other stages on the
     downloaded shards in manifest order.
     """
-    from unbroken.data.stream.cache import is_remote
+    from unbroken.common.fs import is_remote
 
     if is_remote(root):
         import shutil

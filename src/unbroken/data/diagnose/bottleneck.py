@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from unbroken.common.tables import render_table
+
 __all__ = [
     "BENCH_FILE",
     "STAGES",
@@ -96,7 +98,7 @@ class BottleneckReport:
         raise KeyError(f"no stage {name!r}; stages are {[s.name for s in self.stages]}")
 
     def format(self) -> str:
-        rows = [f"{'stage':<12} {'where':<7} {'samples/s':>12} {'MB/s':>9}  note"]
+        table: list[tuple[str, str, str, str, str]] = []
         for s in self.stages:
             rate = (
                 "skipped" if math.isnan(s.samples_per_s)
@@ -104,15 +106,15 @@ class BottleneckReport:
             )
             mb = f"{s.mb_per_s:,.1f}" if math.isfinite(s.mb_per_s) else ""
             mark = "  <- limits" if s.name == self.limiting else ""
-            rows.append(f"{s.name:<12} {s.where:<7} {rate:>12} {mb:>9}  {s.note}{mark}")
+            table.append((s.name, s.where, rate, mb, s.note + mark))
         nw = max(1, min(self.num_workers, self.cpu_count))
-        rows.append(
-            f"{'workers':<12} {'x' + str(nw):<7} {self.worker_rate * nw:>12,.0f} {'':>9}  "
-            f"{self.worker_rate:,.0f}/s per worker"
-        )
-        rows.append(f"{'pipeline':<12} {'':<7} {self.pipeline_rate:>12,.0f}")
+        table.append(("workers", f"x{nw}", f"{self.worker_rate * nw:,.0f}", "",
+                      f"{self.worker_rate:,.0f}/s per worker"))
+        table.append(("pipeline", "", f"{self.pipeline_rate:,.0f}", "", ""))
         if self.consume_rate is not None:
-            rows.append(f"{'consumer':<12} {'model':<7} {self.consume_rate:>12,.0f}")
+            table.append(("consumer", "model", f"{self.consume_rate:,.0f}", "", ""))
+        header = ("stage", "where", "samples/s", "MB/s", "note")
+        rows = [render_table(table, header=header, right={2, 3})]
         rows.append("")
         rows.append(f"bottleneck: {self.bottleneck}")
         rows.extend(self.advice)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from unbroken.common.tables import render_table
 from unbroken.data.stream.dataset import StreamingDataset
 
 __all__ = ["EpochShuffleStats", "format_shuffle_stats", "shuffle_stats"]
@@ -147,10 +148,7 @@ def format_shuffle_stats(ds: StreamingDataset, stats: list[EpochShuffleStats]) -
                 " ".join(map(str, s.first_shards)),
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    table = "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
+    table = render_table(rows)
     guide = (
         "good shuffle: vs random near 1, spearman and vs-prev-epoch near 0, same-shard pairs "
         "near 1/(shards per window) - 1.0 would mean reading shard by shard"

@@ -40,6 +40,7 @@ from unbroken.common.fs import (
     ensure_out_dir,
     is_temp_name,
 )
+from unbroken.common.progress import progress_bar
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
 from unbroken.data.prepare.plan import (
     BadInput,
@@ -336,7 +337,15 @@ def pack(
 
     infos: dict[int, ShardInfo] = {}
     counts = {"written": 0, "reused": 0}
-    bar = _progress(progress)
+    # The bar counts input bytes where the input has a size (its ETA then holds), tar bytes
+    # for an iterable of dicts (no total).
+    total: int | None = None
+    if kind == "files":
+        total = sum(m[2] for smp in samples for m in smp.members)
+    elif kind == "jsonl":
+        total = os.path.getsize(path)
+    bar = progress_bar("pack", total=total, unit="B", enabled=progress)
+    input_bytes: dict[int, int] = {}
 
     def tasks() -> Iterator[_Task]:
         for i, (payload, plan) in enumerate(plans):
@@ -344,6 +353,11 @@ def pack(
             rec = state.get(name)
             reuse = ShardInfo.from_json(rec["info"]) if rec and rec.get("plan") == plan else None
             plans_by_name[name] = plan
+            if kind == "files":
+                input_bytes[i] = sum(m[2] for smp in payload for m in smp.members)
+            elif kind == "jsonl":
+                lines = payload[1]
+                input_bytes[i] = lines[-1][1] + lines[-1][2] + 1 - lines[0][1] if lines else 0
             yield _Task(i, os.path.join(out, name), plan, kind, payload, fsync, reuse)
 
     plans_by_name: dict[str, str] = {}
@@ -354,17 +368,13 @@ def pack(
         counts["written" if written else "reused"] += 1
         done[info.name] = {"plan": plans_by_name[info.name], "info": info.to_json()}
         _save_state(out, config, done)
-        if bar is not None:
-            bar.update(info.bytes)
-            n = sum(s.samples for s in infos.values())
-            rate = n / max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix_str(f"{n:,} samples, {rate:,.0f} samples/s", refresh=False)
+        bar.update(input_bytes.pop(i, info.bytes))
+        n = sum(s.samples for s in infos.values())
+        rate = n / max(time.perf_counter() - t0, 1e-9)
+        bar.set_postfix_str(f"{n:,} samples, {rate:,.0f} samples/s", refresh=False)
 
-    try:
+    with bar:
         _run_tasks(tasks(), workers, on_done)
-    finally:
-        if bar is not None:
-            bar.close()
     shards = [infos[i] for i in range(len(infos))]
     _cleanup(out, {s.name for s in shards})
     manifest = DatasetManifest.create("tar", shards, extra={"tool": "unbroken pack"})
@@ -381,15 +391,6 @@ def pack(
         res.mb_per_s,
     )
     return res
-
-
-def _progress(enabled: bool) -> Any:
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    tqdm.monitor_interval = 0  # no monitor thread in a process that starts workers
-    return tqdm(unit="B", unit_scale=True, unit_divisor=1000, desc="pack", smoothing=0)
 
 
 # --- indexing existing shards --------------------------------------------------------------
@@ -411,7 +412,9 @@ def _index_one(path: str) -> ShardInfo:
     )
 
 
-def index_directory(root: str, *, workers: int | None = None) -> PackResult:
+def index_directory(
+    root: str, *, workers: int | None = None, progress: bool = True
+) -> PackResult:
     """Index every ``*.tar`` in ``root`` in place (e.g. webdataset shards) and write
     ``dataset.json``; the tar files are not modified. Shards are ordered by name."""
     t0 = time.perf_counter()
@@ -429,11 +432,23 @@ def index_directory(root: str, *, workers: int | None = None) -> PackResult:
         os.unlink(os.path.join(root, MANIFEST_NAME))
     paths = [os.path.join(root, n) for n in names]
     workers = min(workers or os.cpu_count() or 1, len(paths))
-    if workers <= 1:
-        shards = [_index_one(p) for p in paths]
-    else:
-        with _mp_context().Pool(workers) as pool:
-            shards = pool.map(_index_one, paths)
+    try:
+        total: int | None = sum(os.path.getsize(p) for p in paths)
+    except OSError:
+        total = None  # a shard that vanished: _index_one names it
+    with progress_bar("index", total=total, unit="B", enabled=progress) as bar:
+        if workers <= 1:
+            shards = []
+            for p in paths:
+                shards.append(_index_one(p))
+                bar.update(shards[-1].bytes)
+        else:
+            with _mp_context().Pool(workers) as pool:
+                # imap keeps the name order; the bar moves as each shard's turn comes
+                shards = []
+                for info in pool.imap(_index_one, paths):
+                    shards.append(info)
+                    bar.update(info.bytes)
     manifest = DatasetManifest.create("tar", shards, extra={"tool": "unbroken index"})
     manifest.save(root)
     return PackResult(manifest, time.perf_counter() - t0, len(shards), 0)

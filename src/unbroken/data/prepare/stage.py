@@ -33,9 +33,11 @@ from unbroken.common.fs import (
     HashingWriter,
     atomic_write_bytes,
     checksum_file,
+    is_local_fs,
     is_temp_name,
     temp_sibling,
 )
+from unbroken.common.progress import progress_bar
 from unbroken.data.manifest import DatasetManifest, join_path
 
 __all__ = ["MARKER_NAME", "RemoteStorageError", "StageResult", "fetch_verified", "stage"]
@@ -95,12 +97,6 @@ def _valid_local(path: str, f: _File) -> bool:
         return checksum_file(path)[1] == f.checksum
     except OSError:
         return False
-
-
-def _is_local(fs: Any) -> bool:
-    from fsspec.implementations.local import LocalFileSystem
-
-    return isinstance(fs, LocalFileSystem)
 
 
 def _copy_local(
@@ -171,7 +167,7 @@ def _copy_one(
     """Copy src -> temp sibling of dst; checksum it; rename only if it verifies."""
     tmp = temp_sibling(dst)
     try:
-        if _is_local(fs):
+        if is_local_fs(fs):
             size, digest = _copy_local(fs._strip_protocol(src), tmp, fsync, on_bytes)
         elif f.size <= _CHUNK:
             # One request for the whole object: what a streamed read costs for its first
@@ -337,16 +333,11 @@ def stage(
 
     lock = threading.Lock()
     stats = {"copied": 0, "skipped": 0, "refetched": 0, "bytes": 0}
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=need, unit="B", unit_scale=True, unit_divisor=1000, desc="stage")
+    bar = progress_bar("stage", total=need, unit="B", enabled=progress)
 
     def on_bytes(n: int) -> None:
-        if bar is not None:
-            with lock:
-                bar.update(n)
+        with lock:
+            bar.update(n)
 
     def one(f: _File) -> None:
         dst = os.path.join(local_dir, f.name)
@@ -366,7 +357,7 @@ def stage(
     try:
         # Largest first so one big shard does not start last and run alone.
         order = sorted(files, key=lambda f: -f.size)
-        if _is_local(fs):
+        if is_local_fs(fs):
             # A local copy is CPU/memory bound (in-kernel copy + checksum): threads beyond
             # the core count only contend (measured: 8 threads cost ~1.5x the CPU of 2).
             workers = min(workers, os.cpu_count() or 1)
@@ -378,8 +369,7 @@ def stage(
                 for fut in [ex.submit(one, f) for f in order]:
                     fut.result()
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     manifest.save(local_dir)
     atomic_write_bytes(marker, manifest.fingerprint.encode(), fsync=fsync)
     res = StageResult(

@@ -68,7 +68,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from unbroken.common.fs import is_temp_name
+from unbroken.common.fs import is_remote, is_temp_name
 from unbroken.data.manifest import DatasetManifest, join_path
 from unbroken.data.prepare.stage import RemoteStorageError, fetch_verified
 from unbroken.data.stream.order import shards_per_window
@@ -80,7 +80,6 @@ __all__ = [
     "RemoteCache",
     "RemoteStorageError",
     "check_cache_args",
-    "is_remote",
     "load_remote_manifest",
     "network_probe",
     "open_cache",
@@ -116,11 +115,6 @@ def parse_size(text: str | int) -> int:
     if value < 0:
         raise ValueError(f"size {text!r} must be >= 0")
     return value
-
-
-def is_remote(root: str) -> bool:
-    """An fsspec URL other than ``file://`` (those are read through the cache)."""
-    return "://" in root and not root.startswith("file://")
 
 
 @dataclass(frozen=True)

@@ -74,11 +74,11 @@ import torch.distributed as dist
 import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
+from unbroken.common.fs import is_remote, local_path
 from unbroken.data.manifest import DatasetManifest
 from unbroken.data.stream.cache import (
     CacheOptions,
     check_cache_args,
-    is_remote,
     load_remote_manifest,
     open_cache,
 )
@@ -558,7 +558,7 @@ def _open_reader(
                 "tokenize`); re-tokenize, or stage it with `unbroken stage` and read it locally"
             )
     else:
-        root = source.root.removeprefix("file://")
+        root = local_path(source.root)
         manifest = DatasetManifest.load(root)
     if manifest.kind == "tar":
         return _TarReader(source, root, manifest)

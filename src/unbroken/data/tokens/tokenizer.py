@@ -36,6 +36,7 @@ from unbroken.common.fs import (
     hasher,
     is_temp_name,
 )
+from unbroken.common.progress import progress_bar
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
 from unbroken.data.tar.reader import ShardReader, index_format
 from unbroken.data.tokens.shard import (
@@ -311,12 +312,7 @@ def tokenize(
     ]
     reused = len(shards)
     workers = workers or min(os.cpu_count() or 1, 8)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        tqdm.monitor_interval = 0
-        bar = tqdm(unit="tok", unit_scale=True, desc="tokenize", smoothing=0)
+    bar = progress_bar("tokenize", unit="tok", enabled=progress)
     writer: TokenShardWriter | None = None
     total_docs, total_tokens = docs_done, sum(s.tokens or 0 for s in shards)
 
@@ -368,8 +364,7 @@ def tokenize(
                 writer.add_many(ids[a : a + int(cum[k - 1]) - k], lens[start : start + k])
                 total_docs += k
                 total_tokens += int(cum[k - 1])
-                if bar is not None:
-                    bar.update(int(cum[k - 1]))
+                bar.update(int(cum[k - 1]))
                 start += k
         commit()
     except BaseException:
@@ -377,8 +372,7 @@ def tokenize(
             writer.abort()
         raise
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     _cleanup(out, {s.name for s in shards})
     manifest = DatasetManifest.create(
         "tokens",

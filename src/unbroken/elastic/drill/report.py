@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from unbroken.common.tables import cell, render_table
 from unbroken.elastic.recovery import phases
 
 __all__ = [
@@ -704,16 +705,18 @@ class DrillReport:
         n = len(self.faults)
         head = (f"unbroken drill: {n} fault{'s' if n != 1 else ''}, seed {self.seed}: "
                 f"{'PASS' if self.passed else 'FAIL'}   ({self.drill_dir})")
-        lines = [head, "",
-                 f"{'#':>2}  {'fault':<13}{'run':<8}{'step':>5}{'restored':>9}{'detect':>8}"
-                 f"{'relaunch':>9}{'load':>7}{'catch-up':>9}{'total':>7}  verdict"]
+        rows = []
         for f in self.faults:
             inj, rec = f.injection, f.recovery or {}
-            lines.append(
-                f"{inj.spec.index:>2}  {inj.spec.kind:<13}{inj.spec.run:<8}"
-                f"{_s(inj.step if inj.step is not None else inj.spec.step):>5}{_s(f.restored):>9}"
-                f"{_t(rec.get('detect')):>8}{_t(rec.get('relaunch')):>9}{_t(rec.get('load')):>7}"
-                f"{_t(rec.get('catch_up')):>9}{_t(rec.get('total')):>7}  {f.verdict}")
+            rows.append((inj.spec.index, inj.spec.kind, inj.spec.run,
+                         cell(inj.step if inj.step is not None else inj.spec.step),
+                         cell(f.restored),
+                         *(cell(rec.get(p), ".2f") for p in ("detect", "relaunch", "load", "catch_up",
+                                                      "total")),
+                         f.verdict))
+        header = ("#", "fault", "run", "step", "restored", "detect", "relaunch", "load",
+                  "catch-up", "total", "verdict")
+        lines = [head, "", render_table(rows, header=header, right={0, 3, 4, 5, 6, 7, 8, 9})]
         lines.append("")
         for f in self.faults:
             inj = f.injection
@@ -748,14 +751,6 @@ class DrillReport:
         self.files.update(table=txt, json=js)
         atomic_write_bytes(txt, (self.format_table() + "\n").encode())
         atomic_write_bytes(js, json.dumps(self.to_json(), indent=1, default=str).encode())
-
-
-def _s(v: Any) -> str:
-    return "-" if v is None else str(v)
-
-
-def _t(v: Any) -> str:
-    return "-" if v is None else f"{float(v):.2f}"
 
 
 def _jsonable(obj: Any) -> Any:
