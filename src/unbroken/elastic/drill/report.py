@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from unbroken.common.jsonable import plain_json
 from unbroken.elastic.recovery import phases
 
 __all__ = [
@@ -305,7 +306,7 @@ def compare_run(run: str, ref_dir: str, job_dir: str, ckpt: str, metrics: str,
     checks.append(Check("metric log", dup == 0, "no duplicated step" if not dup else
                         f"{dup} duplicated steps"))
     return RunComparison(run, ref_dir, job_dir, world_reference, exact_until, checks,
-                         _jsonable(res), len(records))
+                         plain_json(res, lossy=True), len(records))
 
 
 _NOT_PARTS = {"counters", "scalar_diffs", "skipped_float_leaves", "duplicated_steps",
@@ -685,7 +686,7 @@ class DrillReport:
             "plan": [asdict(p) for p in self.plan],
             "faults": [{"spec": asdict(f.injection.spec), "passed": f.passed,
                         "verdict": f.verdict,
-                        "injection": _jsonable({k: v for k, v in asdict(f.injection).items()
+                        "injection": plain_json({k: v for k, v in asdict(f.injection).items()
                                                 if k != "spec"}),
                         "checks": [asdict(c) for c in f.checks], "failure": f.failure,
                         "recovery": f.recovery, "restored": f.restored} for f in self.faults],
@@ -757,6 +758,3 @@ def _s(v: Any) -> str:
 def _t(v: Any) -> str:
     return "-" if v is None else f"{float(v):.2f}"
 
-
-def _jsonable(obj: Any) -> Any:
-    return json.loads(json.dumps(obj, default=str))
