@@ -12,11 +12,13 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Checkpointer": "unbroken.ckpt",
+    "CheckpointConfig": "unbroken.ckpt",
     "TrainState": "unbroken.ckpt",
     "read_checkpoint": "unbroken.ckpt",
     "MetricLog": "unbroken.common.metrics",
     "StreamingDataset": "unbroken.data",
     "StatefulLoader": "unbroken.data",
+    "LoaderConfig": "unbroken.data",
     "Source": "unbroken.data",
     "DevicePrefetcher": "unbroken.data",
     "StepTimer": "unbroken.data",

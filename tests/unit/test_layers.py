@@ -35,7 +35,8 @@ INNER = {
     ],
     "unbroken.ckpt": [
         [(
-            "unbroken.ckpt._dist", "unbroken.ckpt.codec", "unbroken.ckpt.dcp_metadata",
+            "unbroken.ckpt._dist", "unbroken.ckpt.codec", "unbroken.ckpt.config",
+            "unbroken.ckpt.dcp_metadata",
             "unbroken.ckpt.lock", "unbroken.ckpt.manifest", "unbroken.ckpt.per_rank",
             "unbroken.ckpt.rng", "unbroken.ckpt.snapshot", "unbroken.ckpt.state",
             "unbroken.ckpt.store", "unbroken.ckpt.tensor_io", "unbroken.ckpt.verify",

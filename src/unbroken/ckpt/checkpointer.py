@@ -48,6 +48,7 @@ import torch
 import unbroken
 from unbroken.ckpt import _dist, codec, lock, per_rank
 from unbroken.ckpt import rng as _rng
+from unbroken.ckpt.config import ArchiveConfig, CheckpointConfig
 from unbroken.ckpt.manifest import CheckpointManifest, Chunk, FileEntry, TensorEntry
 from unbroken.ckpt.snapshot import Snapshotter
 from unbroken.ckpt.state import TrainState
@@ -55,11 +56,20 @@ from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint, Store
 from unbroken.ckpt.tensor_io import ItemLocation, fill, write_tensors
 from unbroken.ckpt.verify import Verified, check_fits, load_verified
 from unbroken.common.audit import state_audit
+from unbroken.common.config import resolve
 from unbroken.common.fs import atomic_write_bytes, checksum_file
+from unbroken.common.jsonable import plain_json
 
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger(__name__)
+
+# Checkpointer's archive keywords -> the ArchiveConfig fields they set
+_ARCHIVE_FIELDS = {
+    "archive_every": "every",
+    "archive_keep_last": "keep_last",
+    "archive_options": "storage_options",
+}
 
 
 def _mark(event: str, **fields: Any) -> None:
@@ -87,31 +97,20 @@ class Checkpointer:
     Args:
         root: checkpoint directory (a local path, or a shared filesystem for multi-node).
         state: the :class:`TrainState` to save and restore.
-        every_steps: :meth:`maybe_save` saves when ``step % every_steps == 0``.
-        every_seconds: ... or when this many seconds passed since the last save (in a
-            multi-rank job: on any rank's clock; all ranks agree on the step).
-        keep_last: committed checkpoints to keep (older ones are deleted after each commit;
-            ``None`` keeps all). Default 3: the newest plus two fall-backs.
-        keep_every: additionally keep every step divisible by this forever.
-        allow_fresh_start: when the root holds files but no valid checkpoint, start from
-            scratch instead of raising (default False: never silently restart a run).
-        async_save: persist in a background thread; ``save()`` returns after the snapshot.
-        io_threads: parallel writer threads per rank (DCP ``thread_count``).
-        archive: fsspec URL (``s3://bucket/prefix``) for remote copies.
-        archive_every: upload every K-th committed checkpoint (default: every one).
-        archive_keep_last: remote retention (default None: the archive keeps every upload).
-        archive_options: fsspec storage options (endpoint, credentials) for the archive.
-        save_on_sigterm: on SIGTERM (preemption) the next :meth:`maybe_save` saves
-            synchronously, flushes, and exits with status 143. In a multi-rank job a
-            SIGTERM seen by any rank stops every rank at the same step (one tiny
-            all-reduce per :meth:`maybe_save` call), and the ranks exit together (torchrun
-            stops the others as soon as one exits). Your own process groups are left to
-            your ``finally``.
-        distributed: ``None`` (default): collective when ``torch.distributed`` is
-            initialised (every rank calls save/restore at the same step). ``False``: this
-            process saves and restores alone (e.g. only rank 0 of a DDP job checkpoints;
-            the other ranks may restore from the same root: they take the writer lock only
-            if they save).
+        config: a :class:`~unbroken.ckpt.CheckpointConfig` (what each option does, its unit
+            and default). Or pass its fields as keywords instead (not both):
+            ``every_steps``, ``every_seconds``, ``keep_last``, ``keep_every``,
+            ``allow_fresh_start``, ``async_save``, ``io_threads``, ``save_on_sigterm``,
+            ``distributed``; and for the archive (:class:`~unbroken.ckpt.ArchiveConfig`):
+            ``archive`` (its URL), ``archive_every``, ``archive_keep_last``,
+            ``archive_options`` (its ``every``, ``keep_last``, ``storage_options``).
+
+    ``save_on_sigterm``: in a multi-rank job a SIGTERM seen by any rank stops every rank at
+    the same step (one tiny all-reduce per :meth:`maybe_save` call), saves, and the ranks exit
+    together with status 143 (torchrun stops the others as soon as one exits); your own
+    process groups are left to your ``finally``. ``distributed=False``:
+    e.g. only rank 0 of a DDP job checkpoints; the other ranks may restore from the same
+    root (they take the writer lock only if they save).
     """
 
     def __init__(
@@ -119,63 +118,83 @@ class Checkpointer:
         root: str,
         state: TrainState,
         *,
-        every_steps: int | None = None,
-        every_seconds: float | None = None,
-        keep_last: int | None = 3,
-        keep_every: int | None = None,
-        allow_fresh_start: bool = False,
-        async_save: bool = False,
-        io_threads: int = 2,
+        config: CheckpointConfig | None = None,
+        every_steps: int | None = CheckpointConfig.every_steps,
+        every_seconds: float | None = CheckpointConfig.every_seconds,
+        keep_last: int | None = CheckpointConfig.keep_last,
+        keep_every: int | None = CheckpointConfig.keep_every,
+        allow_fresh_start: bool = CheckpointConfig.allow_fresh_start,
+        async_save: bool = CheckpointConfig.async_save,
+        io_threads: int = CheckpointConfig.io_threads,
         archive: str | None = None,
         archive_every: int | None = None,
         archive_keep_last: int | None = None,
         archive_options: Mapping[str, Any] | None = None,
-        save_on_sigterm: bool = False,
-        distributed: bool | None = None,
+        save_on_sigterm: bool = CheckpointConfig.save_on_sigterm,
+        distributed: bool | None = CheckpointConfig.distributed,
     ) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(
                 f"state must be an unbroken.ckpt.TrainState, got {type(state).__qualname__}"
             )
-        for name, v in (
-            ("every_steps", every_steps),
-            ("keep_last", keep_last),
-            ("keep_every", keep_every),
-            ("archive_every", archive_every),
-            ("archive_keep_last", archive_keep_last),
-        ):
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name}={v!r} must be a positive integer or None")
-        if every_seconds is not None and every_seconds <= 0:
-            raise ValueError(f"every_seconds={every_seconds!r} must be > 0 or None")
-        if io_threads < 1:
-            raise ValueError(f"io_threads={io_threads!r} must be >= 1")
+        # the archive_* keywords fill an ArchiveConfig; None: not given
+        given: dict[str, Any] = {
+            k: v
+            for k, v in (("archive_every", archive_every), ("archive_keep_last", archive_keep_last),
+                         ("archive_options", archive_options))
+            if v is not None
+        }  # fmt: skip
+        if given and archive is None:
+            raise ValueError(
+                f"{', '.join(given)} given without archive=URL; pass archive='s3://bucket/run' "
+                "too, or leave them out"
+            )
+        keywords: dict[str, Any] = dict(
+            every_steps=every_steps,
+            every_seconds=every_seconds,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            allow_fresh_start=allow_fresh_start,
+            async_save=async_save,
+            io_threads=io_threads,
+            save_on_sigterm=save_on_sigterm,
+            distributed=distributed,
+        )
+        if archive is not None:
+            try:
+                keywords["archive"] = ArchiveConfig(
+                    archive, **{_ARCHIVE_FIELDS[k]: v for k, v in given.items()}
+                )
+            except ValueError as e:
+                names = ", ".join(f"{k}= sets {f}" for k, f in _ARCHIVE_FIELDS.items())
+                raise ValueError(f"{e} (Checkpointer's archive= sets url, {names})") from None
+        c = self.config = resolve(CheckpointConfig, config, keywords, owner="Checkpointer")
         self.store = Store(root)
         self.state = state
-        self.every_steps = every_steps
-        self.every_seconds = every_seconds
-        self.keep_last = keep_last
-        self.keep_every = keep_every
-        self.allow_fresh_start = allow_fresh_start
-        self.async_save = async_save
-        self.io_threads = io_threads
-        self.archive_url = archive
-        self.archive_every = archive_every or 1
+        self.every_steps = c.every_steps
+        self.every_seconds = c.every_seconds
+        self.keep_last = c.keep_last
+        self.keep_every = c.keep_every
+        self.allow_fresh_start = c.allow_fresh_start
+        self.async_save = c.async_save
+        self.io_threads = c.io_threads
+        self.archive_url = c.archive.url if c.archive is not None else None
+        self.archive_every = c.archive.every if c.archive is not None else 1
         self._uploader: Any = None
         self._archive: Any = None
-        if archive is not None:
+        if c.archive is not None:
             from unbroken.ckpt.archive.remote import Archive
             from unbroken.ckpt.archive.uploader import BackgroundUploader
 
-            self._archive = Archive(archive, storage_options=dict(archive_options or {}))
-            self._uploader = BackgroundUploader(self._archive, keep_last=archive_keep_last)
+            self._archive = Archive(c.archive)
+            self._uploader = BackgroundUploader(self._archive)
         # Checkpoint collectives get their own group: a background save must never
         # interleave with the training loop's collectives on the default group.
-        self._comm = _dist.Comm(distributed)
+        self._comm = _dist.Comm(c.distributed)
         self._audit = state_audit(self.state, self._comm)  # `unbroken drill` only; else no-op
         self._snap = Snapshotter()
         self._pool = (
-            ThreadPoolExecutor(1, thread_name_prefix="unbroken-ckpt") if async_save else None
+            ThreadPoolExecutor(1, thread_name_prefix="unbroken-ckpt") if c.async_save else None
         )
         self._inflight: Future[str] | None = None
         self._prepared: Future[None] | None = None  # async: buffers allocated ahead
@@ -185,12 +204,12 @@ class Checkpointer:
         self.last_wait_seconds: float = 0.0
         self.last_restore_seconds: float | None = None
         self.preempted = False
-        self._watch_sigterm = save_on_sigterm
+        self._watch_sigterm = c.save_on_sigterm
         self._lease: lock.Lease | None = None  # rank 0's claim on the root (C-ONE-WRITER)
         self._writer = False  # every rank: the lock was taken for this checkpointer
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._warned: set[str] = set()  # components reported as differing between ranks
-        if save_on_sigterm:
+        if c.save_on_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         atexit.register(_flush_at_exit, weakref.ref(self))
 
@@ -435,7 +454,7 @@ class Checkpointer:
                 for k, v in meta.items()
             },
             counters=dict(job.sd["counters"]),
-            data_state=loader if _jsonable(loader) else None,
+            data_state=plain_json(loader),  # None when the loader's state is not JSON
             created=time.time(),
             unbroken_version=unbroken.__version__,
             torch_version=torch.__version__,
@@ -686,10 +705,3 @@ def _flush_at_exit(ref: weakref.ref[Checkpointer]) -> None:
     if ckpt is not None:
         ckpt._flush_quietly()
 
-
-def _jsonable(obj: Any) -> bool:
-    try:
-        json.dumps(obj)
-    except (TypeError, ValueError):
-        return False
-    return True

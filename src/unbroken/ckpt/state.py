@@ -30,25 +30,19 @@ than silently dropping them. The counter is still saved so a resumed run knows w
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 import torch
+
+# torch's own protocol (DCP's): every saved object speaks it; re-exported as
+# unbroken.ckpt.Stateful for users who annotate their components with it
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from unbroken.ckpt import rng as _rng
 
 __all__ = ["Stateful", "TrainState"]
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """The protocol ``torch.distributed.checkpoint`` uses: every saved object speaks it."""
-
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state_dict: Any) -> Any: ...
-
 
 _COUNTERS = ("step", "samples", "tokens", "micro_step")
 _ON_RESIZE = ("refuse", "skip")

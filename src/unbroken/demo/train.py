@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from unbroken.ckpt import Checkpointer, TrainState
+from unbroken.ckpt import CheckpointConfig, Checkpointer, TrainState
 from unbroken.common.metrics import MetricLog
 from unbroken.data.manifest import MANIFEST_NAME
 from unbroken.data.prepare.pack import pack
@@ -96,7 +96,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--accum", type=int, default=2)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--ckpt-every", type=int, default=20)
-    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument("--keep-last", type=int, default=CheckpointConfig.keep_last)
     p.add_argument("--die-at", default=None, help="STEP[:MICRO]: SIGKILL self there")
     p.add_argument(
         "--break",

@@ -26,7 +26,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -41,8 +41,10 @@ from unbroken.ckpt.archive.io import (
     parse_manifest,
     run_all,
 )
+from unbroken.ckpt.config import ArchiveConfig
 from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
 from unbroken.ckpt.store import Store
+from unbroken.common.config import resolve
 from unbroken.common.fs import (
     atomic_write_bytes,
     checksum_file,
@@ -78,41 +80,38 @@ class Archive:
     """Remote copies of committed checkpoints under an fsspec ``url``.
 
     Args:
-        url: any fsspec URL (``s3://bucket/prefix``, ``file:///mnt/nfs/x``, ``memory://x``).
-        retries: extra attempts per file after the first fails (default 3), with exponential
-            backoff ``backoff_s * 2**attempt`` seconds between them.
-        backoff_s: first backoff delay in seconds (default 0.5).
-        threads: parallel transfers (default 8: object stores reward concurrency).
-        storage_options: passed to the fsspec filesystem (e.g. ``{"client_kwargs":
-            {"endpoint_url": ...}}`` for s3fs).
+        url: any fsspec URL (``s3://bucket/prefix``, ``file:///mnt/nfs/x``, ``memory://x``),
+            or a whole :class:`~unbroken.ckpt.ArchiveConfig` (then no keywords).
+        retries, backoff_s, threads, storage_options: the :class:`ArchiveConfig` fields of
+            the same names (what each does, its unit and default).
     """
 
     def __init__(
         self,
-        url: str,
+        url: str | ArchiveConfig,
         *,
-        retries: int = 3,
-        backoff_s: float = 0.5,
-        threads: int = 8,
-        storage_options: dict[str, Any] | None = None,
+        retries: int = ArchiveConfig.retries,
+        backoff_s: float = ArchiveConfig.backoff_s,
+        threads: int = ArchiveConfig.threads,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(url, str) or not url:
-            raise ValueError(f"archive url={url!r} must be a non-empty fsspec URL string")
-        if not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries={retries!r} must be an integer >= 0")
-        if backoff_s < 0:
-            raise ValueError(f"backoff_s={backoff_s!r} must be >= 0")
-        if not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"threads={threads!r} must be an integer >= 1")
-        self.url = url.rstrip("/")
-        self.retries = retries
-        self.backoff_s = backoff_s
-        self.threads = threads
+        keywords: dict[str, Any] = dict(retries=retries, backoff_s=backoff_s, threads=threads)
+        if storage_options is not None:
+            keywords["storage_options"] = storage_options
+        if isinstance(url, ArchiveConfig):
+            cfg = resolve(ArchiveConfig, url, keywords, owner="Archive")
+        else:
+            cfg = ArchiveConfig(url, **keywords)
+        self.config = cfg
+        self.url = cfg.url.rstrip("/")
+        self.retries = cfg.retries
+        self.backoff_s = cfg.backoff_s
+        self.threads = cfg.threads
         try:
-            self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+            self.fs, root = fsspec.core.url_to_fs(self.url, **cfg.storage_options)
         except (ImportError, ValueError) as e:
             raise ValueError(
-                f"cannot open archive {url!r}: {e}; install the fsspec backend for this "
+                f"cannot open archive {cfg.url!r}: {e}; install the fsspec backend for this "
                 "protocol (s3://: pip install 'unbroken[s3]')"
             ) from e
         self.root: str = root.rstrip("/")

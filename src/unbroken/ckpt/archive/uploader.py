@@ -8,12 +8,14 @@ skipped (a newer checkpoint supersedes it).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from unbroken.ckpt.archive.io import LocalSnapshot
+from unbroken.ckpt.config import ArchiveConfig
 
 if TYPE_CHECKING:
     from unbroken.ckpt.archive.remote import Archive
@@ -31,26 +33,28 @@ class BackgroundUploader:
     fails is logged at WARNING and kept in :attr:`errors`, and training goes on. When uploads
     fall behind, at most ``max_pending`` steps wait: the oldest waiting one is skipped (newer
     checkpoints supersede it), logged and kept in :attr:`skipped`. After each upload, remote
-    retention runs when ``keep_last`` is set.
+    retention runs when ``keep_last`` is set. ``max_pending``, ``keep_last`` and
+    ``keep_every`` are the :class:`~unbroken.ckpt.ArchiveConfig` fields of the same names,
+    taken from ``archive.config``; a keyword that differs from the default overrides it.
     """
 
     def __init__(
         self,
         archive: Archive,
         *,
-        max_pending: int = 2,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
+        max_pending: int = ArchiveConfig.max_pending,
+        keep_last: int | None = ArchiveConfig.keep_last,
+        keep_every: int | None = ArchiveConfig.keep_every,
     ) -> None:
-        if not isinstance(max_pending, int) or max_pending < 1:
-            raise ValueError(f"max_pending={max_pending!r} must be an integer >= 1")
-        for name, v in (("keep_last", keep_last), ("keep_every", keep_every)):
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name}={v!r} must be a positive integer or None")
+        keywords: dict[str, Any] = dict(max_pending=max_pending, keep_last=keep_last, keep_every=keep_every)
+        cfg = dataclasses.replace(  # validates
+            archive.config,
+            **{k: v for k, v in keywords.items() if v != getattr(ArchiveConfig, k)},
+        )
         self.archive = archive
-        self.max_pending = max_pending
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+        self.max_pending = cfg.max_pending
+        self.keep_last = cfg.keep_last
+        self.keep_every = cfg.keep_every
         self.errors: list[Exception] = []
         self.uploaded: list[int] = []
         self.skipped: list[int] = []

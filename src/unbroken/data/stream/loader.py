@@ -35,17 +35,18 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
+from unbroken.common.config import resolve
 from unbroken.data.feed.prefetch import map_tensors
+from unbroken.data.stream.config import LoaderConfig
 from unbroken.data.stream.dataset import StreamingDataset
-from unbroken.data.stream.order import LAST_BATCH_POLICIES, mix_seed
+from unbroken.data.stream.order import mix_seed
 from unbroken.data.stream.transport import RingReceiver, RingSender, transport_available, worker_fds
 
-__all__ = ["StatefulLoader"]
+__all__ = ["LoaderConfig", "StatefulLoader"]
 
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
-_ON_CHANGE = ("error", "restart_epoch")
 
 
 def _passthrough(batch: Any) -> Any:
@@ -131,70 +132,78 @@ class StatefulLoader:
     Args:
         dataset: the :class:`StreamingDataset` (it fixes the order, rank and world size).
         batch_size: samples per batch on this rank (global batch = ``batch_size*world_size``).
+        config: a :class:`~unbroken.data.LoaderConfig` (what each option does, its unit and
+            default). Or pass its fields as keywords instead (not both): ``batch_size``,
+            ``last_batch``, ``on_dataset_change``, ``num_workers``, ``prefetch_factor``,
+            ``pin_memory``, ``persistent_workers``, ``timeout``, ``pin_memory_device``,
+            ``shm_transport``. ``last_batch``: ``"pad"`` (default; repeat the epoch's first
+            samples so every rank gets equal, full batches), ``"drop"`` (skip the rest),
+            ``"short"`` (a shorter last batch; ranks may then differ by one batch).
+            ``drop_last=True`` is accepted as ``"drop"``. ``shm_transport``: with workers,
+            batches cross to this process through a ring of reusable shared-memory slots per
+            worker instead of torch's pipe: tensors are collated straight into a slot and
+            arrive without a copy - pinned, when ``pin_memory=True`` on CUDA (the slot is
+            registered once; torch's pin-memory thread and its copy are not used); small
+            tensor-free batches keep the pipe, which is faster for them (see
+            :mod:`unbroken.data.stream.transport`). The batches are the same values, types
+            and shapes either way.
         collate_fn: builds a batch from a list of samples, in the worker
             (default ``torch.utils.data.default_collate``).
-        last_batch: the epoch's last global step when the rest is not a full global batch:
-            ``"pad"`` (default; repeat the epoch's first samples so every rank gets equal, full
-            batches), ``"drop"`` (skip the rest), ``"short"`` (a shorter last batch; ranks may
-            then differ by one batch). ``drop_last=True`` is accepted as ``"drop"``.
-        on_dataset_change: ``"error"`` (default) refuses a state saved on another dataset
-            fingerprint; ``"restart_epoch"`` restarts the saved epoch from its first sample.
-        shm_transport: with workers, batches cross to this process through a ring of
-            reusable shared-memory slots per worker instead of torch's pipe: tensors are
-            collated straight into a slot and arrive without a copy - pinned, when
-            ``pin_memory=True`` on CUDA (the slot is registered once; torch's pin-memory
-            thread and its copy are not used); small tensor-free batches keep the pipe,
-            which is faster for them (see :mod:`unbroken.data.stream.transport`). The batches are
-            the same values, types and shapes either way. Default True; ``False`` is for
-            comparisons and for a platform where the ring misbehaves.
-        num_workers, prefetch_factor, pin_memory, persistent_workers, timeout, worker_init_fn,
-        multiprocessing_context, generator, pin_memory_device: as ``DataLoader``.
+        worker_init_fn, multiprocessing_context, generator: as ``DataLoader``.
     """
 
     def __init__(
         self,
         dataset: StreamingDataset,
-        batch_size: int = 1,
+        batch_size: int = LoaderConfig.batch_size,
         *,
+        config: LoaderConfig | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         last_batch: str | None = None,
         drop_last: bool = False,
-        on_dataset_change: str = "error",
-        num_workers: int = 0,
-        prefetch_factor: int | None = None,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-        timeout: float = 0,
+        on_dataset_change: str = LoaderConfig.on_dataset_change,
+        num_workers: int = LoaderConfig.num_workers,
+        prefetch_factor: int | None = LoaderConfig.prefetch_factor,
+        pin_memory: bool = LoaderConfig.pin_memory,
+        persistent_workers: bool = LoaderConfig.persistent_workers,
+        timeout: float = LoaderConfig.timeout,
         worker_init_fn: Callable[[int], None] | None = None,
         multiprocessing_context: Any = None,
         generator: Any = None,
-        pin_memory_device: str = "",
-        shm_transport: bool = True,
+        pin_memory_device: str = LoaderConfig.pin_memory_device,
+        shm_transport: bool = LoaderConfig.shm_transport,
     ) -> None:
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(
                 f"StatefulLoader needs a StreamingDataset, got {type(dataset).__name__}; wrap "
                 "your data with unbroken.data.StreamingDataset(dir)"
             )
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r} must be a positive int")
-        if last_batch is None:
-            last_batch = "drop" if drop_last else "pad"
-        elif drop_last and last_batch != "drop":
-            raise ValueError(
-                f"drop_last=True contradicts last_batch={last_batch!r}; pass only one of them"
-            )
-        if last_batch not in LAST_BATCH_POLICIES:
-            raise ValueError(f"last_batch={last_batch!r} is not one of {LAST_BATCH_POLICIES}")
-        if on_dataset_change not in _ON_CHANGE:
-            raise ValueError(f"on_dataset_change={on_dataset_change!r} is not one of {_ON_CHANGE}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers={num_workers} must be >= 0")
-        if persistent_workers and num_workers == 0:
-            raise ValueError("persistent_workers=True needs num_workers > 0")
+        if drop_last:  # torch's spelling of last_batch="drop"
+            if last_batch not in (None, "drop"):
+                raise ValueError(
+                    f"drop_last=True contradicts last_batch={last_batch!r}; pass only one of them"
+                )
+            last_batch = "drop"
+        keywords: dict[str, Any] = dict(
+            batch_size=batch_size,
+            on_dataset_change=on_dataset_change,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
+            timeout=timeout,
+            pin_memory_device=pin_memory_device,
+            shm_transport=shm_transport,
+        )
+        if last_batch is not None:
+            keywords["last_batch"] = last_batch
+        c = self.config = resolve(LoaderConfig, config, keywords, owner="StatefulLoader")
+        # from here on, the values the config resolved to
+        batch_size, last_batch, num_workers = c.batch_size, c.last_batch, c.num_workers
+        pin_memory, pin_memory_device = c.pin_memory, c.pin_memory_device
         self.dataset = dataset
         self.batch_size = batch_size
-        ring = shm_transport and num_workers > 0 and transport_available()
+        ring = c.shm_transport and num_workers > 0 and transport_available()
         if pin_memory and pin_memory_device and not pin_memory_device.startswith("cuda"):
             ring = False  # another accelerator's pinned memory: torch's pin thread does it
         self._ring = ring
@@ -215,17 +224,17 @@ class StatefulLoader:
         else:
             self.collate_fn = collate_fn or default_collate
         self.last_batch = last_batch
-        self.on_dataset_change = on_dataset_change
+        self.on_dataset_change = c.on_dataset_change
         self.num_workers = num_workers
         self._pin_ring = ring and pin_memory
         self._pin_memory = pin_memory
         self._dl_kwargs: dict[str, Any] = dict(
             num_workers=num_workers,
-            prefetch_factor=prefetch_factor,
+            prefetch_factor=c.prefetch_factor,
             # the ring pins by registration; the numpy token path pins here
             pin_memory=pin_memory and not ring and not self._pin_here,
-            persistent_workers=persistent_workers,
-            timeout=timeout,
+            persistent_workers=c.persistent_workers,
+            timeout=c.timeout,
             worker_init_fn=worker_init_fn,
             multiprocessing_context=multiprocessing_context,
             generator=generator,

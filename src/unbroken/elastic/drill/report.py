@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from unbroken.common.jsonable import plain_json
 from unbroken.common.tables import cell, render_table
 from unbroken.elastic.recovery import phases
 
@@ -306,7 +307,7 @@ def compare_run(run: str, ref_dir: str, job_dir: str, ckpt: str, metrics: str,
     checks.append(Check("metric log", dup == 0, "no duplicated step" if not dup else
                         f"{dup} duplicated steps"))
     return RunComparison(run, ref_dir, job_dir, world_reference, exact_until, checks,
-                         _jsonable(res), len(records))
+                         plain_json(res, lossy=True), len(records))
 
 
 _NOT_PARTS = {"counters", "scalar_diffs", "skipped_float_leaves", "duplicated_steps",
@@ -686,7 +687,7 @@ class DrillReport:
             "plan": [asdict(p) for p in self.plan],
             "faults": [{"spec": asdict(f.injection.spec), "passed": f.passed,
                         "verdict": f.verdict,
-                        "injection": _jsonable({k: v for k, v in asdict(f.injection).items()
+                        "injection": plain_json({k: v for k, v in asdict(f.injection).items()
                                                 if k != "spec"}),
                         "checks": [asdict(c) for c in f.checks], "failure": f.failure,
                         "recovery": f.recovery, "restored": f.restored} for f in self.faults],
@@ -753,5 +754,3 @@ class DrillReport:
         atomic_write_bytes(js, json.dumps(self.to_json(), indent=1, default=str).encode())
 
 
-def _jsonable(obj: Any) -> Any:
-    return json.loads(json.dumps(obj, default=str))

@@ -1,0 +1,91 @@
+"""How a component takes its config: one frozen dataclass, or the same options as keywords.
+
+Each component has one frozen dataclass that holds its defaults and validates them in
+``__post_init__`` (``CheckpointConfig``, ``ArchiveConfig``, ``LoaderConfig``). Its
+constructor also takes the options as keywords whose defaults are read from the dataclass
+(``keep_last: int | None = CheckpointConfig.keep_last``), so a default is written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+__all__ = ["check_choice", "check_count", "check_flag", "check_seconds", "resolve"]
+
+C = TypeVar("C", bound="DataclassInstance")
+
+
+def resolve(cls: type[C], config: C | None, keywords: Mapping[str, Any], *, owner: str) -> C:
+    """The config ``owner`` runs with: ``cls(**keywords)``, or ``config`` when one is given.
+
+    ``config=`` and keywords do not mix: with a config, a keyword that differs from the
+    dataclass default is refused by name (one left at its default counts as not given).
+    """
+    if config is None:
+        return cls(**keywords)
+    if not isinstance(config, cls):
+        raise TypeError(
+            f"{owner}(config=...) takes a {cls.__name__}, got {type(config).__qualname__}"
+        )
+    defaults = {
+        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(cls)
+    }
+    given = sorted(k for k, v in keywords.items() if k not in defaults or v != defaults[k])
+    if given:
+        raise ValueError(
+            f"{owner}: pass options either in config= or as keywords, not both (got config= "
+            f"and {', '.join(f'{k}={keywords[k]!r}' for k in given)}); set them in the config "
+            f"with dataclasses.replace(config, {given[0]}=...)"
+        )
+    return config
+
+
+# --- checks for __post_init__: each names the option, the value and the fix --------------
+
+
+def check_count(owner: str, name: str, v: Any, *, least: int = 1, none: str | None = None) -> None:
+    """``v`` must be an int >= ``least``; or None, when ``none`` says what None means."""
+    if v is None and none is not None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        also = f", or None ({none})" if none is not None else ""
+        raise ValueError(
+            f"{owner}.{name}={v!r} must be an integer >= {least}{also}; pass e.g. "
+            f"{name}={max(least, 1)}"
+        )
+
+
+def check_seconds(
+    owner: str, name: str, v: Any, *, positive: bool = False, none: str | None = None
+) -> None:
+    """``v`` must be a finite number of seconds, >= 0 (> 0 when ``positive``); or None,
+    when ``none`` says what None means."""
+    if v is None and none is not None:
+        return
+    ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+    if not ok or v < 0 or (positive and v == 0):
+        also = f", or None ({none})" if none is not None else ""
+        raise ValueError(
+            f"{owner}.{name}={v!r} must be a finite number of seconds "
+            f"{'> 0' if positive else '>= 0'}{also}"
+        )
+
+
+def check_flag(owner: str, name: str, v: Any, *, none: str | None = None) -> None:
+    """``v`` must be True or False; or None, when ``none`` says what None means."""
+    if isinstance(v, bool) or (v is None and none is not None):
+        return
+    also = f", or None ({none})" if none is not None else ""
+    raise ValueError(f"{owner}.{name}={v!r} must be True or False{also}")
+
+
+def check_choice(owner: str, name: str, v: Any, choices: Sequence[str]) -> None:
+    if v not in choices:
+        raise ValueError(f"{owner}.{name}={v!r} is not one of {tuple(choices)}")
