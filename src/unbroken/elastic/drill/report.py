@@ -752,5 +752,3 @@ class DrillReport:
         self.files.update(table=txt, json=js)
         atomic_write_bytes(txt, (self.format_table() + "\n").encode())
         atomic_write_bytes(js, json.dumps(self.to_json(), indent=1, default=str).encode())
-
-
