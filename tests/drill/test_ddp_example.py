@@ -32,7 +32,7 @@ WORDS = ("the of and to in a is that for it as was with be by on not he this are
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """(corpus.txt, its token shards made by `unbroken tokenize`: 392 sequences of 33)."""
+    """(corpus.txt, its token shards made by `unbroken data tokenize`: 392 sequences of 33)."""
     d = tmp_path_factory.mktemp("ddp-data")
     r = random.Random(0)
     text = " ".join(r.choice(WORDS) + ("." if r.random() < 0.08 else "") for _ in range(12000))

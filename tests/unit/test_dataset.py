@@ -297,7 +297,7 @@ def test_shards_are_dealt_to_workers_afresh_every_epoch(stream_data):
 
 
 def test_bad_inputs_name_the_fix(stream_data):
-    with pytest.raises(ValueError, match="unbroken stage"):
+    with pytest.raises(ValueError, match="unbroken data stage"):
         StreamingDataset("s3://bucket/data")
     with pytest.raises(ValueError, match="token datasets only"):
         StreamingDataset(Source(stream_data("tar"), seq_len=8))

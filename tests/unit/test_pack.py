@@ -341,7 +341,7 @@ def test_output_path_that_is_a_file_and_index_of_a_file_are_errors(tmp_path: str
     open(src, "w").write('{"a": 1}\n')
     with pytest.raises(ValueError, match="exists and is not a directory"):
         pack(src, src, progress=False)
-    with pytest.raises(ValueError, match="not a directory; `unbroken index DIR`"):
+    with pytest.raises(ValueError, match="not a directory; `unbroken data index DIR`"):
         index_directory(src)
     with pytest.raises(FileNotFoundError, match="no such directory"):
         index_directory(os.path.join(tmp_path, "nope"))

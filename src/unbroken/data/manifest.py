@@ -214,7 +214,7 @@ class DatasetManifest:
         if not isinstance(d, dict) or d.get("format") != _FORMAT:
             raise ManifestError(
                 f"{source}: not an unbroken dataset manifest (missing 'format': {_FORMAT!r}); "
-                "create it with `unbroken pack`, `unbroken index` or `unbroken tokenize`"
+                "create it with `unbroken data pack`, `unbroken data index` or `unbroken data tokenize`"
             )
         if d.get("version") != _VERSION:
             raise ManifestError(
@@ -256,8 +256,8 @@ class DatasetManifest:
                 raw = f.read()
         except FileNotFoundError:
             raise FileNotFoundError(
-                f"{path}: no dataset manifest; create one with `unbroken pack`, "
-                "`unbroken index` or `unbroken tokenize`"
+                f"{path}: no dataset manifest; create one with `unbroken data pack`, "
+                "`unbroken data index` or `unbroken data tokenize`"
             ) from None
         try:
             d = json.loads(raw)

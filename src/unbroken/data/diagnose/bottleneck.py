@@ -261,7 +261,7 @@ def analyse(
             f"the network limits: downloads deliver {net.mb_per_s:,.1f} MB/s "
             f"({net.samples_per_s:,.0f} samples/s); if one stream is what limits, more parallel "
             "downloads help (CacheOptions(threads=...)); otherwise stage the dataset "
-            "(`unbroken stage`) or put the cache nearer the store"
+            "(`unbroken data stage`) or put the cache nearer the store"
         )
     elif limiting == "transport":
         advice.append("transport limits: return tensors (shared memory) rather than Python "

@@ -1,4 +1,4 @@
-"""`unbroken pack` / `unbroken index`: small files, JSONL or dicts -> tar shards + index.
+"""`unbroken data pack` / `unbroken data index`: small files, JSONL or dicts -> tar shards + index.
 
 The output of a run depends only on the input and ``shard_size``: the main process plans
 every shard boundary first (a sample is never split), then worker processes write whole
@@ -422,7 +422,7 @@ def index_directory(
         if not os.path.lexists(root):
             raise FileNotFoundError(f"{root}: no such directory (of .tar shards to index)")
         raise ValueError(
-            f"{root}: not a directory; `unbroken index DIR` indexes every .tar in DIR - pass "
+            f"{root}: not a directory; `unbroken data index DIR` indexes every .tar in DIR - pass "
             "the directory that holds the shards"
         )
     names = sorted(n for n in os.listdir(root) if n.endswith(".tar") and not is_temp_name(n))

@@ -1,4 +1,4 @@
-"""Planning for `unbroken pack`: turn each input kind into samples and cut shard boundaries.
+"""Planning for `unbroken data pack`: turn each input kind into samples and cut shard boundaries.
 
 Every planner yields ``(payload, plan digest)`` per shard, in order: the payload is what a
 worker needs to write the shard, the digest identifies the planned content so a re-run can

@@ -1,4 +1,4 @@
-"""`unbroken stage URL LOCAL_DIR`: copy a dataset to local disk before training, verified.
+"""`unbroken data stage URL LOCAL_DIR`: copy a dataset to local disk before training, verified.
 
 Reads ``dataset.json`` at any fsspec URL (``s3://``, ``gs://``, ``file://``, a mounted path),
 then copies every shard and index file in parallel threads. Each file is written to a

@@ -1618,7 +1618,7 @@ def check_cache_args(roots: Sequence[str], cache_dir: str | None,
         raise ValueError(
             f"{remote[0]}: a remote dataset is read through a local cache; pass "
             "cache_dir='/nvme/cache' (local disk, shared by the ranks of a node) and "
-            "cache_limit='200GB' (or stage it first with `unbroken stage URL DIR`)"
+            "cache_limit='200GB' (or stage it first with `unbroken data stage URL DIR`)"
         )
     if not remote and (cache_dir is not None or cache_limit is not None):
         log.info("cache_dir/cache_limit ignored: every source is a local directory")

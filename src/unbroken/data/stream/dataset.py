@@ -247,7 +247,7 @@ class _Reader:
     def _open_error(self, shard: int, e: OSError) -> ShardError:
         return ShardError(
             f"dataset {self.root}: shard {self.manifest.shards[shard].name} cannot be opened "
-            f"({e}); re-copy the dataset (`unbroken stage` verifies what it copies)"
+            f"({e}); re-copy the dataset (`unbroken data stage` verifies what it copies)"
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -555,7 +555,7 @@ def _open_reader(
         if manifest.kind == "tokens" and any(s.tokens is None for s in manifest.shards):
             raise ValueError(
                 f"{root}: the manifest lacks per-shard token counts (an old `unbroken "
-                "tokenize`); re-tokenize, or stage it with `unbroken stage` and read it locally"
+                "tokenize`); re-tokenize, or stage it with `unbroken data stage` and read it locally"
             )
     else:
         root = local_path(source.root)

@@ -94,7 +94,7 @@ def corrupt_sample(path: str, what: str, *, dataset: str | None = None) -> Corru
     return CorruptSampleError(
         f"{where}shard {path}: {what} does not match the checksum recorded when it was "
         "written (the shard is damaged: bit rot, a truncated or overwritten copy); re-copy "
-        "the shard (`unbroken stage` re-fetches it) or re-create the dataset"
+        "the shard (`unbroken data stage` re-fetches it) or re-create the dataset"
     )
 
 
@@ -109,8 +109,8 @@ def warn_unverified(what: str, path: str) -> None:
     _warned.add(what)
     log.warning(
         "%s: index %s has no per-sample checksums (written by an older unbroken): samples "
-        "are read unverified; re-create the indexes (`unbroken index DIR`, or re-run "
-        "`unbroken pack`/`unbroken tokenize`) to verify every byte on read",
+        "are read unverified; re-create the indexes (`unbroken data index DIR`, or re-run "
+        "`unbroken data pack`/`unbroken data tokenize`) to verify every byte on read",
         what,
         path,
     )
@@ -143,7 +143,7 @@ def read_index_file(path: str, checksum: str | None, *, dataset: str | None = No
             raise ShardError(
                 f"{where}index {path} ({len(raw)} bytes, checksum {got}) is not the index "
                 f"dataset.json records (checksum {checksum}); it is damaged or stale - re-copy "
-                "the dataset or re-create its indexes (`unbroken index DIR`)"
+                "the dataset or re-create its indexes (`unbroken data index DIR`)"
             )
     return raw
 
@@ -309,7 +309,7 @@ class ShardIndex:
         The tables are read-only views of ``data`` (no copy). ``trusted``: ``data`` already
         matched the checksum dataset.json records for it (:func:`read_index_file`), which
         covers every byte, so the index's own hash is not computed again."""
-        fix = "rebuild it with `unbroken index DIR` (or re-copy the dataset)"
+        fix = "rebuild it with `unbroken data index DIR` (or re-copy the dataset)"
         magic = bytes(data[:8])
         if len(data) < _HEADER.size or magic not in (_MAGIC, _MAGIC_V1):
             raise ShardError(
@@ -449,7 +449,7 @@ def verify_shard(path: str, index_path: str | None = None, *, checksum: str | No
         raise ShardError(
             f"{path}: content (size {size}, checksum {digest}) does not match its index "
             f"{index_path} (size {idx.tar_bytes}, checksum {idx.tar_checksum}); the shard is "
-            "damaged or the index is stale - re-copy the shard or run `unbroken index`"
+            "damaged or the index is stale - re-copy the shard or run `unbroken data index`"
         )
     if checksum is not None and digest != checksum:
         raise ShardError(
@@ -491,7 +491,7 @@ class ShardReader:
     """Read one tar shard: ``reader[i]`` in O(1) via the index, or iterate sequentially.
 
     A sample is ``{"__key__": key, ext: bytes, ...}``. Without an index file the tar is
-    scanned once on open (as ``unbroken index`` would). Opening checks the index against the
+    scanned once on open (as ``unbroken data index`` would). Opening checks the index against the
     shard's size and the tar headers of its first and last members, so a mismatched index
     fails loudly instead of returning garbage; :meth:`verify` checks every byte of the file.
 
@@ -518,7 +518,7 @@ class ShardReader:
             index_path = cand if os.path.exists(cand) else None
         self.index_path = index_path
         if index_path is None:
-            log.warning("%s: no index file; scanning the tar (run `unbroken index`)", path)
+            log.warning("%s: no index file; scanning the tar (run `unbroken data index`)", path)
             self.index = index_tar(path)
         else:
             checked = index_checksum if verify else None
@@ -545,7 +545,7 @@ class ShardReader:
             raise ShardError(
                 f"{self.path}: shard is {size} bytes but its index {self.index_path} describes "
                 f"{idx.tar_bytes}; the index belongs to another shard or the shard is "
-                "truncated - run `unbroken index` or re-copy the shard"
+                "truncated - run `unbroken data index` or re-copy the shard"
             )
         m = len(idx.data_offset)
         for j in {0, m - 1} if m else ():
@@ -557,7 +557,7 @@ class ShardReader:
                 raise ShardError(
                     f"{self.path}: member {idx.key(s)}.{idx.ext(j)} is not where the index "
                     f"{self.index_path} says (offset {off}); the index does not match this "
-                    "shard - run `unbroken index` or re-copy both files"
+                    "shard - run `unbroken data index` or re-copy both files"
                 )
 
     def __len__(self) -> int:

@@ -220,7 +220,7 @@ class TokenShard:
         self.path = path
         self.dataset = dataset
         self.index_path = index_path or path + TOKEN_INDEX_SUFFIX
-        fix = "re-run `unbroken tokenize` (it resumes) or re-copy the dataset"
+        fix = "re-run `unbroken data tokenize` (it resumes) or re-copy the dataset"
         try:
             raw = read_index_file(
                 self.index_path, index_checksum if verify else None, dataset=dataset

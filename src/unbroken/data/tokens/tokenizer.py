@@ -1,4 +1,4 @@
-"""`unbroken tokenize`: text -> token shards (see :mod:`unbroken.data.tokens.shard` for the format).
+"""`unbroken data tokenize`: text -> token shards (see :mod:`unbroken.data.tokens.shard` for the format).
 
 Inputs, in a deterministic order: a ``.jsonl`` file (one document per line, text in
 ``field``), a ``.txt`` file (one document), a directory of those (sorted walk), or a packed tar
