@@ -3,6 +3,7 @@ a real SIGKILL of pack / tokenize (process group included), and the CLI commands
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -132,7 +133,10 @@ def _kill_when(cmd: str, out: str, suffix: str, count: int, timeout: float = 60)
                 raise AssertionError("child made no progress")
             time.sleep(0.01)
     finally:
-        os.killpg(p.pid, signal.SIGKILL)
+        # a child that already ended (and was reaped by poll) has no group left to kill;
+        # its own error, raised above, is the one to show
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
         p.wait()
     assert p.returncode == -signal.SIGKILL
 
@@ -140,8 +144,8 @@ def _kill_when(cmd: str, out: str, suffix: str, count: int, timeout: float = 60)
 def test_pack_resumes_after_sigkill(tmp_path: str) -> None:
     src, out, ref = (os.path.join(tmp_path, n) for n in ("src", "out", "ref"))
     _tree(src, 240)
-    call = f"pack.pack({src!r}, {out!r}, shard_size=30_000, workers=2, progress=False)"
-    _kill_when(_SLOW_CHILD.format(writer="writers.TarShardWriter", call=call), out, ".tar.idx", 4)
+    call = f"prepare.pack.pack({src!r}, {out!r}, shard_size=30_000, workers=2, progress=False)"
+    _kill_when(_SLOW_CHILD.format(writer="tar.writer.TarShardWriter", call=call), out, ".tar.idx", 4)
     assert not os.path.exists(os.path.join(out, "dataset.json"))  # never looks complete
     res = pack(src, out, shard_size=30_000, workers=2, progress=False)
     assert res.shards_reused >= 2 and res.shards_written >= 1  # resumed, not restarted
@@ -156,8 +160,8 @@ def test_tokenize_resumes_after_sigkill(tmp_path: str) -> None:
     tok = os.path.join(tmp_path, "tok.json")
     kw = dict(tokenizer=tok, seq_len=32, shard_size=12_000, progress=False)
     tokenize(src, ref, train_bpe_vocab=400, workers=1, **kw)  # also trains tok.json
-    call = f"tokenizing.tokenize({src!r}, {out!r}, workers=2, **{kw!r})"
-    _kill_when(_SLOW_CHILD.format(writer="tokens.TokenShardWriter", call=call), out, ".bin.idx", 3)
+    call = f"tokens.tokenizer.tokenize({src!r}, {out!r}, workers=2, **{kw!r})"
+    _kill_when(_SLOW_CHILD.format(writer="tokens.shard.TokenShardWriter", call=call), out, ".bin.idx", 3)
     assert not os.path.exists(os.path.join(out, "dataset.json"))
     res = tokenize(src, out, workers=2, **kw)
     assert res.shards_reused >= 2 and res.shards_written >= 1
