@@ -271,24 +271,10 @@ def tokenize(
     if seq_len is not None and seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 1 (or omitted for no packing)")
     ensure_out_dir(out)
-    if tokenizer is None and train_bpe_vocab is None:
-        raise ValueError("pass a tokenizer (--tokenizer PATH) or --train-bpe VOCAB")
-    if train_bpe_vocab is not None:
-        tokenizer = tokenizer or os.path.join(out, "tokenizer.json")
-        if not os.path.exists(tokenizer):
-            train_bpe((t for _, t in _iter_docs(src, field, member)), train_bpe_vocab, tokenizer)
-    tok_path = str(tokenizer)
-    tok = load_tokenizer(tok_path)
-    vocab = int(tok.get_vocab_size(with_added_tokens=True))
-    dt = dtype_for_vocab(vocab, dtype)
-    cands = (eos_token,) if eos_token else _EOS_CANDIDATES
-    eos_id = next((tok.token_to_id(c) for c in cands if tok.token_to_id(c) is not None), None)
-    if eos_id is None:
-        raise ValueError(
-            f"{tok_path}: no end-of-text token among {list(cands)}; pass --eos-token TOKEN"
-        )
-    itemsize = np.dtype(dt).itemsize
-    capacity = shard_size // itemsize
+    tok_path, vocab, dt, eos_id = _tokenizer_for(
+        src, out, tokenizer, train_bpe_vocab, field, member, dtype, eos_token
+    )
+    capacity = shard_size // np.dtype(dt).itemsize
     if capacity < 2:
         raise ValueError(f"shard_size={shard_size} holds no document; pass a larger value")
     with contextlib.suppress(FileNotFoundError):
@@ -311,38 +297,13 @@ def tokenize(
         for s in shards
     ]
     reused = len(shards)
-    workers = workers or min(os.cpu_count() or 1, 8)
+    filler = _ShardFiller(out, config, shards, docs_done, capacity, seq_len, fsync)
     bar = progress_bar("tokenize", unit="tok", enabled=progress)
-    writer: TokenShardWriter | None = None
-    total_docs, total_tokens = docs_done, sum(s.tokens or 0 for s in shards)
-
-    def commit() -> None:
-        nonlocal writer
-        if writer is None:
-            return
-        size, digest, raw = writer.commit()
-        name = os.path.basename(writer.path)
-        n_seq = num_sequences(writer.num_tokens, seq_len) if seq_len else writer.num_documents
-        shards.append(
-            ShardInfo(
-                name,
-                n_seq,
-                size,
-                digest,
-                name + TOKEN_INDEX_SUFFIX,
-                len(raw),
-                checksum_bytes(raw),
-                documents=writer.num_documents,
-                tokens=writer.num_tokens,
-            )
-        )
-        writer = None
-        _save_state(out, config, shards, total_docs)
-
     try:
         chunks = _chunks(_iter_docs(src, field, member), docs_done)
         for (_, wheres), (ids, lens) in _ordered_map(
-            _encode_chunk, chunks, workers, _worker_init, (tok_path,)
+            _encode_chunk, chunks, workers or min(os.cpu_count() or 1, 8), _worker_init,
+            (tok_path,),
         ):
             big = np.nonzero(lens + 1 > capacity)[0]
             if big.size:
@@ -350,26 +311,10 @@ def tokenize(
                     f"{wheres[int(big[0])]}: document of {int(lens[big[0]])} tokens exceeds "
                     f"shard_size={shard_size} bytes; pass a larger --shard-size"
                 )
-            start = 0
-            while start < lens.size:
-                if writer is None:
-                    path = os.path.join(out, f"tokens-{len(shards):06d}.bin")
-                    writer = TokenShardWriter(path, dt, eos_id, fsync=fsync)
-                cum = np.cumsum(lens[start:] + 1)
-                k = int(np.searchsorted(cum, capacity - writer.num_tokens, side="right"))
-                if k == 0:
-                    commit()
-                    continue
-                a = int(lens[:start].sum())
-                writer.add_many(ids[a : a + int(cum[k - 1]) - k], lens[start : start + k])
-                total_docs += k
-                total_tokens += int(cum[k - 1])
-                bar.update(int(cum[k - 1]))
-                start += k
-        commit()
+            bar.update(filler.add(ids, lens))
+        filler.commit()
     except BaseException:
-        if writer is not None:
-            writer.abort()
+        filler.abort()
         raise
     finally:
         bar.close()
@@ -385,7 +330,8 @@ def tokenize(
     )
     manifest.save(out)
     res = TokenizeResult(
-        manifest, time.perf_counter() - t0, total_docs, total_tokens, len(shards) - reused, reused
+        manifest, time.perf_counter() - t0, filler.docs, filler.tokens, len(shards) - reused,
+        reused,
     )
     log.info(
         "tokenized %d documents, %d tokens into %d shards in %.2fs (%.0f tokens/s)",
@@ -396,6 +342,108 @@ def tokenize(
         res.tokens_per_s,
     )
     return res
+
+
+def _tokenizer_for(
+    src: str,
+    out: str,
+    tokenizer: str | None,
+    train_bpe_vocab: int | None,
+    field: str,
+    member: str,
+    dtype: str | None,
+    eos_token: str | None,
+) -> tuple[str, int, str, int]:
+    """(tokenizer path, vocabulary size, token dtype, end-of-text id); trains a BPE first
+    when asked and none exists yet."""
+    if tokenizer is None and train_bpe_vocab is None:
+        raise ValueError("pass a tokenizer (--tokenizer PATH) or --train-bpe VOCAB")
+    if train_bpe_vocab is not None:
+        tokenizer = tokenizer or os.path.join(out, "tokenizer.json")
+        if not os.path.exists(tokenizer):
+            train_bpe((t for _, t in _iter_docs(src, field, member)), train_bpe_vocab, tokenizer)
+    tok_path = str(tokenizer)
+    tok = load_tokenizer(tok_path)
+    vocab = int(tok.get_vocab_size(with_added_tokens=True))
+    dt = dtype_for_vocab(vocab, dtype)
+    cands = (eos_token,) if eos_token else _EOS_CANDIDATES
+    eos_id = next((tok.token_to_id(c) for c in cands if tok.token_to_id(c) is not None), None)
+    if eos_id is None:
+        raise ValueError(
+            f"{tok_path}: no end-of-text token among {list(cands)}; pass --eos-token TOKEN"
+        )
+    return tok_path, vocab, dt, int(eos_id)
+
+
+class _ShardFiller:
+    """Fills token shards with whole documents in order; each full shard is committed, added
+    to ``shards`` and recorded in the resume state before the next one starts."""
+
+    def __init__(
+        self,
+        out: str,
+        config: dict[str, Any],
+        shards: list[ShardInfo],
+        docs_done: int,
+        capacity: int,
+        seq_len: int | None,
+        fsync: bool,
+    ) -> None:
+        self.out, self.config, self.shards = out, config, shards
+        self.capacity, self.seq_len, self.fsync = capacity, seq_len, fsync
+        self.docs = docs_done
+        self.tokens = sum(s.tokens or 0 for s in shards)
+        self.writer: TokenShardWriter | None = None
+
+    def add(self, ids: np.ndarray, lens: np.ndarray) -> int:
+        """Append documents (``ids`` concatenated, ``lens`` each); returns tokens written."""
+        written = 0
+        start = 0
+        while start < lens.size:
+            if self.writer is None:
+                path = os.path.join(self.out, f"tokens-{len(self.shards):06d}.bin")
+                self.writer = TokenShardWriter(
+                    path, self.config["dtype"], self.config["eos_id"], fsync=self.fsync
+                )
+            cum = np.cumsum(lens[start:] + 1)
+            k = int(np.searchsorted(cum, self.capacity - self.writer.num_tokens, side="right"))
+            if k == 0:
+                self.commit()
+                continue
+            a = int(lens[:start].sum())
+            self.writer.add_many(ids[a : a + int(cum[k - 1]) - k], lens[start : start + k])
+            self.docs += k
+            self.tokens += int(cum[k - 1])
+            written += int(cum[k - 1])
+            start += k
+        return written
+
+    def commit(self) -> None:
+        w = self.writer
+        if w is None:
+            return
+        size, digest, raw = w.commit()
+        name = os.path.basename(w.path)
+        n_seq = num_sequences(w.num_tokens, self.seq_len) if self.seq_len else w.num_documents
+        self.shards.append(
+            ShardInfo(
+                name,
+                n_seq,
+                size,
+                digest,
+                name + TOKEN_INDEX_SUFFIX,
+                len(raw),
+                checksum_bytes(raw),
+                documents=w.num_documents,
+                tokens=w.num_tokens,
+            )
+        )
+        self.writer = None
+        _save_state(self.out, self.config, self.shards, self.docs)
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
 
 
 def _save_state(out: str, config: dict[str, Any], shards: list[ShardInfo], docs: int) -> None:
