@@ -278,6 +278,40 @@ class _AsyncResult:
         return self._r.get()
 
 
+def _input_kind(src: str | Iterable[dict[str, Any]]) -> tuple[str, str, Iterable[dict[str, Any]]]:
+    """(kind, path, items): ``files`` (a directory), ``jsonl`` (a file) or ``mem`` (dicts)."""
+    if not isinstance(src, str | os.PathLike):
+        return "mem", "", src
+    path = os.fspath(src)
+    if os.path.isdir(path):
+        return "files", path, ()
+    if os.path.isfile(path):
+        return "jsonl", path, ()
+    raise FileNotFoundError(f"{path}: pack input not found (a directory or .jsonl file)")
+
+
+def _plan_input(
+    kind: str,
+    path: str,
+    items: Iterable[dict[str, Any]],
+    shard_size: int,
+    allow_partial: bool,
+    bad: BadInput,
+) -> tuple[Iterator[tuple[Any, str]], int | None]:
+    """The shard plans (payload, plan digest) of the input, and its size in bytes for the
+    progress bar when it has one (its ETA then holds; an iterable of dicts has none)."""
+    if kind == "files":
+        samples = scan_dir(path, bad)
+        if not samples:
+            raise ValueError(f"{path}: no files to pack")
+        total = sum(m[2] for smp in samples for m in smp.members)
+        return plan_files(samples, shard_size, path, allow_partial), total
+    if kind == "jsonl":
+        plans = (((path, lines), d) for lines, d in plan_jsonl(path, shard_size, bad))
+        return plans, os.path.getsize(path)
+    return plan_dicts(items, shard_size, "pack input", allow_partial), None
+
+
 def pack(
     src: str | Iterable[dict[str, Any]],
     out: str,
@@ -300,18 +334,7 @@ def pack(
     if shard_size < _MIN_SHARD:
         raise ValueError(f"shard_size={shard_size} is below the minimum; pass >= {_MIN_SHARD}")
     t0 = time.perf_counter()
-    path = ""
-    items: Iterable[dict[str, Any]] = ()
-    if isinstance(src, str | os.PathLike):
-        path = os.fspath(src)
-        if os.path.isdir(path):
-            kind = "files"
-        elif os.path.isfile(path):
-            kind = "jsonl"
-        else:
-            raise FileNotFoundError(f"{path}: pack input not found (a directory or .jsonl file)")
-    else:
-        kind, items = "mem", src
+    kind, path, items = _input_kind(src)
     if workers is None:
         workers = 1 if kind == "mem" else min(os.cpu_count() or 1, 8)
     if workers < 1:
@@ -323,27 +346,10 @@ def pack(
     config = {"shard_size": shard_size, "kind": kind}
     state = _load_state(out, config)
 
-    plans: Iterator[tuple[Any, str]]
     bad = BadInput(skip_bad)
-    if kind == "files":
-        samples = scan_dir(path, bad)
-        if not samples:
-            raise ValueError(f"{path}: no files to pack")
-        plans = plan_files(samples, shard_size, path, allow_partial)
-    elif kind == "jsonl":
-        plans = (((path, lines), d) for lines, d in plan_jsonl(path, shard_size, bad))
-    else:
-        plans = plan_dicts(items, shard_size, "pack input", allow_partial)
-
+    plans, total = _plan_input(kind, path, items, shard_size, allow_partial, bad)
     infos: dict[int, ShardInfo] = {}
     counts = {"written": 0, "reused": 0}
-    # The bar counts input bytes where the input has a size (its ETA then holds), tar bytes
-    # for an iterable of dicts (no total).
-    total: int | None = None
-    if kind == "files":
-        total = sum(m[2] for smp in samples for m in smp.members)
-    elif kind == "jsonl":
-        total = os.path.getsize(path)
     bar = progress_bar("pack", total=total, unit="B", enabled=progress)
     input_bytes: dict[int, int] = {}
 
