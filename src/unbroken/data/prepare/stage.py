@@ -277,6 +277,35 @@ def _wait_for_rank0(local_dir: str, fingerprint: str, timeout: float, url: str) 
         time.sleep(0.1)
 
 
+def _start_over(local_dir: str, marker: str) -> None:
+    """The directory is incomplete from here on: drop the completion marker and the
+    temporaries of an interrupted staging."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(marker)
+    for name in os.listdir(local_dir):
+        if is_temp_name(name):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(local_dir, name))
+
+
+def _bytes_to_copy(files: list[_File], local_dir: str, url: str) -> int:
+    """Bytes of the files not already there at their size; refused up front when the disk
+    cannot hold them."""
+    need = 0
+    for f in files:
+        p = os.path.join(local_dir, f.name)
+        have = os.path.getsize(p) if os.path.exists(p) else -1
+        if have != f.size:
+            need += f.size
+    free = shutil.disk_usage(local_dir).free
+    if need > free:
+        raise RuntimeError(
+            f"{local_dir}: staging {url} needs {need:,} bytes but only {free:,} are free; "
+            "free space there or stage to another directory"
+        )
+    return need
+
+
 def stage(
     url: str,
     local_dir: str,
@@ -309,27 +338,10 @@ def stage(
         waited = _wait_for_rank0(local_dir, manifest.fingerprint, wait_timeout, url)
         return StageResult(url, local_dir, waited, manifest.total_bytes, 0, 0, 0, 0, True)
     marker = os.path.join(local_dir, MARKER_NAME)
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(marker)
-    for name in os.listdir(local_dir):  # temporaries of an interrupted staging
-        if is_temp_name(name):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(local_dir, name))
-
+    _start_over(local_dir, marker)
     files = [_File(s.name, s.bytes, s.checksum) for s in manifest.shards]
     files += [_File(s.index, s.index_bytes, s.index_checksum) for s in manifest.shards]
-    need = 0
-    for f in files:
-        p = os.path.join(local_dir, f.name)
-        have = os.path.getsize(p) if os.path.exists(p) else -1
-        if have != f.size:
-            need += f.size
-    free = shutil.disk_usage(local_dir).free
-    if need > free:
-        raise RuntimeError(
-            f"{local_dir}: staging {url} needs {need:,} bytes but only {free:,} are free; "
-            "free space there or stage to another directory"
-        )
+    need = _bytes_to_copy(files, local_dir, url)
 
     lock = threading.Lock()
     stats = {"copied": 0, "skipped": 0, "refetched": 0, "bytes": 0}
