@@ -179,6 +179,9 @@ def _with_timeouts(url: str, opts: dict[str, Any] | None, timeout: float) -> dic
         cfg = dict(out.get("config_kwargs") or {})
         cfg.setdefault("connect_timeout", min(timeout, 10.0))
         cfg.setdefault("read_timeout", timeout)
+        # Every file is checked against dataset.json's xxh3-128; botocore's own CRC of each
+        # response body (on by default since botocore 1.36) would only cost CPU a second time.
+        cfg.setdefault("response_checksum_validation", "when_required")
         out["config_kwargs"] = cfg
     return out
 
