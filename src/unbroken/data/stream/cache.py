@@ -123,7 +123,9 @@ class CacheOptions:
 
     prefetch_shards: shards fetched ahead of those the current position needs, node-wide, in
         plan order. Default (None): one shuffle window's worth per source, so the next window
-        is local when readers reach it; ``unbroken data bench URL`` suggests a value.
+        is local when readers reach it, deepened to 3/4 of the room ``cache_limit`` leaves
+        beyond two windows (at most four windows' worth); ``unbroken data bench URL``
+        suggests a value.
     prefetch_bytes: optional cap on the bytes of those shards.
     threads: parallel downloads per reading process (each rank and each DataLoader worker
         runs its own; a per-shard lock keeps them from fetching the same shard).
@@ -740,6 +742,8 @@ class RemoteCache:
             else sum(self._window_units(i) for i in self.src_dir)
         )
         self._check_limit()
+        if options.prefetch_shards is None:
+            self.prefetch_shards = self._default_depth()
         self._sweep_stats()
 
     # --- per process --------------------------------------------------------------------
@@ -854,6 +858,21 @@ class RemoteCache:
                f"({'; '.join(parts)}) and "
                f"prefetching {self.prefetch_shards} shards ahead {ahead:,}")
         return held + ahead, why
+
+    def _default_depth(self) -> int:
+        """Prefetch depth when ``prefetch_shards`` is not given: one shuffle window's worth,
+        deepened to three quarters of the room the limit leaves beyond two windows (at most
+        four windows' worth). The quarter left free is what a reader's next shard is admitted
+        into without evicting a prefetched one. Measured on the issue-14 bench (cache = 25%
+        of the dataset): 9 -> 14 shards ahead, epoch 1 24k -> 28k samples/s, same bytes;
+        the whole room (19) downloaded 3-7% more and was no faster."""
+        window = self.prefetch_shards
+        if self.limit is None:
+            return window
+        need, _ = self.min_limit()
+        biggest = int(self.unit_bytes.max()) if self.unit_bytes.size else 1
+        room = (self.limit - need) // max(biggest, 1) + window  # shards beyond two windows
+        return int(min(max(window, room * 3 // 4), 4 * window))
 
     def _check_limit(self) -> None:
         need, why = self.min_limit()
