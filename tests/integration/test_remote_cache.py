@@ -286,6 +286,21 @@ def test_mixture_with_a_remote_source_reads_like_local(
                                          r"consecutive shuffle windows .* need"):
         StreamingDataset("s3://data/mix", cache_dir=str(tmp_path / "c2"), cache_limit=10_000,
                          storage_options=_opts(endpoint), shuffle_window=WINDOW)
+    # The default prefetch depth: one window's worth, deepened into 3/4 of the room the limit
+    # leaves (at most 4 windows' worth), never past what the limit check accepts.
+    def depth(limit: int | None) -> tuple[int, int]:
+        ds = StreamingDataset("s3://data/mix", cache_dir=str(tmp_path / "c3"), cache_limit=limit,
+                              storage_options=_opts(endpoint), shuffle_window=WINDOW,
+                              cache_options=CacheOptions(fetch_process=False))
+        assert ds._cache is not None
+        return ds._cache.prefetch_shards, ds._cache.min_limit()[0]
+
+    window, least = depth(None)
+    assert depth(least)[0] == window
+    one = int(remote._cache.unit_bytes.max()) if remote._cache is not None else 0
+    more, need = depth(least + 8 * one)
+    assert window < more == (window + 8) * 3 // 4 and need <= least + 8 * one
+    assert depth(least + 1000 * one)[0] == 4 * window
 
 
 def test_a_shard_damaged_in_the_bucket_is_named(

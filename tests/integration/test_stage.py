@@ -302,3 +302,29 @@ def test_corrupted_s3_object_is_reported(tmp_path: str, s3: dict[str, Any]) -> N
         stage("s3://data/bad", dst, progress=False, storage_options=s3)
     assert not os.path.exists(os.path.join(dst, m.shards[2].name))
     assert not os.path.exists(os.path.join(dst, "dataset.json"))
+
+
+def test_an_s3_object_longer_or_shorter_than_the_manifest_says_is_reported(
+    tmp_path: str, s3: dict[str, Any]
+) -> None:
+    # A whole small file is read with one ranged GET (one byte past the manifest's size):
+    # an object that grew must fail the size check, not be cut to the expected length.
+    import s3fs
+
+    from unbroken.data.prepare.stage import fetch_verified
+
+    src = os.path.join(tmp_path, "src")
+    m = _dataset(src)
+    fs = _upload(s3, src, "sizes")
+    assert isinstance(fs, s3fs.S3FileSystem)
+    s = m.shards[1]
+    good = open(os.path.join(src, s.name), "rb").read()
+    dst = os.path.join(tmp_path, s.name)
+    for label, body in (("longer", good + b"\0"), ("shorter", good[:-1])):
+        fs.pipe_file(f"data/sizes/{s.name}", body)
+        with pytest.raises(RuntimeError, match=rf"{s.name}: checksum mismatch .*got {len(body)} "):
+            fetch_verified(fs, f"data/sizes/{s.name}", dst, s.bytes, s.checksum, retries=0)
+        assert not os.path.exists(dst), label
+    fs.pipe_file(f"data/sizes/{s.name}", good)
+    fetch_verified(fs, f"data/sizes/{s.name}", dst, s.bytes, s.checksum, retries=0)
+    assert open(dst, "rb").read() == good

@@ -171,8 +171,11 @@ def _copy_one(
             size, digest = _copy_local(fs._strip_protocol(src), tmp, fsync, on_bytes)
         elif f.size <= _CHUNK:
             # One request for the whole object: what a streamed read costs for its first
-            # chunk anyway, without a file object, a ranged GET and a read-ahead copy.
-            data = fs.cat_file(src)
+            # chunk anyway, without a file object and a read-ahead copy. The range (one byte
+            # past the manifest's size, so a longer object still fails the size check) keeps
+            # s3fs from sending a HEAD first to decide on a concurrent multi-part read: half
+            # the requests, measured 40% of the fetch CPU with 4 MB shards.
+            data = fs.cat_file(src, start=0, end=f.size + 1) if f.size else fs.cat_file(src)
             with HashingWriter(tmp, fsync=fsync) as w:
                 w.write(data)
             on_bytes(len(data))

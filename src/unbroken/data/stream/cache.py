@@ -123,7 +123,9 @@ class CacheOptions:
 
     prefetch_shards: shards fetched ahead of those the current position needs, node-wide, in
         plan order. Default (None): one shuffle window's worth per source, so the next window
-        is local when readers reach it; ``unbroken data bench URL`` suggests a value.
+        is local when readers reach it, deepened to 3/4 of the room ``cache_limit`` leaves
+        beyond two windows (at most four windows' worth); ``unbroken data bench URL``
+        suggests a value.
     prefetch_bytes: optional cap on the bytes of those shards.
     threads: parallel downloads per reading process (each rank and each DataLoader worker
         runs its own; a per-shard lock keeps them from fetching the same shard).
@@ -179,6 +181,9 @@ def _with_timeouts(url: str, opts: dict[str, Any] | None, timeout: float) -> dic
         cfg = dict(out.get("config_kwargs") or {})
         cfg.setdefault("connect_timeout", min(timeout, 10.0))
         cfg.setdefault("read_timeout", timeout)
+        # Every file is checked against dataset.json's xxh3-128; botocore's own CRC of each
+        # response body (on by default since botocore 1.36) would only cost CPU a second time.
+        cfg.setdefault("response_checksum_validation", "when_required")
         out["config_kwargs"] = cfg
     return out
 
@@ -663,6 +668,7 @@ class _Proc:
         self.next_eval = (-1, -1, 0.0)  # (epoch, boundary position, time) of the prefetch plan
         self.slot: np.ndarray | None = None
         self.slot_mm: mmap.mmap | None = None
+        self.wakers: dict[int, threading.Event] = {}  # unit -> set when its lock is released
         # On exit, abort the downloads in flight so that they leave no partial file or
         # reservation behind (a DataLoader worker exits through multiprocessing, which runs
         # its finalizers but not atexit).
@@ -736,6 +742,8 @@ class RemoteCache:
             else sum(self._window_units(i) for i in self.src_dir)
         )
         self._check_limit()
+        if options.prefetch_shards is None:
+            self.prefetch_shards = self._default_depth()
         self._sweep_stats()
 
     # --- per process --------------------------------------------------------------------
@@ -850,6 +858,21 @@ class RemoteCache:
                f"({'; '.join(parts)}) and "
                f"prefetching {self.prefetch_shards} shards ahead {ahead:,}")
         return held + ahead, why
+
+    def _default_depth(self) -> int:
+        """Prefetch depth when ``prefetch_shards`` is not given: one shuffle window's worth,
+        deepened to three quarters of the room the limit leaves beyond two windows (at most
+        four windows' worth). The quarter left free is what a reader's next shard is admitted
+        into without evicting a prefetched one. Measured on the issue-14 bench (cache = 25%
+        of the dataset): 9 -> 14 shards ahead, epoch 1 24k -> 28k samples/s, same bytes;
+        the whole room (19) downloaded 3-7% more and was no faster."""
+        window = self.prefetch_shards
+        if self.limit is None:
+            return window
+        need, _ = self.min_limit()
+        biggest = int(self.unit_bytes.max()) if self.unit_bytes.size else 1
+        room = (self.limit - need) // max(biggest, 1) + window  # shards beyond two windows
+        return int(min(max(window, room * 3 // 4), 4 * window))
 
     def _check_limit(self) -> None:
         need, why = self.min_limit()
@@ -1060,13 +1083,49 @@ class RemoteCache:
                     self._stalled(uid, status, now - last)
                 self._touch(st)
                 if fut is None or status in ("busy", "noroom") or fut.done():
-                    time.sleep(nap)  # another process has it, or room is awaited: poll
+                    # another process has it, or room is awaited: poll, waking at once when
+                    # a download in flight (the unit's lock held) finishes
+                    self._nap(st, uid, nap)
                     nap = min(nap * 2, 0.01 if fut is None else 0.05)
                 else:
                     wait([fut], timeout=0.05)  # our own thread downloads it: wake when done
         finally:
             self._touch(st, want=-1)
             self._block(st, False)
+
+    def _nap(self, st: _Proc, uid: int, secs: float) -> None:
+        """Sleep up to ``secs``; return as soon as the unit's lock is released if another
+        process holds it (downloading or evicting it). Measured: polling alone left a reader
+        waiting 4.6 ms on average after the download it waited for was published.
+
+        The wake-up is a thread blocked in ``flock(LOCK_SH)`` on its own descriptor (a lock
+        cannot be waited for with a timeout); one per process and unit, kept across naps
+        until the lock is released, so a stalled download never piles up threads."""
+        ev = st.wakers.get(uid)
+        if ev is None:
+            d, shard = self._unit(uid)
+            fd = self._open_lock(d.id, shard)
+            if _flock(fd, fcntl.LOCK_SH):  # nobody holds it: nothing to wake on
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                _close_fd(fd)
+                time.sleep(secs)
+                return
+            ev = st.wakers[uid] = threading.Event()
+
+            def waker(fd: int = fd, ev: threading.Event = ev) -> None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # blocks until the holder lets go
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                except OSError:
+                    pass  # closed by a fork hook or at exit: just wake the reader
+                finally:
+                    ev.set()
+                    with contextlib.suppress(OSError):
+                        _close_fd(fd)
+
+            threading.Thread(target=waker, name="unbroken-cache-wake", daemon=True).start()
+        if ev.wait(secs):
+            st.wakers.pop(uid, None)
 
     def _stalled(self, uid: int, status: str, secs: float) -> None:
         d, shard = self._unit(uid)
