@@ -55,8 +55,12 @@ EPOCHS = 2
 LOADERS = ("unbroken", "mosaicml", "litdata", "unbroken-local")
 # unbroken-local: the same tar shards, the same decode, read from the local directory (no
 # cache, no network): the ceiling of this decode on this box, for reference.
-_CREDS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-          "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+_CREDS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 BUCKET = "bench"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,8 +78,13 @@ def prepare(root: str) -> None:
     t0 = time.perf_counter()
     from unbroken.data.prepare.pack import pack
 
-    pack((make_sample(i) for i in range(N)), f"{root}/tar", shard_size=SHARD, progress=False,
-         fsync=False)
+    pack(
+        (make_sample(i) for i in range(N)),
+        f"{root}/tar",
+        shard_size=SHARD,
+        progress=False,
+        fsync=False,
+    )
     from streaming import MDSWriter
 
     cols = {"key": "str", "bin": "bytes", "json": "bytes"}
@@ -84,8 +93,14 @@ def prepare(root: str) -> None:
             w.write(_litdata_item(i))
     import litdata
 
-    litdata.optimize(fn=_litdata_item, inputs=list(range(N)), output_dir=f"{root}/litdata",
-                     chunk_bytes=SHARD, num_workers=1, verbose=False)
+    litdata.optimize(
+        fn=_litdata_item,
+        inputs=list(range(N)),
+        output_dir=f"{root}/litdata",
+        chunk_bytes=SHARD,
+        num_workers=1,
+        verbose=False,
+    )
     open(done, "w").close()
     print(f"prepared {root} in {time.perf_counter() - t0:.0f} s", flush=True)
 
@@ -147,8 +162,9 @@ def serve(port_file: str) -> None:
 
         return counted()
 
-    server = make_server("127.0.0.1", 0, counting, threaded=True,
-                         request_handler=MotoRequestHandler)
+    server = make_server(
+        "127.0.0.1", 0, counting, threaded=True, request_handler=MotoRequestHandler
+    )
     with open(port_file + ".tmp", "w") as f:
         f.write(str(server.server_address[1]))
     os.replace(port_file + ".tmp", port_file)
@@ -205,10 +221,16 @@ def make_loader(name: str, endpoint: str, cache: str, limit: int) -> Any:
         from unbroken.data.stream.dataset import StreamingDataset
         from unbroken.data.stream.loader import StatefulLoader
 
-        ds = StreamingDataset(f"{url}/tar", seed=0, shuffle_window=WINDOW, transform=decode_tar,
-                              cache_dir=cache, cache_limit=limit,
-                              storage_options={"client_kwargs": {"endpoint_url": endpoint}},
-                              cache_options=CacheOptions(threads=4))
+        ds = StreamingDataset(
+            f"{url}/tar",
+            seed=0,
+            shuffle_window=WINDOW,
+            transform=decode_tar,
+            cache_dir=cache,
+            cache_limit=limit,
+            storage_options={"client_kwargs": {"endpoint_url": endpoint}},
+            cache_options=CacheOptions(threads=4),
+        )
         return StatefulLoader(ds, BATCH, num_workers=WORKERS, collate_fn=default_collate)
     if name == "mosaicml":
         from streaming import StreamingDataLoader, StreamingDataset
@@ -220,10 +242,18 @@ def make_loader(name: str, endpoint: str, cache: str, limit: int) -> Any:
             def __getitem__(self, i: Any) -> Any:
                 return decode_dict(super().__getitem__(i))
 
-        ds = _Decoded(remote=f"{url}/mds", local=cache, cache_limit=limit, shuffle=True,
-                      shuffle_seed=0, shuffle_block_size=WINDOW, batch_size=BATCH)
-        return StreamingDataLoader(ds, batch_size=BATCH, num_workers=WORKERS,
-                                   collate_fn=default_collate)
+        ds = _Decoded(
+            remote=f"{url}/mds",
+            local=cache,
+            cache_limit=limit,
+            shuffle=True,
+            shuffle_seed=0,
+            shuffle_block_size=WINDOW,
+            batch_size=BATCH,
+        )
+        return StreamingDataLoader(
+            ds, batch_size=BATCH, num_workers=WORKERS, collate_fn=default_collate
+        )
     if name == "litdata":
         import litdata.streaming.downloader as ldl
         from litdata import StreamingDataLoader, StreamingDataset
@@ -232,11 +262,18 @@ def make_loader(name: str, endpoint: str, cache: str, limit: int) -> Any:
         # told; the test server speaks http (a configuration, not a speed change).
         ldl._OBSTORE_CLIENT_OPTIONS = {**ldl._OBSTORE_CLIENT_OPTIONS, "allow_http": "true"}
 
-        ds = StreamingDataset(f"{url}/litdata", cache_dir=cache, max_cache_size=limit,
-                              shuffle=True, seed=0, transform=decode_dict,
-                              storage_options={"endpoint_url": endpoint})
-        return StreamingDataLoader(ds, batch_size=BATCH, num_workers=WORKERS,
-                                   collate_fn=default_collate)
+        ds = StreamingDataset(
+            f"{url}/litdata",
+            cache_dir=cache,
+            max_cache_size=limit,
+            shuffle=True,
+            seed=0,
+            transform=decode_dict,
+            storage_options={"endpoint_url": endpoint},
+        )
+        return StreamingDataLoader(
+            ds, batch_size=BATCH, num_workers=WORKERS, collate_fn=default_collate
+        )
     raise ValueError(f"unknown loader {name!r}; one of {LOADERS}")
 
 
@@ -264,19 +301,23 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
         shapes_ok = True
         for batch in ld:
             ids.append(batch["i"].numpy())
-            shapes_ok &= tuple(batch["x"].shape[1:]) == (2048,) and batch["x"].dtype == torch.float32
+            shapes_ok &= (
+                tuple(batch["x"].shape[1:]) == (2048,) and batch["x"].dtype == torch.float32
+            )
         dt = time.perf_counter() - t0
         c1 = counts(endpoint)
         seen = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
-        epochs.append({
-            "seconds": dt,
-            "samples": int(seen.size),
-            "distinct": int(np.unique(seen).size),
-            "samples_per_s": seen.size / dt,
-            "bytes_downloaded": c1["get_bytes"] - c0["get_bytes"],
-            "gets": c1["gets"] - c0["gets"],
-            "decoded_ok": bool(shapes_ok),
-        })
+        epochs.append(
+            {
+                "seconds": dt,
+                "samples": int(seen.size),
+                "distinct": int(np.unique(seen).size),
+                "samples_per_s": seen.size / dt,
+                "bytes_downloaded": c1["get_bytes"] - c0["get_bytes"],
+                "gets": c1["gets"] - c0["gets"],
+                "decoded_ok": bool(shapes_ok),
+            }
+        )
     stop.set()
     watcher.join()
     return {"epochs": epochs, "peak_cache_bytes": peak[0]}
@@ -307,8 +348,9 @@ def main() -> int:
     port_file = os.path.join(a.root, "port")
     with __import__("contextlib").suppress(FileNotFoundError):
         os.unlink(port_file)
-    server = subprocess.Popen([sys.executable, __file__, "--serve", port_file],
-                              env={**os.environ, **_CREDS})
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve", port_file], env={**os.environ, **_CREDS}
+    )
     try:
         deadline = time.monotonic() + 60
         while not os.path.exists(port_file):
@@ -319,20 +361,35 @@ def main() -> int:
         t0 = time.perf_counter()
         upload(endpoint, a.root)
         print(f"uploaded to {endpoint} in {time.perf_counter() - t0:.0f} s", flush=True)
-        fmt = {"unbroken": "tar", "mosaicml": "mds", "litdata": "litdata",
-               "unbroken-local": "tar"}
+        fmt = {"unbroken": "tar", "mosaicml": "mds", "litdata": "litdata", "unbroken-local": "tar"}
         names = list(a.only or LOADERS)
         results: dict[str, Any] = {n: {"rounds": []} for n in names}
         for rnd in range(a.rounds):
             # rotate the order each round: a busy box drifts, no loader always goes first
-            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
                 size = dir_bytes(f"{a.root}/{fmt[name]}")
                 limit = int(size * CACHE_FRAC)
-                env = {**os.environ, **_CREDS, "S3_ENDPOINT_URL": endpoint,
-                       "AWS_ENDPOINT_URL": endpoint}
-                r = subprocess.run([sys.executable, __file__, "--child", name, endpoint,
-                                    str(limit), f"{a.root}/cache-{name}"], env=env,
-                                   capture_output=True, text=True, timeout=1800)
+                env = {
+                    **os.environ,
+                    **_CREDS,
+                    "S3_ENDPOINT_URL": endpoint,
+                    "AWS_ENDPOINT_URL": endpoint,
+                }
+                r = subprocess.run(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--child",
+                        name,
+                        endpoint,
+                        str(limit),
+                        f"{a.root}/cache-{name}",
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=1800,
+                )
                 if r.returncode != 0:
                     print(f"{name}: failed\n{r.stderr[-4000:]}", flush=True)
                     results[name]["rounds"].append({"error": r.stderr[-2000:]})
@@ -341,15 +398,19 @@ def main() -> int:
                 results[name].update(dataset_bytes=size, cache_limit=limit)
                 results[name]["rounds"].append(res)
                 for e, ep in enumerate(res["epochs"]):
-                    print(f"round {rnd} {name:>9} epoch {e + 1}: {ep['samples_per_s']:8,.0f} "
-                          f"samples/s ({ep['samples']:,} samples, {ep['distinct']:,} distinct, "
-                          f"{ep['seconds']:.1f} s), downloaded "
-                          f"{ep['bytes_downloaded'] / size:.2f}x its dataset "
-                          f"({ep['bytes_downloaded'] / 1e6:,.0f} MB, {ep['gets']} GETs)",
-                          flush=True)
-                print(f"round {rnd} {name:>9} peak cache {res['peak_cache_bytes'] / 1e6:,.1f} "
-                      f"MB of {limit / 1e6:,.1f} MB limit; dataset {size / 1e6:,.1f} MB",
-                      flush=True)
+                    print(
+                        f"round {rnd} {name:>9} epoch {e + 1}: {ep['samples_per_s']:8,.0f} "
+                        f"samples/s ({ep['samples']:,} samples, {ep['distinct']:,} distinct, "
+                        f"{ep['seconds']:.1f} s), downloaded "
+                        f"{ep['bytes_downloaded'] / size:.2f}x its dataset "
+                        f"({ep['bytes_downloaded'] / 1e6:,.0f} MB, {ep['gets']} GETs)",
+                        flush=True,
+                    )
+                print(
+                    f"round {rnd} {name:>9} peak cache {res['peak_cache_bytes'] / 1e6:,.1f} "
+                    f"MB of {limit / 1e6:,.1f} MB limit; dataset {size / 1e6:,.1f} MB",
+                    flush=True,
+                )
         print("\nmedian over rounds:")
         for name in names:
             ok = [r for r in results[name]["rounds"] if "epochs" in r]
@@ -358,12 +419,19 @@ def main() -> int:
             size = results[name]["dataset_bytes"]
             summ = {
                 f"epoch{e + 1}_samples_per_s": statistics.median(
-                    r["epochs"][e]["samples_per_s"] for r in ok) for e in range(EPOCHS)
+                    r["epochs"][e]["samples_per_s"] for r in ok
+                )
+                for e in range(EPOCHS)
             }
-            summ.update({
-                f"epoch{e + 1}_downloaded_x": statistics.median(
-                    r["epochs"][e]["bytes_downloaded"] for r in ok) / size for e in range(EPOCHS)
-            })
+            summ.update(
+                {
+                    f"epoch{e + 1}_downloaded_x": statistics.median(
+                        r["epochs"][e]["bytes_downloaded"] for r in ok
+                    )
+                    / size
+                    for e in range(EPOCHS)
+                }
+            )
             summ["peak_cache_mb"] = max(r["peak_cache_bytes"] for r in ok) / 1e6
             summ["cache_limit_mb"] = results[name]["cache_limit"] / 1e6
             results[name]["summary"] = summ

@@ -78,8 +78,9 @@ def _torchrun_detect(log_path: str, t_kill: float) -> float | None:
             if not m or not re.search(r"FAILED|failed|closing signal|Stopping worker", line):
                 continue
             mo, d, hh, mm, ss, frac = m.groups()
-            t = datetime.datetime(year, int(mo), int(d), int(hh), int(mm), int(ss),
-                                  int(frac.ljust(6, "0")[:6])).timestamp()
+            t = datetime.datetime(
+                year, int(mo), int(d), int(hh), int(mm), int(ss), int(frac.ljust(6, "0")[:6])
+            ).timestamp()
             if t >= t_kill - 0.01:
                 return t
     return None
@@ -88,29 +89,61 @@ def _torchrun_detect(log_path: str, t_kill: float) -> float | None:
 def one(mode: list[str], work: str, kill_at: int) -> dict[str, float]:
     run_dir = os.path.join(work, "run")
     os.makedirs(run_dir)
-    script = [SCRIPT, "--ckpt", os.path.join(work, "ckpt"), "--metrics",
-              os.path.join(work, "m.jsonl"), "--steps", "100000", "--save-every", "5"]
+    script = [
+        SCRIPT,
+        "--ckpt",
+        os.path.join(work, "ckpt"),
+        "--metrics",
+        os.path.join(work, "m.jsonl"),
+        "--steps",
+        "100000",
+        "--save-every",
+        "5",
+    ]
     env = dict(os.environ)
     if mode[0] == "torchrun":
         env.update({events.ENV_RUN_DIR: run_dir, events.ENV_ATTEMPT: "0"})
         if "noshare" in mode:  # what `unbroken run` sets for its agents
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", "--max-restarts", "1", *script]
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            *script,
+        ]
     else:
-        argv = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", run_dir, "-q",
-                "--nproc-per-node", "2", *mode[1:], "--", *script]
+        argv = [
+            sys.executable,
+            "-m",
+            "unbroken.cli",
+            "run",
+            "--run-dir",
+            run_dir,
+            "-q",
+            "--nproc-per-node",
+            "2",
+            *mode[1:],
+            "--",
+            *script,
+        ]
     log_path = os.path.join(work, "log.txt")
     log = open(log_path, "wb")  # noqa: SIM115 - closed below
-    p = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     prewarm = mode[0] == "unbroken" and "--no-prewarm" not in mode
     try:
         while True:
             bs = _beats(run_dir)
             ready = not prewarm or any(
                 e["event"] == "standby" and e.get("attempt") == 1
-                for e in events.load_events(run_dir))
+                for e in events.load_events(run_dir)
+            )
             if len(bs) >= 2 and min(b.step for b in bs) >= kill_at and ready:
                 break
             _alive(p, work, "before the kill")
@@ -137,13 +170,17 @@ def one(mode: list[str], work: str, kill_at: int) -> dict[str, float]:
         log.close()
 
 
-def _phases(mode: list[str], run_dir: str, log_path: str, old: set[int], t_kill: float,
-            regain: float) -> dict[str, float]:
+def _phases(
+    mode: list[str], run_dir: str, log_path: str, old: set[int], t_kill: float, regain: float
+) -> dict[str, float]:
     deadline = time.time() + 10.0
     while True:  # the restarted ranks' "startup" marks follow their first step
         ev = events.load_events(run_dir)
-        ups = [e for e in ev if e["event"] == "startup" and e["pid"] not in old
-               and e["t_start"] > t_kill]
+        ups = [
+            e
+            for e in ev
+            if e["event"] == "startup" and e["pid"] not in old and e["t_start"] > t_kill
+        ]
         if len(ups) >= 2 or time.time() > deadline:
             break
         time.sleep(0.05)
@@ -232,11 +269,12 @@ def main() -> None:
                     print(f"repeat {r} {name}: FAILED: {e}", flush=True)
                     continue
                 res[name].append(ph)
-                print(f"repeat {r} {name}: " + " ".join(f"{k} {v:.2f}" for k, v in ph.items()),
-                      flush=True)
+                print(
+                    f"repeat {r} {name}: " + " ".join(f"{k} {v:.2f}" for k, v in ph.items()),
+                    flush=True,
+                )
     print(f"uptime: {os.getloadavg()}")
-    anchor = (statistics.median(x["regain"] for x in res[ANCHOR]) if res[ANCHOR]
-              else float("nan"))
+    anchor = statistics.median(x["regain"] for x in res[ANCHOR]) if res[ANCHOR] else float("nan")
     print("\nSIGKILL of 1 of 2 gloo workers; medians (s) over the runs that recovered")
     head = f"{'mode':<58} {'recovered':>9} " + " ".join(f"{k:>8}" for k in PHASES)
     print(head + f" {'vs anchor':>9}")
@@ -246,15 +284,22 @@ def main() -> None:
             print(f"{name:<58} {n:>9}")
             continue
         med = {k: statistics.median(x[k] for x in xs) for k in PHASES}
-        print(f"{name:<58} {n:>9} " + " ".join(f"{med[k]:>8.2f}" for k in PHASES)
-              + f" {med['regain'] / anchor:>8.2f}x")
+        print(
+            f"{name:<58} {n:>9} "
+            + " ".join(f"{med[k]:>8.2f}" for k in PHASES)
+            + f" {med['regain'] / anchor:>8.2f}x"
+        )
     print("\nload split (medians, s; slowest rank):")
     print(f"{'mode':<58} " + " ".join(f"{k:>10}" for k in PARTS))
     for name, xs in res.items():
         if xs:
-            print(f"{name:<58} " + " ".join(
-                f"{statistics.median(x[k] for x in xs) if all(k in x for x in xs) else float('nan'):>10.2f}"
-                for k in PARTS))
+            print(
+                f"{name:<58} "
+                + " ".join(
+                    f"{statistics.median(x[k] for x in xs) if all(k in x for x in xs) else float('nan'):>10.2f}"
+                    for k in PARTS
+                )
+            )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"costs": costs, "runs": res, "failed": failed}, f, indent=1)
@@ -262,4 +307,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-

@@ -98,8 +98,14 @@ def _trainer(dev: torch.device, seed: int, size: dict[str, int]) -> tuple[Any, .
     return state, model, opt, sched, scaler
 
 
-def _train(parts: tuple[Any, ...], dev: torch.device, size: dict[str, int], until: int,
-           ckpt: Checkpointer | None = None, save_at: int | None = None) -> list[float]:
+def _train(
+    parts: tuple[Any, ...],
+    dev: torch.device,
+    size: dict[str, int],
+    until: int,
+    ckpt: Checkpointer | None = None,
+    save_at: int | None = None,
+) -> list[float]:
     state, model, opt, sched, scaler = parts
     cuda = dev.type == "cuda"
     losses = []
@@ -109,8 +115,7 @@ def _train(parts: tuple[Any, ...], dev: torch.device, size: dict[str, int], unti
         x = torch.randint(0, size["vocab"], (size["batch"], size["seq"]), device=dev)
         with torch.autocast(dev.type, dtype=torch.float16, enabled=cuda):
             logits = model(x[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, size["vocab"]),
-                                   x[:, 1:].reshape(-1))
+            loss = F.cross_entropy(logits.float().reshape(-1, size["vocab"]), x[:, 1:].reshape(-1))
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
@@ -124,8 +129,11 @@ def _train(parts: tuple[Any, ...], dev: torch.device, size: dict[str, int], unti
 
 
 def resume_check(dev: torch.device, root: str, smoke: bool) -> dict[str, Any]:
-    size = dict(vocab=64, dim=32, layers=1, batch=4, seq=17, steps=12) if smoke else \
-        dict(vocab=4096, dim=512, layers=4, batch=32, seq=257, steps=60)
+    size = (
+        dict(vocab=64, dim=32, layers=1, batch=4, seq=17, steps=12)
+        if smoke
+        else dict(vocab=4096, dim=512, layers=4, batch=32, seq=257, steps=60)
+    )
     k = size["steps"] // 3
     torch.use_deterministic_algorithms(True)
     try:
@@ -147,13 +155,21 @@ def resume_check(dev: torch.device, root: str, smoke: bool) -> dict[str, Any]:
     optim = all(torch.equal(oa[i][s], ob[i][s]) for i in oa for s in oa[i])
     scaler = ref[4].state_dict() == other[4].state_dict()
     curve = ref_losses[k:] == losses
-    out = {"restored_step": got, "steps": size["steps"], "weights_identical": weights,
-           "optimizer_identical": optim, "scaler_identical": scaler,
-           "loss_curve_identical": curve}
+    out = {
+        "restored_step": got,
+        "steps": size["steps"],
+        "weights_identical": weights,
+        "optimizer_identical": optim,
+        "scaler_identical": scaler,
+        "loss_curve_identical": curve,
+    }
     out["identical"] = bool(got == k and weights and optim and scaler and curve)
-    print(f"[1] resume on {dev.type}: restored step {got} of {size['steps']}; weights "
-          f"{weights}, optimizer {optim}, scaler {scaler}, loss curve {curve} -> "
-          f"{'BIT-IDENTICAL' if out['identical'] else 'DIFFERS'}", flush=True)
+    print(
+        f"[1] resume on {dev.type}: restored step {got} of {size['steps']}; weights "
+        f"{weights}, optimizer {optim}, scaler {scaler}, loss curve {curve} -> "
+        f"{'BIT-IDENTICAL' if out['identical'] else 'DIFFERS'}",
+        flush=True,
+    )
     return out
 
 
@@ -172,8 +188,16 @@ def ckpt_check(dev: torch.device, root: str, gib: float, saves: int) -> dict[str
     opt.step()
     opt.zero_grad(set_to_none=True)
     sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-    flat = [t for t in list(model.parameters()) + [v for s in opt.state.values()
-            for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]]
+    flat = [
+        t
+        for t in list(model.parameters())
+        + [
+            v
+            for s in opt.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim()
+        ]
+    ]
     nbytes = sum(t.numel() * t.element_size() for t in flat)
     cuda = dev.type == "cuda"
     bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in flat]
@@ -188,8 +212,11 @@ def ckpt_check(dev: torch.device, root: str, gib: float, saves: int) -> dict[str
     ck = Checkpointer(os.path.join(root, "ub"), st, async_save=True, keep_last=1)
     ck.maybe_save()  # the loop's first step boundary: buffers are allocated on the side
     ck.wait()
-    rows: dict[str, list[float]] = {"D2H floor (pinned, preallocated)": [],
-                                    "unbroken async save": [], "dcp.async_save": []}
+    rows: dict[str, list[float]] = {
+        "D2H floor (pinned, preallocated)": [],
+        "unbroken async save": [],
+        "dcp.async_save": [],
+    }
     for i in range(saves):
         rows["D2H floor (pinned, preallocated)"].append(_timed(floor, dev))
         st.step = i + 1
@@ -198,14 +225,17 @@ def ckpt_check(dev: torch.device, root: str, gib: float, saves: int) -> dict[str
         fut: list[Any] = []
         path = os.path.join(root, f"dcp{i}")
         rows["dcp.async_save"].append(
-            _timed(lambda p=path: fut.append(dcp.async_save(sd, checkpoint_id=p)), dev))
+            _timed(lambda p=path: fut.append(dcp.async_save(sd, checkpoint_id=p)), dev)
+        )
         fut[0].result()
         if i < saves - 1:
             shutil.rmtree(path)
     ck.close()
     floor_s = statistics.median(rows["D2H floor (pinned, preallocated)"])
-    print(f"[2] checkpoint of {nbytes / 2**30:.2f} GiB in {dev.type} memory, loop stall "
-          f"per save (first / median of the rest), x floor:")
+    print(
+        f"[2] checkpoint of {nbytes / 2**30:.2f} GiB in {dev.type} memory, loop stall "
+        f"per save (first / median of the rest), x floor:"
+    )
     out: dict[str, Any] = {"bytes": nbytes, "stall": {}}
     for name, xs in rows.items():
         later = statistics.median(xs[1:]) if len(xs) > 1 else xs[0]
@@ -219,8 +249,11 @@ def ckpt_check(dev: torch.device, root: str, gib: float, saves: int) -> dict[str
     last = os.path.join(root, f"dcp{saves - 1}")
     t_dcp = _timed(lambda: dcp.load(target, checkpoint_id=last), dev)
     out["load"] = {"unbroken_verified_s": t_ub, "dcp_load_s": t_dcp, "speedup": t_dcp / t_ub}
-    print(f"    load into {dev.type}: unbroken (verified) {t_ub:.3f} s, dcp.load {t_dcp:.3f} s"
-          f" -> {t_dcp / t_ub:.2f}x (goal >= 4x on the GPU)", flush=True)
+    print(
+        f"    load into {dev.type}: unbroken (verified) {t_ub:.3f} s, dcp.load {t_dcp:.3f} s"
+        f" -> {t_dcp / t_ub:.2f}x (goal >= 4x on the GPU)",
+        flush=True,
+    )
     return out
 
 
@@ -244,10 +277,23 @@ def ring_check(dev: torch.device, root: str, smoke: bool) -> dict[str, Any]:
     side, n, batch, workers, steps = (16, 96, 8, 2, 6) if smoke else (96, 9216, 128, 4, 60)
     g = torch.Generator().manual_seed(0)
     data = os.path.join(root, "ring-data")
-    pack(({"__key__": f"{i:06d}", "side": str(side).encode(), "cls": str(i % 1000).encode(),
-           "img": torch.randint(0, 256, (3 * side * side,), dtype=torch.uint8,
-                                generator=g).numpy().tobytes()} for i in range(n)),
-         data, shard_size=16 << 20, fsync=False, progress=False)
+    pack(
+        (
+            {
+                "__key__": f"{i:06d}",
+                "side": str(side).encode(),
+                "cls": str(i % 1000).encode(),
+                "img": torch.randint(0, 256, (3 * side * side,), dtype=torch.uint8, generator=g)
+                .numpy()
+                .tobytes(),
+            }
+            for i in range(n)
+        ),
+        data,
+        shard_size=16 << 20,
+        fsync=False,
+        progress=False,
+    )
     ds = StreamingDataset(data, seed=0, transform=_decode_image)
     cuda = dev.type == "cuda"
     out: dict[str, Any] = {"samples": n, "batch": batch, "workers": workers}
@@ -272,8 +318,10 @@ def ring_check(dev: torch.device, root: str, smoke: bool) -> dict[str, Any]:
         copies.append((b[0].to(dev, non_blocking=True), b[1].to(dev, non_blocking=True)))
         del b  # the slot may be recycled now - but only once the copy has read it
     _sync(dev)
-    intact = sum(bool(torch.equal(x.cpu(), w[0]) and torch.equal(y.cpu(), w[1]))
-                 for (x, y), w in zip(copies, ref, strict=True))
+    intact = sum(
+        bool(torch.equal(x.cpu(), w[0]) and torch.equal(y.cpu(), w[1]))
+        for (x, y), w in zip(copies, ref, strict=True)
+    )
     out["copies_intact"] = intact == len(ref)
     del copies
 
@@ -303,8 +351,15 @@ def ring_check(dev: torch.device, root: str, smoke: bool) -> dict[str, Any]:
         return (time.perf_counter() - t0) / steps * 1e3
 
     def epochs(**kw: Any) -> Any:
-        loader = StatefulLoader(ds, batch, drop_last=True, num_workers=workers,
-                                pin_memory=True, persistent_workers=True, **kw)
+        loader = StatefulLoader(
+            ds,
+            batch,
+            drop_last=True,
+            num_workers=workers,
+            pin_memory=True,
+            persistent_workers=True,
+            **kw,
+        )
         for e in range(1000):
             loader.set_epoch(e)
             yield from loader
@@ -313,21 +368,28 @@ def ring_check(dev: torch.device, root: str, smoke: bool) -> dict[str, Any]:
     rows = {
         "compute only": timed(iter(lambda: fixed, None)),
         "DevicePrefetcher over the pinned ring": timed(
-            DevicePrefetcher(epochs(), device=dev, transform=normalise)),
+            DevicePrefetcher(epochs(), device=dev, transform=normalise)
+        ),
         "DevicePrefetcher over torch's pin thread": timed(
-            DevicePrefetcher(epochs(shm_transport=False), device=dev, transform=normalise)),
+            DevicePrefetcher(epochs(shm_transport=False), device=dev, transform=normalise)
+        ),
     }
     floor = rows["compute only"]
     out["step_ms"] = rows
     out["ratio"] = rows["DevicePrefetcher over the pinned ring"] / floor
-    print(f"[4] pinned ring ({workers} workers, batch {batch}x3x{side}x{side} uint8): "
-          f"{same}/{len(ref)} batches identical to the no-worker ones, {pinned} pinned on "
-          f"arrival; copies from dropped batches intact: {out['copies_intact']}")
+    print(
+        f"[4] pinned ring ({workers} workers, batch {batch}x3x{side}x{side} uint8): "
+        f"{same}/{len(ref)} batches identical to the no-worker ones, {pinned} pinned on "
+        f"arrival; copies from dropped batches intact: {out['copies_intact']}"
+    )
     for name, ms in rows.items():
         print(f"    {name:<42} {ms:8.2f} ms/step  {ms / floor:6.3f}x")
     if cuda:
-        print(f"    goal <= 1.05x compute only: {out['ratio']:.3f} -> "
-              f"{'PASS' if out['ratio'] <= 1.05 else 'FAIL'}", flush=True)
+        print(
+            f"    goal <= 1.05x compute only: {out['ratio']:.3f} -> "
+            f"{'PASS' if out['ratio'] <= 1.05 else 'FAIL'}",
+            flush=True,
+        )
     return out
 
 
@@ -372,8 +434,11 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
     ring = out.get("ring", {})
-    ok = out.get("resume", {}).get("identical", True) and ring.get("identical", True) and \
-        ring.get("copies_intact", True)
+    ok = (
+        out.get("resume", {}).get("identical", True)
+        and ring.get("identical", True)
+        and ring.get("copies_intact", True)
+    )
     return 0 if ok else 1
 
 

@@ -74,13 +74,15 @@ class RandomImages(IterableDataset):
 
 
 class TinyViT(nn.Module):
-    def __init__(self, dim: int, layers: int, heads: int, image: int, patch: int = 16,
-                 classes: int = 1000) -> None:
+    def __init__(
+        self, dim: int, layers: int, heads: int, image: int, patch: int = 16, classes: int = 1000
+    ) -> None:
         super().__init__()
         self.patch = nn.Conv2d(3, dim, patch, patch)
         self.pos = nn.Parameter(torch.zeros(1, (image // patch) ** 2, dim))
-        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, activation="gelu",
-                                           batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(
+            dim, heads, 4 * dim, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
         self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, classes)
 
@@ -135,9 +137,12 @@ def run_variant(name: str, args: argparse.Namespace, dev: torch.device) -> dict[
     total = args.warmup + args.steps
     workers = args.workers
     ds = RandomImages(args.batch, args.image, math.ceil(total / max(1, workers)) + 2, 1000)
-    kw: dict[str, Any] = dict(batch_size=None, num_workers=workers,
-                              prefetch_factor=args.prefetch_factor if workers else None,
-                              persistent_workers=False)
+    kw: dict[str, Any] = dict(
+        batch_size=None,
+        num_workers=workers,
+        prefetch_factor=args.prefetch_factor if workers else None,
+        persistent_workers=False,
+    )
     copy_ms: list[float] = []  # (a)/(b): H2D measured with events around the in-step copy
     if name == "a":
         source: Any = DataLoader(ds, pin_memory=False, **kw)
@@ -228,11 +233,15 @@ def fit_shared_memory(args: argparse.Namespace) -> None:
             args.workers -= 1
         else:
             args.workers = 0
-    print(f"/dev/shm free {free / 1e9:.1f} GB: workers={args.workers} "
-          f"prefetch_factor={args.prefetch_factor}")
+    print(
+        f"/dev/shm free {free / 1e9:.1f} GB: workers={args.workers} "
+        f"prefetch_factor={args.prefetch_factor}"
+    )
     if args.workers == 0:
-        print("WARNING: no room in /dev/shm for worker batches; batches are made in the "
-              "training process, which slows (a)-(c) but not (d)")
+        print(
+            "WARNING: no room in /dev/shm for worker batches; batches are made in the "
+            "training process, which slows (a)-(c) but not (d)"
+        )
 
 
 LABELS = {
@@ -265,22 +274,27 @@ def main(argv: list[str] | None = None) -> int:
         args.warmup, args.steps, args.workers, args.ceiling_mb = 2, 4, 1, 1
         dev = torch.device("cpu")
     elif not torch.cuda.is_available():
-        print("gpu_feed: no CUDA device; run with --smoke to check the script on CPU",
-              file=sys.stderr)
+        print(
+            "gpu_feed: no CUDA device; run with --smoke to check the script on CPU", file=sys.stderr
+        )
         return 2
     else:
         dev = torch.device("cuda", torch.cuda.current_device())
     fit_shared_memory(args)
     torch.backends.cuda.matmul.allow_tf32 = True
-    print(f"device: {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, "
-          f"torch {torch.__version__}, batch {args.batch}x3x{args.image}x{args.image} uint8 "
-          f"({args.batch * 3 * args.image**2 / 1e6:.1f} MB), ViT dim {args.dim} x "
-          f"{args.layers} layers, {args.workers} workers")
+    print(
+        f"device: {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}, "
+        f"torch {torch.__version__}, batch {args.batch}x3x{args.image}x{args.image} uint8 "
+        f"({args.batch * 3 * args.image**2 / 1e6:.1f} MB), ViT dim {args.dim} x "
+        f"{args.layers} layers, {args.workers} workers"
+    )
     ceiling = (math.nan, math.nan)
     if dev.type == "cuda":
         ceiling = h2d_ceiling(dev, args.ceiling_mb << 20)
-        print(f"H2D ceiling ({args.ceiling_mb} MB copy): pinned {ceiling[0]:.1f} GB/s, "
-              f"pageable {ceiling[1]:.1f} GB/s (issue quotes 55 / 8.5 on the H200 machine)")
+        print(
+            f"H2D ceiling ({args.ceiling_mb} MB copy): pinned {ceiling[0]:.1f} GB/s, "
+            f"pageable {ceiling[1]:.1f} GB/s (issue quotes 55 / 8.5 on the H200 machine)"
+        )
     results = {}
     for v in args.variants.split(","):
         if v not in LABELS:
@@ -290,13 +304,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  ran {LABELS[v]}: {r['step_ms']:.2f} ms/step", flush=True)
     floor = results.get("d", {}).get("step_ms", math.nan)
     print()
-    print(f"{'variant':<28} {'step ms':>8} {'x (d)':>6} {'stall %':>8} {'H2D GB/s':>9} "
-          f"{'of ceiling':>10}")
+    print(
+        f"{'variant':<28} {'step ms':>8} {'x (d)':>6} {'stall %':>8} {'H2D GB/s':>9} "
+        f"{'of ceiling':>10}"
+    )
     for v, r in results.items():
         ceil = ceiling[1] if v == "a" else ceiling[0]
         frac = r["h2d_gbps"] / ceil if math.isfinite(r["h2d_gbps"]) and ceil > 0 else math.nan
-        print(f"{LABELS[v]:<28} {r['step_ms']:>8.2f} {r['step_ms'] / floor:>6.3f} "
-              f"{r['stall_pct']:>8.1f} {r['h2d_gbps']:>9.1f} {100 * frac:>9.0f}%")
+        print(
+            f"{LABELS[v]:<28} {r['step_ms']:>8.2f} {r['step_ms'] / floor:>6.3f} "
+            f"{r['stall_pct']:>8.1f} {r['h2d_gbps']:>9.1f} {100 * frac:>9.0f}%"
+        )
     verdict = None
     if dev.type != "cuda":
         print("\ngoal (c) <= 1.05 x (d): not judged on CPU (the smoke run checks the script)")
@@ -306,9 +324,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ngoal (c) <= 1.05 x (d): {ratio:.3f} -> {'PASS' if verdict else 'FAIL'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "ceiling_gbps": {"pinned": ceiling[0],
-                       "pageable": ceiling[1]}, "results": results, "pass": verdict}, f,
-                      indent=1, default=str)
+            json.dump(
+                {
+                    "args": vars(args),
+                    "ceiling_gbps": {"pinned": ceiling[0], "pageable": ceiling[1]},
+                    "results": results,
+                    "pass": verdict,
+                },
+                f,
+                indent=1,
+                default=str,
+            )
     return 0
 
 

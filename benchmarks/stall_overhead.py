@@ -48,8 +48,9 @@ def training(pairs: int, chunk: int, control: bool = False) -> tuple[float, floa
     ``control``: the "instrumented" chunk is bare too (A/A: the method's own bias/noise)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
-                                torch.nn.Linear(512, 256))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     batches = [torch.randn(64, 256) for _ in range(chunk)]
 
@@ -91,8 +92,7 @@ def main() -> None:
     print(f"   -> {100 * over / 1e3:.3f}% of a 1 ms step, {100 * over / 1e4:.4f}% of a 10 ms step")
     b, t, r = training(300, 20)
     print("2. small CPU training step, 300 alternating pairs of 20-step chunks (us/step)")
-    print(f"   bare {b:.1f}   StepTimer+DevicePrefetcher {t:.1f}   "
-          f"median pair ratio {r:.4f}")
+    print(f"   bare {b:.1f}   StepTimer+DevicePrefetcher {t:.1f}   median pair ratio {r:.4f}")
     b, t, r = training(300, 20, control=True)
     print(f"   A/A control (bare vs bare, same method): median pair ratio {r:.4f}")
 

@@ -113,7 +113,10 @@ def time_read(root: str, verify: bool, batch: int, seed: int, warm: bool = False
 
 def _cpu() -> float:
     """CPU seconds of this process and of its finished (joined) children, user + system."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
@@ -150,6 +153,7 @@ def main() -> None:
     prepare(a.root, a.samples)
     tar, tok = f"{a.root}/tar", f"{a.root}/tokens"
     runs: dict[tuple[str, bool], list[float]] = {}
+
     def loader(v: bool, r: int) -> dict[str, float]:
         rate, cpu = time_loader(tar, v, r)
         return {"loader": rate, "loader-cpu": cpu}

@@ -31,17 +31,33 @@ def main(run: str, steps: int = 300) -> None:
     data = os.path.join(run, "data")
     if not os.path.exists(os.path.join(data, "dataset.json")):
         rng = np.random.default_rng(0)
-        samples = ({"__key__": f"{i:06d}", "bin": rng.standard_normal(17).astype(np.float32).tobytes()} for i in range(4096))
+        samples = (
+            {"__key__": f"{i:06d}", "bin": rng.standard_normal(17).astype(np.float32).tobytes()}
+            for i in range(4096)
+        )
         pack(samples, data, shard_size=1 << 20, progress=False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)  # the same initial weights in every run (restore() then replaces them)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(device)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
+    ).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    loader = StatefulLoader(StreamingDataset(data, seed=0, transform=decode), batch_size=32, num_workers=2)
+    loader = StatefulLoader(
+        StreamingDataset(data, seed=0, transform=decode), batch_size=32, num_workers=2
+    )
     metrics = MetricLog(os.path.join(run, "metrics.jsonl"))
-    state = TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader, metrics=metrics, seed=0)
-    ckpt = Checkpointer(os.path.join(run, "ckpt"), state, every_steps=50, keep_last=3, async_save=True, save_on_sigterm=True)
+    state = TrainState(
+        model=model, optimizer=opt, scheduler=sched, loader=loader, metrics=metrics, seed=0
+    )
+    ckpt = Checkpointer(
+        os.path.join(run, "ckpt"),
+        state,
+        every_steps=50,
+        keep_last=3,
+        async_save=True,
+        save_on_sigterm=True,
+    )
     state.step = ckpt.restore() or 0
     while state.step < steps:
         for batch in DevicePrefetcher(loader, device=device):

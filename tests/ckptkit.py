@@ -41,7 +41,10 @@ class Blob:
 
 def can_mount() -> bool:
     """Root with mount(8): real tmpfs mounts (tiny disks, read-only roots) are possible."""
-    return os.geteuid() == 0 and subprocess.run(["which", "mount"], capture_output=True).returncode == 0
+    return (
+        os.geteuid() == 0
+        and subprocess.run(["which", "mount"], capture_output=True).returncode == 0
+    )
 
 
 @contextlib.contextmanager
@@ -109,7 +112,9 @@ def identical(a: Any, b: Any) -> bool:
     if isinstance(a, np.ndarray):
         return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(identical(a[k], b[k]) for k in a)
+        )
     if isinstance(a, list | tuple):
         return type(a) is type(b) and len(a) == len(b) and all(map(identical, a, b))
     return type(a) is type(b) and a == b
@@ -207,7 +212,10 @@ def replace_file(d: str, name: str, data: bytes) -> None:
     with open(os.path.join(d, name), "wb") as f:
         f.write(data)
     edit_manifest(
-        d, lambda m: m["files"].__setitem__(name, {"size": len(data), "checksum": checksum_bytes(data)})
+        d,
+        lambda m: m["files"].__setitem__(
+            name, {"size": len(data), "checksum": checksum_bytes(data)}
+        ),
     )
 
 

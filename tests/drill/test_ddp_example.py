@@ -26,8 +26,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
 SCRIPT = os.path.abspath(os.path.join(EXAMPLES, "ddp_unbroken.py"))
 STOCK = os.path.abspath(os.path.join(EXAMPLES, "ddp_stock.py"))
-WORDS = ("the of and to in a is that for it as was with be by on not he this are or his from "
-         "at which but have an they you were her she there been one all we their has").split()
+WORDS = (
+    "the of and to in a is that for it as was with be by on not he this are or his from "
+    "at which but have an they you were her she there been one all we their has"
+).split()
 
 
 @pytest.fixture(scope="module")
@@ -38,24 +40,57 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     text = " ".join(r.choice(WORDS) + ("." if r.random() < 0.08 else "") for _ in range(12000))
     (d / "corpus.txt").write_text(text)
     tok = str(d / "tok")
-    assert main(["data", "tokenize", str(d / "corpus.txt"), tok, "--train-bpe", "512",
-                 "--seq-len", "32"]) == 0
+    assert (
+        main(
+            [
+                "data",
+                "tokenize",
+                str(d / "corpus.txt"),
+                tok,
+                "--train-bpe",
+                "512",
+                "--seq-len",
+                "32",
+            ]
+        )
+        == 0
+    )
     return str(d / "corpus.txt"), tok
 
 
 def _torchrun(nproc: int, *args: str, log: str, timeout: float = 240) -> None:
     with open(log, "wb") as out:
-        rc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", str(nproc), *args], stdout=out,
-                            stderr=subprocess.STDOUT, timeout=timeout).returncode
+        rc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                str(nproc),
+                *args,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        ).returncode
     assert rc == 0, open(log, encoding="utf-8", errors="replace").read()[-3000:]
 
 
 def test_the_stock_loop_runs(corpus, tmp_path):
     """The "before" is a real loop, not a straw man: it trains under torchrun as it is."""
     text, _ = corpus
-    _torchrun(1, STOCK, "--data", text, "--out", str(tmp_path), "--steps", "3",
-              log=str(tmp_path / "stock.log"))
+    _torchrun(
+        1,
+        STOCK,
+        "--data",
+        text,
+        "--out",
+        str(tmp_path),
+        "--steps",
+        "3",
+        log=str(tmp_path / "stock.log"),
+    )
     assert (tmp_path / "model.pt").stat().st_size > 0
 
 
@@ -77,17 +112,35 @@ def test_sigkill_of_one_rank_resumes_bit_identical(corpus, tmp_path):
     _torchrun(2, SCRIPT, *args, "--out", ref, log=ref + ".log")
 
     run, sup = str(tmp_path / "run"), str(tmp_path / "sup")
-    cmd = [sys.executable, "-m", "unbroken.cli", "run", "--nproc-per-node", "2", "--run-dir", sup,
-           "--backoff", "0.2", "--backoff-max", "1", "--hang-timeout", "120", "--",
-           SCRIPT, *args, "--out", run]
+    cmd = [
+        sys.executable,
+        "-m",
+        "unbroken.cli",
+        "run",
+        "--nproc-per-node",
+        "2",
+        "--run-dir",
+        sup,
+        "--backoff",
+        "0.2",
+        "--backoff-max",
+        "1",
+        "--hang-timeout",
+        "120",
+        "--",
+        SCRIPT,
+        *args,
+        "--out",
+        run,
+    ]
     with open(str(tmp_path / "sup.out"), "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
             metrics = os.path.join(run, "metrics.jsonl")
-            _wait(lambda: (read_metrics(metrics) or [{"step": 0}])[-1]["step"] >= 25,
-                  "step 25", proc)
-            attempt = max(int(e["attempt"]) for e in load_events(sup)
-                          if e["event"] == "launch")
+            _wait(
+                lambda: (read_metrics(metrics) or [{"step": 0}])[-1]["step"] >= 25, "step 25", proc
+            )
+            attempt = max(int(e["attempt"]) for e in load_events(sup) if e["event"] == "launch")
             victim = next(b for b in heartbeat.read_beats(sup, attempt) if b.rank == 1)
             os.kill(victim.pid, signal.SIGKILL)  # rank 1: not the rank that writes the log
             rc = proc.wait(timeout=300)
@@ -112,9 +165,28 @@ def test_sigkill_of_one_rank_resumes_bit_identical(corpus, tmp_path):
 def test_drill_multi_rank_on_the_ddp_example(corpus, tmp_path, capsys):
     _, tok = corpus
     out = str(tmp_path / "drill")
-    rc = main(["drill", "--multi-rank", "--faults", "world-size", "--dir", out,
-               "--hang-timeout", "60", "--timeout", "300", "--",
-               SCRIPT, "--data", tok, "--steps", "40", "--out", "{dir}"])
+    rc = main(
+        [
+            "drill",
+            "--multi-rank",
+            "--faults",
+            "world-size",
+            "--dir",
+            out,
+            "--hang-timeout",
+            "60",
+            "--timeout",
+            "300",
+            "--",
+            SCRIPT,
+            "--data",
+            tok,
+            "--steps",
+            "40",
+            "--out",
+            "{dir}",
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text[-4000:]
     report = json.load(open(os.path.join(out, "drill.json")))

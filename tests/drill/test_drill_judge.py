@@ -37,8 +37,13 @@ def _fault(i: int, t: float, restored: int | None) -> FaultResult:
     return FaultResult(inj, [Check("injected", True, "")], restored=restored)
 
 
-def _judge(faults: list[FaultResult], got: list[dict[str, Any]], ref: list[dict[str, Any]],
-           exact_until: int | None = None, findings: Any = None) -> RunComparison:
+def _judge(
+    faults: list[FaultResult],
+    got: list[dict[str, Any]],
+    ref: list[dict[str, Any]],
+    exact_until: int | None = None,
+    findings: Any = None,
+) -> RunComparison:
     cmp = RunComparison("single", "ref", "job", 1, exact_until, [], {})
     judge_trajectories(faults, cmp, got, ref, findings)
     return cmp
@@ -66,9 +71,14 @@ def test_only_the_fault_whose_steps_diverge_fails_and_later_ones_are_not_checked
     first, second, third = (_traj(f) for f in faults)
     assert first.ok and not first.skipped and "steps 11..25" in first.detail
     assert not second.ok and second.detail.startswith(
-        "steps 26..35 compared: the loss differs from step 28 on")
-    assert third.ok and third.skipped and third.detail == (
-        "not checked: the run had already diverged at step 28 after fault #2's recovery")
+        "steps 26..35 compared: the loss differs from step 28 on"
+    )
+    assert (
+        third.ok
+        and third.skipped
+        and third.detail
+        == ("not checked: the run had already diverged at step 28 after fault #2's recovery")
+    )
     assert [f.verdict for f in faults] == ["NOT CHECKED", "FAIL", "NOT CHECKED"]
 
 
@@ -80,8 +90,10 @@ def test_other_samples_steps_rolled_back_and_a_divergence_before_any_fault():
     assert _traj(faults[0]).detail.startswith("loss and sample ids of steps 11..20 identical")
     # fault 3 struck before a new checkpoint: fault 2's steps were all rolled back
     assert _traj(faults[1]).skipped and "rolled the job back to step 20" in _traj(faults[1]).detail
-    assert not _traj(faults[2]).ok and "other samples than the reference at step 21" in \
-        _traj(faults[2]).detail
+    assert (
+        not _traj(faults[2]).ok
+        and "other samples than the reference at step 21" in _traj(faults[2]).detail
+    )
     cmp = _judge([_fault(1, 10.0, 10)], _log(30, bad_from=4), _log(30))
     assert cmp.checks[0].name == "before any fault" and "step 4" in cmp.checks[0].detail
 
@@ -89,9 +101,12 @@ def test_other_samples_steps_rolled_back_and_a_divergence_before_any_fault():
 def test_after_a_world_size_change_only_sample_ids_are_compared():
     faults = [_fault(1, 10.0, 10), _fault(2, 20.0, 20)]
     _judge(faults, _log(40, bad_from=21), _log(40), exact_until=20)
-    assert _traj(faults[0]).detail == "loss and sample ids of steps 11..20 identical to the reference"
+    assert (
+        _traj(faults[0]).detail == "loss and sample ids of steps 11..20 identical to the reference"
+    )
     assert _traj(faults[1]).ok and _traj(faults[1]).detail.startswith(
-        "sample ids of steps 21..40 identical to the reference (another world size from step 21")
+        "sample ids of steps 21..40 identical to the reference (another world size from step 21"
+    )
     again = [_fault(1, 10.0, 10), _fault(2, 20.0, 20)]
     _judge(again, _log(40, ids=False), _log(40, ids=False))
     assert "loss (no sample ids logged)" in _traj(again[1]).detail
@@ -111,9 +126,11 @@ class _State:
 
 
 def _sd(h: torch.Tensor, w: float, step: int = 10, rng: int = 7) -> dict[str, Any]:
-    return {"counters": {"step": step}, "components": {
-        "model": {"w": torch.full((3,), w)}, "extra.hidden": {"h": h}},
-        "rng": {"torch": torch.tensor([rng], dtype=torch.uint8), "python": (3, (1, 2, 3), None)}}
+    return {
+        "counters": {"step": step},
+        "components": {"model": {"w": torch.full((3,), w)}, "extra.hidden": {"h": h}},
+        "rng": {"torch": torch.tensor([rng], dtype=torch.uint8), "python": (3, (1, 2, 3), None)},
+    }
 
 
 def test_audit_names_a_per_rank_state_that_came_back_with_rank_0s_value(tmp_path):
@@ -176,9 +193,27 @@ def test_audit_names_what_changed_after_the_restore_and_ignores_unseeded_noise(t
 
 
 def test_fingerprint_kinds_and_collapsed_scalar_lists():
-    fp = fingerprint({"components": {"m": {"w": torch.ones(3), "s": torch.tensor(2.0),
-                                           "n": torch.tensor(3), "lr": 0.1, "ids": [0, 1, 2]}}},
-                     {"python": (3, tuple(range(625)), None)})
+    fp = fingerprint(
+        {
+            "components": {
+                "m": {
+                    "w": torch.ones(3),
+                    "s": torch.tensor(2.0),
+                    "n": torch.tensor(3),
+                    "lr": 0.1,
+                    "ids": [0, 1, 2],
+                }
+            }
+        },
+        {"python": (3, tuple(range(625)), None)},
+    )
     assert {k: v[0] for k, v in fp.items()} == {
-        "m/w": "f", "m/s": "s", "m/n": "d", "m/lr": "s", "m/ids": "d", "rng/python/0": "d",
-        "rng/python/1": "d", "rng/python/2": "d"}
+        "m/w": "f",
+        "m/s": "s",
+        "m/n": "d",
+        "m/lr": "s",
+        "m/ids": "d",
+        "rng/python/0": "d",
+        "rng/python/1": "d",
+        "rng/python/2": "d",
+    }

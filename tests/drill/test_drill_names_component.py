@@ -17,8 +17,13 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "carry.py")
 
 
 def test_a_forgotten_hidden_state_is_named_and_later_faults_are_not_checked(tmp_path, token):
-    cfg = DrillConfig((SCRIPT, "--dir", "{dir}", "--steps", "40", "--break", "hidden"),
-                      str(tmp_path / "drill"), faults=("kill", "corrupt"), seed=0, timeout=240)
+    cfg = DrillConfig(
+        (SCRIPT, "--dir", "{dir}", "--steps", "40", "--break", "hidden"),
+        str(tmp_path / "drill"),
+        faults=("kill", "corrupt"),
+        seed=0,
+        timeout=240,
+    )
     report = run_drill(cfg, token=token)
     table = report.format_table()
     print(table)
@@ -29,14 +34,21 @@ def test_a_forgotten_hidden_state_is_named_and_later_faults_are_not_checked(tmp_
     r = first.restored
     assert not checks["restore"].ok and checks["restore"].detail == (
         f"restore() did not bring back what was saved at step {r}: on rank 0, extra.hidden (h) "
-        "not as saved")
+        "not as saved"
+    )
     traj = checks["trajectory"]
     assert not traj.ok and f"the loss differs from step {r + 1} on" in traj.detail
     assert "extra.hidden (h)" in traj.detail and "RNG" not in traj.detail
     later = {c.name: c for c in second.checks}["trajectory"]
-    assert later.ok and later.skipped and later.detail == (
-        f"not checked: the run had already diverged at step {r + 1} after fault "
-        f"#{first.injection.spec.index}'s recovery")
+    assert (
+        later.ok
+        and later.skipped
+        and later.detail
+        == (
+            f"not checked: the run had already diverged at step {r + 1} after fault "
+            f"#{first.injection.spec.index}'s recovery"
+        )
+    )
     assert second.verdict in ("NOT CHECKED", "FAIL")  # its own restore check fails too
     assert "NOT CHECKED" in table or "n/c  trajectory" in table
     saved = json.loads((tmp_path / "drill" / "drill.json").read_text())

@@ -30,7 +30,6 @@ moto_server = pytest.importorskip("moto.server")
 _CREDS = S3_TEST_CREDS
 
 
-
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
     with pytest.MonkeyPatch.context() as mp:

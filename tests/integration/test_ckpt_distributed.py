@@ -26,7 +26,6 @@ BATCH = 2
 N_SAMPLES = 96
 
 
-
 class _Sharded:
     """A DTensor sharded over every rank (as FSDP2 parameters are)."""
 
@@ -459,7 +458,9 @@ def test_per_rank_state_survives_resize_is_refused_ddp_is_unwrapped(tmp_path) ->
     ]
     m = manifests[0]
     assert m["components"]["extra.hidden"] == {
-        "sharing": "per_rank", "differs": True, "differing": ["<non-tensor state>", "h"]
+        "sharing": "per_rank",
+        "differs": True,
+        "differing": ["<non-tensor state>", "h"],
     }
     assert m["components"]["model"] == {"sharing": "replicated", "differs": False, "differing": []}
     assert [m["tensors"][f"rank{r}/components/extra.hidden/h"]["rank"] for r in (0, 1)] == [0, 1]

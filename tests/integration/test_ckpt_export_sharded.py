@@ -21,7 +21,6 @@ pytestmark = pytest.mark.slow
 WORLD = 2
 
 
-
 def _full() -> dict[str, torch.Tensor]:
     return {
         "proj.weight": torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6) / 7,  # uneven rows

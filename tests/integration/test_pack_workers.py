@@ -145,7 +145,9 @@ def test_pack_resumes_after_sigkill(tmp_path: str) -> None:
     src, out, ref = (os.path.join(tmp_path, n) for n in ("src", "out", "ref"))
     _tree(src, 240)
     call = f"prepare.pack.pack({src!r}, {out!r}, shard_size=30_000, workers=2, progress=False)"
-    _kill_when(_SLOW_CHILD.format(writer="tar.writer.TarShardWriter", call=call), out, ".tar.idx", 4)
+    _kill_when(
+        _SLOW_CHILD.format(writer="tar.writer.TarShardWriter", call=call), out, ".tar.idx", 4
+    )
     assert not os.path.exists(os.path.join(out, "dataset.json"))  # never looks complete
     res = pack(src, out, shard_size=30_000, workers=2, progress=False)
     assert res.shards_reused >= 2 and res.shards_written >= 1  # resumed, not restarted
@@ -161,7 +163,9 @@ def test_tokenize_resumes_after_sigkill(tmp_path: str) -> None:
     kw = dict(tokenizer=tok, seq_len=32, shard_size=12_000, progress=False)
     tokenize(src, ref, train_bpe_vocab=400, workers=1, **kw)  # also trains tok.json
     call = f"tokens.tokenizer.tokenize({src!r}, {out!r}, workers=2, **{kw!r})"
-    _kill_when(_SLOW_CHILD.format(writer="tokens.shard.TokenShardWriter", call=call), out, ".bin.idx", 3)
+    _kill_when(
+        _SLOW_CHILD.format(writer="tokens.shard.TokenShardWriter", call=call), out, ".bin.idx", 3
+    )
     assert not os.path.exists(os.path.join(out, "dataset.json"))
     res = tokenize(src, out, workers=2, **kw)
     assert res.shards_reused >= 2 and res.shards_written >= 1
@@ -173,7 +177,10 @@ def test_cli_pack_index_tokenize_stage(tmp_path: str, capsys: pytest.CaptureFixt
     _tree(src, 30)
     out = os.path.join(tmp_path, "packed")
     assert (
-        cli_main(["data", "pack", src, out, "--shard-size", "20KB", "--workers", "2", "--no-progress"]) == 0
+        cli_main(
+            ["data", "pack", src, out, "--shard-size", "20KB", "--workers", "2", "--no-progress"]
+        )
+        == 0
     )
     assert "30 samples in" in capsys.readouterr().out
     m = DatasetManifest.load(out)
@@ -208,7 +215,10 @@ def test_cli_pack_index_tokenize_stage(tmp_path: str, capsys: pytest.CaptureFixt
     assert "50 documents" in capsys.readouterr().out
     assert TokenShard(os.path.join(toks, "tokens-000000.bin")).num_documents == 50
     assert (
-        cli_main(["data", "tokenize", corpus, toks, "--tokenizer", os.path.join(tmp_path, "no.json")]) == 2
+        cli_main(
+            ["data", "tokenize", corpus, toks, "--tokenizer", os.path.join(tmp_path, "no.json")]
+        )
+        == 2
     )
     assert "no.json: tokenizer file not found" in capsys.readouterr().err
     assert cli_main(["data", "pack", src, out, "--shard-size", "1KB", "--no-progress"]) == 2

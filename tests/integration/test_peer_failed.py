@@ -57,8 +57,12 @@ def test_checkpointer_skips_the_sigterm_save_when_a_peer_died(tmp_path, peer_dea
         with open(os.path.join(d, events.PEER_FAILED_FILE), "w") as f:
             f.write("rank 1 died\n")
     env = dict(os.environ, **{events.ENV_RUN_DIR: str(run_dir), events.ENV_ATTEMPT: "0"})
-    p = subprocess.Popen([sys.executable, "-c", JOB, str(root)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, "-c", JOB, str(root)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert p.stdout is not None
     assert p.stdout.readline() == b"ready\n"
     p.send_signal(signal.SIGTERM)

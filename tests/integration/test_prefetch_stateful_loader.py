@@ -69,7 +69,10 @@ def test_new_pass_after_break_continues_at_the_delivered_batch(stream_data: Any)
 
 
 def _decode(s: dict[str, Any]) -> dict[str, Any]:
-    return {"x": torch.frombuffer(bytearray(s["bin"][:256]), dtype=torch.uint8), "key": s["__key__"]}
+    return {
+        "x": torch.frombuffer(bytearray(s["bin"][:256]), dtype=torch.uint8),
+        "key": s["__key__"],
+    }
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")

@@ -54,8 +54,10 @@ def _start_server() -> Any:
 
 def _opts(endpoint: str) -> dict[str, Any]:
     # One botocore attempt: retrying (with backoff) is the cache's job.
-    return {"client_kwargs": {"endpoint_url": endpoint},
-            "config_kwargs": {"retries": {"max_attempts": 1}}}
+    return {
+        "client_kwargs": {"endpoint_url": endpoint},
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +80,9 @@ def local_ds(tmp_path_factory: pytest.TempPathFactory) -> str:
 
     out = str(tmp_path_factory.mktemp("remote-src") / "ds")
     rng = np.random.default_rng(14)
-    samples = ({"__key__": f"k{i:05d}", "bin": rng.bytes(int(rng.integers(200, 500)))}
-               for i in range(N))
+    samples = (
+        {"__key__": f"k{i:05d}", "bin": rng.bytes(int(rng.integers(200, 500)))} for i in range(N)
+    )
     pack(samples, out, shard_size=SHARD, workers=1, fsync=False, progress=False)
     return out
 
@@ -112,8 +115,10 @@ def _complete_units(cache: str, m: DatasetManifest) -> set[int]:
     out = set()
     for k, s in enumerate(m.shards):
         try:
-            if (os.path.getsize(os.path.join(d, s.name)) == s.bytes
-                    and os.path.getsize(os.path.join(d, s.index)) == s.index_bytes):
+            if (
+                os.path.getsize(os.path.join(d, s.name)) == s.bytes
+                and os.path.getsize(os.path.join(d, s.index)) == s.index_bytes
+            ):
                 out.add(k)
         except OSError:
             pass
@@ -157,8 +162,13 @@ def _launch(cfg: dict[str, Any], path: str) -> subprocess.Popen[bytes]:
     with open(path, "w") as f:
         json.dump(cfg, f)
     env = {**os.environ, **_CREDS}
-    return subprocess.Popen([sys.executable, _SCRIPT, path], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, _SCRIPT, path],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 @pytest.mark.slow
@@ -170,20 +180,35 @@ def test_two_ranks_two_workers_bounded_cache_kill_and_resume(
     limit = m.total_bytes // 4  # the dataset is 4x the cache
     cache = str(tmp_path / "cache")
     world, epochs, workers = 2, 2, 2
-    base = {"url": "s3://data/big", "endpoint": endpoint, "cache_dir": cache, "limit": limit,
-            "seed": SEED, "window": WINDOW, "prefetch": 4, "world_size": world,
-            "workers": workers, "batch": BATCH, "epochs": epochs}
+    base = {
+        "url": "s3://data/big",
+        "endpoint": endpoint,
+        "cache_dir": cache,
+        "limit": limit,
+        "seed": SEED,
+        "window": WINDOW,
+        "prefetch": 4,
+        "world_size": world,
+        "workers": workers,
+        "batch": BATCH,
+        "epochs": epochs,
+    }
     watcher = _Watcher(cache)
     watcher.start()
     procs: list[subprocess.Popen[bytes]] = []
     try:
         first = [str(tmp_path / f"rank{r}-a.jsonl") for r in range(world)]
-        procs = [_launch({**base, "rank": r, "out": first[r]}, str(tmp_path / f"a{r}.json"))
-                 for r in range(world)]
+        procs = [
+            _launch({**base, "rank": r, "out": first[r]}, str(tmp_path / f"a{r}.json"))
+            for r in range(world)
+        ]
         steps = N // (world * BATCH)
         # kill the job in the middle of its second epoch
-        _wait(lambda: max(len(_lines(p)) for p in first) >= steps + steps // 2, 120,
-              "a rank to reach the middle of epoch 1")
+        _wait(
+            lambda: max(len(_lines(p)) for p in first) >= steps + steps // 2,
+            120,
+            "a rank to reach the middle of epoch 1",
+        )
         for p in procs:
             os.killpg(p.pid, signal.SIGKILL)
         for p in procs:
@@ -192,8 +217,13 @@ def test_two_ranks_two_workers_bounded_cache_kill_and_resume(
         states = [_lines(p)[-1]["state"] if _lines(p) else None for p in first]
         complete = _complete_units(cache, m)
         second = [str(tmp_path / f"rank{r}-b.jsonl") for r in range(world)]
-        procs = [_launch({**base, "rank": r, "out": second[r], "resume": states[r]},
-                         str(tmp_path / f"b{r}.json")) for r in range(world)]
+        procs = [
+            _launch(
+                {**base, "rank": r, "out": second[r], "resume": states[r]},
+                str(tmp_path / f"b{r}.json"),
+            )
+            for r in range(world)
+        ]
         for p in procs:
             _, err = p.communicate(timeout=180)
             assert p.returncode == 0, err.decode()[-3000:]
@@ -206,16 +236,20 @@ def test_two_ranks_two_workers_bounded_cache_kill_and_resume(
 
     # the same batches, in the same order, as reading the dataset from a local directory
     for r in range(world):
-        ref = StreamingDataset(local_ds, seed=SEED, shuffle_window=WINDOW, rank=r,
-                               world_size=world)
+        ref = StreamingDataset(local_ds, seed=SEED, shuffle_window=WINDOW, rank=r, world_size=world)
         got = _lines(first[r]) + _lines(second[r])
         for e in range(epochs):
             want = [[s["__key__"] for s in b] for b in ref.iter_batches(e, 0, BATCH)]
             assert [x["keys"] for x in got if x["epoch"] == e] == want, (r, e)
     # every sample exactly once per epoch over both ranks
     for e in range(epochs):
-        keys = [k for r in range(world) for x in _lines(first[r]) + _lines(second[r])
-                if x["epoch"] == e for k in x["keys"]]
+        keys = [
+            k
+            for r in range(world)
+            for x in _lines(first[r]) + _lines(second[r])
+            if x["epoch"] == e
+            for k in x["keys"]
+        ]
         assert sorted(keys) == [f"k{i:05d}" for i in range(N)]
 
     # never above the limit, and the limit was really in play
@@ -236,8 +270,11 @@ def test_two_ranks_two_workers_bounded_cache_kill_and_resume(
     resumed = [s for s in states if s is not None and s["epoch"] == 1]
     assert resumed
     p_min = min(s["samples_consumed"] for s in resumed)
-    plan = epoch_plan(StreamingDataset(local_ds, seed=SEED, shuffle_window=WINDOW, rank=0,
-                                       world_size=world), 1, {0: 0})
+    plan = epoch_plan(
+        StreamingDataset(local_ds, seed=SEED, shuffle_window=WINDOW, rank=0, world_size=world),
+        1,
+        {0: 0},
+    )
     after = [e for e in events if e["t"] > killed_at]
     for e in after:
         if e["ev"] == "download" and e["for_epoch"] == 1:
@@ -262,19 +299,29 @@ def test_mixture_with_a_remote_source_reads_like_local(
     endpoint: str, local_ds: str, stream_data: Any, tmp_path: Any
 ) -> None:
     _upload(endpoint, local_ds, "data", "mix")
-    kw: dict[str, Any] = {"seed": 2, "shuffle_window": WINDOW, "rank": 1, "world_size": 2,
-                          "mix_block": 64}
+    kw: dict[str, Any] = {
+        "seed": 2,
+        "shuffle_window": WINDOW,
+        "rank": 1,
+        "world_size": 2,
+        "mix_block": 64,
+    }
     local = StreamingDataset([Source(local_ds, 0.75), Source(stream_data("tar_b"), 0.25)], **kw)
     remote = StreamingDataset(
-        [Source("s3://data/mix", 0.75, storage_options=_opts(endpoint)),
-         Source(stream_data("tar_b"), 0.25)],
-        cache_dir=str(tmp_path / "c"), cache_limit="600KB", **kw,
+        [
+            Source("s3://data/mix", 0.75, storage_options=_opts(endpoint)),
+            Source(stream_data("tar_b"), 0.25),
+        ],
+        cache_dir=str(tmp_path / "c"),
+        cache_limit="600KB",
+        **kw,
         cache_options=CacheOptions(prefetch_shards=4, timeout=20, backoff_s=0.05),
     )
     assert remote.fingerprint == local.fingerprint
     timer = StepTimer(log_every=0, network=remote)  # the network as its own stage
-    for a, b in zip(local.iter_batches(0, 0, 16), timer.wrap(remote.iter_batches(0, 0, 16)),
-                    strict=True):
+    for a, b in zip(
+        local.iter_batches(0, 0, 16), timer.wrap(remote.iter_batches(0, 0, 16)), strict=True
+    ):
         assert [s["__key__"] for s in a] == [s["__key__"] for s in b]
         assert [s["bin"] for s in a] == [s["bin"] for s in b]
     wait, _, _, _, net = timer._ordered(timer.steps)
@@ -282,16 +329,30 @@ def test_mixture_with_a_remote_source_reads_like_local(
     assert net[0] > 0  # the cold cache: the first batch waited for its downloads
     s = timer.summary()
     assert 0 < s.net_ms <= s.wait_ms and "network" in s.format()
-    with pytest.raises(ValueError, match=r"cache_limit=10,000 bytes is too small: two "
-                                         r"consecutive shuffle windows .* need"):
-        StreamingDataset("s3://data/mix", cache_dir=str(tmp_path / "c2"), cache_limit=10_000,
-                         storage_options=_opts(endpoint), shuffle_window=WINDOW)
+    with pytest.raises(
+        ValueError,
+        match=r"cache_limit=10,000 bytes is too small: two "
+        r"consecutive shuffle windows .* need",
+    ):
+        StreamingDataset(
+            "s3://data/mix",
+            cache_dir=str(tmp_path / "c2"),
+            cache_limit=10_000,
+            storage_options=_opts(endpoint),
+            shuffle_window=WINDOW,
+        )
+
     # The default prefetch depth: one window's worth, deepened into 3/4 of the room the limit
     # leaves (at most 4 windows' worth), never past what the limit check accepts.
     def depth(limit: int | None) -> tuple[int, int]:
-        ds = StreamingDataset("s3://data/mix", cache_dir=str(tmp_path / "c3"), cache_limit=limit,
-                              storage_options=_opts(endpoint), shuffle_window=WINDOW,
-                              cache_options=CacheOptions(fetch_process=False))
+        ds = StreamingDataset(
+            "s3://data/mix",
+            cache_dir=str(tmp_path / "c3"),
+            cache_limit=limit,
+            storage_options=_opts(endpoint),
+            shuffle_window=WINDOW,
+            cache_options=CacheOptions(fetch_process=False),
+        )
         assert ds._cache is not None
         return ds._cache.prefetch_shards, ds._cache.min_limit()[0]
 
@@ -312,12 +373,22 @@ def test_a_shard_damaged_in_the_bucket_is_named(
     raw = bytearray(open(os.path.join(local_ds, victim), "rb").read())
     raw[700] ^= 0x01
     fs.pipe_file(f"data/bad/{victim}", bytes(raw))
-    ds = StreamingDataset("s3://data/bad", seed=0, shuffle=False, rank=0, world_size=1,
-                          cache_dir=str(tmp_path / "c"), storage_options=_opts(endpoint),
-                          cache_options=CacheOptions(retries=1, backoff_s=0.01, timeout=20))
+    ds = StreamingDataset(
+        "s3://data/bad",
+        seed=0,
+        shuffle=False,
+        rank=0,
+        world_size=1,
+        cache_dir=str(tmp_path / "c"),
+        storage_options=_opts(endpoint),
+        cache_options=CacheOptions(retries=1, backoff_s=0.01, timeout=20),
+    )
     seen: list[str] = []
-    with pytest.raises(RuntimeError, match=rf"s3://data/bad/{victim}: checksum mismatch after "
-                                           r"2 fetches"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"s3://data/bad/{victim}: checksum mismatch after "
+        r"2 fetches",
+    ):
         for b in ds.iter_batches(0, 0, 16):
             seen.extend(s["__key__"] for s in b)
     # everything delivered came before the damaged shard, and was right
@@ -335,9 +406,15 @@ def test_a_cached_shard_damaged_after_download_is_checked_like_a_local_one(
     m = DatasetManifest.load(local_ds)
     _upload(endpoint, local_ds, "data", "rot")
     cache = str(tmp_path / "c")
-    kw: dict[str, Any] = {"seed": 0, "shuffle": False, "rank": 0, "world_size": 1,
-                          "cache_dir": cache, "storage_options": _opts(endpoint),
-                          "cache_options": CacheOptions(timeout=20, backoff_s=0.01)}
+    kw: dict[str, Any] = {
+        "seed": 0,
+        "shuffle": False,
+        "rank": 0,
+        "world_size": 1,
+        "cache_dir": cache,
+        "storage_options": _opts(endpoint),
+        "cache_options": CacheOptions(timeout=20, backoff_s=0.01),
+    }
 
     def keys(ds: StreamingDataset) -> list[str]:
         return [s["__key__"] for b in ds.iter_batches(0, 0, 16, last_batch="short") for s in b]
@@ -346,8 +423,9 @@ def test_a_cached_shard_damaged_after_download_is_checked_like_a_local_one(
     tar = os.path.join(cache, m.fingerprint[:16], m.shards[2].name)
     idx = ShardIndex.load(os.path.join(cache, m.fingerprint[:16], m.shards[2].index))
     victim = idx.key(1)
-    j = next(k for k in range(int(idx.member_start[1]), int(idx.member_start[2]))
-             if idx.ext(k) == "bin")
+    j = next(
+        k for k in range(int(idx.member_start[1]), int(idx.member_start[2])) if idx.ext(k) == "bin"
+    )
     with open(tar, "r+b") as f:
         f.seek(int(idx.data_offset[j]) + 9)
         b = f.read(1)[0]
@@ -368,10 +446,16 @@ def test_a_closed_batch_iterator_leaves_the_frame_and_unpins(
     # on. That process must not stay a reader at position 0: the node's frame is its slowest
     # reader, so prefetch and eviction would wait for its registration to go stale.
     _upload(endpoint, local_ds, "data", "park")
-    ds = StreamingDataset("s3://data/park", seed=0, shuffle_window=WINDOW, rank=0,
-                          world_size=1, cache_dir=str(tmp_path / "c"),
-                          storage_options=_opts(endpoint),
-                          cache_options=CacheOptions(timeout=20, backoff_s=0.01))
+    ds = StreamingDataset(
+        "s3://data/park",
+        seed=0,
+        shuffle_window=WINDOW,
+        rank=0,
+        world_size=1,
+        cache_dir=str(tmp_path / "c"),
+        storage_options=_opts(endpoint),
+        cache_options=CacheOptions(timeout=20, backoff_s=0.01),
+    )
     it = ds.iter_batches(0, 0, 16)
     next(it)
     cache = ds._cache
@@ -397,11 +481,17 @@ def test_server_stopped_mid_epoch_fails_within_the_timeout(local_ds: str, tmp_pa
             _upload(ep, local_ds, "data", "gone")
             m = DatasetManifest.load(local_ds)
             ds = StreamingDataset(
-                "s3://data/gone", seed=0, shuffle_window=WINDOW, rank=0, world_size=1,
-                cache_dir=str(tmp_path / "c"), cache_limit=m.total_bytes // 4,
+                "s3://data/gone",
+                seed=0,
+                shuffle_window=WINDOW,
+                rank=0,
+                world_size=1,
+                cache_dir=str(tmp_path / "c"),
+                cache_limit=m.total_bytes // 4,
                 storage_options=_opts(ep),
-                cache_options=CacheOptions(prefetch_shards=2, timeout=4, retries=2,
-                                           backoff_s=0.05, grace_s=0.2),
+                cache_options=CacheOptions(
+                    prefetch_shards=2, timeout=4, retries=2, backoff_s=0.05, grace_s=0.2
+                ),
             )
             it = ds.iter_batches(0, 0, 16)
             for _ in range(3):
@@ -426,9 +516,27 @@ def test_data_bench_on_a_remote_dataset_names_the_network(
 
     _upload(endpoint, local_ds, "data", "bench")
     opts = json.dumps(_opts(endpoint))
-    rc = main(["data", "bench", "s3://data/bench", "--storage-options", opts, "--cache-dir",
-               str(tmp_path / "scratch"), "--batch-size", "16", "--batches", "6",
-               "--max-seconds", "4", "--num-workers", "1", "--consume-rate", "1e9"])
+    rc = main(
+        [
+            "data",
+            "bench",
+            "s3://data/bench",
+            "--storage-options",
+            opts,
+            "--cache-dir",
+            str(tmp_path / "scratch"),
+            "--batch-size",
+            "16",
+            "--batches",
+            "6",
+            "--max-seconds",
+            "4",
+            "--num-workers",
+            "1",
+            "--consume-rate",
+            "1e9",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     row = next(ln for ln in out.splitlines() if ln.startswith("network"))
@@ -446,10 +554,16 @@ def test_a_fetcher_in_a_fresh_interpreter_serves_the_readers(
     unbroken.data.stream.fetcher SPEC``; every download then comes from that process."""
     _upload(endpoint, local_ds, "data", "fresh")
     cache = str(tmp_path / "c")
-    ds = StreamingDataset("s3://data/fresh", seed=1, shuffle_window=WINDOW, rank=0,
-                          world_size=1, cache_dir=cache, storage_options=_opts(endpoint),
-                          cache_options=CacheOptions(fetch_process=False, prefetch_shards=4,
-                                                     grace_s=30, timeout=30))
+    ds = StreamingDataset(
+        "s3://data/fresh",
+        seed=1,
+        shuffle_window=WINDOW,
+        rank=0,
+        world_size=1,
+        cache_dir=cache,
+        storage_options=_opts(endpoint),
+        cache_options=CacheOptions(fetch_process=False, prefetch_shards=4, grace_s=30, timeout=30),
+    )
     c = ds._cache
     c._spawn_fetcher(fresh=True)
     _wait(lambda: any(e["ev"] == "fetcher" for e in read_events(cache)), 60, "the fetcher")

@@ -183,7 +183,6 @@ def test_global_sequence_is_independent_of_layout(stream_data, kind):
 # --- real processes: gloo, ranks from torch.distributed ---------------------------------
 
 
-
 def _rank_main(
     rank: int,
     world: int,

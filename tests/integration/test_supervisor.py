@@ -52,8 +52,9 @@ def _survivor_stopped_by_us(job: h.Job, attempt: int, victim_rank: int) -> dict:
     launcher was told to stop before it ended, right after the supervisor's stop began."""
     (stop,) = [e for e in job.events("stop_group") if e["attempt"] == attempt]
     assert f"rank {victim_rank}" in stop["reason"] and "SIGKILL" in stop["reason"], stop
-    survivors = [e for e in job.events("worker_exit")
-                 if e["attempt"] == attempt and e["rank"] != victim_rank]
+    survivors = [
+        e for e in job.events("worker_exit") if e["attempt"] == attempt and e["rank"] != victim_rank
+    ]
     assert sorted(stop["exited"] + stop["killed"]) == [0], stop
     for e in survivors:
         assert e["stopped"] is True, e

@@ -54,8 +54,10 @@ def _wait_world(tmp_path, size: int, job, after: float = 0.0, count: int = 5) ->
     checkpoint interval (3), so a restart cannot rewind all of them."""
     path = str(tmp_path / "metrics.jsonl")
     h.wait_until(
-        lambda: len([r for r in h.metrics(path)
-                     if r["world_size"] == size and r["time"] > after]) >= count,
+        lambda: (
+            len([r for r in h.metrics(path) if r["world_size"] == size and r["time"] > after])
+            >= count
+        ),
         150,
         f"{count} steps at world size {size}",
         job,

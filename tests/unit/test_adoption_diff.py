@@ -22,7 +22,9 @@ def _code(name: str) -> list[str]:
 def changed_lines(old: list[str], new: list[str]) -> tuple[int, int, int]:
     """(changed, added, removed): a replaced line counts once in ``changed``."""
     changed = added = removed = 0
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes():
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(
+        None, old, new, autojunk=False
+    ).get_opcodes():
         if tag != "equal":
             changed += max(i2 - i1, j2 - j1)
             added += j2 - j1

@@ -8,7 +8,7 @@ import sys
 from unbroken.cli import main
 from unbroken.data.diagnose.bench import resolve_transform
 
-SCRIPT = '''
+SCRIPT = """
 import sys
 
 import numpy as np
@@ -20,7 +20,7 @@ def decode(sample):
 
 if __name__ == "__main__":
     sys.exit("the training script's main block must not run")
-'''
+"""
 
 
 def test_bench_times_a_transform_from_a_training_script(tmp_path, stream_data, capsys):
@@ -29,9 +29,24 @@ def test_bench_times_a_transform_from_a_training_script(tmp_path, stream_data, c
     try:
         fn = resolve_transform(f"{script}:decode")
         assert fn({"bin": b"\x01\x02"}) == 3.0
-        rc = main(["data", "bench", stream_data("tar"), "--transform", f"{script}:decode",
-                   "--batch-size", "8", "--num-workers", "1", "--batches", "4",
-                   "--max-seconds", "10", "--json"])
+        rc = main(
+            [
+                "data",
+                "bench",
+                stream_data("tar"),
+                "--transform",
+                f"{script}:decode",
+                "--batch-size",
+                "8",
+                "--num-workers",
+                "1",
+                "--batches",
+                "4",
+                "--max-seconds",
+                "10",
+                "--json",
+            ]
+        )
         out = capsys.readouterr().out
         assert rc == 0, out
         report = json.loads(out.splitlines()[0])

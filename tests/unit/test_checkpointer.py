@@ -246,7 +246,9 @@ def _run_disk_full(
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(_fs.HashingWriter, "write", full)
-    with pytest.raises(RuntimeError, match="disk full.*step 2.*previous checkpoints are intact") as e:
+    with pytest.raises(
+        RuntimeError, match="disk full.*step 2.*previous checkpoints are intact"
+    ) as e:
         ck.save(2)
     assert len(str(e.value).splitlines()) == 1 and seen == []  # no DCP thread traceback
     monkeypatch.undo()

@@ -313,8 +313,12 @@ def _fuzz(
         loaded[got] += 1
         have = {k: v for k, v in snapshot(st).items() if k not in skip}
         if got not in allowed:
-            failures.append(f"{tag}: verify says {verdicts} (newest intact: {intact}), restore loaded {got}")
-        elif got not in want or not identical(have, {k: v for k, v in want[got].items() if k not in skip}):
+            failures.append(
+                f"{tag}: verify says {verdicts} (newest intact: {intact}), restore loaded {got}"
+            )
+        elif got not in want or not identical(
+            have, {k: v for k, v in want[got].items() if k not in skip}
+        ):
             failures.append(f"{tag}: restored step {got} is not bit-identical to what was saved")
     return failures, loaded, kinds
 
@@ -331,7 +335,9 @@ def test_random_damage_never_escapes_restore_and_verify_agrees(pristine, scratch
     assert len(kinds) == 12, kinds
 
 
-def test_random_damage_of_a_checkpoint_saved_by_two_ranks(tmp_path_factory, scratch, capsys) -> None:
+def test_random_damage_of_a_checkpoint_saved_by_two_ranks(
+    tmp_path_factory, scratch, capsys
+) -> None:
     """The same, on a checkpoint saved by 2 gloo ranks whose ``extra.h`` differed (saved per
     rank, ``rank<r>/`` keys read by the verified reader), restored at world size 1: rank 0
     takes rank 0's copy (declared replicated here, so the resize is allowed, with a

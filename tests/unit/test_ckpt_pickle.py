@@ -70,56 +70,65 @@ def _in_metadata(obj: Any) -> bytes:
 PAYLOADS: dict[str, Callable[[str], bytes]] = {
     "GLOBAL os.system": lambda m: p_call(p_global("os", "system"), _touch(m)) + STOP,
     "GLOBAL posix.system": lambda m: p_call(p_global("posix", "system"), _touch(m)) + STOP,
-    "STACK_GLOBAL builtins.eval": lambda m: PROTO
-    + p_call(p_stack_global("builtins", "eval"), f"__import__('os').system({_touch(m)!r})")
-    + STOP,
-    "STACK_GLOBAL builtins.exec": lambda m: PROTO
-    + p_call(p_stack_global("builtins", "exec"), f"import os; os.system({_touch(m)!r})")
-    + STOP,
-    "INST subprocess.call": lambda m: b"(]"
-    + p_str("touch")
-    + b"a"
-    + p_str(m)
-    + b"aisubprocess\ncall\n"
-    + STOP,
-    "OBJ subprocess.check_call": lambda m: PROTO
-    + b"("
-    + p_stack_global("subprocess", "check_call")
-    + b"]"
-    + p_str("touch")
-    + b"a"
-    + p_str(m)
-    + b"ao"
-    + STOP,
-    "dotted name under dcp.filesystem": lambda m: PROTO
-    + p_call(p_stack_global("torch.distributed.checkpoint.filesystem", "os.system"), _touch(m))
-    + STOP,
-    "dotted name under dcp.metadata": lambda m: PROTO
-    + p_call(p_stack_global(MD, "torch.os.system"), _touch(m))
-    + STOP,
-    "dotted name under torch": lambda m: PROTO
-    + p_call(p_stack_global("torch", "os.system"), _touch(m))
-    + STOP,
-    "dotted name under pathlib": lambda m: PROTO
-    + p_call(p_stack_global("pathlib", "os.system"), _touch(m))
-    + STOP,
+    "STACK_GLOBAL builtins.eval": lambda m: (
+        PROTO
+        + p_call(p_stack_global("builtins", "eval"), f"__import__('os').system({_touch(m)!r})")
+        + STOP
+    ),
+    "STACK_GLOBAL builtins.exec": lambda m: (
+        PROTO
+        + p_call(p_stack_global("builtins", "exec"), f"import os; os.system({_touch(m)!r})")
+        + STOP
+    ),
+    "INST subprocess.call": lambda m: (
+        b"(]" + p_str("touch") + b"a" + p_str(m) + b"aisubprocess\ncall\n" + STOP
+    ),
+    "OBJ subprocess.check_call": lambda m: (
+        PROTO
+        + b"("
+        + p_stack_global("subprocess", "check_call")
+        + b"]"
+        + p_str("touch")
+        + b"a"
+        + p_str(m)
+        + b"ao"
+        + STOP
+    ),
+    "dotted name under dcp.filesystem": lambda m: (
+        PROTO
+        + p_call(p_stack_global("torch.distributed.checkpoint.filesystem", "os.system"), _touch(m))
+        + STOP
+    ),
+    "dotted name under dcp.metadata": lambda m: (
+        PROTO + p_call(p_stack_global(MD, "torch.os.system"), _touch(m)) + STOP
+    ),
+    "dotted name under torch": lambda m: (
+        PROTO + p_call(p_stack_global("torch", "os.system"), _touch(m)) + STOP
+    ),
+    "dotted name under pathlib": lambda m: (
+        PROTO + p_call(p_stack_global("pathlib", "os.system"), _touch(m)) + STOP
+    ),
     "__reduce__ of an object": lambda m: pickle.dumps(_Evil(_touch(m)), protocol=4),
     "__reduce__ inside a genuine Metadata": lambda m: _in_metadata(_Evil(_touch(m))),
-    "BUILD state of an allowed class": lambda m: PROTO
-    + p_stack_global(MD, "Metadata")
-    + b")\x81"  # EMPTY_TUPLE NEWOBJ: a Metadata instance
-    + b"}"
-    + p_str("planner_data")
-    + p_call(p_global("os", "system"), _touch(m))
-    + b"s"  # SETITEM
-    + b"b"  # BUILD
-    + STOP,
-    "REDUCE of an allowed callable, evil args": lambda m: PROTO
-    + p_stack_global("torch", "Size")
-    + b"("
-    + p_call(p_global("os", "system"), _touch(m))
-    + b"\x85tR"  # TUPLE1 (the int list), args tuple, REDUCE
-    + STOP,
+    "BUILD state of an allowed class": lambda m: (
+        PROTO
+        + p_stack_global(MD, "Metadata")
+        + b")\x81"  # EMPTY_TUPLE NEWOBJ: a Metadata instance
+        + b"}"
+        + p_str("planner_data")
+        + p_call(p_global("os", "system"), _touch(m))
+        + b"s"  # SETITEM
+        + b"b"  # BUILD
+        + STOP
+    ),
+    "REDUCE of an allowed callable, evil args": lambda m: (
+        PROTO
+        + p_stack_global("torch", "Size")
+        + b"("
+        + p_call(p_global("os", "system"), _touch(m))
+        + b"\x85tR"  # TUPLE1 (the int list), args tuple, REDUCE
+        + STOP
+    ),
 }
 
 
@@ -199,7 +208,12 @@ def _replace_blob(d: str, key: str, blob: bytes) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["GLOBAL os.system", "STACK_GLOBAL builtins.eval", "__reduce__ of an object", "dotted name under torch"],
+    [
+        "GLOBAL os.system",
+        "STACK_GLOBAL builtins.eval",
+        "__reduce__ of an object",
+        "dotted name under torch",
+    ],
 )
 def test_crafted_tensor_pickle_is_refused_and_never_run(pristine, tmp_path, caplog, name) -> None:
     weight = torch.zeros(32, 16)

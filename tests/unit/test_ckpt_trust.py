@@ -47,7 +47,9 @@ def root(tmp_path) -> tuple[str, dict[int, dict[str, Any]]]:
     return r, build_root(r)
 
 
-def _restore(root: str, caplog: pytest.LogCaptureFixture) -> tuple[int | None, TrainState, list[str]]:
+def _restore(
+    root: str, caplog: pytest.LogCaptureFixture
+) -> tuple[int | None, TrainState, list[str]]:
     st, _, _ = small_state(seed=9)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="unbroken"):
@@ -74,7 +76,9 @@ def test_crafted_metadata_with_a_dotted_global_runs_no_code(root, tmp_path, capl
     marker = tmp_path / "PWNED"
     d = step_dir(r, 4)
     for_dcp = {"sharded": True, "stats": None}  # what sharded tensors look like
-    edit_manifest(d, lambda m: [t.update(for_dcp) for k, t in m["tensors"].items() if "/model/" in k])
+    edit_manifest(
+        d, lambda m: [t.update(for_dcp) for k, t in m["tensors"].items() if "/model/" in k]
+    )
     fn = p_stack_global("torch.distributed.checkpoint.filesystem", "os.system")
     replace_file(d, ".metadata", PROTO + p_call(fn, f"touch {marker}") + STOP)
     assert _verdicts(r) == {2: "ok", 4: "DAMAGED"}
@@ -273,7 +277,9 @@ def test_read_only_root_with_a_damaged_newest_skips_it(tmp_path, caplog) -> None
 # --- 6. manifest.json deleted -----------------------------------------------------------------
 
 
-def test_a_deleted_manifest_is_reported_and_the_run_saves_that_step_again(root, caplog, capsys) -> None:
+def test_a_deleted_manifest_is_reported_and_the_run_saves_that_step_again(
+    root, caplog, capsys
+) -> None:
     r, want = root
     os.unlink(os.path.join(step_dir(r, 4), "manifest.json"))
     assert _verdicts(r) == {2: "ok", 4: "DAMAGED"}

@@ -72,9 +72,17 @@ def _bases(p: dict[str, str]) -> dict[tuple[str, ...], list[list[str]]]:
         ("preflight",): [["--rdzv-endpoint", "not-a-host-port"]],
         ("report",): [[m], [j], [e]],
         ("plan",): [["--run-dir", m], ["--mtbf", "-1", "--ckpt-cost", "3"], []],
-        ("data", "pack"): [[m, p["out"]], [p["bad_jsonl"], p["out"]], [p["bad_jsonl"], j], [e, p["out"]]],
+        ("data", "pack"): [
+            [m, p["out"]],
+            [p["bad_jsonl"], p["out"]],
+            [p["bad_jsonl"], j],
+            [e, p["out"]],
+        ],
         ("data", "index"): [[m], [j], [e]],
-        ("data", "tokenize"): [[m, p["out"], "--train-bpe", "300"], [j, p["out"], "--tokenizer", j]],
+        ("data", "tokenize"): [
+            [m, p["out"], "--train-bpe", "300"],
+            [j, p["out"], "--tokenizer", j],
+        ],
         ("data", "stage"): [[m, p["out"]], [j, p["out"]], [p["tar"], j]],
         ("drill",): [["--dir", p["out"], "--", m, "{dir}"], ["--dir", j, "--example"]],
     }
@@ -170,7 +178,10 @@ def test_unknown_verb_and_missing_arguments_are_usage_errors(capsys):
 @pytest.mark.parametrize(
     "argv,needle",
     [
-        (["data", "pack", "{bad_jsonl}", "{out}/p", "--no-progress"], "bad.jsonl:2: not a JSON line"),
+        (
+            ["data", "pack", "{bad_jsonl}", "{out}/p", "--no-progress"],
+            "bad.jsonl:2: not a JSON line",
+        ),
         (["data", "index", "{junk}"], "not a directory"),
         (["run", "--run-dir", "{out}/r", "--", "{missing}"], "does-not-exist"),
     ],

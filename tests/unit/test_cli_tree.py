@@ -19,11 +19,11 @@ from unbroken.common.errors import CheckFailed
 from unbroken.elastic.preflight import PreflightConfig
 from unbroken.elastic.supervisor import RunConfig
 
-TREE = {
-    ("data", c) for c in ("pack", "index", "tokenize", "stage", "inspect", "bench", "report")
-} | {("ckpt", c) for c in ("ls", "inspect", "verify", "export")} | {
-    (c,) for c in ("run", "preflight", "report", "plan", "drill", "demo")
-}
+TREE = (
+    {("data", c) for c in ("pack", "index", "tokenize", "stage", "inspect", "bench", "report")}
+    | {("ckpt", c) for c in ("ls", "inspect", "verify", "export")}
+    | {(c,) for c in ("run", "preflight", "report", "plan", "drill", "demo")}
+)
 
 
 def _subs(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -87,7 +87,9 @@ def test_exit_codes_by_kind_of_error(capsys) -> None:
     assert exit_code(OSError(errno.ENOSPC, "full")) == 1
     assert main(["demo", "--steps", "-5"]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert err == [err[0]] and err[0].startswith("unbroken: error: steps=-5") and "--steps" in err[0]
+    assert (
+        err == [err[0]] and err[0].startswith("unbroken: error: steps=-5") and "--steps" in err[0]
+    )
 
 
 # --- one source of defaults -----------------------------------------------------------------
@@ -118,10 +120,22 @@ def test_configs_built_from_no_flags_are_the_dataclass_defaults() -> None:
 def test_each_flag_sets_its_own_field(cmd, flags) -> None:
     """Every flag's value lands in its field of its dataclass (by keyword, not position)."""
     build = run_config if cmd == "run" else preflight_config
-    part = {"RendezvousConfig": "rdzv", "WatchdogConfig": "watchdog", "RestartPolicy": "policy",
-            "PreflightConfig": "preflight"}
-    given = {"--nnodes": "1:2", "--rdzv-endpoint": "h:29500", "--run-id": "j", "--node": "n",
-             "--run-dir": "r", "--ckpt-dir": "c", "--data": "d", "--gpu-min-free": 0.5}
+    part = {
+        "RendezvousConfig": "rdzv",
+        "WatchdogConfig": "watchdog",
+        "RestartPolicy": "policy",
+        "PreflightConfig": "preflight",
+    }
+    given = {
+        "--nnodes": "1:2",
+        "--rdzv-endpoint": "h:29500",
+        "--run-id": "j",
+        "--node": "n",
+        "--run-dir": "r",
+        "--ckpt-dir": "c",
+        "--data": "d",
+        "--gpu-min-free": 0.5,
+    }
     acts = _actions(cmd)
     for f in flags:
         flag, d = f.flags[-1], f.default

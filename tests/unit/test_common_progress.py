@@ -48,9 +48,10 @@ def test_a_terminal_gets_a_bar_with_total_and_eta() -> None:
 
 def test_counts_are_not_scaled() -> None:
     master, slave = _openpty()
-    with os.fdopen(slave, "w", buffering=1) as tty, progress_bar(
-        "export", total=3, unit="phase", file=tty
-    ) as bar:
+    with (
+        os.fdopen(slave, "w", buffering=1) as tty,
+        progress_bar("export", total=3, unit="phase", file=tty) as bar,
+    ):
         bar.update(3)
     text = _read_all(master)
     os.close(master)
@@ -63,9 +64,10 @@ def test_off_when_not_a_terminal_or_disabled() -> None:
         bar.update(10)
     assert buf.getvalue() == ""
     master, slave = _openpty()
-    with os.fdopen(slave, "w", buffering=1) as tty, progress_bar(
-        "pack", total=10, file=tty, enabled=False
-    ) as bar:
+    with (
+        os.fdopen(slave, "w", buffering=1) as tty,
+        progress_bar("pack", total=10, file=tty, enabled=False) as bar,
+    ):
         bar.update(10)
     assert _read_all(master) == ""
     os.close(master)

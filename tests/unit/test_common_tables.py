@@ -21,8 +21,13 @@ def test_columns_align_to_the_widest_cell_and_numbers_right_align() -> None:
 
 
 def test_negative_right_index_indent_sep_min_widths_and_no_trailing_space() -> None:
-    text = render_table([("ok", "disk", 1.5), ("FAIL", "gpus", 10)], right={-1}, sep=" ",
-                        indent="  ", min_widths=(6,))
+    text = render_table(
+        [("ok", "disk", 1.5), ("FAIL", "gpus", 10)],
+        right={-1},
+        sep=" ",
+        indent="  ",
+        min_widths=(6,),
+    )
     assert text.splitlines() == ["  ok     disk 1.5", "  FAIL   gpus  10"]
     assert render_table([("a", ""), ("bbb", "")]) == "a\nbbb"  # empty last column: no padding
 

@@ -134,12 +134,28 @@ def test_keyword_defaults_are_the_dataclass_defaults(component: type, cls: type)
 def test_checkpointer_keywords_equal_config(tmp_path) -> None:
     st, m, opt = small_state()
     url = _url()
-    by_kw = Checkpointer(str(tmp_path / "a"), st, every_steps=2, keep_last=2, keep_every=4,
-                         async_save=True, io_threads=3, archive=url, archive_every=2,
-                         archive_keep_last=1, archive_options={"skip_instance_cache": True})
+    by_kw = Checkpointer(
+        str(tmp_path / "a"),
+        st,
+        every_steps=2,
+        keep_last=2,
+        keep_every=4,
+        async_save=True,
+        io_threads=3,
+        archive=url,
+        archive_every=2,
+        archive_keep_last=1,
+        archive_options={"skip_instance_cache": True},
+    )
     cfg = CheckpointConfig(
-        every_steps=2, keep_last=2, keep_every=4, async_save=True, io_threads=3,
-        archive=ArchiveConfig(url, every=2, keep_last=1, storage_options={"skip_instance_cache": True}),
+        every_steps=2,
+        keep_last=2,
+        keep_every=4,
+        async_save=True,
+        io_threads=3,
+        archive=ArchiveConfig(
+            url, every=2, keep_last=1, storage_options={"skip_instance_cache": True}
+        ),
     )
     by_cfg = Checkpointer(str(tmp_path / "b"), st, config=cfg)
     try:
@@ -194,7 +210,9 @@ def test_archive_and_uploader_read_the_config() -> None:
 
 def test_loader_keywords_equal_config(stream_data) -> None:
     ds = StreamingDataset(stream_data("tar"), seed=3)
-    by_kw = StatefulLoader(ds, 8, collate_fn=ids_collate, drop_last=True, on_dataset_change="restart_epoch")
+    by_kw = StatefulLoader(
+        ds, 8, collate_fn=ids_collate, drop_last=True, on_dataset_change="restart_epoch"
+    )
     cfg = LoaderConfig(batch_size=8, last_batch="drop", on_dataset_change="restart_epoch")
     by_cfg = StatefulLoader(ds, collate_fn=ids_collate, config=cfg)
     assert by_kw.config == by_cfg.config == cfg

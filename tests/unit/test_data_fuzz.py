@@ -174,7 +174,9 @@ def _fuzz(root: str, kind: str, cases: int, seed: int) -> dict[str, int]:
         try:
             got = fn()
         except NAMED as e:
-            assert m.names_the_file(str(e)), f"seed {seed}, {m}, {label}: error does not name the file: {e}"
+            assert m.names_the_file(str(e)), (
+                f"seed {seed}, {m}, {label}: error does not name the file: {e}"
+            )
             return "named error"
         except Exception as e:  # noqa: BLE001 - the point: any other type is a defect
             raise AssertionError(f"seed {seed}, {m}, {label}: {type(e).__name__}: {e}") from e
@@ -198,7 +200,9 @@ def _fuzz(root: str, kind: str, cases: int, seed: int) -> dict[str, int]:
             else:
                 for s in got:
                     ref = by_key.get(_as_key(s))
-                    assert ref is not None and _same(ref, s), f"seed {seed}, {m}: wrong sample (skip)"
+                    assert ref is not None and _same(ref, s), (
+                        f"seed {seed}, {m}: wrong sample (skip)"
+                    )
                 assert ds.corrupt_skipped == len(want) - len(got), f"seed {seed}, {m}: count"
                 if len(got) < len(want):
                     tally["skipped some"] += 1

@@ -282,8 +282,15 @@ def test_damage_named_in_every_sample_layout(tmp_path, layout, group):
             s["seg.png"] = rng.bytes(30)
         want.append(s)
     root = str(tmp_path / layout)
-    pack(iter(want), root, shard_size=1 << 20, workers=1, fsync=False, progress=False,
-         allow_partial=layout == "mixed")
+    pack(
+        iter(want),
+        root,
+        shard_size=1 << 20,
+        workers=1,
+        fsync=False,
+        progress=False,
+        allow_partial=layout == "mixed",
+    )
     member = "bin" if layout == "one" else "seg.png"
     victim = 21  # odd: it has seg.png in the mixed layout
     tar, key, off = _member(root, 0, victim, member)

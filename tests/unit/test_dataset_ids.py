@@ -39,8 +39,9 @@ def test_tar_batches_carry_ids_that_name_the_sample(stream_data, workers):
 def test_token_batches_are_tokens_and_ids(stream_data):
     root = stream_data("tokens")
     plain = StatefulLoader(StreamingDataset(root, seed=5), 4, last_batch="drop")
-    loader = StatefulLoader(StreamingDataset(root, seed=5, with_ids=True), 4, num_workers=2,
-                            last_batch="drop")
+    loader = StatefulLoader(
+        StreamingDataset(root, seed=5, with_ids=True), 4, num_workers=2, last_batch="drop"
+    )
     rows: dict[int, torch.Tensor] = {}
     for ref, (tokens, ids) in zip(plain, loader, strict=True):
         assert torch.equal(tokens, ref) and tokens.shape == (4, 9)
@@ -65,8 +66,9 @@ def test_transforms_keep_the_id(stream_data):
 
 
 def test_mixture_ids_are_unique_across_sources(stream_data):
-    ds = StreamingDataset([Source(stream_data("tar"), 0.5), Source(stream_data("tar_b"), 0.5)],
-                          seed=0, with_ids=True)
+    ds = StreamingDataset(
+        [Source(stream_data("tar"), 0.5), Source(stream_data("tar_b"), 0.5)], seed=0, with_ids=True
+    )
     for s in ds.read(0, np.arange(120)):
         base = 0 if s["__key__"].startswith("s") else 203  # source 1 starts after source 0
         assert s["__id__"] == base + int(s["__key__"][1:])
@@ -75,8 +77,9 @@ def test_mixture_ids_are_unique_across_sources(stream_data):
 def test_rank_ids_interleave_into_the_one_rank_order(stream_data):
     root = stream_data("tar")
     one = StatefulLoader(StreamingDataset(root, seed=7, with_ids=True, rank=0, world_size=1), 6)
-    ranks = [StatefulLoader(StreamingDataset(root, seed=7, with_ids=True, rank=r, world_size=2),
-                            3) for r in (0, 1)]
+    ranks = [
+        StatefulLoader(StreamingDataset(root, seed=7, with_ids=True, rank=r, world_size=2), 3)
+        for r in (0, 1)
+    ]
     for ref, b0, b1 in zip(one, *ranks, strict=False):
-        assert _interleave([b0["__id__"].tolist(), b1["__id__"].tolist()]) == \
-            ref["__id__"].tolist()
+        assert _interleave([b0["__id__"].tolist(), b1["__id__"].tolist()]) == ref["__id__"].tolist()

@@ -127,8 +127,12 @@ def test_launcher_reports_order_the_failures_and_mark_stopped_ranks_collateral(t
     _console, log_dir = _torchrun_output(
         tmp_path, {0: (1, RuntimeError("boom")), 1: (1, ValueError("first"))}
     )
-    exits = [_exit(0, 1, t=2.0), _exit(1, 1, t=1.0), _exit(2, -15, stopped=True, t=3.0),
-             _exit(3, 0, t=0.5)]
+    exits = [
+        _exit(0, 1, t=2.0),
+        _exit(1, 1, t=1.0),
+        _exit(2, -15, stopped=True, t=3.0),
+        _exit(3, 0, t=0.5),
+    ]
     fails = collect_worker_failures("", log_dir, exits)
     assert [(f.rank, f.collateral) for f in fails] == [(1, False), (0, False), (2, True)]
     assert fails[0].message == "ValueError: first"
@@ -139,8 +143,17 @@ def test_launcher_reports_order_the_failures_and_mark_stopped_ranks_collateral(t
 def test_a_rank_restarted_in_place_is_judged_by_its_own_failure(tmp_path):
     """torchrun stopped rank 0 once to admit a node (SIGTERM, stopped), then its second
     incarnation failed when a peer vanished: that failure is the evidence."""
-    _console, log_dir = _torchrun_output(tmp_path, {0: (1, RuntimeError(
-        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1947"))})
+    _console, log_dir = _torchrun_output(
+        tmp_path,
+        {
+            0: (
+                1,
+                RuntimeError(
+                    "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1947"
+                ),
+            )
+        },
+    )
     exits = [_exit(0, -15, stopped=True, t=1.0), _exit(0, 1, t=5.0)]
     (f,) = collect_worker_failures("", log_dir, exits)
     assert (f.exitcode, f.stopped, f.collateral) == (1, False, True)
@@ -157,11 +170,20 @@ def test_worker_exit_failed_and_described():
         assert not _exit(1, code).failed
     gone = faults.WorkerExit(None, None, None, False, None, 4242, 0.0, vanished=True)
     assert gone.failed and "vanished" in gone.describe() and "4242" in gone.describe()
-    e = faults.WorkerExit.from_event({"t": 5.0, "event": "worker_exit", "rank": 1,
-                                      "local_rank": 1, "exitcode": -9, "stopped": False,
-                                      "worker_pid": 7, "pid": 8, "via": "zygote"})
-    assert (e.rank, e.exitcode, e.pid, e.launcher, e.via, e.failed) == (1, -9, 7, 8, "zygote",
-                                                                         True)
+    e = faults.WorkerExit.from_event(
+        {
+            "t": 5.0,
+            "event": "worker_exit",
+            "rank": 1,
+            "local_rank": 1,
+            "exitcode": -9,
+            "stopped": False,
+            "worker_pid": 7,
+            "pid": 8,
+            "via": "zygote",
+        }
+    )
+    assert (e.rank, e.exitcode, e.pid, e.launcher, e.via, e.failed) == (1, -9, 7, 8, "zygote", True)
 
 
 def test_every_rank_exiting_143_after_a_save_on_sigterm_is_a_preemption(tmp_path):

@@ -229,6 +229,7 @@ def test_stack_dump_from_a_stopped_process(tmp_path):
         beats = heartbeat.read_beats(str(tmp_path), 0)
         dumps = heartbeat.request_stack_dumps(str(tmp_path), beats, grace=30.0)
         assert dumps == [os.path.join(heartbeat.stack_dir(str(tmp_path)), f"a0-r4-p{p.pid}.txt")]
+
         # the dump is non-empty once it has started; it is complete once the frame is in it
         def dumped() -> str:
             with open(dumps[0]) as f:

@@ -22,13 +22,17 @@ def test_gpu_checks_smoke_run(tmp_path) -> None:
     out = tmp_path / "gc.json"
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--smoke", "--json", str(out), "--dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["resume"]["identical"] and res["resume"]["restored_step"] == 4
     assert set(res["ckpt"]["stall"]) == {
-        "D2H floor (pinned, preallocated)", "unbroken async save", "dcp.async_save"
+        "D2H floor (pinned, preallocated)",
+        "unbroken async save",
+        "dcp.async_save",
     }
     assert res["ckpt"]["load"]["unbroken_verified_s"] > 0
     ring = res["ring"]  # the pinned-ring check's CPU run: same batches, copies intact

@@ -70,8 +70,11 @@ WORKER = textwrap.dedent("""
 
 @pytest.fixture
 def agent(tmp_path):
-    p = subprocess.Popen([sys.executable, "-c", AGENT, str(tmp_path / "zygote.log")],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, "-c", AGENT, str(tmp_path / "zygote.log")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
     assert p.stdout is not None
     name, zpid = p.stdout.readline().decode().split()
     try:
@@ -88,14 +91,20 @@ def agent(tmp_path):
 
 
 class Run:
-    def __init__(self, tmp_path, zygote: str | None, *args: str, module: bool = False,
-                 **extra_env: str):
+    def __init__(
+        self, tmp_path, zygote: str | None, *args: str, module: bool = False, **extra_env: str
+    ):
         (tmp_path / "w.py").write_text(WORKER)
         (tmp_path / "cwd").mkdir(exist_ok=True)
         self.out = tmp_path / "out.txt"
         self.err = tmp_path / "err.txt"
-        env = dict(os.environ, FOO="bar", RANK="3", LOCAL_RANK="1",
-                   **{events.ENV_RUN_DIR: str(tmp_path), events.ENV_ATTEMPT: "7"})
+        env = dict(
+            os.environ,
+            FOO="bar",
+            RANK="3",
+            LOCAL_RANK="1",
+            **{events.ENV_RUN_DIR: str(tmp_path), events.ENV_ATTEMPT: "7"},
+        )
         env.pop("UNBROKEN_ZYGOTE", None)
         if zygote is not None:
             env["UNBROKEN_ZYGOTE"] = zygote
@@ -104,9 +113,14 @@ class Run:
             (tmp_path / "cwd" / "w.py").write_text(WORKER)
         env.update(extra_env)
         with open(self.out, "wb") as o, open(self.err, "wb") as e:
-            self.proc = subprocess.Popen([sys.executable, "-S", LAUNCHER, *target, *args],
-                                         env=env, cwd=tmp_path / "cwd", stdout=o, stderr=e,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-S", LAUNCHER, *target, *args],
+                env=env,
+                cwd=tmp_path / "cwd",
+                stdout=o,
+                stderr=e,
+                start_new_session=True,
+            )
         self.run_dir = str(tmp_path)
 
     def wait(self) -> int:
@@ -136,8 +150,14 @@ def test_forked_worker_runs_the_script_in_the_launchers_context(tmp_path, agent)
     assert info["path0"] == str(tmp_path) and info["zygote_env"] is None
     assert "to stderr" in r.err.read_text()  # the launcher's stdio, passed over the socket
     (e,) = r.exits()
-    assert (e["exitcode"], e["stopped"], e["via"], e["rank"], e["local_rank"], e["attempt"]) \
-        == (5, False, "zygote", 3, 1, 7)
+    assert (e["exitcode"], e["stopped"], e["via"], e["rank"], e["local_rank"], e["attempt"]) == (
+        5,
+        False,
+        "zygote",
+        3,
+        1,
+        7,
+    )
     assert e["worker_pid"] == info["pid"] and e["pid"] == r.proc.pid
     assert not [c for c in _children(zpid) if proc_state(c) == "Z"]  # reaped
 

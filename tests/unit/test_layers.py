@@ -34,24 +34,42 @@ INNER = {
         [("unbroken.data",)],
     ],
     "unbroken.ckpt": [
-        [(
-            "unbroken.ckpt._dist", "unbroken.ckpt.codec", "unbroken.ckpt.config",
-            "unbroken.ckpt.dcp_metadata",
-            "unbroken.ckpt.lock", "unbroken.ckpt.manifest", "unbroken.ckpt.per_rank",
-            "unbroken.ckpt.rng", "unbroken.ckpt.snapshot", "unbroken.ckpt.state",
-            "unbroken.ckpt.store", "unbroken.ckpt.tensor_io", "unbroken.ckpt.verify",
-        )],
+        [
+            (
+                "unbroken.ckpt._dist",
+                "unbroken.ckpt.codec",
+                "unbroken.ckpt.config",
+                "unbroken.ckpt.dcp_metadata",
+                "unbroken.ckpt.lock",
+                "unbroken.ckpt.manifest",
+                "unbroken.ckpt.per_rank",
+                "unbroken.ckpt.rng",
+                "unbroken.ckpt.snapshot",
+                "unbroken.ckpt.state",
+                "unbroken.ckpt.store",
+                "unbroken.ckpt.tensor_io",
+                "unbroken.ckpt.verify",
+            )
+        ],
         [("unbroken.ckpt.archive",)],
         [("unbroken.ckpt.checkpointer", "unbroken.ckpt.export", "unbroken.ckpt.compare")],
         [("unbroken.ckpt",)],
     ],
     "unbroken.elastic": [
-        [(
-            "unbroken.elastic.faults", "unbroken.elastic.heartbeat", "unbroken.elastic.planner",
-            "unbroken.elastic.preflight", "unbroken.elastic.recovery", "unbroken.elastic._coord",
-            "unbroken.elastic._launch", "unbroken.elastic._standby", "unbroken.elastic._attempt",
-            "unbroken.elastic.supervisor",
-        )],
+        [
+            (
+                "unbroken.elastic.faults",
+                "unbroken.elastic.heartbeat",
+                "unbroken.elastic.planner",
+                "unbroken.elastic.preflight",
+                "unbroken.elastic.recovery",
+                "unbroken.elastic._coord",
+                "unbroken.elastic._launch",
+                "unbroken.elastic._standby",
+                "unbroken.elastic._attempt",
+                "unbroken.elastic.supervisor",
+            )
+        ],
         [("unbroken.elastic.drill",)],
         [("unbroken.elastic",)],
     ],
@@ -66,7 +84,9 @@ def _place(table: Table, mod: str) -> tuple[int, int, str]:
     for layer, groups in enumerate(table):
         for gi, group in enumerate(groups):
             for p in group:
-                if (mod == p or mod.startswith(p + ".")) and (best is None or len(p) > len(best[2])):
+                if (mod == p or mod.startswith(p + ".")) and (
+                    best is None or len(p) > len(best[2])
+                ):
                     best = (layer, gi, p)
     if best is None:
         raise LookupError(f"{mod} is in no layer of the table: add it")
@@ -109,7 +129,9 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
                 base = ".".join(up + ([base] if base else []))
             # `from pkg import sub` imports the submodule: the arrow points at it
             for a in node.names:
-                out.append((node.lineno, f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base))
+                out.append(
+                    (node.lineno, f"{base}.{a.name}" if _is_module(f"{base}.{a.name}") else base)
+                )
     return [(n, d) for n, d in out if d == "unbroken" or d.startswith("unbroken.")]
 
 

@@ -249,7 +249,12 @@ def test_mix_seeds_is_mix_seed_for_every_value():
     """The vectorized twin (a batch's transform RNG seed, computed for many batches at once)
     gives mix_seed's numbers exactly: one- and two-word values, zero, any head and tail."""
     rng = np.random.default_rng(4)
-    for head, tail in [((0, 3), (0x5EED,)), ((2**40, 0, 7), ()), ((), (1, 2**63 - 1)), ((5,), (0,))]:
+    for head, tail in [
+        ((0, 3), (0x5EED,)),
+        ((2**40, 0, 7), ()),
+        ((), (1, 2**63 - 1)),
+        ((5,), (0,)),
+    ]:
         vals = np.concatenate(
             ([0, 1, 2**32 - 1, 2**32, 2**63 - 1], rng.integers(0, 2**63 - 1, 40))
         ).astype(np.int64)

@@ -95,8 +95,17 @@ def test_validation(c, m):
 
 @pytest.mark.parametrize(
     ("seconds", "text"),
-    [(0.007, "7 ms"), (0.0123, "12.3 ms"), (4e-5, "40 us"), (0.5, "500 ms"), (2.5, "2.50 s"),
-     (33.04, "33.0 s"), (90, "1.5 min"), (7200, "2.00 h"), (0, "0.0 s")],
+    [
+        (0.007, "7 ms"),
+        (0.0123, "12.3 ms"),
+        (4e-5, "40 us"),
+        (0.5, "500 ms"),
+        (2.5, "2.50 s"),
+        (33.04, "33.0 s"),
+        (90, "1.5 min"),
+        (7200, "2.00 h"),
+        (0, "0.0 s"),
+    ],
 )
 def test_durations_keep_small_values_readable(seconds, text):
     assert planner._dur(seconds) == text
@@ -105,10 +114,14 @@ def test_durations_keep_small_values_readable(seconds, text):
 def test_mtbf_interval_matches_chi_square_tables():
     # chi2(0.95; 4) = 9.488, chi2(0.05; 2) = 0.1026: one failure in T -> [0.211 T, 19.5 T]
     lo, hi = planner.mtbf_interval(1, 100.0)
-    assert lo == pytest.approx(200 / 9.4877, rel=1e-3) and hi == pytest.approx(200 / 0.10259, rel=1e-3)
+    assert lo == pytest.approx(200 / 9.4877, rel=1e-3) and hi == pytest.approx(
+        200 / 0.10259, rel=1e-3
+    )
     # chi2(0.95; 22) = 33.924, chi2(0.05; 20) = 10.851
     lo, hi = planner.mtbf_interval(10, 1000.0)
-    assert lo == pytest.approx(2000 / 33.924, rel=1e-3) and hi == pytest.approx(2000 / 10.851, rel=1e-3)
+    assert lo == pytest.approx(2000 / 33.924, rel=1e-3) and hi == pytest.approx(
+        2000 / 10.851, rel=1e-3
+    )
 
 
 def _run_dir(tmp_path, events):
@@ -121,8 +134,10 @@ def test_plan_from_a_short_run_warns_that_m_rests_on_one_failure(tmp_path, capsy
     ev = [
         {"t": 0.0, "event": "start"},
         {"t": 0.5, "event": "workers_up", "attempt": 0},
-        *({"t": 1.0 + k, "event": "saved", "rank": 0, "step": 5 * k, "seconds": 0.007}
-          for k in range(1, 5)),
+        *(
+            {"t": 1.0 + k, "event": "saved", "rank": 0, "step": 5 * k, "seconds": 0.007}
+            for k in range(1, 5)
+        ),
         {"t": 20.0, "event": "failure", "attempt": 0, "t_fail": 19.8, "t_detect": 20.0, "step": 21},
         {"t": 24.0, "event": "workers_up", "attempt": 1},
         {"t": 25.0, "event": "loaded", "attempt": 1, "rank": 0, "step": 20},

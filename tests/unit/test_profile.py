@@ -100,7 +100,9 @@ def test_slow_consumer_shows_no_stall_fast_consumer_shows_stall(clock: FakeClock
     assert fast.summary().stall_pct == pytest.approx(75.0)
 
 
-def test_break_records_the_last_step_and_manual_api_matches(tmp_path: Any, clock: FakeClock) -> None:
+def test_break_records_the_last_step_and_manual_api_matches(
+    tmp_path: Any, clock: FakeClock
+) -> None:
     mlog_steps = []
     timer = StepTimer(log_every=0, run_dir=str(tmp_path))
     step = 0

@@ -240,7 +240,8 @@ def test_transport_of_byte_batches_is_measured_through_the_loaders_ring() -> Non
     """The bench measures the transport StatefulLoader uses: the shared-memory ring."""
     from unbroken.data.stream.transport import transport_available
 
-    measured, _ = measure_stages(fast_read, batch_size=8, num_batches=2, collate=list,
-                                 max_seconds=2.0)
+    measured, _ = measure_stages(
+        fast_read, batch_size=8, num_batches=2, collate=list, max_seconds=2.0
+    )
     note = {s.name: s for s in measured}["transport"].note
     assert ("shared-memory ring" if transport_available() else "torch's pipe") in note

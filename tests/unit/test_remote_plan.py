@@ -33,8 +33,9 @@ def _assert_covers(ds: StreamingDataset, epoch: int, bases: dict[int, int]) -> N
 
 @pytest.mark.parametrize("shuffle,window", [(True, 40), (True, None), (False, None)])
 def test_plan_covers_every_read_of_one_source(stream_data, shuffle, window) -> None:
-    ds = StreamingDataset(stream_data("tar"), seed=3, shuffle=shuffle, shuffle_window=window,
-                          rank=0, world_size=1)
+    ds = StreamingDataset(
+        stream_data("tar"), seed=3, shuffle=shuffle, shuffle_window=window, rank=0, world_size=1
+    )
     for epoch in (0, 1):
         _assert_covers(ds, epoch, {0: 0})
     plan = epoch_plan(ds, 0, {0: 0})
@@ -46,8 +47,14 @@ def test_plan_covers_every_read_of_one_source(stream_data, shuffle, window) -> N
 
 
 def test_plan_covers_every_read_of_a_mixture(stream_data) -> None:
-    ds = StreamingDataset([Source(stream_data("tar"), 0.7), Source(stream_data("tar_b"), 0.3)],
-                          seed=1, shuffle_window=30, rank=0, world_size=1, mix_block=64)
+    ds = StreamingDataset(
+        [Source(stream_data("tar"), 0.7), Source(stream_data("tar_b"), 0.3)],
+        seed=1,
+        shuffle_window=30,
+        rank=0,
+        world_size=1,
+        mix_block=64,
+    )
     for epoch in (0, 2):
         _assert_covers(ds, epoch, {0: 0, 1: 1000})
 
@@ -68,7 +75,9 @@ def test_sizes_options_and_the_storage_fault_class() -> None:
     assert check_cache_args(["/local"], None, None) is None
     # a store that failed every retry is a storage fault (probe, then restart), also when
     # torch wraps it in a DataLoader worker's RuntimeError
-    text = ("RuntimeError: Caught RemoteStorageError in DataLoader worker process 0.\n"
-            "unbroken.data.prepare.stage.RemoteStorageError: s3://b/ds/shard-000001.tar: caching failed")
+    text = (
+        "RuntimeError: Caught RemoteStorageError in DataLoader worker process 0.\n"
+        "unbroken.data.prepare.stage.RemoteStorageError: s3://b/ds/shard-000001.tar: caching failed"
+    )
     first = next(r for r in DEFAULT_RULES if r.matches(text, None))
     assert first.fault == FaultClass.STORAGE

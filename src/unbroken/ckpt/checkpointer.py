@@ -75,6 +75,7 @@ _ARCHIVE_FIELDS = {
 def _mark(event: str, **fields: Any) -> None:
     """Recovery-phase event for ``unbroken run`` (a no-op outside the supervisor)."""
     from unbroken.common import events
+
     events.mark(event, **fields)
 
 
@@ -704,4 +705,3 @@ def _flush_at_exit(ref: weakref.ref[Checkpointer]) -> None:
     ckpt = ref()
     if ckpt is not None:
         ckpt._flush_quietly()
-

@@ -108,8 +108,11 @@ def _compare_state(
         fa = _flat(ref["components"][part])
         fb = _flat(got["components"][part])
         if not floats:
-            keep = {k for k in fa.keys() | fb.keys()
-                    if not (_is_float(fa.get(k)) or _is_float(fb.get(k)))}
+            keep = {
+                k
+                for k in fa.keys() | fb.keys()
+                if not (_is_float(fa.get(k)) or _is_float(fb.get(k)))
+            }
             skipped += len(fa.keys() | fb.keys()) - len(keep)
             fa = {k: v for k, v in fa.items() if k in keep}
             fb = {k: v for k, v in fb.items() if k in keep}

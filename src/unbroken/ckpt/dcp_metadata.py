@@ -125,6 +125,8 @@ def check_dcp_metadata(data: bytes, where: str) -> None:
     except UnsafeMetadata as e:
         raise UnsafeMetadata(f"{where} {e}; refusing a crafted checkpoint") from None
     except Exception as e:  # a truncated or garbled pickle: pickle raises many types
-        raise UnsafeMetadata(f"{where} is not a readable pickle ({type(e).__name__}: {e})") from None
+        raise UnsafeMetadata(
+            f"{where} is not a readable pickle ({type(e).__name__}: {e})"
+        ) from None
     if type(top) is not _STUB_TYPES[(_MD, "Metadata")]:
         raise UnsafeMetadata(f"{where} does not hold a DCP Metadata object")

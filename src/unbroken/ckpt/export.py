@@ -216,8 +216,7 @@ def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -
     if biggest:
         out.append(f"  largest tensors (top {len(biggest)})")
         rows = [
-            [k, "x".join(map(str, t.shape)) or "()", t.dtype, _size(t.nbytes)]
-            for k, t in biggest
+            [k, "x".join(map(str, t.shape)) or "()", t.dtype, _size(t.nbytes)] for k, t in biggest
         ]
         out.append(
             render_table(rows, header=["KEY", "SHAPE", "DTYPE", "BYTES"], right={3}, indent=_IN)
@@ -305,9 +304,7 @@ def verify_report(
         for v in verdicts
     ]
     bad = sum(not v.ok for v in verdicts)
-    table = render_table(
-        rows, header=["STEP", "RESULT", "SIZE", "TIME", "DETAIL"], right={0, 2, 3}
-    )
+    table = render_table(rows, header=["STEP", "RESULT", "SIZE", "TIME", "DETAIL"], right={0, 2, 3})
     out = [f"verifying {root}", table]
     out.append(
         f"{len(verdicts)} checkpoint(s) verified, all intact"

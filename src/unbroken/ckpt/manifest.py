@@ -253,7 +253,10 @@ class CheckpointManifest:
     @classmethod
     def from_dict(cls, d: Any, *, step: int | None, where: str) -> CheckpointManifest:
         v = _Checker(where)
-        v.require(isinstance(d, dict) and d.get("format") == FORMAT, "is not an unbroken checkpoint manifest")
+        v.require(
+            isinstance(d, dict) and d.get("format") == FORMAT,
+            "is not an unbroken checkpoint manifest",
+        )
         version = d.get("version")
         v.require(
             type(version) is int and version in READABLE_VERSIONS,
@@ -269,7 +272,10 @@ class CheckpointManifest:
         mstep = v.int_(d.get("step"), "step")
         v.require(step is None or mstep == step, f"says step {mstep}, its directory says {step}")
         world = v.int_(d.get("world_size"), "world_size", lo=1)
-        v.require(d.get("checksum_algo", CHECKSUM_ALGO) == CHECKSUM_ALGO, f"checksum_algo is not {CHECKSUM_ALGO}")
+        v.require(
+            d.get("checksum_algo", CHECKSUM_ALGO) == CHECKSUM_ALGO,
+            f"checksum_algo is not {CHECKSUM_ALGO}",
+        )
 
         files: dict[str, FileEntry] = {}
         for name, f in v.dict_(d.get("files"), "files").items():
@@ -285,7 +291,10 @@ class CheckpointManifest:
         for r, e in v.dict_(d.get("ranks"), "ranks").items():
             v.require(r.isdigit() and str(int(r)) == r, f"ranks has a non-rank key {r!r}")
             state = v.dict_(e, f"ranks[{r!r}]").get("state")
-            v.require(isinstance(state, str) and state in files, f"ranks[{r!r}].state {state!r} is not a listed file")
+            v.require(
+                isinstance(state, str) and state in files,
+                f"ranks[{r!r}].state {state!r} is not a listed file",
+            )
             ranks[int(r)] = str(state)
         v.require(
             sorted(ranks) == list(range(world)),
@@ -331,7 +340,9 @@ class CheckpointManifest:
             except FileNotFoundError as e:
                 raise ManifestError(path, "is missing", "missing-file") from e
             if stat.S_ISLNK(st.st_mode):
-                raise ManifestError(path, "is a symlink; checkpoint files must lie in the step directory", "symlink")
+                raise ManifestError(
+                    path, "is a symlink; checkpoint files must lie in the step directory", "symlink"
+                )
             if not stat.S_ISREG(st.st_mode):
                 raise ManifestError(path, "is not a regular file", "missing-file")
             if st.st_size != f.size:
@@ -358,11 +369,16 @@ class _Checker:
     def num(self, x: Any, what: str, optional: bool = False) -> float | None:
         if x is None and optional:
             return None
-        self.require(isinstance(x, int | float) and not isinstance(x, bool), f"{what}={x!r} is not a number")
+        self.require(
+            isinstance(x, int | float) and not isinstance(x, bool), f"{what}={x!r} is not a number"
+        )
         return float(x)
 
     def hex32(self, x: Any, what: str) -> str:
-        self.require(isinstance(x, str) and bool(_HEX32_RE.match(x)), f"{what}={x!r} is not an xxh3-128 hex digest")
+        self.require(
+            isinstance(x, str) and bool(_HEX32_RE.match(x)),
+            f"{what}={x!r} is not an xxh3-128 hex digest",
+        )
         return str(x)
 
     def dict_(self, x: Any, what: str) -> dict[str, Any]:

@@ -303,6 +303,7 @@ def write_tensors(
 
 # --- reading ---------------------------------------------------------------------------------
 
+
 def _map(directory: str, name: str, want: FileEntry) -> mmap.mmap | None:
     """``directory/name`` mapped read-only, after checking it is a regular file of the
     recorded size; None when it is empty. Never follows a symlink (``O_NOFOLLOW``) and never
@@ -315,7 +316,9 @@ def _map(directory: str, name: str, want: FileEntry) -> mmap.mmap | None:
         raise ChecksumError(path, "missing file") from e
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise ChecksumError(path, "is a symlink; checkpoint files must lie in the step directory") from e
+            raise ChecksumError(
+                path, "is a symlink; checkpoint files must lie in the step directory"
+            ) from e
         raise
     try:
         st = os.fstat(fd)
@@ -371,7 +374,11 @@ def _chunk_tensor(mm: mmap.mmap | None, c: Chunk, t: TensorEntry, path: str) -> 
         or (sizes is not None and tuple(got.shape) != tuple(sizes))
         or any(o + n > s for o, n, s in zip(c.offsets, got.shape, t.shape, strict=True))
     ):
-        what = f"a {list(got.shape)} {got.dtype} tensor" if isinstance(got, torch.Tensor) else type(got).__name__
+        what = (
+            f"a {list(got.shape)} {got.dtype} tensor"
+            if isinstance(got, torch.Tensor)
+            else type(got).__name__
+        )
         raise ChecksumError(
             path,
             f"bytes {c.offset}..{c.offset + c.length} hold {what}, not the manifest's "
@@ -380,7 +387,9 @@ def _chunk_tensor(mm: mmap.mmap | None, c: Chunk, t: TensorEntry, path: str) -> 
     return got
 
 
-def _locate_storage(mm: mmap.mmap, c: Chunk, dtype: torch.dtype, sizes: tuple[int, ...]) -> int | None:
+def _locate_storage(
+    mm: mmap.mmap, c: Chunk, dtype: torch.dtype, sizes: tuple[int, ...]
+) -> int | None:
     """Byte offset (in the file) of the single storage record of the ``torch.save`` blob at
     ``c``, or None when the blob is not exactly the compact layout we write: one stored
     record of ``prod(sizes)`` elements, native byte order, and a ``data.pkl`` that describes
@@ -430,12 +439,14 @@ def _zip_entries(blob: memoryview) -> list[zipfile.ZipInfo]:
                 for _ in range(count):
                     if bytes(blob[pos : pos + 4]) != b"PK\x01\x02":
                         break
-                    method, = struct.unpack_from("<H", blob, pos + 10)
+                    (method,) = struct.unpack_from("<H", blob, pos + 10)
                     csize, usize, nlen, xlen, clen = struct.unpack_from("<IIHHH", blob, pos + 20)
-                    offset, = struct.unpack_from("<I", blob, pos + 42)
+                    (offset,) = struct.unpack_from("<I", blob, pos + 42)
                     if 0xFFFFFFFF in (csize, usize, offset):
                         break  # zip64 fields
-                    info = zipfile.ZipInfo(bytes(blob[pos + 46 : pos + 46 + nlen]).decode("utf-8", "replace"))
+                    info = zipfile.ZipInfo(
+                        bytes(blob[pos + 46 : pos + 46 + nlen]).decode("utf-8", "replace")
+                    )
                     info.compress_type, info.file_size, info.header_offset = method, usize, offset
                     out.append(info)
                     pos += 46 + nlen + xlen + clen
@@ -682,7 +693,9 @@ def fill(
                 continue  # another rank's shard: never read
             if c.file not in maps:
                 maps[c.file] = _map(directory, c.file, m.files[c.file])
-            out.append((c.offsets, _chunk_tensor(maps[c.file], c, t, os.path.join(directory, c.file))))
+            out.append(
+                (c.offsets, _chunk_tensor(maps[c.file], c, t, os.path.join(directory, c.file)))
+            )
         return out
 
     # Plan every copy first (views only, no data moved) so a checkpoint whose chunks do not

@@ -100,8 +100,10 @@ def load_verified(
             if isinstance(e, UnsafeMetadata)
             else "unreadable"
         )
-        detail = str(e) if isinstance(e, ChecksumError | ManifestError | UnsafeMetadata) else (
-            f"{store.step_dir(step)}: {type(e).__name__}: {e}"
+        detail = (
+            str(e)
+            if isinstance(e, ChecksumError | ManifestError | UnsafeMetadata)
+            else (f"{store.step_dir(step)}: {type(e).__name__}: {e}")
         )
         raise CorruptCheckpoint(step, reason, detail.splitlines()[0] if detail else "") from e
 
@@ -256,7 +258,11 @@ def check_fits(
             problems.append(f"{k}: {_desc(dst.shape, dst.dtype)} live, not in the checkpoint")
     for name, obj in components.items():
         if isinstance(obj, torch.optim.Optimizer) and isinstance(saved, dict):
-            groups = saved.get(name, {}).get("param_groups") if isinstance(saved.get(name), dict) else None
+            groups = (
+                saved.get(name, {}).get("param_groups")
+                if isinstance(saved.get(name), dict)
+                else None
+            )
             have = [len(g["params"]) for g in obj.param_groups]
             got = (
                 [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in groups]

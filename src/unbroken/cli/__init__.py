@@ -82,8 +82,9 @@ def _undeprecate(argv: list[str]) -> list[str]:
             continue
         if tok in DEPRECATED:
             new = " ".join(DEPRECATED[tok])
-            print(f"unbroken: 'unbroken {tok}' is deprecated; use 'unbroken {new}'",
-                  file=sys.stderr)
+            print(
+                f"unbroken: 'unbroken {tok}' is deprecated; use 'unbroken {new}'", file=sys.stderr
+            )
             return [*argv[:i], *DEPRECATED[tok], *argv[i + 1 :]]
         break
     return argv
@@ -92,8 +93,18 @@ def _undeprecate(argv: list[str]) -> list[str]:
 # A path the user named that cannot be used is bad input (2); any other OSError (a full
 # disk, an I/O error) is a failure of the command (1).
 _BAD_PATH_ERRNOS = frozenset(
-    {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.EACCES, errno.EPERM,
-     errno.ELOOP, errno.ENAMETOOLONG, errno.EINVAL, errno.EROFS}
+    {
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EEXIST,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ELOOP,
+        errno.ENAMETOOLONG,
+        errno.EINVAL,
+        errno.EROFS,
+    }
 )
 
 

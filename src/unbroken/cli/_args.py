@@ -39,8 +39,14 @@ class Formatter(argparse.HelpFormatter):
             if para.startswith(" ") or "\n " in para:
                 out.append("\n".join(indent + ln for ln in para.splitlines()))
             else:
-                out.append(textwrap.fill(" ".join(para.split()), width, initial_indent=indent,
-                                         subsequent_indent=indent))
+                out.append(
+                    textwrap.fill(
+                        " ".join(para.split()),
+                        width,
+                        initial_indent=indent,
+                        subsequent_indent=indent,
+                    )
+                )
         return "\n\n".join(out)
 
 
@@ -69,12 +75,22 @@ def add_command(
 
 def size(text: str) -> int:
     """``"256MB"`` -> 256_000_000, ``"1GiB"`` -> 1_073_741_824, ``"4096"`` -> 4096."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
     t = text.strip().upper()
     num = t.rstrip("KMGTIB")
     try:
-        n = int(float(num) * units[t[len(num):]])
+        n = int(float(num) * units[t[len(num) :]])
     except (KeyError, ValueError, OverflowError):  # OverflowError: "1e400" is inf
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 256MB or 1GiB") from None
     if n <= 0:
@@ -155,8 +171,9 @@ def add_config_flags(p: argparse.ArgumentParser, flags: Sequence[ConfigFlag]) ->
             shown = f"{d:,} bytes = {d / 2**20:g} MiB"
         else:
             shown = f"{d}{f.unit}"
-        p.add_argument(*f.flags, dest=f.dest, type=kind, default=d,
-                       help=f"{f.help} (default: {shown})")
+        p.add_argument(
+            *f.flags, dest=f.dest, type=kind, default=d, help=f"{f.help} (default: {shown})"
+        )
 
 
 def config_kwargs(

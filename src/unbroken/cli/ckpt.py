@@ -43,22 +43,35 @@ def _step(p: argparse.ArgumentParser, default: str) -> None:
 
 
 def add_ckpt(sub: Sub) -> None:
-    g = add_command(sub, "ckpt", "list, inspect, verify and export checkpoints",
-                    "unbroken ckpt verify /ckpt")
+    g = add_command(
+        sub, "ckpt", "list, inspect, verify and export checkpoints", "unbroken ckpt verify /ckpt"
+    )
     cs = g.add_subparsers(dest="ckpt_cmd", required=True, metavar="COMMAND")
 
-    p = add_command(cs, "ls", "table of checkpoints: step, size, age, status",
-                    "unbroken ckpt ls /ckpt --archive s3://bucket/run1", func=_ls)
+    p = add_command(
+        cs,
+        "ls",
+        "table of checkpoints: step, size, age, status",
+        "unbroken ckpt ls /ckpt --archive s3://bucket/run1",
+        func=_ls,
+    )
     p.add_argument("dir", help="checkpoint root (local path or fsspec URL)")
     p.add_argument("--archive", default=None, help="remote archive URL to list as well")
 
-    p = add_command(cs, "inspect", "print a checkpoint's manifest in human form",
-                    "unbroken ckpt inspect /ckpt --step 1200", func=_inspect)
+    p = add_command(
+        cs,
+        "inspect",
+        "print a checkpoint's manifest in human form",
+        "unbroken ckpt inspect /ckpt --step 1200",
+        func=_inspect,
+    )
     p.add_argument("dir", help="checkpoint root")
     _step(p, "default: newest committed")
 
     p = add_command(
-        cs, "verify", "restore()'s full verification, read-only; exit 1 on damage",
+        cs,
+        "verify",
+        "restore()'s full verification, read-only; exit 1 on damage",
         "unbroken ckpt verify /ckpt",
         "Runs restore()'s own checks (manifest, paths, sizes, checksums, statistics, "
         "decoding) on every step-N directory, or on --step; nothing is moved or deleted.",
@@ -68,7 +81,9 @@ def add_ckpt(sub: Sub) -> None:
     _step(p, "default: every step-N directory")
 
     p = add_command(
-        cs, "export", "write one component's consolidated weights to a .safetensors file",
+        cs,
+        "export",
+        "write one component's consolidated weights to a .safetensors file",
         "unbroken ckpt export /ckpt --to model.safetensors --component ema",
         "Verify a checkpoint and write the tensors of one component (default: model) to a "
         "safetensors file, keyed by the component's own state_dict names (e.g. 0.weight), "
@@ -78,5 +93,8 @@ def add_ckpt(sub: Sub) -> None:
     p.add_argument("dir", help="checkpoint root")
     p.add_argument("--to", required=True, metavar="FILE", help="output .safetensors path")
     _step(p, "default: newest committed")
-    p.add_argument("--component", default="model",
-                   help="TrainState component to export: model (default), ema, or model.NAME")
+    p.add_argument(
+        "--component",
+        default="model",
+        help="TrainState component to export: model (default), ema, or model.NAME",
+    )

@@ -22,7 +22,8 @@ PREP_COMMANDS = frozenset({"pack", "index", "tokenize", "stage"})
 
 def _add_pack(ds: Sub) -> None:
     p = add_command(
-        ds, "pack",
+        ds,
+        "pack",
         "pack small files / JSONL into WebDataset tar shards + index + dataset.json",
         "unbroken data pack ./raw-files ./data --shard-size 256MiB",
         "Group files by <key>.<ext> (as WebDataset does), or take each JSONL line as one "
@@ -34,18 +35,26 @@ def _add_pack(ds: Sub) -> None:
     p.add_argument("out", help="output directory")
     p.add_argument("--shard-size", type=size, default=256 << 20, help="target tar size (256MiB)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: CPU count)")
-    p.add_argument("--allow-partial", action="store_true",
-                   help="allow samples that lack members other samples have")
+    p.add_argument(
+        "--allow-partial",
+        action="store_true",
+        help="allow samples that lack members other samples have",
+    )
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (faster, not durable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--skip-bad", action="store_true",
-                   help="skip (and count) malformed JSONL lines, unreadable files, symlink "
-                   "loops and non-UTF-8 names instead of stopping at the first")
+    p.add_argument(
+        "--skip-bad",
+        action="store_true",
+        help="skip (and count) malformed JSONL lines, unreadable files, symlink "
+        "loops and non-UTF-8 names instead of stopping at the first",
+    )
 
 
 def _add_index(ds: Sub) -> None:
     p = add_command(
-        ds, "index", "index existing (e.g. WebDataset) tar shards in place",
+        ds,
+        "index",
+        "index existing (e.g. WebDataset) tar shards in place",
         "unbroken data index ./webdataset-shards",
         "Write <shard>.tar.idx for every *.tar in DIR and a dataset.json; the tar files are "
         "not modified.",
@@ -57,7 +66,8 @@ def _add_index(ds: Sub) -> None:
 
 def _add_tokenize(ds: Sub) -> None:
     p = add_command(
-        ds, "tokenize",
+        ds,
+        "tokenize",
         "text (JSONL field, .txt files, tar shards) -> memory-mappable token shards",
         "unbroken data tokenize corpus.jsonl ./tok --train-bpe 8192 --seq-len 1024",
         "Tokenize with a local HF tokenizer.json (or train a BPE one) into "
@@ -68,15 +78,24 @@ def _add_tokenize(ds: Sub) -> None:
     p.add_argument("src", help=".jsonl / .txt file, a directory of them, or a packed tar dataset")
     p.add_argument("out", help="output directory")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json path")
-    p.add_argument("--train-bpe", type=int, default=None, metavar="VOCAB",
-                   help="train a byte-level BPE of VOCAB tokens on SRC, saved as --tokenizer "
-                   "(default OUT/tokenizer.json); an existing file there is reused")
+    p.add_argument(
+        "--train-bpe",
+        type=int,
+        default=None,
+        metavar="VOCAB",
+        help="train a byte-level BPE of VOCAB tokens on SRC, saved as --tokenizer "
+        "(default OUT/tokenizer.json); an existing file there is reused",
+    )
     p.add_argument("--field", default="text", help="JSON field holding the text (default: text)")
     p.add_argument("--member", default="txt", help="tar member holding the text (default: txt)")
     p.add_argument("--seq-len", type=int, default=None, help="pack into sequences of this length")
     p.add_argument("--shard-size", type=size, default=256 << 20, help="max token bytes/shard")
-    p.add_argument("--dtype", choices=("uint16", "uint32"), default=None,
-                   help="token dtype (default: uint16 if the vocabulary fits)")
+    p.add_argument(
+        "--dtype",
+        choices=("uint16", "uint32"),
+        default=None,
+        help="token dtype (default: uint16 if the vocabulary fits)",
+    )
     p.add_argument("--eos-token", default=None, help="end-of-document token (default: detect)")
     p.add_argument("--workers", type=int, default=None, help="processes (default: CPU count)")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (faster, not durable)")
@@ -85,7 +104,9 @@ def _add_tokenize(ds: Sub) -> None:
 
 def _add_stage(ds: Sub) -> None:
     p = add_command(
-        ds, "stage", "copy a dataset from any fsspec URL to local disk, verified",
+        ds,
+        "stage",
+        "copy a dataset from any fsspec URL to local disk, verified",
         "unbroken data stage s3://bucket/tok /nvme/tok --ranks-local",
         "Copy dataset.json + shards + indexes from URL (s3://, file://, a mount) into "
         "LOCAL_DIR in parallel, verifying checksums; valid files are skipped.",
@@ -94,12 +115,23 @@ def _add_stage(ds: Sub) -> None:
     p.add_argument("url", help="dataset root: local path or fsspec URL")
     p.add_argument("local_dir", help="local destination directory")
     p.add_argument("--workers", type=int, default=8, help="parallel transfers (default: 8)")
-    p.add_argument("--ranks-local", action="store_true",
-                   help="only LOCAL_RANK 0 copies; other local ranks wait for its marker")
-    p.add_argument("--wait-timeout", type=at_least(0, float), default=3600.0,
-                   help="seconds non-zero local ranks wait (default: 3600)")
-    p.add_argument("--retries", type=at_least(0), default=1,
-                   help="re-fetches on checksum mismatch (default: 1)")
+    p.add_argument(
+        "--ranks-local",
+        action="store_true",
+        help="only LOCAL_RANK 0 copies; other local ranks wait for its marker",
+    )
+    p.add_argument(
+        "--wait-timeout",
+        type=at_least(0, float),
+        default=3600.0,
+        help="seconds non-zero local ranks wait (default: 3600)",
+    )
+    p.add_argument(
+        "--retries",
+        type=at_least(0),
+        default=1,
+        help="re-fetches on checksum mismatch (default: 1)",
+    )
     p.add_argument("--fsync", action="store_true", help="fsync every staged file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -107,14 +139,23 @@ def _add_stage(ds: Sub) -> None:
 def _pack(a: argparse.Namespace) -> int:
     from unbroken.data.prepare.pack import pack
 
-    r = pack(a.src, a.out, shard_size=a.shard_size, workers=a.workers,
-             allow_partial=a.allow_partial, fsync=not a.no_fsync, progress=not a.no_progress,
-             skip_bad=a.skip_bad)
+    r = pack(
+        a.src,
+        a.out,
+        shard_size=a.shard_size,
+        workers=a.workers,
+        allow_partial=a.allow_partial,
+        fsync=not a.no_fsync,
+        progress=not a.no_progress,
+        skip_bad=a.skip_bad,
+    )
     m = r.manifest
     skipped = f"; {r.skipped} bad inputs skipped" if a.skip_bad else ""
-    print(f"{m.num_samples} samples in {len(m.shards)} shards ({r.shards_written} written, "
-          f"{r.shards_reused} reused), {r.bytes / 1e6:.1f} MB in {r.seconds:.2f}s "
-          f"({r.mb_per_s:.1f} MB/s); fingerprint {m.fingerprint}{skipped}")
+    print(
+        f"{m.num_samples} samples in {len(m.shards)} shards ({r.shards_written} written, "
+        f"{r.shards_reused} reused), {r.bytes / 1e6:.1f} MB in {r.seconds:.2f}s "
+        f"({r.mb_per_s:.1f} MB/s); fingerprint {m.fingerprint}{skipped}"
+    )
     return 0
 
 
@@ -123,30 +164,53 @@ def _index(a: argparse.Namespace) -> int:
 
     r = index_directory(a.dir, workers=a.workers)
     m = r.manifest
-    print(f"indexed {len(m.shards)} shards, {m.num_samples} samples in {r.seconds:.2f}s; "
-          f"fingerprint {m.fingerprint}")
+    print(
+        f"indexed {len(m.shards)} shards, {m.num_samples} samples in {r.seconds:.2f}s; "
+        f"fingerprint {m.fingerprint}"
+    )
     return 0
 
 
 def _tokenize(a: argparse.Namespace) -> int:
     from unbroken.data.tokens.tokenizer import tokenize
 
-    r = tokenize(a.src, a.out, tokenizer=a.tokenizer, train_bpe_vocab=a.train_bpe,
-                 field=a.field, member=a.member, seq_len=a.seq_len, shard_size=a.shard_size,
-                 dtype=a.dtype, eos_token=a.eos_token, workers=a.workers,
-                 fsync=not a.no_fsync, progress=not a.no_progress)
+    r = tokenize(
+        a.src,
+        a.out,
+        tokenizer=a.tokenizer,
+        train_bpe_vocab=a.train_bpe,
+        field=a.field,
+        member=a.member,
+        seq_len=a.seq_len,
+        shard_size=a.shard_size,
+        dtype=a.dtype,
+        eos_token=a.eos_token,
+        workers=a.workers,
+        fsync=not a.no_fsync,
+        progress=not a.no_progress,
+    )
     m = r.manifest
-    print(f"{r.documents} documents, {r.tokens} tokens ({m.dtype}) in {len(m.shards)} shards, "
-          f"{m.num_samples} samples, {r.seconds:.2f}s ({r.tokens_per_s:,.0f} tokens/s); "
-          f"fingerprint {m.fingerprint}")
+    print(
+        f"{r.documents} documents, {r.tokens} tokens ({m.dtype}) in {len(m.shards)} shards, "
+        f"{m.num_samples} samples, {r.seconds:.2f}s ({r.tokens_per_s:,.0f} tokens/s); "
+        f"fingerprint {m.fingerprint}"
+    )
     return 0
 
 
 def _stage(a: argparse.Namespace) -> int:
     from unbroken.data.prepare.stage import stage
 
-    r = stage(a.url, a.local_dir, workers=a.workers, fsync=a.fsync, ranks_local=a.ranks_local,
-              wait_timeout=a.wait_timeout, retries=a.retries, progress=not a.no_progress)
+    r = stage(
+        a.url,
+        a.local_dir,
+        workers=a.workers,
+        fsync=a.fsync,
+        ranks_local=a.ranks_local,
+        wait_timeout=a.wait_timeout,
+        retries=a.retries,
+        progress=not a.no_progress,
+    )
     print(r)
     return 0
 
@@ -156,7 +220,9 @@ def _stage(a: argparse.Namespace) -> int:
 
 def _add_inspect(ds: Sub) -> None:
     p = add_command(
-        ds, "inspect", "per-epoch shuffle statistics of a dataset's streaming order",
+        ds,
+        "inspect",
+        "per-epoch shuffle statistics of a dataset's streaming order",
         "unbroken data inspect ./data --epochs 3",
         "Print, per epoch, how well StreamingDataset shuffles DIR: mean absolute displacement "
         "(vs a random permutation), Spearman correlation of original index and position, share "
@@ -167,8 +233,12 @@ def _add_inspect(ds: Sub) -> None:
     p.add_argument("dir", help="local dataset directory (holds dataset.json)")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default: 0)")
     p.add_argument("--epochs", type=int, default=3, help="epochs to inspect (default: 3)")
-    p.add_argument("--shuffle-window", type=int, default=None,
-                   help="samples per window (default: StreamingDataset's)")
+    p.add_argument(
+        "--shuffle-window",
+        type=int,
+        default=None,
+        help="samples per window (default: StreamingDataset's)",
+    )
     p.add_argument("--seq-len", type=int, default=None, help="token datasets: tokens/sequence")
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
 
@@ -193,7 +263,9 @@ def _inspect(a: argparse.Namespace) -> int:
 
 def _add_bench(ds: Sub) -> None:
     p = add_command(
-        ds, "bench", "time each input-pipeline stage alone and name the one that limits",
+        ds,
+        "bench",
+        "time each input-pipeline stage alone and name the one that limits",
         "unbroken data bench ./data --batch-size 64 --transform train.py:decode --consume-rate 900",
         "Run each stage alone on DIR - (network,) shard read, decode/transform, collate, "
         "worker transport, pin, H2D - print each one's samples/s next to the consumer's rate, "
@@ -202,30 +274,61 @@ def _add_bench(ds: Sub) -> None:
         func=_bench,
     )
     p.add_argument("dir", help="dataset directory or fsspec URL (holds dataset.json)")
-    p.add_argument("--cache-dir", default=None,
-                   help="remote URL: where the scratch cache goes (default: the temp dir)")
-    p.add_argument("--storage-options", default=None, metavar="JSON",
-                   help='remote URL: fsspec options, e.g. \'{"endpoint_url": "http://..."}\'')
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="remote URL: where the scratch cache goes (default: the temp dir)",
+    )
+    p.add_argument(
+        "--storage-options",
+        default=None,
+        metavar="JSON",
+        help='remote URL: fsspec options, e.g. \'{"endpoint_url": "http://..."}\'',
+    )
     p.add_argument("--batch-size", type=int, default=32, help="samples per batch (default: 32)")
-    p.add_argument("--num-workers", type=int, default=None,
-                   help="DataLoader workers to evaluate (default: cores - 1)")
-    p.add_argument("--consume-rate", type=float, default=None,
-                   help="samples/s the model consumes (or use --timeline)")
-    p.add_argument("--timeline", default=None,
-                   help="RUN_DIR or data_steps.csv of a run: consumer rate from its compute time")
-    p.add_argument("--transform", default="basic",
-                   help="per-sample decode: 'basic' (by extension, default), 'none', "
-                   "'package.module:function' or 'path/to/train.py:function' (a function "
-                   "defined in your training script; its __main__ block does not run)")
+    p.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        help="DataLoader workers to evaluate (default: cores - 1)",
+    )
+    p.add_argument(
+        "--consume-rate",
+        type=float,
+        default=None,
+        help="samples/s the model consumes (or use --timeline)",
+    )
+    p.add_argument(
+        "--timeline",
+        default=None,
+        help="RUN_DIR or data_steps.csv of a run: consumer rate from its compute time",
+    )
+    p.add_argument(
+        "--transform",
+        default="basic",
+        help="per-sample decode: 'basic' (by extension, default), 'none', "
+        "'package.module:function' or 'path/to/train.py:function' (a function "
+        "defined in your training script; its __main__ block does not run)",
+    )
     p.add_argument("--seq-len", type=int, default=None, help="token datasets: tokens/sequence")
-    p.add_argument("--device", default=None,
-                   help="device for the pin and H2D stages (default: cuda when available)")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="device for the pin and H2D stages (default: cuda when available)",
+    )
     p.add_argument("--batches", type=int, default=50, help="batches to time (default: 50)")
-    p.add_argument("--max-seconds", type=float, default=20.0,
-                   help="time budget of the whole bench (default: 20)")
+    p.add_argument(
+        "--max-seconds",
+        type=float,
+        default=20.0,
+        help="time budget of the whole bench (default: 20)",
+    )
     p.add_argument("--seed", type=int, default=0, help="shuffle seed of the order read")
-    p.add_argument("--out", default=None,
-                   help="RUN_DIR to write data_bench.json into (for `unbroken data report`)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="RUN_DIR to write data_bench.json into (for `unbroken data report`)",
+    )
     p.add_argument("--metrics", default=None, help="metric log (.jsonl) to append the rates to")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -240,11 +343,21 @@ def _bench(a: argparse.Namespace) -> int:
     except json.JSONDecodeError as e:
         raise ValueError(f"--storage-options {a.storage_options!r} is not JSON ({e})") from None
     report, path = run_bench(
-        a.dir, batch_size=a.batch_size, num_workers=a.num_workers,
-        consume_rate=a.consume_rate, timeline=a.timeline, transform=a.transform,
-        seq_len=a.seq_len, device=a.device, num_batches=a.batches,
-        max_seconds=a.max_seconds, seed=a.seed, out=a.out, metrics=a.metrics,
-        cache_dir=a.cache_dir, storage_options=opts,
+        a.dir,
+        batch_size=a.batch_size,
+        num_workers=a.num_workers,
+        consume_rate=a.consume_rate,
+        timeline=a.timeline,
+        transform=a.transform,
+        seq_len=a.seq_len,
+        device=a.device,
+        num_batches=a.batches,
+        max_seconds=a.max_seconds,
+        seed=a.seed,
+        out=a.out,
+        metrics=a.metrics,
+        cache_dir=a.cache_dir,
+        storage_options=opts,
     )
     print(json.dumps(report.to_json()) if a.json else report.format())
     if path is not None:
@@ -254,7 +367,8 @@ def _bench(a: argparse.Namespace) -> int:
 
 def _add_report(ds: Sub) -> None:
     p = add_command(
-        ds, "report",
+        ds,
+        "report",
         "stall summary, sawtooth check and a PNG of a run's step timeline and stages",
         "unbroken data report ./run --out stalls.png",
         "Read RUN_DIR/data_steps.csv (StepTimer) and/or RUN_DIR/data_bench.json (data bench "
@@ -264,9 +378,13 @@ def _add_report(ds: Sub) -> None:
     )
     p.add_argument("run_dir", help="directory holding data_steps.csv and/or data_bench.json")
     p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/data_report.png)")
-    p.add_argument("--num-workers", type=int, default=None,
-                   help="workers of the run, to relate a sawtooth period to (default: from "
-                   "the timeline header)")
+    p.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        help="workers of the run, to relate a sawtooth period to (default: from "
+        "the timeline header)",
+    )
     p.add_argument("--no-plot", action="store_true", help="text only")
 
 
@@ -281,9 +399,20 @@ def _report(a: argparse.Namespace) -> int:
 
 
 def add_data(sub: Sub) -> None:
-    g = add_command(sub, "data", "prepare datasets, inspect their order, find input stalls",
-                    "unbroken data pack ./raw-files ./data")
+    g = add_command(
+        sub,
+        "data",
+        "prepare datasets, inspect their order, find input stalls",
+        "unbroken data pack ./raw-files ./data",
+    )
     ds = g.add_subparsers(dest="data_cmd", required=True, metavar="COMMAND")
-    for add in (_add_pack, _add_index, _add_tokenize, _add_stage, _add_inspect, _add_bench,
-                _add_report):
+    for add in (
+        _add_pack,
+        _add_index,
+        _add_tokenize,
+        _add_stage,
+        _add_inspect,
+        _add_bench,
+        _add_report,
+    ):
         add(ds)

@@ -26,65 +26,165 @@ __all__ = ["PREFLIGHT_FLAGS", "RUN_FLAGS", "add_run", "preflight_config", "run_c
 F = ConfigFlag
 
 RUN_FLAGS: tuple[ConfigFlag, ...] = (
-    F(("--run-dir",), RunConfig, "run_dir",
-      "events.jsonl, recovery.jsonl, logs, beats, stack dumps go here"),
+    F(
+        ("--run-dir",),
+        RunConfig,
+        "run_dir",
+        "events.jsonl, recovery.jsonl, logs, beats, stack dumps go here",
+    ),
     F(("--nnodes",), RendezvousConfig, "nnodes", "N or MIN:MAX nodes"),
     F(("--nproc-per-node",), RunConfig, "nproc_per_node", "workers per node"),
     F(("-m", "--module"), RunConfig, "module", "SCRIPT is a module name", action="store_true"),
-    F(("--rdzv-endpoint",), RendezvousConfig, "endpoint",
-      "HOST:PORT of the rendezvous store, hosted by the supervisor on HOST (port 0: a free "
-      "port; multi-node needs a fixed port)"),
+    F(
+        ("--rdzv-endpoint",),
+        RendezvousConfig,
+        "endpoint",
+        "HOST:PORT of the rendezvous store, hosted by the supervisor on HOST (port 0: a free "
+        "port; multi-node needs a fixed port)",
+    ),
     F(("--run-id",), RendezvousConfig, "run_id", "job name shared by all nodes"),
     F(("--node",), RendezvousConfig, "node", "this node's name", shown="HOSTNAME-PID"),
     F(("--max-restarts",), RestartPolicy, "max_restarts", "restart budget"),
-    F(("--backoff",), RestartPolicy, "backoff_initial",
-      "seconds before the first restart, doubled per restart without progress", unit=" s"),
+    F(
+        ("--backoff",),
+        RestartPolicy,
+        "backoff_initial",
+        "seconds before the first restart, doubled per restart without progress",
+        unit=" s",
+    ),
     F(("--backoff-max",), RestartPolicy, "backoff_max", "backoff cap", unit=" s"),
-    F(("--no-progress-limit",), RestartPolicy, "no_progress_limit",
-      "stop after N restarts in a row without a newer checkpoint"),
-    F(("--hang-timeout",), WatchdogConfig, "hang_timeout",
-      "seconds without a beat before the workers count as hung", unit=" s"),
-    F(("--startup-timeout",), WatchdogConfig, "startup_timeout",
-      "seconds from heartbeat.install() to the first beat", unit=" s"),
+    F(
+        ("--no-progress-limit",),
+        RestartPolicy,
+        "no_progress_limit",
+        "stop after N restarts in a row without a newer checkpoint",
+    ),
+    F(
+        ("--hang-timeout",),
+        WatchdogConfig,
+        "hang_timeout",
+        "seconds without a beat before the workers count as hung",
+        unit=" s",
+    ),
+    F(
+        ("--startup-timeout",),
+        WatchdogConfig,
+        "startup_timeout",
+        "seconds from heartbeat.install() to the first beat",
+        unit=" s",
+    ),
     F(("--poll-interval",), WatchdogConfig, "poll_interval", "watchdog period", unit=" s"),
-    F(("--dump-grace",), WatchdogConfig, "dump_grace",
-      "seconds hung workers get to write stack dumps", unit=" s"),
+    F(
+        ("--dump-grace",),
+        WatchdogConfig,
+        "dump_grace",
+        "seconds hung workers get to write stack dumps",
+        unit=" s",
+    ),
     F(("--ckpt-dir",), PreflightConfig, "ckpt_dir", "checkpoint root to probe in pre-flight"),
-    F(("--data",), PreflightConfig, "data", "dataset dir or dataset.json to validate in pre-flight"),
-    F(("--min-free-bytes",), PreflightConfig, "min_free_bytes",
-      "free space needed before the first checkpoint", unit=" bytes"),
-    F(("--preflight-timeout",), PreflightConfig, "timeout",
-      "seconds per pre-flight probe before it counts as hung", unit=" s"),
-    F(("--preflight-max-wait",), RunConfig, "preflight_max_wait",
-      "wait this long for a healthy pre-flight, then exit 6", unit=" s"),
-    F(("--last-call-timeout",), RendezvousConfig, "last_call_timeout",
-      "after MIN nodes joined, wait this long for more", unit=" s"),
-    F(("--join-timeout",), RendezvousConfig, "join_timeout",
-      "rendezvous must reach MIN nodes within this", unit=" s"),
-    F(("--node-timeout",), RendezvousConfig, "node_timeout",
-      "a peer supervisor silent this long counts as a lost node", unit=" s"),
-    F(("--shutdown-timeout",), RunConfig, "shutdown_timeout",
-      "on SIGTERM, seconds the job gets to save before it is killed", unit=" s"),
-    F(("--stop-grace",), RunConfig, "stop_grace",
-      "when a rank fails, seconds the other ranks get to exit before they are killed: they "
-      "cannot finish a collective with it", unit=" s"),
-    F(("--no-prewarm",), RunConfig, "prewarm",
-      "start a fresh torchrun and fresh worker interpreters per attempt instead of a standby "
-      "agent that imported torch ahead and forks the workers", action="store_false"),
+    F(
+        ("--data",),
+        PreflightConfig,
+        "data",
+        "dataset dir or dataset.json to validate in pre-flight",
+    ),
+    F(
+        ("--min-free-bytes",),
+        PreflightConfig,
+        "min_free_bytes",
+        "free space needed before the first checkpoint",
+        unit=" bytes",
+    ),
+    F(
+        ("--preflight-timeout",),
+        PreflightConfig,
+        "timeout",
+        "seconds per pre-flight probe before it counts as hung",
+        unit=" s",
+    ),
+    F(
+        ("--preflight-max-wait",),
+        RunConfig,
+        "preflight_max_wait",
+        "wait this long for a healthy pre-flight, then exit 6",
+        unit=" s",
+    ),
+    F(
+        ("--last-call-timeout",),
+        RendezvousConfig,
+        "last_call_timeout",
+        "after MIN nodes joined, wait this long for more",
+        unit=" s",
+    ),
+    F(
+        ("--join-timeout",),
+        RendezvousConfig,
+        "join_timeout",
+        "rendezvous must reach MIN nodes within this",
+        unit=" s",
+    ),
+    F(
+        ("--node-timeout",),
+        RendezvousConfig,
+        "node_timeout",
+        "a peer supervisor silent this long counts as a lost node",
+        unit=" s",
+    ),
+    F(
+        ("--shutdown-timeout",),
+        RunConfig,
+        "shutdown_timeout",
+        "on SIGTERM, seconds the job gets to save before it is killed",
+        unit=" s",
+    ),
+    F(
+        ("--stop-grace",),
+        RunConfig,
+        "stop_grace",
+        "when a rank fails, seconds the other ranks get to exit before they are killed: they "
+        "cannot finish a collective with it",
+        unit=" s",
+    ),
+    F(
+        ("--no-prewarm",),
+        RunConfig,
+        "prewarm",
+        "start a fresh torchrun and fresh worker interpreters per attempt instead of a standby "
+        "agent that imported torch ahead and forks the workers",
+        action="store_false",
+    ),
     F(("-q", "--quiet"), RunConfig, "echo", "do not echo the job's output", action="store_false"),
 )
 """The flags of ``unbroken run`` that set one field of the supervisor's configs."""
 
 PREFLIGHT_FLAGS: tuple[ConfigFlag, ...] = (
-    F(("--ckpt-dir",), PreflightConfig, "ckpt_dir",
-      "checkpoint root: reachable, writable, free space"),
+    F(
+        ("--ckpt-dir",),
+        PreflightConfig,
+        "ckpt_dir",
+        "checkpoint root: reachable, writable, free space",
+    ),
     F(("--data",), PreflightConfig, "data", "dataset dir or dataset.json: present and valid"),
-    F(("--rdzv-endpoint",), PreflightConfig, "rdzv_endpoint", "HOST:PORT that must accept connections"),
+    F(
+        ("--rdzv-endpoint",),
+        PreflightConfig,
+        "rdzv_endpoint",
+        "HOST:PORT that must accept connections",
+    ),
     F(("--nproc-per-node",), PreflightConfig, "gpus", "GPUs needed when CUDA is present", type=int),
-    F(("--min-free-bytes",), PreflightConfig, "min_free_bytes",
-      "free space the checkpoint root needs", unit=" bytes"),
-    F(("--gpu-min-free",), PreflightConfig, "gpu_min_free_fraction",
-      "fraction of each GPU's memory that must be free"),
+    F(
+        ("--min-free-bytes",),
+        PreflightConfig,
+        "min_free_bytes",
+        "free space the checkpoint root needs",
+        unit=" bytes",
+    ),
+    F(
+        ("--gpu-min-free",),
+        PreflightConfig,
+        "gpu_min_free_fraction",
+        "fraction of each GPU's memory that must be free",
+    ),
     F(("--timeout",), PreflightConfig, "timeout", "seconds per probe", unit=" s"),
 )
 """The flags of ``unbroken preflight``, each one field of :class:`PreflightConfig`."""
@@ -138,7 +238,8 @@ def _preflight(a: argparse.Namespace) -> int:
 
 def _add_run(sub: Sub) -> None:
     p = add_command(
-        sub, "run",
+        sub,
+        "run",
         "run a training script under torchrun: pre-flight, hang watchdog, fault "
         "classification, restarts",
         "unbroken run --nproc-per-node 8 --ckpt-dir /ckpt -- train.py --lr 3e-4",
@@ -149,18 +250,34 @@ def _add_run(sub: Sub) -> None:
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
     add_config_flags(p, RUN_FLAGS)
-    p.add_argument("--preload", action="append", default=[], metavar="MODULE",
-                   help="module the standby agent imports before forking workers, on top of "
-                   "torch and unbroken.ckpt (repeatable; e.g. your model library)")
-    p.add_argument("--fault-rule", action="append", default=[], metavar="CLASS=REGEX",
-                   help="extra classification rule, checked before the built-in table (repeatable)")
-    p.add_argument("--torchrun-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument passed to torchrun as is (repeatable)")
+    p.add_argument(
+        "--preload",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="module the standby agent imports before forking workers, on top of "
+        "torch and unbroken.ckpt (repeatable; e.g. your model library)",
+    )
+    p.add_argument(
+        "--fault-rule",
+        action="append",
+        default=[],
+        metavar="CLASS=REGEX",
+        help="extra classification rule, checked before the built-in table (repeatable)",
+    )
+    p.add_argument(
+        "--torchrun-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument passed to torchrun as is (repeatable)",
+    )
 
 
 def _add_preflight(sub: Sub) -> None:
     p = add_command(
-        sub, "preflight",
+        sub,
+        "preflight",
         "check storage, data, GPUs and rendezvous; exit 1 when a check fails",
         "unbroken preflight --ckpt-dir /ckpt --data /nvme/tok --nproc-per-node 8",
         func=_preflight,
@@ -188,7 +305,8 @@ def _report(a: argparse.Namespace) -> int:
 
 def _add_report(sub: Sub) -> None:
     p = add_command(
-        sub, "report",
+        sub,
+        "report",
         "recovery phases per failure, goodput, slow-down trend and a PNG timeline of a run",
         "unbroken report unbroken-run --out timeline.png",
         func=_report,
@@ -208,7 +326,8 @@ def _plan(a: argparse.Namespace) -> int:
 
 def _add_plan(sub: Sub) -> None:
     p = add_command(
-        sub, "plan",
+        sub,
+        "plan",
         "checkpoint interval (Young/Daly) and expected goodput, measured from a run or given",
         "unbroken plan --mtbf 86400 --ckpt-cost 30 --restart-cost 120",
         func=_plan,
@@ -229,9 +348,15 @@ def _drill(a: argparse.Namespace) -> int:
 
     command = _command(a)
     faults = tuple(f.strip() for f in a.faults.split(",") if f.strip()) if a.faults else None
-    opts = dict(faults=faults, outage=a.outage, timeout=a.timeout, reference=a.reference,
-                supervisor_args=tuple(a.supervisor_arg), ckpt_subdir=a.ckpt_subdir,
-                metrics_file=a.metrics_file)
+    opts = dict(
+        faults=faults,
+        outage=a.outage,
+        timeout=a.timeout,
+        reference=a.reference,
+        supervisor_args=tuple(a.supervisor_arg),
+        ckpt_subdir=a.ckpt_subdir,
+        metrics_file=a.metrics_file,
+    )
     if a.hang_timeout is not None:
         opts["hang_timeout"] = a.hang_timeout
     if a.steps is not None and not a.example:
@@ -239,8 +364,15 @@ def _drill(a: argparse.Namespace) -> int:
     if a.example:
         cfg = drill.example_config(a.dir, steps=a.steps or 50, seed=a.seed, extra=command, **opts)
     else:
-        cfg = drill.DrillConfig(command, a.dir, module=a.module, seed=a.seed,
-                                multi_rank=a.multi_rank, ckpt_every=a.ckpt_every, **opts)
+        cfg = drill.DrillConfig(
+            command,
+            a.dir,
+            module=a.module,
+            seed=a.seed,
+            multi_rank=a.multi_rank,
+            ckpt_every=a.ckpt_every,
+            **opts,
+        )
         require_script(command, a.module, "drill")  # after the config's own checks
     report = drill.run_drill(cfg)
     print(report.format_table())
@@ -250,7 +382,8 @@ def _drill(a: argparse.Namespace) -> int:
 
 def _add_drill(sub: Sub) -> None:
     p = add_command(
-        sub, "drill",
+        sub,
+        "drill",
         "kill the job on purpose and prove the resumed run is identical (exit 1 when it is not)",
         "unbroken drill --dir drill -- train.py --out {dir} --steps 200",
         "Faults: SIGKILL, kill during save, hang, corrupt checkpoint, storage outage, lost "
@@ -264,36 +397,80 @@ def _add_drill(sub: Sub) -> None:
         "drill.txt, drill.json and timeline.png into --dir. Try it: unbroken drill --example.",
         func=_drill,
     )
-    p.add_argument("command", nargs=argparse.REMAINDER,
-                   help="-- SCRIPT ARGS with {dir} (with --example: extra demo arguments, "
-                   "e.g. -- --break rng)")
+    p.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        help="-- SCRIPT ARGS with {dir} (with --example: extra demo arguments, "
+        "e.g. -- --break rng)",
+    )
     p.add_argument("--example", action="store_true", help="drill the demo model (tiny GPT)")
-    p.add_argument("--dir", default="unbroken-drill",
-                   help="drill directory: runs, logs and the report (default: ./unbroken-drill)")
-    p.add_argument("--faults", default=None, metavar="K,K",
-                   help="kill, kill-in-save, hang, corrupt, storage, agent-loss, world-size "
-                   "(default: all that apply)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seeds the fault schedule; the same seed replays the same drill")
-    p.add_argument("--steps", type=int, default=None, help="--example only: demo steps (default 50)")
+    p.add_argument(
+        "--dir",
+        default="unbroken-drill",
+        help="drill directory: runs, logs and the report (default: ./unbroken-drill)",
+    )
+    p.add_argument(
+        "--faults",
+        default=None,
+        metavar="K,K",
+        help="kill, kill-in-save, hang, corrupt, storage, agent-loss, world-size "
+        "(default: all that apply)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seeds the fault schedule; the same seed replays the same drill",
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="--example only: demo steps (default 50)"
+    )
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
-    p.add_argument("--multi-rank", action="store_true",
-                   help="the script trains on 2 ranks and resumes on another world size "
-                   "(enables agent-loss and world-size; implied by --example)")
+    p.add_argument(
+        "--multi-rank",
+        action="store_true",
+        help="the script trains on 2 ranks and resumes on another world size "
+        "(enables agent-loss and world-size; implied by --example)",
+    )
     p.add_argument("--ckpt-subdir", default="ckpt", help="Checkpointer root under {dir}")
     p.add_argument("--metrics-file", default="metrics.jsonl", help="MetricLog file under {dir}")
-    p.add_argument("--ckpt-every", type=int, default=None,
-                   help="steps between checkpoints (default: inferred from the reference)")
-    p.add_argument("--hang-timeout", type=float, default=None,
-                   help="supervisor hang timeout in seconds (default: 60; --example: 4)")
-    p.add_argument("--outage", type=float, default=2.0,
-                   help="seconds the checkpoint directory stays unreachable, at least (default 2)")
-    p.add_argument("--timeout", type=float, default=900.0,
-                   help="give up a run after this many seconds (default 900)")
-    p.add_argument("--reference", default=None, metavar="DIR",
-                   help="reuse a finished 1-rank reference run of the same command")
-    p.add_argument("--supervisor-arg", action="append", default=[], metavar="ARG",
-                   help="extra `unbroken run` argument for the drilled runs (repeatable)")
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=None,
+        help="steps between checkpoints (default: inferred from the reference)",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        help="supervisor hang timeout in seconds (default: 60; --example: 4)",
+    )
+    p.add_argument(
+        "--outage",
+        type=float,
+        default=2.0,
+        help="seconds the checkpoint directory stays unreachable, at least (default 2)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=900.0,
+        help="give up a run after this many seconds (default 900)",
+    )
+    p.add_argument(
+        "--reference",
+        default=None,
+        metavar="DIR",
+        help="reuse a finished 1-rank reference run of the same command",
+    )
+    p.add_argument(
+        "--supervisor-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra `unbroken run` argument for the drilled runs (repeatable)",
+    )
 
 
 def add_run(sub: Sub) -> None:

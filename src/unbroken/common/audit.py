@@ -102,8 +102,15 @@ class StateAudit:
 
     def _write(self, event: str, step: int, leaves: dict[str, str]) -> None:
         rank, world = int(self.comm.rank), int(self.comm.world)
-        rec = {"event": event, "step": int(step), "rank": rank, "world": world,
-               "pid": os.getpid(), "t": round(time.time(), 4), "leaves": leaves}
+        rec = {
+            "event": event,
+            "step": int(step),
+            "rank": rank,
+            "world": world,
+            "pid": os.getpid(),
+            "t": round(time.time(), 4),
+            "leaves": leaves,
+        }
         os.makedirs(self.root, exist_ok=True)
         # one write of one line in append mode: records of successive attempts never mix
         with open(os.path.join(self.root, f"rank-{rank}.jsonl"), "a", encoding="utf-8") as f:

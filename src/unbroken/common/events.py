@@ -102,7 +102,9 @@ def mark(event: str, **fields: Any) -> None:
         append_event(run_dir, record)
     except OSError as e:
         if not _warned:
-            log.warning("cannot append to %s/%s: %s; recovery events are lost", run_dir, EVENTS_FILE, e)
+            log.warning(
+                "cannot append to %s/%s: %s; recovery events are lost", run_dir, EVENTS_FILE, e
+            )
             _warned = True
 
 

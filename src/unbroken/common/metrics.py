@@ -165,8 +165,9 @@ class MetricLog:
             body = "".join(json.dumps(r) + "\n" for r in kept)
             atomic_write_bytes(self.path, body.encode())
             if len(kept) != len(records):
-                log.info("metric log %s: dropped %d entries %s", self.path,
-                         len(records) - len(kept), why)
+                log.info(
+                    "metric log %s: dropped %d entries %s", self.path, len(records) - len(kept), why
+                )
         self._open_tb(purge_step=keep + 1)
 
     # --- Stateful ----------------------------------------------------------------------------

@@ -172,7 +172,12 @@ def kill_matching(key: str, value: str, *, timeout: float = 5.0, sig: int = sign
         if time.monotonic() > deadline:
             log.warning(
                 "processes %s (%s=%s) survive signal %d after %.1f s; they may be in "
-                "uninterruptible I/O", pids, key, value, sig, timeout,
+                "uninterruptible I/O",
+                pids,
+                key,
+                value,
+                sig,
+                timeout,
             )
             return len(signalled)
         time.sleep(0.05)

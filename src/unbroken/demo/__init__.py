@@ -56,8 +56,9 @@ def run_training(
 
     Returns (exit code, seconds).
     """
-    return run_until(_train_cmd(run_dir, steps, seed, extra or []), run_dir,
-                     kill_at=kill_at, timeout=timeout)
+    return run_until(
+        _train_cmd(run_dir, steps, seed, extra or []), run_dir, kill_at=kill_at, timeout=timeout
+    )
 
 
 def run_until(
@@ -90,8 +91,10 @@ def run_until(
 def run_demo(work_dir: str, *, steps: int = 200, seed: int = 0) -> int:
     """The main job of ``make demo``; returns 0 when the resumed run is bit-identical."""
     if steps < MIN_STEPS:  # the kill step is drawn from [steps // 5, steps - 10)
-        raise ValueError(f"steps={steps}: the demo needs at least {MIN_STEPS}; pass --steps "
-                         f"{MIN_STEPS} or more (default 200)")
+        raise ValueError(
+            f"steps={steps}: the demo needs at least {MIN_STEPS}; pass --steps "
+            f"{MIN_STEPS} or more (default 200)"
+        )
     shutil.rmtree(work_dir, ignore_errors=True)
     ref_dir, run_dir = os.path.join(work_dir, "reference"), os.path.join(work_dir, "killed")
     os.makedirs(ref_dir)
@@ -107,8 +110,10 @@ def run_demo(work_dir: str, *, steps: int = 200, seed: int = 0) -> int:
     t0 = time.perf_counter()
     prepare_data(data_dir, seed, CTX)
     shards = sorted(f for f in os.listdir(data_dir) if f.endswith(".tar"))
-    print(f"[0/3] packed the corpus into {len(shards)} tar shards + index in {data_dir} "
-          f"({time.perf_counter() - t0:.1f} s)")
+    print(
+        f"[0/3] packed the corpus into {len(shards)} tar shards + index in {data_dir} "
+        f"({time.perf_counter() - t0:.1f} s)"
+    )
     data = ["--data", data_dir]
     print(f"[1/3] reference run (no faults) in {ref_dir} ...", flush=True)
     rc, t_ref = run_training(ref_dir, steps, seed, data)

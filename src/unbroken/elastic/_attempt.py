@@ -60,8 +60,15 @@ log = logging.getLogger(__name__)
 ENV_TOKEN = "UNBROKEN_ATTEMPT_TOKEN"
 """Inherited by every process of an attempt; the supervisor kills by it (see _procs)."""
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch.py")
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "unbroken.elastic",
-                   "unbroken.ckpt", "unbroken.data", "unbroken.common.metrics")
+DEFAULT_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "unbroken.elastic",
+    "unbroken.ckpt",
+    "unbroken.data",
+    "unbroken.common.metrics",
+)
 """Modules a standby's fork server imports for the workers (``--preload`` adds more).
 ``torch._dynamo``: the first optimizer a worker builds imports it (213 modules, ~1 s)."""
 
@@ -98,15 +105,26 @@ def attempt_env(run_dir: str, number: int, token: str, nproc: int) -> dict[str, 
 class _Agent:
     """A torchrun agent process with its console copied to ``torchrun.log``."""
 
-    def __init__(self, number: int, run_dir: str, argv: list[str], env: dict[str, str],
-                 echo: bool, stdin: int) -> None:
+    def __init__(
+        self,
+        number: int,
+        run_dir: str,
+        argv: list[str],
+        env: dict[str, str],
+        echo: bool,
+        stdin: int,
+    ) -> None:
         self.dir = events.attempt_dir(run_dir, number)
         os.makedirs(self.dir, exist_ok=True)
         self._tail: collections.deque[str] = collections.deque(maxlen=600)
         self._echo = echo
         self._log = open(os.path.join(self.dir, "torchrun.log"), "ab")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin,
+            argv,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=stdin,
             start_new_session=True,
         )
         self._reader = threading.Thread(target=self._pump, daemon=True, name=f"agent-{number}")
@@ -153,24 +171,29 @@ class Standby:
     so a crash of the supervisor or a kill by token reaches it like any attempt process.
     """
 
-    def __init__(self, *, number: int, run_dir: str, nproc: int, preload: Sequence[str],
-                 echo: bool) -> None:
+    def __init__(
+        self, *, number: int, run_dir: str, nproc: int, preload: Sequence[str], echo: bool
+    ) -> None:
         self.number = number
         self.run_dir = run_dir
         self.token = uuid.uuid4().hex
         self.t_start = time.time()
         self.argv = [sys.executable, "-m", "unbroken.elastic._standby", *preload]
-        self.agent = _Agent(number, run_dir, self.argv,
-                            attempt_env(run_dir, number, self.token, nproc), echo,
-                            stdin=subprocess.PIPE)
+        self.agent = _Agent(
+            number,
+            run_dir,
+            self.argv,
+            attempt_env(run_dir, number, self.token, nproc),
+            echo,
+            stdin=subprocess.PIPE,
+        )
 
     def alive(self) -> bool:
         return self.agent.proc.poll() is None
 
     def go(self, torchrun_argv: list[str], env: dict[str, str]) -> bool:
         """Turn the standby into the running agent; False if it cannot take the order."""
-        req = {"argv": torchrun_argv, "env": env,
-               "log": os.path.join(self.agent.dir, "zygote.log")}
+        req = {"argv": torchrun_argv, "env": env, "log": os.path.join(self.agent.dir, "zygote.log")}
         pipe = self.agent.proc.stdin
         if pipe is None or not self.alive():
             return False
@@ -219,7 +242,7 @@ class Attempt:
         self.prewarmed: float | None = None
         """Seconds the standby had been warming up when it took over (None: fresh agent)."""
         self.t_launch = time.time()
-        if (standby is not None and standby.number == number and standby.go(targv, extra)):
+        if standby is not None and standby.number == number and standby.go(targv, extra):
             self.token, self._agent = standby.token, standby.agent
             self.argv = [*standby.argv, "<stdin>", *targv]
             self.prewarmed = self.t_launch - standby.t_start
@@ -270,24 +293,36 @@ class Attempt:
         reported = {x.launcher for x in self.exits}
         for pid in gone:
             if pid not in reported:
-                return WorkerExit(rank=self._launchers[pid], local_rank=None, exitcode=None,
-                                  stopped=False, pid=None, launcher=pid, t=time.time(),
-                                  via="?", vanished=True)
+                return WorkerExit(
+                    rank=self._launchers[pid],
+                    local_rank=None,
+                    exitcode=None,
+                    stopped=False,
+                    pid=None,
+                    launcher=pid,
+                    t=time.time(),
+                    via="?",
+                    vanished=True,
+                )
         return None
 
     def wait(self, pids: Iterable[int], timeout: float) -> None:
         """Sleep ``timeout`` s, or less if the agent or one of ``pids`` exits."""
         self._watch.wait([self.proc.pid, *pids], timeout)
 
-    def stop_workers(self, reason: str, grace: float,
-                     ranks_by_pid: dict[int, int]) -> tuple[list[int], list[int], float]:
+    def stop_workers(
+        self, reason: str, grace: float, ranks_by_pid: dict[int, int]
+    ) -> tuple[list[int], list[int], float]:
         """After a rank failed: mark ``peer_failed``, SIGTERM the other workers, SIGKILL
         whatever is left after ``grace`` seconds (with the agent). Returns the ranks that
         exited in time, those killed, and the seconds it took."""
         t0 = time.monotonic()
         with contextlib.suppress(OSError):
-            atomic_write_bytes(os.path.join(self.dir, events.PEER_FAILED_FILE),
-                               reason.encode() + b"\n", fsync=False)
+            atomic_write_bytes(
+                os.path.join(self.dir, events.PEER_FAILED_FILE),
+                reason.encode() + b"\n",
+                fsync=False,
+            )
         ranks = dict(ranks_by_pid)
         ranks.update({p: r for p, r in self._launchers.items() if r is not None})
         ended = {p for x in self.exits for p in (x.pid, x.launcher)}  # e.g. the failed rank

@@ -72,8 +72,13 @@ class Coordinator:
         store: Any = None
         if port == 0 or is_local_host(host):
             try:
-                store = TCPStore(host, port, is_master=True, wait_for_workers=False,
-                                 timeout=timedelta(seconds=connect_timeout))
+                store = TCPStore(
+                    host,
+                    port,
+                    is_master=True,
+                    wait_for_workers=False,
+                    timeout=timedelta(seconds=connect_timeout),
+                )
                 self.hosting = True
             except (RuntimeError, ValueError) as e:
                 if port == 0:
@@ -81,8 +86,9 @@ class Coordinator:
                 log.info("store %s:%d is hosted elsewhere (%s); joining it", host, port, e)
         if store is None:
             try:
-                store = TCPStore(host, port, is_master=False,
-                                 timeout=timedelta(seconds=connect_timeout))
+                store = TCPStore(
+                    host, port, is_master=False, timeout=timedelta(seconds=connect_timeout)
+                )
             except (RuntimeError, ValueError) as e:
                 raise RuntimeError(
                     f"cannot reach the rendezvous store at {host}:{port} within "
@@ -133,8 +139,11 @@ class Coordinator:
         deadline = time.monotonic() + timeout
         while True:
             now = time.time()
-            waiting = [n for n, t in self.peers().items()
-                       if now - t < silent_after and not self._store.check([self._k(f"done/{n}")])]
+            waiting = [
+                n
+                for n, t in self.peers().items()
+                if now - t < silent_after and not self._store.check([self._k(f"done/{n}")])
+            ]
             if not waiting or time.monotonic() > deadline:
                 return waiting
             time.sleep(0.1)

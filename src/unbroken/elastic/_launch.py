@@ -68,22 +68,29 @@ def _set_child(pid: int) -> None:
 def _via_zygote(name: str, argv: list[str], module: bool) -> int | None:
     """Run the worker in the fork server; its raw wait status (-1: unknown), or None when
     the server cannot take it (then the caller starts a fresh interpreter)."""
-    req = json.dumps({"argv": argv, "module": module, "env": dict(os.environ),
-                      "cwd": os.getcwd()}).encode()
+    req = json.dumps(
+        {"argv": argv, "module": module, "env": dict(os.environ), "cwd": os.getcwd()}
+    ).encode()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with sock:
         try:
             sock.connect("\0" + name)
-            sock.sendmsg([struct.pack("!I", len(req))],
-                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+            sock.sendmsg(
+                [struct.pack("!I", len(req))],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))],
+            )
             sock.sendall(req)
             f = sock.makefile("rb")
             first = json.loads(f.readline() or b"{}")
         except (OSError, ValueError) as e:
             first = {"refused": f"unreachable: {e}"}
         if "pid" not in first:
-            print(f"unbroken launcher: fork server {name}: {first.get('refused', 'no answer')}; "
-                  "starting a fresh interpreter", file=sys.stderr, flush=True)
+            print(
+                f"unbroken launcher: fork server {name}: {first.get('refused', 'no answer')}; "
+                "starting a fresh interpreter",
+                file=sys.stderr,
+                flush=True,
+            )
             return None
         _set_child(int(first["pid"]))
         try:
@@ -95,8 +102,11 @@ def _via_zygote(name: str, argv: list[str], module: bool) -> int | None:
         if _child is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(_child, signal.SIGKILL)
-        print(f"unbroken launcher: fork server {name} died; worker {_child} killed",
-              file=sys.stderr, flush=True)
+        print(
+            f"unbroken launcher: fork server {name} died; worker {_child} killed",
+            file=sys.stderr,
+            flush=True,
+        )
         return -1
     return int(json.loads(last)["status"])
 
@@ -128,13 +138,23 @@ def _record(status: int, via: str) -> int | None:
             v = env.get(k, "")
             return int(v) if v.lstrip("-").isdigit() else None
 
-        rec = {"t": time.time(), "event": "worker_exit", "attempt": num("UNBROKEN_ATTEMPT"),
-               "pid": os.getpid(), "rank": num("RANK"), "local_rank": num("LOCAL_RANK"),
-               "worker_pid": _child, "exitcode": code, "stopped": _stopped, "via": via}
+        rec = {
+            "t": time.time(),
+            "event": "worker_exit",
+            "attempt": num("UNBROKEN_ATTEMPT"),
+            "pid": os.getpid(),
+            "rank": num("RANK"),
+            "local_rank": num("LOCAL_RANK"),
+            "worker_pid": _child,
+            "exitcode": code,
+            "stopped": _stopped,
+            "via": via,
+        }
         line = (json.dumps(rec, separators=(",", ":")) + "\n").encode()
         with contextlib.suppress(OSError):
-            fd = os.open(os.path.join(run_dir, "events.jsonl"),
-                         os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(
+                os.path.join(run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644
+            )
             try:
                 os.write(fd, line)
             finally:

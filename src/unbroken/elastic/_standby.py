@@ -64,12 +64,17 @@ def _pdeathsig(sig: int) -> None:
 
 def _event(name: str, **fields: Any) -> None:
     from unbroken.common import events
+
     run_dir = os.environ.get(events.ENV_RUN_DIR)
     if not run_dir:
         return
     with contextlib.suppress(OSError, ValueError):
-        rec = {"t": time.time(), "event": name, "pid": os.getpid(),
-               "attempt": int(os.environ.get(events.ENV_ATTEMPT, "-1"))}
+        rec = {
+            "t": time.time(),
+            "event": name,
+            "pid": os.getpid(),
+            "attempt": int(os.environ.get(events.ENV_ATTEMPT, "-1")),
+        }
         rec.update(fields)
         events.append_event(run_dir, rec)
 
@@ -149,8 +154,9 @@ def main(argv: list[str]) -> None:
 class _Zygote:
     """The fork server: single-threaded, it only accepts, forks, reaps and reports."""
 
-    def __init__(self, listener: socket.socket, agent: int, log: str | None,
-                 preload: list[str], t0: float) -> None:
+    def __init__(
+        self, listener: socket.socket, agent: int, log: str | None, preload: list[str], t0: float
+    ) -> None:
         self.listener = listener
         self.agent = agent
         self.me = os.getpid()
@@ -190,8 +196,13 @@ class _Zygote:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             self.refused = "a preloaded module initialised CUDA, which a fork cannot use"
-        _event("standby", seconds=round(time.perf_counter() - t0, 3), preload=names,
-               failed=failed, fork_server=self.refused is None)
+        _event(
+            "standby",
+            seconds=round(time.perf_counter() - t0, 3),
+            preload=names,
+            failed=failed,
+            fork_server=self.refused is None,
+        )
 
     def _agent_alive(self) -> bool:
         return os.getppid() == self.agent
@@ -259,8 +270,7 @@ class _Zygote:
         fds: list[int] = []
         try:
             conn.settimeout(10.0)
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                    struct.calcsize("3i"))
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             _pid, uid, _gid = struct.unpack("3i", creds)
             if uid != os.getuid():
                 raise PermissionError(f"connection from uid {uid}")
@@ -287,8 +297,11 @@ class _Zygote:
             conn.close()
             return None
         conn.settimeout(None)
-        differ = sorted(k for k in set(req["env"]) | set(self.interp_env)
-                        if k.startswith("PYTHON") and req["env"].get(k) != self.interp_env.get(k))
+        differ = sorted(
+            k
+            for k in set(req["env"]) | set(self.interp_env)
+            if k.startswith("PYTHON") and req["env"].get(k) != self.interp_env.get(k)
+        )
         # PYTHON* variables shaped this interpreter at start-up (PYTHONPATH, PYTHONHASHSEED,
         # ...): with other values a fork would not be what `python SCRIPT` gives.
         why = self.refused or (f"{', '.join(differ)} differ" if differ else None)
@@ -370,8 +383,10 @@ def _run_worker(req: dict[str, Any], rng: Any) -> None:
         # What `python SCRIPT` prints: the traceback from the script's own frames on, not
         # through this fork server and runpy. Then exit 1 through the normal shutdown.
         tb = e.__traceback__
-        while tb is not None and (tb.tb_frame.f_code.co_filename in _OUR_FILES
-                                  or "runpy" in tb.tb_frame.f_code.co_filename):
+        while tb is not None and (
+            tb.tb_frame.f_code.co_filename in _OUR_FILES
+            or "runpy" in tb.tb_frame.f_code.co_filename
+        ):
             tb = tb.tb_next
         sys.excepthook(type(e), e.with_traceback(tb), tb)  # the hook prints __traceback__
         raise SystemExit(1) from None

@@ -144,27 +144,56 @@ class Rule:
 _P, _N, _S = FaultClass.PROCESS, FaultClass.NODE_LOST, FaultClass.STORAGE
 
 DEFAULT_RULES: tuple[Rule, ...] = (
-    Rule("storage", _S, r"No space left on device|\bENOSPC\b|\[Errno 28\]|Input/output error"
-         r"|\bEIO\b|\[Errno 5\]|Stale file handle|\bESTALE\b|\[Errno 116\]|Read-only file system"
-         r"|\bEROFS\b|\[Errno 30\]|Disk quota exceeded|\bEDQUOT\b|\[Errno 122\]"
-         r"|Transport endpoint is not connected|\[Errno 107\]"
-         r"|RemoteStorageError"),  # unbroken.data: an object store failed every retry
-    Rule("oom", _P, r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"
-         r"|\bMemoryError\b|Cannot allocate memory"),
-    Rule("cuda", _P, r"CUDA error|cudaError\w*|CUDNN_STATUS_\w+|CUBLAS_STATUS_\w+|NCCL error"
-         r"|ncclUnhandledCudaError|illegal memory access|uncorrectable ECC|\bXid\b"),
-    Rule("collective_timeout", _P, r"Watchdog caught collective operation timeout"
-         r"|collective operation timeout|ProcessGroupNCCL.*[Tt]imeout|DistBackendError"
-         r"|Timed out waiting|Socket Timeout|gloo.*[Tt]imed out"),
-    Rule("peer_lost", _P, r"Connection closed by peer|Connection reset by peer"
-         r"|remote worker crashing|ncclRemoteError|Broken pipe", signal_deaths=False),
-    Rule("rendezvous", _N, r"Rendezvous(Timeout|Closed|Connection|State)?Error"
-         r"|RendezvousGracefulExitError|The node .* has closed the rendezvous",
-         signal_deaths=False),
+    Rule(
+        "storage",
+        _S,
+        r"No space left on device|\bENOSPC\b|\[Errno 28\]|Input/output error"
+        r"|\bEIO\b|\[Errno 5\]|Stale file handle|\bESTALE\b|\[Errno 116\]|Read-only file system"
+        r"|\bEROFS\b|\[Errno 30\]|Disk quota exceeded|\bEDQUOT\b|\[Errno 122\]"
+        r"|Transport endpoint is not connected|\[Errno 107\]"
+        r"|RemoteStorageError",
+    ),  # unbroken.data: an object store failed every retry
+    Rule(
+        "oom",
+        _P,
+        r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED"
+        r"|\bMemoryError\b|Cannot allocate memory",
+    ),
+    Rule(
+        "cuda",
+        _P,
+        r"CUDA error|cudaError\w*|CUDNN_STATUS_\w+|CUBLAS_STATUS_\w+|NCCL error"
+        r"|ncclUnhandledCudaError|illegal memory access|uncorrectable ECC|\bXid\b",
+    ),
+    Rule(
+        "collective_timeout",
+        _P,
+        r"Watchdog caught collective operation timeout"
+        r"|collective operation timeout|ProcessGroupNCCL.*[Tt]imeout|DistBackendError"
+        r"|Timed out waiting|Socket Timeout|gloo.*[Tt]imed out",
+    ),
+    Rule(
+        "peer_lost",
+        _P,
+        r"Connection closed by peer|Connection reset by peer"
+        r"|remote worker crashing|ncclRemoteError|Broken pipe",
+        signal_deaths=False,
+    ),
+    Rule(
+        "rendezvous",
+        _N,
+        r"Rendezvous(Timeout|Closed|Connection|State)?Error"
+        r"|RendezvousGracefulExitError|The node .* has closed the rendezvous",
+        signal_deaths=False,
+    ),
     Rule("segfault", _P, signals=("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL", "SIGFPE")),
     Rule("killed", _P, signals=("SIGKILL",)),
-    Rule("exception", _P, r"\b[A-Z]\w*(Error|Exception)\b|Traceback \(most recent call last\)",
-         signal_deaths=False),
+    Rule(
+        "exception",
+        _P,
+        r"\b[A-Z]\w*(Error|Exception)\b|Traceback \(most recent call last\)",
+        signal_deaths=False,
+    ),
 )
 """The built-in classification table, most specific first (storage before generic errors)."""
 
@@ -231,8 +260,9 @@ def _tail(path: str, nbytes: int = 8192) -> str:
         return ""
 
 
-_PREEMPT_EXITS = frozenset({-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM,
-                            128 + signal.SIGINT})
+_PREEMPT_EXITS = frozenset(
+    {-signal.SIGTERM, -signal.SIGINT, 128 + signal.SIGTERM, 128 + signal.SIGINT}
+)
 
 
 @dataclass(frozen=True)
@@ -254,9 +284,16 @@ class WorkerExit:
 
     @classmethod
     def from_event(cls, e: dict[str, Any]) -> WorkerExit:
-        return cls(e.get("rank"), e.get("local_rank"), e.get("exitcode"),
-                   bool(e.get("stopped")), e.get("worker_pid"), e.get("pid"),
-                   float(e.get("t", 0.0)), str(e.get("via", "")))
+        return cls(
+            e.get("rank"),
+            e.get("local_rank"),
+            e.get("exitcode"),
+            bool(e.get("stopped")),
+            e.get("worker_pid"),
+            e.get("pid"),
+            float(e.get("t", 0.0)),
+            str(e.get("via", "")),
+        )
 
     @property
     def failed(self) -> bool:
@@ -281,8 +318,9 @@ class WorkerExit:
         return f"{who} (pid {self.pid}) exited with code {self.exitcode}"
 
 
-def collect_worker_failures(console: str, log_dir: str,
-                            exits: Sequence[WorkerExit] = ()) -> list[WorkerFailure]:
+def collect_worker_failures(
+    console: str, log_dir: str, exits: Sequence[WorkerExit] = ()
+) -> list[WorkerFailure]:
     """Worker failures of one attempt, the primary one first.
 
     The launchers' ``exits`` give rank, exit code or signal, whether the rank had been told
@@ -302,13 +340,22 @@ def collect_worker_failures(console: str, log_dir: str,
         if x.exitcode == 0 or x.rank is None:
             continue
         local = x.local_rank if x.local_rank is not None else -1
-        efiles = sorted(glob.glob(os.path.join(log_dir, "**", str(local), "error.json"),
-                                  recursive=True))
+        efiles = sorted(
+            glob.glob(os.path.join(log_dir, "**", str(local), "error.json"), recursive=True)
+        )
         msg, tb = _read_error_file(efiles[-1]) if efiles else ("", "")
         if x.exitcode is None:
             msg = msg or x.describe()
-        found[x.rank] = WorkerFailure(x.rank, local, 1 if x.exitcode is None else x.exitcode,
-                                      x.pid, msg, tb, "", stopped=not x.failed)
+        found[x.rank] = WorkerFailure(
+            x.rank,
+            local,
+            1 if x.exitcode is None else x.exitcode,
+            x.pid,
+            msg,
+            tb,
+            "",
+            stopped=not x.failed,
+        )
         order[x.rank] = len(order)
     for m in _BLOCK.finditer(console):
         rank, local, code, pid, efile = int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5]
@@ -326,11 +373,15 @@ def collect_worker_failures(console: str, log_dir: str,
         found[10_000 + local] = WorkerFailure(-1, local, 1, None, msg, tb, "")
     out = []
     for f in found.values():
-        err = sorted(glob.glob(os.path.join(log_dir, "**", str(f.local_rank), "stderr.log"),
-                               recursive=True))
+        err = sorted(
+            glob.glob(os.path.join(log_dir, "**", str(f.local_rank), "stderr.log"), recursive=True)
+        )
         tail = _tail(err[-1]) if err else ""
-        out.append(WorkerFailure(f.rank, f.local_rank, f.exitcode, f.pid, f.message,
-                                 f.traceback, tail, f.stopped))
+        out.append(
+            WorkerFailure(
+                f.rank, f.local_rank, f.exitcode, f.pid, f.message, f.traceback, tail, f.stopped
+            )
+        )
     # launcher reports in the order the ranks ended, then the others by rank
     return sorted(out, key=lambda f: (f.collateral, order.get(f.rank, len(order)), f.rank))
 
@@ -405,14 +456,19 @@ def classify(ev: Evidence, rules: Sequence[Rule] = DEFAULT_RULES) -> Classificat
     if ev.kind == "agent_lost":
         return _mk(_N, "agent_lost", ev.detail or "the torchrun agent on this node died")
     if ev.kind == "hang":
-        return _mk(_P, "hang", ev.detail or "no progress beats within --hang-timeout",
-                   signature="hang")
+        return _mk(
+            _P, "hang", ev.detail or "no progress beats within --hang-timeout", signature="hang"
+        )
     primary = ev.failures[0] if ev.failures else None
-    if primary is not None and all(f.signal_name in ("SIGTERM", "SIGINT")
-                                   or f.exitcode in _PREEMPT_EXITS for f in ev.failures):
+    if primary is not None and all(
+        f.signal_name in ("SIGTERM", "SIGINT") or f.exitcode in _PREEMPT_EXITS for f in ev.failures
+    ):
         how = primary.signal_name or f"exit code {primary.exitcode}"
-        return _mk(FaultClass.PREEMPTION, "sigterm",
-                   f"workers stopped ({how}) by a signal from outside the supervisor")
+        return _mk(
+            FaultClass.PREEMPTION,
+            "sigterm",
+            f"workers stopped ({how}) by a signal from outside the supervisor",
+        )
     sig = primary.signal_name if primary else None
     text = ev.console_tail[-4000:]
     if primary is not None:
@@ -423,12 +479,21 @@ def classify(ev: Evidence, rules: Sequence[Rule] = DEFAULT_RULES) -> Classificat
             signature = None
             if rule.fault is _P and primary is not None and not primary.collateral:
                 signature = signature_of(primary)
-            return _mk(rule.fault, rule.name, reason, signature=signature,
-                       counts=rule.fault is not FaultClass.NODE_LOST)
+            return _mk(
+                rule.fault,
+                rule.name,
+                reason,
+                signature=signature,
+                counts=rule.fault is not FaultClass.NODE_LOST,
+            )
     code = ev.exit_code
     reason = f"exit code {code}" + (f" ({primary.signal_name})" if primary and sig else "")
-    return _mk(_P, "unknown", reason,
-               signature=signature_of(primary) if primary and not primary.collateral else None)
+    return _mk(
+        _P,
+        "unknown",
+        reason,
+        signature=signature_of(primary) if primary and not primary.collateral else None,
+    )
 
 
 def _reason(primary: WorkerFailure | None, rule: Rule) -> str:
@@ -440,8 +505,9 @@ def _reason(primary: WorkerFailure | None, rule: Rule) -> str:
     return f"{rule.name}: rank {primary.rank}: {what or f'exit code {primary.exitcode}'}"[:300]
 
 
-def _mk(fault: FaultClass, rule: str, reason: str, *, signature: str | None = None,
-        counts: bool = True) -> Classification:
+def _mk(
+    fault: FaultClass, rule: str, reason: str, *, signature: str | None = None, counts: bool = True
+) -> Classification:
     return Classification(fault, _ACTION[fault], rule, reason, signature, counts)
 
 
@@ -513,7 +579,9 @@ class RestartTracker:
             self.history.append((c.signature, step))
             if seen + 1 >= p.same_failure_limit:
                 return Decision(
-                    Action.STOP, 0.0, EXIT_DETERMINISTIC,
+                    Action.STOP,
+                    0.0,
+                    EXIT_DETERMINISTIC,
                     f"the same failure happened {seen + 1} times "
                     f"{'before the first step' if step is None else f'at step {step}'}: "
                     f"{c.signature}",
@@ -528,13 +596,21 @@ class RestartTracker:
             self.no_progress += 1
             if self.no_progress >= p.no_progress_limit:
                 return Decision(
-                    Action.STOP, 0.0, EXIT_NO_PROGRESS,
+                    Action.STOP,
+                    0.0,
+                    EXIT_NO_PROGRESS,
                     f"{self.no_progress} restarts in a row without advancing the checkpointed "
-                    f"step (still {self.best_progress})", c.fault,
+                    f"step (still {self.best_progress})",
+                    c.fault,
                 )
         if self.restarts >= p.max_restarts:
-            return Decision(Action.STOP, 0.0, EXIT_BUDGET,
-                            f"restart budget used up ({p.max_restarts} restarts)", c.fault)
+            return Decision(
+                Action.STOP,
+                0.0,
+                EXIT_BUDGET,
+                f"restart budget used up ({p.max_restarts} restarts)",
+                c.fault,
+            )
         self.restarts += 1
         return Decision(c.action, self._delay(), None, c.reason, c.fault)
 
@@ -557,5 +633,6 @@ class RestartTracker:
         self.no_progress = int(state["no_progress"])
         bp = state.get("best_progress")
         self.best_progress = None if bp is None else int(bp)
-        self.history = [(str(s), None if st is None else int(st))
-                        for s, st in state.get("history") or []]
+        self.history = [
+            (str(s), None if st is None else int(st)) for s, st in state.get("history") or []
+        ]

@@ -73,8 +73,9 @@ def stack_dir(run_dir: str) -> str:
 class _Beacon:
     __slots__ = ("mm", "seq", "target", "rank", "local_rank", "_stack_file")
 
-    def __init__(self, run_dir: str, attempt: int, rank: int, target: int,
-                 local_rank: int = 0) -> None:
+    def __init__(
+        self, run_dir: str, attempt: int, rank: int, target: int, local_rank: int = 0
+    ) -> None:
         d = beat_dir(run_dir, attempt)
         os.makedirs(d, exist_ok=True)
         pid = os.getpid()
@@ -133,8 +134,7 @@ def install() -> bool:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     target = os.environ.get(events.ENV_CATCHUP)
     try:
-        _beacon = _Beacon(run_dir, attempt, rank, int(target) if target else _NO_TARGET,
-                          local_rank)
+        _beacon = _Beacon(run_dir, attempt, rank, int(target) if target else _NO_TARGET, local_rank)
     except OSError as e:
         log.warning("heartbeat disabled: cannot create beacon under %s: %s", run_dir, e)
         _disabled = True

@@ -74,8 +74,9 @@ def daly_interval(ckpt_cost: float, mtbf: float) -> float:
     return math.sqrt(2.0 * ckpt_cost * mtbf) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - ckpt_cost
 
 
-def expected_goodput(interval: float, ckpt_cost: float, mtbf: float,
-                     restart_cost: float = 0.0) -> float:
+def expected_goodput(
+    interval: float, ckpt_cost: float, mtbf: float, restart_cost: float = 0.0
+) -> float:
     """Useful work / wall time for checkpointing every ``interval`` seconds of compute."""
     _check(ckpt_cost, mtbf)
     if interval <= 0 or restart_cost < 0:
@@ -102,17 +103,29 @@ class Plan:
     """Seconds of running ``mtbf`` was measured over (None: given)."""
 
 
-def plan(ckpt_cost: float, mtbf: float, restart_cost: float = 0.0,
-         current: float | None = None, *, failures: int | None = None,
-         window: float | None = None) -> Plan:
+def plan(
+    ckpt_cost: float,
+    mtbf: float,
+    restart_cost: float = 0.0,
+    current: float | None = None,
+    *,
+    failures: int | None = None,
+    window: float | None = None,
+) -> Plan:
     """Both optimal intervals and the goodput of the current and of Daly's interval.
     ``failures``/``window``: the evidence behind a measured ``mtbf`` (for the warning)."""
     d = daly_interval(ckpt_cost, mtbf)
     return Plan(
-        ckpt_cost, mtbf, restart_cost, young_interval(ckpt_cost, mtbf), d,
-        expected_goodput(d, ckpt_cost, mtbf, restart_cost), current,
+        ckpt_cost,
+        mtbf,
+        restart_cost,
+        young_interval(ckpt_cost, mtbf),
+        d,
+        expected_goodput(d, ckpt_cost, mtbf, restart_cost),
+        current,
         None if current is None else expected_goodput(current, ckpt_cost, mtbf, restart_cost),
-        failures, window,
+        failures,
+        window,
     )
 
 
@@ -131,8 +144,11 @@ def estimate_from_events(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     times = sorted(e["t"] for e in saved if e.get("rank") == rank)
     gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > a]
     recs = phases(events)
-    restart = [r.detect + r.relaunch + r.load for r in recs
-               if r.relaunch is not None and r.load is not None]
+    restart = [
+        r.detect + r.relaunch + r.load
+        for r in recs
+        if r.relaunch is not None and r.load is not None
+    ]
     wall = (max(e["t"] for e in events) - min(e["t"] for e in events)) if events else 0.0
     return {
         "ckpt_cost": statistics.fmean(costs) if costs else None,
@@ -157,11 +173,14 @@ def plan_from_run(run_dir: str | None, given: Mapping[str, float | None]) -> Pla
             raise ValueError(
                 f"--run-dir {run_dir!r} has no {EVENTS_FILE}: nothing to measure there. Pass "
                 "the --run-dir of an `unbroken run` (it writes RUN_DIR/events.jsonl), or give "
-                "--ckpt-cost and --mtbf")
+                "--ckpt-cost and --mtbf"
+            )
         got.update(estimate_from_events(load_events(run_dir)))
         if not got["saves"]:
-            why["ckpt_cost"] = (f"{path} holds no checkpoint save (a Checkpointer under "
-                                "`unbroken run` records one per save)")
+            why["ckpt_cost"] = (
+                f"{path} holds no checkpoint save (a Checkpointer under "
+                "`unbroken run` records one per save)"
+            )
         if not got["failures"]:
             why["mtbf"] = f"{path} holds no failure, so there is no failure rate to measure"
     for key, value in given.items():
@@ -174,10 +193,22 @@ def plan_from_run(run_dir: str | None, given: Mapping[str, float | None]) -> Pla
         missing = [k for k, v in (("ckpt_cost", c), ("mtbf", m)) if v is None]
         need = " and ".join("--" + k.replace("_", "-") for k in missing)
         reasons = [why[k] for k in missing if k in why]
-        raise ValueError(f"cannot plan without {need}: " + ("; ".join(reasons) if reasons else
-                         "pass them, or a --run-dir whose events hold saves and failures"))
-    return plan(c, m, got["restart_cost"] or 0.0, got["current"],
-                failures=got.get("failures"), window=got.get("window"))
+        raise ValueError(
+            f"cannot plan without {need}: "
+            + (
+                "; ".join(reasons)
+                if reasons
+                else "pass them, or a --run-dir whose events hold saves and failures"
+            )
+        )
+    return plan(
+        c,
+        m,
+        got["restart_cost"] or 0.0,
+        got["current"],
+        failures=got.get("failures"),
+        window=got.get("window"),
+    )
 
 
 def _chi2_even_cdf(x: float, dof: int) -> float:
@@ -204,8 +235,10 @@ def mtbf_interval(failures: int, window: float, confidence: float = 0.9) -> tupl
     if failures < 1 or window <= 0:
         raise ValueError(f"failures={failures} must be >= 1 and window={window} s > 0")
     a = (1.0 - confidence) / 2.0
-    return (2.0 * window / _chi2_even_ppf(1.0 - a, 2 * failures + 2),
-            2.0 * window / _chi2_even_ppf(a, 2 * failures))
+    return (
+        2.0 * window / _chi2_even_ppf(1.0 - a, 2 * failures + 2),
+        2.0 * window / _chi2_even_ppf(a, 2 * failures),
+    )
 
 
 def _dur(s: float) -> str:
@@ -234,11 +267,13 @@ def _mtbf_warning(p: Plan) -> str | None:
         weak.append(f"fewer than {MIN_FAILURES} failures")
     if w < MIN_WINDOW:
         weak.append("less than a day of running")
-    return (f"warning: M = {_dur(p.mtbf)} rests on {k} failure{'s' if k != 1 else ''} in "
-            f"{_dur(w)} ({' and '.join(weak)}): its 90% confidence interval is {_dur(lo)} to "
-            f"{_dur(hi)}, so the intervals above are only a guess. Pass --mtbf with a rate "
-            "measured over many failures (e.g. your cluster's history); a drill's injected "
-            "faults are not a failure rate.")
+    return (
+        f"warning: M = {_dur(p.mtbf)} rests on {k} failure{'s' if k != 1 else ''} in "
+        f"{_dur(w)} ({' and '.join(weak)}): its 90% confidence interval is {_dur(lo)} to "
+        f"{_dur(hi)}, so the intervals above are only a guess. Pass --mtbf with a rate "
+        "measured over many failures (e.g. your cluster's history); a drill's injected "
+        "faults are not a failure rate."
+    )
 
 
 def format_plan(p: Plan) -> str:

@@ -183,8 +183,13 @@ def _reap(p: subprocess.Popen[bytes]) -> None:
 def _run_probe(argv: list[str], timeout: float) -> tuple[bool, str]:
     """Run a probe process; (ok, detail). Never blocks longer than ``timeout``."""
     try:
-        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
+        p = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     except OSError as e:
         return False, f"cannot start probe: {e}"
     try:
@@ -226,8 +231,11 @@ def _timed(name: str, fn: Callable[[], tuple[bool, str] | None]) -> CheckResult:
 def _check_gpus(cfg: PreflightConfig) -> tuple[bool, str] | None:
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return None if not os.path.exists("/dev/nvidia0") else (
-            False, "/dev/nvidia0 exists but nvidia-smi is not on PATH; cannot check GPUs")
+        return (
+            None
+            if not os.path.exists("/dev/nvidia0")
+            else (False, "/dev/nvidia0 exists but nvidia-smi is not on PATH; cannot check GPUs")
+        )
     ran, out = _run_probe(
         [smi, "--query-gpu=index,memory.used,memory.total", "--format=csv,noheader,nounits"],
         cfg.timeout,
@@ -270,10 +278,20 @@ def run_preflight(cfg: PreflightConfig) -> list[CheckResult]:
     """Run every configured check once (storage probes in subprocesses with timeouts)."""
     node = cfg.node or socket.gethostname()
     results = [
-        _timed("ckpt_dir", lambda: None if cfg.ckpt_dir is None else _json_probe(
-            _STORAGE_PROBE, [cfg.ckpt_dir, str(cfg.min_free_bytes), node], cfg.timeout)),
-        _timed("data", lambda: None if cfg.data is None else _json_probe(
-            _DATA_PROBE, [cfg.data], cfg.timeout)),
+        _timed(
+            "ckpt_dir",
+            lambda: (
+                None
+                if cfg.ckpt_dir is None
+                else _json_probe(
+                    _STORAGE_PROBE, [cfg.ckpt_dir, str(cfg.min_free_bytes), node], cfg.timeout
+                )
+            ),
+        ),
+        _timed(
+            "data",
+            lambda: None if cfg.data is None else _json_probe(_DATA_PROBE, [cfg.data], cfg.timeout),
+        ),
         _timed("gpus", lambda: _check_gpus(cfg)),
         _timed("rendezvous", lambda: _check_rdzv(cfg)),
     ]
@@ -282,7 +300,12 @@ def run_preflight(cfg: PreflightConfig) -> list[CheckResult]:
 
 def format_results(results: list[CheckResult]) -> str:
     rows = [
-        ("skip" if r.skipped else ("ok" if r.ok else "FAIL"), r.name, f"{r.seconds:.2f} s", r.detail)
+        (
+            "skip" if r.skipped else ("ok" if r.ok else "FAIL"),
+            r.name,
+            f"{r.seconds:.2f} s",
+            r.detail,
+        )
         for r in results
     ]
     # the status column is as wide as "FAIL" even when every check passed: scripts grep it

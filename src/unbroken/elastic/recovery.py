@@ -113,7 +113,9 @@ def phases(events: Sequence[dict[str, Any]]) -> list[Recovery]:
                 load=load,
                 catch_up=catch_up,
                 restore_seconds=float(restore) if restore is not None else None,
-                loaded_step=int(loaded["step"]) if loaded and loaded.get("step") is not None else None,
+                loaded_step=int(loaded["step"])
+                if loaded and loaded.get("step") is not None
+                else None,
             )
         )
     return out
@@ -166,15 +168,32 @@ def _trend(recs: Sequence[Recovery]) -> str | None:
 def format_summary(summary: RunSummary) -> str:
     """A plain-text table, one row per failure, then totals and goodput."""
     rows = [
-        (r.index, r.attempt, r.fault, r.step_at_failure,
-         *(cell(x, ".2f") for x in (r.detect, r.relaunch, r.load, r.catch_up, r.total)),
-         r.reason[:60])
+        (
+            r.index,
+            r.attempt,
+            r.fault,
+            r.step_at_failure,
+            *(cell(x, ".2f") for x in (r.detect, r.relaunch, r.load, r.catch_up, r.total)),
+            r.reason[:60],
+        )
         for r in summary.recoveries
     ]
-    header = ("#", "attempt", "fault", "step", "detect", "relaunch", "load", "catch-up", "total",
-              "reason")
-    lines = ["recovery phases (seconds):",
-             render_table(rows, header=header, right={0, 1, 3, 4, 5, 6, 7, 8})]
+    header = (
+        "#",
+        "attempt",
+        "fault",
+        "step",
+        "detect",
+        "relaunch",
+        "load",
+        "catch-up",
+        "total",
+        "reason",
+    )
+    lines = [
+        "recovery phases (seconds):",
+        render_table(rows, header=header, right={0, 1, 3, 4, 5, 6, 7, 8}),
+    ]
     if not summary.recoveries:
         lines.append("   (no failures)")
     lines.append(
@@ -186,8 +205,12 @@ def format_summary(summary: RunSummary) -> str:
     return "\n".join(lines)
 
 
-_PHASE_COLORS = (("detect", "#d62728"), ("relaunch", "#ff7f0e"), ("load", "#bcbd22"),
-                 ("catch_up", "#9467bd"))
+_PHASE_COLORS = (
+    ("detect", "#d62728"),
+    ("relaunch", "#ff7f0e"),
+    ("load", "#bcbd22"),
+    ("catch_up", "#9467bd"),
+)
 
 
 def plot_timeline(events: Sequence[dict[str, Any]], path: str) -> str:
@@ -209,8 +232,12 @@ def plot_timeline(events: Sequence[dict[str, Any]], path: str) -> str:
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.4 * len(launches)))
     for row, e in enumerate(launches):
         a = int(e["attempt"])
-        ax.broken_barh([(e["t"] - t0, ends.get(a, t_end) - e["t"])], (row - 0.3, 0.6),
-                       color="#2ca02c", alpha=0.35)
+        ax.broken_barh(
+            [(e["t"] - t0, ends.get(a, t_end) - e["t"])],
+            (row - 0.3, 0.6),
+            color="#2ca02c",
+            alpha=0.35,
+        )
         saves = [s["t"] - t0 for s in events if s["event"] == "saved" and s.get("attempt") == a]
         ax.plot(saves, [row] * len(saves), "|", color="black", markersize=8)
     for r in phases(events):
@@ -219,8 +246,13 @@ def plot_timeline(events: Sequence[dict[str, Any]], path: str) -> str:
             dur = getattr(r, name)
             if dur is None:
                 break
-            ax.broken_barh([(start, dur)], (-0.5, len(launches)), color=color, alpha=0.5,
-                           label=name if r.index == 0 else None)
+            ax.broken_barh(
+                [(start, dur)],
+                (-0.5, len(launches)),
+                color=color,
+                alpha=0.5,
+                label=name if r.index == 0 else None,
+            )
             start += dur
     ax.set_yticks(range(len(launches)), [f"attempt {e['attempt']}" for e in launches])
     ax.set_xlabel("seconds since start")

@@ -224,8 +224,12 @@ class Supervisor:
     # --- bookkeeping ---------------------------------------------------------------------
 
     def _event(self, name: str, **fields: Any) -> None:
-        rec: dict[str, Any] = {"t": time.time(), "event": name, "pid": os.getpid(),
-                               "node": self.node}
+        rec: dict[str, Any] = {
+            "t": time.time(),
+            "event": name,
+            "pid": os.getpid(),
+            "node": self.node,
+        }
         rec.update(fields)
         events.append_event(self.run_dir, rec)
 
@@ -237,8 +241,11 @@ class Supervisor:
     def _progress(self) -> int | None:
         """The checkpointed step as the job reported it (``saved``/``loaded``), else the
         highest step any attempt reached."""
-        steps = [int(e["step"]) for e in load_events(self.run_dir)
-                 if e["event"] in ("saved", "loaded") and e.get("step") is not None]
+        steps = [
+            int(e["step"])
+            for e in load_events(self.run_dir)
+            if e["event"] in ("saved", "loaded") and e.get("step") is not None
+        ]
         if steps:
             return max(steps)
         return self._max_step if self._max_step >= 0 else None
@@ -246,24 +253,40 @@ class Supervisor:
     def _preflight_cfg(self, coord: Coordinator) -> PreflightConfig:
         p = self.cfg.preflight
         endpoint = None if coord.hosting else coord.endpoint
-        return PreflightConfig(p.ckpt_dir, p.data, p.min_free_bytes, endpoint,
-                               p.gpus if p.gpus is not None else self.cfg.nproc_per_node,
-                               p.gpu_min_free_fraction, p.timeout, p.node or self.node)
+        return PreflightConfig(
+            p.ckpt_dir,
+            p.data,
+            p.min_free_bytes,
+            endpoint,
+            p.gpus if p.gpus is not None else self.cfg.nproc_per_node,
+            p.gpu_min_free_fraction,
+            p.timeout,
+            p.node or self.node,
+        )
 
     def _preflight(self, coord: Coordinator, *, wait: bool) -> tuple[bool, list[CheckResult]]:
         def record(res: list[CheckResult], waited: float) -> None:
-            self._event("preflight", ok=all(r.ok for r in res), waited=round(waited, 3),
-                        checks=[{"name": r.name, "ok": r.ok, "detail": r.detail,
-                                 "seconds": round(r.seconds, 3)} for r in res if not r.skipped])
+            self._event(
+                "preflight",
+                ok=all(r.ok for r in res),
+                waited=round(waited, 3),
+                checks=[
+                    {"name": r.name, "ok": r.ok, "detail": r.detail, "seconds": round(r.seconds, 3)}
+                    for r in res
+                    if not r.skipped
+                ],
+            )
 
         def stop() -> bool:
             self._tick(coord)
             return self._signal is not None or self._peer_stop(coord) is not None
 
         ok, res = wait_until_healthy(
-            self._preflight_cfg(coord), max_wait=self.cfg.preflight_max_wait if wait else 0.0,
+            self._preflight_cfg(coord),
+            max_wait=self.cfg.preflight_max_wait if wait else 0.0,
             initial_delay=min(1.0, max(0.1, self.cfg.policy.backoff_initial)),
-            on_result=record, should_stop=stop,
+            on_result=record,
+            should_stop=stop,
         )
         self._preflight_ok_at = time.monotonic() if ok else float("-inf")
         return ok, res
@@ -284,18 +307,41 @@ class Supervisor:
 
     def _torchrun_argv(self, coord: Coordinator, gen: int) -> list[str]:
         c, r = self.cfg, self.cfg.rdzv
-        conf = (f"is_host=false,last_call_timeout={r.last_call_timeout:g},"
-                f"join_timeout={r.join_timeout:g}")
-        argv = ["--nnodes", r.nnodes, "--nproc-per-node", str(c.nproc_per_node),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", coord.endpoint,
-                "--rdzv-id", f"{r.run_id}-g{gen}", "--rdzv-conf", conf,
-                "--max-restarts", "0", "--monitor-interval", f"{min(0.1, c.watchdog.poll_interval):g}",
-                "--tee", "3", *c.torchrun_args]
+        conf = (
+            f"is_host=false,last_call_timeout={r.last_call_timeout:g},"
+            f"join_timeout={r.join_timeout:g}"
+        )
+        argv = [
+            "--nnodes",
+            r.nnodes,
+            "--nproc-per-node",
+            str(c.nproc_per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            coord.endpoint,
+            "--rdzv-id",
+            f"{r.run_id}-g{gen}",
+            "--rdzv-conf",
+            conf,
+            "--max-restarts",
+            "0",
+            "--monitor-interval",
+            f"{min(0.1, c.watchdog.poll_interval):g}",
+            "--tee",
+            "3",
+            *c.torchrun_args,
+        ]
         return [*argv, *worker_command(c.command, c.module, c.torchrun_args)]
 
     def _new_standby(self, number: int) -> Standby:
-        return Standby(number=number, run_dir=self.run_dir, nproc=self.cfg.nproc_per_node,
-                       preload=self.cfg.preload, echo=self.cfg.echo)
+        return Standby(
+            number=number,
+            run_dir=self.run_dir,
+            nproc=self.cfg.nproc_per_node,
+            preload=self.cfg.preload,
+            echo=self.cfg.echo,
+        )
 
     def _launch(self, coord: Coordinator, number: int, gen: int) -> Attempt:
         target = self._max_step if self._failures and self._max_step >= 0 else None
@@ -304,24 +350,41 @@ class Supervisor:
             if sb is not None:
                 sb.close()
             sb = self._new_standby(number)  # cold: the workers are still forked from it
-        att = Attempt(number=number, gen=gen, run_dir=self.run_dir,
-                      torchrun_argv=self._torchrun_argv(coord, gen), catchup_step=target,
-                      echo=self.cfg.echo, nproc=self.cfg.nproc_per_node, standby=sb)
+        att = Attempt(
+            number=number,
+            gen=gen,
+            run_dir=self.run_dir,
+            torchrun_argv=self._torchrun_argv(coord, gen),
+            catchup_step=target,
+            echo=self.cfg.echo,
+            nproc=self.cfg.nproc_per_node,
+            standby=sb,
+        )
         self._attempt = att
-        self._event("launch", attempt=number, gen=gen, catchup_step=target, argv=att.argv,
-                    agent_pid=att.proc.pid, prewarmed=att.prewarmed)
+        self._event(
+            "launch",
+            attempt=number,
+            gen=gen,
+            catchup_step=target,
+            argv=att.argv,
+            agent_pid=att.proc.pid,
+            prewarmed=att.prewarmed,
+        )
         log.info("attempt %d (generation %d) started: %s", number, gen, " ".join(att.argv))
         return att
 
-    def _maybe_prewarm(self, att: Attempt, beats: list[heartbeat.BeatRecord],
-                       t_up: float | None, now: float) -> None:
+    def _maybe_prewarm(
+        self, att: Attempt, beats: list[heartbeat.BeatRecord], t_up: float | None, now: float
+    ) -> None:
         """Start the next attempt's standby once this attempt trains (every local rank beat,
         or 30 s after its workers appeared), so that its imports do not slow this attempt's
         start-up."""
         if not self.cfg.prewarm or self._standby is not None or t_up is None:
             return
-        if (len({b.rank for b in beats if b.started}) >= self.cfg.nproc_per_node
-                or now - t_up > 30.0):
+        if (
+            len({b.rank for b in beats if b.started}) >= self.cfg.nproc_per_node
+            or now - t_up > 30.0
+        ):
             self._standby = self._new_standby(att.number + 1)
 
     def _monitor(self, att: Attempt, coord: Coordinator) -> _Outcome:
@@ -377,37 +440,63 @@ class Supervisor:
             self._maybe_prewarm(att, beats, t_up, now)
             if not beats and t_up is not None and not warned and now - t_up > w.hang_timeout:
                 warned = True
-                log.warning("no heartbeat from the workers after %.0f s: call "
-                            "unbroken.elastic.beat(step) every step to enable hang detection "
-                            "and catch-up measurement", now - t_up)
+                log.warning(
+                    "no heartbeat from the workers after %.0f s: call "
+                    "unbroken.elastic.beat(step) every step to enable hang detection "
+                    "and catch-up measurement",
+                    now - t_up,
+                )
             for b in beats:
                 installed.setdefault(b.path, now)
             hung = heartbeat.stalled(beats, now, w.hang_timeout)
             if not hung:  # installed but never beat: stuck before the first step
-                hung = [b for b in beats if not b.started and is_alive(b.pid)
-                        and now - installed[b.path] > w.startup_timeout]
+                hung = [
+                    b
+                    for b in beats
+                    if not b.started
+                    and is_alive(b.pid)
+                    and now - installed[b.path] > w.startup_timeout
+                ]
             if hung:
                 return self._hang(att, beats, hung, now)
             # Until the workers exist, look often: workers_up ends the relaunch phase.
             att.wait(pids, w.poll_interval if t_up is not None else min(w.poll_interval, 0.05))
 
-    def _stop_group(self, att: Attempt, failed: faults.WorkerExit,
-                    beats: list[heartbeat.BeatRecord]) -> _Outcome:
+    def _stop_group(
+        self, att: Attempt, failed: faults.WorkerExit, beats: list[heartbeat.BeatRecord]
+    ) -> _Outcome:
         """A rank failed: stop the rest now instead of waiting on them (see module doc)."""
         t_detect = time.time()
         reason = failed.describe()
         exited, killed, took = att.stop_workers(
-            reason, self.cfg.stop_grace, {b.pid: b.rank for b in beats})
-        self._event("stop_group", attempt=att.number, reason=reason, t_fail=failed.t,
-                    grace=self.cfg.stop_grace, seconds=round(took, 3), exited=exited,
-                    killed=killed)
-        log.warning("attempt %d: %s; stopped the other ranks in %.2f s%s", att.number, reason,
-                    took, f" (SIGKILLed after {self.cfg.stop_grace:g} s: ranks {killed})"
-                    if killed else "")
+            reason, self.cfg.stop_grace, {b.pid: b.rank for b in beats}
+        )
+        self._event(
+            "stop_group",
+            attempt=att.number,
+            reason=reason,
+            t_fail=failed.t,
+            grace=self.cfg.stop_grace,
+            seconds=round(took, 3),
+            exited=exited,
+            killed=killed,
+        )
+        log.warning(
+            "attempt %d: %s; stopped the other ranks in %.2f s%s",
+            att.number,
+            reason,
+            took,
+            f" (SIGKILLed after {self.cfg.stop_grace:g} s: ranks {killed})" if killed else "",
+        )
         return _Outcome("exit", att.poll(), min(failed.t, t_detect), t_detect)
 
-    def _hang(self, att: Attempt, beats: list[heartbeat.BeatRecord],
-              hung: list[heartbeat.BeatRecord], now: float) -> _Outcome:
+    def _hang(
+        self,
+        att: Attempt,
+        beats: list[heartbeat.BeatRecord],
+        hung: list[heartbeat.BeatRecord],
+        now: float,
+    ) -> _Outcome:
         started = [b.t for b in beats if b.started]
         t_fail = max(started) if started else att.t_launch
         ranks = sorted({b.rank for b in hung})
@@ -415,18 +504,30 @@ class Supervisor:
         # once before the kill, and the table must say what the message says.
         step = max((b.step for b in beats), default=-1)
         stacks = heartbeat.request_stack_dumps(self.run_dir, beats, self.cfg.watchdog.dump_grace)
-        detail = (f"ranks {ranks} made no progress for {now - t_fail:.1f} s "
-                  f"(--hang-timeout {self.cfg.watchdog.hang_timeout:g} s) at step {step}")
-        self._event("hang", attempt=att.number, ranks=ranks, stacks=stacks, detail=detail,
-                    t_detect=now, step=step)
+        detail = (
+            f"ranks {ranks} made no progress for {now - t_fail:.1f} s "
+            f"(--hang-timeout {self.cfg.watchdog.hang_timeout:g} s) at step {step}"
+        )
+        self._event(
+            "hang",
+            attempt=att.number,
+            ranks=ranks,
+            stacks=stacks,
+            detail=detail,
+            t_detect=now,
+            step=step,
+        )
         log.error("attempt %d hung: %s; stack dumps: %s", att.number, detail, stacks or "none")
         att.kill()
         return _Outcome("hang", None, t_fail, now, detail, step=step if step >= 0 else None)
 
     def _preempt(self, att: Attempt) -> _Outcome:
         now = time.time()
-        log.warning("%s received: asking the job to save and stop (up to %g s)",
-                    _signame(self._signal or signal.SIGTERM), self.cfg.shutdown_timeout)
+        log.warning(
+            "%s received: asking the job to save and stop (up to %g s)",
+            _signame(self._signal or signal.SIGTERM),
+            self.cfg.shutdown_timeout,
+        )
         rc = att.terminate(self.cfg.shutdown_timeout + 5.0)
         att.kill()
         return _Outcome("preempted", rc, now, now, f"{_signame(self._signal or 15)} received")
@@ -440,8 +541,7 @@ class Supervisor:
             fails = tuple(faults.collect_worker_failures(console, att.log_dir, att.exits))
         step = out.step
         if step is None:
-            last = max((b.step for b in heartbeat.read_beats(self.run_dir, att.number)),
-                       default=-1)
+            last = max((b.step for b in heartbeat.read_beats(self.run_dir, att.number)), default=-1)
             step = last if last >= 0 else None
         if step is not None:  # a rank may have beaten once more after the last poll
             self._max_step = max(self._max_step, step)
@@ -466,26 +566,58 @@ class Supervisor:
         if self.cfg.rdzv.bounds[1] > 1 and c.fault is FaultClass.PROCESS and out.kind != "hang":
             lost = self._lost_peers(coord, out.t_fail)
             if lost:
-                c = Classification(FaultClass.NODE_LOST, Action.WAIT_FOR_NODES, "node_lost",
-                                   f"node(s) {', '.join(lost)} lost; continuing within "
-                                   f"--nnodes {self.cfg.rdzv.nnodes}", None, True)
+                c = Classification(
+                    FaultClass.NODE_LOST,
+                    Action.WAIT_FOR_NODES,
+                    "node_lost",
+                    f"node(s) {', '.join(lost)} lost; continuing within "
+                    f"--nnodes {self.cfg.rdzv.nnodes}",
+                    None,
+                    True,
+                )
         if c.action is not Action.EXIT:
             ok, res = self._preflight(coord, wait=False)
             bad = [r for r in res if not r.ok and r.name in ("ckpt_dir", "data")]
             if bad:
-                c = Classification(FaultClass.STORAGE, Action.PREFLIGHT, "preflight",
-                                   "; ".join(f"{r.name}: {r.detail}" for r in bad), None, True)
+                c = Classification(
+                    FaultClass.STORAGE,
+                    Action.PREFLIGHT,
+                    "preflight",
+                    "; ".join(f"{r.name}: {r.detail}" for r in bad),
+                    None,
+                    True,
+                )
         d = self.tracker.decide(c, self._progress(), ev.step)
         self._failures.append((att.number, ev, c))
-        self._event("failure", attempt=att.number, gen=att.gen, kind=out.kind,
-                    t_fail=out.t_fail, t_detect=out.t_detect, exit_code=out.rc,
-                    fault=(d.fault or c.fault).value, rule=c.rule, action=d.action.value,
-                    reason=d.reason or c.reason, signature=c.signature, step=ev.step,
-                    delay=d.delay, restarts=self.tracker.restarts)
-        atomic_write_bytes(os.path.join(self.run_dir, "supervisor.json"),
-                           json.dumps(self.tracker.state_dict(), indent=1).encode())
-        log.warning("attempt %d failed: %s [%s -> %s] %s", att.number, out.kind,
-                    c.fault.value, d.action.value, d.reason or c.reason)
+        self._event(
+            "failure",
+            attempt=att.number,
+            gen=att.gen,
+            kind=out.kind,
+            t_fail=out.t_fail,
+            t_detect=out.t_detect,
+            exit_code=out.rc,
+            fault=(d.fault or c.fault).value,
+            rule=c.rule,
+            action=d.action.value,
+            reason=d.reason or c.reason,
+            signature=c.signature,
+            step=ev.step,
+            delay=d.delay,
+            restarts=self.tracker.restarts,
+        )
+        atomic_write_bytes(
+            os.path.join(self.run_dir, "supervisor.json"),
+            json.dumps(self.tracker.state_dict(), indent=1).encode(),
+        )
+        log.warning(
+            "attempt %d failed: %s [%s -> %s] %s",
+            att.number,
+            out.kind,
+            c.fault.value,
+            d.action.value,
+            d.reason or c.reason,
+        )
         if d.exit_code is not None:
             if d.action is Action.STOP:
                 self._write_stop_report(d)
@@ -504,18 +636,27 @@ class Supervisor:
             time.sleep(min(self.cfg.watchdog.poll_interval, max(0.0, end - time.monotonic())))
 
     def _write_stop_report(self, d: faults.Decision) -> None:
-        lines = [f"unbroken run stopped: {d.reason}",
-                 f"exit code {d.exit_code}; run directory {self.run_dir}", "", "failures:"]
+        lines = [
+            f"unbroken run stopped: {d.reason}",
+            f"exit code {d.exit_code}; run directory {self.run_dir}",
+            "",
+            "failures:",
+        ]
         for n, ev, c in self._failures:
             lines.append(f"  attempt {n}: step {ev.step}: [{c.fault.value}/{c.rule}] {c.reason}")
         n, ev, _c = self._failures[-1]
         if ev.failures:
             f = ev.failures[0]
-            lines += ["", f"last failure, rank {f.rank} (attempt {n}):",
-                      (f.traceback or f.stderr_tail or f.message).rstrip()[-4000:]]
-        lines += ["", f"logs: {os.path.join(self.run_dir, 'attempts', str(n))}",
-                  "Fix the cause, then rerun the same command: it resumes from the newest "
-                  "checkpoint."]
+            lines += [
+                "",
+                f"last failure, rank {f.rank} (attempt {n}):",
+                (f.traceback or f.stderr_tail or f.message).rstrip()[-4000:],
+            ]
+        lines += [
+            "",
+            f"logs: {os.path.join(self.run_dir, 'attempts', str(n))}",
+            "Fix the cause, then rerun the same command: it resumes from the newest checkpoint.",
+        ]
         text = "\n".join(lines) + "\n"
         atomic_write_bytes(os.path.join(self.run_dir, "stop-report.txt"), text.encode())
         print(text, flush=True)
@@ -527,17 +668,26 @@ class Supervisor:
         old = {}
         if threading.current_thread() is threading.main_thread():
             old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        first = 1 + max((int(e["attempt"]) for e in load_events(self.run_dir)
-                         if e["event"] == "launch"), default=-1)
+        first = 1 + max(
+            (int(e["attempt"]) for e in load_events(self.run_dir) if e["event"] == "launch"),
+            default=-1,
+        )
         code = faults.EXIT_ERROR
         try:
             r = self.cfg.rdzv
             host, _, port = r.endpoint.rpartition(":")
-            self._coord = Coordinator(host, int(port), r.run_id, self.node,
-                                      connect_timeout=r.join_timeout)
-            self._event("start", node=self.node, store=self._coord.endpoint,
-                        hosting=self._coord.hosting, command=list(self.cfg.command),
-                        nnodes=r.nnodes, nproc_per_node=self.cfg.nproc_per_node)
+            self._coord = Coordinator(
+                host, int(port), r.run_id, self.node, connect_timeout=r.join_timeout
+            )
+            self._event(
+                "start",
+                node=self.node,
+                store=self._coord.endpoint,
+                hosting=self._coord.hosting,
+                command=list(self.cfg.command),
+                nnodes=r.nnodes,
+                nproc_per_node=self.cfg.nproc_per_node,
+            )
             code = self._loop(self._coord, first)
         except RuntimeError as e:
             log.error("supervisor failed: %s", e)

@@ -55,16 +55,21 @@ def main() -> None:
     data = os.path.join(a.dir, "data")
     vocab = prepare_data(data, 0, CTX)
     torch.manual_seed(0)
-    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(vocab, WIDTH),
-                                 "rnn": torch.nn.GRU(WIDTH, WIDTH, batch_first=True),
-                                 "head": torch.nn.Linear(WIDTH, vocab)})
+    model = torch.nn.ModuleDict(
+        {
+            "emb": torch.nn.Embedding(vocab, WIDTH),
+            "rnn": torch.nn.GRU(WIDTH, WIDTH, batch_first=True),
+            "head": torch.nn.Linear(WIDTH, vocab),
+        }
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ds = StreamingDataset(data, seed=0, transform=decode, with_ids=True)
     loader = StatefulLoader(ds, BATCH, last_batch="drop")
     hidden = Carried(a.broken == "hidden")
     metrics = MetricLog(os.path.join(a.dir, "metrics.jsonl"))
-    state = TrainState(model=model, optimizer=opt, loader=loader, metrics=metrics,
-                       extras={"hidden": hidden})
+    state = TrainState(
+        model=model, optimizer=opt, loader=loader, metrics=metrics, extras={"hidden": hidden}
+    )
     ckpt = Checkpointer(os.path.join(a.dir, "ckpt"), state, every_steps=5, keep_last=2)
     state.step = ckpt.restore() or 0
     while state.step < a.steps:

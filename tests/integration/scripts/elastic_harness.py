@@ -61,8 +61,6 @@ FAST = [
 ]
 
 
-
-
 class Job:
     """One `unbroken run` supervisor process."""
 

@@ -121,8 +121,12 @@ def main() -> None:
         if a.ckpt_kind == "unbroken":
             from unbroken.ckpt import Checkpointer, TrainState  # DCP import costs ~1 s
 
-            ckpt = Checkpointer(a.ckpt, TrainState(model=model, optimizer=opt, metrics=metrics),
-                                every_steps=a.save_every, keep_last=3)
+            ckpt = Checkpointer(
+                a.ckpt,
+                TrainState(model=model, optimizer=opt, metrics=metrics),
+                every_steps=a.save_every,
+                keep_last=3,
+            )
         else:
             ckpt = _FileCkpt(a.ckpt, model, metrics, a.save_every)
     t0 = time.perf_counter()
@@ -151,8 +155,16 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def train(a: argparse.Namespace, model: torch.nn.Module, opt: Any, metrics: MetricLog | None,
-          ckpt: Any, first: int, preempted: list[int], times: dict[str, float]) -> None:
+def train(
+    a: argparse.Namespace,
+    model: torch.nn.Module,
+    opt: Any,
+    metrics: MetricLog | None,
+    ckpt: Any,
+    first: int,
+    preempted: list[int],
+    times: dict[str, float],
+) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     state = getattr(ckpt, "state", None)
     for step in range(first, a.steps):

@@ -29,13 +29,19 @@ def main() -> int:
         "config_kwargs": {"retries": {"max_attempts": 1}},
     }
     ds = StreamingDataset(
-        cfg["url"], seed=cfg["seed"], shuffle_window=cfg["window"], rank=cfg["rank"],
-        world_size=cfg["world_size"], cache_dir=cfg["cache_dir"], cache_limit=cfg["limit"],
+        cfg["url"],
+        seed=cfg["seed"],
+        shuffle_window=cfg["window"],
+        rank=cfg["rank"],
+        world_size=cfg["world_size"],
+        cache_dir=cfg["cache_dir"],
+        cache_limit=cfg["limit"],
         storage_options=opts,
         cache_options=CacheOptions(prefetch_shards=cfg["prefetch"], timeout=20, backoff_s=0.05),
     )
-    loader = StatefulLoader(ds, batch_size=cfg["batch"], num_workers=cfg["workers"],
-                            collate_fn=keys)
+    loader = StatefulLoader(
+        ds, batch_size=cfg["batch"], num_workers=cfg["workers"], collate_fn=keys
+    )
     if cfg.get("resume") is not None:
         loader.load_state_dict(cfg["resume"])
     with open(cfg["out"], "a") as out:
@@ -43,8 +49,9 @@ def main() -> int:
             epoch = loader.epoch
             loader.set_epoch(epoch)
             for batch in loader:
-                out.write(json.dumps({"epoch": epoch, "keys": batch,
-                                      "state": loader.state_dict()}) + "\n")
+                out.write(
+                    json.dumps({"epoch": epoch, "keys": batch, "state": loader.state_dict()}) + "\n"
+                )
                 out.flush()
     os.close(os.open(cfg["out"] + ".done", os.O_CREAT | os.O_WRONLY, 0o644))
     return 0

@@ -46,7 +46,9 @@ class BackgroundUploader:
         keep_last: int | None = ArchiveConfig.keep_last,
         keep_every: int | None = ArchiveConfig.keep_every,
     ) -> None:
-        keywords: dict[str, Any] = dict(max_pending=max_pending, keep_last=keep_last, keep_every=keep_every)
+        keywords: dict[str, Any] = dict(
+            max_pending=max_pending, keep_last=keep_last, keep_every=keep_every
+        )
         cfg = dataclasses.replace(  # validates
             archive.config,
             **{k: v for k, v in keywords.items() if v != getattr(ArchiveConfig, k)},

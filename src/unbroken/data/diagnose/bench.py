@@ -124,9 +124,15 @@ def measure_stages(
             break
     n_samples = sum(len(r) for r in raw)
     raw_bytes = sum(_payload_bytes(s) for r in raw for s in r)
-    results = [StageResult("shard read", "worker", _rate(n_samples, sum(read_ns)),
-                           raw_bytes / (sum(read_ns) / 1e9) / 1e6 if sum(read_ns) else math.nan,
-                           f"{len(raw)} batches of {batch_size}")]
+    results = [
+        StageResult(
+            "shard read",
+            "worker",
+            _rate(n_samples, sum(read_ns)),
+            raw_bytes / (sum(read_ns) / 1e9) / 1e6 if sum(read_ns) else math.nan,
+            f"{len(raw)} batches of {batch_size}",
+        )
+    ]
 
     decoded = raw
     dec_ns = [0] * len(raw)
@@ -138,8 +144,14 @@ def measure_stages(
             t0 = clock()
             decoded.append([decode(s) for s in r])
             dec_ns[i] = clock() - t0
-        results.append(StageResult("decode", "worker", _rate(n_samples, sum(dec_ns)),
-                                   note=getattr(decode, "__name__", "transform")))
+        results.append(
+            StageResult(
+                "decode",
+                "worker",
+                _rate(n_samples, sum(dec_ns)),
+                note=getattr(decode, "__name__", "transform"),
+            )
+        )
 
     batches: list[Any] = []
     col_ns = [0] * len(raw)
@@ -147,13 +159,22 @@ def measure_stages(
         t0 = clock()
         batches.append(collate(d))
         col_ns[i] = clock() - t0
-    results.append(StageResult("collate", "worker", _rate(n_samples, sum(col_ns)),
-                               note=getattr(collate, "__name__", "collate")))
+    results.append(
+        StageResult(
+            "collate",
+            "worker",
+            _rate(n_samples, sum(col_ns)),
+            note=getattr(collate, "__name__", "collate"),
+        )
+    )
     # The first batch pays for opening shards and building the order: not jitter.
     worker_ms = (np.asarray(read_ns) + np.asarray(dec_ns) + np.asarray(col_ns))[1:] / 1e6
     nbytes = _payload_bytes(batches[0])
-    results.append(_measure_transport(batches[0], batch_size, nbytes, budget)
-                   if transport else StageResult("transport", "main", math.nan, note="not run"))
+    results.append(
+        _measure_transport(batches[0], batch_size, nbytes, budget)
+        if transport
+        else StageResult("transport", "main", math.nan, note="not run")
+    )
     results.extend(_measure_device(batches, batch_size, device))
     return results, worker_ms
 
@@ -165,8 +186,9 @@ def _measure_transport(batch: Any, batch_size: int, nbytes: int, budget_ns: int)
     ring = transport_available()
     fds = worker_fds(1) if ring else []
     slots = prefetch + 2 if ring else 0  # as StatefulLoader sizes it for one worker
-    loader = DataLoader(_Repeat(batch, n, slots, fds), batch_size=None, num_workers=1,
-                        prefetch_factor=prefetch)
+    loader = DataLoader(
+        _Repeat(batch, n, slots, fds), batch_size=None, num_workers=1, prefetch_factor=prefetch
+    )
     rx = RingReceiver(fds)
     clock = time.perf_counter_ns
     got = 0
@@ -185,17 +207,23 @@ def _measure_transport(batch: Any, batch_size: int, nbytes: int, budget_ns: int)
     rx.close()
     # small tensor-free batches take the pipe after the first (see unbroken.data.stream.transport)
     how = "shared-memory ring" if tickets else "torch's pipe"
-    return StageResult("transport", "main", _rate(got * batch_size, ns),
-                       nbytes * got / (ns / 1e9) / 1e6 if got and ns > 0 else math.nan,
-                       f"1 worker, {how}, collated batch, fresh copy each")
+    return StageResult(
+        "transport",
+        "main",
+        _rate(got * batch_size, ns),
+        nbytes * got / (ns / 1e9) / 1e6 if got and ns > 0 else math.nan,
+        f"1 worker, {how}, collated batch, fresh copy each",
+    )
 
 
 def _measure_device(batches: list[Any], batch_size: int, device: str | None) -> list[StageResult]:
     dev = torch.device(device) if device is not None else None
     if dev is None or dev.type != "cuda" or not torch.cuda.is_available():
         why = "no CUDA device" if dev is None or dev.type == "cuda" else f"device {dev}"
-        return [StageResult("pin", "main", math.nan, note=why),
-                StageResult("h2d", "device", math.nan, note=why)]
+        return [
+            StageResult("pin", "main", math.nan, note=why),
+            StageResult("h2d", "device", math.nan, note=why),
+        ]
     nbytes = sum(batch_nbytes(b) for b in batches)
     samples = batch_size * len(batches)
     t0 = time.perf_counter_ns()
@@ -214,11 +242,20 @@ def _measure_device(batches: list[Any], batch_size: int, device: str | None) -> 
     h2d_s = start.elapsed_time(end) / 1e3
     del out
     return [
-        StageResult("pin", "main", _rate(samples, pin_ns), nbytes / (pin_ns / 1e9) / 1e6,
-                    "pin_memory() of collated batches"),
-        StageResult("h2d", "device", samples / h2d_s if h2d_s > 0 else math.inf,
-                    nbytes / h2d_s / 1e6 if h2d_s > 0 else math.nan,
-                    f"pinned, non_blocking, {dev}"),
+        StageResult(
+            "pin",
+            "main",
+            _rate(samples, pin_ns),
+            nbytes / (pin_ns / 1e9) / 1e6,
+            "pin_memory() of collated batches",
+        ),
+        StageResult(
+            "h2d",
+            "device",
+            samples / h2d_s if h2d_s > 0 else math.inf,
+            nbytes / h2d_s / 1e6 if h2d_s > 0 else math.nan,
+            f"pinned, non_blocking, {dev}",
+        ),
     ]
 
 
@@ -295,10 +332,13 @@ def measure_network(ds: Any, samples: int, max_seconds: float) -> tuple[StageRes
     n = int(counts[:done].sum())
     per_unit = [e["secs"] for e in read_events(cache.cache_dir) if e["ev"] == "download"]
     unit_s = float(np.mean(per_unit)) if per_unit else secs / max(done, 1)
-    stage = StageResult("network", "remote", _rate(n, int(secs * 1e9)),
-                        nbytes / secs / 1e6 if secs > 0 else math.nan,
-                        f"{done} shards, {threads} parallel downloads, "
-                        f"{unit_s:.2f} s per shard")
+    stage = StageResult(
+        "network",
+        "remote",
+        _rate(n, int(secs * 1e9)),
+        nbytes / secs / 1e6 if secs > 0 else math.nan,
+        f"{done} shards, {threads} parallel downloads, {unit_s:.2f} s per shard",
+    )
     window = cache._window_units(0)
     return stage, (unit_s, n / max(done, 1), window)
 
@@ -337,13 +377,38 @@ def bench_dataset(
             os.makedirs(cache_dir, exist_ok=True)
         scratch = tempfile.mkdtemp(prefix="unbroken-bench-cache-", dir=cache_dir)
         try:
-            return _bench(root, batch_size, num_workers, consume_rate, transform, collate,
-                          seq_len, device, num_batches, max_seconds, seed, scratch,
-                          storage_options)
+            return _bench(
+                root,
+                batch_size,
+                num_workers,
+                consume_rate,
+                transform,
+                collate,
+                seq_len,
+                device,
+                num_batches,
+                max_seconds,
+                seed,
+                scratch,
+                storage_options,
+            )
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-    return _bench(root, batch_size, num_workers, consume_rate, transform, collate, seq_len,
-                  device, num_batches, max_seconds, seed, None, None)
+    return _bench(
+        root,
+        batch_size,
+        num_workers,
+        consume_rate,
+        transform,
+        collate,
+        seq_len,
+        device,
+        num_batches,
+        max_seconds,
+        seed,
+        None,
+        None,
+    )
 
 
 def _bench(
@@ -366,8 +431,14 @@ def _bench(
 
     remote = cache_dir is not None
     ds = StreamingDataset(
-        root, seed=seed, seq_len=seq_len, rank=0, world_size=1, shuffle=not remote,
-        cache_dir=cache_dir, storage_options=storage_options,
+        root,
+        seed=seed,
+        seq_len=seq_len,
+        rank=0,
+        world_size=1,
+        shuffle=not remote,
+        cache_dir=cache_dir,
+        storage_options=storage_options,
         # the bench downloads in this process: there is no decoding worker to get in its way
         cache_options=CacheOptions(fetch_process=False, prefetch_shards=0) if remote else None,
     )
@@ -393,8 +464,14 @@ def _bench(
         device=device,
         max_seconds=max_seconds,
     )
-    return analyse(pre + stages, batch_size=batch_size, num_workers=num_workers,
-                   consume_rate=consume_rate, worker_batch_ms=worker_ms, prefetch_hint=hint)
+    return analyse(
+        pre + stages,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        consume_rate=consume_rate,
+        worker_batch_ms=worker_ms,
+        prefetch_hint=hint,
+    )
 
 
 def resolve_transform(spec: str | None) -> Callable[[Any], Any] | None:
@@ -409,8 +486,10 @@ def resolve_transform(spec: str | None) -> Callable[[Any], Any] | None:
         return basic_decode
     mod, sep, name = spec.rpartition(":")
     if not sep or not mod or not name:
-        raise ValueError(f"--transform {spec!r}: expected 'basic', 'none', "
-                         "'package.module:function' or 'path/to/script.py:function'")
+        raise ValueError(
+            f"--transform {spec!r}: expected 'basic', 'none', "
+            "'package.module:function' or 'path/to/script.py:function'"
+        )
     import importlib
 
     try:
@@ -435,8 +514,10 @@ def _script_module(path: str) -> Any:
     if have is not None:
         if os.path.abspath(getattr(have, "__file__", "") or "") == path:
             return have
-        raise ImportError(f"a module named {name!r} is already imported from "
-                          f"{getattr(have, '__file__', 'elsewhere')}; rename the script")
+        raise ImportError(
+            f"a module named {name!r} is already imported from "
+            f"{getattr(have, '__file__', 'elsewhere')}; rename the script"
+        )
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"{path!r} is not a Python module")

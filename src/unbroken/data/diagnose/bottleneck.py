@@ -101,15 +101,25 @@ class BottleneckReport:
         table: list[tuple[str, str, str, str, str]] = []
         for s in self.stages:
             rate = (
-                "skipped" if math.isnan(s.samples_per_s)
-                else "-" if math.isinf(s.samples_per_s) else f"{s.samples_per_s:,.0f}"
+                "skipped"
+                if math.isnan(s.samples_per_s)
+                else "-"
+                if math.isinf(s.samples_per_s)
+                else f"{s.samples_per_s:,.0f}"
             )
             mb = f"{s.mb_per_s:,.1f}" if math.isfinite(s.mb_per_s) else ""
             mark = "  <- limits" if s.name == self.limiting else ""
             table.append((s.name, s.where, rate, mb, s.note + mark))
         nw = max(1, min(self.num_workers, self.cpu_count))
-        table.append(("workers", f"x{nw}", f"{self.worker_rate * nw:,.0f}", "",
-                      f"{self.worker_rate:,.0f}/s per worker"))
+        table.append(
+            (
+                "workers",
+                f"x{nw}",
+                f"{self.worker_rate * nw:,.0f}",
+                "",
+                f"{self.worker_rate:,.0f}/s per worker",
+            )
+        )
         table.append(("pipeline", "", f"{self.pipeline_rate:,.0f}", "", ""))
         if self.consume_rate is not None:
             table.append(("consumer", "model", f"{self.consume_rate:,.0f}", "", ""))
@@ -118,8 +128,11 @@ class BottleneckReport:
         rows.append("")
         rows.append(f"bottleneck: {self.bottleneck}")
         rows.extend(self.advice)
-        shards = ("" if self.suggested_prefetch_shards is None
-                  else f" CacheOptions(prefetch_shards={self.suggested_prefetch_shards})")
+        shards = (
+            ""
+            if self.suggested_prefetch_shards is None
+            else f" CacheOptions(prefetch_shards={self.suggested_prefetch_shards})"
+        )
         rows.append(
             f"suggest: num_workers={self.suggested_workers} "
             f"prefetch_factor={self.suggested_prefetch_factor}{shards}"
@@ -128,8 +141,11 @@ class BottleneckReport:
 
     def metrics(self, prefix: str = "bench/") -> dict[str, float]:
         """Per-stage rates for a metric log (finite values only)."""
-        out = {f"{prefix}{s.name.replace(' ', '_')}_samples_per_s": s.samples_per_s
-               for s in self.stages if s.measured}
+        out = {
+            f"{prefix}{s.name.replace(' ', '_')}_samples_per_s": s.samples_per_s
+            for s in self.stages
+            if s.measured
+        }
         out[f"{prefix}pipeline_samples_per_s"] = self.pipeline_rate
         if self.consume_rate is not None:
             out[f"{prefix}consume_samples_per_s"] = self.consume_rate
@@ -138,8 +154,11 @@ class BottleneckReport:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["stages"] = [
-            {**asdict(s), "samples_per_s": _json_float(s.samples_per_s),
-             "mb_per_s": _json_float(s.mb_per_s)}
+            {
+                **asdict(s),
+                "samples_per_s": _json_float(s.samples_per_s),
+                "mb_per_s": _json_float(s.mb_per_s),
+            }
             for s in self.stages
         ]
         d["advice"] = list(self.advice)
@@ -163,7 +182,8 @@ def load_report(path: str) -> BottleneckReport:
     try:
         stages = tuple(
             StageResult(
-                s["name"], s["where"],
+                s["name"],
+                s["where"],
                 float("nan") if s["samples_per_s"] is None else float(s["samples_per_s"]),
                 float("nan") if s["mb_per_s"] is None else float(s["mb_per_s"]),
                 s.get("note", ""),
@@ -264,14 +284,20 @@ def analyse(
             "(`unbroken data stage`) or put the cache nearer the store"
         )
     elif limiting == "transport":
-        advice.append("transport limits: return tensors (shared memory) rather than Python "
-                      "objects or bytes from the workers, and collate in the worker")
+        advice.append(
+            "transport limits: return tensors (shared memory) rather than Python "
+            "objects or bytes from the workers, and collate in the worker"
+        )
     elif limiting == "pin":
-        advice.append("pin limits: pinning copies every batch once more; send smaller dtypes "
-                      "(uint8 images, int32 tokens) and convert on the GPU")
+        advice.append(
+            "pin limits: pinning copies every batch once more; send smaller dtypes "
+            "(uint8 images, int32 tokens) and convert on the GPU"
+        )
     elif limiting == "h2d":
-        advice.append("h2d limits: copy fewer bytes (uint8 instead of float32, normalise on "
-                      "the GPU) and make sure batches are pinned (pin_memory=True)")
+        advice.append(
+            "h2d limits: copy fewer bytes (uint8 instead of float32, normalise on "
+            "the GPU) and make sure batches are pinned (pin_memory=True)"
+        )
     return BottleneckReport(
         stages=tuple(stages),
         batch_size=batch_size,
@@ -289,8 +315,9 @@ def analyse(
     )
 
 
-def _prefetch_shards(hint: tuple[float, float, int] | None, pipeline_rate: float,
-                     consume_rate: float | None) -> int | None:
+def _prefetch_shards(
+    hint: tuple[float, float, int] | None, pipeline_rate: float, consume_rate: float | None
+) -> int | None:
     # Little's law: shards in flight = shard download time x shards consumed per second; one
     # more for jitter; at least a window's shards, all needed together when readers enter it.
     if hint is None:

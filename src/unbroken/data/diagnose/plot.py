@@ -48,8 +48,10 @@ def report_text(
         if sawtooth is not None:
             out.append(sawtooth.explain(num_workers))
         elif s.stall_pct >= 5.0:
-            out.append("no sawtooth: the waits are spread over the steps (the loader is "
-                       "uniformly too slow, or stalls at random); see `unbroken data bench`")
+            out.append(
+                "no sawtooth: the waits are spread over the steps (the loader is "
+                "uniformly too slow, or stalls at random); see `unbroken data bench`"
+            )
         else:
             out.append("no sawtooth; stall below 5%: the input pipeline keeps up")
     if bench is not None:
@@ -103,8 +105,9 @@ def _plot_timeline(ax: Any, tl: Timeline, sawtooth: Sawtooth | None) -> None:
     if k > 1:
         steps, wait, comp = _binned(steps, k), _binned(wait, k), _binned(comp, k)
     ax.fill_between(steps, 0, comp, step="mid", color=_COMPUTE, alpha=0.85, label="compute")
-    ax.fill_between(steps, comp, comp + wait, step="mid", color=_WAIT, alpha=0.85,
-                    label="wait for data")
+    ax.fill_between(
+        steps, comp, comp + wait, step="mid", color=_WAIT, alpha=0.85, label="wait for data"
+    )
     s = tl.summary()
     title = f"step time: compute vs wait  (stall {s.stall_pct:.1f}%, mean step {s.step_ms:.1f} ms"
     title += f", mean of {k} steps per point)" if k > 1 else ")"
@@ -158,16 +161,20 @@ def _plot_stages(ax: Any, r: BottleneckReport) -> None:
     ax.set_xscale("log")
     for yi, v in zip(y, rates, strict=True):
         ax.text(v, yi, f" {v:,.0f}", va="center", fontsize=8)
-    ax.axvline(r.pipeline_rate, color="black", ls=":", lw=1.2,
-               label=f"pipeline {r.pipeline_rate:,.0f}/s")
+    ax.axvline(
+        r.pipeline_rate, color="black", ls=":", lw=1.2, label=f"pipeline {r.pipeline_rate:,.0f}/s"
+    )
     if r.consume_rate is not None:
-        ax.axvline(r.consume_rate, color=_H2D, ls="--", lw=1.5,
-                   label=f"consumer {r.consume_rate:,.0f}/s")
-    ax.set_xlim(min(rates + [r.consume_rate or rates[0]]) / 3,
-                max(rates + [r.consume_rate or rates[0]]) * 8)
+        ax.axvline(
+            r.consume_rate, color=_H2D, ls="--", lw=1.5, label=f"consumer {r.consume_rate:,.0f}/s"
+        )
+    ax.set_xlim(
+        min(rates + [r.consume_rate or rates[0]]) / 3, max(rates + [r.consume_rate or rates[0]]) * 8
+    )
     ax.set_xlabel("samples/s (log scale; worker stages times the workers used)")
-    ax.set_title(f"stage throughput, each stage alone; bottleneck: {r.bottleneck}",
-                 fontsize=10, loc="left")
+    ax.set_title(
+        f"stage throughput, each stage alone; bottleneck: {r.bottleneck}", fontsize=10, loc="left"
+    )
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(axis="x", alpha=0.3, which="both")
 

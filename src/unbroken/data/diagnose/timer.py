@@ -456,8 +456,9 @@ class Timeline:
     """Download wait per step (NaN where not watched); None for a file without the column."""
 
     def summary(self) -> StallSummary:
-        return summarize(self.wait_ms, self.compute_ms, self.h2d_ms, self.h2d_bytes,
-                         self.batch_size, self.net_ms)
+        return summarize(
+            self.wait_ms, self.compute_ms, self.h2d_ms, self.h2d_bytes, self.batch_size, self.net_ms
+        )
 
 
 def _header_field(line: str, name: str) -> int | None:
@@ -549,15 +550,20 @@ class Sawtooth:
             f"every {self.compute_ms:.1f} ms, so the workers are too slow on average.",
         ]
         if num_workers is not None:
-            match = "matches" if abs(self.period - num_workers) <= max(1, num_workers // 5) \
+            match = (
+                "matches"
+                if abs(self.period - num_workers) <= max(1, num_workers // 5)
                 else "does not match"
+            )
             lines.append(f"The period {match} num_workers={num_workers}.")
         fix = "Fix: raise num_workers"
         if need is not None:
             fix += f" to about {need} (worker batch time / step compute time)"
-        fix += (" or make per-sample work cheaper (decode once, move augmentation to the GPU). "
-                "A larger prefetch_factor only delays the first wait: it buffers batches, "
-                "it does not produce them faster.")
+        fix += (
+            " or make per-sample work cheaper (decode once, move augmentation to the GPU). "
+            "A larger prefetch_factor only delays the first wait: it buffers batches, "
+            "it does not produce them faster."
+        )
         lines.append(fix)
         return "\n".join(lines)
 

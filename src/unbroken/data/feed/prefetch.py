@@ -114,8 +114,11 @@ def _resolve_device(device: str | torch.device | None) -> torch.device | None:
         return None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            _log.warning("DevicePrefetcher: device=%s but CUDA is not available; "
-                         "passing batches through on the CPU", dev)
+            _log.warning(
+                "DevicePrefetcher: device=%s but CUDA is not available; "
+                "passing batches through on the CPU",
+                dev,
+            )
             return None
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
@@ -136,8 +139,13 @@ class _InFlight:
 class _CudaCopier:
     """The stream and event discipline of the CUDA path, kept in one place."""
 
-    def __init__(self, device: torch.device, transform: Callable[[Any], Any] | None,
-                 non_blocking: bool, pin_memory: bool) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        transform: Callable[[Any], Any] | None,
+        non_blocking: bool,
+        pin_memory: bool,
+    ) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.transform = transform
@@ -261,11 +269,15 @@ class DevicePrefetcher:
         _copier: _Copier | None = None,
     ) -> None:
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"DevicePrefetcher: depth={depth!r} must be an int >= 1 "
-                             "(batches kept in flight); pass depth=2")
+            raise ValueError(
+                f"DevicePrefetcher: depth={depth!r} must be an int >= 1 "
+                "(batches kept in flight); pass depth=2"
+            )
         if transform is not None and not callable(transform):
-            raise ValueError(f"DevicePrefetcher: transform={transform!r} is not callable; "
-                             "pass a function device_batch -> device_batch or None")
+            raise ValueError(
+                f"DevicePrefetcher: transform={transform!r} is not callable; "
+                "pass a function device_batch -> device_batch or None"
+            )
         self._iterable = iterable
         self.depth = depth
         self._transform = transform
@@ -463,4 +475,3 @@ class DevicePrefetcher:
 def _record_on(t: torch.Tensor, stream: Any) -> None:
     if t.is_cuda:
         t.record_stream(stream)
-

@@ -418,9 +418,7 @@ def _index_one(path: str) -> ShardInfo:
     )
 
 
-def index_directory(
-    root: str, *, workers: int | None = None, progress: bool = True
-) -> PackResult:
+def index_directory(root: str, *, workers: int | None = None, progress: bool = True) -> PackResult:
     """Index every ``*.tar`` in ``root`` in place (e.g. webdataset shards) and write
     ``dataset.json``; the tar files are not modified. Shards are ordered by name."""
     t0 = time.perf_counter()

@@ -75,6 +75,7 @@ def _shown(path: str) -> str:
         return repr(os.fsencode(path))
     return path
 
+
 Member = tuple[str, Any]  # (ext, bytes-like) in memory
 Sample = tuple[str, list[Member]]
 

@@ -256,9 +256,16 @@ def fetch_verified(
                     "re-run"
                 ) from e
             delay = backoff_s * 2**attempt
-            log.warning("%s: %s (%s: %s); re-fetch %d/%d in %.2fs", url,
-                        "checksum mismatch" if isinstance(e, _ChecksumMismatch) else "fetch failed",
-                        type(e).__name__, e, attempt + 1, retries, delay)
+            log.warning(
+                "%s: %s (%s: %s); re-fetch %d/%d in %.2fs",
+                url,
+                "checksum mismatch" if isinstance(e, _ChecksumMismatch) else "fetch failed",
+                type(e).__name__,
+                e,
+                attempt + 1,
+                retries,
+                delay,
+            )
             if delay > 0:
                 time.sleep(delay)
     raise AssertionError("unreachable")  # pragma: no cover
@@ -361,9 +368,18 @@ def stage(
                 stats["skipped"] += 1
             return
         src = root.rstrip("/") + "/" + f.name
-        refetched = fetch_verified(fs, src, dst, f.size, f.checksum, url=join_path(url, f.name),
-                                   retries=retries, backoff_s=backoff_s, fsync=fsync,
-                                   on_bytes=on_bytes)
+        refetched = fetch_verified(
+            fs,
+            src,
+            dst,
+            f.size,
+            f.checksum,
+            url=join_path(url, f.name),
+            retries=retries,
+            backoff_s=backoff_s,
+            fsync=fsync,
+            on_bytes=on_bytes,
+        )
         with lock:
             stats["copied"] += 1
             stats["bytes"] += f.size

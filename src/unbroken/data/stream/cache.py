@@ -104,12 +104,22 @@ def parse_size(text: str | int) -> int:
         if text < 0:
             raise ValueError(f"size {text} must be >= 0")
         return text
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
     t = str(text).strip().upper()
     num = t.rstrip("KMGTIB")
     try:
-        value = int(float(num) * units[t[len(num):]])
+        value = int(float(num) * units[t[len(num) :]])
     except (KeyError, ValueError):
         raise ValueError(f"{text!r} is not a size like 256MB or 1GiB") from None
     if value < 0:
@@ -188,8 +198,9 @@ def _with_timeouts(url: str, opts: dict[str, Any] | None, timeout: float) -> dic
     return out
 
 
-def load_remote_manifest(url: str, storage_options: dict[str, Any] | None,
-                         options: CacheOptions) -> DatasetManifest:
+def load_remote_manifest(
+    url: str, storage_options: dict[str, Any] | None, options: CacheOptions
+) -> DatasetManifest:
     """``dataset.json`` at ``url``, retried like a shard; a store that does not answer raises
     :class:`RemoteStorageError` naming the URL."""
     opts = _with_timeouts(url, storage_options, options.timeout)
@@ -293,9 +304,15 @@ class OrderSpec:
         key = (i, epoch, k)
         hit = self._orders.get(key)
         if hit is None:
-            hit = EpochOrder(self.counts[i], self.fingerprints[i], self.seed, epoch,
-                             shuffle=self.shuffle, shuffle_window=self.shuffle_window[i] or None,
-                             salt=() if len(self.sources) == 1 else (i, k))
+            hit = EpochOrder(
+                self.counts[i],
+                self.fingerprints[i],
+                self.seed,
+                epoch,
+                shuffle=self.shuffle,
+                shuffle_window=self.shuffle_window[i] or None,
+                salt=() if len(self.sources) == 1 else (i, k),
+            )
             self._orders[key] = hit
             if len(self._orders) > 16:
                 self._orders.popitem(last=False)
@@ -344,8 +361,9 @@ def epoch_plan(ds: Any, epoch: int, sources: dict[int, int]) -> _Plan:
                 ps, a, b = _spans(ds._pass_order(i, epoch, k))
                 first = np.searchsorted(before, a + k * n, side="right") - 1
                 last = np.searchsorted(before, b - 1 + k * n, side="right") - 1
-                parts.append((ps, np.minimum(first * blk, length),
-                              np.minimum((last + 1) * blk, length)))
+                parts.append(
+                    (ps, np.minimum(first * blk, length), np.minimum((last + 1) * blk, length))
+                )
             sh = np.concatenate([q[0] for q in parts])
             lo = np.concatenate([q[1] for q in parts])
             hi = np.concatenate([q[2] for q in parts])
@@ -522,8 +540,9 @@ class _Pool:
             self._tasks[uid] = (fut, prio, seq)
             heapq.heappush(self._heap, (prio, seq, uid))
             if self._idle == 0 and len(self._threads) < self._n:
-                t = threading.Thread(target=self._run, name=f"{self._name}-{len(self._threads)}",
-                                     daemon=True)
+                t = threading.Thread(
+                    target=self._run, name=f"{self._name}-{len(self._threads)}", daemon=True
+                )
                 self._threads.append(t)
                 t.start()
             self._cond.notify()
@@ -687,8 +706,14 @@ class RemoteCache:
     download pool, the reader's registration and its network-wait slot.
     """
 
-    def __init__(self, ds: Any, cache_dir: str, limit: int | None, options: CacheOptions,
-                 storage_options: dict[str, Any] | None) -> None:
+    def __init__(
+        self,
+        ds: Any,
+        cache_dir: str,
+        limit: int | None,
+        options: CacheOptions,
+        storage_options: dict[str, Any] | None,
+    ) -> None:
         self.cache_dir = os.path.abspath(cache_dir)
         self.limit = limit
         self.options = options
@@ -707,8 +732,14 @@ class RemoteCache:
             d = by_fp.get(m.fingerprint)
             if d is None:
                 opts = src.storage_options if src.storage_options is not None else storage_options
-                d = _Dir(_dir_id(m.fingerprint), m.fingerprint[:16], src.root, m,
-                         _with_timeouts(src.root, opts, options.timeout), base)
+                d = _Dir(
+                    _dir_id(m.fingerprint),
+                    m.fingerprint[:16],
+                    src.root,
+                    m,
+                    _with_timeouts(src.root, opts, options.timeout),
+                    base,
+                )
                 base += len(m.shards)
                 by_fp[m.fingerprint] = d
                 dirs.append(d)
@@ -738,7 +769,8 @@ class RemoteCache:
         self._plan_lock = threading.Lock()
         self._state: _Proc | None = None
         self.prefetch_shards = (
-            options.prefetch_shards if options.prefetch_shards is not None
+            options.prefetch_shards
+            if options.prefetch_shards is not None
             else sum(self._window_units(i) for i in self.src_dir)
         )
         self._check_limit()
@@ -807,8 +839,10 @@ class RemoteCache:
             return None
         s = m.shards[shard]
         local = os.path.join(self.cache_dir, _dir_name(dir_id))
-        return [(os.path.join(local, s.name), s.bytes),
-                (os.path.join(local, s.index), s.index_bytes)]
+        return [
+            (os.path.join(local, s.name), s.bytes),
+            (os.path.join(local, s.index), s.index_bytes),
+        ]
 
     def _lock_path(self, dir_id: int, shard: int) -> str:
         return os.path.join(self.cache_dir, ".locks", f"{_dir_name(dir_id)}-{shard}")
@@ -854,9 +888,11 @@ class RemoteCache:
         ahead = int(every[: self.prefetch_shards].sum())
         if self.options.cap_bytes is not None:
             ahead = min(ahead, self.options.cap_bytes + int(every[0]))
-        why = (f"two consecutive shuffle windows (and mixture blocks) need {held:,} bytes "
-               f"({'; '.join(parts)}) and "
-               f"prefetching {self.prefetch_shards} shards ahead {ahead:,}")
+        why = (
+            f"two consecutive shuffle windows (and mixture blocks) need {held:,} bytes "
+            f"({'; '.join(parts)}) and "
+            f"prefetching {self.prefetch_shards} shards ahead {ahead:,}"
+        )
         return held + ahead, why
 
     def _default_depth(self) -> int:
@@ -885,9 +921,13 @@ class RemoteCache:
             with contextlib.suppress(OSError):
                 free = shutil.disk_usage(self.cache_dir).free
                 if free + self._used() < self.limit:
-                    log.warning("%s: cache_limit=%s bytes but only %s bytes are free there; "
-                                "downloads will fail with a full disk first", self.cache_dir,
-                                f"{self.limit:,}", f"{free:,}")
+                    log.warning(
+                        "%s: cache_limit=%s bytes but only %s bytes are free there; "
+                        "downloads will fail with a full disk first",
+                        self.cache_dir,
+                        f"{self.limit:,}",
+                        f"{free:,}",
+                    )
 
     def _used(self) -> int:
         with self._locked() as (_, rec):
@@ -976,8 +1016,9 @@ class RemoteCache:
         bound = int(plan.hi[:cut][plan.hi[:cut] > p].min()) if cur.size else self.length
         if cut < plan.lo.size:
             bound = min(bound, int(plan.lo[cut]))
-        targets: list[tuple[int, int]] = [(int(u), self._abs(plan.epoch, p)) for u in
-                                          dict.fromkeys(cur.tolist())]
+        targets: list[tuple[int, int]] = [
+            (int(u), self._abs(plan.epoch, p)) for u in dict.fromkeys(cur.tolist())
+        ]
         seen = {u for u, _ in targets}
         want = self.prefetch_shards
         cap = self.options.cap_bytes
@@ -986,8 +1027,9 @@ class RemoteCache:
             start = cut if ahead is plan else 0
             while got < want and start < ahead.uid.size:
                 stop = start + 4 * want + 64  # a slice at a time: plans can be long
-                for u, lo in zip(ahead.uid[start:stop].tolist(), ahead.lo[start:stop].tolist(),
-                                 strict=True):
+                for u, lo in zip(
+                    ahead.uid[start:stop].tolist(), ahead.lo[start:stop].tolist(), strict=True
+                ):
                     if u in seen:
                         continue
                     b = int(self.unit_bytes[u])
@@ -1152,8 +1194,11 @@ class RemoteCache:
             st.reg_fd = _open_fd(path)
             fcntl.flock(st.reg_fd, fcntl.LOCK_SH)  # alive while held
             os.pwrite(st.reg_fd, np.array([-1], dtype=np.int64).tobytes(), 32)
-        os.pwrite(st.reg_fd, np.array([self.ds_id, epoch, pos, time.monotonic_ns()],
-                                      dtype=np.int64).tobytes(), 0)
+        os.pwrite(
+            st.reg_fd,
+            np.array([self.ds_id, epoch, pos, time.monotonic_ns()], dtype=np.int64).tobytes(),
+            0,
+        )
 
     def _touch(self, st: _Proc, want: int | None = None) -> None:
         """Heartbeat while waiting; ``want``: the unit this reader waits for (-1: none)."""
@@ -1258,7 +1303,8 @@ class RemoteCache:
             # this process exits. Forked like a DataLoader worker, and like one it never
             # touches CUDA.
             child = multiprocessing.get_context("fork").Process(
-                target=clone.serve, name="unbroken-fetcher", daemon=True)
+                target=clone.serve, name="unbroken-fetcher", daemon=True
+            )
             child.start()
             _CHILDREN.append(_Forked(child))
             return
@@ -1266,10 +1312,15 @@ class RemoteCache:
         clone.__setstate__(clone.__getstate__())
         atomic_write_bytes(spec, pickle.dumps(clone), fsync=False)
         with open(lock[: -len(".lock")] + ".log", "ab") as err:
-            _CHILDREN.append(subprocess.Popen(
-                [sys.executable, "-m", "unbroken.data.stream.fetcher", spec],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err, close_fds=True,
-            ))
+            _CHILDREN.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "unbroken.data.stream.fetcher", spec],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    close_fds=True,
+                )
+            )
 
     def serve(self, idle_exit: float = 10.0) -> None:
         """The fetcher process's loop: prefetch for every live reader of this dataset on the
@@ -1349,8 +1400,13 @@ class RemoteCache:
                 pass
 
     def _event(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"t": round(time.time(), 6), "ev": kind, "pid": os.getpid(), **fields},
-                          separators=(",", ":")) + "\n"
+        line = (
+            json.dumps(
+                {"t": round(time.time(), 6), "ev": kind, "pid": os.getpid(), **fields},
+                separators=(",", ":"),
+            )
+            + "\n"
+        )
         path = os.path.join(self.cache_dir, ".events")
         with contextlib.suppress(OSError):
             if os.path.getsize(path) > _EVENTS_MAX:
@@ -1433,7 +1489,7 @@ class RemoteCache:
                     rows.append((dir_id, k, s.bytes + s.index_bytes, _READY))
                     complete.add(k)
             for f in os.listdir(local):
-                base = f[len(".tmp-"):].rsplit(".", 1)[0] if is_temp_name(f) else f
+                base = f[len(".tmp-") :].rsplit(".", 1)[0] if is_temp_name(f) else f
                 unit = names.get(base)
                 if unit is None or (f == base and unit in complete):
                     continue
@@ -1448,8 +1504,9 @@ class RemoteCache:
             for p in paths:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(p)
-                    self._event("discard", dir=_dir_name(dir_id), shard=shard,
-                                file=os.path.basename(p))
+                    self._event(
+                        "discard", dir=_dir_name(dir_id), shard=shard, file=os.path.basename(p)
+                    )
             return True
         finally:
             _close_fd(fd)
@@ -1464,8 +1521,11 @@ class RemoteCache:
             names = os.listdir(local)
         except OSError:
             return []
-        return [os.path.join(local, n) for n in names
-                if is_temp_name(n) and any(n.startswith(w) for w in want)]
+        return [
+            os.path.join(local, n)
+            for n in names
+            if is_temp_name(n) and any(n.startswith(w) for w in want)
+        ]
 
     def _clean_reserved(self, rec: np.ndarray, skip: int) -> tuple[np.ndarray, bool]:
         """Reservations whose downloader died (its unit lock is free): a unit it completed
@@ -1488,8 +1548,9 @@ class RemoteCache:
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(p)
                     keep[k] = False
-                    self._event("discard", dir=_dir_name(dir_id), shard=shard,
-                                file="partial download")
+                    self._event(
+                        "discard", dir=_dir_name(dir_id), shard=shard, file="partial download"
+                    )
                 changed = True
             finally:
                 _close_fd(fd)
@@ -1536,13 +1597,23 @@ class RemoteCache:
 
             try:
                 for (path, size), name, checksum in zip(
-                    files, (info.name, info.index), (info.checksum, info.index_checksum),
+                    files,
+                    (info.name, info.index),
+                    (info.checksum, info.index_checksum),
                     strict=True,
                 ):
-                    fetch_verified(fs, root.rstrip("/") + "/" + name, path, size, checksum,
-                                   url=join_path(d.url, name), retries=self.options.retries,
-                                   backoff_s=self.options.backoff_s, on_bytes=on_bytes,
-                                   what="caching")
+                    fetch_verified(
+                        fs,
+                        root.rstrip("/") + "/" + name,
+                        path,
+                        size,
+                        checksum,
+                        url=join_path(d.url, name),
+                        retries=self.options.retries,
+                        backoff_s=self.options.backoff_s,
+                        on_bytes=on_bytes,
+                        what="caching",
+                    )
                 ok = True
             finally:
                 if not ok:
@@ -1583,8 +1654,13 @@ class RemoteCache:
                 finally:
                     _close_fd(vfd)
                 drop[row] = True
-                self._event("evict", dir=_dir_name(dir_id), shard=shard, bytes=int(rec[row, 2]),
-                            epoch=self._proc().pos[0])
+                self._event(
+                    "evict",
+                    dir=_dir_name(dir_id),
+                    shard=shard,
+                    bytes=int(rec[row, 2]),
+                    epoch=self._proc().pos[0],
+                )
             rec = np.concatenate([rec[~drop], np.array([[*key, need, _RESERVED]], dtype=np.int64)])
             self._write(gen + 1, rec)
             return True
@@ -1639,13 +1715,20 @@ class RemoteCache:
             if mine.any():
                 rec[mine, 3] = _READY
             else:  # the index was rebuilt while this download ran
-                rec = np.concatenate([rec, np.array([[*key, self.unit_bytes[uid], _READY]],
-                                                    dtype=np.int64)])
+                rec = np.concatenate(
+                    [rec, np.array([[*key, self.unit_bytes[uid], _READY]], dtype=np.int64)]
+                )
             self._write(gen + 1, rec)
         s = self.length + 1
-        self._event("download", dir=_dir_name(key[0]), shard=key[1],
-                    bytes=int(self.unit_bytes[uid]), epoch=self._proc().pos[0],
-                    for_epoch=(prio + 1) // s, secs=round(secs, 4))
+        self._event(
+            "download",
+            dir=_dir_name(key[0]),
+            shard=key[1],
+            bytes=int(self.unit_bytes[uid]),
+            epoch=self._proc().pos[0],
+            for_epoch=(prio + 1) // s,
+            secs=round(secs, 4),
+        )
 
     def _unreserve(self, uid: int) -> None:
         key = self._key(uid)
@@ -1664,12 +1747,12 @@ class RemoteCache:
         """Download ``uids`` now with the pool (blocking); used by ``data bench``."""
         st = self._proc()
         futs = [st.pool.submit(int(u), prio) for u in uids]
-        return [f.result(timeout=self.options.timeout * (self.options.retries + 2))
-                for f in futs]
+        return [f.result(timeout=self.options.timeout * (self.options.retries + 2)) for f in futs]
 
 
-def check_cache_args(roots: Sequence[str], cache_dir: str | None,
-                     cache_limit: int | str | None) -> int | None:
+def check_cache_args(
+    roots: Sequence[str], cache_dir: str | None, cache_limit: int | str | None
+) -> int | None:
     """Validate the cache arguments before anything is read; returns the limit in bytes."""
     remote = [r for r in roots if is_remote(r)]
     limit = None if cache_limit is None else parse_size(cache_limit)
@@ -1684,9 +1767,13 @@ def check_cache_args(roots: Sequence[str], cache_dir: str | None,
     return limit
 
 
-def open_cache(ds: Any, cache_dir: str | None, cache_limit: int | str | None,
-               options: CacheOptions | None,
-               storage_options: dict[str, Any] | None) -> RemoteCache | None:
+def open_cache(
+    ds: Any,
+    cache_dir: str | None,
+    cache_limit: int | str | None,
+    options: CacheOptions | None,
+    storage_options: dict[str, Any] | None,
+) -> RemoteCache | None:
     """Attach a :class:`RemoteCache` to ``ds``'s remote sources; None when all are local."""
     limit = check_cache_args([s.root for s in ds.sources], cache_dir, cache_limit)
     if cache_dir is None or not any(is_remote(s.root) for s in ds.sources):

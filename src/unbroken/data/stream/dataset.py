@@ -880,7 +880,9 @@ class StreamingDataset(IterableDataset):
                 batches = [part.batch_positions(b) for b in mine[c : c + _SEED_CHUNK]]
                 seeds: list[Any] = [None] * len(batches)
                 if self.transform is not None:  # the RNG seeds of a chunk of batches, at once
-                    seeds = _batch_seeds(self.seed, epoch, [int(p[0]) if p.size else 0 for p in batches])
+                    seeds = _batch_seeds(
+                        self.seed, epoch, [int(p[0]) if p.size else 0 for p in batches]
+                    )
                 for pos, rng_seed in zip(batches, seeds, strict=True):
                     samples = self._read(epoch, pos, rng_seed)
                     # empty only when on_corrupt="skip" dropped every sample: nothing to collate

@@ -214,7 +214,9 @@ class StatefulLoader:
         # shared-memory segment per batch (which costs more than the copy at language-model
         # batch sizes).
         tokens = (
-            collate_fn is None and dataset.kind == "tokens" and not dataset.transform
+            collate_fn is None
+            and dataset.kind == "tokens"
+            and not dataset.transform
             and not dataset.with_ids  # (row, id) pairs: default_collate makes (tokens, ids)
         )
         self._from_numpy = tokens and not ring

@@ -302,7 +302,10 @@ def tokenize(
     try:
         chunks = _chunks(_iter_docs(src, field, member), docs_done)
         for (_, wheres), (ids, lens) in _ordered_map(
-            _encode_chunk, chunks, workers or min(os.cpu_count() or 1, 8), _worker_init,
+            _encode_chunk,
+            chunks,
+            workers or min(os.cpu_count() or 1, 8),
+            _worker_init,
             (tok_path,),
         ):
             big = np.nonzero(lens + 1 > capacity)[0]
@@ -330,7 +333,11 @@ def tokenize(
     )
     manifest.save(out)
     res = TokenizeResult(
-        manifest, time.perf_counter() - t0, filler.docs, filler.tokens, len(shards) - reused,
+        manifest,
+        time.perf_counter() - t0,
+        filler.docs,
+        filler.tokens,
+        len(shards) - reused,
         reused,
     )
     log.info(

@@ -47,8 +47,12 @@ class Node:
         self.out_path = os.path.join(self.sup_dir, "supervisor.out")
         self._out: IO[bytes] = open(self.out_path, "wb")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            list(argv), stdout=self._out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, env=env,
+            list(argv),
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
         )
         self.t_start = time.time()
         self._events: list[dict[str, Any]] = []
@@ -75,8 +79,11 @@ class Node:
         out: list[heartbeat.BeatRecord] = []
         for e in self.events():
             if e["event"] == "launch" and e["t"] > since:
-                out += [b for b in heartbeat.read_beats(self.sup_dir, int(e["attempt"]))
-                        if b.started and is_alive(b.pid)]
+                out += [
+                    b
+                    for b in heartbeat.read_beats(self.sup_dir, int(e["attempt"]))
+                    if b.started and is_alive(b.pid)
+                ]
         return out
 
     def kill(self) -> None:
@@ -139,7 +146,9 @@ class Ctx:
                 raise RuntimeError(f"the job ended ({codes}) while waiting for {what}")
             time.sleep(interval)
 
-    def wait_step(self, step: int, since: float, ranks: int) -> dict[str, list[heartbeat.BeatRecord]]:
+    def wait_step(
+        self, step: int, since: float, ranks: int
+    ) -> dict[str, list[heartbeat.BeatRecord]]:
         """Live beacons once ``ranks`` workers launched after ``since`` all reached ``step``."""
 
         def ready() -> dict[str, list[heartbeat.BeatRecord]] | None:
@@ -153,11 +162,13 @@ class Ctx:
 
     def wait_failure(self, node: Node, after: float) -> dict[str, Any]:
         def found() -> dict[str, Any] | None:
-            return next((e for e in node.events() if e["event"] == "failure" and e["t"] >= after),
-                        None)
+            return next(
+                (e for e in node.events() if e["event"] == "failure" and e["t"] >= after), None
+            )
 
-        return self.wait(found, f"the supervisor of node {node.name} to record the failure",
-                         interval=0.05)
+        return self.wait(
+            found, f"the supervisor of node {node.name} to record the failure", interval=0.05
+        )
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -171,7 +182,9 @@ def _wait_dead(pids: Sequence[int], timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def _victim(beats: dict[str, list[heartbeat.BeatRecord]], index: int) -> tuple[str, heartbeat.BeatRecord]:
+def _victim(
+    beats: dict[str, list[heartbeat.BeatRecord]], index: int
+) -> tuple[str, heartbeat.BeatRecord]:
     flat = sorted(((n, b) for n, bs in beats.items() for b in bs), key=lambda x: x[1].rank)
     return flat[index % len(flat)]
 
@@ -233,10 +246,15 @@ def _kill_in_save(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> No
             files = sorted(_listdir(tmp))
             size = sum(_size(os.path.join(tmp, f)) for f in files)
             _signal(b.pid, signal.SIGKILL)
-            inj.record(node, b, f"SIGKILL rank 0 (pid {b.pid}) while it wrote the checkpoint of "
-                       f"step {step} ({len(files)} files, {size} bytes in {name})")
-            inj.facts.update(tmp_dir=name, save_step=step, tmp_files=files, tmp_bytes=size,
-                             saves_missed=missed)
+            inj.record(
+                node,
+                b,
+                f"SIGKILL rank 0 (pid {b.pid}) while it wrote the checkpoint of "
+                f"step {step} ({len(files)} files, {size} bytes in {name})",
+            )
+            inj.facts.update(
+                tmp_dir=name, save_step=step, tmp_files=files, tmp_bytes=size, saves_missed=missed
+            )
             break
         _signal(b.pid, signal.SIGCONT)  # that save committed before we got there: next one
         missed += 1
@@ -259,7 +277,8 @@ def _corrupt(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
     newest = steps[-1]
     d = Store(ctx.ckpt_root).step_dir(newest)
     data = sorted(f for f in _listdir(d) if f.endswith(".distcp")) or sorted(
-        f for f in _listdir(d) if f != "manifest.json")
+        f for f in _listdir(d) if f != "manifest.json"
+    )
     victim = os.path.join(d, data[spec.salt % len(data)])
     size = _size(victim)
     if spec.mode == "bitflip":
@@ -279,10 +298,17 @@ def _corrupt(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
     name, b = next(((n, x) for n, x in procs if x.rank == 0), procs[0])
     for _, x in procs:
         _signal(x.pid, signal.SIGKILL)
-    inj.record(name, b, f"{what} in step-{newest}/{os.path.basename(victim)}, then SIGKILL at "
-               f"step {b.step}")
-    inj.facts.update(corrupted_step=newest, file=os.path.relpath(victim, ctx.ckpt_root),
-                     mode=spec.mode, detail=what)
+    inj.record(
+        name,
+        b,
+        f"{what} in step-{newest}/{os.path.basename(victim)}, then SIGKILL at step {b.step}",
+    )
+    inj.facts.update(
+        corrupted_step=newest,
+        file=os.path.relpath(victim, ctx.ckpt_root),
+        mode=spec.mode,
+        detail=what,
+    )
     _wait_dead([x.pid for _, x in procs])
     inj.expected_restore = steps[-2]
 
@@ -303,8 +329,11 @@ def _storage(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
         t_min = fail["t"] + ctx.outage
 
         def enough() -> list[dict[str, Any]] | None:
-            bad = [e for e in node.events() if e["event"] == "preflight" and not e["ok"]
-                   and e["t"] > fail["t"]]
+            bad = [
+                e
+                for e in node.events()
+                if e["event"] == "preflight" and not e["ok"] and e["t"] > fail["t"]
+            ]
             return bad if len(bad) >= 2 and time.time() >= t_min else None
 
         bad = ctx.wait(enough, "two failing pre-flights during the outage", interval=0.05)
@@ -324,7 +353,9 @@ def _agent_loss(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None
     b = min(beats[name], key=lambda x: x.rank)
     agent = agent_of(b.pid)
     if agent is None:
-        raise RuntimeError(f"could not find the torchrun agent of worker pid {b.pid} on node {name}")
+        raise RuntimeError(
+            f"could not find the torchrun agent of worker pid {b.pid} on node {name}"
+        )
     before = ctx.committed()
     _signal(agent, signal.SIGKILL)
     inj.record(name, b, f"SIGKILL the torchrun agent of node {name} (pid {agent}) at step {b.step}")
@@ -343,8 +374,12 @@ def _world_size(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None
     before = ctx.committed()
     b = min(beats[victim.name] or beats[host.name], key=lambda x: x.rank)
     victim.kill()
-    inj.record(victim.name, b, f"node {victim.name} lost (supervisor, agent and worker "
-               f"SIGKILLed) at step {b.step}; {host.name} goes on alone")
+    inj.record(
+        victim.name,
+        b,
+        f"node {victim.name} lost (supervisor, agent and worker "
+        f"SIGKILLed) at step {b.step}; {host.name} goes on alone",
+    )
     inj.facts.update(report_node=host.name, lost_node=victim.name)
     inj.min_restore = before[-1] if before else None
 

@@ -14,8 +14,12 @@ __all__ = ["plot_timeline"]
 
 log = logging.getLogger(__name__)
 
-_PHASES = (("detect", "#d62728"), ("relaunch", "#ff7f0e"), ("load", "#bcbd22"),
-           ("catch_up", "#2ca02c"))
+_PHASES = (
+    ("detect", "#d62728"),
+    ("relaunch", "#ff7f0e"),
+    ("load", "#bcbd22"),
+    ("catch_up", "#2ca02c"),
+)
 
 
 def plot_timeline(path: str, panels: Sequence[dict[str, Any]]) -> str | None:
@@ -36,13 +40,23 @@ def plot_timeline(path: str, panels: Sequence[dict[str, Any]]) -> str | None:
         t0 = float(p["t0"])
         ref = p.get("reference") or []
         if ref:
-            ax.plot([t - ref[0][0] + p.get("ref_offset", 0.0) for t, _ in ref],
-                    [s for _, s in ref], color="0.6", lw=1, ls="--",
-                    label="reference (shifted to the same first step)")
+            ax.plot(
+                [t - ref[0][0] + p.get("ref_offset", 0.0) for t, _ in ref],
+                [s for _, s in ref],
+                color="0.6",
+                lw=1,
+                ls="--",
+                label="reference (shifted to the same first step)",
+            )
         for node in sorted({n for _, n, _ in p["progress"]}):
             pts = [(t - t0, s) for t, n, s in p["progress"] if n == node]
-            ax.plot([x for x, _ in pts], [s for _, s in pts], ".", ms=2.5,
-                    label=f"node {node}: step (live)")
+            ax.plot(
+                [x for x, _ in pts],
+                [s for _, s in pts],
+                ".",
+                ms=2.5,
+                label=f"node {node}: step (live)",
+            )
         for name, color in _PHASES:
             for r in p.get("recoveries", []):
                 start, width = _span(r, name)
@@ -51,8 +65,15 @@ def plot_timeline(path: str, panels: Sequence[dict[str, Any]]) -> str | None:
             ax.plot([], [], color=color, lw=6, alpha=0.4, label=name.replace("_", "-"))
         for t, label in p.get("faults", []):
             ax.axvline(t - t0, color="k", lw=1)
-            ax.annotate(label, (t - t0, 1.0), xycoords=("data", "axes fraction"), rotation=90,
-                        va="top", ha="right", fontsize=8)
+            ax.annotate(
+                label,
+                (t - t0, 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=8,
+            )
         ax.set_title(p["title"], fontsize=10)
         ax.set_xlabel("seconds since the supervisor started")
         ax.set_ylabel("step")

@@ -161,7 +161,10 @@ _EXPECTED = {  # what the supervisor must have made of each fault: (field, value
 
 
 def evaluate_fault(
-    inj: Injection, events: list[dict[str, Any]], ckpt_root: str, records: list[dict[str, Any]],
+    inj: Injection,
+    events: list[dict[str, Any]],
+    ckpt_root: str,
+    records: list[dict[str, Any]],
     until: float | None = None,
 ) -> FaultResult:
     """Checks for one injected fault from the reporting node's events and the metric log
@@ -175,21 +178,32 @@ def evaluate_fault(
         checks.append(Check("detected", False, "the supervisor recorded no failure after it"))
         return FaultResult(inj, checks)
     key, want = _EXPECTED[kind]
-    checks.append(Check(
-        "detected", fail.get(key) == want,
-        f"{fail.get('kind')}: {fail.get('fault')}/{fail.get('rule')} -> {fail.get('action')} "
-        f"({str(fail.get('reason', ''))[:90]})" + ("" if fail.get(key) == want else
-                                                   f"; expected {key} {want!r}"),
-    ))
+    checks.append(
+        Check(
+            "detected",
+            fail.get(key) == want,
+            f"{fail.get('kind')}: {fail.get('fault')}/{fail.get('rule')} -> {fail.get('action')} "
+            f"({str(fail.get('reason', ''))[:90]})"
+            + ("" if fail.get(key) == want else f"; expected {key} {want!r}"),
+        )
+    )
     attempt = int(fail["attempt"])
     rec = next((r for r in phases(events) if r.attempt == attempt), None)
     rec_json = rec.to_json() if rec else None
     loaded = [e for e in events if e["event"] == "loaded" and e.get("attempt") == attempt + 1]
     restored = min((int(e["step"]) for e in loaded), default=None)
-    missing = [p for p in ("relaunch", "load", "catch_up") if rec is None or getattr(rec, p) is None]
-    checks.append(Check("recovered", not missing and restored is not None,
-                        "all four phases recorded" if not missing else
-                        f"phases {', '.join(missing)} not recorded (the job did not come back)"))
+    missing = [
+        p for p in ("relaunch", "load", "catch_up") if rec is None or getattr(rec, p) is None
+    ]
+    checks.append(
+        Check(
+            "recovered",
+            not missing and restored is not None,
+            "all four phases recorded"
+            if not missing
+            else f"phases {', '.join(missing)} not recorded (the job did not come back)",
+        )
+    )
     checks.append(_restore_check(inj, restored))
     mine = [r for r in records if until is None or float(r.get("time", 0.0)) < until]
     checks += _specific(inj, events, fail, ckpt_root, mine, restored)
@@ -199,120 +213,241 @@ def evaluate_fault(
 def _restore_check(inj: Injection, restored: int | None) -> Check:
     if inj.expected_restore is not None:
         ok = restored == inj.expected_restore
-        what = "the checkpoint before the corrupted one" if inj.spec.kind == "corrupt" else \
-            "the newest committed checkpoint"
-        return Check("resumed", ok, f"restored step {restored}; expected {inj.expected_restore} "
-                     f"({what})")
+        what = (
+            "the checkpoint before the corrupted one"
+            if inj.spec.kind == "corrupt"
+            else "the newest committed checkpoint"
+        )
+        return Check(
+            "resumed", ok, f"restored step {restored}; expected {inj.expected_restore} ({what})"
+        )
     if inj.min_restore is not None:
         ok = restored is not None and restored >= inj.min_restore
-        return Check("resumed", ok, f"restored step {restored}; newest checkpoint at the "
-                     f"injection was {inj.min_restore}")
-    return Check("resumed", restored is not None, f"restored step {restored} (no checkpoint "
-                 "existed at the injection)")
+        return Check(
+            "resumed",
+            ok,
+            f"restored step {restored}; newest checkpoint at the injection was {inj.min_restore}",
+        )
+    return Check(
+        "resumed",
+        restored is not None,
+        f"restored step {restored} (no checkpoint existed at the injection)",
+    )
 
 
-def _specific(inj: Injection, events: list[dict[str, Any]], fail: dict[str, Any],
-              ckpt_root: str, records: list[dict[str, Any]], restored: int | None) -> list[Check]:
+def _specific(
+    inj: Injection,
+    events: list[dict[str, Any]],
+    fail: dict[str, Any],
+    ckpt_root: str,
+    records: list[dict[str, Any]],
+    restored: int | None,
+) -> list[Check]:
     kind, f = inj.spec.kind, inj.facts
     if kind == "kill-in-save":
         left = os.path.exists(os.path.join(ckpt_root, f["tmp_dir"]))
         files = ", ".join(f["tmp_files"]) or "still empty"
-        return [Check("debris", not left, f"half-written {f['tmp_dir']} ({files}) "
-                      + ("still there after the restore" if left else "removed by the restore, "
-                         f"step {f['save_step']} never visible"))]
+        return [
+            Check(
+                "debris",
+                not left,
+                f"half-written {f['tmp_dir']} ({files}) "
+                + (
+                    "still there after the restore"
+                    if left
+                    else f"removed by the restore, step {f['save_step']} never visible"
+                ),
+            )
+        ]
     if kind == "hang":
         hang = next((e for e in events if e["event"] == "hang" and e["t"] >= (inj.t or 0)), None)
         stacks = hang.get("stacks", []) if hang else []
-        return [Check("stack dumps", bool(stacks),
-                      f"{len(stacks)} written: {', '.join(os.path.basename(s) for s in stacks)}"
-                      if stacks else "no stack dump written")]
+        return [
+            Check(
+                "stack dumps",
+                bool(stacks),
+                f"{len(stacks)} written: {', '.join(os.path.basename(s) for s in stacks)}"
+                if stacks
+                else "no stack dump written",
+            )
+        ]
     if kind == "corrupt":
         prefix = f"corrupt-step-{int(f['corrupted_step']):08d}-"
         try:
             q = [n for n in os.listdir(ckpt_root) if n.startswith(prefix)]
         except OSError:
             q = []
-        return [Check("quarantined", bool(q), f"{f['detail']} in {f['file']}; "
-                      + (f"moved to {q[0]}" if q else "the damaged checkpoint was not quarantined"))]
+        return [
+            Check(
+                "quarantined",
+                bool(q),
+                f"{f['detail']} in {f['file']}; "
+                + (f"moved to {q[0]}" if q else "the damaged checkpoint was not quarantined"),
+            )
+        ]
     if kind == "storage":
         until = float(f.get("outage_until", 0.0))
         early = [e for e in events if e["event"] == "launch" and fail["t"] <= e["t"] <= until]
         n = int(f.get("failing_preflights", 0))
-        return [Check("waited", not early and n >= 2,
-                      f"{n} failing pre-flights during the {until - fail['t']:.1f} s outage, "
-                      + (f"{len(early)} restart(s) while the storage was down" if early
-                         else "no restart until it was back"))]
+        return [
+            Check(
+                "waited",
+                not early and n >= 2,
+                f"{n} failing pre-flights during the {until - fail['t']:.1f} s outage, "
+                + (
+                    f"{len(early)} restart(s) while the storage was down"
+                    if early
+                    else "no restart until it was back"
+                ),
+            )
+        ]
     if kind in ("agent-loss", "world-size"):
-        after = [int(r.get("world_size", 0)) for r in records
-                 if restored is not None and r["step"] > restored]
+        after = [
+            int(r.get("world_size", 0))
+            for r in records
+            if restored is not None and r["step"] > restored
+        ]
         seen = sorted(set(after))
         if kind == "world-size":
-            return [Check("world size", bool(after) and seen == [1],
-                          f"steps after the restore ran on world size(s) {seen or 'none'}")]
+            return [
+                Check(
+                    "world size",
+                    bool(after) and seen == [1],
+                    f"steps after the restore ran on world size(s) {seen or 'none'}",
+                )
+            ]
         # Going on alone and getting the node back are both correct elastic behaviour.
         how = "the node rejoined" if seen and seen[-1] > 1 else "went on without the node"
-        return [Check("world size", bool(after), f"steps after the restore ran on world "
-                      f"size(s) {seen or 'none'} ({how})")]
+        return [
+            Check(
+                "world size",
+                bool(after),
+                f"steps after the restore ran on world size(s) {seen or 'none'} ({how})",
+            )
+        ]
     return []
 
 
 # --- per run ------------------------------------------------------------------------------
 
 
-def compare_run(run: str, ref_dir: str, job_dir: str, ckpt: str, metrics: str,
-                world_reference: int, records: list[dict[str, Any]]) -> RunComparison:
+def compare_run(
+    run: str,
+    ref_dir: str,
+    job_dir: str,
+    ckpt: str,
+    metrics: str,
+    world_reference: int,
+    records: list[dict[str, Any]],
+) -> RunComparison:
     """The drilled run against its reference. When the world size changed, the floats are
     compared only up to the change (see the module doc of :mod:`unbroken.elastic.drill.runner`)."""
     from unbroken.ckpt.compare import compare_runs  # torch: imported only when a drill ends
 
     if not records or "loss" not in records[0]:
         why = "is empty" if not records else "has no loss per step"
-        return RunComparison(run, ref_dir, job_dir, world_reference, None, [Check(
-            "metric log", False, f"{os.path.join(job_dir, metrics)} {why}: log every step "
-            "with MetricLog.log(step, loss=...[, ids=[sample ids of the step]])")], {})
-    changed = next((int(r["step"]) for r in records
-                    if int(r.get("world_size", world_reference)) != world_reference), None)
+        return RunComparison(
+            run,
+            ref_dir,
+            job_dir,
+            world_reference,
+            None,
+            [
+                Check(
+                    "metric log",
+                    False,
+                    f"{os.path.join(job_dir, metrics)} {why}: log every step "
+                    "with MetricLog.log(step, loss=...[, ids=[sample ids of the step]])",
+                )
+            ],
+            {},
+        )
+    changed = next(
+        (
+            int(r["step"])
+            for r in records
+            if int(r.get("world_size", world_reference)) != world_reference
+        ),
+        None,
+    )
     exact_until = None if changed is None else changed - 1
     try:
         res = compare_runs(ref_dir, job_dir, ckpt=ckpt, metrics=metrics, floats=changed is None)
     except (ValueError, OSError, KeyError) as e:
-        return RunComparison(run, ref_dir, job_dir, world_reference, exact_until,
-                             [Check("final state", False, f"cannot compare: {e}")], {})
+        return RunComparison(
+            run,
+            ref_dir,
+            job_dir,
+            world_reference,
+            exact_until,
+            [Check("final state", False, f"cannot compare: {e}")],
+            {},
+        )
     checks = [_state_check(res, changed)]
     d = res["first_loss_diff"]
     if d is None:
         text = f"identical, {len(records)} steps"
     elif exact_until is not None and d > exact_until:
-        text = f"identical up to step {exact_until} (world size {world_reference}); from " \
-               f"step {changed} on another world size: floats not compared bit for bit"
+        text = (
+            f"identical up to step {exact_until} (world size {world_reference}); from "
+            f"step {changed} on another world size: floats not compared bit for bit"
+        )
     else:
         a, b = res["loss_at_diff"] or (None, None)
         text = f"differs from step {d}: reference {a!r}, drilled run {b!r}"
-    checks.append(Check("loss curve", d is None or (exact_until is not None and d > exact_until),
-                        text))
+    checks.append(
+        Check("loss curve", d is None or (exact_until is not None and d > exact_until), text)
+    )
     n = res["first_sample_diff"]
     total = sum(len(r.get("ids", ())) for r in records)
     if not res["ids_logged"]:
-        text = ("not compared: the metric log holds no sample ids (log ids=[...] each step "
-                "to compare the order); the loader's position is compared in the final state")
+        text = (
+            "not compared: the metric log holds no sample ids (log ids=[...] each step "
+            "to compare the order); the loader's position is compared in the final state"
+        )
     elif n is None:
         text = f"identical, {total} samples: none missing, none consumed twice"
     else:
         ra, rb = res["first_sample_ids"]
-        text = (f"differs from sample #{n} (step {res['first_sample_step']}): reference id "
-                f"{ra}, drilled run id {rb}; {res['missing_samples']} samples never consumed, "
-                f"{res['extra_samples']} consumed too often")
+        text = (
+            f"differs from sample #{n} (step {res['first_sample_step']}): reference id "
+            f"{ra}, drilled run id {rb}; {res['missing_samples']} samples never consumed, "
+            f"{res['extra_samples']} consumed too often"
+        )
     checks.append(Check("data order", n is None, text))
     dup = res["duplicated_steps"]
-    checks.append(Check("metric log", dup == 0, "no duplicated step" if not dup else
-                        f"{dup} duplicated steps"))
-    return RunComparison(run, ref_dir, job_dir, world_reference, exact_until, checks,
-                         plain_json(res, lossy=True), len(records))
+    checks.append(
+        Check(
+            "metric log", dup == 0, "no duplicated step" if not dup else f"{dup} duplicated steps"
+        )
+    )
+    return RunComparison(
+        run,
+        ref_dir,
+        job_dir,
+        world_reference,
+        exact_until,
+        checks,
+        plain_json(res, lossy=True),
+        len(records),
+    )
 
 
-_NOT_PARTS = {"counters", "scalar_diffs", "skipped_float_leaves", "duplicated_steps",
-              "first_loss_diff", "loss_at_diff", "first_sample_diff", "first_sample_step",
-              "first_sample_ids", "missing_samples", "extra_samples", "identical", "ids_logged"}
+_NOT_PARTS = {
+    "counters",
+    "scalar_diffs",
+    "skipped_float_leaves",
+    "duplicated_steps",
+    "first_loss_diff",
+    "loss_at_diff",
+    "first_sample_diff",
+    "first_sample_step",
+    "first_sample_ids",
+    "missing_samples",
+    "extra_samples",
+    "identical",
+    "ids_logged",
+}
 
 
 def _state_check(res: dict[str, Any], changed: int | None) -> Check:
@@ -323,20 +458,26 @@ def _state_check(res: dict[str, Any], changed: int | None) -> Check:
     if not bad:
         text = f"identical: {', '.join(parts)}, counters"
         if changed is not None:
-            text += (f" (world size changed at step {changed}: {res['skipped_float_leaves']} "
-                     "float tensors not compared; integers, positions and schedules are)")
+            text += (
+                f" (world size changed at step {changed}: {res['skipped_float_leaves']} "
+                "float tensors not compared; integers, positions and schedules are)"
+            )
         return Check("final state", True, text)
     items = []
     for p in bad:
         keys = res[p] if p != "counters" else res["counters"]
-        items.append(f"{p} ({len(keys)}: {', '.join(k.lstrip('/') for k in keys[:3])}"
-                     f"{', ...' if len(keys) > 3 else ''})")
+        items.append(
+            f"{p} ({len(keys)}: {', '.join(k.lstrip('/') for k in keys[:3])}"
+            f"{', ...' if len(keys) > 3 else ''})"
+        )
     # Counters (step counts, last_epoch, positions) say most about what was not restored.
     ranked = sorted(res["scalar_diffs"].items(), key=lambda kv: (not _integral(kv[1]), kv[0]))
-    scal = "; ".join(f"{k.lstrip('/')}: {a!r} in the reference, {b!r} here"
-                     for k, (a, b) in ranked[:5])
-    return Check("final state", False, "differs in " + ", ".join(items)
-                 + (f"; {scal}" if scal else ""))
+    scal = "; ".join(
+        f"{k.lstrip('/')}: {a!r} in the reference, {b!r} here" for k, (a, b) in ranked[:5]
+    )
+    return Check(
+        "final state", False, "differs in " + ", ".join(items) + (f"; {scal}" if scal else "")
+    )
 
 
 def unplanned_failures(injected: list[float], failures: list[tuple[str, dict[str, Any]]]) -> Check:
@@ -348,12 +489,17 @@ def unplanned_failures(injected: list[float], failures: list[tuple[str, dict[str
     for node, e in sorted(failures, key=lambda x: x[1]["t"]):
         i = sum(1 for t in injected if t <= e["t"]) - 1
         if i < 0 or (i, node) in seen:
-            extra.append(f"node {node} at step {e.get('step')}: {e.get('fault')}/"
-                         f"{e.get('rule')} ({str(e.get('reason', ''))[:80]})")
+            extra.append(
+                f"node {node} at step {e.get('step')}: {e.get('fault')}/"
+                f"{e.get('rule')} ({str(e.get('reason', ''))[:80]})"
+            )
         seen.add((i, node))
     if extra:
-        return Check("failures", False, f"{len(extra)} failure(s) no injected fault explains: "
-                     + "; ".join(extra))
+        return Check(
+            "failures",
+            False,
+            f"{len(extra)} failure(s) no injected fault explains: " + "; ".join(extra),
+        )
     return Check("failures", True, f"{len(failures)} recorded, each after an injected fault")
 
 
@@ -366,26 +512,36 @@ def diagnose(res: dict[str, Any], restored: int | None) -> str:
     state audit cannot name it, see :func:`explain`)."""
     if res.get("first_sample_diff") is not None:
         ra, rb = res.get("first_sample_ids") or (None, None)
-        return ("the data position was not restored: the resumed run consumed other samples "
-                f"from sample #{res['first_sample_diff']} (step {res['first_sample_step']}) on: "
-                f"id {rb} where the reference had {ra}")
+        return (
+            "the data position was not restored: the resumed run consumed other samples "
+            f"from sample #{res['first_sample_diff']} (step {res['first_sample_step']}) on: "
+            f"id {rb} where the reference had {ra}"
+        )
     d = res.get("first_loss_diff")
     if d is None or restored is None:
         return "the final state differs although the loss curve and the data order match"
     k = d - restored
     if k <= 0:
-        return (f"the loss differs at step {d}, before the restored step {restored}: the "
-                "metric log was not rolled back to the checkpoint")
+        return (
+            f"the loss differs at step {d}, before the restored step {restored}: the "
+            "metric log was not rolled back to the checkpoint"
+        )
     if k == 1:
-        return (f"the first step after restoring step {restored} already differs, on the same "
-                "samples: state the forward pass uses was not restored (RNG streams such as "
-                "dropout, or the model weights)")
+        return (
+            f"the first step after restoring step {restored} already differs, on the same "
+            "samples: state the forward pass uses was not restored (RNG streams such as "
+            "dropout, or the model weights)"
+        )
     if k == 2:
-        return (f"step {restored + 1} after the restore matches but step {d} does not: the "
-                "first optimizer update differs (optimizer state was not restored: moments, "
-                "step counts or learning rate)")
-    return (f"steps {restored + 1}..{d - 1} after the restore match, step {d} does not: state "
-            "that acts later was not restored (e.g. the learning-rate schedule)")
+        return (
+            f"step {restored + 1} after the restore matches but step {d} does not: the "
+            "first optimizer update differs (optimizer state was not restored: moments, "
+            "step counts or learning rate)"
+        )
+    return (
+        f"steps {restored + 1}..{d - 1} after the restore match, step {d} does not: state "
+        "that acts later was not restored (e.g. the learning-rate schedule)"
+    )
 
 
 # --- the state audit (see unbroken.common.audit) ----------------------------------------------
@@ -426,8 +582,12 @@ def _name_leaves(leaves: list[str], per: int = 3) -> str:
     return ", ".join(parts)
 
 
-def audit_restore(inj_t: float, restored: int, audit: dict[int, list[dict[str, Any]]],
-                  ref_audit: dict[int, list[dict[str, Any]]]) -> AuditFinding | None:
+def audit_restore(
+    inj_t: float,
+    restored: int,
+    audit: dict[int, list[dict[str, Any]]],
+    ref_audit: dict[int, list[dict[str, Any]]],
+) -> AuditFinding | None:
     """Compare, per rank, the state right after the restore of step ``restored`` (the first
     one after ``inj_t``) with what that rank saved for that step, and the state one step
     later with the reference run's state at that step. None when nothing was recorded."""
@@ -440,21 +600,30 @@ def audit_restore(inj_t: float, restored: int, audit: dict[int, list[dict[str, A
     saved0 = None
     for rank in sorted(audit):
         recs = audit[rank]
-        at = next((i for i, r in enumerate(recs) if r["event"] == "restored"
-                   and r["step"] == restored and r["t"] >= inj_t), None)
+        at = next(
+            (
+                i
+                for i, r in enumerate(recs)
+                if r["event"] == "restored" and r["step"] == restored and r["t"] >= inj_t
+            ),
+            None,
+        )
         if at is None:
             continue
         got = recs[at]
-        saved = next((r for r in reversed(recs[:at]) if r["event"] == "saved"
-                      and r["step"] == restored), None)
+        saved = next(
+            (r for r in reversed(recs[:at]) if r["event"] == "saved" and r["step"] == restored),
+            None,
+        )
         if saved is None:
             notes.add(f"no record of the save of step {restored} on rank {rank}")
             continue
         ranks.append(rank)
         a, b = saved["leaves"], got["leaves"]
         if saved["world"] != got["world"]:  # per-rank RNG streams are re-derived, by design
-            notes.add(f"world size {saved['world']} -> {got['world']}: RNG re-derived, not "
-                      "compared")
+            notes.add(
+                f"world size {saved['world']} -> {got['world']}: RNG re-derived, not compared"
+            )
             a = {k: v for k, v in a.items() if not k.startswith("rng/")}
             b = {k: v for k, v in b.items() if not k.startswith("rng/")}
         leaves = max(leaves, len(a))
@@ -467,12 +636,24 @@ def audit_restore(inj_t: float, restored: int, audit: dict[int, list[dict[str, A
                 same = [k for k in diff if b.get(k) is not None and b.get(k) == saved0.get(k)]
                 if same:
                     from_rank0[rank] = same
-        nxt = next((r for r in recs[at + 1:] if r["pid"] == got["pid"]), None)
+        nxt = next((r for r in recs[at + 1 :] if r["pid"] == got["pid"]), None)
         mine = ref_audit.get(rank, [])
-        ref = next((r for r in mine if r["event"] == "step" and r["step"] == restored + 1
-                    and r["world"] == got["world"]), None)
-        ref_saved = next((r for r in mine if r["event"] == "saved" and r["step"] == restored
-                          and r["world"] == got["world"]), None)
+        ref = next(
+            (
+                r
+                for r in mine
+                if r["event"] == "step" and r["step"] == restored + 1 and r["world"] == got["world"]
+            ),
+            None,
+        )
+        ref_saved = next(
+            (
+                r
+                for r in mine
+                if r["event"] == "saved" and r["step"] == restored and r["world"] == got["world"]
+            ),
+            None,
+        )
         if nxt is None or nxt["event"] != "step" or nxt["step"] != restored + 1 or ref is None:
             continue
         # Leaves that differ between the two runs already in the checkpoint both made of
@@ -480,27 +661,43 @@ def audit_restore(inj_t: float, restored: int, audit: dict[int, list[dict[str, A
         e = ref_saved["leaves"] if ref_saved else {}
         noise = {k for k in a.keys() | e.keys() if a.get(k) != e.get(k)} if e else set()
         c, d = ref["leaves"], nxt["leaves"]
-        step_diff[rank] = sorted(f"{(d.get(k) or c.get(k) or '?:')[0]}:{k}"
-                                 for k in c.keys() | d.keys()
-                                 if c.get(k) != d.get(k) and k not in noise)
+        step_diff[rank] = sorted(
+            f"{(d.get(k) or c.get(k) or '?:')[0]}:{k}"
+            for k in c.keys() | d.keys()
+            if c.get(k) != d.get(k) and k not in noise
+        )
     if not ranks:
         return None
-    return AuditFinding(restored, ranks, leaves, restore_diff, from_rank0,
-                        step_diff if step_diff else None, "; ".join(sorted(notes)))
+    return AuditFinding(
+        restored,
+        ranks,
+        leaves,
+        restore_diff,
+        from_rank0,
+        step_diff if step_diff else None,
+        "; ".join(sorted(notes)),
+    )
 
 
 def restore_check(f: AuditFinding | None, restored: int | None) -> Check:
     """The fault's ``restore`` check: did restore() bring back exactly what was saved?"""
     if f is None:
-        why = ("the job did not resume" if restored is None else
-               "no state audit recorded for this restore (the state was not restored by "
-               "unbroken's Checkpointer, or its save was not recorded)")
+        why = (
+            "the job did not resume"
+            if restored is None
+            else "no state audit recorded for this restore (the state was not restored by "
+            "unbroken's Checkpointer, or its save was not recorded)"
+        )
         return Check("restore", True, f"not checked: {why}", skipped=True)
     if not f.restore_diff:
         rk = ", ".join(map(str, f.ranks))
-        return Check("restore", True, f"every leaf ({f.leaves}) of step {f.restored} came back "
-                     f"exactly as it was saved, on rank{'s' if len(f.ranks) > 1 else ''} {rk}"
-                     + (f" ({f.note})" if f.note else ""))
+        return Check(
+            "restore",
+            True,
+            f"every leaf ({f.leaves}) of step {f.restored} came back "
+            f"exactly as it was saved, on rank{'s' if len(f.ranks) > 1 else ''} {rk}"
+            + (f" ({f.note})" if f.note else ""),
+        )
     return Check("restore", False, _restore_text(f))
 
 
@@ -509,11 +706,12 @@ def _restore_text(f: AuditFinding) -> str:
     for rank, diff in sorted(f.restore_diff.items()):
         text = f"on rank {rank}, {_name_leaves(diff)} not as saved"
         if f.from_rank0.get(rank):
-            text += (f" (it holds rank 0's value of {_name_leaves(f.from_rank0[rank])}: state "
-                     "that differs between ranks was saved once, not per rank)")
+            text += (
+                f" (it holds rank 0's value of {_name_leaves(f.from_rank0[rank])}: state "
+                "that differs between ranks was saved once, not per rank)"
+            )
         out.append(text)
-    return (f"restore() did not bring back what was saved at step {f.restored}: "
-            + "; ".join(out))
+    return f"restore() did not bring back what was saved at step {f.restored}: " + "; ".join(out)
 
 
 def explain(f: AuditFinding | None, res: dict[str, Any], restored: int | None) -> str:
@@ -529,8 +727,10 @@ def explain(f: AuditFinding | None, res: dict[str, Any], restored: int | None) -
     leaves = sorted({k for d in f.step_diff.values() for k in d})
     causes = [k.split(":", 1)[1] for k in leaves if not k.startswith("f:")]
     floats = [k.split(":", 1)[1] for k in leaves if k.startswith("f:")]
-    head = (f"restore() brought back every leaf of step {restored} exactly, but one step "
-            f"later (step {restored + 1}) ")
+    head = (
+        f"restore() brought back every leaf of step {restored} exactly, but one step "
+        f"later (step {restored + 1}) "
+    )
     if causes:
         # The component with most differing discrete leaves first: the one that was reset
         # (an optimizer's step counts) ahead of what follows from it (a scheduler's last lr).
@@ -539,26 +739,31 @@ def explain(f: AuditFinding | None, res: dict[str, Any], restored: int | None) -
             count[_component(k)] = count.get(_component(k), 0) + 1
         comps = sorted(count, key=lambda c: (-count[c], c))
         causes.sort(key=lambda k: (comps.index(_component(k)), k))
-        text = (head + f"{', '.join(comps)} differ{'s' if len(comps) == 1 else ''} from the "
-                f"reference: {_name_leaves(causes)}; {'it was' if len(comps) == 1 else 'they were'} "
-                "changed after restore() (re-seeded, re-created or reloaded by the script), or "
-                "the step takes them from somewhere the checkpoint does not cover")
+        text = (
+            head + f"{', '.join(comps)} differ{'s' if len(comps) == 1 else ''} from the "
+            f"reference: {_name_leaves(causes)}; {'it was' if len(comps) == 1 else 'they were'} "
+            "changed after restore() (re-seeded, re-created or reloaded by the script), or "
+            "the step takes them from somewhere the checkpoint does not cover"
+        )
         if res.get("first_sample_diff") is not None and "loader" in comps:
             text += f". {guess}"
         return text
     if floats:
-        return (head + f"only computed values differ ({_name_leaves(floats)}): the step used "
-                "state that is not in the checkpoint (a hidden state carried across batches, a "
-                "module attribute, a global or a generator TrainState does not capture); "
-                "register it with TrainState(extras={...})")
+        return (
+            head + f"only computed values differ ({_name_leaves(floats)}): the step used "
+            "state that is not in the checkpoint (a hidden state carried across batches, a "
+            "module attribute, a global or a generator TrainState does not capture); "
+            "register it with TrainState(extras={...})"
+        )
     return guess + " (restore() brought back every leaf, and the state one step later matches)"
 
 
 # --- per fault: what its recovery's steps show --------------------------------------------
 
 
-def first_divergence(ref: list[dict[str, Any]], got: list[dict[str, Any]],
-                     exact_until: int | None) -> tuple[int | None, str, bool]:
+def first_divergence(
+    ref: list[dict[str, Any]], got: list[dict[str, Any]], exact_until: int | None
+) -> tuple[int | None, str, bool]:
     """(first step where the logs part, what differs there, whether sample ids are compared).
     Steps are matched by number (the last record of a step counts); the loss is compared up
     to ``exact_until`` (None: everywhere), sample ids wherever both logs hold them."""
@@ -578,9 +783,13 @@ def first_divergence(ref: list[dict[str, Any]], got: list[dict[str, Any]],
     return None, "", ids
 
 
-def judge_trajectories(results: list[FaultResult], cmp: RunComparison,
-                       records: list[dict[str, Any]], ref_records: list[dict[str, Any]],
-                       findings: dict[int, AuditFinding | None] | None = None) -> None:
+def judge_trajectories(
+    results: list[FaultResult],
+    cmp: RunComparison,
+    records: list[dict[str, Any]],
+    ref_records: list[dict[str, Any]],
+    findings: dict[int, AuditFinding | None] | None = None,
+) -> None:
     """Add ``restore`` and ``trajectory`` checks to each fault of the run.
 
     A fault's recovery produced the steps from its restored step + 1 up to the step the next
@@ -589,22 +798,36 @@ def judge_trajectories(results: list[FaultResult], cmp: RunComparison,
     with a diagnosis (:func:`explain`); faults after it say they were not checked.
     """
     findings = findings or {}
-    mine = sorted((r for r in results if r.injection.spec.run == cmp.run
-                   and r.injection.t is not None), key=lambda r: r.injection.spec.index)
+    mine = sorted(
+        (r for r in results if r.injection.spec.run == cmp.run and r.injection.t is not None),
+        key=lambda r: r.injection.spec.index,
+    )
     for r in mine:
         r.checks.append(restore_check(findings.get(r.injection.spec.index), r.restored))
     d, what, ids = first_divergence(ref_records, records, cmp.exact_until)
     last = max([int(x["step"]) for x in records + ref_records], default=0)
     first_restore = mine[0].restored if mine else None
     if d is not None and first_restore is not None and d <= first_restore:
-        cmp.checks.append(Check("before any fault", False, f"{what}, before any fault's "
-                                "recovery: the training script is not deterministic (seeds, "
-                                "data order, nondeterministic kernels)"))
+        cmp.checks.append(
+            Check(
+                "before any fault",
+                False,
+                f"{what}, before any fault's "
+                "recovery: the training script is not deterministic (seeds, "
+                "data order, nondeterministic kernels)",
+            )
+        )
     culprit: FaultResult | None = None
     for i, r in enumerate(mine):
         if r.restored is None:
-            r.checks.append(Check("trajectory", True, "not checked: the job did not resume "
-                                  "(no restore recorded)", skipped=True))
+            r.checks.append(
+                Check(
+                    "trajectory",
+                    True,
+                    "not checked: the job did not resume (no restore recorded)",
+                    skipped=True,
+                )
+            )
             continue
         a = r.restored + 1
         later = mine[i + 1] if i + 1 < len(mine) else None
@@ -612,16 +835,32 @@ def judge_trajectories(results: list[FaultResult], cmp: RunComparison,
         if later is None:
             b = last
         if b < a:
-            r.checks.append(Check("trajectory", True, f"not checked: fault #"
-                                  f"{later.injection.spec.index if later else '?'} rolled the job "
-                                  f"back to step {b} before any step after this restore was "
-                                  "kept", skipped=True))
+            r.checks.append(
+                Check(
+                    "trajectory",
+                    True,
+                    f"not checked: fault #"
+                    f"{later.injection.spec.index if later else '?'} rolled the job "
+                    f"back to step {b} before any step after this restore was "
+                    "kept",
+                    skipped=True,
+                )
+            )
             continue
         if d is not None and d < a:
-            where = (f" after fault #{culprit.injection.spec.index}'s recovery" if culprit
-                     else " before any fault's recovery")
-            r.checks.append(Check("trajectory", True, f"not checked: the run had already "
-                                  f"diverged at step {d}{where}", skipped=True))
+            where = (
+                f" after fault #{culprit.injection.spec.index}'s recovery"
+                if culprit
+                else " before any fault's recovery"
+            )
+            r.checks.append(
+                Check(
+                    "trajectory",
+                    True,
+                    f"not checked: the run had already diverged at step {d}{where}",
+                    skipped=True,
+                )
+            )
             continue
         if d is not None and d <= b:
             culprit = r
@@ -637,13 +876,19 @@ def _compared(a: int, b: int, ids: bool, exact_until: int | None) -> str:
         what = "loss and sample ids" if ids else "loss (no sample ids logged)"
         return f"{what} of {span} identical to the reference"
     if not ids:
-        return (f"{span} ran on another world size than the reference: floats not compared, "
-                "and no sample ids logged (only the final state's non-float leaves compare)")
+        return (
+            f"{span} ran on another world size than the reference: floats not compared, "
+            "and no sample ids logged (only the final state's non-float leaves compare)"
+        )
     if exact_until < a:
-        return (f"sample ids of {span} identical to the reference (another world size from "
-                f"step {exact_until + 1} on: floats not compared bit for bit)")
-    return (f"loss of steps {a}..{exact_until} and sample ids of {span} identical to the "
-            f"reference (another world size from step {exact_until + 1} on)")
+        return (
+            f"sample ids of {span} identical to the reference (another world size from "
+            f"step {exact_until + 1} on: floats not compared bit for bit)"
+        )
+    return (
+        f"loss of steps {a}..{exact_until} and sample ids of {span} identical to the "
+        f"reference (another world size from step {exact_until + 1} on)"
+    )
 
 
 # --- the report ---------------------------------------------------------------------------
@@ -664,17 +909,28 @@ class DrillReport:
 
     @property
     def passed(self) -> bool:
-        return (bool(self.faults) and all(f.passed for f in self.faults)
-                and all(r.passed for r in self.runs)
-                and all(c == 0 for c in self.exits.values() if c is not None))
+        return (
+            bool(self.faults)
+            and all(f.passed for f in self.faults)
+            and all(r.passed for r in self.runs)
+            and all(c == 0 for c in self.exits.values() if c is not None)
+        )
 
     def reasons(self) -> list[str]:
-        out = [f"fault #{f.injection.spec.index} {f.injection.spec.kind}: {f.why}"
-               for f in self.faults if not f.passed]
-        out += [f"{r.run} run vs reference: {c.name}: {c.detail}"
-                for r in self.runs for c in r.checks if not c.ok]
-        out += [f"supervisor {n} exited {c}" for n, c in self.exits.items()
-                if c is not None and c != 0]
+        out = [
+            f"fault #{f.injection.spec.index} {f.injection.spec.kind}: {f.why}"
+            for f in self.faults
+            if not f.passed
+        ]
+        out += [
+            f"{r.run} run vs reference: {c.name}: {c.detail}"
+            for r in self.runs
+            for c in r.checks
+            if not c.ok
+        ]
+        out += [
+            f"supervisor {n} exited {c}" for n, c in self.exits.items() if c is not None and c != 0
+        ]
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -685,17 +941,35 @@ class DrillReport:
             "seed": self.seed,
             "wall_seconds": round(self.wall, 2),
             "plan": [asdict(p) for p in self.plan],
-            "faults": [{"spec": asdict(f.injection.spec), "passed": f.passed,
-                        "verdict": f.verdict,
-                        "injection": plain_json({k: v for k, v in asdict(f.injection).items()
-                                                if k != "spec"}),
-                        "checks": [asdict(c) for c in f.checks], "failure": f.failure,
-                        "recovery": f.recovery, "restored": f.restored} for f in self.faults],
-            "runs": [{"run": r.run, "reference": r.reference, "job": r.job,
-                      "world_reference": r.world_reference, "exact_until": r.exact_until,
-                      "steps": r.steps, "passed": r.passed,
-                      "checks": [asdict(c) for c in r.checks], "comparison": r.result}
-                     for r in self.runs],
+            "faults": [
+                {
+                    "spec": asdict(f.injection.spec),
+                    "passed": f.passed,
+                    "verdict": f.verdict,
+                    "injection": plain_json(
+                        {k: v for k, v in asdict(f.injection).items() if k != "spec"}
+                    ),
+                    "checks": [asdict(c) for c in f.checks],
+                    "failure": f.failure,
+                    "recovery": f.recovery,
+                    "restored": f.restored,
+                }
+                for f in self.faults
+            ],
+            "runs": [
+                {
+                    "run": r.run,
+                    "reference": r.reference,
+                    "job": r.job,
+                    "world_reference": r.world_reference,
+                    "exact_until": r.exact_until,
+                    "steps": r.steps,
+                    "passed": r.passed,
+                    "checks": [asdict(c) for c in r.checks],
+                    "comparison": r.result,
+                }
+                for r in self.runs
+            ],
             "exits": self.exits,
             "reasons": self.reasons(),
             "notes": self.notes,
@@ -704,19 +978,40 @@ class DrillReport:
 
     def format_table(self) -> str:
         n = len(self.faults)
-        head = (f"unbroken drill: {n} fault{'s' if n != 1 else ''}, seed {self.seed}: "
-                f"{'PASS' if self.passed else 'FAIL'}   ({self.drill_dir})")
+        head = (
+            f"unbroken drill: {n} fault{'s' if n != 1 else ''}, seed {self.seed}: "
+            f"{'PASS' if self.passed else 'FAIL'}   ({self.drill_dir})"
+        )
         rows = []
         for f in self.faults:
             inj, rec = f.injection, f.recovery or {}
-            rows.append((inj.spec.index, inj.spec.kind, inj.spec.run,
-                         cell(inj.step if inj.step is not None else inj.spec.step),
-                         cell(f.restored),
-                         *(cell(rec.get(p), ".2f") for p in ("detect", "relaunch", "load", "catch_up",
-                                                      "total")),
-                         f.verdict))
-        header = ("#", "fault", "run", "step", "restored", "detect", "relaunch", "load",
-                  "catch-up", "total", "verdict")
+            rows.append(
+                (
+                    inj.spec.index,
+                    inj.spec.kind,
+                    inj.spec.run,
+                    cell(inj.step if inj.step is not None else inj.spec.step),
+                    cell(f.restored),
+                    *(
+                        cell(rec.get(p), ".2f")
+                        for p in ("detect", "relaunch", "load", "catch_up", "total")
+                    ),
+                    f.verdict,
+                )
+            )
+        header = (
+            "#",
+            "fault",
+            "run",
+            "step",
+            "restored",
+            "detect",
+            "relaunch",
+            "load",
+            "catch-up",
+            "total",
+            "verdict",
+        )
         lines = [head, "", render_table(rows, header=header, right={0, 3, 4, 5, 6, 7, 8, 9})]
         lines.append("")
         for f in self.faults:
@@ -725,15 +1020,20 @@ class DrillReport:
             for c in f.checks[1:]:
                 lines.append(f"     {c.mark} {c.name}: {c.detail}")
         for r in self.runs:
-            lines += ["", f"{r.run} run vs its reference ({r.world_reference} rank"
-                      f"{'s' if r.world_reference > 1 else ''}, {r.reference}):"]
+            lines += [
+                "",
+                f"{r.run} run vs its reference ({r.world_reference} rank"
+                f"{'s' if r.world_reference > 1 else ''}, {r.reference}):",
+            ]
             for c in r.checks:
                 lines.append(f"     {c.mark} {c.name}: {c.detail}")
         lines.append("")
         lines += [f"note: {x}" for x in self.notes]
         if self.passed:
-            lines.append("result: PASS: every fault was recovered and the resumed runs match "
-                         "their references")
+            lines.append(
+                "result: PASS: every fault was recovered and the resumed runs match "
+                "their references"
+            )
             for f in self.faults:
                 for c in f.checks:
                     if c.skipped:

@@ -119,9 +119,21 @@ ENV_TOKEN = "UNBROKEN_DRILL_TOKEN"
 
 _DRILL_FILES = ("drill.txt", "drill.json", "timeline.png")
 _REF_SUFFIXES = ("", ".log", ".torchrun", ".audit")
-_CHILD_ENV_DROP = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                   "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                   events.ENV_RUN_DIR, events.ENV_ATTEMPT, events.ENV_CATCHUP, ENV_AUDIT)
+_CHILD_ENV_DROP = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    events.ENV_RUN_DIR,
+    events.ENV_ATTEMPT,
+    events.ENV_CATCHUP,
+    ENV_AUDIT,
+)
 
 
 @dataclass(frozen=True)
@@ -158,22 +170,29 @@ class DrillConfig:
 
     def __post_init__(self) -> None:
         if not self.command:
-            raise ValueError("no training command: use `unbroken drill [options] -- train.py "
-                             "ARGS` (with {dir} in ARGS) or `unbroken drill --example`")
+            raise ValueError(
+                "no training command: use `unbroken drill [options] -- train.py "
+                "ARGS` (with {dir} in ARGS) or `unbroken drill --example`"
+            )
         if not any("{dir}" in a for a in self.command):
             raise ValueError(
                 f"the command {' '.join(self.command)!r} has no {{dir}}: the drill runs it "
                 "several times and must tell each run where to write; put {dir} where the "
-                "script takes its output directory, e.g. `-- train.py --out {dir}`")
+                "script takes its output directory, e.g. `-- train.py --out {dir}`"
+            )
         unknown = sorted(set(self.faults or ()) - set(FAULT_KINDS))
         if unknown:
-            raise ValueError(f"unknown fault kind(s) {unknown}; choose from {', '.join(FAULT_KINDS)}")
+            raise ValueError(
+                f"unknown fault kind(s) {unknown}; choose from {', '.join(FAULT_KINDS)}"
+            )
         if self.faults is not None and not self.faults:
             raise ValueError("faults is empty; pass at least one kind or None for all")
         need = sorted(set(self.faults or ()) & set(ELASTIC_KINDS))
         if need and not self.multi_rank:
-            raise ValueError(f"fault(s) {need} run the script on 2 ranks and change the world "
-                             "size; pass --multi-rank if it supports that")
+            raise ValueError(
+                f"fault(s) {need} run the script on 2 ranks and change the world "
+                "size; pass --multi-rank if it supports that"
+            )
         for name in ("hang_timeout", "outage", "timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
@@ -187,13 +206,31 @@ class DrillConfig:
         return FAULT_KINDS if self.multi_rank else SINGLE_KINDS
 
 
-def example_config(drill_dir: str = "unbroken-drill", *, steps: int = 50, seed: int = 0,
-                   extra: tuple[str, ...] = (), **kwargs: Any) -> DrillConfig:
+def example_config(
+    drill_dir: str = "unbroken-drill",
+    *,
+    steps: int = 50,
+    seed: int = 0,
+    extra: tuple[str, ...] = (),
+    **kwargs: Any,
+) -> DrillConfig:
     """The drill on the demo model (``python -m unbroken.demo.train``): 8-sample
     micro-batches, a checkpoint every 5 steps, a 4 s hang timeout. ``extra`` goes to the
     demo script (e.g. ``("--break", "rng")`` plants a resume bug)."""
-    cmd = ("unbroken.demo.train", "--dir", "{dir}", "--steps", str(steps), "--seed", "0",
-           "--ckpt-every", "5", "--batch", "8", *extra)
+    cmd = (
+        "unbroken.demo.train",
+        "--dir",
+        "{dir}",
+        "--steps",
+        str(steps),
+        "--seed",
+        "0",
+        "--ckpt-every",
+        "5",
+        "--batch",
+        "8",
+        *extra,
+    )
     kwargs.setdefault("hang_timeout", 4.0)
     kwargs.setdefault("multi_rank", True)
     return DrillConfig(cmd, drill_dir, module=True, seed=seed, ckpt_every=5, **kwargs)
@@ -218,12 +255,16 @@ def plan_faults(kinds: tuple[str, ...], steps: int, ckpt_every: int, seed: int) 
             need = 3 * ckpt_every + 1 + 2 * len(group)
             raise ValueError(
                 f"{steps} steps with a checkpoint every {ckpt_every} are too few for "
-                f"{len(group)} fault(s) in the {run} run; the script needs at least {need} steps")
+                f"{len(group)} fault(s) in the {run} run; the script needs at least {need} steps"
+            )
         for i, kind in enumerate(group):
             step = lo + i * seg + rng.randrange(max(1, seg // 2))
             mode = rng.choice(("bitflip", "truncate")) if kind == "corrupt" else ""
-            out.append(FaultSpec(len(out) + 1, kind, run, step, rng.randrange(1 << 16), mode,
-                                 rng.getrandbits(32)))
+            out.append(
+                FaultSpec(
+                    len(out) + 1, kind, run, step, rng.randrange(1 << 16), mode, rng.getrandbits(32)
+                )
+            )
     return out
 
 
@@ -248,25 +289,39 @@ def _fill(command: tuple[str, ...], run_dir: str) -> list[str]:
     return [a.replace("{dir}", run_dir) for a in command]
 
 
-def run_reference(cfg: DrillConfig, out_dir: str, world: int = 1, *,
-                  token: str | None = None) -> float:
+def run_reference(
+    cfg: DrillConfig, out_dir: str, world: int = 1, *, token: str | None = None
+) -> float:
     """Run the command once without faults on ``world`` ranks (``torchrun --standalone``)
     with ``{dir}`` = ``out_dir``; returns seconds. Raises RuntimeError naming the log."""
     shutil.rmtree(out_dir, ignore_errors=True)
     shutil.rmtree(_audit_dir(out_dir), ignore_errors=True)
     os.makedirs(out_dir)
     log_path = out_dir.rstrip("/") + ".log"
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(world), "--log-dir", out_dir.rstrip("/") + ".torchrun"]
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        "--log-dir",
+        out_dir.rstrip("/") + ".torchrun",
+    ]
     if cfg.module:
         argv.append("-m")
     argv += _fill(cfg.command, os.path.abspath(out_dir))
     token = token or uuid.uuid4().hex
     t0 = time.monotonic()
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                env=_child_env(token, _audit_dir(out_dir)))
+        proc = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=_child_env(token, _audit_dir(out_dir)),
+        )
         try:
             rc = proc.wait(timeout=cfg.timeout)
         except subprocess.TimeoutExpired:
@@ -284,8 +339,10 @@ def run_reference(cfg: DrillConfig, out_dir: str, world: int = 1, *,
 def _infer_schedule(cfg: DrillConfig, ref_dir: str) -> tuple[int, int]:
     recs = read_metrics(os.path.join(ref_dir, cfg.metrics_file))
     if not recs:
-        raise RuntimeError(f"the reference run logged no steps to {ref_dir}/{cfg.metrics_file};"
-                           " the script must log every step with unbroken.common.metrics.MetricLog")
+        raise RuntimeError(
+            f"the reference run logged no steps to {ref_dir}/{cfg.metrics_file};"
+            " the script must log every step with unbroken.common.metrics.MetricLog"
+        )
     steps = int(recs[-1]["step"])
     if cfg.ckpt_every is not None:
         return steps, cfg.ckpt_every
@@ -298,28 +355,72 @@ def _infer_schedule(cfg: DrillConfig, ref_dir: str) -> tuple[int, int]:
     saved = saved or set(Store(os.path.join(ref_dir, cfg.ckpt_subdir)).steps())
     regular = sorted(s for s in saved if s != steps)
     if not regular:
-        raise RuntimeError(f"cannot infer the checkpoint interval from {ref_dir}/"
-                           f"{cfg.ckpt_subdir} (no checkpoint before the last step); pass "
-                           "--ckpt-every")
+        raise RuntimeError(
+            f"cannot infer the checkpoint interval from {ref_dir}/"
+            f"{cfg.ckpt_subdir} (no checkpoint before the last step); pass "
+            "--ckpt-every"
+        )
     return steps, math.gcd(*regular)
 
 
-
-
-def _supervisor_argv(cfg: DrillConfig, sup_dir: str, ckpt: str, command: list[str],
-                     n_faults: int, node: tuple[int, str] | None) -> list[str]:
-    argv = [sys.executable, "-m", "unbroken.cli", "run", "--run-dir", sup_dir, "-q",
-            "--poll-interval", "0.1", "--hang-timeout", f"{cfg.hang_timeout:g}",
-            "--dump-grace", "1.5", "--backoff", "0.2", "--backoff-max", "1",
-            # A fall-back to an older checkpoint (corrupt) is a restart without progress.
-            "--max-restarts", str(n_faults + 3), "--no-progress-limit", str(n_faults + 2),
-            "--ckpt-dir", ckpt, "--preflight-timeout", "10",
-            "--preflight-max-wait", f"{max(120.0, 4 * cfg.outage):g}", "--node-timeout", "2",
-            "--last-call-timeout", "3", "--join-timeout", "120", "--shutdown-timeout", "10"]
+def _supervisor_argv(
+    cfg: DrillConfig,
+    sup_dir: str,
+    ckpt: str,
+    command: list[str],
+    n_faults: int,
+    node: tuple[int, str] | None,
+) -> list[str]:
+    argv = [
+        sys.executable,
+        "-m",
+        "unbroken.cli",
+        "run",
+        "--run-dir",
+        sup_dir,
+        "-q",
+        "--poll-interval",
+        "0.1",
+        "--hang-timeout",
+        f"{cfg.hang_timeout:g}",
+        "--dump-grace",
+        "1.5",
+        "--backoff",
+        "0.2",
+        "--backoff-max",
+        "1",
+        # A fall-back to an older checkpoint (corrupt) is a restart without progress.
+        "--max-restarts",
+        str(n_faults + 3),
+        "--no-progress-limit",
+        str(n_faults + 2),
+        "--ckpt-dir",
+        ckpt,
+        "--preflight-timeout",
+        "10",
+        "--preflight-max-wait",
+        f"{max(120.0, 4 * cfg.outage):g}",
+        "--node-timeout",
+        "2",
+        "--last-call-timeout",
+        "3",
+        "--join-timeout",
+        "120",
+        "--shutdown-timeout",
+        "10",
+    ]
     if node is not None:
         port, name = node
-        argv += ["--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--run-id",
-                 "drill", "--node", name]
+        argv += [
+            "--nnodes",
+            "1:2",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--run-id",
+            "drill",
+            "--node",
+            name,
+        ]
     argv += list(cfg.supervisor_args)
     if cfg.module:
         argv.append("-m")
@@ -346,10 +447,22 @@ def _drilled_run(cfg: DrillConfig, name: str, specs: list[FaultSpec], env: dict[
         names, port = ["A"], None
     else:
         names, port = ["A", "B"], free_port()
-    nodes = [Node(n, os.path.join(base, f"node-{n}"),
-                  _supervisor_argv(cfg, os.path.abspath(os.path.join(base, f"node-{n}")), ckpt,
-                                   command, len(specs), None if port is None else (port, n)),
-                  env) for n in names]
+    nodes = [
+        Node(
+            n,
+            os.path.join(base, f"node-{n}"),
+            _supervisor_argv(
+                cfg,
+                os.path.abspath(os.path.join(base, f"node-{n}")),
+                ckpt,
+                command,
+                len(specs),
+                None if port is None else (port, n),
+            ),
+            env,
+        )
+        for n in names
+    ]
     ctx = Ctx(nodes, ckpt, time.monotonic() + cfg.timeout, cfg.outage, world=len(nodes))
     run = _Run(name, job, ckpt, ctx, [])
     since, floor = 0.0, 0
@@ -388,11 +501,15 @@ def _drilled_run(cfg: DrillConfig, name: str, specs: list[FaultSpec], env: dict[
 def _prepare(cfg: DrillConfig) -> None:
     d = cfg.drill_dir
     if os.path.isdir(d) and os.listdir(d):
-        ours = {f"{r}{x}" for r in ("reference-w1", "reference-w2")
-                for x in _REF_SUFFIXES} | {"single", "elastic", *_DRILL_FILES}
+        ours = {f"{r}{x}" for r in ("reference-w1", "reference-w2") for x in _REF_SUFFIXES} | {
+            "single",
+            "elastic",
+            *_DRILL_FILES,
+        }
         if not os.path.exists(os.path.join(d, "drill.json")) and not set(os.listdir(d)) <= ours:
-            raise ValueError(f"{d!r} exists and is not a drill directory; pass another --dir "
-                             "or remove it")
+            raise ValueError(
+                f"{d!r} exists and is not a drill directory; pass another --dir or remove it"
+            )
     keep = os.path.abspath(cfg.reference).rstrip("/") if cfg.reference else None
     names = [f"{r}{x}" for r in ("reference-w1", "reference-w2") for x in _REF_SUFFIXES]
     for name in (*names, "single", "elastic", *_DRILL_FILES):
@@ -435,8 +552,11 @@ def run_drill(cfg: DrillConfig, *, token: str | None = None) -> DrillReport:
             run_reference(cfg, refs[2], 2, token=token)
         steps, every = _infer_schedule(cfg, refs[min(refs)])
         plan = plan_faults(kinds, steps, every, cfg.seed)
-        log.info("drill: plan (seed %d): %s", cfg.seed,
-                 ", ".join(f"#{p.index} {p.kind}@{p.step}" for p in plan))
+        log.info(
+            "drill: plan (seed %d): %s",
+            cfg.seed,
+            ", ".join(f"#{p.index} {p.kind}@{p.step}" for p in plan),
+        )
         for name in ("single", "elastic"):
             specs = [p for p in plan if p.run == name]
             if specs:
@@ -445,8 +565,10 @@ def run_drill(cfg: DrillConfig, *, token: str | None = None) -> DrillReport:
     finally:
         kill_matching(ENV_TOKEN, token, timeout=10.0)
     if not cfg.multi_rank and cfg.faults is None:
-        notes.append("agent-loss and world-size were not run: they need a script that trains "
-                     "on 2 ranks (pass --multi-rank if yours does)")
+        notes.append(
+            "agent-loss and world-size were not run: they need a script that trains "
+            "on 2 ranks (pass --multi-rank if yours does)"
+        )
     report = _evaluate(cfg, plan, runs, refs, notes)
     report.wall = time.monotonic() - t0
     _plot(report, runs, refs, cfg)
@@ -454,29 +576,50 @@ def run_drill(cfg: DrillConfig, *, token: str | None = None) -> DrillReport:
     return report
 
 
-def _evaluate(cfg: DrillConfig, plan: list[FaultSpec], runs: list[_Run], refs: dict[int, str],
-              notes: list[str]) -> DrillReport:
+def _evaluate(
+    cfg: DrillConfig,
+    plan: list[FaultSpec],
+    runs: list[_Run],
+    refs: dict[int, str],
+    notes: list[str],
+) -> DrillReport:
     results: list[FaultResult] = []
     comps: list[RunComparison] = []
     exits: dict[str, int | None] = {}
     for run in runs:
         records = read_metrics(os.path.join(run.job, cfg.metrics_file))
         ts = [i.t for i in run.injections[1:]] + [None]
-        mine = [evaluate_fault(inj, run.ctx.node(inj.report_node).events(fresh=True), run.ckpt,
-                               records, until) for inj, until in zip(run.injections, ts, strict=True)]
+        mine = [
+            evaluate_fault(
+                inj, run.ctx.node(inj.report_node).events(fresh=True), run.ckpt, records, until
+            )
+            for inj, until in zip(run.injections, ts, strict=True)
+        ]
         world = 1 if run.name == "single" else 2
-        cmp = compare_run(run.name, refs[world], run.job, cfg.ckpt_subdir, cfg.metrics_file,
-                          world, records)
+        cmp = compare_run(
+            run.name, refs[world], run.job, cfg.ckpt_subdir, cfg.metrics_file, world, records
+        )
         audit, ref_audit = read_audit(_audit_dir(run.job)), read_audit(_audit_dir(refs[world]))
-        findings = {r.injection.spec.index: audit_restore(r.injection.t or 0.0, r.restored, audit,
-                                                          ref_audit)
-                    for r in mine if r.restored is not None}
+        findings = {
+            r.injection.spec.index: audit_restore(
+                r.injection.t or 0.0, r.restored, audit, ref_audit
+            )
+            for r in mine
+            if r.restored is not None
+        }
         ref_records = read_metrics(os.path.join(refs[world], cfg.metrics_file))
         judge_trajectories(mine, cmp, records, ref_records, findings)
-        cmp.checks.append(unplanned_failures(
-            [i.t for i in run.injections if i.t is not None],
-            [(n.name, e) for n in run.ctx.nodes for e in n.events(fresh=True)
-             if e["event"] == "failure"]))
+        cmp.checks.append(
+            unplanned_failures(
+                [i.t for i in run.injections if i.t is not None],
+                [
+                    (n.name, e)
+                    for n in run.ctx.nodes
+                    for e in n.events(fresh=True)
+                    if e["event"] == "failure"
+                ],
+            )
+        )
         results += mine
         comps.append(cmp)
         lost = {i.facts.get("lost_node") for i in run.injections}
@@ -488,15 +631,24 @@ def _evaluate(cfg: DrillConfig, plan: list[FaultSpec], runs: list[_Run], refs: d
                 "world size than its reference: gradients are all-reduced over another number "
                 "of ranks and round differently, so floats are not expected to be bit-identical. "
                 "Compared exactly instead: every sample id in order, the loss curve up to step "
-                f"{cmp.exact_until}, and the final state's non-float-tensor leaves.")
+                f"{cmp.exact_until}, and the final state's non-float-tensor leaves."
+            )
     injected = {(i.injection.spec.index) for i in results}
     for p in plan:  # faults never reached (the run before them failed)
         if p.index not in injected:
             inj = Injection(p, error="not reached: an earlier fault's run ended the drill")
             results.append(evaluate_fault(inj, [], "", []))
     results.sort(key=lambda r: r.injection.spec.index)
-    return DrillReport(os.path.abspath(cfg.drill_dir), list(cfg.command), cfg.seed, plan,
-                       results, comps, exits, notes=notes)
+    return DrillReport(
+        os.path.abspath(cfg.drill_dir),
+        list(cfg.command),
+        cfg.seed,
+        plan,
+        results,
+        comps,
+        exits,
+        notes=notes,
+    )
 
 
 def _plot(report: DrillReport, runs: list[_Run], refs: dict[int, str], cfg: DrillConfig) -> None:
@@ -508,21 +660,27 @@ def _plot(report: DrillReport, runs: list[_Run], refs: dict[int, str], cfg: Dril
         recs = read_metrics(os.path.join(run.job, cfg.metrics_file))
         ref = read_metrics(os.path.join(refs[1 if run.name == "single" else 2], cfg.metrics_file))
         mine = [f for f in report.faults if f.injection.spec.run == run.name]
-        panels.append({
-            "title": f"{run.name} run: steps over time, faults (black) and recovery phases",
-            "t0": t0,
-            "progress": run.ctx.progress,
-            "reference": [(float(r["time"]), int(r["step"])) for r in ref],
-            "ref_offset": float(recs[0]["time"]) - t0 if recs else 0.0,
-            "faults": [(f.injection.t, f"#{f.injection.spec.index} {f.injection.spec.kind}")
-                       for f in mine if f.injection.t is not None],
-            "recoveries": [f.recovery for f in mine if f.recovery],
-        })
+        panels.append(
+            {
+                "title": f"{run.name} run: steps over time, faults (black) and recovery phases",
+                "t0": t0,
+                "progress": run.ctx.progress,
+                "reference": [(float(r["time"]), int(r["step"])) for r in ref],
+                "ref_offset": float(recs[0]["time"]) - t0 if recs else 0.0,
+                "faults": [
+                    (f.injection.t, f"#{f.injection.spec.index} {f.injection.spec.kind}")
+                    for f in mine
+                    if f.injection.t is not None
+                ],
+                "recoveries": [f.recovery for f in mine if f.recovery],
+            }
+        )
     if not panels:
         return
     path = plot_timeline(os.path.join(cfg.drill_dir, "timeline.png"), panels)
     if path:
         report.files["timeline"] = os.path.abspath(path)
     else:
-        report.notes.append("no timeline.png: matplotlib is not installed "
-                            "(pip install 'unbroken[plot]')")
+        report.notes.append(
+            "no timeline.png: matplotlib is not installed (pip install 'unbroken[plot]')"
+        )
