@@ -551,7 +551,9 @@ def test_a_fetcher_in_a_fresh_interpreter_serves_the_readers(
     endpoint: str, local_ds: str, tmp_path: Any
 ) -> None:
     """The path a DataLoader worker takes when no fetcher runs (it may not fork): ``python -m
-    unbroken.data.stream.fetcher SPEC``; every download then comes from that process."""
+    unbroken.data.stream.fetcher``, its state piped into its stdin (never a pickle on disk,
+    which another writer of the cache directory could replace); every download then comes
+    from that process."""
     _upload(endpoint, local_ds, "data", "fresh")
     cache = str(tmp_path / "c")
     ds = StreamingDataset(
@@ -574,3 +576,4 @@ def test_a_fetcher_in_a_fresh_interpreter_serves_the_readers(
     events = read_events(cache)
     fetcher = {e["pid"] for e in events if e["ev"] == "fetcher"}
     assert {e["pid"] for e in events if e["ev"] == "download"} == fetcher != {os.getpid()}
+    assert not [n for n in os.listdir(os.path.join(cache, ".fetch")) if n.endswith(".pkl")]

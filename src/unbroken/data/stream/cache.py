@@ -1252,9 +1252,8 @@ class RemoteCache:
 
     # --- the fetcher process ----------------------------------------------------------------
 
-    def _fetch_paths(self) -> tuple[str, str]:
-        base = os.path.join(self.cache_dir, ".fetch", _dir_name(self.ds_id))
-        return base + ".lock", base + ".pkl"
+    def _fetch_lock(self) -> str:
+        return os.path.join(self.cache_dir, ".fetch", _dir_name(self.ds_id) + ".lock")
 
     def fetcher_alive(self) -> bool:
         """Whether a fetcher process serves this dataset on this node (it holds its lock)."""
@@ -1263,7 +1262,7 @@ class RemoteCache:
         if now < st.fetcher_checked + 0.5:
             return st.fetcher_up
         st.fetcher_checked = now
-        lock, _ = self._fetch_paths()
+        lock = self._fetch_lock()
         try:
             fd = os.open(lock, os.O_RDONLY)
         except FileNotFoundError:
@@ -1286,9 +1285,7 @@ class RemoteCache:
         import subprocess
         import sys
 
-        from unbroken.common.fs import atomic_write_bytes
-
-        lock, spec = self._fetch_paths()
+        lock = self._fetch_lock()
         os.makedirs(os.path.dirname(lock), exist_ok=True)
         me = dict(self.__dict__)
         me.update(readers=[], _state=None, _plan_lock=threading.Lock(), _plans=OrderedDict())
@@ -1308,19 +1305,24 @@ class RemoteCache:
             child.start()
             _CHILDREN.append(_Forked(child))
             return
-        # A DataLoader worker may not fork children of its own: a fresh interpreter.
+        # A DataLoader worker may not fork children of its own: a fresh interpreter. Its
+        # state goes over a pipe, never through a file: a file in a cache directory others
+        # can write to would let them run code in the fetcher when it is unpickled.
         clone.__setstate__(clone.__getstate__())
-        atomic_write_bytes(spec, pickle.dumps(clone), fsync=False)
+        payload = pickle.dumps(clone)
         with open(lock[: -len(".lock")] + ".log", "ab") as err:
-            _CHILDREN.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "unbroken.data.stream.fetcher", spec],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=err,
-                    close_fds=True,
-                )
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "unbroken.data.stream.fetcher"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                close_fds=True,
             )
+        _CHILDREN.append(proc)
+        # written from a thread: the child reads it all once its interpreter is up
+        threading.Thread(
+            target=_feed, args=(proc.stdin, payload), name="unbroken-fetcher-feed", daemon=True
+        ).start()
 
     def serve(self, idle_exit: float = 10.0) -> None:
         """The fetcher process's loop: prefetch for every live reader of this dataset on the
@@ -1336,7 +1338,7 @@ class RemoteCache:
             log.exception("fetcher for %s stopped", self.cache_dir)
 
     def _serve(self, idle_exit: float) -> None:
-        lock, _ = self._fetch_paths()
+        lock = self._fetch_lock()
         fd = _open_fd(lock)
         if not _flock(fd, fcntl.LOCK_EX):
             return
@@ -1796,3 +1798,13 @@ def read_events(cache_dir: str) -> list[dict[str, Any]]:
         except FileNotFoundError:
             continue
     return out
+
+
+def _feed(pipe: Any, payload: bytes) -> None:
+    """Write ``payload`` into a child's stdin and close it (a child that died first: nothing
+    to do; its readers start another)."""
+    try:
+        pipe.write(payload)
+        pipe.close()
+    except OSError:
+        pass

@@ -1,7 +1,8 @@
-"""The per-node download process of a remote dataset: ``python -m unbroken.data.stream.fetcher SPEC``.
+"""The per-node download process of a remote dataset: ``python -m unbroken.data.stream.fetcher``.
 
 Started by the first reader of a :class:`~unbroken.data.stream.cache.RemoteCache` that finds none
-running (``SPEC`` is the pickled cache: manifests, order, options; no torch, no transform);
+running, which writes the pickled cache (manifests, order, options; no torch, no transform)
+into this process's stdin: a pipe from the parent, never a file others could replace;
 holds ``<cache_dir>/.fetch/<dataset>.lock`` while it runs, so there is one per node and
 dataset; exits 10 s after the last reader is gone. Downloads run here rather than in the
 DataLoader workers because a worker busy decoding holds the GIL and starves the I/O threads
@@ -17,11 +18,11 @@ import sys
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s fetcher %(message)s")
-    if len(argv) != 1:
-        print("usage: python -m unbroken.data.stream.fetcher SPEC", file=sys.stderr)
+    if argv:
+        print("usage: python -m unbroken.data.stream.fetcher < PICKLED_CACHE", file=sys.stderr)
         return 2
-    with open(argv[0], "rb") as f:
-        cache = pickle.load(f)  # written by RemoteCache._spawn_fetcher on this node
+    payload = sys.stdin.buffer.read()  # all of it first: the parent's writer is not kept waiting
+    cache = pickle.loads(payload)  # from RemoteCache._spawn_fetcher, our parent, over a pipe
     cache.serve()
     return 0
 
