@@ -147,6 +147,24 @@ def _wait(cond: Any, timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
+def _no_fetcher(cache: str) -> bool:
+    """No fetcher process serves a dataset of ``cache`` (each holds its ``.fetch/*.lock``)."""
+    import fcntl
+
+    d = os.path.join(cache, ".fetch")
+    for name in os.listdir(d) if os.path.isdir(d) else []:
+        if not name.endswith(".lock"):
+            continue
+        fd = os.open(os.path.join(d, name), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+    return True
+
+
 def _lines(path: str) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         return []
@@ -284,7 +302,10 @@ def test_two_ranks_two_workers_bounded_cache_kill_and_resume(
         if e["ev"] in ("download", "evict"):
             first_after.setdefault(e["shard"], e["ev"])
     assert complete and not [s for s in complete if first_after.get(s) == "download"]
-    # the killed processes' partial downloads are gone; the index matches the disk
+    # the killed processes' partial downloads are gone; the index matches the disk once the
+    # fetcher has stopped (it may still prefetch for a while after the readers are done, and
+    # a reservation in the index counts bytes its download has not written yet)
+    _wait(lambda: _no_fetcher(cache), 60, "the fetcher to exit")
     names = os.listdir(os.path.join(cache, m.fingerprint[:16]))
     assert not [n for n in names if n.startswith(".tmp-")]
     from unbroken.data.stream.cache import _unpack_index
