@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from unbroken.data.stream.cache import CacheOptions, check_cache_args, epoch_plan, parse_size
+from unbroken.common.config import parse_size
+from unbroken.data.stream.cache import CacheOptions, check_cache_args, epoch_plan
 from unbroken.data.stream.dataset import Source, StreamingDataset
 from unbroken.elastic.faults import DEFAULT_RULES, FaultClass
 

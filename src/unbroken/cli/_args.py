@@ -15,6 +15,8 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from unbroken.common.config import parse_size
+
 __all__ = [
     "ConfigFlag",
     "Formatter",
@@ -74,24 +76,10 @@ def add_command(
 
 
 def size(text: str) -> int:
-    """``"256MB"`` -> 256_000_000, ``"1GiB"`` -> 1_073_741_824, ``"4096"`` -> 4096."""
-    units = {
-        "": 1,
-        "B": 1,
-        "KB": 10**3,
-        "MB": 10**6,
-        "GB": 10**9,
-        "TB": 10**12,
-        "KIB": 2**10,
-        "MIB": 2**20,
-        "GIB": 2**30,
-        "TIB": 2**40,
-    }
-    t = text.strip().upper()
-    num = t.rstrip("KMGTIB")
+    """An argparse type: ``"256MB"`` -> 256_000_000, ``"1GiB"`` -> 1_073_741_824 (> 0)."""
     try:
-        n = int(float(num) * units[t[len(num) :]])
-    except (KeyError, ValueError, OverflowError):  # OverflowError: "1e400" is inf
+        n = parse_size(text)
+    except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size like 256MB or 1GiB") from None
     if n <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive, like 256MB")

@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = ["check_choice", "check_count", "check_flag", "check_seconds", "resolve"]
+__all__ = [
+    "check_choice",
+    "check_count",
+    "check_flag",
+    "check_seconds",
+    "parse_size",
+    "resolve",
+]
 
 C = TypeVar("C", bound="DataclassInstance")
 
@@ -89,3 +96,32 @@ def check_flag(owner: str, name: str, v: Any, *, none: str | None = None) -> Non
 def check_choice(owner: str, name: str, v: Any, choices: Sequence[str]) -> None:
     if v not in choices:
         raise ValueError(f"{owner}.{name}={v!r} is not one of {tuple(choices)}")
+
+
+def parse_size(text: str | int) -> int:
+    """``"200GB"`` -> 200_000_000_000, ``"1GiB"`` -> 1_073_741_824, ``4096`` -> 4096."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"size {text} must be >= 0")
+        return text
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
+    t = str(text).strip().upper()
+    num = t.rstrip("KMGTIB")
+    try:
+        value = int(float(num) * units[t[len(num) :]])
+    except (KeyError, ValueError, OverflowError):  # OverflowError: "1e400" is inf
+        raise ValueError(f"{text!r} is not a size like 256MB or 1GiB") from None
+    if value < 0:
+        raise ValueError(f"size {text!r} must be >= 0")
+    return value

@@ -68,6 +68,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from unbroken.common.config import parse_size
 from unbroken.common.fs import is_remote, is_temp_name
 from unbroken.data.manifest import DatasetManifest, join_path
 from unbroken.data.prepare.stage import RemoteStorageError, fetch_verified
@@ -83,7 +84,6 @@ __all__ = [
     "load_remote_manifest",
     "network_probe",
     "open_cache",
-    "parse_size",
     "read_events",
 ]
 
@@ -96,35 +96,6 @@ _NEVER = np.iinfo(np.int64).max  # "no known next use"
 _SLOTS = 64  # network-wait slots per rank process (one per DataLoader worker)
 _PLANS = 4
 _EVENTS_MAX = 64 << 20  # the events log is rotated to .events.1 beyond this
-
-
-def parse_size(text: str | int) -> int:
-    """``"200GB"`` -> 200_000_000_000, ``"1GiB"`` -> 1_073_741_824, ``4096`` -> 4096."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise ValueError(f"size {text} must be >= 0")
-        return text
-    units = {
-        "": 1,
-        "B": 1,
-        "KB": 10**3,
-        "MB": 10**6,
-        "GB": 10**9,
-        "TB": 10**12,
-        "KIB": 2**10,
-        "MIB": 2**20,
-        "GIB": 2**30,
-        "TIB": 2**40,
-    }
-    t = str(text).strip().upper()
-    num = t.rstrip("KMGTIB")
-    try:
-        value = int(float(num) * units[t[len(num) :]])
-    except (KeyError, ValueError):
-        raise ValueError(f"{text!r} is not a size like 256MB or 1GiB") from None
-    if value < 0:
-        raise ValueError(f"size {text!r} must be >= 0")
-    return value
 
 
 @dataclass(frozen=True)
