@@ -367,48 +367,35 @@ def bench_dataset(
     scratch cache under ``cache_dir``, removed afterwards), then the other stages on the
     downloaded shards in manifest order.
     """
+    import shutil
+    import tempfile
+
     from unbroken.common.fs import is_remote
 
+    scratch = None
     if is_remote(root):
-        import shutil
-        import tempfile
-
         if cache_dir is not None:
             os.makedirs(cache_dir, exist_ok=True)
         scratch = tempfile.mkdtemp(prefix="unbroken-bench-cache-", dir=cache_dir)
-        try:
-            return _bench(
-                root,
-                batch_size,
-                num_workers,
-                consume_rate,
-                transform,
-                collate,
-                seq_len,
-                device,
-                num_batches,
-                max_seconds,
-                seed,
-                scratch,
-                storage_options,
-            )
-        finally:
+    try:
+        return _bench(
+            root,
+            batch_size,
+            num_workers,
+            consume_rate,
+            transform,
+            collate,
+            seq_len,
+            device,
+            num_batches,
+            max_seconds,
+            seed,
+            scratch,
+            storage_options if scratch is not None else None,
+        )
+    finally:
+        if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
-    return _bench(
-        root,
-        batch_size,
-        num_workers,
-        consume_rate,
-        transform,
-        collate,
-        seq_len,
-        device,
-        num_batches,
-        max_seconds,
-        seed,
-        None,
-        None,
-    )
 
 
 def _bench(
