@@ -26,7 +26,7 @@ def _inspect(a: argparse.Namespace) -> int:
 def _verify(a: argparse.Namespace) -> int:
     from unbroken.ckpt.export import verify_report
 
-    ok, report = verify_report(a.dir, a.step)
+    ok, report = verify_report(a.dir, a.step, progress=not a.no_progress)
     print(report)
     return 0 if ok else 1
 
@@ -34,7 +34,11 @@ def _verify(a: argparse.Namespace) -> int:
 def _export(a: argparse.Namespace) -> int:
     from unbroken.ckpt.export import export_safetensors
 
-    print(export_safetensors(a.dir, a.to, step=a.step, component=a.component))
+    print(
+        export_safetensors(
+            a.dir, a.to, step=a.step, component=a.component, progress=not a.no_progress
+        )
+    )
     return 0
 
 
@@ -79,6 +83,7 @@ def add_ckpt(sub: Sub) -> None:
     )
     p.add_argument("dir", help="checkpoint root")
     _step(p, "default: every step-N directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = add_command(
         cs,
@@ -98,3 +103,4 @@ def add_ckpt(sub: Sub) -> None:
         default="model",
         help="TrainState component to export: model (default), ema, or model.NAME",
     )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")

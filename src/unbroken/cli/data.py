@@ -62,6 +62,7 @@ def _add_index(ds: Sub) -> None:
     )
     p.add_argument("dir", help="directory of .tar shards")
     p.add_argument("--workers", type=int, default=None, help="processes (default: CPU count)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _add_tokenize(ds: Sub) -> None:
@@ -162,7 +163,7 @@ def _pack(a: argparse.Namespace) -> int:
 def _index(a: argparse.Namespace) -> int:
     from unbroken.data.prepare.pack import index_directory
 
-    r = index_directory(a.dir, workers=a.workers)
+    r = index_directory(a.dir, workers=a.workers, progress=not a.no_progress)
     m = r.manifest
     print(
         f"indexed {len(m.shards)} shards, {m.num_samples} samples in {r.seconds:.2f}s; "
