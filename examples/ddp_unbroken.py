@@ -16,8 +16,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from unbroken import MetricLog, global_ids
 from unbroken.ckpt import Checkpointer, TrainState
-from unbroken.common.metrics import MetricLog, global_ids
 from unbroken.data import StatefulLoader, StreamingDataset
 from unbroken.elastic import beat
 

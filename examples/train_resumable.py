@@ -14,12 +14,9 @@ import sys
 import numpy as np
 import torch
 
+from unbroken import MetricLog
 from unbroken.ckpt import Checkpointer, TrainState
-from unbroken.common.metrics import MetricLog
-from unbroken.data.feed.prefetch import DevicePrefetcher
-from unbroken.data.prepare.pack import pack
-from unbroken.data.stream.dataset import StreamingDataset
-from unbroken.data.stream.loader import StatefulLoader
+from unbroken.data import DevicePrefetcher, StatefulLoader, StreamingDataset, pack
 from unbroken.elastic import beat
 
 

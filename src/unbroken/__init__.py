@@ -16,6 +16,7 @@ _LAZY = {
     "TrainState": "unbroken.ckpt",
     "read_checkpoint": "unbroken.ckpt",
     "MetricLog": "unbroken.common.metrics",
+    "global_ids": "unbroken.common.metrics",
     "StreamingDataset": "unbroken.data",
     "StatefulLoader": "unbroken.data",
     "LoaderConfig": "unbroken.data",
