@@ -235,6 +235,18 @@ def _restore_check(inj: Injection, restored: int | None) -> Check:
     )
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """What a fault-specific check looks at: the run's events, the failure record, the
+    checkpoint root, the metric log and the step restored after the fault."""
+
+    events: list[dict[str, Any]]
+    fail: dict[str, Any]
+    ckpt_root: str
+    records: list[dict[str, Any]]
+    restored: int | None
+
+
 def _specific(
     inj: Injection,
     events: list[dict[str, Any]],
@@ -243,89 +255,97 @@ def _specific(
     records: list[dict[str, Any]],
     restored: int | None,
 ) -> list[Check]:
-    kind, f = inj.spec.kind, inj.facts
-    if kind == "kill-in-save":
-        left = os.path.exists(os.path.join(ckpt_root, f["tmp_dir"]))
-        files = ", ".join(f["tmp_files"]) or "still empty"
-        return [
-            Check(
-                "debris",
-                not left,
-                f"half-written {f['tmp_dir']} ({files}) "
-                + (
-                    "still there after the restore"
-                    if left
-                    else f"removed by the restore, step {f['save_step']} never visible"
-                ),
-            )
-        ]
-    if kind == "hang":
-        hang = next((e for e in events if e["event"] == "hang" and e["t"] >= (inj.t or 0)), None)
-        stacks = hang.get("stacks", []) if hang else []
-        return [
-            Check(
-                "stack dumps",
-                bool(stacks),
-                f"{len(stacks)} written: {', '.join(os.path.basename(s) for s in stacks)}"
-                if stacks
-                else "no stack dump written",
-            )
-        ]
-    if kind == "corrupt":
-        prefix = f"corrupt-step-{int(f['corrupted_step']):08d}-"
-        try:
-            q = [n for n in os.listdir(ckpt_root) if n.startswith(prefix)]
-        except OSError:
-            q = []
-        return [
-            Check(
-                "quarantined",
-                bool(q),
-                f"{f['detail']} in {f['file']}; "
-                + (f"moved to {q[0]}" if q else "the damaged checkpoint was not quarantined"),
-            )
-        ]
-    if kind == "storage":
-        until = float(f.get("outage_until", 0.0))
-        early = [e for e in events if e["event"] == "launch" and fail["t"] <= e["t"] <= until]
-        n = int(f.get("failing_preflights", 0))
-        return [
-            Check(
-                "waited",
-                not early and n >= 2,
-                f"{n} failing pre-flights during the {until - fail['t']:.1f} s outage, "
-                + (
-                    f"{len(early)} restart(s) while the storage was down"
-                    if early
-                    else "no restart until it was back"
-                ),
-            )
-        ]
-    if kind in ("agent-loss", "world-size"):
-        after = [
-            int(r.get("world_size", 0))
-            for r in records
-            if restored is not None and r["step"] > restored
-        ]
-        seen = sorted(set(after))
-        if kind == "world-size":
-            return [
-                Check(
-                    "world size",
-                    bool(after) and seen == [1],
-                    f"steps after the restore ran on world size(s) {seen or 'none'}",
-                )
-            ]
-        # Going on alone and getting the node back are both correct elastic behaviour.
-        how = "the node rejoined" if seen and seen[-1] > 1 else "went on without the node"
-        return [
-            Check(
-                "world size",
-                bool(after),
-                f"steps after the restore ran on world size(s) {seen or 'none'} ({how})",
-            )
-        ]
-    return []
+    """The check that proves this kind of fault was handled the right way (none for a kill)."""
+    check = _SPECIFIC.get(inj.spec.kind)
+    return [] if check is None else [check(inj, _Seen(events, fail, ckpt_root, records, restored))]
+
+
+def _debris_removed(inj: Injection, seen: _Seen) -> Check:
+    f = inj.facts
+    left = os.path.exists(os.path.join(seen.ckpt_root, f["tmp_dir"]))
+    files = ", ".join(f["tmp_files"]) or "still empty"
+    after = (
+        "still there after the restore"
+        if left
+        else f"removed by the restore, step {f['save_step']} never visible"
+    )
+    return Check("debris", not left, f"half-written {f['tmp_dir']} ({files}) {after}")
+
+
+def _stacks_dumped(inj: Injection, seen: _Seen) -> Check:
+    t0 = inj.t or 0
+    hang = next((e for e in seen.events if e["event"] == "hang" and e["t"] >= t0), None)
+    stacks = hang.get("stacks", []) if hang else []
+    names = ", ".join(os.path.basename(s) for s in stacks)
+    detail = f"{len(stacks)} written: {names}" if stacks else "no stack dump written"
+    return Check("stack dumps", bool(stacks), detail)
+
+
+def _quarantined(inj: Injection, seen: _Seen) -> Check:
+    f = inj.facts
+    prefix = f"corrupt-step-{int(f['corrupted_step']):08d}-"
+    try:
+        q = [n for n in os.listdir(seen.ckpt_root) if n.startswith(prefix)]
+    except OSError:
+        q = []
+    where = f"moved to {q[0]}" if q else "the damaged checkpoint was not quarantined"
+    return Check("quarantined", bool(q), f"{f['detail']} in {f['file']}; {where}")
+
+
+def _waited_for_storage(inj: Injection, seen: _Seen) -> Check:
+    f, t_fail = inj.facts, seen.fail["t"]
+    until = float(f.get("outage_until", 0.0))
+    early = [e for e in seen.events if e["event"] == "launch" and t_fail <= e["t"] <= until]
+    n = int(f.get("failing_preflights", 0))
+    how = (
+        f"{len(early)} restart(s) while the storage was down"
+        if early
+        else "no restart until it was back"
+    )
+    return Check(
+        "waited",
+        not early and n >= 2,
+        f"{n} failing pre-flights during the {until - t_fail:.1f} s outage, {how}",
+    )
+
+
+def _world_after(seen: _Seen) -> tuple[list[int], list[int]]:
+    after = [
+        int(r.get("world_size", 0))
+        for r in seen.records
+        if seen.restored is not None and r["step"] > seen.restored
+    ]
+    return after, sorted(set(after))
+
+
+def _went_on_alone(inj: Injection, seen: _Seen) -> Check:
+    after, sizes = _world_after(seen)
+    return Check(
+        "world size",
+        bool(after) and sizes == [1],
+        f"steps after the restore ran on world size(s) {sizes or 'none'}",
+    )
+
+
+def _went_on_elastic(inj: Injection, seen: _Seen) -> Check:
+    # Going on alone and getting the node back are both correct elastic behaviour.
+    after, sizes = _world_after(seen)
+    how = "the node rejoined" if sizes and sizes[-1] > 1 else "went on without the node"
+    return Check(
+        "world size",
+        bool(after),
+        f"steps after the restore ran on world size(s) {sizes or 'none'} ({how})",
+    )
+
+
+_SPECIFIC = {
+    "kill-in-save": _debris_removed,
+    "hang": _stacks_dumped,
+    "corrupt": _quarantined,
+    "storage": _waited_for_storage,
+    "agent-loss": _went_on_elastic,
+    "world-size": _went_on_alone,
+}
 
 
 # --- per run ------------------------------------------------------------------------------
