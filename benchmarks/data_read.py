@@ -158,9 +158,8 @@ def prepare(root: str, n: int) -> None:
 
 def _prepare_tokens(root: str) -> None:
     """Token shards (ours) and the same tokens as one flat file (nanoGPT's train.bin)."""
-    from unbroken.common.fs import checksum_bytes
-    from unbroken.data.manifest import DatasetManifest, ShardInfo
-    from unbroken.data.tokens.shard import TokenShardWriter, num_sequences
+    from unbroken.data.manifest import DatasetManifest
+    from unbroken.data.tokens.shard import TokenShardWriter
 
     out = f"{root}/tokens"
     os.makedirs(out, exist_ok=True)
@@ -173,22 +172,9 @@ def _prepare_tokens(root: str) -> None:
         w = TokenShardWriter(f"{out}/{name}", "uint16", 0, fsync=False)
         while w.num_tokens < per_shard:
             w.add(rng.integers(1, 50_000, int(rng.integers(200, 2000)), dtype=np.uint16))
-        size, digest, raw = w.commit()
+        infos.append(w.commit_info(SEQ_LEN))
         with open(f"{out}/{name}", "rb") as f:
             flat.write(f.read())
-        infos.append(
-            ShardInfo(
-                name,
-                num_sequences(w.num_tokens, SEQ_LEN),
-                size,
-                digest,
-                name + ".idx",
-                len(raw),
-                checksum_bytes(raw),
-                w.num_documents,
-                w.num_tokens,
-            )
-        )
     flat.close()
     DatasetManifest.create("tokens", infos, dtype="uint16", eos_id=0, seq_len=SEQ_LEN).save(out)
 

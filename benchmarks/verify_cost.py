@@ -51,10 +51,9 @@ def make_sample(i: int) -> dict[str, Any]:
 
 
 def prepare(root: str, n: int) -> None:
-    from unbroken.common.fs import checksum_bytes
-    from unbroken.data.manifest import DatasetManifest, ShardInfo
+    from unbroken.data.manifest import DatasetManifest
     from unbroken.data.prepare.pack import pack
-    from unbroken.data.tokens.shard import TokenShardWriter, num_sequences
+    from unbroken.data.tokens.shard import TokenShardWriter
 
     done = os.path.join(root, f"ready-{n}-2")
     if os.path.exists(done):
@@ -70,20 +69,7 @@ def prepare(root: str, n: int) -> None:
         w = TokenShardWriter(f"{out}/{name}", "uint16", 0, fsync=False)
         while w.num_tokens < TOKENS // 2:
             w.add(rng.integers(1, 50_000, int(rng.integers(200, 2000)), dtype=np.uint16))
-        size, digest, raw = w.commit()
-        infos.append(
-            ShardInfo(
-                name,
-                num_sequences(w.num_tokens, SEQ_LEN),
-                size,
-                digest,
-                name + ".idx",
-                len(raw),
-                checksum_bytes(raw),
-                w.num_documents,
-                w.num_tokens,
-            )
-        )
+        infos.append(w.commit_info(SEQ_LEN))
     DatasetManifest.create("tokens", infos, dtype="uint16", eos_id=0, seq_len=SEQ_LEN).save(out)
     open(done, "w").close()
 

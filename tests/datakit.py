@@ -47,9 +47,8 @@ def build_token_dataset(
 ) -> str:
     """Token ids count up from 1 across the dataset (EOS = 0 between documents), so the
     largest id of a sequence identifies it uniquely."""
-    from unbroken.common.fs import checksum_bytes
-    from unbroken.data.manifest import DatasetManifest, ShardInfo
-    from unbroken.data.tokens.shard import TokenShardWriter, num_sequences
+    from unbroken.data.manifest import DatasetManifest
+    from unbroken.data.tokens.shard import TokenShardWriter
 
     os.makedirs(out, exist_ok=True)
     infos = []
@@ -64,20 +63,7 @@ def build_token_dataset(
             w.add(np.arange(nxt, nxt + k))
             nxt += k
             left -= k + 1
-        nbytes, digest, raw = w.commit()
-        infos.append(
-            ShardInfo(
-                name=name,
-                samples=num_sequences(w.num_tokens, seq_len),
-                bytes=nbytes,
-                checksum=digest,
-                index=name + ".idx",
-                index_bytes=len(raw),
-                index_checksum=checksum_bytes(raw),
-                documents=w.num_documents,
-                tokens=w.num_tokens,
-            )
-        )
+        infos.append(w.commit_info(seq_len))
     DatasetManifest.create("tokens", infos, dtype="uint32", eos_id=0, seq_len=seq_len).save(out)
     return out
 

@@ -66,7 +66,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import context as mp_context
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -103,6 +103,7 @@ from unbroken.data.tokens.shard import TokenShard, num_sequences
 __all__ = ["ON_CORRUPT", "CacheOptions", "Source", "StreamingDataset"]
 
 ON_CORRUPT = ("raise", "skip")
+T = TypeVar("T")
 _FEW = 8  # a shard's first read of up to this many samples skips building its row table
 _xxh64 = xxhash.xxh3_64_intdigest  # the member checksum of a shard index (shards.py)
 
@@ -244,11 +245,23 @@ class _Reader:
         if index_format(magic) == 1:
             warn_unverified(self.root, path)
 
-    def _open_error(self, shard: int, e: OSError) -> ShardError:
-        return ShardError(
-            f"dataset {self.root}: shard {self.manifest.shards[shard].name} cannot be opened "
-            f"({e}); re-copy the dataset (`unbroken data stage` verifies what it copies)"
-        )
+    def _open_with(self, cls: Callable[..., T], shard: int) -> T:
+        """``cls(shard file, its index, ...)`` (a tar or token shard reader) with this
+        dataset's verification settings; an OS error names the shard and the fix."""
+        info = self.manifest.shards[shard]
+        try:
+            return cls(
+                self._path(shard),
+                os.path.join(self.root, info.index),
+                verify=self.verify,
+                index_checksum=info.index_checksum,
+                dataset=self.root,
+            )
+        except OSError as e:
+            raise ShardError(
+                f"dataset {self.root}: shard {info.name} cannot be opened ({e}); re-copy the "
+                "dataset (`unbroken data stage` verifies what it copies)"
+            ) from None
 
     def __getstate__(self) -> dict[str, Any]:
         # Open files are per process; a worker started by spawn/forkserver reopens lazily.
@@ -270,16 +283,7 @@ class _TarReader(_Reader):
 
     def _open_shard(self, shard: int) -> _MappedShard:
         info = self.manifest.shards[shard]
-        try:
-            r = ShardReader(
-                self._path(shard),
-                os.path.join(self.root, info.index),
-                verify=self.verify,
-                index_checksum=info.index_checksum,
-                dataset=self.root,
-            )
-        except OSError as e:
-            raise self._open_error(shard, e) from None
+        r = self._open_with(ShardReader, shard)
         if self.verify and (r.index.tar_bytes, r.index.tar_checksum) != (info.bytes, info.checksum):
             r.close()
             raise ShardError(
@@ -502,16 +506,7 @@ class _TokenReader(_Reader):
 
     def _open_shard(self, shard: int) -> TokenShard:
         info, m = self.manifest.shards[shard], self.manifest
-        try:
-            ts = TokenShard(
-                self._path(shard),
-                os.path.join(self.root, info.index),
-                verify=self.verify,
-                index_checksum=info.index_checksum,
-                dataset=self.root,
-            )
-        except OSError as e:
-            raise self._open_error(shard, e) from None
+        ts = self._open_with(TokenShard, shard)
         want = (m.dtype, m.eos_id, info.bytes, info.checksum)
         have = (ts.dtype.name, ts.eos_id, ts.tokens.nbytes, ts.checksum)
         if self.verify and have != want:

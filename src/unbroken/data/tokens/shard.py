@@ -36,8 +36,10 @@ import numpy as np
 import xxhash
 
 from unbroken.common.fs import (
+    checksum_bytes,
     checksum_file,
 )
+from unbroken.data.manifest import ShardInfo
 from unbroken.data.tar.reader import (
     CorruptSampleError,
     ShardError,
@@ -196,6 +198,23 @@ class TokenShardWriter(IndexedFileWriter):
         raw = body + xxhash.xxh3_64_intdigest(body).to_bytes(_HASH, "little")
         self._publish(raw)
         return self.size, self.checksum, raw
+
+    def commit_info(self, seq_len: int | None) -> ShardInfo:
+        """:meth:`commit`, returning the shard's ``dataset.json`` record: its samples are
+        sequences of ``seq_len`` (documents when None), its index the ``.idx`` beside it."""
+        size, digest, raw = self.commit()
+        name = os.path.basename(self.path)
+        return ShardInfo(
+            name,
+            num_sequences(self.num_tokens, seq_len) if seq_len else self.num_documents,
+            size,
+            digest,
+            name + TOKEN_INDEX_SUFFIX,
+            len(raw),
+            checksum_bytes(raw),
+            documents=self.num_documents,
+            tokens=self.num_tokens,
+        )
 
 
 class TokenShard:

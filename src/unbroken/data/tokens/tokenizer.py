@@ -30,7 +30,6 @@ import numpy as np
 
 from unbroken.common.fs import (
     atomic_write_bytes,
-    checksum_bytes,
     checksum_file,
     ensure_out_dir,
     hasher,
@@ -429,22 +428,7 @@ class _ShardFiller:
         w = self.writer
         if w is None:
             return
-        size, digest, raw = w.commit()
-        name = os.path.basename(w.path)
-        n_seq = num_sequences(w.num_tokens, self.seq_len) if self.seq_len else w.num_documents
-        self.shards.append(
-            ShardInfo(
-                name,
-                n_seq,
-                size,
-                digest,
-                name + TOKEN_INDEX_SUFFIX,
-                len(raw),
-                checksum_bytes(raw),
-                documents=w.num_documents,
-                tokens=w.num_tokens,
-            )
-        )
+        self.shards.append(w.commit_info(self.seq_len))
         self.writer = None
         _save_state(self.out, self.config, self.shards, self.docs)
 
