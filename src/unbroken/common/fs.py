@@ -11,6 +11,7 @@ import collections
 import contextlib
 import errno
 import os
+import stat
 import uuid
 from collections.abc import Iterator
 from typing import IO, Any
@@ -20,6 +21,7 @@ import xxhash
 __all__ = [
     "CHECKSUM_ALGO",
     "HashingWriter",
+    "PrivateDirError",
     "atomic_write",
     "atomic_write_bytes",
     "checksum_bytes",
@@ -31,6 +33,8 @@ __all__ = [
     "is_remote",
     "is_temp_name",
     "local_path",
+    "open_private",
+    "private_dir",
     "temp_sibling",
 ]
 
@@ -239,3 +243,72 @@ def ensure_out_dir(out: str) -> None:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise ValueError(f"{out}: cannot create the output directory ({e.strerror})") from None
+
+
+# --- private places on a shared node ---------------------------------------------------------
+# A directory that only this user can write is the one root of trust for the fixed names in it:
+# nobody else can plant a symlink or a file there. private_dir checks that once; open_private
+# opens a fixed name inside such a directory without following a link and with mode 0600.
+
+_GROUP_OR_WORLD_WRITABLE = stat.S_IWGRP | stat.S_IWOTH
+
+
+class PrivateDirError(PermissionError):
+    """A directory that must be private to this user is not (another owner, writable by
+    group or others, or not a directory). The message names the path, what was found and the
+    fix."""
+
+
+def private_dir(path: str, *, purpose: str = "directory") -> str:
+    """Create ``path`` with mode 0700 (parents as ``makedirs`` would), or accept it if it
+    already exists, is a real directory (not a symlink), is owned by this user and is not
+    writable by group or others. Anything else raises :class:`PrivateDirError` naming the
+    directory, its owner and mode, and the fix. Returns ``path``.
+
+    ``purpose`` (``"run directory"``, ``"cache directory"``) makes the message say what the
+    directory is for.
+    """
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except FileExistsError:
+        pass  # a non-directory there: the lstat below names it
+    except OSError as e:
+        raise PrivateDirError(
+            f"{path}: cannot create the {purpose} ({e.strerror}); pass a path this user can create"
+        ) from None
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise PrivateDirError(
+            f"{path}: the {purpose} is {kind}; it must be a real directory owned by this user "
+            "(remove it, or pass another path)"
+        )
+    uid = os.geteuid()
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid != uid or mode & _GROUP_OR_WORLD_WRITABLE:
+        owner = "this user" if st.st_uid == uid else f"uid {st.st_uid}"
+        raise PrivateDirError(
+            f"{path}: the {purpose} is owned by {owner} with mode {mode:04o}; other users could "
+            f"plant or replace files in it. Use a directory owned by uid {uid} that group and "
+            f"others cannot write (chmod go-w {path}), or pass another path"
+        )
+    return path
+
+
+def open_private(path: str, flags: int, *, mode: int = 0o600) -> int:
+    """``os.open`` for a fixed name inside a :func:`private_dir`: never follows a symlink
+    (``O_NOFOLLOW``), creates with ``mode`` (0600), closes on exec, and refuses anything but a
+    regular file owned by this user. Returns the fd; raises ``OSError`` (``ELOOP`` for a
+    symlink) or :class:`PrivateDirError`."""
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise PrivateDirError(
+                f"{path}: expected a regular file owned by this user, found mode "
+                f"{stat.S_IMODE(st.st_mode):04o} owned by uid {st.st_uid}; remove it"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
