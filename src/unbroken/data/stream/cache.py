@@ -74,6 +74,7 @@ import mmap
 import os
 import shutil
 import stat
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -419,7 +420,7 @@ def _stamp(files: list[tuple[str, int]]) -> int:
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             return 0
         parts += [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
-    return (xxhash.xxh64_intdigest(np.array(parts, dtype=np.uint64).tobytes()) >> 1) or 1
+    return (xxhash.xxh64_intdigest(struct.pack(f"<{len(parts)}Q", *parts)) >> 1) or 1
 
 
 def _read_private(path: str, limit: int | None = None) -> bytes:
@@ -739,6 +740,7 @@ class _Proc:
         self.wakers: dict[int, threading.Event] = {}  # unit -> set when its lock is released
         self.stamps: dict[tuple[int, int], int] = {}  # ready units' stamps at stamps_gen
         self.stamps_gen = -1
+        self.gen_fd = -1  # .index, read-only, for its generation
         # On exit, abort the downloads in flight so that they leave no partial file or
         # reservation behind (a DataLoader worker exits through multiprocessing, which runs
         # its finalizers but not atexit).
@@ -1209,14 +1211,19 @@ class RemoteCache:
             return 0
 
     def _generation(self) -> int:
+        """The index's generation (0: no index). Read through a descriptor kept per process:
+        the index is rewritten in place; one that was removed is opened again."""
+        st = self._proc()
         try:
-            fd = open_private(os.path.join(self.cache_dir, ".index"), os.O_RDONLY)
+            if st.gen_fd < 0 or os.fstat(st.gen_fd).st_nlink == 0:
+                if st.gen_fd >= 0:
+                    _close_fd(st.gen_fd)
+                    st.gen_fd = -1
+                st.gen_fd = open_private(os.path.join(self.cache_dir, ".index"), os.O_RDONLY)
+                _FDS.add(st.gen_fd)
+            head = os.pread(st.gen_fd, 16, 0)
         except OSError:
             return 0
-        try:
-            head = os.pread(fd, 16, 0)
-        finally:
-            os.close(fd)
         return int.from_bytes(head[8:16], "little") if len(head) == 16 else 0
 
     def _acquire(self, uid: int) -> _Pin:
