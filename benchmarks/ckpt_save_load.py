@@ -306,70 +306,167 @@ class Bench:
 # --- the async stall --------------------------------------------------------------------------
 
 
+class AsyncSaves:
+    """The asynchronous-save contenders, like for like (issue 23): a copy into preallocated
+    buffers (the floor), unbroken's async save, ``dcp.async_save`` + ``DefaultStager`` and
+    plain ``dcp.async_save``, DCP at unbroken's writer-thread count, none pre-warmed.
+    ``run`` times each one's call (the loop's stall) and waits for its background part
+    before the next starts; the first call of each is its warm-up, the order rotates."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, root: str, floor: str):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        cuda = next(model.parameters()).is_cuda
+        self.sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        self.flat = _tensors(self.sd)
+        self.bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in self.flat]
+        self.st = TrainState(model=model, optimizer=opt)
+        self.ck = Checkpointer(
+            os.path.join(root, "ub-async"), self.st, async_save=True, keep_last=1
+        )
+        self.stager = DefaultStager(StagingOptions(cuda, not cuda, cuda, cuda))
+        self.root, self.cuda, self.count = root, cuda, 0
+        self.dcp_dirs: list[str] = []  # finished DCP checkpoints, oldest first
+        self.contenders: dict[str, Callable[[], Callable[[], Any]]] = {
+            floor: self._copy,
+            "unbroken Checkpointer(async_save=True).save": self._ub,
+            "dcp.async_save + DefaultStager": lambda: self._dcp(True),
+            "dcp.async_save": lambda: self._dcp(False),
+        }
+
+    def _copy(self) -> Callable[[], Any]:
+        for x, t in zip(self.bufs, self.flat, strict=True):
+            x.copy_(t, non_blocking=self.cuda)
+        return lambda: None
+
+    def _ub(self) -> Callable[[], Any]:
+        self.count += 1
+        self.st.step = self.count
+        self.ck.save()
+        return self.ck.wait
+
+    def _dcp(self, stage: bool) -> Callable[[], Any]:
+        self.count += 1
+        path = os.path.join(self.root, f"dcpa{self.count}")
+        w = FileSystemWriter(path, thread_count=self.ck.io_threads)
+        stager = self.stager if stage else None
+        r = dcp.async_save(self.sd, storage_writer=w, async_stager=stager)
+        done = r.upload_completion if hasattr(r, "upload_completion") else r
+        return lambda: (done.result(), self.dcp_dirs.append(path))
+
+    def run(
+        self, calls: int, timer: Callable[[Callable[[], Any]], float]
+    ) -> dict[str, list[float]]:
+        """``calls`` per contender (the first one its warm-up); keeps only the newest DCP
+        checkpoint on disk."""
+        out: dict[str, list[float]] = {k: [] for k in self.contenders}
+        for r in range(calls):
+            for name in rotated(list(self.contenders), r):
+                wait: list[Callable[[], Any]] = []
+                out[name].append(timer(lambda n=name: wait.append(self.contenders[n]())))
+                wait[0]()
+                while len(self.dcp_dirs) > 1:
+                    shutil.rmtree(self.dcp_dirs.pop(0))
+        return out
+
+    def close(self) -> None:
+        self.ck.close()
+        self.stager.close()
+
+
 def stall_table(b: Bench, saves: int) -> dict[str, Any]:
     """Training-loop stall per asynchronous checkpoint: a warm-up call per contender, then
     ``saves`` timed calls each, order rotated per round, each save finished before the next."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    cuda = torch.cuda.is_available()
-    sd = b.sd()
-    flat = _tensors(sd)
-    bufs = [torch.empty_like(t, pin_memory=cuda) for t in flat]
-    st = TrainState(model=b.model, optimizer=b.opt)
-    ck = Checkpointer(b.p("ub-async"), st, async_save=True, keep_last=1)
-    stager = DefaultStager(StagingOptions(cuda, not cuda, cuda, cuda))
-    step = [0]
-
-    def ub() -> Callable[[], Any]:
-        step[0] += 1
-        st.step = step[0]
-        ck.save()
-        return ck.wait
-
-    def dcp_async(stage: bool) -> Callable[[], Callable[[], Any]]:
-        def go() -> Callable[[], Any]:
-            step[0] += 1
-            path = b.p(f"dcpa{step[0]}")
-            w = FileSystemWriter(path, thread_count=b.threads)
-            r = dcp.async_save(sd, storage_writer=w, async_stager=stager if stage else None)
-            done = r.upload_completion if hasattr(r, "upload_completion") else r
-            return lambda: (done.result(), shutil.rmtree(path))
-
-        return go
-
-    def copy() -> Callable[[], Any]:
-        for x, t in zip(bufs, flat, strict=True):
-            x.copy_(t)
-        return lambda: None
-
     floor = "copy into preallocated buffers (floor)"
-    # each starts a save and returns what waits for its background part
-    contenders: dict[str, Callable[[], Callable[[], Any]]] = {
-        floor: copy,
-        "unbroken Checkpointer(async_save=True).save": ub,
-        "dcp.async_save + DefaultStager": dcp_async(True),
-        "dcp.async_save": dcp_async(False),
-    }
-    out: dict[str, list[float]] = {k: [] for k in contenders}
-    for r in range(saves + 1):  # round 0: every contender's warm-up
-        for name in rotated(list(contenders), r):
-            wait: list[Callable[[], Any]] = []
-            out[name].append(timed(lambda n=name: wait.append(contenders[n]())))
-            wait[0]()
-    ck.close()
-    stager.close()
+    a = AsyncSaves(b.model, b.opt, b.root, floor)
+    try:
+        out = a.run(saves + 1, timed)
+    finally:
+        a.close()
     res = {k: {"first": v[0], "later": statistics.median(v[1:]), "runs": v} for k, v in out.items()}
     f = res[floor]["later"]
-    print()
-    print(
-        f"| loop stall per checkpoint ({b.nbytes / 2**30:.2f} GiB, {'CUDA' if cuda else 'CPU'}; "
-        f"{b.threads} writer threads everywhere) | first call = warm-up (s) | later calls, "
-        f"median of {saves} (s) | vs floor |"
+    md_table(
+        [
+            f"loop stall per checkpoint ({b.nbytes / 2**30:.2f} GiB, "
+            f"{'CUDA' if a.cuda else 'CPU'}; {b.threads} writer threads everywhere)",
+            "first call = warm-up (s)",
+            f"later calls, median of {saves} (s)",
+            "vs floor",
+        ],
+        [
+            [k, f"{v['first']:.3f}", f"{v['later']:.3f}", f"{v['later'] / f:.2f}x"]
+            for k, v in res.items()
+        ],
     )
-    print("|---|---|---|---|")
-    for k, v in res.items():
-        print(f"| {k} | {v['first']:.3f} | {v['later']:.3f} | {v['later'] / f:.2f}x |")
     return res
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> None:
+    """Print a markdown table (RESULTS.md takes them as they are)."""
+    print()
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+# --- what unbroken's save does per byte besides the write ------------------------------------
+
+
+def parts_table(b: Bench, repeats: int) -> dict[str, Any]:
+    """CPU-seconds and wall seconds, one thread, of the per-byte work a verified save adds to
+    the write (the xxh3 checksum of every byte, per-tensor sum and norm) next to one memcpy
+    of the state: on a box short of CPU these, not the disk, set the save's wall time."""
+    from unbroken.ckpt.tensor_io import tensor_stats
+    from unbroken.common.fs import hasher
+
+    flat = _tensors(b.sd())
+    bufs = [torch.empty_like(t) for t in flat]
+    for x in bufs:
+        x.zero_()  # faulted in: the copy alone is timed
+
+    def digest() -> None:
+        h = hasher()
+        for t in flat:
+            h.update(memoryview(t.numpy()).cast("B"))
+
+    def copy() -> None:
+        for x, t in zip(bufs, flat, strict=True):
+            x.copy_(t)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # CPU per byte, not the box's share of two cores
+    parts = {
+        "xxh3 checksum of every byte (unbroken.common.fs.hasher)": digest,
+        "per-tensor sum + norm (unbroken.ckpt.tensor_io.tensor_stats)": lambda: [
+            tensor_stats(t) for t in flat
+        ],
+        "memcpy of the state into preallocated buffers": copy,
+    }
+    out: dict[str, Any] = {}
+    try:
+        for name, fn in parts.items():
+            walls, cpus = [], []
+            for _ in range(repeats):
+                walls.append(timed(fn))
+                cpus.append(LAST_CPU[0])
+            out[name] = {"wall": statistics.median(walls), "cpu": statistics.median(cpus)}
+    finally:
+        torch.set_num_threads(threads)
+    md_table(
+        [
+            f"per-byte work of a verified save, one thread ({b.nbytes / 2**30:.2f} GiB, "
+            f"median of {repeats})",
+            "CPU-seconds",
+            "wall s",
+            "GB/s of one core",
+        ],
+        [
+            [k, f"{v['cpu']:.2f}", f"{v['wall']:.2f}", f"{b.nbytes / 1e9 / v['cpu']:.2f}"]
+            for k, v in out.items()
+        ],
+    )
+    return out
 
 
 # --- report -------------------------------------------------------------------------------------
@@ -456,6 +553,11 @@ def main() -> None:
     ap.add_argument(
         "--stall", type=int, default=0, metavar="N", help="also the loop stall over N async saves"
     )
+    ap.add_argument(
+        "--parts",
+        action="store_true",
+        help="also the CPU of a save's per-byte extras (hash, stats)",
+    )
     ap.add_argument("--json", default=None, help="write every measurement here")
     a = ap.parse_args()
     if a.repeats < 3:
@@ -483,6 +585,8 @@ def main() -> None:
         "residue_bytes": b.residue,
     }
     out.update(report(b, rounds))
+    if a.parts:
+        out["parts"] = parts_table(b, 3)
     if a.stall:
         out["stall"] = stall_table(b, a.stall)
     out["load"] = [load0, os.getloadavg()]

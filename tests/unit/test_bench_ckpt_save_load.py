@@ -59,7 +59,7 @@ def test_smoke_run_reports_ceilings_anchors_and_the_regression_row(tmp_path) -> 
     out = tmp_path / "r.json"
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--gib", "0.02", "--repeats", "3", "--warmup", "1",
-         "--stall", "1", "--dir", str(tmp_path / "d"), "--json", str(out)],
+         "--stall", "1", "--parts", "--dir", str(tmp_path / "d"), "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -92,3 +92,4 @@ def test_smoke_run_reports_ceilings_anchors_and_the_regression_row(tmp_path) -> 
         "dcp.async_save",
     }
     assert all(len(v["runs"]) == 2 for v in stall.values())  # warm-up + 1, for every one
+    assert len(res["parts"]) == 3 and all(v["cpu"] > 0 for v in res["parts"].values())
