@@ -46,19 +46,21 @@ from typing import Any
 import torch
 
 import unbroken
-from unbroken.ckpt import _dist, codec, lock, per_rank
+from unbroken.ckpt import _dist, codec, lock, per_rank, schema
 from unbroken.ckpt import rng as _rng
+from unbroken.ckpt.apply import Plan, fit_problems
 from unbroken.ckpt.config import ArchiveConfig, CheckpointConfig
 from unbroken.ckpt.manifest import CheckpointManifest, Chunk, FileEntry, TensorEntry
 from unbroken.ckpt.snapshot import Snapshotter
 from unbroken.ckpt.state import TrainState
 from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint, Store
-from unbroken.ckpt.tensor_io import ItemLocation, fill, write_tensors
-from unbroken.ckpt.verify import Verified, check_fits, load_verified
+from unbroken.ckpt.tensor_io import ItemLocation, write_tensors
+from unbroken.ckpt.verify import Verified, load_verified
 from unbroken.common.audit import state_audit
 from unbroken.common.config import resolve
 from unbroken.common.fs import atomic_write_bytes, checksum_file
 from unbroken.common.jsonable import plain_json
+from unbroken.common.text import printable
 
 __all__ = ["Checkpointer"]
 
@@ -461,8 +463,16 @@ class Checkpointer:
             torch_version=torch.__version__,
             save_seconds=round(time.perf_counter() - job.t0, 4),
             blocked_seconds=round(job.blocked, 4),
-            extra={"components": per_rank.manifest_section(job.differing, self.state.sharing)},
+            extra={"components": self._components_section(job)},
         )
+
+    def _components_section(self, job: _Job) -> dict[str, dict[str, Any]]:
+        """The manifest's ``components``: how each is shared (:mod:`.per_rank`) and what its
+        state must look like (:func:`.schema.describe`)."""
+        section = per_rank.manifest_section(job.differing, self.state.sharing)
+        for name, info in schema.describe(self.state.components, job.sd["components"]).items():
+            section.setdefault(name, {}).update(info)
+        return section
 
     # --- shutdown and preemption --------------------------------------------------------------
 
@@ -553,6 +563,13 @@ class Checkpointer:
         listing what was tried and why, unless ``allow_fresh_start=True``. A checkpoint that
         verifies but does not fit the live state (other keys, shapes or dtypes) raises a
         ``ValueError`` naming them before anything is copied: the live state is unchanged.
+
+        A component that refuses its saved state (its own ``load_state_dict`` raises when
+        restore rehearses it, before any tensor of the live state changes: see
+        :mod:`.apply`) makes the next older checkpoint be tried; once one applies, those
+        refused are moved aside as damaged. When the live state refuses every one (e.g. a
+        loader whose dataset changed), restore raises ``ValueError`` with the first reason,
+        nothing moved aside and nothing of the live state changed.
         """
         self.wait()
         if step is not None:
@@ -564,14 +581,19 @@ class Checkpointer:
             self.store.remove_debris(is_stale=lambda p: not lock.writer_alive(p))
         candidates = [step] if step is not None else sorted(self.store.candidates(), reverse=True)
         tried: list[str] = []
+        refused: list[tuple[int, str]] = []  # intact, but the live state refused them
         for s in self._comm.broadcast(candidates):
             why = self._try_load(s, rank, world)
             if why is None:
-                return self._restored(s, t0)
-            tried.append(f"step {s}: {why}")
+                return self._restored(s, t0, refused)
+            tried.append(f"step {s}: {why.text}")
+            if why.refused:
+                refused.append((s, why.text))
             if step is not None:
+                if why.refused:
+                    raise ValueError(_refusal(s, why.text, self.store.root))
                 raise CorruptCheckpoint(
-                    s, "damaged", f"the requested checkpoint failed verification ({why})"
+                    s, "damaged", f"the requested checkpoint failed verification ({why.text})"
                 )
         older: int | None = None
         while self._archive is not None:  # node replaced or disk lost: newest good remote copy
@@ -585,9 +607,13 @@ class Checkpointer:
                 break
             why = self._try_load(fetched, rank, world)
             if why is None:
-                return self._restored(fetched, t0)
-            tried.append(f"step {fetched} (from {self._archive.url}): {why}")
+                return self._restored(fetched, t0, refused)
+            tried.append(f"step {fetched} (from {self._archive.url}): {why.text}")
+            if why.refused:
+                refused.append((fetched, why.text))
             older = fetched
+        if refused:  # the live objects refuse every checkpoint: theirs to fix, not damage
+            raise ValueError(_refusal(*refused[0], self.store.root, len(refused)))
         if self.store.has_foreign_content() and not self.allow_fresh_start:
             what = "; ".join(tried) if tried else "no step-N directory"
             raise RuntimeError(
@@ -606,7 +632,9 @@ class Checkpointer:
             getattr(obj, "start_fresh", lambda: None)()  # what an earlier attempt logged
         return None
 
-    def _restored(self, s: int, t0: float) -> int:
+    def _restored(self, s: int, t0: float, refused: Sequence[tuple[int, str]] = ()) -> int:
+        for bad, why in refused:  # an older one applied: what the live state refused is damage
+            self._quarantine(bad, "refused", why, f"step {s} restored instead")
         dt = time.perf_counter() - t0
         self.last_restore_seconds = dt
         self._last_save_time = time.monotonic()
@@ -615,9 +643,10 @@ class Checkpointer:
         _mark("loaded", step=s, seconds=dt)
         return s
 
-    def _try_load(self, s: int, rank: int, world: int) -> str | None:
+    def _try_load(self, s: int, rank: int, world: int) -> _NotLoaded | None:
         """Verify ``s`` on every rank and apply it only if all agree. Returns None when it
-        was applied, else why not (after quarantining or skipping it)."""
+        was applied, else why not: damaged (quarantined or skipped already), or refused by
+        the live state (left in place: the caller decides once an older one applies)."""
         ver: Verified | None = None
         why = None
         try:
@@ -628,48 +657,43 @@ class Checkpointer:
         bad = [(r, w) for r, w in enumerate(verdicts) if w]
         if bad:
             r, (reason, detail) = bad[0]
-            if rank == 0:
-                where = self.store.quarantine(s, reason)
-                if isinstance(where, OSError):
-                    log.warning(
-                        "checkpoint step %d is damaged (rank %d: %s: %s); could not move it "
-                        "aside (%s), skipped; trying an older one",
-                        s, r, reason, detail, where.strerror or where,
-                    )  # fmt: skip
-                else:
-                    log.warning(
-                        "checkpoint step %d is damaged (rank %d: %s: %s); moved to %s, "
-                        "trying an older one",
-                        s, r, reason, detail, where,
-                    )  # fmt: skip
-            self._comm.barrier()
-            return f"{reason}: {detail}"
+            self._quarantine(s, reason, f"rank {r}: {reason}: {detail}")
+            return _NotLoaded(f"{reason}: {detail}")
         if ver is None:  # unreachable: no rank reported damage
-            return "not verified"
-        self._apply(ver, rank, world)
-        return None
+            return _NotLoaded("not verified")
+        return self._apply(ver, rank, world)
 
-    def _apply(self, ver: Verified, rank: int, world: int) -> None:
-        # The world-size rule (C-PER-RANK) is a refusal, like check_fits below: it raises
+    def _quarantine(self, s: int, reason: str, why: str, then: str = "trying an older one") -> None:
+        """Move damaged step ``s`` aside (rank 0), one WARNING; every rank waits for it."""
+        if self._comm.rank == 0:
+            where = self.store.quarantine(s, reason)
+            why = printable(why)
+            if isinstance(where, OSError):
+                log.warning(
+                    "checkpoint step %d is damaged (%s); could not move it aside (%s), "
+                    "skipped; %s",
+                    s, why, where.strerror or where, then,
+                )  # fmt: skip
+            else:
+                log.warning(
+                    "checkpoint step %d is damaged (%s); moved to %s, %s", s, why, where, then
+                )
+        self._comm.barrier()
+
+    def _apply(self, ver: Verified, rank: int, world: int) -> _NotLoaded | None:
+        # The world-size rule (C-PER-RANK) is a refusal, like the fit below: it raises
         # to the caller and never quarantines the (intact) checkpoint.
         skip = per_rank.check_resize(ver.manifest, self.state, world, rank)
         if skip:  # neither read nor decoded: those components keep their live state
             comps = {n: None if n in skip else v for n, v in ver.tree["components"].items()}
             tree = {**ver.tree, "components": comps}
             ver = dataclasses.replace(ver, tree=tree, needed=ver.needed & codec.tensor_keys(tree))
-        current = self.state.state_dict()
-        current.pop("rng", None)
-        live: dict[str, torch.Tensor] = {}
-        codec.encode(current, live)
-        for k in ver.needed:  # "rank1/components/x" restores into the live "components/x"
-            base = per_rank.split_key(k)[1]
-            if base != k and base in live:
-                live[k] = live.pop(base)
+        live = self._live_tensors(ver)
         # All or nothing: every key, shape and dtype is checked on every rank before the
         # first tensor is copied into the live state. Skipped components are not compared.
-        components = {n: None if n in skip else o for n, o in self.state.components.items()}
-        mine = check_fits(ver, live, components)
-        problems = [p for ps in self._comm.gather(mine) for p in ps]
+        problems = [
+            p for ps in self._comm.gather(fit_problems(ver, live, self.state, skip)) for p in ps
+        ]
         if problems:
             more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
             raise ValueError(
@@ -683,9 +707,13 @@ class Checkpointer:
             k: live[k] if k in live else torch.empty(tensors[k].shape, dtype=tensors[k].torch_dtype)
             for k in sorted(ver.needed)
         }
-        fill(self.store.step_dir(ver.step), ver.manifest, targets, views=ver.tensors)
-        sd = ver.decode(targets)
-        self.state.load_state_dict(sd, restore_rng=ver.rng is not None, skip=skip)
+        plan = Plan(ver, self.state, targets, skip)
+        refusals = self._comm.gather(plan.rehearse())  # before the first tensor byte changes
+        if any(refusals):
+            plan.undo()
+            r, why = next((r, w) for r, w in enumerate(refusals) if w)
+            return _NotLoaded(f"rank {r}: {why}", refused=True)
+        plan.commit(self.store.step_dir(ver.step))
         if ver.rng is None:
             saved = ver.manifest.world_size
             _rng.derive(self.state.seed, rank, ver.step, self.state.numpy_generators)
@@ -699,6 +727,38 @@ class Checkpointer:
                     ver.step,
                 )
         self._audit.restored(ver.step)
+        return None
+
+    def _live_tensors(self, ver: Verified) -> dict[str, torch.Tensor]:
+        """The live state's tensors by checkpoint key; ``rank1/components/x`` (this rank's
+        own copy in the checkpoint) restores into the live ``components/x``."""
+        current = self.state.state_dict()
+        current.pop("rng", None)
+        live: dict[str, torch.Tensor] = {}
+        codec.encode(current, live)
+        for k in ver.needed:
+            base = per_rank.split_key(k)[1]
+            if base != k and base in live:
+                live[k] = live.pop(base)
+        return live
+
+
+@dataclass(frozen=True)
+class _NotLoaded:
+    """Why a checkpoint was not applied; ``refused``: intact, but the live state refused it."""
+
+    text: str
+    refused: bool = False
+
+
+def _refusal(step: int, why: str, root: str, count: int = 1) -> str:
+    others = f" (and {count - 1} older one(s) the same way)" if count > 1 else ""
+    return printable(
+        f"checkpoint step {step} in {root!r} cannot be applied to the live state{others}: "
+        f"{why}. Nothing was restored (the live state is unchanged) and nothing was moved "
+        "aside; construct the components as the run that saved it did (the same data, seed "
+        "and types), or restore from another directory"
+    )
 
 
 def _flush_at_exit(ref: weakref.ref[Checkpointer]) -> None:

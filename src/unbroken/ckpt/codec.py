@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["decode", "encode", "rekey", "tensor_keys"]
+__all__ = ["decode", "encode", "is_ref", "rekey", "tensor_keys"]
 
 _TAG = "__ub__"
 
@@ -140,6 +140,11 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor] | None = None) -> Any:
     if tag == "npscalar":
         return np.dtype(obj["dtype"]).type(obj["value"])
     raise ValueError(f"unknown tag {tag!r} in checkpoint state (written by a newer unbroken?)")
+
+
+def is_ref(obj: Any) -> bool:
+    """Is ``obj`` (an encoded value) a reference to a stored tensor?"""
+    return isinstance(obj, dict) and obj.get(_TAG) == "tensor"
 
 
 def _refs(obj: Any) -> Iterator[dict[str, Any]]:

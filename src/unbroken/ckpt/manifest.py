@@ -44,8 +44,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+import numpy as np
 import torch
 
+from unbroken.ckpt.bounds import MAX_MANIFEST, Budget, TooCostly, load_json
 from unbroken.ckpt.per_rank import split_key
 from unbroken.common.fs import CHECKSUM_ALGO, checksum_bytes
 
@@ -241,11 +243,22 @@ class CheckpointManifest:
     # --- reading --------------------------------------------------------------------------
 
     @classmethod
-    def from_json(cls, raw: bytes, *, step: int | None, where: str) -> CheckpointManifest:
+    def from_json(
+        cls, raw: bytes, *, step: int | None, where: str, budget: Budget | None = None
+    ) -> CheckpointManifest:
         """Parse and fully validate ``raw`` (the bytes of ``where``); ``step`` is the step
-        its directory names (None: any). Raises :class:`ManifestError` naming the field."""
+        its directory names (None: any). Raises :class:`ManifestError` naming the field.
+        ``budget``: what parsing may cost (default: what ``raw`` alone justifies, see
+        :mod:`unbroken.ckpt.bounds`); above :data:`~unbroken.ckpt.bounds.MAX_MANIFEST`
+        bytes a manifest is refused unread."""
+        if len(raw) > MAX_MANIFEST:
+            raise ManifestError(
+                where, f"is {len(raw)} bytes, above the {MAX_MANIFEST >> 20} MiB cap", "too-large"
+            )
         try:
-            d = json.loads(raw)
+            d = load_json(raw, budget or Budget(len(raw)), where)
+        except TooCostly as e:
+            raise ManifestError(where, str(e).removeprefix(f"{where} "), "too-large") from e
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ManifestError(where, f"not valid JSON ({e})") from e
         return cls.from_dict(d, step=step, where=where)
@@ -296,9 +309,10 @@ class CheckpointManifest:
                 f"ranks[{r!r}].state {state!r} is not a listed file",
             )
             ranks[int(r)] = str(state)
+        # counted, never enumerated: world_size may claim anything
         v.require(
-            sorted(ranks) == list(range(world)),
-            f"lists state files for ranks {sorted(ranks)}, world_size is {world}",
+            len(ranks) == world and (not ranks or max(ranks) == world - 1),
+            f"lists state files for {len(ranks)} rank(s), world_size is {world}",
         )
 
         data_names = set(files) - set(ranks.values()) - {METADATA}
@@ -306,6 +320,7 @@ class CheckpointManifest:
             k: v.tensor(k, t, files, data_names, version, world)
             for k, t in v.dict_(d.get("tensors"), "tensors").items()
         }
+        v.disjoint(tensors, files)
         counters = {
             k: v.int_(c, f"counters[{k!r}]", lo=None)
             for k, c in v.dict_(d.get("counters", {}), "counters").items()
@@ -385,6 +400,21 @@ class _Checker:
         self.require(isinstance(x, dict), f"{what} is not a JSON object")
         return x  # type: ignore[no-any-return]
 
+    def disjoint(self, tensors: Mapping[str, TensorEntry], files: Mapping[str, FileEntry]) -> None:
+        """No two chunks share a byte of a file: together with exact coverage, the tensors
+        hold no more elements than the data files have bytes (what a restore allocates)."""
+        ranges: dict[str, list[tuple[int, int, str]]] = {}
+        for k, t in tensors.items():
+            for c in t.chunks:
+                ranges.setdefault(c.file, []).append((c.offset, c.offset + c.length, k))
+        for name, rs in ranges.items():
+            rs.sort()
+            for (_, end, a), (start, _, b) in zip(rs, rs[1:], strict=False):
+                self.require(
+                    start >= end,
+                    f"tensors[{a!r}] and tensors[{b!r}] share bytes {start}..{end} of {name}",
+                )
+
     def name(self, name: str, what: str) -> None:
         # Plain names only: no "/" (so no "../x" and no absolute path), not "." or "..".
         self.require(
@@ -431,8 +461,8 @@ class _Checker:
         if type(raw) is not list or not raw:
             bad(".chunks is not a non-empty list")
         chunks = []
-        volume = 0
         ndim = len(shape)
+        itemsize = _TORCH_DTYPES[dtype].itemsize
         for i, c in enumerate(raw):
             if type(c) is not dict:
                 bad(f".chunks[{i}] is not a JSON object")
@@ -446,7 +476,6 @@ class _Checker:
                 ):
                     bad(f".chunks[{i}] (offsets {c.get('offsets')}, sizes {c.get('sizes')}) lies "
                         f"outside shape {list(shape)}")  # fmt: skip
-                volume += math.prod(sizes)
             elif version >= 2:
                 bad(f".chunks[{i}].sizes={c.get('sizes')!r} is not a list of integers >= 0")
             elif any(o >= max(d, 1) for o, d in zip(offsets, shape, strict=True)):
@@ -460,9 +489,14 @@ class _Checker:
             if offset + length > files[name].size:
                 bad(f".chunks[{i}] (bytes {offset}..{offset + length}) lies outside {name} "
                     f"({files[name].size} bytes)")  # fmt: skip
+            if length < math.prod(sizes if sizes is not None else shape) * itemsize:
+                # a torch.save blob holds its raw bytes: no tensor is larger than its files
+                bad(f".chunks[{i}] has {length} bytes, fewer than its elements need")
             chunks.append(Chunk(offsets, sizes, name, offset, length))
-        if all(c.sizes is not None for c in chunks) and volume != math.prod(shape):
-            bad(f".chunks cover {volume} elements, shape {list(shape)} has {math.prod(shape)}")
+        if all(c.sizes is not None for c in chunks):
+            gap = _cover_error(shape, chunks)
+            if gap:
+                bad(f".chunks {gap}")
         if not sharded:
             only = chunks[0]
             if len(chunks) != 1 or any(only.offsets) or only.sizes not in (None, shape):
@@ -481,6 +515,42 @@ class _Checker:
             tuple(chunks),
             rank,
         )
+
+
+def _cover_error(shape: tuple[int, ...], chunks: list[Chunk]) -> str | None:
+    """Why ``chunks`` do not cover ``shape`` exactly once (None when they do).
+
+    The boundaries of all chunks cut each dimension into intervals, and the tensor into a
+    grid of cells; each cell must lie in exactly one chunk. A sharded save (FSDP, tensor
+    parallel, both) stores one chunk per cell, so a grid larger than a few times the number
+    of chunks is refused before it is built (it would cost time and memory in a power of
+    the number of chunks a manifest can list)."""
+    total = math.prod(shape)
+    if len(chunks) == 1:
+        sizes = chunks[0].sizes
+        return None if sizes == shape else f"cover {math.prod(sizes or ())} of {total} elements"
+    cuts = []
+    for k, d in enumerate(shape):
+        ends = {c.offsets[k] + c.sizes[k] for c in chunks if c.sizes is not None}
+        cuts.append(sorted({0, d, *(c.offsets[k] for c in chunks), *ends}))
+    grid = math.prod(len(b) - 1 for b in cuts)
+    if grid > 4 * len(chunks) + 64:
+        return f"cut shape {list(shape)} into {grid} cells, not the grid of a sharded save"
+    index = [{x: j for j, x in enumerate(b)} for b in cuts]
+    spans = [
+        tuple(slice(index[k][o], index[k][o + n]) for k, (o, n) in enumerate(zip(c.offsets, c.sizes, strict=True)))
+        for c in chunks
+        if c.sizes is not None and 0 not in c.sizes  # an empty shard covers nothing
+    ]  # fmt: skip
+    cells = sum(math.prod(s.stop - s.start for s in span) for span in spans)
+    if total and cells != grid:
+        return f"cover {cells} of the {grid} cells they cut shape {list(shape)} into"
+    count = np.zeros([len(b) - 1 for b in cuts], dtype=np.uint8)
+    for span in spans:
+        count[span] += 1
+    if total and count.min() != 1:
+        return f"overlap and leave a gap in shape {list(shape)}"
+    return None
 
 
 def _ints(x: Any) -> tuple[int, ...] | None:

@@ -26,7 +26,6 @@ dtypes, optimizer parameter groups) so restore copies nothing unless everything 
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from collections.abc import Iterable, Mapping
@@ -36,9 +35,11 @@ from typing import Any
 import torch
 
 from unbroken.ckpt import codec
+from unbroken.ckpt.bounds import Budget, TooCostly, load_json
 from unbroken.ckpt.dcp_metadata import UnsafeMetadata, check_dcp_metadata
 from unbroken.ckpt.manifest import METADATA, CheckpointManifest, FileEntry, ManifestError
 from unbroken.ckpt.per_rank import split_key
+from unbroken.ckpt.schema import SchemaError, check_state
 from unbroken.ckpt.store import CorruptCheckpoint, Store
 from unbroken.ckpt.tensor_io import ChecksumError, read_tensors, stats_match, verify_files
 from unbroken.common.fs import checksum_bytes
@@ -98,11 +99,13 @@ def load_verified(
             if isinstance(e, ChecksumError)
             else "metadata"
             if isinstance(e, UnsafeMetadata)
+            else "too-large"
+            if isinstance(e, TooCostly)
             else "unreadable"
         )
         detail = (
             str(e)
-            if isinstance(e, ChecksumError | ManifestError | UnsafeMetadata)
+            if isinstance(e, ChecksumError | ManifestError | UnsafeMetadata | TooCostly)
             else (f"{store.step_dir(step)}: {type(e).__name__}: {e}")
         )
         raise CorruptCheckpoint(step, reason, detail.splitlines()[0] if detail else "") from e
@@ -136,15 +139,21 @@ def _read_checked(directory: str, name: str, want: FileEntry) -> bytes:
 
 
 def _load_verified(store: Store, step: int, rank: int, world: int, every_rank: bool) -> Verified:
-    m = store.read_manifest(step)
+    budget = Budget(store.file_bytes(step))  # what parsing its files may cost (T-BOUNDED)
+    m = store.read_manifest(step, budget)
     d = store.step_dir(step)
     m.check_files(d)
-    rank_file = m.ranks[rank if rank < m.world_size else 0]
-    raw = _read_checked(d, rank_file, m.files[rank_file])
+    mine = rank if rank < m.world_size else 0
+    raw = _read_checked(d, m.ranks[mine], m.files[m.ranks[mine]])
     if every_rank:
-        for other in sorted(set(m.ranks.values()) - {rank_file}):
-            _decode_state(step, d, other, _read_checked(d, other, m.files[other]), m, world)
-    check_dcp_metadata(_read_checked(d, METADATA, m.files[METADATA]), os.path.join(d, METADATA))
+        for r, other in sorted(m.ranks.items()):
+            if r != mine:
+                with budget.scope():
+                    raw_r = _read_checked(d, other, m.files[other])
+                    _decode_state(step, d, r, raw_r, m, world, budget)
+    where = os.path.join(d, METADATA)
+    with budget.scope():
+        check_dcp_metadata(_read_checked(d, METADATA, m.files[METADATA]), where, budget)
     tensors: dict[str, torch.Tensor] = {}
     if m.sharded:
         verify_files(d, m, m.data_files[rank::world])
@@ -155,27 +164,39 @@ def _load_verified(store: Store, step: int, rank: int, world: int, every_rank: b
                 raise CorruptCheckpoint(
                     step, "stats", f"tensor {k!r} in {d} does not match its recorded sum/norm"
                 )
-    tree, rng, needed = _decode_state(step, d, rank_file, raw, m, world)
+    tree, rng, needed = _decode_state(step, d, mine, raw, m, world, budget)
     return Verified(step, m, tree, tensors, rng, needed)
 
 
 def _decode_state(
-    step: int, d: str, name: str, raw: bytes, m: CheckpointManifest, world: int
+    step: int, d: str, rank: int, raw: bytes, m: CheckpointManifest, world: int, budget: Budget
 ) -> tuple[Any, Any, frozenset[str]]:
-    """The state tree, RNG and referenced tensor keys of one rank's state file, decoded as
-    restore will decode them."""
-    where = os.path.join(d, name)
+    """The state tree, RNG and referenced tensor keys of ``rank``'s state file, decoded as
+    restore will decode them and checked as restore will apply them
+    (:func:`~unbroken.ckpt.schema.check_state`). The RNG is None when restored at another
+    world size (re-derived), but checked all the same: verify and restore agree."""
+    where = os.path.join(d, m.ranks[rank])
     try:
-        blob = json.loads(raw)
+        blob = load_json(raw, budget, where)
         tree = blob["state"]
-        rng = codec.decode(blob["rng"]) if m.world_size == world else None
+        rng = codec.decode(blob["rng"])
         refs = _Refs(m.tensors)
         sd = codec.decode(tree, refs)  # every reference resolves
-    except (KeyError, TypeError, ValueError, RecursionError) as e:
-        raise CorruptCheckpoint(step, "bad-state", f"{where}: {e!r}") from e
-    if not (isinstance(sd, dict) and isinstance(sd.get("components"), dict)):
-        raise CorruptCheckpoint(step, "bad-state", f"{where} holds no component state")
-    return tree, rng, frozenset(refs.seen)
+        check_state(
+            sd,
+            rng,
+            refs=refs.seen,
+            stored=[k for k, t in m.tensors.items() if t.rank in (None, rank)],
+            components=m.extra.get("components"),
+            counters=m.counters if rank == 0 else None,
+            where=where,
+        )
+    except TooCostly:
+        raise
+    except (KeyError, TypeError, ValueError, RecursionError, SchemaError) as e:
+        detail = str(e) if isinstance(e, SchemaError) else f"{where}: {e!r}"
+        raise CorruptCheckpoint(step, "bad-state", detail) from e
+    return tree, rng if m.world_size == world else None, frozenset(refs.seen)
 
 
 def read_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
