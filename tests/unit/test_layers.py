@@ -37,6 +37,8 @@ INNER = {
         [
             (
                 "unbroken.ckpt._dist",
+                "unbroken.ckpt.apply",
+                "unbroken.ckpt.bounds",
                 "unbroken.ckpt.codec",
                 "unbroken.ckpt.config",
                 "unbroken.ckpt.dcp_metadata",
@@ -44,6 +46,7 @@ INNER = {
                 "unbroken.ckpt.manifest",
                 "unbroken.ckpt.per_rank",
                 "unbroken.ckpt.rng",
+                "unbroken.ckpt.schema",
                 "unbroken.ckpt.snapshot",
                 "unbroken.ckpt.state",
                 "unbroken.ckpt.store",

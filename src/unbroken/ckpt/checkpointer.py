@@ -463,16 +463,12 @@ class Checkpointer:
             torch_version=torch.__version__,
             save_seconds=round(time.perf_counter() - job.t0, 4),
             blocked_seconds=round(job.blocked, 4),
-            extra={"components": self._components_section(job)},
+            extra={
+                "components": per_rank.manifest_section(job.differing, self.state.sharing),
+                "layouts": schema.describe(self.state.components, job.sd["components"]),
+                "generators": schema.generators(self.state),
+            },
         )
-
-    def _components_section(self, job: _Job) -> dict[str, dict[str, Any]]:
-        """The manifest's ``components``: how each is shared (:mod:`.per_rank`) and what its
-        state must look like (:func:`.schema.describe`)."""
-        section = per_rank.manifest_section(job.differing, self.state.sharing)
-        for name, info in schema.describe(self.state.components, job.sd["components"]).items():
-            section.setdefault(name, {}).update(info)
-        return section
 
     # --- shutdown and preemption --------------------------------------------------------------
 

@@ -123,7 +123,10 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor] | None = None) -> Any:
         )
         return flat.view(_dtype(obj["dtype"])).reshape(obj["shape"]).clone()
     if tag == "dict":
-        return {decode(k, tensors): decode(v, tensors) for k, v in obj["items"]}
+        out = {decode(k, tensors): decode(v, tensors) for k, v in obj["items"]}
+        if len(out) != len(obj["items"]):  # encode never writes a key twice (nor 1 and True)
+            raise ValueError("a dict in checkpoint state repeats a key")
+        return out
     if tag == "tuple":
         return tuple(decode(v, tensors) for v in obj["items"])
     if tag == "size":

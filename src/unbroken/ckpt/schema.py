@@ -8,17 +8,20 @@ the same way in ``restore()`` and in ``ckpt verify`` (which has no live objects)
 
 * counters: the four integers, non-negative, ``micro_step`` 0 (saves happen only at an
   optimizer-step boundary);
-* RNG: every stream is set on a scratch generator of its own kind (python ``random``,
+* RNG: the numpy generators the manifest records (``"generators"``: name -> kind), and
+  every stream set on a scratch generator of its own kind (python ``random``,
   numpy's legacy ``RandomState`` (MT19937 only), ``np.random.<BitGenerator>`` by its
   recorded name, ``torch.Generator``), so a restore can only apply states that were
   accepted already; CUDA states are byte tensors (checked on the device at restore);
 * tensor references: exactly the stored tensors this rank saved, shared ones and its own
   ``rank<r>/`` copies (the manifest's list); no more, no fewer;
-* components: the names the manifest lists; and for the state layouts the manifest records
-  (``"kind"``, set at save only for types whose ``state_dict`` is torch's or unbroken's own) the fields their
+* components: the names the manifest lists; and for the state layouts it records
+  (``"layouts"``: ``{name: {"type", "kind", "param_groups"}}``, ``kind`` set at save only
+  for types whose ``state_dict`` is torch's or unbroken's own) the fields their
   ``load_state_dict`` and next ``step()`` rely on: torch optimizers (parameter ids
   ``0..N-1`` over groups of the recorded sizes, state only for those, hyperparameters of
-  the right kind and sign), torch LR schedulers, ``GradScaler``, ``MetricLog`` and the data
+  the right kind and sign), modules (the non-tensor entries recorded), torch LR
+  schedulers, ``GradScaler`` (every field when it was enabled), ``MetricLog`` and the data
   loader's position. Fields are checked where present: another torch version may add or
   drop some.
 
@@ -37,9 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from unbroken.ckpt.state import COUNTERS, _ShardedOptimizer
+from unbroken.ckpt.state import COUNTERS, TrainState, _ShardedModel, _ShardedOptimizer
 
-__all__ = ["SchemaError", "check_state", "describe"]
+__all__ = ["SchemaError", "check_state", "describe", "generators"]
 
 _INT64 = 1 << 63
 _BIT_GENERATORS = ("MT19937", "PCG64", "PCG64DXSM", "Philox", "SFC64")
@@ -145,6 +148,8 @@ def _kind(obj: Any) -> str | None:
     from unbroken.common.metrics import MetricLog
 
     t = type(obj)
+    if isinstance(obj, torch.nn.Module):
+        return "module"
     if isinstance(obj, torch.optim.Optimizer) and t.state_dict is torch.optim.Optimizer.state_dict:
         return "optimizer"
     if (
@@ -161,9 +166,12 @@ def _kind(obj: Any) -> str | None:
     return None
 
 
-def _fields(sd: Any, table: Mapping[str, Check], where: str) -> None:
+def _fields(sd: Any, table: Mapping[str, Check], where: str, required: Iterable[str] = ()) -> None:
     if not isinstance(sd, dict):
         raise SchemaError(f"{where} is a {type(sd).__name__}, not a state dict")
+    missing = sorted(set(required) - set(sd))
+    if missing:
+        raise SchemaError(f"{where} lacks {missing}")
     for key, ok in table.items():
         if key in sd and not ok(sd[key]):
             raise SchemaError(f"{where}[{key!r}]={_short(sd[key])} is not what it must be")
@@ -192,7 +200,7 @@ def _optimizer(sd: Any, where: str, groups: Any) -> None:
             raise SchemaError(f"{where}: parameter ids {_short(ids)} are not 0..{len(ids) - 1}")
     elif not all(isinstance(p, str) for p in ids) or len(set(ids)) != len(ids):
         raise SchemaError(f"{where}: parameter ids {_short(ids)} are neither 0..N-1 nor names")
-    unknown = [k for k in state if k not in set(ids)]
+    unknown = [k for k in state if k not in set(ids) or isinstance(k, bool)]
     if unknown:
         raise SchemaError(f"{where}: state for parameters {_short(unknown)} in no group")
     if any(not isinstance(s, dict) for s in state.values()):
@@ -204,18 +212,32 @@ def _optimizer(sd: Any, where: str, groups: Any) -> None:
         )
 
 
+def _module(sd: Any, where: str, extra: Any) -> None:
+    """A module's state: tensors, and the non-tensor entries (``get_extra_state``) it had
+    when saved (modules load strictly)."""
+    if not isinstance(sd, dict):
+        raise SchemaError(f"{where} is a {type(sd).__name__}, not a module's state dict")
+    mine = sorted(k for k, v in sd.items() if not isinstance(v, torch.Tensor))
+    if isinstance(extra, list) and mine != sorted(extra):
+        raise SchemaError(
+            f"{where}: non-tensor entries {_short(mine)}, the manifest recorded {_short(extra)}"
+        )
+
+
 def _component(name: str, sd: Any, info: Any, where: str) -> None:
     info = info if isinstance(info, Mapping) else {}
     family = info.get("kind")
     here = f"{where}: components[{name!r}]"
-    if family == "optimizer":
+    if family == "module":
+        _module(sd, here, info.get("extra"))
+    elif family == "optimizer":
         _optimizer(sd, here, info.get("param_groups"))
     elif family == "scheduler":
         _fields(sd, _SCHEDULER, here)
     elif family == "scaler":
-        _fields(sd, _SCALER, here)
+        _fields(sd, _SCALER, here, required=_SCALER if info.get("enabled") else ())
     elif family == "metrics":
-        _fields(sd, _METRICS, here)
+        _fields(sd, _METRICS, here, required=_METRICS)
     elif family == "loader":
         _fields(sd, _LOADER, here)
 
@@ -236,7 +258,7 @@ def _counters(c: Any, where: str, manifest: Mapping[str, int] | None) -> None:
         raise SchemaError(f"{where}: counters {_short(c)} differ from the manifest's")
 
 
-def _rng(state: Any, where: str) -> None:
+def _rng(state: Any, where: str, generators: Any) -> None:
     if state is None:
         return
     if not isinstance(state, dict):
@@ -252,6 +274,15 @@ def _rng(state: Any, where: str) -> None:
     gens = state.get("numpy_generators", {})
     if not isinstance(gens, dict):
         raise SchemaError(f"{where}: rng['numpy_generators'] is not a dict")
+    if isinstance(generators, dict):
+        kinds = {
+            n: st.get("bit_generator") if isinstance(st, dict) else None for n, st in gens.items()
+        }
+        if kinds != generators:
+            raise SchemaError(
+                f"{where}: rng['numpy_generators'] holds {_short(kinds)}, the manifest "
+                f"recorded {_short(generators)}"
+            )
     for name, st in gens.items():
         kind = st.get("bit_generator") if isinstance(st, dict) else None
         if kind not in _BIT_GENERATORS:
@@ -288,18 +319,22 @@ def check_state(
     refs: Iterable[str],
     stored: Iterable[str],
     components: Mapping[str, Any] | None,
+    layouts: Mapping[str, Any] | None,
+    generators: Mapping[str, str] | None,
     counters: Mapping[str, int] | None,
     where: str,
 ) -> None:
     """Raise :class:`SchemaError` unless the decoded state ``sd`` (tensors stand-ins) and
     ``rng`` of one rank can be applied. ``refs``: the stored tensors ``sd`` references;
-    ``stored``: those this rank saved (the manifest's); ``components``: the manifest's
-    section (names, recorded types; None for checkpoints written before it);
+    ``stored``: those this rank saved (the manifest's); ``components`` and ``layouts``:
+    the manifest's records of the components (how each is shared, :mod:`.per_rank`; what
+    its state looks like, :func:`describe`; either None in checkpoints written before it);
+    ``generators``: the numpy generators registered when it was saved, name -> kind;
     ``counters``: the manifest's (rank 0's), or None for another rank's file."""
     if not (isinstance(sd, dict) and isinstance(sd.get("components"), dict)):
         raise SchemaError(f"{where} holds no component state")
     _counters(sd.get("counters"), where, counters)
-    _rng(rng, where)
+    _rng(rng, where, generators)
     refs, stored = set(refs), set(stored)
     if refs != stored:
         extra, missing = sorted(refs - stored)[:3], sorted(stored - refs)[:3]
@@ -308,13 +343,14 @@ def check_state(
             f"leaves out ones it does ({missing})"
         )
     saved = sd["components"]
-    if isinstance(components, Mapping) and components:
-        if set(saved) != set(components):
+    for record in (components, layouts):
+        if isinstance(record, Mapping) and set(saved) != set(record):
             raise SchemaError(
                 f"{where} holds components {_short(sorted(saved))}, the manifest lists "
-                f"{_short(sorted(components))}"
+                f"{_short(sorted(record))}"
             )
-        for name, info in components.items():
+    if isinstance(layouts, Mapping):
+        for name, info in layouts.items():
             _component(name, saved[name], info, where)
 
 
@@ -324,22 +360,36 @@ def type_name(obj: Any) -> str:
 
 
 def describe(components: Mapping[str, Any], saved: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """What the manifest records of each component for :func:`check_state`: its type (for
-    people), the schema its state follows (``kind``; none for types unbroken does not know)
-    and an optimizer's group sizes. ``saved``: the components' state dicts as saved."""
+    """The manifest's ``layouts``: what :func:`check_state` needs to know of each component
+    that its state file alone cannot say. Its type (for people); for types unbroken knows,
+    the schema its state follows (``kind``) and what must match at restore: a module's
+    non-tensor entries (``extra``), an optimizer's group sizes (``param_groups``), whether a
+    scaler was enabled. ``saved``: the components' state dicts as saved."""
     out: dict[str, dict[str, Any]] = {}
     for name, obj in components.items():
-        inner = obj.optimizer if isinstance(obj, _ShardedOptimizer) else obj
+        inner = obj
+        if isinstance(obj, _ShardedOptimizer):
+            inner = obj.optimizer
+        elif isinstance(obj, _ShardedModel):
+            inner = obj.module
         info: dict[str, Any] = {"type": type_name(inner)}
         kind = _kind(inner)
-        if kind is not None:
-            info["kind"] = kind
         sd = saved.get(name)
-        if (
-            kind == "optimizer"
-            and isinstance(sd, Mapping)
-            and isinstance(sd.get("param_groups"), list)
-        ):
-            info["param_groups"] = [len(g.get("params", ())) for g in sd["param_groups"]]
+        if kind is not None and isinstance(sd, Mapping):
+            info["kind"] = kind
+            if kind == "module":
+                info["extra"] = sorted(k for k, v in sd.items() if not isinstance(v, torch.Tensor))
+            elif kind == "optimizer" and isinstance(sd.get("param_groups"), list):
+                info["param_groups"] = [len(g.get("params", ())) for g in sd["param_groups"]]
+            elif kind == "scaler":
+                info["enabled"] = bool(sd)
         out[name] = info
     return out
+
+
+def generators(state: TrainState) -> dict[str, str] | None:
+    """The manifest's ``generators``: the numpy generators saved with the RNG, name -> kind
+    (None when the RNG is not captured)."""
+    if not state.capture_rng:
+        return None
+    return {n: type(g.bit_generator).__name__ for n, g in state.numpy_generators.items()}

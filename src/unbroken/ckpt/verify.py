@@ -188,13 +188,16 @@ def _decode_state(
             refs=refs.seen,
             stored=[k for k, t in m.tensors.items() if t.rank in (None, rank)],
             components=m.extra.get("components"),
+            layouts=m.extra.get("layouts"),
+            generators=m.extra.get("generators"),
             counters=m.counters if rank == 0 else None,
             where=where,
         )
     except TooCostly:
         raise
     except (KeyError, TypeError, ValueError, RecursionError, SchemaError) as e:
-        detail = str(e) if isinstance(e, SchemaError) else f"{where}: {e!r}"
+        first = (str(e).splitlines() or [""])[0]  # torch appends its C++ stack
+        detail = first if isinstance(e, SchemaError) else f"{where}: {type(e).__name__}: {first}"
         raise CorruptCheckpoint(step, "bad-state", detail) from e
     return tree, rng if m.world_size == world else None, frozenset(refs.seen)
 
