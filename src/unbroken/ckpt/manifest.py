@@ -23,11 +23,16 @@ On disk (written last by the commit, so a step directory counts only once it is 
 
 Every file of a checkpoint is untrusted input (bit rot, truncation, a crafted copy), so
 :meth:`CheckpointManifest.from_json` checks everything before any other file is opened:
-types, dtypes from a fixed set, shapes, chunks inside their tensor and covering it, byte
-ranges inside their file's recorded size, rank state files listed, every file name a plain
-name inside the step directory (no ``/``, no ``..``, not absolute), the step number, and
-(version 2) the manifest's own checksum, so a flipped bit in any field is caught even when
-the JSON still parses. :meth:`CheckpointManifest.check_files` then checks the directory:
+types, dtypes from a fixed set, shapes, chunks inside their tensor and covering it exactly
+once (an overlap or a gap is damage), byte ranges inside their file's recorded size and
+never shared by two chunks, no chunk shorter than its elements' bytes (so the tensors a
+restore allocates are bounded by the data files), rank state files listed (``world_size``
+is counted against them, never enumerated), every file name a plain name inside the step
+directory (no ``/``, no ``..``, not absolute), the step number, and (version 2) the
+manifest's own checksum, so a flipped bit in any field is caught even when the JSON still
+parses. Parsing is bounded too (:mod:`unbroken.ckpt.bounds`): a manifest above 256 MiB,
+or one whose JSON could cost more memory than its checkpoint's files justify, is refused
+unparsed. :meth:`CheckpointManifest.check_files` then checks the directory:
 every listed file a regular file (not a symlink) of its recorded size.
 
 Version 1 (written before chunk sizes and the self-checksum) is still read.

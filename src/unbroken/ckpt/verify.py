@@ -15,13 +15,19 @@ always agree. Checks, cheapest first:
    cache), every tensor located, its sum and norm against the values recorded at save;
    sharded: rank ``r`` of ``W`` verifies data files ``r, r+W, ...`` (the ranks then agree,
    see ``Checkpointer.restore``);
-6. the saved state tree decodes, and every tensor it references is in the checkpoint.
+6. the saved state tree decodes, references exactly the tensors this rank saved, and can
+   be applied (:func:`~unbroken.ckpt.schema.check_state`: counters, every RNG stream on a
+   scratch generator, the components and layouts the manifest records).
+
+Every parse is charged to the checkpoint's memory budget, ``2 * B + 256 MiB`` for B bytes
+of files (:mod:`unbroken.ckpt.bounds`): a file that would cost more is damage.
 
 ANY failure (whatever its exception type, except ``KeyboardInterrupt``/``SystemExit``)
 raises :class:`CorruptCheckpoint` with a short reason slug used in quarantine names.
 
 :func:`check_fits` then compares a verified checkpoint with the live state (keys, shapes,
-dtypes, optimizer parameter groups) so restore copies nothing unless everything fits.
+dtypes, optimizer parameter groups) so restore copies nothing unless everything fits
+(:mod:`unbroken.ckpt.apply` adds what only the live objects can tell).
 """
 
 from __future__ import annotations

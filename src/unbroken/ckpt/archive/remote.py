@@ -41,6 +41,7 @@ from unbroken.ckpt.archive.io import (
     parse_manifest,
     run_all,
 )
+from unbroken.ckpt.bounds import MAX_MANIFEST
 from unbroken.ckpt.config import ArchiveConfig
 from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
 from unbroken.ckpt.store import Store
@@ -189,11 +190,16 @@ class Archive:
 
         def get() -> bytes:
             try:
-                return bytes(self.fs.cat_file(path))
+                # one byte past the cap: a longer one is refused unread (T-BOUNDED)
+                return bytes(self.fs.cat_file(path, start=0, end=MAX_MANIFEST + 1))
             except FileNotFoundError as e:
                 raise Damaged(f"{path} is missing: step {step} is not committed remotely") from e
 
         raw = self._retry(path, "manifest download", get)
+        if len(raw) > MAX_MANIFEST:
+            raise ArchiveError(
+                self.url, path, f"larger than the {MAX_MANIFEST >> 20} MiB cap", damaged=True
+            )
         return raw, parse_manifest(raw, step, self.url, path)
 
     def info(self, step: int) -> RemoteInfo:
