@@ -26,8 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
-from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
-from unbroken.ckpt.per_rank import split_key
+from unbroken.ckpt.manifest import (
+    COMPONENTS,
+    MANIFEST,
+    CheckpointManifest,
+    component_of,
+    component_prefix,
+    split_key,
+)
 from unbroken.ckpt.store import CorruptCheckpoint, Store
 from unbroken.common.errors import CheckFailed
 from unbroken.common.fs import fsync_dir, is_remote, temp_sibling
@@ -44,7 +50,6 @@ __all__ = [
     "verify_steps",
 ]
 
-_COMPONENTS = "components/"
 _CORRUPT_RE = re.compile(r"^corrupt-step-(\d+)-(.+)$")
 
 
@@ -164,12 +169,6 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
 # --- inspect -------------------------------------------------------------------------------
 
 
-def _component(key: str) -> str:
-    key = split_key(key)[1]  # a rank's own copy (rank1/components/...) counts as its component
-    rest = key.removeprefix(_COMPONENTS)
-    return rest.split("/", 1)[0] if rest != key else key.split("/", 1)[0]
-
-
 def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -> str:
     """The manifest of ``step`` (default: newest) in human form."""
     store = Store(directory)
@@ -204,7 +203,7 @@ def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -
     out.append(render_table(rows, header=["FILE", "SIZE", "CHECKSUM"], right={1}, indent=_IN))
     by_comp: dict[str, list[int]] = {}
     for k, t in m.tensors.items():
-        c = by_comp.setdefault(_component(k), [0, 0])
+        c = by_comp.setdefault(component_of(k), [0, 0])
         c[0] += 1
         c[1] += t.nbytes
     total = sum(b for _, b in by_comp.values())
@@ -374,12 +373,12 @@ def _export(store: Store, step: int, out: str, component: str, bar: Progress) ->
             "another step with --step (see `unbroken ckpt verify`)"
         ) from e
     meta = v.manifest.tensors
-    prefix = f"{_COMPONENTS}{component}/"
+    prefix = component_prefix(component)
     # a tensor that differed between ranks is saved per rank: export rank 0's copy
     saved = {split_key(k)[1]: k for k in sorted(meta) if split_key(k)[0] in (None, 0)}
     keys = sorted(k for k in saved if k.startswith(prefix))
     if not keys:
-        have = sorted({_component(k) for k in saved if k.startswith(_COMPONENTS)})
+        have = sorted({component_of(k) for k in saved if k.startswith(COMPONENTS)})
         raise ValueError(
             f"checkpoint step {step} has no tensors for component {component!r}; "
             f"components with tensors: {have}. Pass --component with one of them"

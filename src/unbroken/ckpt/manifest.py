@@ -45,7 +45,7 @@ import math
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -53,7 +53,6 @@ import numpy as np
 import torch
 
 from unbroken.ckpt.bounds import MAX_MANIFEST, Budget, TooCostly, load_json
-from unbroken.ckpt.per_rank import split_key
 from unbroken.common.fs import CHECKSUM_ALGO, checksum_bytes
 
 __all__ = [
@@ -67,7 +66,11 @@ __all__ = [
     "FileEntry",
     "ManifestError",
     "TensorEntry",
+    "component_of",
+    "component_prefix",
     "manifest_digest",
+    "rank_key",
+    "split_key",
     "torch_dtype",
 ]
 
@@ -92,6 +95,38 @@ _KNOWN = frozenset(
         "save_seconds", "blocked_seconds", _CHECKSUM_KEY,
     }
 )  # fmt: skip
+
+
+# --- tensor keys -------------------------------------------------------------------------------
+# A stored tensor's key is its path in the state dict: ``components/<name>/<path>`` (``/``
+# inside a name or a path segment written ``%2F``, as the codec writes it), and
+# ``rank<r>/components/...`` for rank r's own copy of state that differed between ranks.
+
+COMPONENTS = "components/"
+_RANK_KEY = re.compile(r"^rank(\d+)/(components/.+)$")
+
+
+def rank_key(key: str, rank: int) -> str:
+    """The checkpoint key of ``rank``'s own copy of tensor ``key``."""
+    return f"rank{rank}/{key}"
+
+
+def split_key(key: str) -> tuple[int | None, str]:
+    """``rank1/components/x`` -> ``(1, "components/x")``; a shared key -> ``(None, key)``."""
+    m = _RANK_KEY.match(key)
+    return (int(m.group(1)), m.group(2)) if m else (None, key)
+
+
+def component_prefix(name: str) -> str:
+    """``components/<name>/`` as keys spell it (``model.g`` -> ``components/model.g/``)."""
+    return f"{COMPONENTS}{name.replace('/', '%2F')}/"
+
+
+def component_of(key: str) -> str:
+    """The component a key belongs to, as the key spells it: ``components/model/0.weight``
+    and ``rank1/components/model/0.weight`` -> ``model``; another key -> its first part."""
+    parts = split_key(key)[1].split("/", 2)
+    return parts[1] if len(parts) > 1 and parts[0] == COMPONENTS[:-1] else parts[0]
 
 
 class ManifestError(ValueError):
@@ -452,52 +487,14 @@ class _Checker:
         sharded = t.get("sharded", False)
         if type(sharded) is not bool:
             bad(f".sharded={sharded!r} is not true/false")
-        stats = t.get("stats")
-        if stats is not None:
-            # We record no statistics for sharded tensors (a DTensor's would need collectives).
-            if sharded:
-                bad(" is sharded but has stats")
-            if type(stats) is not dict or stats.keys() != {"sum", "norm"}:
-                bad(f".stats={stats!r} is not {{sum, norm}}")
-            for x in stats.values():
-                if type(x) not in (int, float):
-                    bad(f".stats={stats!r} holds a non-number")
+        stats = _stats(t.get("stats"), sharded, bad)
         raw = t.get("chunks")
         if type(raw) is not list or not raw:
             bad(".chunks is not a non-empty list")
-        chunks = []
-        ndim = len(shape)
-        itemsize = _TORCH_DTYPES[dtype].itemsize
-        for i, c in enumerate(raw):
-            if type(c) is not dict:
-                bad(f".chunks[{i}] is not a JSON object")
-            offsets = _ints(c.get("offsets"))
-            sizes = None if version < 2 and "sizes" not in c else _ints(c.get("sizes"))
-            if offsets is None or len(offsets) != ndim:
-                bad(f".chunks[{i}].offsets={c.get('offsets')!r} is not {ndim} integers >= 0")
-            if sizes is not None:
-                if len(sizes) != ndim or any(
-                    o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)
-                ):
-                    bad(f".chunks[{i}] (offsets {c.get('offsets')}, sizes {c.get('sizes')}) lies "
-                        f"outside shape {list(shape)}")  # fmt: skip
-            elif version >= 2:
-                bad(f".chunks[{i}].sizes={c.get('sizes')!r} is not a list of integers >= 0")
-            elif any(o >= max(d, 1) for o, d in zip(offsets, shape, strict=True)):
-                bad(f".chunks[{i}].offsets lie outside shape {list(shape)}")
-            name, offset, length = c.get("file"), c.get("offset"), c.get("length")
-            # data_names are validated plain names: membership confines the path too.
-            if type(name) is not str or name not in data_names:
-                bad(f".chunks[{i}].file={name!r} is not a data file listed in the manifest")
-            if type(offset) is not int or type(length) is not int or offset < 0 or length < 1:
-                bad(f".chunks[{i}] has offset={offset!r}, length={length!r}")
-            if offset + length > files[name].size:
-                bad(f".chunks[{i}] (bytes {offset}..{offset + length}) lies outside {name} "
-                    f"({files[name].size} bytes)")  # fmt: skip
-            if length < math.prod(sizes if sizes is not None else shape) * itemsize:
-                # a torch.save blob holds its raw bytes: no tensor is larger than its files
-                bad(f".chunks[{i}] has {length} bytes, fewer than its elements need")
-            chunks.append(Chunk(offsets, sizes, name, offset, length))
+        item = _TORCH_DTYPES[dtype].itemsize
+        chunks = [
+            _chunk(i, c, shape, item, files, data_names, version, bad) for i, c in enumerate(raw)
+        ]
         if all(c.sizes is not None for c in chunks):
             gap = _cover_error(shape, chunks)
             if gap:
@@ -512,14 +509,68 @@ class _Checker:
         if (split_key(key)[0] if key.startswith("rank") else None) != rank:
             # a rank's own copy (state that differed between ranks) is keyed rank<r>/, says r
             bad(f".rank={rank!r} does not match its key")
-        return TensorEntry(
-            dtype,
-            shape,
-            sharded,
-            None if stats is None else {k: float(x) for k, x in stats.items()},
-            tuple(chunks),
-            rank,
-        )
+        return TensorEntry(dtype, shape, sharded, stats, tuple(chunks), rank)
+
+
+Bad = Callable[[str], NoReturn]
+
+
+def _stats(stats: Any, sharded: bool, bad: Bad) -> dict[str, float] | None:
+    if stats is None:
+        return None
+    # We record no statistics for sharded tensors (a DTensor's would need collectives).
+    if sharded:
+        bad(" is sharded but has stats")
+    if type(stats) is not dict or stats.keys() != {"sum", "norm"}:
+        bad(f".stats={stats!r} is not {{sum, norm}}")
+    for x in stats.values():
+        if type(x) not in (int, float):
+            bad(f".stats={stats!r} holds a non-number")
+    return {k: float(x) for k, x in stats.items()}
+
+
+def _chunk(
+    i: int,
+    c: Any,
+    shape: tuple[int, ...],
+    itemsize: int,
+    files: Mapping[str, FileEntry],
+    data_names: set[str],
+    version: int,
+    bad: Bad,
+) -> Chunk:
+    """Chunk ``i`` of a tensor of ``shape``: inside it, and inside a listed data file that
+    holds at least its elements' bytes."""
+    if type(c) is not dict:
+        bad(f".chunks[{i}] is not a JSON object")
+    ndim = len(shape)
+    offsets = _ints(c.get("offsets"))
+    sizes = None if version < 2 and "sizes" not in c else _ints(c.get("sizes"))
+    if offsets is None or len(offsets) != ndim:
+        bad(f".chunks[{i}].offsets={c.get('offsets')!r} is not {ndim} integers >= 0")
+    if sizes is not None:
+        if len(sizes) != ndim or any(
+            o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)
+        ):
+            bad(f".chunks[{i}] (offsets {c.get('offsets')}, sizes {c.get('sizes')}) lies "
+                f"outside shape {list(shape)}")  # fmt: skip
+    elif version >= 2:
+        bad(f".chunks[{i}].sizes={c.get('sizes')!r} is not a list of integers >= 0")
+    elif any(o >= max(d, 1) for o, d in zip(offsets, shape, strict=True)):
+        bad(f".chunks[{i}].offsets lie outside shape {list(shape)}")
+    name, offset, length = c.get("file"), c.get("offset"), c.get("length")
+    # data_names are validated plain names: membership confines the path too.
+    if type(name) is not str or name not in data_names:
+        bad(f".chunks[{i}].file={name!r} is not a data file listed in the manifest")
+    if type(offset) is not int or type(length) is not int or offset < 0 or length < 1:
+        bad(f".chunks[{i}] has offset={offset!r}, length={length!r}")
+    if offset + length > files[name].size:
+        bad(f".chunks[{i}] (bytes {offset}..{offset + length}) lies outside {name} "
+            f"({files[name].size} bytes)")  # fmt: skip
+    if length < math.prod(sizes if sizes is not None else shape) * itemsize:
+        # a torch.save blob holds its raw bytes: no tensor is larger than its files
+        bad(f".chunks[{i}] has {length} bytes, fewer than its elements need")
+    return Chunk(offsets, sizes, name, offset, length)
 
 
 def _cover_error(shape: tuple[int, ...], chunks: list[Chunk]) -> str | None:

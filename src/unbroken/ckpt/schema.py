@@ -26,7 +26,7 @@ the same way in ``restore()`` and in ``ckpt verify`` (which has no live objects)
   drop some.
 
 Anything else a component's own ``load_state_dict`` may refuse is found by restore's
-rehearsal against the live object (:mod:`unbroken.ckpt.apply`), which ``ckpt verify``
+rehearsal against the live object (:mod:`unbroken.ckpt.load`), which ``ckpt verify``
 cannot run.
 """
 

@@ -47,8 +47,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.tensor import DTensor
 
-from unbroken.ckpt._dist import Comm
 from unbroken.ckpt.bounds import TooCostly, pickle_cost
+from unbroken.ckpt.collectives import Comm
 from unbroken.ckpt.manifest import DTYPES, CheckpointManifest, Chunk, FileEntry, TensorEntry
 from unbroken.common.fs import HashingWriter, checksum_bytes
 

@@ -27,7 +27,7 @@ raises :class:`CorruptCheckpoint` with a short reason slug used in quarantine na
 
 :func:`check_fits` then compares a verified checkpoint with the live state (keys, shapes,
 dtypes, optimizer parameter groups) so restore copies nothing unless everything fits
-(:mod:`unbroken.ckpt.apply` adds what only the live objects can tell).
+(:mod:`unbroken.ckpt.load` adds what only the live objects can tell).
 """
 
 from __future__ import annotations
@@ -43,8 +43,13 @@ import torch
 from unbroken.ckpt import codec
 from unbroken.ckpt.bounds import Budget, TooCostly, load_json
 from unbroken.ckpt.dcp_metadata import UnsafeMetadata, check_dcp_metadata
-from unbroken.ckpt.manifest import METADATA, CheckpointManifest, FileEntry, ManifestError
-from unbroken.ckpt.per_rank import split_key
+from unbroken.ckpt.manifest import (
+    METADATA,
+    CheckpointManifest,
+    FileEntry,
+    ManifestError,
+    component_of,
+)
 from unbroken.ckpt.schema import SchemaError, check_state
 from unbroken.ckpt.store import CorruptCheckpoint, Store
 from unbroken.ckpt.tensor_io import ChecksumError, read_tensors, stats_match, verify_files
@@ -232,13 +237,6 @@ def read_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
     return v.decode(whole)
 
 
-def _component(key: str) -> str:
-    """``components/model/0.weight`` -> ``model`` (the codec's key layout); a rank's own
-    copy (``rank1/components/model/0.weight``) belongs to the same component."""
-    parts = split_key(key)[1].split("/", 2)
-    return parts[1] if len(parts) > 1 and parts[0] == "components" else parts[0]
-
-
 def _desc(shape: Any, dtype: Any) -> str:
     return f"{list(shape)} {str(dtype).removeprefix('torch.')}"
 
@@ -264,7 +262,7 @@ def check_fits(
         )
 
     def strict(key: str) -> bool:  # modules load strictly: every key on both sides
-        return isinstance(components.get(_component(key)), torch.nn.Module)
+        return isinstance(components.get(component_of(key)), torch.nn.Module)
 
     for k in sorted(v.needed):
         t = v.manifest.tensors[k]

@@ -26,7 +26,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -42,10 +42,9 @@ from unbroken.ckpt.archive.io import (
     run_all,
 )
 from unbroken.ckpt.bounds import MAX_MANIFEST
-from unbroken.ckpt.config import ArchiveConfig
+from unbroken.ckpt.config import ArchiveConfig, configured
 from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
 from unbroken.ckpt.store import Store
-from unbroken.common.config import resolve
 from unbroken.common.fs import (
     atomic_write_bytes,
     checksum_file,
@@ -82,27 +81,15 @@ class Archive:
 
     Args:
         url: any fsspec URL (``s3://bucket/prefix``, ``file:///mnt/nfs/x``, ``memory://x``),
-            or a whole :class:`~unbroken.ckpt.ArchiveConfig` (then no keywords).
-        retries, backoff_s, threads, storage_options: the :class:`ArchiveConfig` fields of
-            the same names (what each does, its unit and default).
+            or a whole :class:`~unbroken.ckpt.ArchiveConfig`.
+        **overrides: :class:`ArchiveConfig` fields to change, by name (``retries``,
+            ``backoff_s``, ``threads``, ``storage_options`` ...: what each does, its unit
+            and default).
     """
 
-    def __init__(
-        self,
-        url: str | ArchiveConfig,
-        *,
-        retries: int = ArchiveConfig.retries,
-        backoff_s: float = ArchiveConfig.backoff_s,
-        threads: int = ArchiveConfig.threads,
-        storage_options: Mapping[str, Any] | None = None,
-    ) -> None:
-        keywords: dict[str, Any] = dict(retries=retries, backoff_s=backoff_s, threads=threads)
-        if storage_options is not None:
-            keywords["storage_options"] = storage_options
-        if isinstance(url, ArchiveConfig):
-            cfg = resolve(ArchiveConfig, url, keywords, owner="Archive")
-        else:
-            cfg = ArchiveConfig(url, **keywords)
+    def __init__(self, url: str | ArchiveConfig, **overrides: Any) -> None:
+        base = url if isinstance(url, ArchiveConfig) else ArchiveConfig(url)
+        cfg = configured(ArchiveConfig, base, overrides, owner="Archive")
         self.config = cfg
         self.url = cfg.url.rstrip("/")
         self.retries = cfg.retries

@@ -1,28 +1,35 @@
-"""Applying a verified checkpoint to the live state, all or nothing (T-FALL-BACK).
+"""How a checkpoint gets into the live state: verified on every rank, agreed, checked
+against the live objects, rehearsed, applied; all or nothing (T-FALL-BACK, C-PER-RANK).
 
-Verification (:mod:`.verify`, :mod:`.schema`) proves a checkpoint intact and applicable
-as far as the files alone can tell. What only the live objects can tell is found here,
-before the first tensor byte of the live state changes:
+:meth:`Loader.try_load` runs one candidate step on every rank:
 
-1. **fit** (:func:`fit_problems`): keys, shapes, dtypes, optimizer groups, module keys,
-   registered numpy generators and their kinds. A checkpoint that does not fit is intact:
-   restore refuses with the list, nothing is moved aside.
-2. **rehearsal** (:meth:`Plan.rehearse`): every component whose ``load_state_dict`` is not
+1. **verify** (:func:`.verify.load_verified`, the same code as ``ckpt verify``): whatever
+   the files alone can tell (:mod:`.manifest`, :mod:`.schema`, :mod:`.bounds`). The ranks
+   agree; damage on any rank moves the step aside (:meth:`Loader.quarantine`).
+2. **fit** (:func:`fit_problems`): keys, shapes, dtypes, optimizer groups, module keys,
+   registered numpy generators and their kinds, and the world-size rule
+   (:func:`.per_rank.check_resize`). A checkpoint that does not fit is intact: it raises
+   ``ValueError`` with the list, nothing moved aside, nothing changed.
+3. **rehearsal** (:meth:`Plan.rehearse`): every component whose ``load_state_dict`` is not
    torch's tensor loading (scheduler, scaler, loader, extras ...) is given its saved state
    first. One without tensors in its state is applied for real, with a copy of its previous
    state to roll back to; one with tensors is rehearsed on a deep copy (sharing the live
    tensors, which the fill overwrites anyway). CUDA RNG states are set on scratch device
-   generators. Any exception: :meth:`Plan.undo` rolls back what was applied and the
-   caller tries an older checkpoint (``Checkpointer.restore``).
-3. **commit** (:meth:`Plan.commit`): the stored tensors are copied into the live ones,
+   generators. A refusal on any rank: :meth:`Plan.undo` rolls back what was applied, and
+   the step is reported refused (the caller decides, once an older one applies, that it
+   was damage).
+4. **commit** (:meth:`Plan.commit`): the stored tensors are copied into the live ones,
    then modules and optimizers load (all checked above), counters and RNG are set, and last
    the components whose load has effects outside the process (``MetricLog`` truncates its
    file), so they act only once everything else has been applied.
+
+Which step to try, the archive and a fresh start are the :class:`Checkpointer`'s.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,14 +37,18 @@ from typing import Any
 
 import torch
 
-from unbroken.ckpt import codec
+from unbroken.ckpt import codec, per_rank
 from unbroken.ckpt import rng as _rng
+from unbroken.ckpt.collectives import Comm
+from unbroken.ckpt.manifest import split_key
 from unbroken.ckpt.state import TrainState, _ShardedModel, _ShardedOptimizer
+from unbroken.ckpt.store import CorruptCheckpoint, Store
 from unbroken.ckpt.tensor_io import fill
-from unbroken.ckpt.verify import Verified, check_fits
+from unbroken.ckpt.verify import Verified, check_fits, load_verified
 from unbroken.common.metrics import MetricLog
+from unbroken.common.text import printable
 
-__all__ = ["Plan", "fit_problems"]
+__all__ = ["Loader", "NotLoaded", "Plan", "fit_problems", "refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -203,4 +214,136 @@ class Plan:
 def _failure(name: str, obj: Any, e: BaseException) -> str:
     return (
         f"component {name!r} ({type(obj).__qualname__}) refused its state: {type(e).__name__}: {e}"
+    )
+
+
+class Loader:
+    """Loads checkpoints of ``store`` into ``state`` with ``comm``'s ranks."""
+
+    def __init__(self, store: Store, state: TrainState, comm: Comm, audit: Any) -> None:
+        self.store, self.state, self.comm = store, state, comm
+        self.audit = audit  # `unbroken drill`'s state fingerprints; a no-op otherwise
+
+    def try_load(self, s: int) -> NotLoaded | None:
+        """Verify ``s`` on every rank and apply it only if all agree. Returns None when it
+        was applied, else why not: damaged (quarantined or skipped already), or refused by
+        the live state (left in place: the caller decides once an older one applies)."""
+        rank, world = self.comm.rank, self.comm.world
+        ver: Verified | None = None
+        why = None
+        try:
+            ver = load_verified(self.store, s, rank=rank, world=world)
+        except CorruptCheckpoint as e:  # load_verified raises nothing else for damage
+            why = (e.reason, e.detail)
+        verdicts = self.comm.gather(why)
+        bad = [(r, w) for r, w in enumerate(verdicts) if w]
+        if bad:
+            r, (reason, detail) = bad[0]
+            self.quarantine(s, reason, f"rank {r}: {reason}: {detail}")
+            return NotLoaded(f"{reason}: {detail}")
+        if ver is None:  # unreachable: no rank reported damage
+            return NotLoaded("not verified")
+        return self._apply(ver)
+
+    def quarantine(self, s: int, reason: str, why: str, then: str = "trying an older one") -> None:
+        """Move damaged step ``s`` aside (rank 0), one WARNING; every rank waits for it."""
+        if self.comm.rank == 0:
+            where = self.store.quarantine(s, reason)
+            why = printable(why)
+            if isinstance(where, OSError):
+                log.warning(
+                    "checkpoint step %d is damaged (%s); could not move it aside (%s), "
+                    "skipped; %s",
+                    s, why, where.strerror or where, then,
+                )  # fmt: skip
+            else:
+                log.warning(
+                    "checkpoint step %d is damaged (%s); moved to %s, %s", s, why, where, then
+                )
+        self.comm.barrier()
+
+    def _apply(self, ver: Verified) -> NotLoaded | None:
+        # The world-size rule (C-PER-RANK) is a refusal, like the fit below: it raises
+        # to the caller and never quarantines the (intact) checkpoint.
+        skip = per_rank.check_resize(ver.manifest, self.state, self.comm.world, self.comm.rank)
+        if skip:  # neither read nor decoded: those components keep their live state
+            comps = {n: None if n in skip else v for n, v in ver.tree["components"].items()}
+            tree = {**ver.tree, "components": comps}
+            ver = dataclasses.replace(ver, tree=tree, needed=ver.needed & codec.tensor_keys(tree))
+        live = self._live_tensors(ver)
+        self._check_fit(ver, live, skip)
+        tensors = ver.manifest.tensors
+        targets = {  # what this rank's state references: live tensors, or new ones
+            k: live[k] if k in live else torch.empty(tensors[k].shape, dtype=tensors[k].torch_dtype)
+            for k in sorted(ver.needed)
+        }
+        plan = Plan(ver, self.state, targets, skip)
+        refusals = self.comm.gather(plan.rehearse())  # before the first tensor byte changes
+        if any(refusals):
+            plan.undo()
+            r, why = next((r, w) for r, w in enumerate(refusals) if w)
+            return NotLoaded(f"rank {r}: {why}", refused=True)
+        plan.commit(self.store.step_dir(ver.step))
+        if ver.rng is None:
+            self._derive_rng(ver)
+        self.audit.restored(ver.step)
+        return None
+
+    def _check_fit(self, ver: Verified, live: dict[str, torch.Tensor], skip: set[str]) -> None:
+        """All or nothing: every key, shape and dtype is checked on every rank before the
+        first tensor is copied into the live state. Skipped components are not compared."""
+        mine = fit_problems(ver, live, self.state, skip)
+        problems = [p for ps in self.comm.gather(mine) for p in ps]
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise ValueError(
+                f"checkpoint step {ver.step} in {self.store.root!r} does not fit the live "
+                f"state: {'; '.join(sorted(set(problems))[:5])}{more}. Nothing was restored "
+                "(the live state is unchanged); build the model and optimizer as the run "
+                "that saved it did, or restore from another directory"
+            )
+
+    def _derive_rng(self, ver: Verified) -> None:
+        """Saved with another world size: per-rank streams from (seed, rank, step)."""
+        rank = self.comm.rank
+        _rng.derive(self.state.seed, rank, ver.step, self.state.numpy_generators)
+        if rank == 0:
+            log.warning(
+                "world size changed (%d -> %d ranks): per-rank RNG streams re-derived from "
+                "(seed=%d, rank, step=%d)",
+                ver.manifest.world_size,
+                self.comm.world,
+                self.state.seed,
+                ver.step,
+            )
+
+    def _live_tensors(self, ver: Verified) -> dict[str, torch.Tensor]:
+        """The live state's tensors by checkpoint key; ``rank1/components/x`` (this rank's
+        own copy in the checkpoint) restores into the live ``components/x``."""
+        current = self.state.state_dict()
+        current.pop("rng", None)
+        live: dict[str, torch.Tensor] = {}
+        codec.encode(current, live)
+        for k in ver.needed:
+            base = split_key(k)[1]
+            if base != k and base in live:
+                live[k] = live.pop(base)
+        return live
+
+
+@dataclass(frozen=True)
+class NotLoaded:
+    """Why a checkpoint was not applied; ``refused``: intact, but the live state refused it."""
+
+    text: str
+    refused: bool = False
+
+
+def refusal(step: int, why: str, root: str, count: int = 1) -> str:
+    others = f" (and {count - 1} older one(s) the same way)" if count > 1 else ""
+    return printable(
+        f"checkpoint step {step} in {root!r} cannot be applied to the live state{others}: "
+        f"{why}. Nothing was restored (the live state is unchanged) and nothing was moved "
+        "aside; construct the components as the run that saved it did (the same data, seed "
+        "and types), or restore from another directory"
     )
