@@ -92,9 +92,6 @@ class Archive:
         cfg = configured(ArchiveConfig, base, overrides, owner="Archive")
         self.config = cfg
         self.url = cfg.url.rstrip("/")
-        self.retries = cfg.retries
-        self.backoff_s = cfg.backoff_s
-        self.threads = cfg.threads
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **cfg.storage_options)
         except (ImportError, ValueError) as e:
@@ -119,7 +116,7 @@ class Archive:
     # --- retries ------------------------------------------------------------------------------
 
     def _retry(self, file: str, what: str, fn: Callable[[], _T]) -> _T:
-        for attempt in range(self.retries + 1):
+        for attempt in range(self.config.retries + 1):
             try:
                 return fn()
             except Damaged as e:
@@ -127,13 +124,13 @@ class Archive:
             except ArchiveError:
                 raise
             except Exception as e:
-                if attempt == self.retries:
+                if attempt == self.config.retries:
                     raise ArchiveError(
                         self.url,
                         file,
                         f"{what} failed after {attempt + 1} attempt(s): {type(e).__name__}: {e}",
                     ) from e
-                delay = self.backoff_s * 2**attempt
+                delay = self.config.backoff_s * 2**attempt
                 log.info(
                     "archive %s: %s of %s failed (%s: %s); retry %d/%d in %.2f s",
                     self.url,
@@ -142,7 +139,7 @@ class Archive:
                     type(e).__name__,
                     e,
                     attempt + 1,
-                    self.retries,
+                    self.config.retries,
                     delay,
                 )
                 time.sleep(delay)
@@ -216,7 +213,7 @@ class Archive:
             return
         t0 = time.perf_counter()
         tasks = [partial(self._put_retrying, s, prefix) for s in snap.sources]
-        run_all(self.threads, "unbroken-upload", tasks)
+        run_all(self.config.threads, "unbroken-upload", tasks)
         # Nothing skipped: every listed file must be there with its size before the commit.
         want = {s.name: s.size for s in snap.sources}
         got = self._retry(prefix, "listing", lambda: self._sizes(prefix))
@@ -362,8 +359,8 @@ class Archive:
 
             total = sum(f.size for f in files.values())
             with progress_bar(f"download step {step}", total=total, enabled=progress) as bar:
-                run_all(self.threads, "unbroken-download", [partial(get, *p) for p in parts])
-            run_all(self.threads, "unbroken-verify", [partial(check, n) for n in files])
+                run_all(self.config.threads, "unbroken-download", [partial(get, *p) for p in parts])
+            run_all(self.config.threads, "unbroken-verify", [partial(check, n) for n in files])
         finally:
             for fd in fds.values():
                 os.close(fd)
