@@ -45,6 +45,7 @@ INNER = {
                 "unbroken.ckpt.dcp_metadata",
                 "unbroken.ckpt.manifest",
                 "unbroken.ckpt.rng",
+                "unbroken.ckpt.say",
                 "unbroken.ckpt.schema",
                 "unbroken.ckpt.state",
             )

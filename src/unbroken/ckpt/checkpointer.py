@@ -37,6 +37,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,9 +51,10 @@ from unbroken.ckpt.collectives import Comm, is_dist
 from unbroken.ckpt.config import ArchiveConfig, CheckpointConfig, configured
 from unbroken.ckpt.load import Loader, refusal
 from unbroken.ckpt.save import Job, Saver, encode
+from unbroken.ckpt.say import say
 from unbroken.ckpt.snapshot import Snapshotter
 from unbroken.ckpt.state import TrainState
-from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint, Store
+from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint, RestoreRefused, Store
 from unbroken.ckpt.verify import load_verified
 from unbroken.common.audit import state_audit
 
@@ -104,7 +106,7 @@ class Checkpointer:
         self._comm = Comm(self.config.distributed)
         self._audit = state_audit(state, self._comm)  # `unbroken drill` only; else no-op
         self._saver = Saver(self.store, state, self._comm, self.config.io_threads, self._audit)
-        self._loader = Loader(self.store, state, self._comm, self._audit)
+        self._loader = Loader(self.store, state, self._comm, self._audit, quiet=self.config.quiet)
         self._archive, self._uploader = _open_archive(self.config.archive)
         self._lock = _WriterLock(self.store, self._comm)
         self._snap = Snapshotter()
@@ -116,6 +118,7 @@ class Checkpointer:
         self._inflight: Future[str] | None = None
         self._prepared: Future[None] | None = None  # async: buffers allocated ahead
         self._last_save_time = time.monotonic()
+        self._stuck = _StuckStep()
         self.last_save_seconds: float | None = None
         self.last_blocked_seconds: float | None = None
         self.last_wait_seconds: float = 0.0
@@ -136,6 +139,7 @@ class Checkpointer:
         return [self.store.info(s) for s in self.store.steps()]
 
     def latest(self) -> int | None:
+        """The newest committed step (not verified: :meth:`restore` verifies), or None."""
         steps = self.store.steps()
         return steps[-1] if steps else None
 
@@ -154,8 +158,11 @@ class Checkpointer:
     # --- save -------------------------------------------------------------------------------
 
     def maybe_save(self, step: int | None = None) -> bool:
-        """Save if ``every_steps``/``every_seconds`` (or a SIGTERM) says so."""
+        """Save if ``every_steps``/``every_seconds`` (or a SIGTERM) says so; ``step``
+        defaults to ``state.step``. A step that does not advance over several calls is
+        warned about once (the loop's counter is not reaching ``state.step``)."""
         step = self.state.step if step is None else step
+        self._stuck.see(step)
         self._audit.step(step)
         self._raise_background_error()
         every, every_steps = self.config.every_seconds, self.config.every_steps
@@ -180,7 +187,10 @@ class Checkpointer:
         """Save the complete training state as ``step`` (default ``state.step``).
 
         Sync: returns the committed directory. Async: returns the directory it will have
-        once committed (see :meth:`wait`).
+        once committed (see :meth:`wait`). Steps are immutable once committed: saving the
+        newest committed step again is a no-op when the live state is bit-identical to it
+        (e.g. a final ``save()`` after ``maybe_save()`` saved that step; it costs one
+        verified read) and a ``FileExistsError`` naming the first difference otherwise.
         """
         step = self.state.step if step is None else step
         if not isinstance(step, int) or step < 0:
@@ -188,10 +198,8 @@ class Checkpointer:
         self.state.check_saveable()
         self.wait()
         if os.path.exists(self.store.step_dir(step)):
-            raise FileExistsError(
-                f"checkpoint for step {step} already exists at {self.store.step_dir(step)}; "
-                "steps are immutable once committed"
-            )
+            self._same_or_refuse(step)
+            return self.store.step_dir(step)
         self._lock.take(self)
         job = self._saver.snapshot(step, self._snap if self._pool is not None else None)
         self.last_blocked_seconds = job.blocked
@@ -199,6 +207,24 @@ class Checkpointer:
             return self._persist(job)
         self._inflight = self._pool.submit(self._persist, job)
         return self.store.step_dir(step)
+
+    def _same_or_refuse(self, step: int) -> None:
+        """``step`` is committed: fine when it is the newest and holds the live state."""
+        where = self.store.step_dir(step)
+        if step != self.latest():
+            raise FileExistsError(
+                f"checkpoint for step {step} already exists at {where} and is not the newest "
+                f"(that is step {self.latest()}); steps are immutable once committed"
+            )
+        diff = self._loader.difference(step)
+        if diff is not None:
+            raise FileExistsError(
+                f"checkpoint for step {step} already exists at {where} and the live state "
+                f"differs from it (first difference: {diff}); steps are immutable once "
+                f"committed. The state changed since step {step} was saved but the step did "
+                "not advance: set state.step to the loop's counter every step (or pass it: "
+                "maybe_save(step), save(step))"
+            )
 
     def wait(self) -> str | None:
         """Block until the in-flight background save (if any) is committed; re-raise its
@@ -235,6 +261,7 @@ class Checkpointer:
         path, total = self._saver.commit(job)
         dt = time.perf_counter() - job.t0
         self._last_save_time = time.monotonic()
+        self._stuck = _StuckStep()
         self.last_save_seconds = dt
         if self._comm.rank != 0:
             return path
@@ -317,7 +344,20 @@ class Checkpointer:
         refused are moved aside as damaged. When the live state refuses every one (e.g. a
         loader whose dataset changed), restore raises ``ValueError`` with the first reason,
         nothing moved aside and nothing of the live state changed.
+
+        Every refusal by the live state raises :class:`~unbroken.ckpt.RestoreRefused` (a
+        ``ValueError``): it is deterministic, so under ``unbroken run`` it is also recorded
+        as a ``restore_refused`` event (a configuration fault: restarting cannot help).
+        Rank 0 prints one line on stderr for the restored step and for each step skipped
+        (unless the user's logging shows them already, or ``quiet=True``).
         """
+        try:
+            return self._restore(step)
+        except RestoreRefused as e:
+            _mark("restore_refused", step=e.step, reason=str(e)[:4000])
+            raise
+
+    def _restore(self, step: int | None) -> int | None:
         self.wait()
         if step is not None:
             self._require_step(step)
@@ -346,7 +386,7 @@ class Checkpointer:
         if why.refused:
             tried.refused.append((s, why.text))
         if requested and why.refused:
-            raise ValueError(refusal(s, why.text, self.store.root))
+            raise RestoreRefused(refusal(s, why.text, self.store.root), s)
         if requested:
             raise CorruptCheckpoint(
                 s, "damaged", f"the requested checkpoint failed verification ({why.text})"
@@ -375,7 +415,7 @@ class Checkpointer:
         ``allow_fresh_start``), or start fresh."""
         if tried.refused:  # the live objects refuse every checkpoint: theirs to fix, not damage
             s, why = tried.refused[0]
-            raise ValueError(refusal(s, why, self.store.root, len(tried.refused)))
+            raise RestoreRefused(refusal(s, why, self.store.root, len(tried.refused)), s)
         if self.store.has_foreign_content() and not self.config.allow_fresh_start:
             what = "; ".join(tried.texts) if tried.texts else "no step-N directory"
             raise RuntimeError(
@@ -384,12 +424,12 @@ class Checkpointer:
                 "allow_fresh_start=True to start anew, or point at another directory"
             )
         if tried.texts and self._comm.rank == 0:
-            log.warning(
+            say(
+                log, logging.WARNING,
                 "no checkpoint in %s verified (%d tried); starting from scratch as "
                 "allow_fresh_start=True asks",
-                self.store.root,
-                len(tried.texts),
-            )
+                self.store.root, len(tried.texts), quiet=self.config.quiet,
+            )  # fmt: skip
         for obj in self.state.components.values():  # a fresh start: e.g. MetricLog drops
             getattr(obj, "start_fresh", lambda: None)()  # what an earlier attempt logged
 
@@ -400,9 +440,44 @@ class Checkpointer:
         self.last_restore_seconds = dt
         self._last_save_time = time.monotonic()
         if self._comm.rank == 0:
-            log.info("restored step %d from %s in %.2f s", s, self.store.step_dir(s), dt)
+            created = self._loader.applied.created if self._loader.applied else None
+            when = (
+                time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(created))
+                if isinstance(created, float | int)
+                else "an unknown time"
+            )
+            say(
+                log, logging.INFO, "resumed from step %d, saved at %s, in %.2f s",
+                s, when, dt, quiet=self.config.quiet,
+            )  # fmt: skip
         _mark("loaded", step=s, seconds=dt)
         return s
+
+
+class _StuckStep:
+    """Warns once when :meth:`Checkpointer.maybe_save` sees the same step call after call:
+    the loop's own counter is not reaching ``state.step`` (issue 21 item 3)."""
+
+    CALLS = 5
+    """calls at one step before the warning (a loop calls once per optimizer step)."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.calls = 0
+        self.warned = False
+
+    def see(self, step: int) -> None:
+        self.calls = self.calls + 1 if step == self.step else 1
+        self.step = step
+        if self.calls == self.CALLS and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"Checkpointer.maybe_save() was called {self.calls} times at step {step}: the "
+                f"step does not advance, so nothing after step {step} will be saved. Set "
+                "state.step = <your loop's step counter> every step, or pass it: "
+                "maybe_save(step)",
+                stacklevel=3,
+            )
 
 
 @dataclass

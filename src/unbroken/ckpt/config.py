@@ -122,6 +122,8 @@ class CheckpointConfig:
     """None: collective when torch.distributed is initialised; False: this process saves alone."""
     archive: ArchiveConfig | None = None
     """remote copies of committed checkpoints (:class:`ArchiveConfig`); None: local only."""
+    quiet: bool = False
+    """no line on stderr (rank 0) for each restore and fall-back; they go to DEBUG logging."""
 
     def __post_init__(self) -> None:
         own = "CheckpointConfig"
@@ -130,7 +132,7 @@ class CheckpointConfig:
         check_count(own, "keep_last", self.keep_last, none="keep all")
         check_count(own, "keep_every", self.keep_every, none="only keep_last")
         check_count(own, "io_threads", self.io_threads)
-        for name in ("allow_fresh_start", "async_save", "save_on_sigterm"):
+        for name in ("allow_fresh_start", "async_save", "save_on_sigterm", "quiet"):
             check_flag(own, name, getattr(self, name))
         check_flag(own, "distributed", self.distributed, none="collective when initialised")
         if self.archive is not None and not isinstance(self.archive, ArchiveConfig):

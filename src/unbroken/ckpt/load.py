@@ -9,7 +9,8 @@ against the live objects, rehearsed, applied; all or nothing (T-FALL-BACK, C-PER
 2. **fit** (:func:`fit_problems`): keys, shapes, dtypes, optimizer groups, module keys,
    registered numpy generators and their kinds, and the world-size rule
    (:func:`.per_rank.check_resize`). A checkpoint that does not fit is intact: it raises
-   ``ValueError`` with the list, nothing moved aside, nothing changed.
+   :class:`.store.RestoreRefused` (a ``ValueError``) with the list, nothing moved aside,
+   nothing changed.
 3. **rehearsal** (:meth:`Plan.rehearse`): every component whose ``load_state_dict`` is not
    torch's tensor loading (scheduler, scaler, loader, extras ...) is given its saved state
    first. One without tensors in its state is applied for real, with a copy of its previous
@@ -40,9 +41,10 @@ import torch
 from unbroken.ckpt import codec, per_rank
 from unbroken.ckpt import rng as _rng
 from unbroken.ckpt.collectives import Comm
-from unbroken.ckpt.manifest import split_key
+from unbroken.ckpt.manifest import CheckpointManifest, split_key
+from unbroken.ckpt.say import say
 from unbroken.ckpt.state import TrainState, _ShardedModel, _ShardedOptimizer
-from unbroken.ckpt.store import CorruptCheckpoint, Store
+from unbroken.ckpt.store import CorruptCheckpoint, RestoreRefused, Store
 from unbroken.ckpt.tensor_io import fill
 from unbroken.ckpt.verify import Verified, check_fits, load_verified
 from unbroken.common.metrics import MetricLog
@@ -220,9 +222,14 @@ def _failure(name: str, obj: Any, e: BaseException) -> str:
 class Loader:
     """Loads checkpoints of ``store`` into ``state`` with ``comm``'s ranks."""
 
-    def __init__(self, store: Store, state: TrainState, comm: Comm, audit: Any) -> None:
+    def __init__(
+        self, store: Store, state: TrainState, comm: Comm, audit: Any, *, quiet: bool = False
+    ) -> None:
         self.store, self.state, self.comm = store, state, comm
         self.audit = audit  # `unbroken drill`'s state fingerprints; a no-op otherwise
+        self.quiet = quiet  # fall-back lines at DEBUG only (see .say)
+        self.applied: CheckpointManifest | None = None
+        """The manifest of the checkpoint the last successful :meth:`try_load` applied."""
 
     def try_load(self, s: int) -> NotLoaded | None:
         """Verify ``s`` on every rank and apply it only if all agree. Returns None when it
@@ -246,20 +253,23 @@ class Loader:
         return self._apply(ver)
 
     def quarantine(self, s: int, reason: str, why: str, then: str = "trying an older one") -> None:
-        """Move damaged step ``s`` aside (rank 0), one WARNING; every rank waits for it."""
+        """Move damaged step ``s`` aside (rank 0), one line (:func:`.say`: a WARNING, or
+        stderr); every rank waits for it."""
         if self.comm.rank == 0:
             where = self.store.quarantine(s, reason)
-            why = printable(why)
             if isinstance(where, OSError):
-                log.warning(
+                say(
+                    log, logging.WARNING,
                     "checkpoint step %d is damaged (%s); could not move it aside (%s), "
                     "skipped; %s",
-                    s, why, where.strerror or where, then,
+                    s, why, str(where.strerror or where), then, quiet=self.quiet,
                 )  # fmt: skip
             else:
-                log.warning(
-                    "checkpoint step %d is damaged (%s); moved to %s, %s", s, why, where, then
-                )
+                say(
+                    log, logging.WARNING,
+                    "checkpoint step %d is damaged (%s); moved to %s, %s",
+                    s, why, where, then, quiet=self.quiet,
+                )  # fmt: skip
         self.comm.barrier()
 
     def _apply(self, ver: Verified) -> NotLoaded | None:
@@ -287,7 +297,29 @@ class Loader:
         if ver.rng is None:
             self._derive_rng(ver)
         self.audit.restored(ver.step)
+        self.applied = ver.manifest
         return None
+
+    def difference(self, s: int) -> str | None:
+        """How the live state differs from committed step ``s`` on any rank (the first
+        difference, as ``rank r: <path>``), or None when every rank's state is bit-identical
+        to what it saved. Collective; one verified read of the checkpoint, nothing applied."""
+        try:
+            ver = load_verified(self.store, s, rank=self.comm.rank, world=self.comm.world)
+            if ver.rng is None:
+                raise ValueError(f"saved by {ver.manifest.world_size} ranks")
+            tensors = ver.manifest.tensors
+            saved = {
+                k: torch.empty(tensors[k].shape, dtype=tensors[k].torch_dtype)
+                for k in sorted(ver.needed)
+            }
+            sd = ver.decode(saved)
+            fill(self.store.step_dir(s), ver.manifest, saved, views=ver.tensors)
+            mine = codec.first_difference(self.state.state_dict(), sd)
+        except (CorruptCheckpoint, ValueError) as e:
+            mine = f"{type(e).__name__}: {e}"
+        found = [(r, d) for r, d in enumerate(self.comm.gather(mine)) if d is not None]
+        return None if not found else printable(f"rank {found[0][0]}: {found[0][1]}")
 
     def _check_fit(self, ver: Verified, live: dict[str, torch.Tensor], skip: set[str]) -> None:
         """All or nothing: every key, shape and dtype is checked on every rank before the
@@ -296,11 +328,12 @@ class Loader:
         problems = [p for ps in self.comm.gather(mine) for p in ps]
         if problems:
             more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-            raise ValueError(
+            raise RestoreRefused(
                 f"checkpoint step {ver.step} in {self.store.root!r} does not fit the live "
                 f"state: {'; '.join(sorted(set(problems))[:5])}{more}. Nothing was restored "
                 "(the live state is unchanged); build the model and optimizer as the run "
-                "that saved it did, or restore from another directory"
+                "that saved it did, or restore from another directory",
+                ver.step,
             )
 
     def _derive_rng(self, ver: Verified) -> None:

@@ -57,6 +57,7 @@ from unbroken.ckpt.manifest import (
     component_prefix,
     rank_key,
 )
+from unbroken.ckpt.store import RestoreRefused
 from unbroken.common.fs import checksum_bytes
 
 if TYPE_CHECKING:
@@ -223,7 +224,7 @@ def check_resize(
     manifest: CheckpointManifest, state: TrainState, world: int, rank: int
 ) -> set[str]:
     """Apply the world-size rule before anything is restored: returns the per-rank
-    components to leave as constructed, or raises ``ValueError`` naming the ones that
+    components to leave as constructed, or raises :class:`.store.RestoreRefused` naming the ones that
     cannot be mapped to the new ranks."""
     saved_world = manifest.world_size
     comps = manifest.extra.get("components")
@@ -243,12 +244,13 @@ def check_resize(
             differed.append(name)
     step = manifest.step
     if per_rank and state.per_rank_on_resize == "refuse":
-        raise ValueError(
+        raise RestoreRefused(
             f"checkpoint step {step} was saved by {saved_world} ranks and this job has "
             f"{world}: per-rank state {per_rank} differs between the saving ranks, so it "
             f"cannot be mapped to the new ranks. Resume with {saved_world} ranks; or pass "
             "TrainState(per_rank_on_resize='skip') to leave it as constructed (each rank "
-            "starts it fresh)"
+            "starts it fresh)",
+            step,
         )
     if rank == 0:
         if copied:

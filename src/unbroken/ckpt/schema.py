@@ -21,8 +21,8 @@ the same way in ``restore()`` and in ``ckpt verify`` (which has no live objects)
   ``load_state_dict`` and next ``step()`` rely on: torch optimizers (parameter ids
   ``0..N-1`` over groups of the recorded sizes, state only for those, hyperparameters of
   the right kind and sign), modules (the non-tensor entries recorded), torch LR
-  schedulers, ``GradScaler`` (every field when it was enabled), ``MetricLog`` and the data
-  loader's position. Fields are checked where present: another torch version may add or
+  schedulers, ``GradScaler`` (every field when it was enabled), ``MetricLog``, the data
+  loader's position and the loop's plain ``values`` (bounded JSON scalars). Fields are checked where present: another torch version may add or
   drop some.
 
 Anything else a component's own ``load_state_dict`` may refuse is found by restore's
@@ -40,7 +40,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from unbroken.ckpt.state import COUNTERS, TrainState, _ShardedModel, _ShardedOptimizer
+from unbroken.ckpt.state import (
+    COUNTERS,
+    TrainState,
+    Values,
+    _ShardedModel,
+    _ShardedOptimizer,
+    check_values,
+)
 
 __all__ = ["SchemaError", "check_state", "describe", "generators"]
 
@@ -161,6 +168,8 @@ def _kind(obj: Any) -> str | None:
         return "scaler"
     if t is MetricLog:
         return "metrics"
+    if t is Values:
+        return "values"
     if type_name(obj) in _LOADERS:
         return "loader"
     return None
@@ -240,6 +249,11 @@ def _component(name: str, sd: Any, info: Any, where: str) -> None:
         _fields(sd, _METRICS, here, required=_METRICS)
     elif family == "loader":
         _fields(sd, _LOADER, here)
+    elif family == "values":
+        try:
+            check_values(sd, here)
+        except (TypeError, ValueError) as e:
+            raise SchemaError(str(e)) from e
 
 
 def _counters(c: Any, where: str, manifest: Mapping[str, int] | None) -> None:

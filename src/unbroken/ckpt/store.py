@@ -50,6 +50,7 @@ __all__ = [
     "MANIFEST",
     "CheckpointInfo",
     "CorruptCheckpoint",
+    "RestoreRefused",
     "Store",
 ]
 
@@ -69,6 +70,19 @@ class CorruptCheckpoint(CheckFailed):
         self.step = step
         self.reason = reason
         self.detail = detail
+
+
+class RestoreRefused(ValueError):
+    """An intact checkpoint that the live state cannot take: other components, keys, shapes
+    or dtypes, per-rank state that cannot follow a world-size change, a component whose own
+    ``load_state_dict`` refuses every checkpoint. Deterministic: restarting the same job
+    refuses again, so a supervisor stops (a configuration fault) instead of retrying. The
+    message names what differs and the fix, escaped; nothing was restored or moved aside.
+    ``step``: the checkpoint refused (None when not known)."""
+
+    def __init__(self, message: str, step: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 @dataclass(frozen=True)
