@@ -261,3 +261,26 @@ def test_a_shape_mismatch_raises_restore_refused_and_marks_the_event(tmp_path, m
     refused = [ev for ev in events if ev["event"] == "restore_refused"]
     assert len(refused) == 1, events
     assert refused[0]["step"] == 1 and "does not" in refused[0]["reason"], refused[0]
+
+
+def test_capture_rng_false_leaves_the_rng_alone_and_says_no_resize(tmp_path, caplog) -> None:
+    """Found while profiling restore for issue 23: a state saved and restored with
+    ``capture_rng=False`` had its RNG re-seeded from (seed, rank, step) and a WARNING
+    "world size changed (1 -> 1 ranks)" at the same world size."""
+    import logging
+    import random
+
+    root = str(tmp_path / "ck")
+    m = torch.nn.Linear(4, 4)
+    st = TrainState(model=m, capture_rng=False)
+    st.step = 3
+    Checkpointer(root, st).save()
+    ck = Checkpointer(root, TrainState(model=torch.nn.Linear(4, 4), capture_rng=False))
+    random.seed(1234)
+    torch.manual_seed(1234)
+    want = (random.getstate(), torch.get_rng_state())
+    with caplog.at_level(logging.INFO, logger="unbroken"):
+        assert ck.restore() == 3
+    ck.close()
+    assert random.getstate() == want[0] and torch.equal(torch.get_rng_state(), want[1])
+    assert not [r for r in caplog.records if "world size changed" in r.getMessage()]

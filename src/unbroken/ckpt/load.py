@@ -294,7 +294,7 @@ class Loader:
             r, why = next((r, w) for r, w in enumerate(refusals) if w)
             return NotLoaded(f"rank {r}: {why}", refused=True)
         plan.commit(self.store.step_dir(ver.step))
-        if ver.rng is None:
+        if ver.rng is None and self.state.capture_rng:  # capture_rng=False: left alone
             self._derive_rng(ver)
         self.audit.restored(ver.step)
         self.applied = ver.manifest
@@ -337,15 +337,20 @@ class Loader:
             )
 
     def _derive_rng(self, ver: Verified) -> None:
-        """Saved with another world size: per-rank streams from (seed, rank, step)."""
+        """Saved with another world size (or without RNG): per-rank streams from
+        (seed, rank, step)."""
         rank = self.comm.rank
         _rng.derive(self.state.seed, rank, ver.step, self.state.numpy_generators)
         if rank == 0:
+            saved, world = ver.manifest.world_size, self.comm.world
+            why = (
+                f"world size changed ({saved} -> {world} ranks)"
+                if saved != world
+                else f"checkpoint step {ver.step} holds no RNG state (saved with capture_rng=False)"
+            )
             log.warning(
-                "world size changed (%d -> %d ranks): per-rank RNG streams re-derived from "
-                "(seed=%d, rank, step=%d)",
-                ver.manifest.world_size,
-                self.comm.world,
+                "%s: per-rank RNG streams re-derived from (seed=%d, rank, step=%d)",
+                why,
                 self.state.seed,
                 ver.step,
             )
