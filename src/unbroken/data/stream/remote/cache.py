@@ -118,9 +118,9 @@ class RemoteCache:
     def __init__(
         self, order: DatasetOrder, sources: Sequence[RemoteSource], config: CacheConfig
     ) -> None:
-        self.cache_dir = private_dir(
-            os.path.abspath(config.cache_dir or ""), purpose="cache directory"
-        )
+        if config.cache_dir is None:
+            raise ValueError("RemoteCache needs CacheConfig.cache_dir (a local directory)")
+        self.cache_dir = private_dir(os.path.abspath(config.cache_dir), purpose="cache directory")
         self.config = config
         self.limit = config.limit_bytes
         self.order = order.clone()  # planning here must not evict the reader's windows
@@ -202,13 +202,8 @@ class RemoteCache:
         return st
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            **self.__dict__,
-            "_state": None,
-            "_plan_lock": None,
-            "_holders": {},
-            "_plans": OrderedDict(),
-        }
+        # (the holders travel along: a worker started by spawn gets its own readers)
+        return {**self.__dict__, "_state": None, "_plan_lock": None, "_plans": OrderedDict()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -217,7 +212,7 @@ class RemoteCache:
     def detached(self) -> RemoteCache:
         """A copy without this process's state or readers (what a fetcher process runs)."""
         twin = object.__new__(RemoteCache)
-        twin.__setstate__(self.__getstate__())
+        twin.__setstate__({**self.__getstate__(), "_holders": {}})
         return twin
 
     def _store(self, d: _Dir) -> tuple[Any, str]:
