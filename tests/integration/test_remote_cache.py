@@ -585,8 +585,8 @@ def test_data_bench_on_a_remote_dataset_names_the_network(
             "1e9",
         ]
     )
-    out = capsys.readouterr().out
-    assert rc == 0, out
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
     row = next(ln for ln in out.splitlines() if ln.startswith("network"))
     assert "remote" in row and "parallel downloads" in row
     assert "CacheConfig(prefetch_shards=" in out
