@@ -252,6 +252,10 @@ def test_xy_batches_are_contiguous_inputs_and_targets(tmp_path) -> None:
     ds = StreamingDataset(path, seq_len=16, seed=1, with_ids=True)
     x, y, ids = next(iter(StatefulLoader(ds, batch_size=3, xy=True)))
     assert ids.shape == (3,) and torch.equal(x[:, 0], ids * 16)
+    # random windows: a sample's id is its window's token offset (what the drill compares)
+    ds = StreamingDataset(path, seq_len=16, seed=1, with_ids=True, windows="random")
+    x, y, ids = next(iter(StatefulLoader(ds, batch_size=3, xy=True)))
+    assert torch.equal(x[:, 0], ids) and bool((ids % 16 != 0).any())
 
 
 def test_tokenize_from_bin_makes_shards_with_the_same_stream(tmp_path) -> None:

@@ -56,7 +56,7 @@ through ``np.memmap`` without a copy. ``windows="random"`` (token datasets) star
 sample at a uniform token offset instead of at ``i * seq_len`` - nanoGPT's ``get_batch`` -
 drawn from (fingerprint, seed, epoch, position) (:func:`~unbroken.data.stream.order.random_slots`):
 the RNG stream *is* the position, so the loader's state resumes it exactly, on any layout,
-and the sample id (``with_ids``) is the window's start.
+and the sample id (``with_ids``) is the window's slot (its token offset, in a flat file).
 
 Use it through :class:`unbroken.data.stream.loader.StatefulLoader`, which adds batching, workers and
 the resume state. Iterated on its own (or by ``DataLoader(ds, batch_size=None)``) it yields the
