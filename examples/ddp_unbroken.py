@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-
 from unbroken import MetricLog, global_ids
 from unbroken.ckpt import Checkpointer, TrainState
 from unbroken.data import StatefulLoader, StreamingDataset

@@ -13,7 +13,6 @@ import sys
 
 import numpy as np
 import torch
-
 from unbroken import MetricLog
 from unbroken.ckpt import Checkpointer, TrainState
 from unbroken.data import DevicePrefetcher, StatefulLoader, StreamingDataset, pack

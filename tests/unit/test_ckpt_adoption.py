@@ -284,3 +284,36 @@ def test_capture_rng_false_leaves_the_rng_alone_and_says_no_resize(tmp_path, cap
     ck.close()
     assert random.getstate() == want[0] and torch.equal(torch.get_rng_state(), want[1])
     assert not [r for r in caplog.records if "world size changed" in r.getMessage()]
+
+
+def test_keywords_that_are_not_components_are_plain_values() -> None:
+    """issue 21 item 4, the one-line form: ``TrainState(model=m, best_val_loss=1e9)`` is
+    ``values={"best_val_loss": 1e9}``; a keyword holding an object is a misspelt component
+    and is refused by name, as is a value given twice."""
+    st, m, opt = small_state()
+    kw = TrainState(model=m, optimizer=opt, best_val_loss=1e9, run="a")
+    assert dict(kw.values) == {"best_val_loss": 1e9, "run": "a"}
+    assert "values" in kw.components
+    both = TrainState(model=m, values={"a": 1}, b=2)
+    assert dict(both.values) == {"a": 1, "b": 2}
+    with pytest.raises(TypeError, match="optimiser=AdamW.*misspelling"):
+        TrainState(model=m, optimiser=opt)
+    with pytest.raises(TypeError, match="'a' both in values= and as a keyword"):
+        TrainState(model=m, values={"a": 1}, a=2)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_maybe_save_final_saves_the_last_step_whatever_the_interval(
+    tmp_path, async_save: bool
+) -> None:
+    """issue 21 item 3: the loop's last step is saved by the same call the loop makes every
+    step (``maybe_save(step, final=...)``), committed when it returns, and a repeat is a
+    no-op."""
+    st, m, opt = small_state()
+    ck = Checkpointer(str(tmp_path / "ck"), st, every_steps=4, async_save=async_save)
+    for i in range(1, 8):
+        train(st, m, opt, 1)
+        ck.maybe_save(i, final=i == 7)
+    assert [c.step for c in ck.list()] == [4, 7]
+    assert ck.maybe_save(7, final=True)  # the same step again: no-op, no error
+    ck.close()

@@ -157,14 +157,19 @@ class Checkpointer:
 
     # --- save -------------------------------------------------------------------------------
 
-    def maybe_save(self, step: int | None = None) -> bool:
+    def maybe_save(self, step: int | None = None, *, final: bool = False) -> bool:
         """Save if ``every_steps``/``every_seconds`` (or a SIGTERM) says so; ``step``
         defaults to ``state.step``. A step that does not advance over several calls is
-        warned about once (the loop's counter is not reaching ``state.step``)."""
+        warned about once (the loop's counter is not reaching ``state.step``). ``final=True``
+        (the loop's last step) saves whatever the triggers say; a call on every rank."""
         step = self.state.step if step is None else step
         self._stuck.see(step)
         self._audit.step(step)
         self._raise_background_error()
+        if final:
+            self.save(step)
+            self.wait()
+            return True
         every, every_steps = self.config.every_seconds, self.config.every_steps
         time_due = every is not None and time.monotonic() - self._last_save_time >= every
         if every is not None or self.config.save_on_sigterm:

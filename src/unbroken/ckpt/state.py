@@ -237,6 +237,22 @@ def _named(kind: str, obj: Any) -> dict[str, Any]:
     return {kind: obj}
 
 
+def _with_plain(values: Mapping[str, Any] | None, plain: dict[str, Any]) -> Any:
+    """``values`` plus the keywords that are not components: plain values (JSON scalars). A
+    keyword that is not a scalar is a misspelt component, or a value of the wrong kind."""
+    for key, v in plain.items():
+        if v is not None and not isinstance(v, (bool, int, float, str)):
+            raise TypeError(
+                f"TrainState got {key}={type(v).__qualname__}: not a component "
+                f"(model, optimizer, scheduler, ema, scaler, loader, metrics, extras) - a "
+                "misspelling? - and not a plain value (keywords other than components are "
+                "values: JSON scalars)"
+            )
+        if values is not None and key in values:
+            raise TypeError(f"TrainState got {key!r} both in values= and as a keyword")
+    return {**(values or {}), **plain} if plain else values
+
+
 class TrainState:
     """Everything a run must restore: weights, optimizer, data position, RNG and the rest.
 
@@ -251,6 +267,8 @@ class TrainState:
         values: plain values of the loop by name (``{"best_val_loss": float("inf")}``):
             JSON scalars, read and written as ``state.values[name]``, saved and restored
             with the rest, the same on every rank (component ``values``, see :class:`Values`).
+            Any other keyword is one more plain value: ``TrainState(model=m,
+            best_val_loss=1e9)`` is ``values={"best_val_loss": 1e9}``.
         numpy_generators: ``np.random.Generator`` objects to capture with the RNG state.
         capture_rng: capture python/numpy/torch/CUDA RNG (default True).
         seed: the run's seed; when a checkpoint is restored with another world size,
@@ -286,7 +304,9 @@ class TrainState:
         replicated: Iterable[str] = (),
         per_rank: Iterable[str] = (),
         per_rank_on_resize: str = "refuse",
+        **plain: Any,
     ) -> None:
+        values = _with_plain(values, plain)
         comps: dict[str, Any] = {}
         for kind, obj in (
             ("model", model),

@@ -311,13 +311,7 @@ class StreamingDataset(IterableDataset):
     def _read(self, epoch: int, positions: np.ndarray, rng_seed: int | None) -> list[Any]:
         if self.cache is not None:
             self.cache.advance(epoch, positions)  # prefetch from here; release what is done
-        if self._random:
-            src, ids = self._random_slots(epoch, positions)
-        elif len(self._readers) == 1:  # (lookup's per-source split, without its numpy calls)
-            ids = self.order.pass_order(0, epoch).ids(np.asarray(positions, dtype=np.int64))
-            src = None
-        else:
-            src, ids = self.lookup(epoch, positions)
+        src, ids = self._locate(epoch, positions)
         if src is None:
             out = read_ids(self._readers[0], ids, slots=self._random)
             gid = ids
@@ -356,6 +350,20 @@ class StreamingDataset(IterableDataset):
                 else:
                     out[k] = (smp, gids[k])
         return out
+
+    def sample_ids(self, epoch: int, positions: np.ndarray) -> np.ndarray:
+        """The ids ``with_ids=True`` hands out for ``positions`` of ``epoch``, without reading
+        a sample (a pure function of the order: D-ORDER)."""
+        src, ids = self._locate(epoch, positions)
+        return ids if src is None else self._id_base[src] + ids
+
+    def _locate(self, epoch: int, positions: np.ndarray) -> tuple[Any, np.ndarray]:
+        """(source per position, or None for one source; id or window slot in that source)."""
+        if self._random:
+            return self._random_slots(epoch, positions)
+        if len(self._readers) == 1:  # (lookup's per-source split, without its numpy calls)
+            return None, self.order.pass_order(0, epoch).ids(np.asarray(positions, np.int64))
+        return self.lookup(epoch, positions)
 
     def _random_slots(self, epoch: int, positions: np.ndarray) -> tuple[Any, np.ndarray]:
         """Random windows: (source per position, or None for one source; window slot)."""

@@ -531,6 +531,26 @@ class Endless:
     def __init__(self, loader: StatefulLoader) -> None:
         self.loader = loader
         self._it: Generator[Any, None, None] | None = None
+        self._taken = loader._position(loader.config.held_batches)
+
+    def take_ids(self) -> list[int]:
+        """The ids of the samples the loop consumed since the last call (or since the start or
+        the restore), every rank's, in the order a one-rank run consumes them: what
+        ``MetricLog.log(step, ids=...)`` wants, with no collective and no ``with_ids`` (ids
+        are a pure function of the order). A batch the loop holds (``held_batches``) is not
+        consumed yet; a sample left out by ``on_corrupt="skip"`` is still listed."""
+        loader = self.loader
+        (e0, p0), now = self._taken, loader._position(loader.config.held_batches)
+        self._taken = now
+        out: list[int] = []
+        n = loader.dataset.epoch_length
+        for epoch in range(e0, now[0] + 1):
+            start = p0 if epoch == e0 else 0
+            end = min(now[1] if epoch == now[0] else n, n)
+            if end > start:
+                pos = np.arange(start, end, dtype=np.int64)
+                out += loader.dataset.sample_ids(epoch, pos).tolist()
+        return out
 
     def __iter__(self) -> Endless:
         return self
@@ -553,6 +573,7 @@ class Endless:
         """The loader resumes there; the next batch comes from the restored position."""
         self.loader.load_state_dict(state)
         self.close()
+        self._taken = self.loader._position(self.loader.config.held_batches)
 
 
 def _epochs(loader: StatefulLoader) -> Generator[Any, None, None]:
