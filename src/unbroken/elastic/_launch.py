@@ -29,92 +29,188 @@ import contextlib
 import json
 import os
 import resource
+import select
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
 import time
 
 ENV_ZYGOTE = "UNBROKEN_ZYGOTE"
-"""Abstract socket name of the attempt's fork server (set by the standby for its workers)."""
+"""``NAME PID KEY``: the attempt's fork server (set by the standby for its workers): its
+abstract socket name, its pid (the launcher talks only to a listener of that pid and this
+uid) and the key it asks of every request (64 hex digits, see ``_standby``)."""
 _FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 _STOPS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+_MAX_ANSWER = 4096
 
 _child: int | None = None
+"""The worker's pid, once proven to be ours (see :class:`_Worker`)."""
+_worker: _Worker | None = None
 _pending: list[int] = []
 _stopped = False
+
+
+def zygote_address(value: str) -> tuple[str, int, str] | None:
+    """``(name, pid, key)`` from an ``UNBROKEN_ZYGOTE`` value; None when malformed."""
+    parts = value.split(" ")
+    if len(parts) != 3 or not parts[0] or not parts[1].isdigit() or len(parts[2]) != 64:
+        return None
+    return parts[0], int(parts[1]), parts[2]
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) from ``/proc/<pid>/stat``; None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class _Worker:
+    """A process proven to be this launcher's worker: a child of the expected parent when we
+    first looked, and the same process at every signal (a pidfd, or the start time where
+    the kernel has no pidfds). A pid that anyone else named is never signalled."""
+
+    def __init__(self, pid: int, parent: int) -> None:
+        self.pid = pid
+        self.fd: int | None = None
+        with contextlib.suppress(AttributeError, OSError):
+            self.fd = os.pidfd_open(pid)
+        st = _stat(pid)  # read after the pidfd: the pid cannot be reused while fd is open...
+        if st is None or st[0] != parent or not self.alive():  # ...unless it already ended
+            self.close()
+            raise LookupError(f"pid {pid} is not a child of pid {parent}")
+        self.start = st[1]
+
+    def alive(self) -> bool:
+        if self.fd is None:
+            return _stat(self.pid) is not None
+        return not select.select([self.fd], [], [], 0)[0]  # readable once it has ended
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(OSError):
+            if self.fd is not None:
+                signal.pidfd_send_signal(self.fd, sig)
+            elif (_stat(self.pid) or (0, -1))[1] == self.start:
+                os.kill(self.pid, sig)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def _on_signal(signum: int, _frame: object) -> None:
     global _stopped
     if signum in _STOPS:
         _stopped = True
-    if _child is None:
+    if _worker is None:
         _pending.append(signum)  # delivered once the worker exists
         return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(_child, signum)
+    _worker.signal(signum)
 
 
-def _set_child(pid: int) -> None:
-    global _child
+def _set_child(pid: int, parent: int) -> None:
+    """Adopt ``pid`` as the worker if it is a child of ``parent``; deliver pending signals."""
+    global _child, _worker
+    try:
+        _worker = _Worker(pid, parent)
+    except LookupError as e:
+        _say(f"worker {e}; it will not be signalled")
+        return
     _child = pid
     while _pending:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, _pending.pop(0))
+        _worker.signal(_pending.pop(0))
 
 
-def _via_zygote(name: str, argv: list[str], module: bool) -> int | None:
+def _say(msg: str) -> None:
+    print(f"unbroken launcher: {msg}", file=sys.stderr, flush=True)
+
+
+def _connect(value: str) -> tuple[socket.socket, tuple[str, int, str]] | None:
+    """A connection to the attempt's fork server, checked to be it (this uid, its pid)."""
+    addr = zygote_address(value)
+    if addr is None:
+        _say(f"{ENV_ZYGOTE} is malformed; starting a fresh interpreter")
+        return None
+    name, server, _key = addr
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect("\0" + name)
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _gid = struct.unpack("3i", creds)
+    except OSError as e:
+        sock.close()
+        _say(f"fork server {name}: unreachable: {e}; starting a fresh interpreter")
+        return None
+    if uid != os.getuid() or pid != server:
+        sock.close()  # an impostor holds the name: it gets nothing of ours
+        _say(
+            f"fork server {name}: the listener is pid {pid} of uid {uid}, not the attempt's "
+            f"server (pid {server}, uid {os.getuid()}): nothing sent; starting a fresh interpreter"
+        )
+        return None
+    return sock, addr
+
+
+def _answer(line: bytes) -> dict[str, object]:
+    try:
+        got = json.loads(line)
+    except ValueError:
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def _via_zygote(value: str, argv: list[str], module: bool) -> int | None:
     """Run the worker in the fork server; its raw wait status (-1: unknown), or None when
     the server cannot take it (then the caller starts a fresh interpreter)."""
+    conn = _connect(value)
+    if conn is None:
+        return None
+    sock, (name, server, key) = conn
     req = json.dumps(
-        {"argv": argv, "module": module, "env": dict(os.environ), "cwd": os.getcwd()}
+        {"argv": argv, "module": module, "env": dict(os.environ), "cwd": os.getcwd(), "key": key}
     ).encode()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with sock:
         try:
-            sock.connect("\0" + name)
             sock.sendmsg(
                 [struct.pack("!I", len(req))],
                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))],
             )
             sock.sendall(req)
             f = sock.makefile("rb")
-            first = json.loads(f.readline() or b"{}")
-        except (OSError, ValueError) as e:
+            first = _answer(f.readline(_MAX_ANSWER))
+        except OSError as e:
             first = {"refused": f"unreachable: {e}"}
-        if "pid" not in first:
-            print(
-                f"unbroken launcher: fork server {name}: {first.get('refused', 'no answer')}; "
-                "starting a fresh interpreter",
-                file=sys.stderr,
-                flush=True,
-            )
+        pid = first.get("pid")
+        if type(pid) is not int or pid <= 0:
+            why = first.get("refused", "no answer")
+            _say(f"fork server {name}: {why}; starting a fresh interpreter")
             return None
-        _set_child(int(first["pid"]))
+        _set_child(pid, server)
         try:
-            last = f.readline()
+            last = f.readline(_MAX_ANSWER)
         except OSError:
             last = b""
     if not last:
         # The server died; its workers die with it (PR_SET_PDEATHSIG). Make sure of it.
-        if _child is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(_child, signal.SIGKILL)
-        print(
-            f"unbroken launcher: fork server {name} died; worker {_child} killed",
-            file=sys.stderr,
-            flush=True,
-        )
+        if _worker is not None:
+            _worker.signal(signal.SIGKILL)
+        _say(f"fork server {name} died; worker {_child} killed")
         return -1
-    return int(json.loads(last)["status"])
+    status = _answer(last).get("status")
+    return status if type(status) is int and status >= 0 else -1
 
 
 def _spawn(argv: list[str], module: bool, exec_: bool) -> int:
     cmd = argv if exec_ else [sys.executable, "-u", *(["-m"] if module else []), *argv]
     p = subprocess.Popen(cmd)
-    _set_child(p.pid)
+    _set_child(p.pid, os.getpid())
     while True:
         try:
             return os.waitpid(p.pid, 0)[1]
@@ -152,14 +248,21 @@ def _record(status: int, via: str) -> int | None:
         }
         line = (json.dumps(rec, separators=(",", ":")) + "\n").encode()
         with contextlib.suppress(OSError):
-            fd = os.open(
-                os.path.join(run_dir, "events.jsonl"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644
-            )
-            try:
-                os.write(fd, line)
-            finally:
-                os.close(fd)
+            _append(os.path.join(run_dir, "events.jsonl"), line)
     return code
+
+
+def _append(path: str, line: bytes) -> None:
+    """``common.events.append_event``'s open, in the standard library only (this file runs
+    with ``-S``): no symlink followed, 0600, a regular file of this user, one write."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise PermissionError(f"{path}: not a regular file of this user")
+        os.write(fd, line)
+    finally:
+        os.close(fd)
 
 
 def main(args: list[str]) -> None:
@@ -171,11 +274,11 @@ def main(args: list[str]) -> None:
         os._exit(2)
     for s in _FORWARD:
         signal.signal(s, _on_signal)
-    name = os.environ.get(ENV_ZYGOTE)
+    zygote = os.environ.get(ENV_ZYGOTE)
     status = None
     via = "spawn"
-    if name and not exec_:
-        status = _via_zygote(name, argv, module)
+    if zygote and not exec_:
+        status = _via_zygote(zygote, argv, module)
         via = "zygote"
     if status is None:
         via = "spawn"
