@@ -20,18 +20,7 @@ import elastic_harness as h  # noqa: E402
 pytestmark = pytest.mark.timeout(240)
 
 
-def _script_args(tmp_path, steps: int, **extra: object) -> list[str]:
-    args = [
-        "--ckpt",
-        str(tmp_path / "ckpt"),
-        "--metrics",
-        str(tmp_path / "metrics.jsonl"),
-        "--steps",
-        str(steps),
-    ]
-    for k, v in extra.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
-    return args
+_script_args = h.script_args
 
 
 def _assert_continuous(path: str, steps: int, world: int | None = None) -> None:

@@ -220,14 +220,15 @@ def test_stack_dump_from_a_stopped_process(tmp_path):
     the stop in effect, the dump complete), so a loaded box only makes it slower."""
     from unbroken.common.procs import proc_state
 
+    token = ("UNBROKEN_ATTEMPT_TOKEN", "t-stack")  # only the attempt's processes are asked
     env = {events.ENV_RUN_DIR: str(tmp_path), events.ENV_ATTEMPT: "0", "RANK": "4"}
-    p = _child(tmp_path, 3, "sleep", **env)
+    p = _child(tmp_path, 3, "sleep", **env, **dict([token]))
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "inside"
         os.kill(p.pid, signal.SIGSTOP)
         _until(lambda: proc_state(p.pid) == "T", "the child to be stopped")
         beats = heartbeat.read_beats(str(tmp_path), 0)
-        dumps = heartbeat.request_stack_dumps(str(tmp_path), beats, grace=30.0)
+        dumps = heartbeat.request_stack_dumps(str(tmp_path), beats, grace=30.0, token=token)
         assert dumps == [os.path.join(heartbeat.stack_dir(str(tmp_path)), f"a0-r4-p{p.pid}.txt")]
 
         # the dump is non-empty once it has started; it is complete once the frame is in it

@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 from unbroken.common import events
-from unbroken.common.fs import atomic_write_bytes
+from unbroken.common.fs import atomic_write_bytes, open_private
 from unbroken.common.procs import (
     PidWatch,
     children_of,
@@ -41,6 +41,7 @@ from unbroken.common.procs import (
     environ_of,
     is_alive,
     kill_matching,
+    signal_if_tagged,
 )
 from unbroken.elastic._launch import ENV_ZYGOTE
 from unbroken.elastic.faults import WorkerExit
@@ -114,11 +115,11 @@ class _Agent:
         echo: bool,
         stdin: int,
     ) -> None:
-        self.dir = events.attempt_dir(run_dir, number)
-        os.makedirs(self.dir, exist_ok=True)
+        self.dir = events.private_subdir(run_dir, "attempts", str(number))
         self._tail: collections.deque[str] = collections.deque(maxlen=600)
         self._echo = echo
-        self._log = open(os.path.join(self.dir, "torchrun.log"), "ab")  # noqa: SIM115
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        self._log = os.fdopen(open_private(os.path.join(self.dir, "torchrun.log"), flags), "ab")
         self.proc = subprocess.Popen(
             argv,
             env=env,
@@ -229,8 +230,7 @@ class Attempt:
         self.number = number
         self.gen = gen
         self.run_dir = run_dir
-        self.dir = events.attempt_dir(run_dir, number)
-        os.makedirs(self.dir, exist_ok=True)
+        self.dir = events.private_subdir(run_dir, "attempts", str(number))
         self.log_dir = os.path.join(self.dir, "torchelastic")
         self._events = events.EventTail(run_dir)
         self.exits: list[WorkerExit] = []
@@ -306,6 +306,11 @@ class Attempt:
                 )
         return None
 
+    def owns(self, pid: int) -> bool:
+        """``pid`` (e.g. from a beacon file) is a live process of this attempt: its
+        environment carries the attempt's token."""
+        return is_alive(pid) and environ_of(pid).get(ENV_TOKEN) == self.token
+
     def wait(self, pids: Iterable[int], timeout: float) -> None:
         """Sleep ``timeout`` s, or less if the agent or one of ``pids`` exits."""
         self._watch.wait([self.proc.pid, *pids], timeout)
@@ -322,14 +327,17 @@ class Attempt:
                 os.path.join(self.dir, events.PEER_FAILED_FILE),
                 reason.encode() + b"\n",
                 fsync=False,
+                mode=events.FILE_MODE,
             )
         ranks = dict(ranks_by_pid)
         ranks.update({p: r for p, r in self._launchers.items() if r is not None})
         ended = {p for x in self.exits for p in (x.pid, x.launcher)}  # e.g. the failed rank
-        targets = [p for p in ranks if p not in ended and is_alive(p)]
-        for pid in targets:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGTERM)
+        # Only processes that carry this attempt's token: a pid from a beacon is a claim.
+        targets = [
+            p
+            for p in ranks
+            if p not in ended and signal_if_tagged(p, signal.SIGTERM, ENV_TOKEN, self.token)
+        ]
         deadline = t0 + grace
         while True:
             alive = [p for p in targets if is_alive(p)]

@@ -17,17 +17,27 @@ Keys under ``unbroken/<run_id>/``:
 ``stop``           ``<exit code> <reason>``: one supervisor stopped the job; all stop
 ``done/<node>``    that supervisor's exit code; the hosting supervisor keeps the store up
                    until every live peer is done
+
+The store has no authentication: whoever reaches its port can read and write these keys.
+The hosting supervisor therefore listens on the endpoint's host only (127.0.0.1 by default,
+not every interface; torch's TCPStore binds the wildcard address, so the supervisor binds
+the socket itself and hands it over as ``master_listen_fd``), and every value read back is
+parsed with a fallback: a malformed one is logged once and ignored, never a crash, and a
+``stop`` only counts with an exit code a stop can have (never 0: "finished").
 """
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
+import math
 import socket
 import time
 from datetime import timedelta
 from typing import Any
+
+from unbroken.common.text import printable
+from unbroken.elastic.faults import STOP_EXITS
 
 __all__ = ["Coordinator", "free_port", "is_local_host"]
 
@@ -59,47 +69,107 @@ def is_local_host(host: str) -> bool:
     return bool(mine & theirs)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``host``'s address (the first that binds), port ``port``."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise OSError(f"{host}: cannot resolve ({e})") from None
+    err: OSError = OSError(f"{host}: no address to listen on")
+    for family, kind, proto, _name, addr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(addr)
+            sock.listen(socket.SOMAXCONN)
+        except OSError as e:
+            sock.close()
+            err = e
+            continue
+        return sock
+    raise err
+
+
 class Coordinator:
-    """Hosts or joins the store at ``host:port`` (port 0: host on a free port)."""
+    """Hosts or joins the store at ``host:port`` (port 0: host on a free port).
 
-    def __init__(self, host: str, port: int, run_id: str, node: str, *, connect_timeout: float):
-        from torch.distributed import TCPStore  # lazy: keeps `unbroken --help` fast
+    A hosted store listens on the address ``host`` resolves to, and on no other interface.
+    ``multi_node``: warn when that address is a loopback one (other machines cannot reach
+    it). Raises ``RuntimeError`` when the store cannot be hosted or reached; afterwards
+    every method raises ``RuntimeError`` only when the store is lost.
+    """
 
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        run_id: str,
+        node: str,
+        *,
+        connect_timeout: float,
+        multi_node: bool = False,
+    ):
         self.host = host
         self.node = node
         self.hosting = False
         self._prefix = f"unbroken/{run_id}/"
+        self._gen = 0
+        self._warned: set[tuple[str, bytes]] = set()
         store: Any = None
         if port == 0 or is_local_host(host):
-            try:
-                store = TCPStore(
-                    host,
-                    port,
-                    is_master=True,
-                    wait_for_workers=False,
-                    timeout=timedelta(seconds=connect_timeout),
-                )
-                self.hosting = True
-            except (RuntimeError, ValueError) as e:
-                if port == 0:
-                    raise RuntimeError(f"cannot host the rendezvous store on {host}: {e}") from e
-                log.info("store %s:%d is hosted elsewhere (%s); joining it", host, port, e)
+            store = self._host(host, port, connect_timeout, multi_node)
         if store is None:
-            try:
-                store = TCPStore(
-                    host, port, is_master=False, timeout=timedelta(seconds=connect_timeout)
-                )
-            except (RuntimeError, ValueError) as e:
-                raise RuntimeError(
-                    f"cannot reach the rendezvous store at {host}:{port} within "
-                    f"{connect_timeout:g} s: {e}; start the supervisor on that host first or "
-                    "fix --rdzv-endpoint"
-                ) from e
+            store = self._join(host, port, connect_timeout)
         self._store = store
         self.port = int(store.port)
         self._store.compare_set(self._k("gen"), "", "0")
         self.tick()
         self._store.append(self._k("nodes"), node + "\n")
+
+    def _host(self, host: str, port: int, timeout: float, multi_node: bool) -> Any:
+        """The store served from this process on ``host:port``; None when another process
+        already hosts it (the caller joins)."""
+        from torch.distributed import TCPStore  # lazy: keeps `unbroken --help` fast
+
+        try:
+            sock = _listen(host, port)
+            address, bound = sock.getsockname()[:2]
+            store = TCPStore(
+                host,
+                bound,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=timeout),
+                master_listen_fd=sock.detach(),  # the store owns the descriptor from here
+            )
+        except (OSError, RuntimeError, ValueError) as e:
+            if port == 0:
+                raise RuntimeError(f"cannot host the rendezvous store on {host}: {e}") from e
+            log.info("store %s:%d is hosted elsewhere (%s); joining it", host, port, e)
+            return None
+        self.hosting = True
+        if multi_node and ipaddress.ip_address(address).is_loopback:
+            log.warning(
+                "the rendezvous store listens on %s (what %s resolves to here): only this "
+                "machine can reach it; for nodes on other machines pass this node's IP "
+                "address in --rdzv-endpoint",
+                address,
+                host,
+            )
+        return store
+
+    @staticmethod
+    def _join(host: str, port: int, timeout: float) -> Any:
+        from torch.distributed import TCPStore
+
+        try:
+            return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        except (RuntimeError, ValueError) as e:
+            raise RuntimeError(
+                f"cannot reach the rendezvous store at {host}:{port} within "
+                f"{timeout:g} s: {e}; start the supervisor on that host first or "
+                "fix --rdzv-endpoint"
+            ) from e
 
     def _k(self, name: str) -> str:
         return self._prefix + name
@@ -108,25 +178,66 @@ class Coordinator:
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def _malformed(self, name: str, raw: bytes, why: str) -> None:
+        """Log a bad value once (per key and value): anyone who reaches the store can write."""
+        if (name, raw) not in self._warned:
+            self._warned.add((name, raw))
+            log.warning(
+                "rendezvous store %s: malformed %s%s = %s (%s); ignored",
+                self.endpoint,
+                self._prefix,
+                printable(name),
+                printable(raw[:200]),
+                why,
+            )
+
+    def _gen_value(self, raw: bytes) -> int | None:
+        text = raw.decode("ascii", "replace")
+        if not text.isdigit() or len(text) > 9:
+            self._malformed("gen", raw, "not a generation number")
+            return None
+        return int(text)
+
     def gen(self) -> int:
-        return int(self._store.get(self._k("gen")))
+        """The restart generation (a malformed or decreasing value: the last good one)."""
+        got = self._gen_value(self._store.get(self._k("gen")))
+        if got is not None and got < self._gen:
+            self._malformed("gen", str(got).encode(), f"went back from {self._gen}")
+        elif got is not None:
+            self._gen = got
+        return self._gen
 
     def bump(self, from_gen: int) -> int:
         """Move to generation ``from_gen + 1`` unless another node already moved on."""
-        got = self._store.compare_set(self._k("gen"), str(from_gen), str(from_gen + 1))
-        return int(got)
+        want = str(from_gen + 1)
+        got = self._gen_value(self._store.compare_set(self._k("gen"), str(from_gen), want))
+        if got is None or got <= from_gen:
+            self._store.set(self._k("gen"), want)  # overwrite what no node wrote
+            got = from_gen + 1
+        self._gen = max(self._gen, got)
+        return got
 
     def tick(self) -> None:
         self._store.set(self._k(f"alive/{self.node}"), repr(time.time()))
 
     def peers(self) -> dict[str, float]:
         """Other nodes and the Unix time of their supervisors' last tick."""
-        names = {n for n in self._store.get(self._k("nodes")).decode().split("\n") if n}
+        raw = self._store.get(self._k("nodes"))
+        names = {n for n in raw.decode("utf-8", "replace").split("\n") if n}
         names.discard(self.node)
         out: dict[str, float] = {}
-        for n in sorted(names):
-            with contextlib.suppress(RuntimeError, ValueError):
-                out[n] = float(self._store.get(self._k(f"alive/{n}")))
+        for n in sorted(names)[:_MAX_PEERS]:
+            key = self._k(f"alive/{n}")
+            if not self._store.check([key]):  # a get would wait for it (join_timeout)
+                continue
+            t = self._store.get(key)
+            try:
+                out[n] = float(t)
+            except ValueError:
+                out[n] = math.nan
+            if not math.isfinite(out[n]):
+                del out[n]
+                self._malformed(f"alive/{n}", t, "not a Unix time")
         return out
 
     def set_done(self, code: int) -> None:
@@ -152,7 +263,17 @@ class Coordinator:
         self._store.set(self._k("stop"), f"{code} {reason}")
 
     def get_stop(self) -> tuple[int, str] | None:
+        """``(exit code, reason)`` once a supervisor stopped the job; None before, and for a
+        value that is not ``<code> <reason>`` with a code a stop can carry (never 0)."""
         if not self._store.check([self._k("stop")]):
             return None
-        code, _, reason = self._store.get(self._k("stop")).decode().partition(" ")
-        return int(code), reason
+        raw = self._store.get(self._k("stop"))
+        code, _, reason = raw.decode("utf-8", "replace").partition(" ")
+        if not code.isdigit() or int(code) not in STOP_EXITS:
+            self._malformed("stop", raw, f"not '<exit code {sorted(STOP_EXITS)}> <reason>'")
+            return None
+        return int(code), printable(reason[:2000])
+
+
+_MAX_PEERS = 4096
+"""Node names read from ``nodes`` (a store anyone can append to) at the most."""

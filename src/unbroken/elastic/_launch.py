@@ -7,10 +7,12 @@ it is up in milliseconds. It then
 1. asks the attempt's fork server (``UNBROKEN_ZYGOTE``, see ``_standby``) for a worker: the
    server, which imported torch before the failure, forks one that runs SCRIPT with this
    process's argv, environment, working directory and stdio (passed over the socket with
-   ``SCM_RIGHTS``); or, when there is no server or it cannot be reached, starts
+   ``SCM_RIGHTS``); or, when there is no server, it cannot be reached, or the listener is
+   not the server (``SO_PEERCRED``: another pid or uid; then nothing is sent), starts
    ``python -u SCRIPT ARGS`` itself (the fallback: a plain interpreter, as torchrun would);
 2. forwards the stop signals it receives (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1) to the
-   worker;
+   worker, once proven to be its worker (the server's child, held by a pidfd): a pid that
+   merely came over the socket is never signalled;
 3. appends one ``worker_exit`` line to ``RUN_DIR/events.jsonl`` when the worker ends::
 
        {"t", "event": "worker_exit", "attempt", "pid" (this launcher), "rank", "local_rank",

@@ -14,12 +14,25 @@ benchmarks/RESULTS.md). The supervisor therefore keeps the *next* attempt's agen
 2. On a restart the supervisor writes one JSON line ``{"argv": [torchrun args], "env":
    {...}}``; the standby runs torchrun's ``main`` in-process: it is the attempt's agent.
 3. torchrun starts ``_launch.py`` per rank (``--no-python``); each launcher asks the fork
-   server, over an abstract Unix socket named in ``UNBROKEN_ZYGOTE`` (only processes of the
-   same user may connect: ``SO_PEERCRED``), for a worker. The server (single-threaded: it
-   never started a thread, a CUDA context or a process group) forks one, which takes the
-   launcher's argv, environment, working directory and stdio, starts its own session and
-   runs the script as ``__main__`` (``runpy``). The server reports the worker's pid and,
-   when it ends, its wait status to the launcher.
+   server, over the abstract Unix socket named in ``UNBROKEN_ZYGOTE``, for a worker. The
+   server (single-threaded: it never started a thread, a CUDA context or a process group)
+   forks one, which takes the launcher's argv, environment, working directory and stdio,
+   starts its own session and runs the script as ``__main__`` (``runpy``). The server
+   reports the worker's pid and, when it ends, its wait status to the launcher.
+
+Who talks to whom. An abstract name is visible to every process of the network namespace
+(another container of the pod, a ``--network=host`` sidecar), so the name is no secret and
+the socket's permissions protect nothing. Instead ``UNBROKEN_ZYGOTE`` is ``NAME PID KEY``:
+the server serves only a peer of this uid (``SO_PEERCRED``) whose request carries KEY, 256
+random bits that exist only in this attempt's environment (another user, or a process of
+another pid namespace, cannot read ``/proc/<pid>/environ`` of ours); the launcher sends
+nothing to a listener that is not PID of this uid (an impostor that took a free name gets
+neither the environment nor the stdio), and signals only a worker it proved is the server's
+child (a pidfd). Why not a socket file in a 0700 directory: the run directory may sit on a
+shared file system where ``bind`` of a socket fails or a 108-byte path limit bites; the key
+needs no file system and leaves nothing behind. Every request is parsed inside one ``try``
+(bounded: 8 MiB, 5 s); a bad one is logged to ``zygote.log`` and refused with one generic
+line, and the server serves on.
 
 The server calls ``gc.freeze()`` before each fork (CPython's advice for fork servers), so the
 pages of the preloaded modules stay shared. A forked worker starts as a fresh interpreter

@@ -52,6 +52,7 @@ __all__ = [
     "EXIT_PREEMPTED",
     "EXIT_PREFLIGHT",
     "EXIT_USAGE",
+    "STOP_EXITS",
     "Action",
     "Classification",
     "Decision",
@@ -82,6 +83,8 @@ EXIT_PREFLIGHT = 6
 """Pre-flight stayed unhealthy for ``--preflight-max-wait`` seconds."""
 EXIT_PREEMPTED = 7
 """SIGTERM/SIGINT: the job was asked to save and stopped; rerun the same command to resume."""
+STOP_EXITS = frozenset({EXIT_DETERMINISTIC, EXIT_BUDGET, EXIT_NO_PROGRESS})
+"""The exit codes of a ``STOP`` decision: what one supervisor tells the others (``stop``)."""
 
 
 class FaultClass(str, enum.Enum):
@@ -361,7 +364,9 @@ def collect_worker_failures(
         rank, local, code, pid, efile = int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5]
         if rank in found:
             continue
-        msg, tb = _read_error_file(efile)
+        # The console carries the workers' own output: a path in it is read only inside
+        # this attempt's log directory.
+        msg, tb = _read_error_file(efile) if _inside(efile, log_dir) else ("", "")
         found[rank] = WorkerFailure(rank, local, code, pid, msg, tb, "")
     # Error files of ranks the summary did not list (e.g. torchrun itself was killed).
     for efile in glob.glob(os.path.join(log_dir, "**", "error.json"), recursive=True):
@@ -386,10 +391,18 @@ def collect_worker_failures(
     return sorted(out, key=lambda f: (f.collateral, order.get(f.rank, len(order)), f.rank))
 
 
+def _inside(path: str, root: str) -> bool:
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([real, top]) == top
+
+
+_MAX_ERROR_FILE = 1 << 20
+
+
 def _read_error_file(path: str) -> tuple[str, str]:
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as fh:
+            data = json.loads(fh.read(_MAX_ERROR_FILE))
         m = data.get("message", {})
         if isinstance(m, dict):
             return str(m.get("message", "")), str(m.get("extraInfo", {}).get("py_callstack", ""))

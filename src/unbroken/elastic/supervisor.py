@@ -40,10 +40,15 @@ from typing import Any
 
 from unbroken.common import events
 from unbroken.common.events import load_events
-from unbroken.common.fs import atomic_write_bytes
-from unbroken.common.procs import is_alive
+from unbroken.common.fs import atomic_write_bytes, private_dir
 from unbroken.elastic import faults, heartbeat, recovery
-from unbroken.elastic._attempt import DEFAULT_PRELOAD, Attempt, Standby, worker_command
+from unbroken.elastic._attempt import (
+    DEFAULT_PRELOAD,
+    ENV_TOKEN,
+    Attempt,
+    Standby,
+    worker_command,
+)
 from unbroken.elastic._coord import Coordinator
 from unbroken.elastic.faults import Action, Classification, Evidence, FaultClass, RestartPolicy
 from unbroken.elastic.preflight import CheckResult, PreflightConfig, wait_until_healthy
@@ -242,9 +247,9 @@ class Supervisor:
         """The checkpointed step as the job reported it (``saved``/``loaded``), else the
         highest step any attempt reached."""
         steps = [
-            int(e["step"])
+            e["step"]
             for e in load_events(self.run_dir)
-            if e["event"] in ("saved", "loaded") and e.get("step") is not None
+            if e["event"] in ("saved", "loaded") and type(e.get("step")) is int
         ]
         if steps:
             return max(steps)
@@ -428,16 +433,18 @@ class Supervisor:
                 att.kill()
                 return _Outcome("peer", None, now, now, "another node failed; joining its restart")
             beats = heartbeat.read_beats(self.run_dir, att.number)
-            pids = set(att.worker_pids()) | {b.pid for b in beats if is_alive(b.pid)}
+            # A beacon's pid counts (liveness, hangs, stops) only for this attempt's processes.
+            mine = [b for b in beats if att.owns(b.pid)]
+            pids = set(att.worker_pids()) | {b.pid for b in mine}
             if pids and t_up is None:
                 t_up = now
                 self._event("workers_up", attempt=att.number, pids=sorted(pids))
             failed = att.failure()
             if failed is not None:
-                return self._stop_group(att, failed, beats)
+                return self._stop_group(att, failed, mine)
             for b in beats:
                 self._max_step = max(self._max_step, b.step)
-            self._maybe_prewarm(att, beats, t_up, now)
+            self._maybe_prewarm(att, mine, t_up, now)
             if not beats and t_up is not None and not warned and now - t_up > w.hang_timeout:
                 warned = True
                 log.warning(
@@ -446,19 +453,15 @@ class Supervisor:
                     "and catch-up measurement",
                     now - t_up,
                 )
-            for b in beats:
+            for b in mine:
                 installed.setdefault(b.path, now)
-            hung = heartbeat.stalled(beats, now, w.hang_timeout)
+            hung = heartbeat.stalled(mine, now, w.hang_timeout)
             if not hung:  # installed but never beat: stuck before the first step
                 hung = [
-                    b
-                    for b in beats
-                    if not b.started
-                    and is_alive(b.pid)
-                    and now - installed[b.path] > w.startup_timeout
+                    b for b in mine if not b.started and now - installed[b.path] > w.startup_timeout
                 ]
             if hung:
-                return self._hang(att, beats, hung, now)
+                return self._hang(att, mine, hung, now)
             # Until the workers exist, look often: workers_up ends the relaunch phase.
             att.wait(pids, w.poll_interval if t_up is not None else min(w.poll_interval, 0.05))
 
@@ -503,7 +506,9 @@ class Supervisor:
         # The step is fixed now: a SIGSTOPped rank resumed for its stack dump may still beat
         # once before the kill, and the table must say what the message says.
         step = max((b.step for b in beats), default=-1)
-        stacks = heartbeat.request_stack_dumps(self.run_dir, beats, self.cfg.watchdog.dump_grace)
+        stacks = heartbeat.request_stack_dumps(
+            self.run_dir, beats, self.cfg.watchdog.dump_grace, (ENV_TOKEN, att.token)
+        )
         detail = (
             f"ranks {ranks} made no progress for {now - t_fail:.1f} s "
             f"(--hang-timeout {self.cfg.watchdog.hang_timeout:g} s) at step {step}"
@@ -609,6 +614,7 @@ class Supervisor:
         atomic_write_bytes(
             os.path.join(self.run_dir, "supervisor.json"),
             json.dumps(self.tracker.state_dict(), indent=1).encode(),
+            mode=events.FILE_MODE,
         )
         log.warning(
             "attempt %d failed: %s [%s -> %s] %s",
@@ -658,18 +664,26 @@ class Supervisor:
             "Fix the cause, then rerun the same command: it resumes from the newest checkpoint.",
         ]
         text = "\n".join(lines) + "\n"
-        atomic_write_bytes(os.path.join(self.run_dir, "stop-report.txt"), text.encode())
+        atomic_write_bytes(
+            os.path.join(self.run_dir, "stop-report.txt"), text.encode(), mode=events.FILE_MODE
+        )
         print(text, flush=True)
 
     # --- main loop -----------------------------------------------------------------------
 
     def run(self) -> int:
-        os.makedirs(self.run_dir, exist_ok=True)
+        # The log records argv and tracebacks, and the run's files steer signals (beacons):
+        # refused unless private to this user (PrivateDirError names the directory and fix).
+        private_dir(self.run_dir, purpose="run directory")
         old = {}
         if threading.current_thread() is threading.main_thread():
             old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         first = 1 + max(
-            (int(e["attempt"]) for e in load_events(self.run_dir) if e["event"] == "launch"),
+            (
+                e["attempt"]
+                for e in load_events(self.run_dir)
+                if e["event"] == "launch" and type(e.get("attempt")) is int
+            ),
             default=-1,
         )
         code = faults.EXIT_ERROR
@@ -677,7 +691,12 @@ class Supervisor:
             r = self.cfg.rdzv
             host, _, port = r.endpoint.rpartition(":")
             self._coord = Coordinator(
-                host, int(port), r.run_id, self.node, connect_timeout=r.join_timeout
+                host,
+                int(port),
+                r.run_id,
+                self.node,
+                connect_timeout=r.join_timeout,
+                multi_node=r.bounds[1] > 1,
             )
             self._event(
                 "start",
@@ -746,10 +765,11 @@ class Supervisor:
             number += 1
 
     def _finish(self) -> None:
-        events = load_events(self.run_dir)
-        summary = recovery.summarize(events)
+        summary = recovery.summarize(load_events(self.run_dir))
         lines = b"".join(json.dumps(r.to_json()).encode() + b"\n" for r in summary.recoveries)
-        atomic_write_bytes(os.path.join(self.run_dir, "recovery.jsonl"), lines)
+        atomic_write_bytes(
+            os.path.join(self.run_dir, "recovery.jsonl"), lines, mode=events.FILE_MODE
+        )
         print(recovery.format_summary(summary), flush=True)
 
 

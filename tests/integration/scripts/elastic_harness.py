@@ -61,6 +61,21 @@ FAST = [
 ]
 
 
+def script_args(tmp_path: Any, steps: int, **extra: object) -> list[str]:
+    """elastic_train.py's arguments: checkpoints and metrics under ``tmp_path``."""
+    args = [
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--metrics",
+        str(tmp_path / "metrics.jsonl"),
+        "--steps",
+        str(steps),
+    ]
+    for k, v in extra.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return args
+
+
 class Job:
     """One `unbroken run` supervisor process."""
 

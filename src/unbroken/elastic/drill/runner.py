@@ -80,6 +80,7 @@ from typing import Any
 
 from unbroken.common import events
 from unbroken.common.audit import ENV_AUDIT, read_audit
+from unbroken.common.fs import private_dir
 from unbroken.common.metrics import read_metrics
 from unbroken.common.procs import kill_matching
 from unbroken.elastic._coord import free_port
@@ -520,7 +521,7 @@ def _prepare(cfg: DrillConfig) -> None:
             shutil.rmtree(p)
         elif os.path.exists(p):
             os.unlink(p)
-    os.makedirs(d, exist_ok=True)
+    private_dir(d, purpose="drill directory")  # it holds the drilled runs' run directories
 
 
 def run_drill(cfg: DrillConfig, *, token: str | None = None) -> DrillReport:
