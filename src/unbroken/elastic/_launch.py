@@ -49,7 +49,7 @@ _STOPS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT
 _MAX_ANSWER = 4096
 
 _child: int | None = None
-"""The worker's pid, once proven to be ours (see :class:`_Worker`)."""
+"""The worker's pid as reported (signals go only to :data:`_worker`, proven ours)."""
 _worker: _Worker | None = None
 _pending: list[int] = []
 _stopped = False
@@ -79,12 +79,20 @@ class _Worker:
     the kernel has no pidfds). A pid that anyone else named is never signalled."""
 
     def __init__(self, pid: int, parent: int) -> None:
+        """Raises ``ProcessLookupError`` when ``pid`` has already ended (nothing to signal)
+        and ``LookupError`` when it is not a child of ``parent``."""
         self.pid = pid
         self.fd: int | None = None
-        with contextlib.suppress(AttributeError, OSError):
+        try:
             self.fd = os.pidfd_open(pid)
+        except (AttributeError, OSError) as e:
+            if isinstance(e, ProcessLookupError):
+                raise
         st = _stat(pid)  # read after the pidfd: the pid cannot be reused while fd is open...
-        if st is None or st[0] != parent or not self.alive():  # ...unless it already ended
+        if st is None or not self.alive():  # ...unless it already ended
+            self.close()
+            raise ProcessLookupError(pid)
+        if st[0] != parent:
             self.close()
             raise LookupError(f"pid {pid} is not a child of pid {parent}")
         self.start = st[1]
@@ -120,12 +128,14 @@ def _on_signal(signum: int, _frame: object) -> None:
 def _set_child(pid: int, parent: int) -> None:
     """Adopt ``pid`` as the worker if it is a child of ``parent``; deliver pending signals."""
     global _child, _worker
+    _child = pid  # what the worker_exit event reports; signals go only to a proven _worker
     try:
         _worker = _Worker(pid, parent)
+    except ProcessLookupError:
+        return  # it ended already (the status follows); there is nothing to signal
     except LookupError as e:
         _say(f"worker {e}; it will not be signalled")
         return
-    _child = pid
     while _pending:
         _worker.signal(_pending.pop(0))
 
@@ -203,7 +213,8 @@ def _via_zygote(value: str, argv: list[str], module: bool) -> int | None:
         # The server died; its workers die with it (PR_SET_PDEATHSIG). Make sure of it.
         if _worker is not None:
             _worker.signal(signal.SIGKILL)
-        _say(f"fork server {name} died; worker {_child} killed")
+        done = "killed" if _worker is not None else "not signalled (not proven ours)"
+        _say(f"fork server {name} died; worker {_child} {done}")
         return -1
     status = _answer(last).get("status")
     return status if type(status) is int and status >= 0 else -1
