@@ -6,16 +6,9 @@ from __future__ import annotations
 import pytest
 
 from unbroken import cli
-from unbroken.elastic.drill.report import diagnose, unplanned_failures
-from unbroken.elastic.drill.runner import (
-    ELASTIC_KINDS,
-    FAULT_KINDS,
-    SINGLE_KINDS,
-    DrillConfig,
-    example_config,
-    plan_faults,
-    run_drill,
-)
+from unbroken.elastic.drill.judge import diagnose, unplanned_failures
+from unbroken.elastic.drill.plan import ELASTIC_KINDS, FAULT_KINDS, SINGLE_KINDS, plan_faults
+from unbroken.elastic.drill.runner import DrillConfig, example_config, run_drill
 
 
 def test_plan_is_a_pure_function_of_the_seed():

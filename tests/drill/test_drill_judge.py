@@ -9,15 +9,14 @@ from typing import Any
 import torch
 
 from unbroken.common.audit import StateAudit, fingerprint, read_audit
-from unbroken.elastic.drill.report import (
+from unbroken.elastic.drill.judge import (
     Check,
     FaultResult,
-    FaultSpec,
-    Injection,
     RunComparison,
     audit_restore,
     judge_trajectories,
 )
+from unbroken.elastic.drill.plan import FaultSpec, Injection
 
 
 def _log(n: int, *, bad_from: int | None = None, ids: bool = True) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
-"""The per-rank launcher (``_launch.py``) and the fork server (``_standby._Zygote``), with real
+"""The per-rank launcher (``launch/worker.py``) and the fork server (``launch.forkserver``), with real
 processes and real signals but without torch or torchrun: an "agent" process hosts a fork
 server exactly as a standby does after its go order, and each test runs the launcher the
-way torchrun would (``python -S _launch.py SCRIPT ARGS``).
+way torchrun would (``python -S worker.py SCRIPT ARGS``).
 
 Both paths are covered: the worker forked by the server, and the fallback where the
 launcher starts a fresh interpreter because no server can be reached.
@@ -25,7 +25,7 @@ import pytest
 
 from unbroken.common import events
 from unbroken.common.procs import is_alive, parent_of, proc_state
-from unbroken.elastic._attempt import LAUNCHER
+from unbroken.elastic.launch.attempt import LAUNCHER
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(60)
 # worker), reports "<name> <server pid> <key>" and lives until stdin closes.
 AGENT = textwrap.dedent("""
     import os, sys
-    from unbroken.elastic._standby import start_server
+    from unbroken.elastic.launch.forkserver import start_server
     name, key = "unbroken-test-" + os.urandom(6).hex(), os.urandom(32).hex()
     pid = start_server(name, key, sys.argv[1], [], 0.0, None)
     print(name, pid, key, flush=True)
@@ -170,7 +170,7 @@ def test_module_mode_and_a_clean_exception_traceback(tmp_path, agent):
     err = r.err.read_text()
     assert "ValueError: boom in the worker" in err and "in inner" in err
     # what `python -m w` prints: from the script's frames on, not through the fork server
-    assert "_standby.py" not in err and "runpy" not in err, err
+    assert "forkserver.py" not in err and "runpy" not in err, err
     assert r.info()["path0"] == str(tmp_path / "cwd")
     (e,) = r.exits()
     assert (e["exitcode"], e["via"]) == (1, "zygote")

@@ -11,7 +11,7 @@ from datetime import timedelta
 import pytest
 from torch.distributed import TCPStore
 
-from unbroken.elastic._coord import Coordinator
+from unbroken.elastic.rendezvous import Coordinator
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -16,7 +16,7 @@ Event schema (common keys ``t`` = Unix time, ``event``, ``attempt``, ``pid``, ``
     workers_up    attempt, pids: the first worker processes of the attempt exist
     worker_exit   attempt, rank, local_rank, worker_pid, exitcode (negative: signal; null:
                   unknown), stopped (asked to stop first), via (zygote|spawn): one rank
-                  ended (written by its launcher, see ``_launch``)
+                  ended (written by its launcher, see ``elastic.launch.worker``)
     stop_group    attempt, reason, grace, seconds, exited, killed: a rank failed, so the
                   supervisor stopped the others (``exited`` ranks left within ``grace``
                   seconds, ``killed`` ones were SIGKILLed) and relaunches

@@ -93,7 +93,7 @@ def environ_of(pid: int) -> dict[str, str]:
     return out
 
 
-_AGENT_MARKS = ("torch.distributed.run", "unbroken.elastic._standby")
+_AGENT_MARKS = ("torch.distributed.run", "unbroken.elastic.launch.standby")
 
 
 def agent_of(worker_pid: int) -> int | None:

@@ -2,7 +2,7 @@
 policy (budget, exponential backoff, no-progress guard, deterministic-bug stop).
 
 Evidence comes from each rank's launcher (``worker_exit`` events: exit code or signal, and
-whether it had been told to stop, see ``_launch``), from torchrun (its failure summary, when
+whether it had been told to stop, see ``launch.worker``), from torchrun (its failure summary, when
 it got to print one), the ``@record`` error files (``TORCHELASTIC_ERROR_FILE``: message +
 Python call stack) and the tail of each rank's stderr. Failures that merely follow another one
 (ranks stopped by the agent or the supervisor, "Connection closed by peer" from a collective
@@ -32,6 +32,7 @@ preemption              exit                SIGTERM: the job was asked to save; 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import glob
 import json
@@ -270,7 +271,7 @@ _PREEMPT_EXITS = frozenset(
 
 @dataclass(frozen=True)
 class WorkerExit:
-    """How one rank ended, as its launcher saw it (a ``worker_exit`` event, see ``_launch``)."""
+    """How one rank ended, as its launcher saw it (a ``worker_exit`` event, see ``launch.worker``)."""
 
     rank: int | None
     local_rank: int | None
@@ -331,6 +332,35 @@ def collect_worker_failures(
     the same for ranks without a launcher report; the ``@record`` error file gives the
     message and call stack; ``--tee`` log files give each rank's stderr.
     """
+    found, order = _from_launchers(log_dir, exits)
+    for m in _BLOCK.finditer(console):
+        rank, local, code, pid, efile = int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5]
+        if rank in found:
+            continue
+        # The console carries the workers' own output: a path in it is read only inside
+        # this attempt's log directory.
+        msg, tb = _read_error_file(efile) if _inside(efile, log_dir) else ("", "")
+        found[rank] = WorkerFailure(rank, local, code, pid, msg, tb, "")
+    # Error files of ranks the summary did not list (e.g. torchrun itself was killed).
+    for efile in glob.glob(os.path.join(log_dir, "**", "error.json"), recursive=True):
+        name = os.path.basename(os.path.dirname(efile))
+        local = int(name) if name.isdigit() else -1
+        if any(f.local_rank == local for f in found.values()):
+            continue
+        msg, tb = _read_error_file(efile)
+        found[10_000 + local] = WorkerFailure(-1, local, 1, None, msg, tb, "")
+    out = [
+        dataclasses.replace(f, stderr_tail=_stderr_tail(log_dir, f.local_rank))
+        for f in found.values()
+    ]
+    # launcher reports in the order the ranks ended, then the others by rank
+    return sorted(out, key=lambda f: (f.collateral, order.get(f.rank, len(order)), f.rank))
+
+
+def _from_launchers(
+    log_dir: str, exits: Sequence[WorkerExit]
+) -> tuple[dict[int, WorkerFailure], dict[int, int]]:
+    """The failures the launchers reported (by rank), and the order the ranks ended in."""
     found: dict[int, WorkerFailure] = {}
     order: dict[int, int] = {}
     # A rank can end more than once in an attempt (torchrun restarts the group in place when
@@ -349,46 +379,17 @@ def collect_worker_failures(
         msg, tb = _read_error_file(efiles[-1]) if efiles else ("", "")
         if x.exitcode is None:
             msg = msg or x.describe()
-        found[x.rank] = WorkerFailure(
-            x.rank,
-            local,
-            1 if x.exitcode is None else x.exitcode,
-            x.pid,
-            msg,
-            tb,
-            "",
-            stopped=not x.failed,
-        )
+        code = 1 if x.exitcode is None else x.exitcode
+        found[x.rank] = WorkerFailure(x.rank, local, code, x.pid, msg, tb, "", not x.failed)
         order[x.rank] = len(order)
-    for m in _BLOCK.finditer(console):
-        rank, local, code, pid, efile = int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5]
-        if rank in found:
-            continue
-        # The console carries the workers' own output: a path in it is read only inside
-        # this attempt's log directory.
-        msg, tb = _read_error_file(efile) if _inside(efile, log_dir) else ("", "")
-        found[rank] = WorkerFailure(rank, local, code, pid, msg, tb, "")
-    # Error files of ranks the summary did not list (e.g. torchrun itself was killed).
-    for efile in glob.glob(os.path.join(log_dir, "**", "error.json"), recursive=True):
-        name = os.path.basename(os.path.dirname(efile))
-        local = int(name) if name.isdigit() else -1
-        if any(f.local_rank == local for f in found.values()):
-            continue
-        msg, tb = _read_error_file(efile)
-        found[10_000 + local] = WorkerFailure(-1, local, 1, None, msg, tb, "")
-    out = []
-    for f in found.values():
-        err = sorted(
-            glob.glob(os.path.join(log_dir, "**", str(f.local_rank), "stderr.log"), recursive=True)
-        )
-        tail = _tail(err[-1]) if err else ""
-        out.append(
-            WorkerFailure(
-                f.rank, f.local_rank, f.exitcode, f.pid, f.message, f.traceback, tail, f.stopped
-            )
-        )
-    # launcher reports in the order the ranks ended, then the others by rank
-    return sorted(out, key=lambda f: (f.collateral, order.get(f.rank, len(order)), f.rank))
+    return found, order
+
+
+def _stderr_tail(log_dir: str, local_rank: int) -> str:
+    err = sorted(
+        glob.glob(os.path.join(log_dir, "**", str(local_rank), "stderr.log"), recursive=True)
+    )
+    return _tail(err[-1]) if err else ""
 
 
 def _inside(path: str, root: str) -> bool:

@@ -29,7 +29,7 @@ from unbroken.common import events
 from unbroken.common.fs import open_private, private_dir
 from unbroken.common.procs import agent_of, environ_of, is_alive, kill_matching
 from unbroken.elastic import heartbeat
-from unbroken.elastic.drill.report import FaultSpec, Injection
+from unbroken.elastic.drill.plan import FaultSpec, Injection
 
 __all__ = ["Ctx", "Node", "inject"]
 

@@ -5,10 +5,11 @@ passes through classification, backoff and pre-flight, and so that a restart is 
 process (a wedged agent or stale in-process state cannot carry over). Membership changes
 (a spare joining) are still handled inside torchrun, which does not count them as restarts.
 
-The agent is either a pre-warmed :class:`Standby` (torch already imported, with a fork server
-for the workers, see ``_standby``) or, as the fallback, a fresh
-``python -m torch.distributed.run``. Either way torchrun starts ``_launch.py`` per rank, which
-reports how its rank ended (``worker_exit`` events) and forwards stop signals.
+The agent is either a pre-warmed :class:`~.standby.Standby` (torch already imported, with a
+fork server for the workers, see :mod:`.forkserver`) or, as the fallback, a fresh
+``python -m torch.distributed.run``. Either way torchrun starts the launcher
+(:mod:`.worker`) per rank, which reports how its rank ended (``worker_exit`` events) and
+forwards stop signals.
 
 Layout per attempt: ``RUN_DIR/attempts/<n>/torchrun.log`` (agent console, workers teed into it
 with ``[rankN]:`` prefixes), ``RUN_DIR/attempts/<n>/torchelastic/`` (torchrun's
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -31,6 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from unbroken.common import events
 from unbroken.common.fs import atomic_write_bytes, open_private
@@ -43,24 +44,28 @@ from unbroken.common.procs import (
     kill_matching,
     signal_if_tagged,
 )
-from unbroken.elastic._launch import ENV_ZYGOTE
 from unbroken.elastic.faults import WorkerExit
+from unbroken.elastic.launch.worker import ENV_ZYGOTE
+
+if TYPE_CHECKING:
+    from unbroken.elastic.launch.standby import Standby
 
 __all__ = [
     "DEFAULT_PRELOAD",
     "ENV_TOKEN",
     "LAUNCHER",
+    "Agent",
     "Attempt",
-    "Standby",
     "attempt_env",
+    "kill_attempt",
     "worker_command",
 ]
 
 log = logging.getLogger(__name__)
 
 ENV_TOKEN = "UNBROKEN_ATTEMPT_TOKEN"
-"""Inherited by every process of an attempt; the supervisor kills by it (see _procs)."""
-LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch.py")
+"""Inherited by every process of an attempt; the supervisor kills by it (see procs)."""
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 DEFAULT_PRELOAD = (
     "torch",
     "torch.distributed",
@@ -75,7 +80,7 @@ DEFAULT_PRELOAD = (
 
 
 def worker_command(command: Sequence[str], module: bool, torchrun_args: Sequence[str]) -> list[str]:
-    """torchrun's trailing arguments: the launcher (``_launch``) in front of the script."""
+    """torchrun's trailing arguments: the launcher (``worker.py``) in front of the script."""
     exec_ = any(a in ("--no-python", "--no_python") for a in torchrun_args)
     mode = ["--exec"] if exec_ else (["-m"] if module else [])
     return ["--no-python", sys.executable, "-S", LAUNCHER, *mode, *command]
@@ -103,7 +108,7 @@ def attempt_env(run_dir: str, number: int, token: str, nproc: int) -> dict[str, 
     return env
 
 
-class _Agent:
+class Agent:
     """A torchrun agent process with its console copied to ``torchrun.log``."""
 
     def __init__(
@@ -155,7 +160,7 @@ class _Agent:
             self._log.close()
 
 
-def _kill(proc: subprocess.Popen[bytes], token: str) -> int:
+def kill_attempt(proc: subprocess.Popen[bytes], token: str) -> int:
     """SIGKILL a process group and every process carrying ``token``; reap the leader."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -163,55 +168,6 @@ def _kill(proc: subprocess.Popen[bytes], token: str) -> int:
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10.0)
     return n
-
-
-class Standby:
-    """The next attempt's agent, started ahead and waiting with torch imported (``_standby``).
-
-    It carries that attempt's environment (run dir, attempt number, kill token) from birth,
-    so a crash of the supervisor or a kill by token reaches it like any attempt process.
-    """
-
-    def __init__(
-        self, *, number: int, run_dir: str, nproc: int, preload: Sequence[str], echo: bool
-    ) -> None:
-        self.number = number
-        self.run_dir = run_dir
-        self.token = uuid.uuid4().hex
-        self.t_start = time.time()
-        self.argv = [sys.executable, "-m", "unbroken.elastic._standby", *preload]
-        self.agent = _Agent(
-            number,
-            run_dir,
-            self.argv,
-            attempt_env(run_dir, number, self.token, nproc),
-            echo,
-            stdin=subprocess.PIPE,
-        )
-
-    def alive(self) -> bool:
-        return self.agent.proc.poll() is None
-
-    def go(self, torchrun_argv: list[str], env: dict[str, str]) -> bool:
-        """Turn the standby into the running agent; False if it cannot take the order."""
-        req = {"argv": torchrun_argv, "env": env, "log": os.path.join(self.agent.dir, "zygote.log")}
-        pipe = self.agent.proc.stdin
-        if pipe is None or not self.alive():
-            return False
-        try:
-            pipe.write(json.dumps(req).encode() + b"\n")
-            pipe.close()
-        except OSError:
-            return False
-        return True
-
-    def close(self) -> None:
-        """Dismiss an unused standby (nothing of it survives; it is reaped)."""
-        with contextlib.suppress(OSError):
-            if self.agent.proc.stdin is not None:
-                self.agent.proc.stdin.close()
-        _kill(self.agent.proc, self.token)
-        self.agent.close()
 
 
 class Attempt:
@@ -253,7 +209,7 @@ class Attempt:
             self.argv = [sys.executable, "-m", "torch.distributed.run", *targv]
             env = attempt_env(run_dir, number, self.token, nproc)
             env.update(extra)
-            self._agent = _Agent(number, run_dir, self.argv, env, echo, stdin=subprocess.DEVNULL)
+            self._agent = Agent(number, run_dir, self.argv, env, echo, stdin=subprocess.DEVNULL)
         self.proc = self._agent.proc
 
     def console(self) -> str:
@@ -362,7 +318,7 @@ class Attempt:
     def kill(self) -> None:
         """SIGKILL the agent and every process that inherited this attempt's token."""
         self.killed_by_us = True
-        n = _kill(self.proc, self.token)
+        n = kill_attempt(self.proc, self.token)
         if n:
             log.debug("attempt %d: killed %d processes", self.number, n)
 

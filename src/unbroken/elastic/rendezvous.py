@@ -33,15 +33,59 @@ import logging
 import math
 import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from unbroken.common.text import printable
 from unbroken.elastic.faults import STOP_EXITS
 
-__all__ = ["Coordinator", "free_port", "is_local_host"]
+__all__ = ["Coordinator", "RendezvousConfig", "free_port", "is_local_host"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RendezvousConfig:
+    """Where and how the nodes' supervisors meet (torchrun's c10d rendezvous)."""
+
+    nnodes: str = "1"
+    """``N`` or ``MIN:MAX`` nodes (torchrun's ``--nnodes``)."""
+    endpoint: str = "127.0.0.1:0"
+    """``host:port`` of the store; port 0 (single node only) hosts it on a free port."""
+    run_id: str = "unbroken"
+    """Job name shared by all nodes: supervisors of different jobs on one store never meet."""
+    node: str = ""
+    """This node's name among the supervisors (default ``<hostname>-<pid>``)."""
+    last_call_timeout: float = 5.0
+    """Once MIN nodes joined, wait this long for more before starting (seconds)."""
+    join_timeout: float = 600.0
+    """Give up a rendezvous that does not reach MIN nodes within this many seconds."""
+    node_timeout: float = 5.0
+    """A peer supervisor silent this long after a failure counts as a lost node."""
+
+    def __post_init__(self) -> None:
+        lo, hi = self.bounds
+        if lo < 1 or hi < lo:
+            raise ValueError(f"nnodes={self.nnodes!r}: need 1 <= MIN <= MAX, e.g. '1:2'")
+        host, sep, port = self.endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"rdzv endpoint {self.endpoint!r} is not HOST:PORT")
+        if hi > 1 and int(port) == 0:
+            raise ValueError(
+                f"nnodes={self.nnodes!r} spans nodes: pass --rdzv-endpoint HOST:PORT with a "
+                "fixed port that every node can reach"
+            )
+        if min(self.last_call_timeout, self.join_timeout, self.node_timeout) <= 0:
+            raise ValueError("last_call_timeout, join_timeout and node_timeout must be > 0")
+
+    @property
+    def bounds(self) -> tuple[int, int]:
+        lo, _, hi = self.nnodes.partition(":")
+        try:
+            return int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"nnodes={self.nnodes!r} is not N or MIN:MAX") from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -19,9 +19,10 @@ from unbroken.cli._args import (
 )
 from unbroken.elastic.faults import RestartPolicy
 from unbroken.elastic.preflight import PreflightConfig
-from unbroken.elastic.supervisor import RendezvousConfig, RunConfig, WatchdogConfig
+from unbroken.elastic.rendezvous import RendezvousConfig
+from unbroken.elastic.supervisor import RunConfig, WatchdogConfig
 
-__all__ = ["PREFLIGHT_FLAGS", "RUN_FLAGS", "add_run", "preflight_config", "run_config"]
+__all__ = ["PREFLIGHT_FLAGS", "RUN_FLAGS", "add_elastic", "preflight_config", "run_config"]
 
 F = ConfigFlag
 
@@ -197,7 +198,7 @@ def _command(a: argparse.Namespace) -> tuple[str, ...]:
 def run_config(a: argparse.Namespace) -> RunConfig:
     """The supervisor's config from ``unbroken run``'s parsed flags (by keyword)."""
     from unbroken.elastic import faults
-    from unbroken.elastic._attempt import DEFAULT_PRELOAD
+    from unbroken.elastic.launch.attempt import DEFAULT_PRELOAD
 
     return RunConfig(
         command=_command(a),
@@ -403,6 +404,12 @@ def _add_drill(sub: Sub) -> None:
         help="-- SCRIPT ARGS with {dir} (with --example: extra demo arguments, "
         "e.g. -- --break rng)",
     )
+    _add_drill_plan(p)
+    _add_drill_runs(p)
+
+
+def _add_drill_plan(p: argparse.ArgumentParser) -> None:
+    """What the drill runs and which faults it injects where."""
     p.add_argument("--example", action="store_true", help="drill the demo model (tiny GPT)")
     p.add_argument(
         "--dir",
@@ -432,6 +439,10 @@ def _add_drill(sub: Sub) -> None:
         help="the script trains on 2 ranks and resumes on another world size "
         "(enables agent-loss and world-size; implied by --example)",
     )
+
+
+def _add_drill_runs(p: argparse.ArgumentParser) -> None:
+    """Where the drilled script keeps its state, and the limits of each run."""
     p.add_argument("--ckpt-subdir", default="ckpt", help="Checkpointer root under {dir}")
     p.add_argument("--metrics-file", default="metrics.jsonl", help="MetricLog file under {dir}")
     p.add_argument(
@@ -473,7 +484,7 @@ def _add_drill(sub: Sub) -> None:
     )
 
 
-def add_run(sub: Sub) -> None:
+def add_elastic(sub: Sub) -> None:
     """``run``, ``preflight``, ``report``, ``plan``, ``drill``: top-level commands."""
     for add in (_add_run, _add_preflight, _add_report, _add_plan, _add_drill):
         add(sub)

@@ -1,24 +1,13 @@
-"""A pre-warmed torchrun agent with a fork server for its workers (``unbroken run`` default).
+"""The fork server: one per pre-warmed agent (see :mod:`.standby`), it forks the workers.
 
-A restart used to pay ``import torch`` twice before the first new step: once in the fresh
-torchrun agent, once in every fresh worker (3-4 s each on a busy 2-core box, see
-benchmarks/RESULTS.md). The supervisor therefore keeps the *next* attempt's agent waiting:
-
-1. ``python -m unbroken.elastic._standby`` starts while the current attempt trains, with the
-   next attempt's environment (run dir, attempt number, kill token). It imports torch and
-   torchrun (what the agent needs), then forks the **fork server**, which imports the
-   ``preload`` modules (``_attempt.DEFAULT_PRELOAD``, what the workers need), appends a
-   ``standby`` event (``seconds``: the import time a restart no longer pays) and serves;
-   the standby itself waits on stdin. A cold restart (no standby ready yet) thus rendezvouses
-   while the server is still importing.
-2. On a restart the supervisor writes one JSON line ``{"argv": [torchrun args], "env":
-   {...}}``; the standby runs torchrun's ``main`` in-process: it is the attempt's agent.
-3. torchrun starts ``_launch.py`` per rank (``--no-python``); each launcher asks the fork
-   server, over the abstract Unix socket named in ``UNBROKEN_ZYGOTE``, for a worker. The
-   server (single-threaded: it never started a thread, a CUDA context or a process group)
-   forks one, which takes the launcher's argv, environment, working directory and stdio,
-   starts its own session and runs the script as ``__main__`` (``runpy``). The server
-   reports the worker's pid and, when it ends, its wait status to the launcher.
+torchrun starts the launcher (:mod:`.worker`) per rank (``--no-python``); each launcher asks
+the fork server, over the abstract Unix socket named in ``UNBROKEN_ZYGOTE``, for a worker.
+The server (single-threaded: it never started a thread, a CUDA context or a process group)
+forks one, which takes the launcher's argv, environment, working directory and stdio, starts
+its own session and runs the script as ``__main__`` (``runpy``). The server reports the
+worker's pid and, when it ends, its wait status to the launcher. Before serving it imports
+the ``preload`` modules (what the workers need) and appends a ``standby`` event
+(``seconds``: the import time a restart no longer pays).
 
 Who talks to whom. An abstract name is visible to every process of the network namespace
 (another container of the pod, a ``--network=host`` sidecar), so the name is no secret and
@@ -62,15 +51,15 @@ import sys
 import time
 from typing import Any
 
-from unbroken.elastic._launch import ENV_ZYGOTE
+from unbroken.elastic.launch.worker import ENV_ZYGOTE
 
-__all__: list[str] = []
+__all__ = ["pdeathsig", "start_server"]
 
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _pdeathsig(sig: int) -> None:
+def pdeathsig(sig: int) -> None:
     """Let the kernel send ``sig`` to this process when its parent dies (0: stop that)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
@@ -118,41 +107,6 @@ def _preload(names: list[str], stop: Any = None) -> dict[str, str]:
         else:
             os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = old
     return failed
-
-
-def main(argv: list[str]) -> None:
-    _pdeathsig(signal.SIGKILL)  # a standby dies with its supervisor
-    t0 = time.perf_counter()
-    import torch
-
-    rng = torch.default_generator.get_state()  # what a fresh interpreter starts with
-    from torch.distributed.run import main as torchrun
-
-    from unbroken.common import events
-
-    # The fork server starts now, before the go order, and imports the workers' modules
-    # itself: the agent needs only torch and torchrun, so a cold restart (no standby ready)
-    # rendezvouses while the server is still importing.
-
-    run_dir = os.environ.get(events.ENV_RUN_DIR, "")
-    attempt = int(os.environ.get(events.ENV_ATTEMPT, "0"))
-    log = os.path.join(events.attempt_dir(run_dir, attempt), "zygote.log") if run_dir else None
-    name = f"unbroken-zygote-{os.getpid()}-{os.urandom(6).hex()}"
-    key = os.urandom(32).hex()
-    server = start_server(name, key, log, [m for m in argv if m], t0, rng)
-    line = sys.stdin.readline()
-    if not line:
-        os._exit(0)  # the supervisor no longer needs this attempt (the server follows)
-    _pdeathsig(0)  # from here on this is a torchrun agent and lives like one
-    req = json.loads(line)
-    os.environ.update(req["env"])
-    if server is not None:
-        os.environ[ENV_ZYGOTE] = f"{name} {server} {key}"
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    sys.argv = ["torchrun", *req["argv"]]
-    torchrun(req["argv"])
 
 
 def start_server(
@@ -469,7 +423,7 @@ class _Zygote:
             if fd is not None:
                 os.close(fd)
         os.setsid()  # as torchrun does for its workers
-        _pdeathsig(signal.SIGKILL)
+        pdeathsig(signal.SIGKILL)
         if os.getppid() != self.me:
             os._exit(1)  # the server died before the line above
         for i, fd in enumerate(fds):
@@ -522,7 +476,3 @@ def _run_worker(req: dict[str, Any], rng: Any) -> None:
 
 
 _OUR_FILES = frozenset({__file__, os.path.realpath(__file__)})
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

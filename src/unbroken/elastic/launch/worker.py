@@ -1,10 +1,10 @@
 """The worker launcher: what torchrun starts for each rank under ``unbroken run``.
 
-torchrun runs ``python -S _launch.py [-m] SCRIPT ARGS`` (``--no-python``) instead of
+torchrun runs ``python -S worker.py [-m] SCRIPT ARGS`` (``--no-python``) instead of
 ``python -u SCRIPT ARGS``. This file is run by path and imports only the standard library, so
 it is up in milliseconds. It then
 
-1. asks the attempt's fork server (``UNBROKEN_ZYGOTE``, see ``_standby``) for a worker: the
+1. asks the attempt's fork server (``UNBROKEN_ZYGOTE``, see ``forkserver``) for a worker: the
    server, which imported torch before the failure, forks one that runs SCRIPT with this
    process's argv, environment, working directory and stdio (passed over the socket with
    ``SCM_RIGHTS``); or, when there is no server, it cannot be reached, or the listener is
@@ -43,7 +43,7 @@ import time
 ENV_ZYGOTE = "UNBROKEN_ZYGOTE"
 """``NAME PID KEY``: the attempt's fork server (set by the standby for its workers): its
 abstract socket name, its pid (the launcher talks only to a listener of that pid and this
-uid) and the key it asks of every request (64 hex digits, see ``_standby``)."""
+uid) and the key it asks of every request (64 hex digits, see ``forkserver``)."""
 _FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 _STOPS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 _MAX_ANSWER = 4096
@@ -283,7 +283,7 @@ def main(args: list[str]) -> None:
     module = args[:1] == ["-m"]
     argv = args[1:] if (exec_ or module) else args
     if not argv:
-        print("usage: _launch.py [-m | --exec] SCRIPT [ARGS...]", file=sys.stderr)
+        print("usage: worker.py [-m | --exec] SCRIPT [ARGS...]", file=sys.stderr)
         os._exit(2)
     for s in _FORWARD:
         signal.signal(s, _on_signal)
