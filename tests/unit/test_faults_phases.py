@@ -242,3 +242,21 @@ def test_stack_dump_from_a_stopped_process(tmp_path):
     finally:
         p.kill()
         p.wait(10)
+
+
+def test_a_hang_is_dated_by_the_hung_ranks_last_beat():
+    """A hang's detect phase is never shorter than the hang timeout (test_supervisor's
+    SIGSTOP test once read 5.999 s for a 6 s timeout): the hang began when the hung rank
+    last beat, not when a healthy rank last did (it beats once more, then waits in the
+    collective)."""
+    rec, me = heartbeat.BeatRecord, os.getpid()  # live pids: stalled() asks
+    stopped = rec("r1.beat", me, 1, 0, seq=8, step=8, t=100.0)
+    waiting = rec("r0.beat", me, 0, 0, seq=9, step=9, t=100.04)
+    now = 106.01  # the first poll after the stopped rank's beat aged past 6 s
+    hung = heartbeat.stalled([stopped, waiting], now, 6.0)
+    assert hung == [stopped]
+    began = heartbeat.hang_began([stopped, waiting], hung)
+    assert began == 100.0 and now - began >= 6.0
+    never = rec("r2.beat", me, 2, 0, seq=0, step=-1, t=0.0)  # stuck before its first beat
+    assert heartbeat.hang_began([never, waiting], [never]) == 100.04
+    assert heartbeat.hang_began([never], [never]) is None

@@ -46,6 +46,7 @@ __all__ = [
     "BeatRecord",
     "beat",
     "beat_dir",
+    "hang_began",
     "install",
     "read_beats",
     "remove_empty_dumps",
@@ -211,6 +212,14 @@ def read_beats(run_dir: str, attempt: int) -> list[BeatRecord]:
 def stalled(beats: list[BeatRecord], now: float, hang_timeout: float) -> list[BeatRecord]:
     """Live, started beacons whose last beat is older than ``hang_timeout`` seconds."""
     return [b for b in beats if b.started and now - b.t > hang_timeout and is_alive(b.pid)]
+
+
+def hang_began(beats: list[BeatRecord], hung: list[BeatRecord]) -> float | None:
+    """When the hang began: the last beat of the hung ranks (a healthy rank may beat once
+    more, then wait in the collective), else the last beat of any rank (hung before their
+    first beat); None when nothing beat at all."""
+    started = [b.t for b in hung if b.started] or [b.t for b in beats if b.started]
+    return max(started) if started else None
 
 
 def request_stack_dumps(

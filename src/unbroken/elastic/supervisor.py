@@ -487,8 +487,8 @@ class Supervisor:
         hung: list[heartbeat.BeatRecord],
         now: float,
     ) -> _Outcome:
-        started = [b.t for b in beats if b.started]
-        t_fail = max(started) if started else att.t_launch
+        began = heartbeat.hang_began(beats, hung)
+        t_fail = began if began is not None else att.t_launch
         ranks = sorted({b.rank for b in hung})
         # The step is fixed now: a SIGSTOPped rank resumed for its stack dump may still beat
         # once before the kill, and the table must say what the message says.
