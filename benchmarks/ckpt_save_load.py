@@ -1,39 +1,67 @@
-"""Checkpoint save/load: unbroken's Checkpointer vs torch.save/torch.load and DCP, same run.
+"""Checkpoint save/load: unbroken's Checkpointer vs DCP and torch, and the disk's own limits.
 
-    .venv/bin/python benchmarks/ckpt_save_load.py --gib 2 --repeats 3
+    flock /tmp/unbroken-bench.lock .venv/bin/python benchmarks/ckpt_save_load.py \
+        --gib 2 --repeats 5 --stall 4 --json ckpt.json
 
 State: an MLP of 4096x4096 float32 layers plus its AdamW moments (~``--gib`` GiB in all).
-Every contender writes the same state to the same disk; medians of ``--repeats`` rounds,
-run interleaved so drift in disk or CPU speed hits every contender alike.
+Every contender writes the same state to the same disk. Like for like (issue 23):
 
-* save: blocking time until the call returns. Checkpointer and dcp.save fsync their files
-  (Checkpointer also computes xxh3 checksums and per-tensor stats and commits atomically);
-  torch.save does not fsync (as people use it).
-* load: Checkpointer.restore() (verifies every checksum and statistic, then applies the
-  state to the live model and optimizer) vs dcp.load into preallocated tensors (no
-  verification) vs torch.load. Files are in the page cache, as after a crash on the same
-  node.
-* ceiling: ``dd if=/dev/zero bs=64M conv=fsync`` write bandwidth, same size.
+* rounds: one untimed warm-up round for every contender (``--warmup``), then ``--repeats``
+  timed rounds; each round runs the contenders in an order rotated by one, so drift in disk
+  or CPU speed and the write-back of the previous contender's pages hit every contender in
+  every position; medians over the timed rounds;
+* ``os.sync()`` (not timed) before every timed operation: no contender pays for another's
+  dirty pages;
+* the ``dcp.save`` anchor at unbroken's writer-thread count (``FileSystemWriter(
+  thread_count=Checkpointer.io_threads)``) and at DCP's default (1 thread);
+* I/O ceilings of *random* bytes (a ``dd`` from ``/dev/zero`` is no ceiling on a virtual disk
+  that stores zero blocks cheaply), the same byte count as the state, one stream and as many
+  streams as unbroken's writer threads (the better one is "the ceiling"): write + fsync, and
+  a cold read (the files evicted from the page cache with ``posix_fadvise(DONTNEED)`` after an
+  ``os.sync()``; the residue left in the cache is printed);
+* save = blocking time until the call returns (Checkpointer and dcp.save fsync their files;
+  Checkpointer also hashes every byte (xxh3), computes per-tensor statistics and commits
+  atomically; torch.save does not fsync, as people use it);
+* cold restore: the checkpoint's files evicted first, then ``Checkpointer.restore()``
+  (verifies every checksum and statistic, then copies into the live model and optimizer) vs
+  ``dcp.load`` into the live tensors (verifies nothing) vs ``torch.load``; warm restore: the
+  same right after, the files in the page cache (as after a crash on the same node);
+* regression row: save >= 0.9x the write ceiling, cold restore >= 0.9x the cold read
+  ceiling (ratios of bandwidths, same run): PASS / FAIL.
+
+``--stall N``: the training loop's stall per asynchronous checkpoint, unbroken's async save vs
+``dcp.async_save`` + ``DefaultStager`` vs plain ``dcp.async_save`` vs a copy into
+preallocated buffers (the floor); every contender's first call is its warm-up (shown, not
+in the median), N timed calls each after it, order rotated, each save finished before the
+next contender starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import re
 import shutil
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 
 from unbroken.ckpt import Checkpointer, TrainState
 
 warnings.filterwarnings("ignore", message="torch.distributed is")
+
+CHUNK = 64 << 20  # bytes per write/read call of the ceilings (dd bs=64M)
+GOAL_CEILING = 0.9  # issue 23: save and cold restore at >= 0.9x the disk's limits
 
 
 def make_state(gib: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -55,102 +83,6 @@ def state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     return n
 
 
-def dd_bandwidth(path: str, nbytes: int) -> float:
-    count = max(1, nbytes // (64 << 20))
-    out = subprocess.run(
-        ["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={count}", "conv=fsync"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stderr
-    os.unlink(path)
-    secs = float(re.search(r"copied, ([0-9.]+) s", out).group(1))  # type: ignore[union-attr]
-    return count * (64 << 20) / secs
-
-
-def raw_write(path: str, tensors: list[torch.Tensor]) -> None:
-    """The same bytes straight from memory to one file, then fsync: the disk's ceiling for
-    this state (no serialisation, no checksum)."""
-    with open(path, "wb", buffering=0) as f:
-        for t in tensors:
-            f.write(memoryview(t.numpy()).cast("B"))
-        os.fsync(f.fileno())
-
-
-def timed(fn) -> float:  # noqa: ANN001 - called at once, so late binding of loop vars is fine
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def stall_table(model: torch.nn.Module, opt: torch.optim.Optimizer, root: str, saves: int) -> None:
-    """Training-loop stall per checkpoint, repeated saves (the first one allocates)."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    cuda = torch.cuda.is_available()
-    nbytes = state_bytes(model, opt)
-    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-    flat = [t for t in _tensors(sd)]
-    bufs = [torch.empty_like(t, pin_memory=cuda) for t in flat]
-    out: dict[str, list[float]] = {}
-
-    def rec(name: str, secs: float) -> None:
-        out.setdefault(name, []).append(secs)
-
-    st = TrainState(model=model, optimizer=opt)
-    ck = Checkpointer(os.path.join(root, "ub-async"), st, async_save=True, keep_last=1)
-    # The loop's first step boundary (maybe_save, no save due): the checkpoint thread
-    # allocates the snapshot buffers while training goes on; a real loop trains for
-    # every_steps steps before the first save, here we just wait for it (not timed).
-    ck.maybe_save()
-    ck.wait()
-    stager = DefaultStager(StagingOptions(cuda, not cuda, cuda, cuda))
-    for i in range(saves):
-        rec(
-            "memcpy floor (copy into preallocated buffers)",
-            timed(lambda: [b.copy_(t) for b, t in zip(bufs, flat, strict=True)]),
-        )
-        st.step = i
-        rec("unbroken Checkpointer(async_save=True).save", timed(lambda: ck.save()))
-        ck.wait()
-        rec("torch.save", timed(lambda: torch.save(sd, os.path.join(root, "t.pt"))))
-        rec("dcp.save", timed(lambda: dcp.save(sd, checkpoint_id=os.path.join(root, f"dcp{i}"))))
-        fut: list = []
-        rec(
-            "dcp.async_save",
-            timed(
-                lambda: fut.append(dcp.async_save(sd, checkpoint_id=os.path.join(root, f"dcpa{i}")))
-            ),
-        )
-        fut[0].result()
-        fut.clear()
-        rec(
-            "dcp.async_save + DefaultStager",
-            timed(
-                lambda: fut.append(
-                    dcp.async_save(
-                        sd, checkpoint_id=os.path.join(root, f"dcps{i}"), async_stager=stager
-                    )
-                )
-            ),
-        )
-        r = fut[0]
-        (r.upload_completion if hasattr(r, "upload_completion") else r).result()
-        for d in (f"dcp{i}", f"dcpa{i}", f"dcps{i}"):
-            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-    ck.close()
-    stager.close()
-    floor = statistics.median(out["memcpy floor (copy into preallocated buffers)"][1:])
-    print()
-    print(
-        f"| loop stall per checkpoint ({nbytes / 2**30:.2f} GiB, {'CUDA' if cuda else 'CPU'}) | first save (s) | later saves, median (s) | vs memcpy floor |"
-    )
-    print("|---|---|---|---|")
-    for name, v in out.items():
-        later = statistics.median(v[1:]) if len(v) > 1 else v[0]
-        print(f"| {name} | {v[0]:.3f} | {later:.3f} | {later / floor:.2f}x |")
-
-
 def _tensors(obj: object) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [obj]
@@ -161,92 +93,507 @@ def _tensors(obj: object) -> list[torch.Tensor]:
     return []
 
 
+# --- page cache -------------------------------------------------------------------------------
+
+
+def _files(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+
+
+def evict(path: str) -> None:
+    """Drop ``path``'s files (a file or a tree) from the page cache: a cold read next."""
+    os.sync()  # dirty pages cannot be dropped
+    for f in _files(path):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident(path: str) -> int | None:
+    """Bytes of ``path``'s files in the page cache (util-linux ``fincore``), None without it."""
+    files = _files(path)
+    if not files or shutil.which("fincore") is None:
+        return None
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *files],
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode != 0:
+        return None
+    return sum(int(x) for x in out.stdout.split())
+
+
+# --- the disk's limits, random bytes ------------------------------------------------------------
+
+
+def _split(buf: memoryview, parts: int) -> list[memoryview]:
+    step = -(-len(buf) // parts)
+    return [buf[i : i + step] for i in range(0, len(buf), step)]
+
+
+def _parallel(fn: Callable[[int, memoryview], None], views: list[memoryview]) -> None:
+    if len(views) == 1:
+        fn(0, views[0])
+        return
+    errors: list[BaseException] = []
+
+    def run(i: int, v: memoryview) -> None:
+        try:
+            fn(i, v)
+        except BaseException as e:  # re-raised below, in the caller's thread
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(i, v)) for i, v in enumerate(views)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def ceiling_write(directory: str, data: memoryview, streams: int) -> None:
+    """``data`` (random bytes) written to ``streams`` files in parallel, each fsync'd, then the
+    directory: what a checkpoint writer must do, without serialising or hashing."""
+    os.makedirs(directory, exist_ok=True)
+
+    def write(i: int, view: memoryview) -> None:
+        with open(os.path.join(directory, f"part{i}"), "wb", buffering=0) as f:
+            for off in range(0, len(view), CHUNK):
+                f.write(view[off : off + CHUNK])
+            os.fsync(f.fileno())
+
+    _parallel(write, _split(data, streams))
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def ceiling_read(directory: str, streams: int) -> int:
+    """Every file under ``directory`` read once (``dd of=/dev/null bs=64M``), ``streams`` at a
+    time; returns the bytes read."""
+    names = sorted(os.listdir(directory))
+    total = [0] * len(names)
+
+    def read(i: int, _: memoryview) -> None:
+        buf = bytearray(CHUNK)
+        with open(os.path.join(directory, names[i]), "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                total[i] += n
+
+    if streams != len(names):
+        raise ValueError(f"{directory}: {len(names)} files, not {streams}")
+    _parallel(read, [memoryview(b"")] * len(names))
+    return sum(total)
+
+
+# --- one round ----------------------------------------------------------------------------------
+
+
+LAST_CPU = [0.0]  # CPU-seconds (user + system, every thread) of the last timed() call
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Wall seconds of ``fn()``; its CPU-seconds land in ``LAST_CPU`` (a contender that
+    needs more CPU than the box gives it is CPU-bound, not I/O-bound: the cause to report)."""
+    os.sync()  # issue 23: nobody pays for an earlier contender's write-back
+    c = time.process_time()
+    t = time.perf_counter()
+    fn()
+    wall = time.perf_counter() - t
+    LAST_CPU[0] = time.process_time() - c
+    return wall
+
+
+def rotated(items: list[Any], r: int) -> list[Any]:
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
+class Bench:
+    def __init__(self, gib: float, root: str) -> None:
+        self.root = root
+        self.model, self.opt = make_state(gib)
+        self.nbytes = state_bytes(self.model, self.opt)
+        st = TrainState(model=self.model, optimizer=self.opt)
+        # the anchor gets the writer-thread count unbroken uses (its default, read from it)
+        self.threads = Checkpointer(os.path.join(root, "probe"), st).io_threads
+        shutil.rmtree(os.path.join(root, "probe"), ignore_errors=True)
+        self.random = memoryview(np.random.default_rng(0).bytes(self.nbytes))
+        self.streams = sorted({1, self.threads})
+        self.residue = 0
+        self.orders: list[list[str]] = []  # the contenders' order in each round
+
+    def sd(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+    def p(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def saves(self, r: int) -> dict[str, Callable[[], Any]]:
+        st = TrainState(model=self.model, optimizer=self.opt)
+        st.step = r
+        ck = Checkpointer(self.p("ub"), st, keep_last=1)
+        sd = self.sd()
+        out: dict[str, Callable[[], Any]] = {
+            "ub_save": ck.save,
+            f"dcp_save_t{self.threads}": lambda: dcp.save(
+                sd, storage_writer=FileSystemWriter(self.p("dcp_t"), thread_count=self.threads)
+            ),
+            "dcp_save": lambda: dcp.save(sd, checkpoint_id=self.p("dcp")),
+            "torch_save": lambda: torch.save(sd, self.p("t.pt")),
+        }
+        for s in self.streams:
+            out[f"ceil_write_{s}"] = lambda s=s: ceiling_write(self.p(f"ceil{s}"), self.random, s)
+        return out
+
+    def loads(self) -> dict[str, tuple[str, Callable[[], Any]]]:
+        """name -> (the path it reads, the load)."""
+
+        def ub() -> None:
+            st = TrainState(model=self.model, optimizer=self.opt)
+            if Checkpointer(self.p("ub"), st).restore() is None:
+                raise RuntimeError("Checkpointer.restore found nothing to restore")
+
+        def dcp_load() -> None:
+            dcp.load(self.sd(), checkpoint_id=self.p("dcp_t"))
+
+        def torch_load() -> None:
+            torch.load(self.p("t.pt"), weights_only=True)
+
+        out = {
+            "ub": ("ub", ub),
+            "dcp_load": ("dcp_t", dcp_load),
+            "torch_load": ("t.pt", torch_load),
+        }
+        for s in self.streams:
+            out[f"ceil_read_{s}"] = (f"ceil{s}", lambda s=s: self._read(s))
+        return out
+
+    def _read(self, streams: int) -> None:
+        got = ceiling_read(self.p(f"ceil{streams}"), streams)
+        if got != self.nbytes:
+            raise RuntimeError(f"ceiling read {got} bytes, wrote {self.nbytes}")
+
+    def round(self, r: int) -> dict[str, float]:
+        shutil.rmtree(self.root, ignore_errors=True)
+        os.makedirs(self.root)
+        res: dict[str, float] = {}
+        saves = self.saves(r)
+        loads = self.loads()
+        self.orders.append(rotated(list(saves), r) + rotated(list(loads), r))
+        for name in rotated(list(saves), r):
+            res[name] = timed(saves[name])
+            res[f"{name}_cpu"] = LAST_CPU[0]
+        for name in rotated(list(loads), r):
+            path, fn = loads[name]
+            evict(self.p(path))
+            self.residue = max(self.residue, resident(self.p(path)) or 0)
+            res[f"{name}_cold"] = timed(fn)
+            res[f"{name}_cold_cpu"] = LAST_CPU[0]
+            res[f"{name}_warm"] = timed(fn)  # its files are in the page cache now
+            res[f"{name}_warm_cpu"] = LAST_CPU[0]
+        return res
+
+
+# --- the async stall --------------------------------------------------------------------------
+
+
+class AsyncSaves:
+    """The asynchronous-save contenders, like for like (issue 23): a copy into preallocated
+    buffers (the floor), unbroken's async save, ``dcp.async_save`` + ``DefaultStager`` and
+    plain ``dcp.async_save``, DCP at unbroken's writer-thread count, none pre-warmed.
+    ``run`` times each one's call (the loop's stall) and waits for its background part
+    before the next starts; the first call of each is its warm-up, the order rotates."""
+
+    def __init__(self, model: torch.nn.Module, opt: torch.optim.Optimizer, root: str, floor: str):
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        cuda = next(model.parameters()).is_cuda
+        self.sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        self.flat = _tensors(self.sd)
+        self.bufs = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in self.flat]
+        self.st = TrainState(model=model, optimizer=opt)
+        self.ck = Checkpointer(
+            os.path.join(root, "ub-async"), self.st, async_save=True, keep_last=1
+        )
+        self.stager = DefaultStager(StagingOptions(cuda, not cuda, cuda, cuda))
+        self.root, self.cuda, self.count = root, cuda, 0
+        self.dcp_dirs: list[str] = []  # finished DCP checkpoints, oldest first
+        self.contenders: dict[str, Callable[[], Callable[[], Any]]] = {
+            floor: self._copy,
+            "unbroken Checkpointer(async_save=True).save": self._ub,
+            "dcp.async_save + DefaultStager": lambda: self._dcp(True),
+            "dcp.async_save": lambda: self._dcp(False),
+        }
+
+    def _copy(self) -> Callable[[], Any]:
+        for x, t in zip(self.bufs, self.flat, strict=True):
+            x.copy_(t, non_blocking=self.cuda)
+        return lambda: None
+
+    def _ub(self) -> Callable[[], Any]:
+        self.count += 1
+        self.st.step = self.count
+        self.ck.save()
+        return self.ck.wait
+
+    def _dcp(self, stage: bool) -> Callable[[], Any]:
+        self.count += 1
+        path = os.path.join(self.root, f"dcpa{self.count}")
+        w = FileSystemWriter(path, thread_count=self.ck.io_threads)
+        stager = self.stager if stage else None
+        r = dcp.async_save(self.sd, storage_writer=w, async_stager=stager)
+        done = r.upload_completion if hasattr(r, "upload_completion") else r
+        return lambda: (done.result(), self.dcp_dirs.append(path))
+
+    def run(
+        self, calls: int, timer: Callable[[Callable[[], Any]], float]
+    ) -> dict[str, list[float]]:
+        """``calls`` per contender (the first one its warm-up); keeps only the newest DCP
+        checkpoint on disk."""
+        out: dict[str, list[float]] = {k: [] for k in self.contenders}
+        for r in range(calls):
+            for name in rotated(list(self.contenders), r):
+                wait: list[Callable[[], Any]] = []
+                out[name].append(timer(lambda n=name: wait.append(self.contenders[n]())))
+                wait[0]()
+                while len(self.dcp_dirs) > 1:
+                    shutil.rmtree(self.dcp_dirs.pop(0))
+        return out
+
+    def close(self) -> None:
+        self.ck.close()
+        self.stager.close()
+
+
+def stall_table(b: Bench, saves: int) -> dict[str, Any]:
+    """Training-loop stall per asynchronous checkpoint: a warm-up call per contender, then
+    ``saves`` timed calls each, order rotated per round, each save finished before the next."""
+    floor = "copy into preallocated buffers (floor)"
+    a = AsyncSaves(b.model, b.opt, b.root, floor)
+    try:
+        out = a.run(saves + 1, timed)
+    finally:
+        a.close()
+    res = {k: {"first": v[0], "later": statistics.median(v[1:]), "runs": v} for k, v in out.items()}
+    f = res[floor]["later"]
+    md_table(
+        [
+            f"loop stall per checkpoint ({b.nbytes / 2**30:.2f} GiB, "
+            f"{'CUDA' if a.cuda else 'CPU'}; {b.threads} writer threads everywhere)",
+            "first call = warm-up (s)",
+            f"later calls, median of {saves} (s)",
+            "vs floor",
+        ],
+        [
+            [k, f"{v['first']:.3f}", f"{v['later']:.3f}", f"{v['later'] / f:.2f}x"]
+            for k, v in res.items()
+        ],
+    )
+    return res
+
+
+def md_table(head: list[str], rows: list[list[str]]) -> None:
+    """Print a markdown table (RESULTS.md takes them as they are)."""
+    print()
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(r) + " |")
+
+
+# --- what unbroken's save does per byte besides the write ------------------------------------
+
+
+def parts_table(b: Bench, repeats: int) -> dict[str, Any]:
+    """CPU-seconds and wall seconds, one thread, of the per-byte work a verified save adds to
+    the write (the xxh3 checksum of every byte, per-tensor sum and norm) next to one memcpy
+    of the state: on a box short of CPU these, not the disk, set the save's wall time."""
+    from unbroken.ckpt.tensor_io import tensor_stats
+    from unbroken.common.fs import hasher
+
+    flat = _tensors(b.sd())
+    bufs = [torch.empty_like(t) for t in flat]
+    for x in bufs:
+        x.zero_()  # faulted in: the copy alone is timed
+
+    def digest() -> None:
+        h = hasher()
+        for t in flat:
+            h.update(memoryview(t.numpy()).cast("B"))
+
+    def copy() -> None:
+        for x, t in zip(bufs, flat, strict=True):
+            x.copy_(t)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # CPU per byte, not the box's share of two cores
+    parts = {
+        "xxh3 checksum of every byte (unbroken.common.fs.hasher)": digest,
+        "per-tensor sum + norm (unbroken.ckpt.tensor_io.tensor_stats)": lambda: [
+            tensor_stats(t) for t in flat
+        ],
+        "memcpy of the state into preallocated buffers": copy,
+    }
+    out: dict[str, Any] = {}
+    try:
+        for name, fn in parts.items():
+            walls, cpus = [], []
+            for _ in range(repeats):
+                walls.append(timed(fn))
+                cpus.append(LAST_CPU[0])
+            out[name] = {"wall": statistics.median(walls), "cpu": statistics.median(cpus)}
+    finally:
+        torch.set_num_threads(threads)
+    md_table(
+        [
+            f"per-byte work of a verified save, one thread ({b.nbytes / 2**30:.2f} GiB, "
+            f"median of {repeats})",
+            "CPU-seconds",
+            "wall s",
+            "GB/s of one core",
+        ],
+        [
+            [k, f"{v['cpu']:.2f}", f"{v['wall']:.2f}", f"{b.nbytes / 1e9 / v['cpu']:.2f}"]
+            for k, v in out.items()
+        ],
+    )
+    return out
+
+
+# --- report -------------------------------------------------------------------------------------
+
+
+def report(b: Bench, rounds: list[dict[str, float]]) -> dict[str, Any]:
+    med = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    gb = b.nbytes / 1e9
+    t = b.threads
+    wname = min((f"ceil_write_{s}" for s in b.streams), key=lambda k: med[k])
+    rname = min((f"ceil_read_{s}_cold" for s in b.streams), key=lambda k: med[k])
+    rows = [
+        ("ub_save", "unbroken Checkpointer.save (fsync + xxh3 + stats + atomic commit)", "w"),
+        (f"dcp_save_t{t}", f"dcp.save, FileSystemWriter(thread_count={t}) (fsync)", "w"),
+        ("dcp_save", "dcp.save, default writer: 1 thread (fsync)", "w"),
+        ("torch_save", "torch.save (no fsync)", "w"),
+        *[
+            (f"ceil_write_{s}", f"random bytes write + fsync, {s} stream(s)", "w")
+            for s in b.streams
+        ],
+        ("ub_cold", "unbroken Checkpointer.restore, cold (verify all + apply)", "r"),
+        ("dcp_load_cold", "dcp.load, cold (no verification)", "r"),
+        ("torch_load_cold", "torch.load, cold", "r"),
+        *[
+            (f"ceil_read_{s}_cold", f"random bytes read, cold, {s} stream(s)", "r")
+            for s in b.streams
+        ],
+        ("ub_warm", "unbroken Checkpointer.restore, warm (verify all + apply)", "r"),
+        ("dcp_load_warm", "dcp.load, warm", "r"),
+        ("torch_load_warm", "torch.load, warm", "r"),
+        *[
+            (f"ceil_read_{s}_warm", f"random bytes read, warm, {s} stream(s)", "r")
+            for s in b.streams
+        ],
+    ]
+    print()
+    print(
+        f"| operation ({b.nbytes / 2**30:.2f} GiB, median of {len(rounds)} rounds, order "
+        "rotated) | seconds | GB/s | CPU-seconds (user + sys) | runs (s) |"
+    )
+    print("|---|---|---|---|---|")
+    for k, label, _ in rows:
+        runs = " / ".join(f"{r[k]:.2f}" for r in rounds)
+        mark = " **(ceiling)**" if k in (wname, rname) else ""
+        print(
+            f"| {label}{mark} | {med[k]:.2f} | {gb / med[k]:.2f} | {med[k + '_cpu']:.2f} | {runs} |"
+        )
+    ratios = {
+        "save_vs_write_ceiling": med[wname] / med["ub_save"],
+        "cold_restore_vs_read_ceiling": med[rname] / med["ub_cold"],
+        "save_vs_dcp_save_equal_threads": med[f"dcp_save_t{t}"] / med["ub_save"],
+        "save_vs_dcp_save_default": med["dcp_save"] / med["ub_save"],
+        "dcp_save_equal_threads_vs_write_ceiling": med[wname] / med[f"dcp_save_t{t}"],
+        "cold_restore_vs_dcp_load": med["dcp_load_cold"] / med["ub_cold"],
+        "warm_restore_vs_dcp_load": med["dcp_load_warm"] / med["ub_warm"],
+        "dcp_load_cold_vs_read_ceiling": med[rname] / med["dcp_load_cold"],
+    }
+    print()
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    print()
+    print("| regression row (issue 23, same run) | ratio | goal | verdict |")
+    print("|---|---|---|---|")
+    for k, label, goal in (
+        ("save_vs_write_ceiling", "save vs the random-bytes write ceiling", GOAL_CEILING),
+        ("cold_restore_vs_read_ceiling", "cold restore vs the cold read ceiling", GOAL_CEILING),
+        ("warm_restore_vs_dcp_load", "warm restore vs dcp.load (speed-up)", 3.0),
+        ("save_vs_dcp_save_equal_threads", f"save vs dcp.save at {t} threads (speed-up)", 1.5),
+    ):
+        verdict = "PASS" if ratios[k] >= goal else "FAIL"
+        print(f"| {label} | {ratios[k]:.2f}x | >= {goal}x | {verdict} |")
+    print(f"\npage-cache residue after eviction, worst: {b.residue / 2**20:.1f} MiB")
+    return {"median": med, "ratios": ratios, "ceilings": [wname, rname]}
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--gib", type=float, default=2.0)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="timed rounds (median; >= 3)")
+    ap.add_argument(
+        "--warmup", type=int, default=1, help="untimed rounds first, for every contender"
+    )
     ap.add_argument("--dir", default=None, help="scratch directory on the disk to test")
     ap.add_argument(
-        "--stall",
-        type=int,
-        default=0,
-        metavar="N",
-        help="also measure loop stall over N repeated async saves",
+        "--stall", type=int, default=0, metavar="N", help="also the loop stall over N async saves"
     )
+    ap.add_argument(
+        "--parts",
+        action="store_true",
+        help="also the CPU of a save's per-byte extras (hash, stats)",
+    )
+    ap.add_argument("--json", default=None, help="write every measurement here")
     a = ap.parse_args()
+    if a.repeats < 3:
+        ap.error(f"--repeats {a.repeats}: the median needs at least 3 rounds; pass --repeats 3")
     root = a.dir or tempfile.mkdtemp(prefix="ub-bench-", dir=os.environ.get("TMPDIR", "/tmp"))
-    model, opt = make_state(a.gib)
-    nbytes = state_bytes(model, opt)
+    load0 = os.getloadavg()
+    b = Bench(a.gib, root)
     print(
-        f"state: {nbytes / 2**30:.2f} GiB, torch {torch.__version__}, threads {torch.get_num_threads()}, dir {root}"
+        f"state: {b.nbytes / 2**30:.2f} GiB, torch {torch.__version__}, torch threads "
+        f"{torch.get_num_threads()}, unbroken io_threads {b.threads}, dir {root}, load {load0}",
+        flush=True,
     )
-    res: dict[str, list[float]] = {
-        k: []
-        for k in (
-            "ckpt_save",
-            "ckpt_load",
-            "dcp_save",
-            "dcp_load",
-            "torch_save",
-            "torch_load",
-            "dd",
-            "raw",
-        )
+    rounds = []
+    for r in range(a.warmup + a.repeats):
+        res = b.round(r)
+        tag = "warm-up" if r < a.warmup else f"round {r - a.warmup + 1}"
+        print(f"{tag}: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()), flush=True)
+        if r >= a.warmup:
+            rounds.append(res)
+    out: dict[str, Any] = {
+        "bytes": b.nbytes,
+        "threads": b.threads,
+        "rounds": rounds,
+        "orders": b.orders[a.warmup :],
+        "residue_bytes": b.residue,
     }
-    for r in range(a.repeats):
-        # --- saves ---
-        shutil.rmtree(root, ignore_errors=True)
-        os.makedirs(root)
-        st = TrainState(model=model, optimizer=opt)
-        st.step = r
-        ck = Checkpointer(os.path.join(root, "ub"), st, keep_last=1)
-        res["ckpt_save"].append(timed(lambda: ck.save()))
-        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-        res["dcp_save"].append(timed(lambda: dcp.save(sd, checkpoint_id=os.path.join(root, "dcp"))))
-        res["torch_save"].append(timed(lambda: torch.save(sd, os.path.join(root, "t.pt"))))
-        res["dd"].append(nbytes / dd_bandwidth(os.path.join(root, "dd.bin"), nbytes))
-        res["raw"].append(timed(lambda: raw_write(os.path.join(root, "raw.bin"), _tensors(sd))))
-        os.unlink(os.path.join(root, "raw.bin"))
-        # --- loads (page-cached) ---
-        st2 = TrainState(model=model, optimizer=opt)
-        res["ckpt_load"].append(
-            timed(lambda: Checkpointer(os.path.join(root, "ub"), st2).restore())
-        )
-        target = {"model": model.state_dict(), "optim": opt.state_dict()}
-        res["dcp_load"].append(
-            timed(lambda: dcp.load(target, checkpoint_id=os.path.join(root, "dcp")))
-        )
-        res["torch_load"].append(
-            timed(lambda: torch.load(os.path.join(root, "t.pt"), weights_only=True))
-        )
-        print(
-            f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in res.items()), flush=True
-        )
-    med = {k: statistics.median(v) for k, v in res.items()}
-    gb = nbytes / 1e9
-    print()
-    print(
-        f"| operation ({nbytes / 2**30:.2f} GiB, median of {a.repeats}) | seconds | GB/s | vs unbroken |"
-    )
-    print("|---|---|---|---|")
-    for k, label in (
-        ("ckpt_save", "unbroken Checkpointer.save (fsync + xxh3 + stats + atomic commit)"),
-        ("dcp_save", "dcp.save (fsync)"),
-        ("torch_save", "torch.save (no fsync)"),
-        ("dd", "dd bs=64M conv=fsync (write ceiling)"),
-        ("raw", "raw write + fsync of the same bytes (write ceiling)"),
-        ("ckpt_load", "unbroken Checkpointer.restore (verify all + apply)"),
-        ("dcp_load", "dcp.load (no verification)"),
-        ("torch_load", "torch.load"),
-    ):
-        base = med["ckpt_save"] if "save" in k or k in ("dd", "raw") else med["ckpt_load"]
-        print(f"| {label} | {med[k]:.2f} | {gb / med[k]:.2f} | {med[k] / base:.2f}x |")
-    print()
-    print(f"save bandwidth vs dd ceiling: {med['dd'] / med['ckpt_save'] * 100:.0f}% (goal >= 85%)")
-    print(f"save bandwidth vs raw write+fsync: {med['raw'] / med['ckpt_save'] * 100:.0f}%")
-    print(f"load speed-up vs dcp.load: {med['dcp_load'] / med['ckpt_load']:.2f}x (goal >= 2x)")
+    out.update(report(b, rounds))
+    if a.parts:
+        out["parts"] = parts_table(b, 3)
     if a.stall:
-        stall_table(model, opt, root, a.stall)
+        out["stall"] = stall_table(b, a.stall)
+    out["load"] = [load0, os.getloadavg()]
+    print(f"\nload average before {load0}, after {out['load'][1]}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
     if not a.dir:
         shutil.rmtree(root, ignore_errors=True)
 

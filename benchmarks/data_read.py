@@ -13,31 +13,43 @@ workers, batch 64, shuffle on. Three workloads, every loader on each, side by si
                   collate: one tensor per sample);
   raw             the payload passed through untouched as ``(key, bytes)``, list collate.
 
-For every loader and workload, per seed (0/1/2, loaders interleaved so load changes hit all
-alike): steady-state samples/s (after the first 10 batches; an epoch, or ``--budget`` seconds
-of it), and the total CPU per delivered sample - main process + DataLoader workers, user +
-system, from ``getrusage`` (the workers are joined before it is read, so ``RUSAGE_CHILDREN``
-holds them) over the loader's whole life (construction to shutdown). The same decode is then
-run alone over the same samples in memory: ``loader's own CPU = total - decode alone``.
+Like for like (issue 23): every loader at the same worker count (2) and batch; loaders
+interleaved, the order rotated per seed / round, so each takes each position in turn; the
+same warm-up for all (imports before the clock; reads count after the first 10 batches; a
+resume child times one untimed resume first); the load average is printed with each table.
+
+For every loader and workload, per seed (0/1/2): steady-state samples/s (after the first 10
+batches; an epoch, or ``--budget`` seconds of it), the samples each loader really delivered
+(and how many distinct), and the total CPU per delivered sample - main process + DataLoader
+workers, user + system, from ``getrusage`` (the workers are joined before it is read, so
+``RUSAGE_CHILDREN`` holds them) over the loader's whole life (construction to shutdown). The
+same decode is then run alone over the same samples in memory: ``loader's own CPU = total -
+decode alone``. Each row names its transport (how a batch crosses from a worker: torch's pipe,
+which sends every tensor as its own shared-memory file, or unbroken's shared-memory ring).
 
 "ceiling": the samples already in memory (one blob + offsets, sliced like an mmap), same
 decode, same collate, shuffled; through torch's stock transport ("ceiling-pipe") and through
-unbroken's shared-memory ring ("ceiling-ring"); "ceiling" in the summary is the better one.
-"unbroken-pipe": ours with ``shm_transport=False``; "unbroken-noverify": ours with
-``verify=False`` (only when ``StreamingDataset`` has that parameter).
+unbroken's shared-memory ring ("ceiling-ring"); each row is set against the ceiling on its own
+transport. "unbroken-pipe": ours with ``shm_transport=False``; "unbroken-noverify": ours with
+``verify=False`` (only when ``StreamingDataset`` has that parameter). decode-list is a
+transport test (one tensor per sample: the pipe's per-tensor cost dominates): its fair pairs
+are unbroken vs ceiling-ring and unbroken-pipe vs the anchors and ceiling-pipe.
 
-Resume (decode-tensors workload, the one MosaicML counts right): a real run of each loader to
-10/50/90% of the epoch saves its state; the position the loader *actually* saved is printed
-beside the time and must equal the intended one (else the run fails). Time = constructing a
-fresh dataset + loader from that state to its first batch (and to its second: unbroken makes
-a run's first batch in the training process before its workers start, so their start-up
-lands before the second), median of 5 in a fresh process with the loader's modules imported.
-Ours also with num_workers=0 and a bare 2-worker DataLoader's start-up (torch's floor under
-any loader that waits for its workers).
+Resume (decode-tensors workload plus the pid of the process that decoded each sample): a
+real run of each loader to 10/50/90% of the epoch saves its state; the position the loader
+*actually* saved is printed and must equal the intended one (else the run fails). Time =
+constructing a fresh dataset + loader from that state to its 1st batch and to its 10th, and
+where each was made (the training process or a worker: unbroken makes a resumed run's first
+batch in the training process), median of 6 fresh loaders per state (3 children per loader,
+loaders rotated, 2 each) in fresh processes with the loader's modules imported. Ours also
+with num_workers=0 and a bare 2-worker DataLoader's start-up (torch's floor under any loader
+that waits for its workers).
 
 Tokens (seq_len 1024, 64 Mi tokens, 3 full epochs, batch 16 and 64): unbroken's token shards
-vs nanoGPT's ``get_batch`` (np.memmap per batch, random offsets, x and y as int64) - both in
-the main process, and both over 2 DataLoader workers (get_batch yielded by an IterableDataset).
+vs nanoGPT's ``get_batch`` (np.memmap per batch, random offsets, x and y as contiguous int64)
+- both in the main process, and both over 2 DataLoader workers (get_batch yielded by an
+IterableDataset). Ours in two forms, labelled: x and y as contiguous int64 copies (what
+get_batch hands out; the headline) and as views of the one (batch, seq_len + 1) tensor.
 
 Every measurement runs in a fresh subprocess of the same interpreter. Run from the anchor
 venv (benchmarks/_anchor_env.sh), under the box's benchmark lock:
@@ -90,7 +102,36 @@ SEQ_LEN = 1024
 TOK_BATCHES = (16, 64)
 TOK_EPOCHS = 3
 TOKENS = 64 << 20  # 64 Mi tokens (uint16): 128 MB
-TOK_READERS = ("unbroken", "unbroken-pipe", "nanogpt")  # with workers
+# unbroken: x, y contiguous int64 copies, as nanoGPT's get_batch gives them (the headline);
+# unbroken-views: x, y as views of the (batch, seq_len + 1) tokens (no copy)
+TOK_MAIN = ("unbroken", "unbroken-views", "nanogpt")  # in the main process
+TOK_READERS = ("unbroken", "unbroken-views", "unbroken-pipe", "nanogpt")  # with workers
+# how a batch crosses from a DataLoader worker to the training process
+TRANSPORT = {
+    "unbroken": "shm ring",
+    "unbroken-noverify": "shm ring",
+    "ceiling-ring": "shm ring",
+    "unbroken-pipe": "torch pipe",
+    "ceiling-pipe": "torch pipe",
+    "litdata": "torch pipe",
+    "litdata-bd1": "torch pipe",
+    "mosaicml": "torch pipe",
+    "webdataset": "torch pipe",
+}
+WORK_LABEL = {
+    "decode-tensors": "decoded tensor batches, default_collate (the headline)",
+    "decode-list": (
+        "decode, list collate: a transport test, not a reader test: each sample's tensor "
+        "crosses torch's worker pipe as its own shared-memory file (every loader on the "
+        "torch pipe lands near ceiling-pipe); compare unbroken with ceiling-ring and "
+        "unbroken-pipe with the anchors and ceiling-pipe"
+    ),
+    "raw": "raw payload bytes passed through, list collate",
+}
+RESUME_BATCHES = (1, 10)
+RESUME_WORK = "resume"  # decode-tensors, plus the pid of the process that made the batch
+RESUME_ROUNDS = 3  # resume children per loader, loaders rotated between rounds
+RESUME_REPS = 2  # fresh loaders per saved state in each child  # the batches timed after a resume (issue 23: the 1st and the 10th)
 
 
 # --- the data ----------------------------------------------------------------------------
@@ -195,6 +236,14 @@ def decode(sample: dict[str, Any]) -> dict[str, Any]:
     return {"x": x, "label": meta["label"], "i": meta["i"]}
 
 
+def decode_where(sample: dict[str, Any]) -> dict[str, Any]:
+    """:func:`decode`, plus the pid of the process that decoded the sample: where a resumed
+    loader's batch was made (the training process or a worker)."""
+    out = decode(sample)
+    out["pid"] = os.getpid()
+    return out
+
+
 def touch(sample: dict[str, Any]) -> tuple[str, bytes]:
     return _key(sample), bytes(sample["bin"])
 
@@ -209,6 +258,8 @@ def _work(work: str) -> tuple[Any, Any]:
 
     if work == "decode-tensors":
         return decode, default_collate
+    if work == RESUME_WORK:
+        return decode_where, default_collate
     if work == "decode-list":
         return decode, list_collate
     return touch, list_collate
@@ -242,7 +293,7 @@ def make_loader(
     name: str, work: str, root: str, seed: int, state: Any = None, workers: int = WORKERS
 ) -> Any:
     fn, collate = _work(work)
-    pin = work == "decode-tensors" and _pin()
+    pin = work in ("decode-tensors", RESUME_WORK) and _pin()
     if name in ("unbroken", "unbroken-pipe", "unbroken-noverify"):
         from unbroken.data.stream.dataset import StreamingDataset
         from unbroken.data.stream.loader import StatefulLoader
@@ -444,8 +495,6 @@ def shuffle_quality(order: np.ndarray) -> dict[str, float]:
 
 # --- resume ----------------------------------------------------------------------------------
 
-RESUME_WORK = "decode-tensors"
-
 
 def saved_position(name: str, state: dict[str, Any]) -> int:
     """The sample position a loader's state says it resumes from."""
@@ -476,54 +525,55 @@ def child_state(name: str, root: str, frac: float, path: str) -> dict[str, Any]:
     return {"intended": stop * BATCH, "saved": saved_position(name, state)}
 
 
-def _time_first_batch(
-    name: str, root: str, state: Any, workers: int = WORKERS
-) -> tuple[float, float]:
-    """Seconds from constructing the loader to its first batch, and to its second."""
+def _time_batches(name: str, root: str, state: Any, workers: int = WORKERS) -> list[Any]:
+    """Seconds from constructing the loader to its batches ``RESUME_BATCHES`` (1st, 10th),
+    and where each was made ("main": the training process, "worker": a DataLoader worker)."""
     import gc
 
+    me = os.getpid()
     t0 = time.perf_counter()
     ld = make_loader(name, RESUME_WORK, root, 0, state, workers=workers)
     it = iter(ld)
-    next(it)
-    t1 = time.perf_counter()
-    next(it)
-    t2 = time.perf_counter()
-    del it, ld
+    out: list[Any] = []
+    for b in range(1, max(RESUME_BATCHES) + 1):
+        batch = next(it)
+        if b in RESUME_BATCHES:
+            where = "main" if int(batch["pid"][0]) == me else "worker"
+            out += [time.perf_counter() - t0, where]
+    del it, ld, batch
     gc.collect()
-    return t1 - t0, t2 - t0
+    return out
 
 
-def child_resume(name: str, root: str, paths: list[str]) -> dict[str, Any]:
-    """Median of 5 fresh loaders per saved state, the fractions interleaved; ours also with
+def child_resume(name: str, root: str, reps: int, paths: list[str]) -> dict[str, Any]:
+    """``reps`` fresh loaders per saved state, the fractions interleaved (every sample: the
+    time to batch 1 and to batch 10 and where each was made); ours also with
     num_workers=0 (our own cost, without DataLoader worker start-up)."""
     states = []
     for p in paths:
         with open(p, "rb") as f:
             states.append(pickle.load(f))
     _warm_imports(name)
-    _time_first_batch(name, root, states[0])  # page cache and lazy imports: not resume cost
+    _time_batches(name, root, states[0])  # page cache and lazy imports: not resume cost
     res: dict[str, Any] = {}
     for workers in (WORKERS, 0) if name == "unbroken" else (WORKERS,):
-        times: list[list[tuple[float, float]]] = [[] for _ in states]
-        for _ in range(5):
-            for k, st in enumerate(states):
-                times[k].append(_time_first_batch(name, root, st, workers))
-        for f, ts in zip(FRACS, times, strict=True):
-            res[f"{int(f * 100)}%/{workers}w"] = statistics.median(t[0] for t in ts)
-            res[f"{int(f * 100)}%/{workers}w/2nd"] = statistics.median(t[1] for t in ts)
+        for _ in range(reps):
+            for f, st in zip(FRACS, states, strict=True):
+                res.setdefault(f"{int(f * 100)}%/{workers}w", []).append(
+                    _time_batches(name, root, st, workers)
+                )
     if name == "unbroken":
         # the floor under any loader here: torch starting 2 workers for a 1-item dataset
         from torch.utils.data import DataLoader
 
         bare = []
-        for _ in range(5):
+        for _ in range(reps):
             t0 = time.perf_counter()
             it = iter(DataLoader(_One(), batch_size=None, num_workers=WORKERS))
             next(it)
             bare.append(time.perf_counter() - t0)
             del it
-        res["bare_dataloader"] = statistics.median(bare)
+        res["bare_dataloader"] = bare
     return res
 
 
@@ -614,10 +664,14 @@ def child_tokens(name: str, root: str, batch: int, workers: int) -> dict[str, An
             last_batch="drop",
             shm_transport=name != "unbroken-pipe",
         )
+        views = name == "unbroken-views"
         for epoch in range(TOK_EPOCHS):
             ld.set_epoch(epoch)
             for tokens in ld:
-                x, _y = tokens[:, :-1], tokens[:, 1:]
+                if views:  # what a loop that slices its inputs gets: no copy
+                    x, _y = tokens[:, :-1], tokens[:, 1:]
+                else:  # what nanoGPT's get_batch hands out: two contiguous int64 tensors
+                    x, _y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
                 tick(x)
     if t0 is None:
         raise RuntimeError("fewer than 10 token batches")
@@ -698,7 +752,7 @@ def _child(a: argparse.Namespace) -> None:
     elif kind == "state":
         res = child_state(rest[0], a.root, float(rest[1]), rest[2])
     elif kind == "resume":
-        res = child_resume(rest[0], a.root, rest[1:])
+        res = child_resume(rest[0], a.root, int(rest[1]), rest[2:])
     elif kind == "litexplain":
         res = child_litexplain(a.root, int(rest[0]))
     else:
@@ -710,12 +764,18 @@ def _med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def rotated(names: list[str] | tuple[str, ...], r: int) -> list[str]:
+    """``names`` in the order of round ``r``: each loader takes each position in turn."""
+    k = r % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
 def run_reads(a: argparse.Namespace, out: dict[str, Any]) -> None:
     decode_us = {w: _run_child("decode", w)["decode_us"] for w in a.work}
     for work in a.work:
         rows: dict[str, list[dict[str, Any]]] = {}
-        for seed in a.seeds:  # loaders interleaved: a change in machine load hits all alike
-            for name in a.only:
+        for si, seed in enumerate(a.seeds):  # interleaved, order rotated: load hits all alike
+            for name in rotated(a.only, si):
                 r = _run_child("read", name, work, str(seed), str(a.budget))
                 rows.setdefault(name, []).append(r)
                 print(
@@ -725,7 +785,7 @@ def run_reads(a: argparse.Namespace, out: dict[str, Any]) -> None:
                     f" near pairs {r['near_pairs']:.1%}",
                     flush=True,
                 )
-        out["read"][work] = {"decode_us": decode_us[work], "rows": rows}
+        out["read"][work] = {"decode_us": decode_us[work], "rows": rows, "load": os.getloadavg()}
         print_read_table(work, decode_us[work], rows)
 
 
@@ -735,35 +795,42 @@ def print_read_table(work: str, dec: float, rows: dict[str, list[dict[str, Any]]
     anchors = [k for k in rows if k not in OURS]
     best = max(anchors, key=lambda k: speed[k], default=None)
     best_own = min((cpu[k] - dec for k in anchors), default=None)
-    ceil = max((speed[k] for k in rows if k.startswith("ceiling")), default=None)
+    ceil = {  # the ceiling on each transport: like against like
+        TRANSPORT[k]: speed[k] for k in rows if k.startswith("ceiling")
+    }
     print(
-        f"\n{work}: decode alone {dec:.2f} us/sample; best anchor {best}; ceiling = the better "
-        "ceiling row"
+        f"\n{work}: {WORK_LABEL[work]}; decode alone {dec:.2f} us/sample; best anchor {best}; "
+        f"load {os.getloadavg()[0]:.1f}"
     )
     print(
-        "| loader | samples/s per seed | median | vs best anchor | vs ceiling | CPU us/sample "
-        "(main + workers) | loader's own us/sample | own vs best anchor's | near pairs |"
+        "| loader | transport | samples/s per seed | median | vs best anchor | vs ceiling, same "
+        "transport | samples delivered per seed | CPU us/sample (main + workers) | loader's "
+        "own us/sample | own vs best anchor's | near pairs |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for k, v in rows.items():
         seeds = " / ".join(f"{r['samples_per_s'] / 1000:.1f}k" for r in v)
         own = cpu[k] - dec
         vs_a = f"{speed[k] / speed[best]:.2f}x" if best else "-"
-        vs_c = f"{speed[k] / ceil:.2f}x" if ceil else "-"
+        c = ceil.get(TRANSPORT[k])
+        vs_c = f"{speed[k] / c:.2f}x" if c else "-"
         own_vs = f"{own / best_own:.2f}x" if best_own else "-"
         main = _med([r["cpu_main_us"] for r in v])
         near = _med([r["near_pairs"] for r in v])
+        got = " / ".join(f"{r['samples']} ({r['distinct']} distinct)" for r in v)
         print(
-            f"| {k} | {seeds} | {speed[k] / 1000:.1f}k | {vs_a} | {vs_c} | {cpu[k]:.1f} "
-            f"({main:.1f} + {cpu[k] - main:.1f}) | {own:.1f} | {own_vs} | {near:.1%} |"
+            f"| {k} | {TRANSPORT[k]} | {seeds} | {speed[k] / 1000:.1f}k | {vs_a} | {vs_c} | {got} "
+            f"| {cpu[k]:.1f} ({main:.1f} + {cpu[k] - main:.1f}) | {own:.1f} | {own_vs} | "
+            f"{near:.1%} |"
         )
     print(flush=True)
 
 
 def run_resume(a: argparse.Namespace, out: dict[str, Any]) -> None:
-    res: dict[str, Any] = {}
-    for name in [n for n in a.only if n in RESUMABLE]:
-        paths, saved = [], []
+    names = [n for n in a.only if n in RESUMABLE]
+    paths: dict[str, list[str]] = {}
+    saved: dict[str, list[int]] = {}
+    for name in names:
         for f in FRACS:
             path = f"{a.root}/state-{name}-{int(f * 100)}.pkl"
             s = _run_child("state", name, str(f), path)
@@ -772,52 +839,95 @@ def run_resume(a: argparse.Namespace, out: dict[str, Any]) -> None:
                     f"{name}: state saved at {f:.0%} says position {s['saved']}, not the "
                     f"{s['intended']} samples delivered: its resume would not be a resume there"
                 )
-            paths.append(path)
-            saved.append(s["saved"])
-        r = _run_child("resume", name, *paths)
-        r["saved"] = saved
-        res[name] = r
-        line = ", ".join(
-            f"{int(f * 100)}% (saved {p}): {r[f'{int(f * 100)}%/2w']:.3f} s "
-            f"(2nd batch {r[f'{int(f * 100)}%/2w/2nd']:.3f})"
-            for f, p in zip(FRACS, saved, strict=True)
+            paths.setdefault(name, []).append(path)
+            saved.setdefault(name, []).append(s["saved"])
+        print(f"  resume {name}: positions saved {saved[name]} (samples)", flush=True)
+    runs: dict[str, dict[str, list[Any]]] = {n: {} for n in names}
+    for r in range(RESUME_ROUNDS):  # loaders interleaved, order rotated
+        for name in rotated(names, r):
+            got = _run_child("resume", name, str(RESUME_REPS), *paths[name])
+            for k, v in got.items():
+                runs[name].setdefault(k, []).extend(v)
+    out["resume"] = {"saved": saved, "runs": runs}
+    print_resume_table(runs, saved)
+
+
+def _where(xs: list[str]) -> str:
+    return "/".join(sorted(set(xs)))
+
+
+def print_resume_table(runs: dict[str, dict[str, list[Any]]], saved: dict[str, list[int]]) -> None:
+    n = RESUME_ROUNDS * RESUME_REPS
+    print(
+        f"\n| resume (median of {n} fresh loaders, {WORKERS} workers unless said) | positions "
+        "saved | batch 1 at 10/50/90% (s) | made in | batch 10 at 10/50/90% (s) | made in | "
+        "batch 1 at 90% vs LitData | batch 10 at 90% vs LitData |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    lit = runs.get("litdata", {}).get("90%/2w")
+    for name, res in runs.items():
+        for w in (WORKERS, 0):
+            rows = [res.get(f"{int(f * 100)}%/{w}w") for f in FRACS]
+            if rows[0] is None:
+                continue
+            b1 = " / ".join(f"{_med([x[0] for x in r]):.3f}" for r in rows if r)
+            b10 = " / ".join(f"{_med([x[2] for x in r]):.3f}" for r in rows if r)
+            wh1 = _where([x[1] for r in rows if r for x in r])
+            wh10 = _where([x[3] for r in rows if r for x in r])
+            r90 = rows[-1] or []
+            vs1 = vs10 = "-"
+            if lit and r90 and w == WORKERS:
+                vs1 = f"{_med([x[0] for x in r90]) / _med([x[0] for x in lit]):.2f}x"
+                vs10 = f"{_med([x[2] for x in r90]) / _med([x[2] for x in lit]):.2f}x"
+            label = name if w == WORKERS else f"{name}, num_workers=0"
+            print(f"| {label} | {saved[name]} | {b1} | {wh1} | {b10} | {wh10} | {vs1} | {vs10} |")
+    if "bare_dataloader" in runs.get("unbroken", {}):
+        print(
+            f"\nbare {WORKERS}-worker DataLoader to its first item (torch's floor under any "
+            f"loader that waits for its workers): {_med(runs['unbroken']['bare_dataloader']):.3f} s"
         )
-        if name == "unbroken":
-            line += "; num_workers=0: " + " / ".join(
-                f"{r[f'{int(f * 100)}%/0w']:.3f}" for f in FRACS
+    if lit and "unbroken" in runs:
+        u = runs["unbroken"]["90%/2w"]
+        for i, b, goal in ((0, 1, 0.5), (2, 10, 0.8)):
+            r = _med([x[i] for x in u]) / _med([x[i] for x in lit])
+            print(
+                f"resume at 90%, batch {b}: unbroken / LitData = {r:.2f}x (goal <= {goal}x): "
+                f"{'PASS' if r <= goal else 'FAIL'}",
+                flush=True,
             )
-            line += f" s; bare 2-worker DataLoader start: {r['bare_dataloader']:.3f} s"
-        print(f"  resume {name:9s}: {line}", flush=True)
-    out["resume"] = res
-    if "unbroken" in res and "litdata" in res:
-        ratio = res["unbroken"]["90%/2w"] / res["litdata"]["90%/2w"]
-        print(f"  resume at 90%: unbroken / LitData = {ratio:.2f}x (goal <= 0.5x)", flush=True)
 
 
 def run_tokens(a: argparse.Namespace, out: dict[str, Any]) -> None:
     res: dict[str, list[float]] = {}
     for batch in TOK_BATCHES:
         for workers in (0, WORKERS):
-            names = ("unbroken", "nanogpt") if workers == 0 else TOK_READERS
-            for _ in range(3):  # interleaved, so load changes hit all readers alike
-                for name in names:
-                    r = _run_child("tokens", name, str(batch), str(workers))
-                    res.setdefault(f"{name}/{batch}/{workers}", []).append(r["tokens_per_s"])
+            names = TOK_MAIN if workers == 0 else TOK_READERS
+            for r in range(3):  # interleaved, order rotated: load changes hit all alike
+                for name in rotated(names, r):
+                    got = _run_child("tokens", name, str(batch), str(workers))
+                    res.setdefault(f"{name}/{batch}/{workers}", []).append(got["tokens_per_s"])
     out["tokens"] = res
     print(
-        f"\n| token reader (seq_len {SEQ_LEN}, {TOK_EPOCHS} epochs of {TOKENS >> 20} Mi tokens) "
-        "| batch | processes | M tokens/s (3 runs) | median | vs get_batch, same processes |"
+        f"\n| token reader (seq_len {SEQ_LEN}, {TOK_EPOCHS} epochs of {TOKENS >> 20} Mi tokens; "
+        "x, y as the loop gets them) | batch | processes | M tokens/s (3 runs) | median | vs "
+        "get_batch, same processes |"
     )
     print("|---|---|---|---|---|---|")
+    label = {
+        "unbroken": "unbroken, x/y contiguous int64 (as get_batch; the headline)",
+        "unbroken-views": "unbroken, x/y views of one tensor (no copy)",
+        "unbroken-pipe": "unbroken over torch's pipe, x/y contiguous",
+        "nanogpt": "nanoGPT get_batch, x/y contiguous int64",
+    }
     for batch in TOK_BATCHES:
         for workers in (0, WORKERS):
             nano = _med(res[f"nanogpt/{batch}/{workers}"])
-            for name in ("unbroken", "nanogpt") if workers == 0 else TOK_READERS:
+            for name in TOK_MAIN if workers == 0 else TOK_READERS:
                 v = res[f"{name}/{batch}/{workers}"]
                 runs = " / ".join(f"{x / 1e6:.1f}" for x in v)
                 procs = "1 (main)" if workers == 0 else f"1 + {workers} workers"
                 print(
-                    f"| {name} | {batch} | {procs} | {runs} | {_med(v) / 1e6:.1f} | "
+                    f"| {label[name]} | {batch} | {procs} | {runs} | {_med(v) / 1e6:.1f} | "
                     f"{_med(v) / nano:.2f}x |"
                 )
 

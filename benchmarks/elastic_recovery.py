@@ -1,13 +1,26 @@
 """Recovery after a SIGKILLed worker: `unbroken run` vs torchrun's own restart, by phase.
 
 Same 2-worker gloo job (tests/integration/scripts/elastic_train.py, a checkpoint every 5
-steps), same kill: rank 1 is SIGKILLed once both ranks passed ``--kill-at`` (and, for
-`unbroken run`, once its standby agent for the next attempt is ready: the steady state of a
-job that has trained for a while). The anchors are ``torchrun --standalone --max-restarts 1``
-(restarts the worker group inside the running agent), with and without
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without it the restarted group usually fails to
-connect, see RESULTS.md). The anchor runs get UNBROKEN_RUN_DIR set by hand so the same
-script writes the same beats and marks.
+steps), same kill (rank 1 SIGKILLed), at two moments (issue 23: the cold path beside the warm):
+
+- late: once both ranks passed ``--kill-at`` and, for `unbroken run` with its standby, once
+  the standby agent for the next attempt is ready (the steady state of a job that has
+  trained a while);
+- early: once both ranks passed ``--kill-early-at`` (just after the first checkpoint),
+  without waiting for anything: for `unbroken run` the standby is usually not ready yet
+  (whether it was is recorded per run and counted in the table).
+
+Rows, each against torchrun's own restart at the same moment, same run: (a) `unbroken run`,
+standby ready; (b) `unbroken run --no-prewarm`; (c) `unbroken run`, a failure before the
+standby is ready. The anchor is ``torchrun --standalone --max-restarts 1`` (restarts the
+worker group inside the running agent) with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without
+it the restarted group usually fails to connect, see RESULTS.md; ``--plain-torchrun`` adds
+that row too). The anchor runs get UNBROKEN_RUN_DIR set by hand so the same script writes
+the same beats and marks.
+
+What the standby costs (mode a, when its ``standby`` event for attempt 1 appears): the
+resident memory (RSS and PSS, MB) and the CPU-seconds (user + system) of its processes (the
+waiting agent and its fork server), read from /proc; one standby per attempt.
 
 Phases, measured identically for every mode (K = the SIGKILL):
 
@@ -18,8 +31,9 @@ Phases, measured identically for every mode (K = the SIGKILL):
             restore; split below into imports / init_process_group / restore);
 - catch-up: -> a restarted worker beats the step reached before K.
 
-regain = the sum = K -> back where it was. Modes run interleaved, so machine load hits all
-alike; the table shows medians and each mode's regain over the anchor's, same run.
+regain = the sum = K -> back where it was. Modes run interleaved (order rotated per repeat),
+so machine load hits all alike; the table shows medians and each mode's regain over the
+anchor's at the same kill moment, same run; the goals of issue 23 follow as PASS / FAIL.
 Before the runs, the cost of the parts (interpreter, ``import torch``, torchrun's and the
 checkpointer's imports) is timed on the box as it is.
 
@@ -40,20 +54,33 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 from unbroken.common import events
-from unbroken.common.procs import kill_matching
+from unbroken.common.procs import cmdline, environ_of, kill_matching, pids_with_env
 from unbroken.elastic import heartbeat
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "..", "tests", "integration", "scripts", "elastic_train.py")
 ANCHOR = "torchrun + TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (anchor)"
-MODES = {
-    "unbroken run (defaults)": ["unbroken"],
-    "unbroken run --no-prewarm": ["unbroken", "--no-prewarm"],
-    "torchrun --max-restarts 1 (defaults)": ["torchrun"],
-    ANCHOR: ["torchrun", "noshare"],
+ANCHOR_EARLY = "anchor, early kill"
+PLAIN = "torchrun --max-restarts 1 (defaults)"
+# name -> (launcher and its options, kill moment)
+MODES: dict[str, tuple[list[str], str]] = {
+    "(a) unbroken run, standby ready": (["unbroken"], "late"),
+    "(b) unbroken run --no-prewarm": (["unbroken", "--no-prewarm"], "late"),
+    ANCHOR: (["torchrun", "noshare"], "late"),
+    "(c) unbroken run, killed before the standby is ready": (["unbroken"], "early"),
+    ANCHOR_EARLY: (["torchrun", "noshare"], "early"),
 }
+# issue 23's goals: regain vs the anchor at the same kill moment, and detect
+GOALS = {
+    "(a) unbroken run, standby ready": 0.3,
+    "(b) unbroken run --no-prewarm": 1.0,
+    "(c) unbroken run, killed before the standby is ready": 1.0,
+}
+GOAL_DETECT = 1.0
+STANDBY = "unbroken.elastic._standby"
 PHASES = ("detect", "relaunch", "load", "catch_up", "regain")
 PARTS = ("imports", "pg_init", "restore", "first_step", "stop")
 HUNG_AFTER = 90.0
@@ -86,7 +113,47 @@ def _torchrun_detect(log_path: str, t_kill: float) -> float | None:
     return None
 
 
-def one(mode: list[str], work: str, kill_at: int) -> dict[str, float]:
+def _standby_ready(run_dir: str) -> bool:
+    return any(
+        e["event"] == "standby" and e.get("attempt") == 1 for e in events.load_events(run_dir)
+    )
+
+
+def _proc_cost(pid: int) -> tuple[float, float, float] | None:
+    """(RSS MB, PSS MB, CPU-seconds user + system) of ``pid`` from /proc, None if gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            rss = next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            pss = next(int(ln.split()[1]) for ln in f if ln.startswith("Pss:"))
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, StopIteration, IndexError):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    cpu = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime: fields 14, 15 of stat
+    return rss / 1024, pss / 1024, cpu
+
+
+def standby_cost(run_dir: str, attempt: int) -> dict[str, float]:
+    """Memory and CPU of the standby processes waiting for ``attempt`` (its agent and fork
+    server: a standby's own command line, that attempt's environment)."""
+    got = [
+        c
+        for pid in pids_with_env(events.ENV_ATTEMPT, str(attempt))
+        if STANDBY in cmdline(pid) and environ_of(pid).get(events.ENV_RUN_DIR) == run_dir
+        for c in [_proc_cost(pid)]
+        if c is not None
+    ]
+    return {
+        "standby_procs": len(got),
+        "standby_rss_mb": sum(c[0] for c in got),
+        "standby_pss_mb": sum(c[1] for c in got),
+        "standby_cpu_s": sum(c[2] for c in got),
+    }
+
+
+def one(mode: list[str], moment: str, work: str, kill_at: int) -> dict[str, float]:
     run_dir = os.path.join(work, "run")
     os.makedirs(run_dir)
     script = [
@@ -137,17 +204,20 @@ def one(mode: list[str], work: str, kill_at: int) -> dict[str, float]:
         argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
     prewarm = mode[0] == "unbroken" and "--no-prewarm" not in mode
+    wait_ready = prewarm and moment == "late"
+    extra: dict[str, float] = {}
     try:
         while True:
             bs = _beats(run_dir)
-            ready = not prewarm or any(
-                e["event"] == "standby" and e.get("attempt") == 1
-                for e in events.load_events(run_dir)
-            )
+            ready = not wait_ready or _standby_ready(run_dir)
             if len(bs) >= 2 and min(b.step for b in bs) >= kill_at and ready:
                 break
             _alive(p, work, "before the kill")
             time.sleep(0.02)
+        if wait_ready:  # what the waiting standby holds and has spent (issue 23)
+            extra = standby_cost(run_dir, 1)
+        if prewarm:
+            extra["standby_ready_at_kill"] = float(_standby_ready(run_dir))
         old = {b.pid for b in bs}
         reached = max(b.step for b in bs)
         victim = max(bs, key=lambda b: b.rank)
@@ -161,7 +231,7 @@ def one(mode: list[str], work: str, kill_at: int) -> dict[str, float]:
                 raise _Failed(f"no progress {HUNG_AFTER:g} s after the kill (hung)", work)
             _alive(p, work, "after the kill")
             time.sleep(0.01)
-        return _phases(mode, run_dir, log_path, old, t_kill, regain)
+        return {**_phases(mode, run_dir, log_path, old, t_kill, regain), **extra}
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
@@ -246,24 +316,99 @@ def startup_costs(repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in got.items()}
 
 
+def _med(xs: list[dict[str, float]], k: str) -> float:
+    vals = [x[k] for x in xs if k in x]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def report(res: dict[str, list[dict[str, float]]], failed: dict[str, list[str]]) -> dict[str, Any]:
+    anchor = {
+        m: _med(res[ANCHOR if m == "late" else ANCHOR_EARLY], "regain") for m in ("late", "early")
+    }
+    print("\nSIGKILL of 1 of 2 gloo workers; medians (s) over the runs that recovered")
+    print(
+        "| mode | kill | recovered | standby ready at the kill | "
+        + " | ".join(PHASES)
+        + " | vs torchrun, same kill |"
+    )
+    print("|---|---|---|---|" + "---|" * len(PHASES) + "---|")
+    ratios: dict[str, float] = {}
+    for name, xs in res.items():
+        moment = MODES[name][1] if name in MODES else "late"
+        n = f"{len(xs)}/{len(xs) + len(failed[name])}"
+        ready = [x["standby_ready_at_kill"] for x in xs if "standby_ready_at_kill" in x]
+        rd = f"{int(sum(ready))}/{len(ready)}" if ready else "-"
+        if not xs:
+            print(f"| {name} | {moment} | {n} | {rd} |" + " |" * (len(PHASES) + 1))
+            continue
+        ratios[name] = _med(xs, "regain") / anchor[moment]
+        print(
+            f"| {name} | {moment} | {n} | {rd} | "
+            + " | ".join(f"{_med(xs, k):.2f}" for k in PHASES)
+            + f" | {ratios[name]:.2f}x |"
+        )
+    print("\nload split (medians, s; slowest rank):")
+    print("| mode | " + " | ".join(PARTS) + " |")
+    print("|---|" + "---|" * len(PARTS))
+    for name, xs in res.items():
+        if xs:
+            print(f"| {name} | " + " | ".join(f"{_med(xs, k):.2f}" for k in PARTS) + " |")
+    cost = [x for x in res[next(iter(GOALS))] if "standby_rss_mb" in x]
+    if cost:
+        print(
+            f"\nstandby cost per attempt (median of {len(cost)}; agent + fork server, when "
+            f"ready): RSS {_med(cost, 'standby_rss_mb'):.0f} MB, PSS "
+            f"{_med(cost, 'standby_pss_mb'):.0f} MB, CPU {_med(cost, 'standby_cpu_s'):.2f} s "
+            f"(processes: {_med(cost, 'standby_procs'):.0f})"
+        )
+    print("\n| goal (issue 23) | measured | goal | verdict |")
+    print("|---|---|---|---|")
+    for name, goal in GOALS.items():
+        r = ratios.get(name, float("nan"))
+        print(
+            f"| {name}: regain vs torchrun | {r:.2f}x | <= {goal}x | {'PASS' if r <= goal else 'FAIL'} |"
+        )
+    for name in GOALS:
+        if res[name]:
+            d = max(x["detect"] for x in res[name])
+            print(
+                f"| {name}: detect, worst run | {d:.2f} s | <= {GOAL_DETECT} s | {'PASS' if d <= GOAL_DETECT else 'FAIL'} |"
+            )
+    return {"anchor": anchor, "ratios": ratios}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--kill-at", type=int, default=15)
+    ap.add_argument(
+        "--kill-early-at",
+        type=int,
+        default=6,
+        help="step of the early kill (before the standby is ready)",
+    )
+    ap.add_argument("--plain-torchrun", action="store_true", help=f"also the row {PLAIN!r}")
     ap.add_argument("--json", default=None, help="also write every repeat's phases here")
     a = ap.parse_args()
-    print(f"uptime: {os.getloadavg()}", flush=True)
+    modes = dict(MODES)
+    if a.plain_torchrun:
+        modes[PLAIN] = (["torchrun"], "late")
+    load0 = os.getloadavg()
+    print(f"load average: {load0}", flush=True)
     costs = startup_costs(a.repeats)
     print("start-up parts (median wall s, fresh interpreter each):")
     for k, v in costs.items():
         print(f"  {k:<36} {v:6.2f}")
-    res: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
-    failed: dict[str, list[str]] = {m: [] for m in MODES}
+    res: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    failed: dict[str, list[str]] = {m: [] for m in modes}
+    names = list(modes)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.repeats):
-            for i, (name, mode) in enumerate(MODES.items()):
+            for i, name in enumerate(names[r % len(names) :] + names[: r % len(names)]):
+                mode, moment = modes[name]
+                at = a.kill_at if moment == "late" else a.kill_early_at
                 try:
-                    ph = one(mode, os.path.join(tmp, f"{r}-{i}"), a.kill_at)
+                    ph = one(mode, moment, os.path.join(tmp, f"{r}-{i}"), at)
                 except (_Failed, RuntimeError) as e:
                     failed[name].append(str(e))
                     print(f"repeat {r} {name}: FAILED: {e}", flush=True)
@@ -273,36 +418,16 @@ def main() -> None:
                     f"repeat {r} {name}: " + " ".join(f"{k} {v:.2f}" for k, v in ph.items()),
                     flush=True,
                 )
-    print(f"uptime: {os.getloadavg()}")
-    anchor = statistics.median(x["regain"] for x in res[ANCHOR]) if res[ANCHOR] else float("nan")
-    print("\nSIGKILL of 1 of 2 gloo workers; medians (s) over the runs that recovered")
-    head = f"{'mode':<58} {'recovered':>9} " + " ".join(f"{k:>8}" for k in PHASES)
-    print(head + f" {'vs anchor':>9}")
-    for name, xs in res.items():
-        n = f"{len(xs)}/{len(xs) + len(failed[name])}"
-        if not xs:
-            print(f"{name:<58} {n:>9}")
-            continue
-        med = {k: statistics.median(x[k] for x in xs) for k in PHASES}
-        print(
-            f"{name:<58} {n:>9} "
-            + " ".join(f"{med[k]:>8.2f}" for k in PHASES)
-            + f" {med['regain'] / anchor:>8.2f}x"
-        )
-    print("\nload split (medians, s; slowest rank):")
-    print(f"{'mode':<58} " + " ".join(f"{k:>10}" for k in PARTS))
-    for name, xs in res.items():
-        if xs:
-            print(
-                f"{name:<58} "
-                + " ".join(
-                    f"{statistics.median(x[k] for x in xs) if all(k in x for x in xs) else float('nan'):>10.2f}"
-                    for k in PARTS
-                )
-            )
+    load1 = os.getloadavg()
+    out = report(res, failed)
+    print(f"\nload average before {load0}, after {load1}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"costs": costs, "runs": res, "failed": failed}, f, indent=1)
+            json.dump(
+                {"costs": costs, "runs": res, "failed": failed, "load": [load0, load1], **out},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -34,9 +34,15 @@ import pytest
 from datakit import S3_TEST_CREDS
 from unbroken.data.diagnose.timer import StepTimer
 from unbroken.data.manifest import DatasetManifest
-from unbroken.data.stream.cache import CacheOptions, RemoteStorageError, epoch_plan, read_events
+from unbroken.data.stream.cache import (
+    EVENTS_MAX,
+    CacheOptions,
+    RemoteStorageError,
+    epoch_plan,
+    read_events,
+)
 from unbroken.data.stream.dataset import Source, StreamingDataset
-from unbroken.data.tar.reader import CorruptSampleError, ShardIndex
+from unbroken.data.tar.reader import CorruptSampleError, ShardIndex, ShardReader
 
 s3fs = pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -447,13 +453,18 @@ def test_a_cached_shard_damaged_after_download_is_checked_like_a_local_one(
     j = next(
         k for k in range(int(idx.member_start[1]), int(idx.member_start[2])) if idx.ext(k) == "bin"
     )
+    before = os.stat(tar)
     with open(tar, "r+b") as f:
         f.seek(int(idx.data_offset[j]) + 9)
         b = f.read(1)[0]
         f.seek(int(idx.data_offset[j]) + 9)
         f.write(bytes([b ^ 0x10]))
-    with pytest.raises(CorruptSampleError, match=rf"{m.shards[2].name}.*{victim!r}"):
+    # bit rot leaves the file's metadata as it was (a write that changes its mtime makes the
+    # cache check the file against dataset.json again: test_a_forged_shard_...)
+    os.utime(tar, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(CorruptSampleError, match=rf"{m.shards[2].name}.*{victim!r}") as ei:
         keys(StreamingDataset("s3://data/rot", **kw))
+    assert f"delete the cached file {tar}" in str(ei.value)  # not "re-copy the dataset"
     ds = StreamingDataset("s3://data/rot", on_corrupt="skip", **kw)
     got = keys(ds)
     assert got == [f"k{i:05d}" for i in range(N) if f"k{i:05d}" != victim]
@@ -598,3 +609,240 @@ def test_a_fetcher_in_a_fresh_interpreter_serves_the_readers(
     fetcher = {e["pid"] for e in events if e["ev"] == "fetcher"}
     assert {e["pid"] for e in events if e["ev"] == "download"} == fetcher != {os.getpid()}
     assert not [n for n in os.listdir(os.path.join(cache, ".fetch")) if n.endswith(".pkl")]
+
+
+# --- issue 20: a cache on a shared node ------------------------------------------------------
+
+# The first 8 bytes of xxh3's default secret. A 17..32-byte input that starts with them has an
+# xxh3_64 independent of its bytes 8..15: a free second preimage of a member checksum.
+_XXH3_SECRET_HEAD = bytes.fromhex("b8fe6c3923a44bbe")
+
+
+def _all_bytes(cache: str) -> int:
+    """Bytes of every regular file under ``cache``: shards, indexes and the cache's own files."""
+    total = 0
+    for root, _, files in os.walk(cache):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except FileNotFoundError:
+                continue  # evicted or renamed between listing and stat
+            total += st.st_size
+    return total
+
+
+class _AllWatcher(_Watcher):
+    def run(self) -> None:
+        while not self.stop.is_set():
+            if os.path.isdir(self.cache):
+                self.peak = max(self.peak, _all_bytes(self.cache))
+                self.samples += 1
+            self.stop.wait(0.001)
+
+
+def _cache_kw(endpoint: str, **options: Any) -> dict[str, Any]:
+    opts = {"timeout": 20, "backoff_s": 0.01, "fetch_process": False, **options}
+    return {
+        "rank": 0,
+        "world_size": 1,
+        "storage_options": _opts(endpoint),
+        "cache_options": CacheOptions(**opts),
+    }
+
+
+def _read_all(ds: StreamingDataset, batch: int = 16) -> list[dict[str, Any]]:
+    return [s for b in ds.iter_batches(0, 0, batch, last_batch="short") for s in b]
+
+
+def test_the_cache_directory_is_private_and_its_fixed_names_are_never_followed(
+    endpoint: str, local_ds: str, tmp_path: Any
+) -> None:
+    """Issue 20 item 4 (the cache): a cache directory that another user owns or that group or
+    others can write is refused by name; a symlink planted at any fixed name of the cache is
+    never followed (nothing is written through it); a cache made here has 0700 directories
+    and 0600 files."""
+    _upload(endpoint, local_ds, "data", "priv")
+    m = DatasetManifest.load(local_ds)
+    kw = {"seed": 0, "shuffle_window": WINDOW, **_cache_kw(endpoint)}
+    url = "s3://data/priv"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(PermissionError, match=rf"{shared}: the cache directory .* mode 0777"):
+        StreamingDataset(url, cache_dir=str(shared), cache_limit="1GB", **kw)
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    os.chown(other, 4242, 4242)
+    with pytest.raises(PermissionError, match=rf"{other}: the cache directory .* uid 4242"):
+        StreamingDataset(url, cache_dir=str(other), cache_limit="1GB", **kw)
+
+    fixed = [
+        ".index",
+        ".events",
+        ".lock",
+        f".locks/{m.fingerprint[:16]}-0",
+        f".stats/{os.getpid()}",
+    ]
+    for k, name in enumerate(fixed):
+        cache = tmp_path / f"c{k}"
+        os.makedirs(cache / os.path.dirname(name), mode=0o700, exist_ok=True)
+        victim = tmp_path / f"victim{k}"
+        victim.write_bytes(b"precious " * 100)
+        os.symlink(victim, cache / name)
+        with pytest.raises(OSError):
+            ds = StreamingDataset(url, cache_dir=str(cache), cache_limit="1GB", **kw)
+            _read_all(ds)
+        assert victim.read_bytes() == b"precious " * 100, name
+
+    cache = tmp_path / "clean"
+    ds = StreamingDataset(url, cache_dir=str(cache), cache_limit=m.total_bytes // 2, **kw)
+    assert len(_read_all(ds)) == N
+    for root, _, files in os.walk(cache):
+        assert os.stat(root).st_mode & 0o777 == 0o700, root
+        for name in files:
+            mode = os.lstat(os.path.join(root, name)).st_mode & 0o777
+            assert mode == 0o600, (root, name, oct(mode))
+
+
+def test_a_forged_shard_in_the_cache_is_never_served(endpoint: str, tmp_path: Any) -> None:
+    """Issue 20 item 8: a forged shard whose every member passes its xxh3_64 (a cheap second
+    preimage) is never served with verify=True: a file found in the cache, or changed there
+    after its verified download, is checked against the whole-file checksum dataset.json
+    records before any sample is read from it; a forged one is discarded and downloaded
+    again, a genuine one found there is used without a download."""
+    from unbroken.common.fs import checksum_file
+    from unbroken.data.prepare.pack import pack
+
+    rng = np.random.default_rng(8)
+    want = [{"__key__": f"k{i:03d}", "bin": _XXH3_SECRET_HEAD + rng.bytes(24)} for i in range(600)]
+    src = str(tmp_path / "src")
+    pack(iter(want), src, shard_size=10240, workers=1, fsync=False, progress=False)
+    m = DatasetManifest.load(src)
+    assert len(m.shards) >= 3
+    _upload(endpoint, src, "data", "forged")
+    # the forger's copy of shard 1: one member's bytes 8..15 changed, the genuine index
+    idx = ShardIndex.load(os.path.join(src, m.shards[1].index))
+    forged = bytearray(open(os.path.join(src, m.shards[1].name), "rb").read())
+    off = int(idx.data_offset[0])
+    forged[off + 8 : off + 16] = b"FORGED!!"
+    with open(str(tmp_path / "forged.tar"), "wb") as f:
+        f.write(forged)
+    shutil.copy(os.path.join(src, m.shards[1].index), str(tmp_path / "forged.tar.idx"))
+    with ShardReader(
+        str(tmp_path / "forged.tar"), str(tmp_path / "forged.tar.idx")
+    ) as r:  # the per-member checks cannot see it
+        assert r[0]["bin"] != want[int(idx.key(0)[1:])]["bin"]
+
+    cache = tmp_path / "c"
+    local = cache / m.fingerprint[:16]
+    os.makedirs(local, mode=0o700)
+    os.chmod(cache, 0o700)
+    shutil.copy(str(tmp_path / "forged.tar"), str(local / m.shards[1].name))
+    shutil.copy(str(tmp_path / "forged.tar.idx"), str(local / m.shards[1].index))
+    for name in (m.shards[0].name, m.shards[0].index):  # a genuine unit found there
+        shutil.copy(os.path.join(src, name), str(local / name))
+    kw = {"seed": 0, "shuffle": False, "cache_dir": str(cache), **_cache_kw(endpoint)}
+    assert _read_all(StreamingDataset("s3://data/forged", **kw)) == want
+    assert checksum_file(str(local / m.shards[1].name))[1] == m.shards[1].checksum
+    fetched = {e["shard"] for e in read_events(str(cache)) if e["ev"] == "download"}
+    assert 1 in fetched and 0 not in fetched
+
+    # changed after its verified download (a later job reuses the cache)
+    with open(str(local / m.shards[1].name), "r+b") as f:
+        f.write(forged)
+    assert _read_all(StreamingDataset("s3://data/forged", **kw)) == want
+    assert checksum_file(str(local / m.shards[1].name))[1] == m.shards[1].checksum
+
+
+def test_every_get_is_ranged_to_the_recorded_size(endpoint: str, tmp_path: Any) -> None:
+    """Issue 20 item 10: a dataset.json that records a shard size of 0 for a 32 MB object
+    (or any size smaller than the object) makes the cache fetch at most that size + 1 bytes
+    (every GET is ranged: the store answers 206) and write none of them; the cache stays
+    within its limit and the error names the URL."""
+    import dataclasses
+
+    from unbroken.data.prepare.pack import pack
+
+    rng = np.random.default_rng(10)
+    src = str(tmp_path / "src")
+    big = [{"__key__": "big", "bin": rng.bytes(32 << 20)}]
+    pack(iter(big), src, shard_size=64 << 20, workers=1, fsync=False, progress=False)
+    m = DatasetManifest.load(src)
+    lie = DatasetManifest.create("tar", [dataclasses.replace(m.shards[0], bytes=0)])
+    fs = _upload(endpoint, src, "data", "lie")
+    fs.pipe_file("data/lie/dataset.json", lie.dumps().encode())
+    gets: list[str] = []
+
+    class _Log(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()  # '... "GET /path HTTP/1.1" 206 -' (maybe colored)
+            if "GET /data/lie/shard-" in msg:
+                gets.append(msg.rsplit('"', 1)[-1].split()[0])  # the status
+
+    werkzeug = logging.getLogger("werkzeug")
+    handler = _Log()
+    level = werkzeug.level
+    werkzeug.setLevel(logging.INFO)  # the server logs each request with its status
+    werkzeug.addHandler(handler)
+    cache = str(tmp_path / "c")
+    watcher = _AllWatcher(cache)
+    watcher.start()
+    try:
+        ds = StreamingDataset(
+            "s3://data/lie",
+            cache_dir=cache,
+            cache_limit="1MB",
+            **_cache_kw(endpoint, retries=2),
+        )
+        with pytest.raises(RuntimeError, match=r"s3://data/lie/shard-000000\.tar: checksum"):
+            _read_all(ds)
+    finally:
+        watcher.stop.set()
+        watcher.join()
+        werkzeug.removeHandler(handler)
+        werkzeug.setLevel(level)
+    assert gets == ["206"] * 3, gets
+    assert watcher.peak <= 10**6, watcher.peak
+
+
+def test_every_byte_the_cache_writes_counts_against_its_limit(endpoint: str, tmp_path: Any) -> None:
+    """Issue 20 item 10: with many small shards (a large dataset.json, many index records and
+    events), every file under cache_dir - shards, indexes, the manifest copy, the index of
+    the cache, its event log, locks, registrations - stays within cache_limit while two
+    epochs are read through it with evictions; the event log is bounded."""
+    from unbroken.data.prepare.pack import pack
+
+    rng = np.random.default_rng(11)
+    want = [{"__key__": f"k{i:04d}", "bin": rng.bytes(3000)} for i in range(360)]
+    src = str(tmp_path / "src")
+    pack(iter(want), src, shard_size=10240, workers=1, fsync=False, progress=False)
+    m = DatasetManifest.load(src)
+    assert len(m.shards) >= 100
+    _upload(endpoint, src, "data", "small")
+    cache = str(tmp_path / "c")
+    kw = {"seed": 3, "shuffle_window": 12, "cache_dir": cache, **_cache_kw(endpoint)}
+    probe = StreamingDataset("s3://data/small", cache_limit=None, **kw)
+    assert probe._cache is not None
+    limit = probe._cache.min_limit()[0]
+    shutil.rmtree(cache)
+    watcher = _AllWatcher(cache)
+    watcher.start()
+    try:
+        ds = StreamingDataset("s3://data/small", cache_limit=limit, **kw)
+        for epoch in (0, 1):
+            got = [s for b in ds.iter_batches(epoch, 0, 12) for s in b]
+            assert sorted(s["__key__"] for s in got) == [s["__key__"] for s in want]
+    finally:
+        watcher.stop.set()
+        watcher.join()
+    assert any(e["ev"] == "evict" for e in read_events(cache))
+    assert watcher.samples > 50 and watcher.peak <= limit, (watcher.peak, limit)
+
+    # the event log: bounded, newest kept
+    c = ds._cache
+    assert c is not None
+    for i in range(20_000):
+        c._event("test", i=i, pad="x" * 100)
+    sizes = [os.path.getsize(os.path.join(cache, n)) for n in (".events", ".events.1")]
+    assert sum(sizes) <= 2 * EVENTS_MAX, sizes
+    assert read_events(cache)[-1]["i"] == 19_999

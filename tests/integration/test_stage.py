@@ -211,6 +211,24 @@ def test_waiting_rank_times_out_with_a_clear_error(
         )
 
 
+def test_a_waiting_rank_does_not_follow_a_planted_marker(
+    tmp_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 20 item 4 (staging): the completion marker is a fixed name; a symlink planted
+    there (to a file that holds the fingerprint) is not taken for rank 0's marker."""
+    src = os.path.join(tmp_path, "src")
+    m = _dataset(src, n=10)
+    dst = os.path.join(tmp_path, "dst")
+    os.makedirs(dst)
+    elsewhere = os.path.join(tmp_path, "elsewhere")
+    with open(elsewhere, "w") as f:
+        f.write(m.fingerprint)
+    os.symlink(elsewhere, os.path.join(dst, MARKER_NAME))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(RuntimeError, match="local rank 0 did not finish staging"):
+        stage(src, dst, ranks_local=True, wait_timeout=0.3, progress=False)
+
+
 _SLOW_STAGE = r"""
 import sys, time
 import unbroken.data.prepare.stage as st

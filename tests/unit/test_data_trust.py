@@ -128,13 +128,16 @@ def test_a_changed_offset_in_an_index_is_refused_by_the_manifest_checksum(stream
 
 def test_index_not_matching_dataset_json_is_refused(stream_data, tmp_path):
     """An index that is internally consistent but not the one dataset.json recorded is
-    refused by the manifest's index checksum (not in the fingerprint: an edit of it)."""
+    refused by the manifest's index checksum (a dataset.json re-fingerprinted after the edit:
+    without that, the fingerprint, which covers the index checksums since issue 20, refuses
+    the edited file first)."""
+    from unbroken.data.manifest import ShardInfo
+
     root = _copy(stream_data("tar"), str(tmp_path / "ds"))
     m = DatasetManifest.load(root)
     d = json.load(open(os.path.join(root, "dataset.json")))
     d["shards"][1]["index_checksum"] = "0" * 32
-    with open(os.path.join(root, "dataset.json"), "w") as f:
-        json.dump(d, f)
+    DatasetManifest.create("tar", [ShardInfo.from_json(s) for s in d["shards"]]).save(root)
     with pytest.raises(ShardError, match=m.shards[1].index):
         _all(StreamingDataset(root, seed=0))
 
@@ -159,18 +162,20 @@ def _downgrade_tar_index(path: str) -> bytes:
 
 
 def test_indexes_without_checksums_still_read_with_one_warning(stream_data, tmp_path, caplog):
+    from unbroken.data.manifest import ShardInfo
+
     root = _copy(stream_data("tar"), str(tmp_path / "ds"))
-    want = [sample_id(s) for s in _all(StreamingDataset(root, seed=3))]
+    want = {s["__key__"]: s for s in _all(StreamingDataset(root, seed=3))}
     d = json.load(open(os.path.join(root, "dataset.json")))
     for s in d["shards"]:
         raw = _downgrade_tar_index(os.path.join(root, s["index"]))
         assert raw[:8] == b"UBIDX\x01\x00\x00"
         s["index_bytes"], s["index_checksum"] = len(raw), checksum_bytes(raw)
-    with open(os.path.join(root, "dataset.json"), "w") as f:
-        json.dump(d, f)
+    # new index bytes: another fingerprint (issue 20 item 9), so another order
+    DatasetManifest.create("tar", [ShardInfo.from_json(s) for s in d["shards"]]).save(root)
     with caplog.at_level(logging.WARNING, logger="unbroken.data"):
         ds = StreamingDataset(root, seed=3)
-        got = [sample_id(s) for s in _all(ds)]
+        got = {s["__key__"]: s for s in _all(ds)}
     assert got == want
     warn = [r for r in caplog.records if "unverified" in r.getMessage()]
     assert len(warn) == 1 and root in warn[0].getMessage()
@@ -301,3 +306,148 @@ def test_damage_named_in_every_sample_layout(tmp_path, layout, group):
     assert ds.corrupt_skipped == 1
     with pytest.raises(CorruptSampleError, match=f"'{key}' member '{member}'"):
         StreamingDataset(root, shuffle=False).read(0, np.arange(victim - 1, 40)[:group])
+
+
+# --- issue 20: dataset.json is the one root ----------------------------------------------------
+
+
+def _v1_fingerprint(d: dict) -> str:
+    """The fingerprint an unbroken before issue 20 wrote (dataset.json version 1): over kind,
+    seq_len and each shard's name, sample count and checksum only."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    h.update(f"unbroken-dataset/1/{d['kind']}/{d.get('seq_len')}\n".encode())
+    for s in d["shards"]:
+        h.update(f"{s['name']}\t{s['samples']}\t{s['checksum']}\n".encode())
+    return h.hexdigest()
+
+
+def test_new_content_under_the_old_tar_checksum_is_another_dataset(stream_data, tmp_path):
+    """Issue 20 item 9: rebuild one shard's idx over new tar content but stating the old tar
+    checksum, and update only that index's checksum in dataset.json. The fingerprint covers
+    every shard's and index's checksum, so the edited dataset.json no longer matches its own
+    fingerprint; re-fingerprinted, it is another dataset and a resume onto it is refused."""
+    import dataclasses
+
+    from unbroken.data.manifest import ManifestError, ShardInfo
+    from unbroken.data.tar.reader import index_tar
+
+    root = _copy(stream_data("tar"), str(tmp_path / "ds"))
+    m = DatasetManifest.load(root)
+    ld = StatefulLoader(StreamingDataset(root, seed=0), 4, collate_fn=ids_collate)
+    it = iter(ld)
+    next(it)
+    state = ld.state_dict()
+    del it
+    tar, key, off = _member(root, 2, 0, "bin")
+    _flip(tar, off + 5)  # new content, same size
+    forged = dataclasses.replace(index_tar(tar), tar_checksum=m.shards[2].checksum)
+    raw = forged.to_bytes()
+    with open(os.path.join(root, m.shards[2].index), "wb") as f:
+        f.write(raw)
+    d = json.load(open(os.path.join(root, "dataset.json")))
+    assert d["shards"][2]["index_bytes"] == len(raw)
+    d["shards"][2]["index_checksum"] = checksum_bytes(raw)
+    with open(os.path.join(root, "dataset.json"), "w") as f:
+        json.dump(d, f)
+    with pytest.raises(ManifestError, match="fingerprint .* does not match"):
+        DatasetManifest.load(root)
+    edited = DatasetManifest.create("tar", [ShardInfo.from_json(s) for s in d["shards"]])
+    assert edited.fingerprint != m.fingerprint
+    edited.save(root)
+    ds = StreamingDataset(root, seed=0)
+    with pytest.raises(ValueError, match="the dataset changed since the checkpoint"):
+        StatefulLoader(ds, 4).load_state_dict(state)
+
+
+def test_a_dataset_json_of_the_previous_version_reads_with_the_full_fingerprint(
+    stream_data, tmp_path
+):
+    """Issue 20 item 9: a version-1 dataset.json (written before the fingerprint covered the
+    indexes) is read as it is: its stored fingerprint must still match the old formula (an
+    edit is refused as before), and its fingerprint is recomputed over every field, equal to
+    what this version writes for the same files. A resume state saved on the old fingerprint
+    is refused by name, with the fix."""
+    from unbroken.data.manifest import ManifestError
+
+    src = stream_data("tar")
+    root = _copy(src, str(tmp_path / "ds"))
+    path = os.path.join(root, "dataset.json")
+    d = json.load(open(path))
+    d["version"], d["fingerprint"] = 1, _v1_fingerprint(d)
+    with open(path, "w") as f:
+        json.dump(d, f)
+    m = DatasetManifest.load(root)
+    assert m.fingerprint == DatasetManifest.load(src).fingerprint != d["fingerprint"]
+    ds = StreamingDataset(root, seed=0)
+    assert [sample_id(s) for s in _all(ds)] == [
+        sample_id(s) for s in _all(StreamingDataset(src, seed=0))
+    ]
+    old = {
+        "version": 1,
+        "fingerprint": d["fingerprint"],
+        "seed": 0,
+        "epoch": 0,
+        "samples_consumed": 8,
+        "shuffle_window": list(ds.shuffle_window),
+    }
+    with pytest.raises(ValueError, match="version 1.*restart_epoch") as ei:
+        StatefulLoader(ds, 4).load_state_dict(old)
+    assert "the dataset changed since the checkpoint" in str(ei.value)
+    d["shards"][0]["samples"] += 1
+    d["num_samples"] += 1
+    with open(path, "w") as f:
+        json.dump(d, f)
+    with pytest.raises(ManifestError, match="fingerprint .* does not match"):
+        DatasetManifest.load(root)
+
+
+def test_terminal_escapes_from_dataset_files_are_refused_or_shown_escaped(
+    stream_data, tmp_path, capsys
+):
+    """Issue 20 item 11 (data): strings a dataset.json carries into messages (shard and index
+    names, checksums) are refused when they hold control characters (the refusal shows them
+    escaped), and what `data report` prints from a data_bench.json is escaped."""
+    from unbroken.cli import main
+    from unbroken.data.diagnose.bottleneck import BottleneckReport, StageResult
+    from unbroken.data.manifest import ManifestError
+
+    esc = "\x1b[2J\x1b[32mVERIFIED OK\u202e"
+    root = _copy(stream_data("tar_b"), str(tmp_path / "ds"))
+    path = os.path.join(root, "dataset.json")
+    good = json.load(open(path))
+    for field in ("name", "index", "checksum", "index_checksum"):
+        d = json.loads(json.dumps(good))
+        d["shards"][0][field] = esc + d["shards"][0][field]
+        d["version"], d["fingerprint"] = 1, _v1_fingerprint(d)  # consistent, as written before
+        with open(path, "w") as f:
+            json.dump(d, f)
+        with pytest.raises(ManifestError) as ei:
+            DatasetManifest.load(root)
+        assert "\x1b" not in str(ei.value) and "\u202e" not in str(ei.value), field
+        assert main(["data", "inspect", root, "--epochs", "1"]) == 2
+        err = capsys.readouterr().err
+        assert "\x1b" not in err and "\u202e" not in err, (field, err)
+
+    run = tmp_path / "run"
+    run.mkdir()
+    stage = StageResult("shard read" + esc, "worker" + esc, 100.0, 1.0, "note" + esc)
+    report = BottleneckReport(
+        stages=(stage,),
+        batch_size=8,
+        num_workers=1,
+        cpu_count=2,
+        consume_rate=None,
+        worker_rate=100.0,
+        pipeline_rate=100.0,
+        limiting="shard read" + esc,
+        bottleneck="shard read" + esc,
+        suggested_workers=1,
+        suggested_prefetch_factor=2,
+        advice=("advice" + esc,),
+    )
+    (run / "data_bench.json").write_text(json.dumps(report.to_json()))
+    assert main(["data", "report", str(run), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "VERIFIED OK" in out and "\x1b" not in out and "\u202e" not in out

@@ -337,7 +337,9 @@ def test_dataset_over_a_synthetic_hundred_million_sample_manifest_is_lazy(tmp_pa
     from unbroken.data.manifest import DatasetManifest, ShardInfo
 
     shards = [
-        ShardInfo(f"shard-{i:06d}.tar", 10_000, 1 << 26, "0" * 32, f"shard-{i:06d}.tar.idx", 1, "0")
+        ShardInfo(
+            f"shard-{i:06d}.tar", 10_000, 1 << 26, "0" * 32, f"shard-{i:06d}.tar.idx", 1, "0" * 32
+        )
         for i in range(10_000)
     ]
     DatasetManifest.create("tar", shards).save(str(tmp_path))

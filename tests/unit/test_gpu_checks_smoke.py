@@ -31,10 +31,12 @@ def test_gpu_checks_smoke_run(tmp_path) -> None:
     assert res["resume"]["identical"] and res["resume"]["restored_step"] == 4
     assert set(res["ckpt"]["stall"]) == {
         "D2H floor (pinned, preallocated)",
-        "unbroken async save",
+        "unbroken Checkpointer(async_save=True).save",
+        "dcp.async_save + DefaultStager",  # issue 23: the staged anchor, like for like
         "dcp.async_save",
     }
     assert res["ckpt"]["load"]["unbroken_verified_s"] > 0
+    assert res["ckpt"]["load"]["unbroken_verified_cold_s"] > 0  # issue 23: cold load too
     ring = res["ring"]  # the pinned-ring check's CPU run: same batches, copies intact
     assert ring["identical"] and ring["copies_intact"] and ring["batches"] == 12
     feed = res["feed"]

@@ -272,7 +272,7 @@ def test_manifest_round_trip_and_fingerprint(tmp_path: str) -> None:
     assert DatasetManifest.load(str(tmp_path)) == m
     assert DatasetManifest.load(os.path.join(tmp_path, "dataset.json")) == m
     d = json.load(open(os.path.join(tmp_path, "dataset.json")))
-    assert d["format"] == "unbroken-dataset" and d["version"] == 1 and d["num_samples"] == 6
+    assert d["format"] == "unbroken-dataset" and d["version"] == 2 and d["num_samples"] == 6
     changed = DatasetManifest.create("tar", [_info("a.tar"), _info("b.tar", "f" * 32)])
     reordered = DatasetManifest.create("tar", [_info("b.tar"), _info("a.tar")])
     fewer = DatasetManifest.create("tar", [_info("a.tar"), _info("b.tar", samples=2)])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from unbroken.cli._args import Sub, add_command, at_least, size
+from unbroken.common.text import printable
 
 __all__ = ["PREP_COMMANDS", "add_data"]
 
@@ -15,6 +16,12 @@ PREP_COMMANDS = frozenset({"pack", "index", "tokenize", "stage"})
 # Defaults below that a library function also has (shard size, stage workers, ...) are
 # checked against its signature by tests/unit/test_cli_tree.py: importing the library here
 # would cost every `unbroken --help` ~0.4 s.
+
+
+def _say(text: object) -> None:
+    """Print a command's output: what comes from a file (dataset.json, data_bench.json, a
+    timeline) shows control characters as visible escapes (issue 20 item 11)."""
+    print(printable(text, multiline=True))
 
 
 # --- prepare: pack, index, tokenize, stage --------------------------------------------------
@@ -152,7 +159,7 @@ def _pack(a: argparse.Namespace) -> int:
     )
     m = r.manifest
     skipped = f"; {r.skipped} bad inputs skipped" if a.skip_bad else ""
-    print(
+    _say(
         f"{m.num_samples} samples in {len(m.shards)} shards ({r.shards_written} written, "
         f"{r.shards_reused} reused), {r.bytes / 1e6:.1f} MB in {r.seconds:.2f}s "
         f"({r.mb_per_s:.1f} MB/s); fingerprint {m.fingerprint}{skipped}"
@@ -165,7 +172,7 @@ def _index(a: argparse.Namespace) -> int:
 
     r = index_directory(a.dir, workers=a.workers, progress=not a.no_progress)
     m = r.manifest
-    print(
+    _say(
         f"indexed {len(m.shards)} shards, {m.num_samples} samples in {r.seconds:.2f}s; "
         f"fingerprint {m.fingerprint}"
     )
@@ -191,7 +198,7 @@ def _tokenize(a: argparse.Namespace) -> int:
         progress=not a.no_progress,
     )
     m = r.manifest
-    print(
+    _say(
         f"{r.documents} documents, {r.tokens} tokens ({m.dtype}) in {len(m.shards)} shards, "
         f"{m.num_samples} samples, {r.seconds:.2f}s ({r.tokens_per_s:,.0f} tokens/s); "
         f"fingerprint {m.fingerprint}"
@@ -212,7 +219,7 @@ def _stage(a: argparse.Namespace) -> int:
         retries=a.retries,
         progress=not a.no_progress,
     )
-    print(r)
+    _say(r)
     return 0
 
 
@@ -256,9 +263,9 @@ def _inspect(a: argparse.Namespace) -> int:
     stats = shuffle_stats(ds, a.epochs)
     if a.json:
         for s in stats:
-            print(json.dumps(s.to_json()))
+            _say(json.dumps(s.to_json()))
     else:
-        print(format_shuffle_stats(ds, stats))
+        _say(format_shuffle_stats(ds, stats))
     return 0
 
 
@@ -360,9 +367,9 @@ def _bench(a: argparse.Namespace) -> int:
         cache_dir=a.cache_dir,
         storage_options=opts,
     )
-    print(json.dumps(report.to_json()) if a.json else report.format())
+    _say(json.dumps(report.to_json()) if a.json else report.format())
     if path is not None:
-        print(f"wrote {path}")
+        _say(f"wrote {path}")
     return 0
 
 
@@ -393,9 +400,9 @@ def _report(a: argparse.Namespace) -> int:
     from unbroken.data.diagnose.plot import run_report
 
     text, png = run_report(a.run_dir, out=a.out, num_workers=a.num_workers, plot=not a.no_plot)
-    print(text)
+    _say(text)
     if png is not None:
-        print(f"wrote {png}")
+        _say(f"wrote {png}")
     return 0
 
 

@@ -3,7 +3,7 @@
 On disk (written atomically, last, so a dataset is visible only when complete)::
 
     {
-      "format": "unbroken-dataset", "version": 1,
+      "format": "unbroken-dataset", "version": 2,
       "kind": "tar" | "tokens",
       "fingerprint": "<xxh3_128 hex>",
       "num_samples": 123,
@@ -19,35 +19,72 @@ On disk (written atomically, last, so a dataset is visible only when complete)::
     }
 
 For a tokens dataset a *sample* is one sequence of ``seq_len + 1`` tokens when ``seq_len`` is
-set (so ``ShardInfo.samples`` counts sequences), else one document. The fingerprint changes
-whenever any shard's content, name, sample count or order changes (see :func:`fingerprint`).
+set (so ``ShardInfo.samples`` counts sequences), else one document.
+
+``dataset.json`` is the one root of trust of a dataset: its fingerprint covers every field
+above but ``extra`` (kind, token fields, and each shard's name, sample count, sizes and the
+checksums of the shard *and* its index, in order), every index is checked against the
+checksum recorded here when it is opened, every member against the checksum its index records,
+and every staged or cached copy against the checksums here before first use. Anything that
+changes what a sample is changes the fingerprint (see :func:`fingerprint`).
+
+Version 1 (before issue 20) fingerprinted only the shards' names, sample counts and shard
+checksums. Such a file is still read: its stored fingerprint must match that old formula (an
+edit is refused as before) and its fingerprint is then recomputed over every field, the same
+value this version writes for the same files. Its order changes with it, so a loader state
+saved on the old fingerprint is refused (D-FINGERPRINT) with a message that names the upgrade.
+
+A manifest larger than :data:`MAX_MANIFEST_BYTES` is refused unread (T-BOUNDED).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from dataclasses import asdict, dataclass, field
+import re
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import fsspec
 
 from unbroken.common.fs import atomic_write_bytes, hasher, is_remote, local_path
+from unbroken.common.text import printable
 
 __all__ = [
     "MANIFEST_NAME",
+    "MAX_MANIFEST_BYTES",
     "DatasetManifest",
     "ManifestError",
     "ShardInfo",
     "fingerprint",
     "join_path",
+    "read_bounded",
 ]
 
+log = logging.getLogger(__name__)
+
 MANIFEST_NAME = "dataset.json"
+MAX_MANIFEST_BYTES = 256 << 20
+"""dataset.json files larger than this (about 900,000 shards) are refused without parsing."""
 _FORMAT = "unbroken-dataset"
-_VERSION = 1
+_VERSION = 2
+_READS = (1, 2)  # version 1: the fingerprint did not cover the indexes (see the module doc)
+_HEX128 = re.compile(r"[0-9a-f]{32}")
 _KINDS = ("tar", "tokens")
 _DTYPES = ("uint16", "uint32")
+
+
+def read_bounded(f: Any, limit: int, chunk: int = 4 << 20) -> bytes:
+    """At most ``limit`` bytes of a binary file object, in chunks (``f.read(limit)`` would
+    allocate ``limit`` bytes up front, whatever the file holds)."""
+    buf = bytearray()
+    while len(buf) < limit:
+        data = f.read(min(chunk, limit - len(buf)))
+        if not data:
+            break
+        buf += data
+    return bytes(buf)
 
 
 class ManifestError(ValueError):
@@ -84,8 +121,12 @@ class ShardInfo:
     def __post_init__(self) -> None:
         for fname in ("name", "index"):
             v = getattr(self, fname)
-            if not v or "/" in v or v in (".", ".."):
-                raise ManifestError(f"shard {fname}={v!r} must be a plain file name")
+            # no control characters: names reach messages and terminals (issue 20 item 11)
+            if not v or "/" in v or v in (".", "..") or printable(v) != v:
+                raise ManifestError(
+                    f"shard {fname}={printable(v)!r} must be a plain file name (no '/', no "
+                    "control characters)"
+                )
         if self.samples < 0 or self.bytes < 0 or self.index_bytes < 0:
             raise ManifestError(f"shard {self.name}: negative size or sample count")
 
@@ -95,6 +136,13 @@ class ShardInfo:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ShardInfo:
+        for fname in ("checksum", "index_checksum"):
+            v = d[fname]
+            if not isinstance(v, str) or not _HEX128.fullmatch(v):
+                raise ManifestError(
+                    f"shard {printable(d.get('name'))!r}: {fname}={printable(v)!r} is not an "
+                    "xxh3-128 digest (32 lowercase hex digits)"
+                )
         return cls(
             name=str(d["name"]),
             samples=int(d["samples"]),
@@ -109,15 +157,35 @@ class ShardInfo:
 
 
 def fingerprint(
-    kind: str, shards: tuple[ShardInfo, ...] | list[ShardInfo], *, seq_len: int | None = None
+    kind: str,
+    shards: tuple[ShardInfo, ...] | list[ShardInfo],
+    *,
+    seq_len: int | None = None,
+    dtype: str | None = None,
+    eos_id: int | None = None,
+    vocab_size: int | None = None,
 ) -> str:
-    """Hash over kind, seq_len and, per shard in order, (name, samples, checksum).
+    """xxh3-128 over every field of a manifest but ``extra``: kind, the token fields and, per
+    shard in order, every field of its record (name, samples, bytes, checksum, index,
+    index_bytes, index_checksum, documents, tokens).
 
-    The shard checksum covers every byte of the shard, so any content change changes the
-    fingerprint; seq_len is included because it changes what a sample *is*.
+    The shard checksum covers every byte of the shard and the index checksum every byte of its
+    index (offsets, keys and member checksums), so whatever changes a sample changes the
+    fingerprint: dataset.json is the one root (issue 20 item 9).
     """
     h = hasher()
-    h.update(f"{_FORMAT}/{_VERSION}/{kind}/{seq_len}\n".encode())
+    head = [_FORMAT, _VERSION, kind, seq_len, dtype, eos_id, vocab_size]
+    h.update(json.dumps(head).encode() + b"\n")
+    for s in shards:
+        h.update(json.dumps(s.to_json(), sort_keys=True, separators=(",", ":")).encode() + b"\n")
+    return str(h.hexdigest())
+
+
+def _fingerprint_v1(kind: str, shards: tuple[ShardInfo, ...], seq_len: int | None) -> str:
+    """The fingerprint dataset.json version 1 stored (names, sample counts, shard checksums):
+    checked when such a file is read, and named when a resume state still carries it."""
+    h = hasher()
+    h.update(f"{_FORMAT}/1/{kind}/{seq_len}\n".encode())
     for s in shards:
         h.update(f"{s.name}\t{s.samples}\t{s.checksum}\n".encode())
     return str(h.hexdigest())
@@ -174,7 +242,9 @@ class DatasetManifest:
         return cls(
             kind=kind,
             shards=shards,
-            fingerprint=fingerprint(kind, shards, seq_len=seq_len),
+            fingerprint=fingerprint(
+                kind, shards, seq_len=seq_len, dtype=dtype, eos_id=eos_id, vocab_size=vocab_size
+            ),
             num_samples=sum(s.samples for s in shards),
             dtype=dtype,
             eos_id=eos_id,
@@ -216,10 +286,12 @@ class DatasetManifest:
                 f"{source}: not an unbroken dataset manifest (missing 'format': {_FORMAT!r}); "
                 "create it with `unbroken data pack`, `unbroken data index` or `unbroken data tokenize`"
             )
-        if d.get("version") != _VERSION:
+        version = d.get("version")
+        if version not in _READS:
             raise ManifestError(
-                f"{source}: manifest version {d.get('version')!r} is not supported (this "
-                f"unbroken reads version {_VERSION}); upgrade unbroken or re-create the dataset"
+                f"{source}: manifest version {printable(version)} is not supported (this "
+                f"unbroken reads versions {_READS[0]} to {_READS[-1]}); upgrade unbroken or "
+                "re-create the dataset"
             )
         try:
             shards = tuple(ShardInfo.from_json(s) for s in d["shards"])
@@ -238,13 +310,40 @@ class DatasetManifest:
             raise ManifestError(f"{source}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
             raise ManifestError(f"{source}: malformed manifest field ({e!r})") from None
-        want = fingerprint(m.kind, m.shards, seq_len=m.seq_len)
-        if want != m.fingerprint:
+        want = m._computed_fingerprint()
+        stored = m.fingerprint
+        if version == 1:
+            want, m = m.fingerprint_v1, replace(m, fingerprint=want)
+        if want != stored:
             raise ManifestError(
-                f"{source}: fingerprint {m.fingerprint} does not match its shard list "
+                f"{source}: fingerprint {printable(stored)} does not match its shard list "
                 f"({want}); the manifest was edited or damaged - re-create it"
             )
+        if version == 1:
+            log.info(
+                "%s: dataset.json version 1 (its fingerprint did not cover the indexes); "
+                "fingerprint recomputed over every field: %s (was %s)",
+                source,
+                m.fingerprint,
+                stored,
+            )
         return m
+
+    def _computed_fingerprint(self) -> str:
+        return fingerprint(
+            self.kind,
+            self.shards,
+            seq_len=self.seq_len,
+            dtype=self.dtype,
+            eos_id=self.eos_id,
+            vocab_size=self.vocab_size,
+        )
+
+    @property
+    def fingerprint_v1(self) -> str:
+        """What dataset.json version 1 fingerprinted for these shards (before issue 20): a
+        resume state saved by that version carries it."""
+        return _fingerprint_v1(self.kind, self.shards, self.seq_len)
 
     @classmethod
     def load(cls, root: str, storage_options: dict[str, Any] | None = None) -> DatasetManifest:
@@ -253,17 +352,27 @@ class DatasetManifest:
         path = root if root.endswith(".json") else join_path(root, MANIFEST_NAME)
         try:
             with fsspec.open(path, "rb", **(storage_options or {})) as f:
-                raw = f.read()
+                raw = read_bounded(f, MAX_MANIFEST_BYTES + 1)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{path}: no dataset manifest; create one with `unbroken data pack`, "
                 "`unbroken data index` or `unbroken data tokenize`"
             ) from None
+        return cls.parse(raw, source=path)
+
+    @classmethod
+    def parse(cls, raw: bytes, *, source: str) -> DatasetManifest:
+        """The manifest in ``raw`` (the bytes of a dataset.json); errors name ``source``."""
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"{source}: larger than {MAX_MANIFEST_BYTES:,} bytes (MAX_MANIFEST_BYTES); not "
+                "a dataset manifest unbroken reads - re-create it"
+            )
         try:
             d = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ManifestError(f"{path}: malformed JSON ({e}); re-create the manifest") from None
-        return cls.from_json(d, source=path)
+            raise ManifestError(f"{source}: malformed JSON ({e}); re-create the manifest") from None
+        return cls.from_json(d, source=source)
 
     def save(self, root: str) -> str:
         """Atomically write ``<root>/dataset.json`` (local dir or fsspec URL); returns path."""

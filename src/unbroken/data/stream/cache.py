@@ -12,8 +12,11 @@ all ranks and DataLoader workers of the node. Three ideas:
   end of one). Every download goes through :func:`unbroken.data.prepare.stage.fetch_verified` (the
   checksum from ``dataset.json``, published by an atomic rename), with retries and backoff.
 * **A bounded cache evicted by future use.** The cache never holds more than ``cache_limit``
-  bytes of shard + index files, downloads in progress included (their bytes are reserved
-  before the first byte is written). To make room, shards that the node will not read again
+  bytes: shard + index files, downloads in progress included (their bytes are reserved
+  before the first byte is written, and no GET asks for more than the size ``dataset.json``
+  records + 1), and its own files - the manifest copies, ``.index``, the event log (at most
+  ``2 * EVENTS_MAX`` bytes), registrations, network-wait slots and fetcher logs (measured at
+  each admission, plus a ``16 KiB`` allowance for what starts before the next one). To make room, shards that the node will not read again
   this epoch go first, then the one read farthest in the future (Belady's rule, exact here
   because the future is known): a shard may only evict shards needed *later* than itself, so
   prefetching never pushes out what a reader needs sooner. The node's future is seen from its
@@ -24,21 +27,34 @@ all ranks and DataLoader workers of the node. Three ideas:
   bytes on disk, open mmaps included, stay within the limit), and the kernel drops the lock
   of a process that dies; its half-written temporaries and reservations are then cleaned up.
 
+* **Nothing unverified is served.** A unit enters the cache verified: downloaded through
+  ``fetch_verified``, or found on disk (left by a job whose index was lost, or changed after
+  it was verified) and checked against the whole-file checksums of ``dataset.json`` before
+  any sample is read from it (a mismatch is discarded and downloaded again). The index keeps,
+  per verified unit, a stamp of its files (inode, size, mtime): a file whose stamp changed is
+  checked again. The per-member xxh3_64 of a reader cannot stand in for this: it has cheap
+  second preimages.
+
+``cache_dir`` is private to the user (created 0700; refused when another user owns it or
+group or others can write it, see :func:`unbroken.common.fs.private_dir`); every fixed name in
+it is opened without following a symlink, and every file is created 0600.
+
 Layout of ``cache_dir`` (one per node; several datasets may share it and its limit)::
 
     .lock               flock'ed exclusively around every read-modify-write of .index
     .index              the cached units: header (magic, generation, count, xxh64) + one
                         record per unit of int64 (dataset id, shard, bytes, state 1=ready /
-                        2=reserved); rebuilt from the directories when missing or damaged
-    .events             one JSON line per download / eviction / discarded partial file
-    .locks/<dir>-<n>    per-unit lock file; its first 8 bytes are a download heartbeat
+                        2=reserved / 3=found, stamp of its files when ready); rebuilt from
+                        the directories when missing or damaged (every unit then "found")
+    .events(.1)         one JSON line per download / eviction / discarded or verified file
+    .locks/<dir>-<n>    per-unit lock file (empty); its mtime is a download heartbeat
     .readers/<pid>-<k>  each reader's (dataset id, epoch, position, heartbeat ns) as int64
     .stats/<pid>        per DataLoader worker of the rank process <pid>: network wait (ns)
     <dir>/dataset.json  the manifest (dir = the first 16 hex digits of its fingerprint)
     <dir>/<files>       verified shard and index files; ``.tmp-*`` are downloads in flight
 
-A restart reuses the cache: published files were verified before their rename; partial
-ones are discarded. Nothing is replayed: prefetch starts at the resumed position.
+A restart reuses the cache: units verified and unchanged since are used at once, partial
+files are discarded. Nothing is replayed: prefetch starts at the resumed position.
 
 Every wait has a deadline: a download, or the cache, that makes no progress for
 ``CacheOptions.timeout`` seconds raises an error naming the URL (a :class:`RemoteStorageError`
@@ -57,6 +73,8 @@ import logging
 import mmap
 import os
 import shutil
+import stat
+import struct
 import threading
 import time
 from collections import OrderedDict
@@ -69,12 +87,25 @@ import numpy as np
 import xxhash
 
 from unbroken.common.config import parse_size
-from unbroken.common.fs import is_remote, is_temp_name
-from unbroken.data.manifest import DatasetManifest, join_path
+from unbroken.common.fs import (
+    checksum_file,
+    is_remote,
+    is_temp_name,
+    open_private,
+    private_dir,
+    temp_sibling,
+)
+from unbroken.data.manifest import (
+    MAX_MANIFEST_BYTES,
+    DatasetManifest,
+    join_path,
+    read_bounded,
+)
 from unbroken.data.prepare.stage import RemoteStorageError, fetch_verified
 from unbroken.data.stream.order import shards_per_window
 
 __all__ = [
+    "EVENTS_MAX",
     "CacheOptions",
     "NetworkWaitProbe",
     "OrderSpec",
@@ -89,13 +120,18 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"UBCACHE1"
+_MAGIC = b"UBCACHE2"  # 2: records carry a file stamp; a state "found" (issue 20)
 _HEADER = 32  # magic, generation, count, xxh64 of the records
-_READY, _RESERVED = 1, 2
+_COLS = 5  # per record: dataset id, shard, bytes, state, stamp of its files (ready only)
+_READY, _RESERVED, _FOUND = 1, 2, 3
 _NEVER = np.iinfo(np.int64).max  # "no known next use"
 _SLOTS = 64  # network-wait slots per rank process (one per DataLoader worker)
 _PLANS = 4
-_EVENTS_MAX = 64 << 20  # the events log is rotated to .events.1 beyond this
+EVENTS_MAX = 32 << 10
+"""Bytes of ``.events`` before it is rotated to ``.events.1`` (the log holds at most twice
+this: its last ~500 events), counted in ``cache_limit``."""
+_LOG_MAX = 16 << 10  # a fetcher process's log, counted at this size
+_ALLOWANCE = 16 << 10  # what may start between two admissions (a registration, a slot file)
 
 
 @dataclass(frozen=True)
@@ -356,7 +392,7 @@ def epoch_plan(ds: Any, epoch: int, sources: dict[int, int]) -> _Plan:
 
 
 def _pack_index(gen: int, rec: np.ndarray) -> bytes:
-    body = np.ascontiguousarray(rec, dtype=np.int64).tobytes()
+    body = np.ascontiguousarray(rec, dtype=np.int64).reshape(-1, _COLS).tobytes()
     head = np.array([gen, rec.shape[0], xxhash.xxh64_intdigest(body) >> 1], dtype=np.int64)
     return _MAGIC + head.tobytes() + body
 
@@ -366,9 +402,52 @@ def _unpack_index(data: bytes) -> tuple[int, np.ndarray] | None:
         return None
     gen, n, digest = np.frombuffer(data[8:_HEADER], dtype=np.int64).tolist()
     body = data[_HEADER:]
-    if n < 0 or len(body) != n * 32 or xxhash.xxh64_intdigest(body) >> 1 != digest:
+    if n < 0 or len(body) != n * 8 * _COLS or xxhash.xxh64_intdigest(body) >> 1 != digest:
         return None
-    return gen, np.frombuffer(body, dtype=np.int64).reshape(n, 4).copy()
+    return gen, np.frombuffer(body, dtype=np.int64).reshape(n, _COLS).copy()
+
+
+def _stamp(files: list[tuple[str, int]]) -> int:
+    """What a unit's files are now, as one positive int64: a hash of (device, inode, size,
+    mtime) of each; 0 when one is missing, not a regular file or not of its recorded size.
+    A file replaced or written since it was verified has another stamp."""
+    parts = []
+    for path, size in files:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return 0
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            return 0
+        parts += [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+    return (xxhash.xxh64_intdigest(struct.pack(f"<{len(parts)}Q", *parts)) >> 1) or 1
+
+
+def _read_private(path: str, limit: int | None = None) -> bytes:
+    """The bytes of a fixed name in the cache (no symlink followed), up to ``limit``."""
+    fd = open_private(path, os.O_RDONLY)
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read() if limit is None else read_bounded(f, limit)
+    finally:
+        os.close(fd)
+
+
+def _write_private(path: str, data: bytes) -> None:
+    """Publish ``data`` at ``path`` atomically, mode 0600 (a temporary sibling, renamed)."""
+    tmp = temp_sibling(path)
+    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _load_manifest(local: str) -> DatasetManifest:
+    """A manifest copy inside the cache (read without following a symlink)."""
+    path = os.path.join(local, "dataset.json")
+    return DatasetManifest.parse(_read_private(path, MAX_MANIFEST_BYTES + 1), source=path)
 
 
 def _dir_name(dir_id: int) -> str:
@@ -386,7 +465,7 @@ _FDS: set[int] = set()
 
 
 def _open_fd(path: str) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_private(path, os.O_RDWR | os.O_CREAT)
     _FDS.add(fd)
     return fd
 
@@ -583,8 +662,8 @@ def _stats_path(cache_dir: str, pid: int) -> str:
 
 
 def _map_stats(path: str) -> tuple[mmap.mmap, np.ndarray]:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    private_dir(os.path.dirname(path), purpose="cache directory")
+    fd = open_private(path, os.O_RDWR | os.O_CREAT)
     try:
         if os.fstat(fd).st_size < _SLOTS * 16:
             os.ftruncate(fd, _SLOTS * 16)
@@ -659,6 +738,9 @@ class _Proc:
         self.slot: np.ndarray | None = None
         self.slot_mm: mmap.mmap | None = None
         self.wakers: dict[int, threading.Event] = {}  # unit -> set when its lock is released
+        self.stamps: dict[tuple[int, int], int] = {}  # ready units' stamps at stamps_gen
+        self.stamps_gen = -1
+        self.gen_fd = -1  # .index, read-only, for its generation
         # On exit, abort the downloads in flight so that they leave no partial file or
         # reservation behind (a DataLoader worker exits through multiprocessing, which runs
         # its finalizers but not atexit).
@@ -685,7 +767,7 @@ class RemoteCache:
         options: CacheOptions,
         storage_options: dict[str, Any] | None,
     ) -> None:
-        self.cache_dir = os.path.abspath(cache_dir)
+        self.cache_dir = private_dir(os.path.abspath(cache_dir), purpose="cache directory")
         self.limit = limit
         self.options = options
         self.order = OrderSpec(ds)
@@ -728,13 +810,14 @@ class RemoteCache:
             sl = slice(d.base, d.base + len(d.manifest.shards))
             self.unit_bytes[sl] = [s.bytes + s.index_bytes for s in d.manifest.shards]
             self.unit_dir[sl] = d.id
-        for sub in (".locks", ".readers", ".stats"):
-            os.makedirs(os.path.join(self.cache_dir, sub), exist_ok=True)
+        for sub in (".locks", ".readers", ".stats", ".fetch"):
+            private_dir(os.path.join(self.cache_dir, sub), purpose="cache directory")
+        wrote = False
         for d in dirs:
-            local = os.path.join(self.cache_dir, d.name)
-            os.makedirs(local, exist_ok=True)
-            if not os.path.exists(os.path.join(local, "dataset.json")):
-                d.manifest.save(local)
+            local = private_dir(os.path.join(self.cache_dir, d.name), purpose="cache directory")
+            if not os.path.lexists(os.path.join(local, "dataset.json")):
+                _write_private(os.path.join(local, "dataset.json"), d.manifest.dumps().encode())
+                wrote = True
         self._foreign: dict[int, DatasetManifest | None] = {}
         self._plans: OrderedDict[int, _Plan] = OrderedDict()
         self._plan_lock = threading.Lock()
@@ -748,6 +831,8 @@ class RemoteCache:
         if options.prefetch_shards is None:
             self.prefetch_shards = self._default_depth()
         self._sweep_stats()
+        if wrote:
+            self._make_room()
 
     # --- per process --------------------------------------------------------------------
 
@@ -801,7 +886,7 @@ class RemoteCache:
         else:
             if dir_id not in self._foreign:
                 try:
-                    m = DatasetManifest.load(os.path.join(self.cache_dir, _dir_name(dir_id)))
+                    m = _load_manifest(os.path.join(self.cache_dir, _dir_name(dir_id)))
                 except (OSError, ValueError):
                     m = None
                 self._foreign[dir_id] = m
@@ -820,15 +905,37 @@ class RemoteCache:
 
     @staticmethod
     def _complete(files: list[tuple[str, int]]) -> bool:
-        try:
-            return all(os.stat(p).st_size == n for p, n in files)
-        except OSError:
-            return False
+        """Every file there, a regular file of its recorded size (not yet verified)."""
+        return bool(files) and _stamp(files) != 0
 
     def _present(self, uid: int) -> bool:
+        """The unit is ready to read: verified when it entered the cache, and its files are
+        the ones verified (their stamp unchanged)."""
         d, shard = self._unit(uid)
         files = self._files(d.id, shard)
-        return files is not None and self._complete(files)
+        if files is None:
+            return False
+        want = self._ready_stamps().get((d.id, shard))
+        return want is not None and want == _stamp(files)
+
+    def _ready_stamps(self) -> dict[tuple[int, int], int]:
+        """{(dataset id, shard): stamp} of the ready units, re-read when the index changed
+        (its generation, 16 bytes, is read each time; the records only after a change)."""
+        st = self._proc()
+        gen = self._generation()
+        if gen == 0 or gen != st.stamps_gen:
+            try:
+                snap = _unpack_index(_read_private(os.path.join(self.cache_dir, ".index")))
+            except FileNotFoundError:
+                snap = None
+            if snap is None:  # missing, or caught mid-write: read it under the lock
+                with self._locked() as got:
+                    snap = got
+            g, rec = snap
+            ready = rec[rec[:, 3] == _READY]
+            st.stamps = {(a, b): c for a, b, c in ready[:, [0, 1, 4]].tolist()}
+            st.stamps_gen = g
+        return st.stamps
 
     def _open_lock(self, dir_id: int, shard: int) -> int:
         return _open_fd(self._lock_path(dir_id, shard))
@@ -859,12 +966,22 @@ class RemoteCache:
         ahead = int(every[: self.prefetch_shards].sum())
         if self.options.cap_bytes is not None:
             ahead = min(ahead, self.options.cap_bytes + int(every[0]))
+        units = sum(len(p) for p in parts) + self.prefetch_shards  # an upper bound of records
+        own = (
+            _HEADER
+            + 8 * _COLS * (units + 8)
+            + 2 * EVENTS_MAX
+            + _LOG_MAX
+            + _ALLOWANCE
+            + sum(len(d.manifest.dumps()) for d in self.dirs)
+        )
         why = (
             f"two consecutive shuffle windows (and mixture blocks) need {held:,} bytes "
-            f"({'; '.join(parts)}) and "
-            f"prefetching {self.prefetch_shards} shards ahead {ahead:,}"
+            f"({'; '.join(parts)}), "
+            f"prefetching {self.prefetch_shards} shards ahead {ahead:,} and the cache's own "
+            f"files (manifest, index, event log) about {own:,}"
         )
-        return held + ahead, why
+        return held + ahead + own, why
 
     def _default_depth(self) -> int:
         """Prefetch depth when ``prefetch_shards`` is not given: one shuffle window's worth,
@@ -900,9 +1017,51 @@ class RemoteCache:
                         f"{free:,}",
                     )
 
-    def _used(self) -> int:
-        with self._locked() as (_, rec):
-            return int(rec[:, 2].sum())
+    def _used(self, rec: np.ndarray | None = None, extra: int = 0) -> int:
+        """Bytes the cache holds: its units (``rec``, the index records; read under the lock
+        when not given) and its own files, the index at ``extra`` more records."""
+        if rec is None:
+            with self._locked() as (_, rec):
+                return self._used(rec, extra)
+        return int(rec[:, 2].sum()) + self._bookkeeping(rec.shape[0] + extra)
+
+    def _bookkeeping(self, records: int) -> int:
+        """Bytes of the cache's own files (issue 20 item 10): ``.index`` at ``records``
+        records; the event log at its bound; each fetcher log at its bound; the manifest
+        copies, registrations and network-wait slots as they are now; plus an allowance for
+        what may start before the next admission (a reader's registration, a slot file)."""
+        top = self.cache_dir
+        total = _HEADER + 8 * _COLS * records + _ALLOWANCE
+        events = 0
+        for name in (".events", ".events.1"):
+            with contextlib.suppress(OSError):
+                events += os.lstat(os.path.join(top, name)).st_size
+        total += max(events, 2 * EVENTS_MAX)
+        for sub in (".readers", ".stats", ".fetch"):
+            with contextlib.suppress(OSError), os.scandir(os.path.join(top, sub)) as it:
+                for e in it:
+                    if e.name.endswith(".log"):
+                        total += _LOG_MAX
+                        continue
+                    with contextlib.suppress(OSError):
+                        total += e.stat(follow_symlinks=False).st_size
+        with contextlib.suppress(OSError), os.scandir(top) as it:
+            for e in it:
+                if len(e.name) == 16 and not e.name.startswith("."):
+                    with contextlib.suppress(OSError):
+                        total += os.lstat(os.path.join(e.path, "dataset.json")).st_size
+        return total
+
+    def _make_room(self) -> None:
+        """Evict what is needed last until the cache is within its limit (after this
+        dataset's manifest copy was written into a full cache)."""
+        if self.limit is None:
+            return
+        with self._locked() as (gen, rec):
+            short = self._used(rec) - self.limit
+            victims = self._choose(rec, -1, short) if short > 0 else None
+            if victims:
+                self._write(gen + 1, self._evict(rec, victims))
 
     # --- the plan -------------------------------------------------------------------------
 
@@ -1043,18 +1202,26 @@ class RemoteCache:
         return None
 
     def _heartbeat(self, uid: int) -> int:
+        """The mtime of the unit's lock file: a download touches it as bytes arrive (an empty
+        file: nothing the limit has to count)."""
         d, shard = self._unit(uid)
         try:
-            with open(self._lock_path(d.id, shard), "rb") as f:
-                b = f.read(8)
+            return os.lstat(self._lock_path(d.id, shard)).st_mtime_ns
         except OSError:
             return 0
-        return int.from_bytes(b, "little") if len(b) == 8 else 0
 
     def _generation(self) -> int:
+        """The index's generation (0: no index). Read through a descriptor kept per process:
+        the index is rewritten in place; one that was removed is opened again."""
+        st = self._proc()
         try:
-            with open(os.path.join(self.cache_dir, ".index"), "rb") as f:
-                head = f.read(16)
+            if st.gen_fd < 0 or os.fstat(st.gen_fd).st_nlink == 0:
+                if st.gen_fd >= 0:
+                    _close_fd(st.gen_fd)
+                    st.gen_fd = -1
+                st.gen_fd = open_private(os.path.join(self.cache_dir, ".index"), os.O_RDONLY)
+                _FDS.add(st.gen_fd)
+            head = os.pread(st.gen_fd, 16, 0)
         except OSError:
             return 0
         return int.from_bytes(head[8:16], "little") if len(head) == 16 else 0
@@ -1192,7 +1359,7 @@ class RemoteCache:
         for name in names:
             path = os.path.join(rdir, name)
             try:
-                fd = os.open(path, os.O_RDWR)
+                fd = open_private(path, os.O_RDWR)
             except OSError:
                 continue
             try:
@@ -1235,7 +1402,7 @@ class RemoteCache:
         st.fetcher_checked = now
         lock = self._fetch_lock()
         try:
-            fd = os.open(lock, os.O_RDONLY)
+            fd = open_private(lock, os.O_RDONLY)
         except FileNotFoundError:
             st.fetcher_up = False
         else:
@@ -1257,7 +1424,6 @@ class RemoteCache:
         import sys
 
         lock = self._fetch_lock()
-        os.makedirs(os.path.dirname(lock), exist_ok=True)
         me = dict(self.__dict__)
         me.update(readers=[], _state=None, _plan_lock=threading.Lock(), _plans=OrderedDict())
         clone = object.__new__(RemoteCache)
@@ -1281,7 +1447,12 @@ class RemoteCache:
         # can write to would let them run code in the fetcher when it is unpickled.
         clone.__setstate__(clone.__getstate__())
         payload = pickle.dumps(clone)
-        with open(lock[: -len(".lock")] + ".log", "ab") as err:
+        # its log: a fixed name (never followed), started afresh when it reached its bound;
+        # the fetcher keeps it within _LOG_MAX (counted at that size in the limit)
+        err = open_private(lock[: -len(".lock")] + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        try:
+            if os.fstat(err).st_size > _LOG_MAX // 2:
+                os.ftruncate(err, 0)
             proc = subprocess.Popen(
                 [sys.executable, "-m", "unbroken.data.stream.fetcher"],
                 stdin=subprocess.PIPE,
@@ -1289,6 +1460,8 @@ class RemoteCache:
                 stderr=err,
                 close_fds=True,
             )
+        finally:
+            os.close(err)
         _CHILDREN.append(proc)
         # written from a thread: the child reads it all once its interpreter is up
         threading.Thread(
@@ -1373,22 +1546,35 @@ class RemoteCache:
                 pass
 
     def _event(self, kind: str, **fields: Any) -> None:
+        """Append one line to ``.events``; rotated to ``.events.1`` before it would pass
+        :data:`EVENTS_MAX`, under a lock on the file, so the log never holds more than twice
+        that."""
         line = (
             json.dumps(
                 {"t": round(time.time(), 6), "ev": kind, "pid": os.getpid(), **fields},
                 separators=(",", ":"),
             )
             + "\n"
-        )
+        ).encode()
         path = os.path.join(self.cache_dir, ".events")
-        with contextlib.suppress(OSError):
-            if os.path.getsize(path) > _EVENTS_MAX:
-                os.replace(path, path + ".1")
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line.encode())  # one O_APPEND write per event: lines never interleave
-        finally:
-            os.close(fd)
+        for _ in range(8):  # another writer rotated it between our open and our lock: again
+            fd = open_private(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                here = os.fstat(fd)
+                try:
+                    now = os.lstat(path)
+                except FileNotFoundError:
+                    continue
+                if (now.st_dev, now.st_ino) != (here.st_dev, here.st_ino):
+                    continue
+                if here.st_size and here.st_size + len(line) > EVENTS_MAX:
+                    os.replace(path, path + ".1")
+                    continue
+                os.write(fd, line)  # one O_APPEND write per event: lines never interleave
+                return
+            finally:
+                os.close(fd)
 
     # --- the index ------------------------------------------------------------------------
 
@@ -1417,8 +1603,7 @@ class RemoteCache:
     def _read_index(self) -> tuple[int, np.ndarray]:
         path = os.path.join(self.cache_dir, ".index")
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = _read_private(path)
         except FileNotFoundError:
             data = b""
         got = _unpack_index(data)
@@ -1432,7 +1617,7 @@ class RemoteCache:
     def _write(self, gen: int, rec: np.ndarray) -> None:
         path = os.path.join(self.cache_dir, ".index")
         data = _pack_index(gen, rec)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_private(path, os.O_RDWR | os.O_CREAT)
         try:
             os.pwrite(fd, data, 0)
             os.ftruncate(fd, len(data))
@@ -1449,7 +1634,7 @@ class RemoteCache:
                 continue
             try:
                 dir_id = _dir_id(name)
-                m = DatasetManifest.load(local)
+                m = _load_manifest(local)
             except (OSError, ValueError):
                 continue
             names = {}
@@ -1458,8 +1643,8 @@ class RemoteCache:
             complete = set()
             for k, s in enumerate(m.shards):
                 files = self._files(dir_id, k) or []
-                if self._complete(files):
-                    rows.append((dir_id, k, s.bytes + s.index_bytes, _READY))
+                if self._complete(files):  # verified when first used (issue 20 item 8)
+                    rows.append((dir_id, k, s.bytes + s.index_bytes, _FOUND, 0))
                     complete.add(k)
             for f in os.listdir(local):
                 base = f[len(".tmp-") :].rsplit(".", 1)[0] if is_temp_name(f) else f
@@ -1467,7 +1652,7 @@ class RemoteCache:
                 if unit is None or (f == base and unit in complete):
                     continue
                 self._discard_if_free(dir_id, unit, [os.path.join(local, f)])
-        return np.array(rows, dtype=np.int64).reshape(-1, 4)
+        return np.array(rows, dtype=np.int64).reshape(-1, _COLS)
 
     def _discard_if_free(self, dir_id: int, shard: int, paths: list[str]) -> bool:
         fd = self._open_lock(dir_id, shard)
@@ -1502,7 +1687,7 @@ class RemoteCache:
 
     def _clean_reserved(self, rec: np.ndarray, skip: int) -> tuple[np.ndarray, bool]:
         """Reservations whose downloader died (its unit lock is free): a unit it completed
-        becomes ready, anything partial is deleted."""
+        is found (verified when first used), anything partial is deleted."""
         changed = False
         keep = np.ones(rec.shape[0], dtype=bool)
         for k in np.flatnonzero(rec[:, 3] == _RESERVED).tolist():
@@ -1514,8 +1699,8 @@ class RemoteCache:
                 if not _flock(fd, fcntl.LOCK_EX):
                     continue  # still downloading
                 files = self._files(dir_id, shard) or []
-                if files and self._complete(files):
-                    rec[k, 3] = _READY
+                if self._complete(files):
+                    rec[k, 3], rec[k, 4] = _FOUND, 0
                 else:
                     for p in [f for f, _ in files] + self._temps(dir_id, shard):
                         with contextlib.suppress(FileNotFoundError):
@@ -1538,8 +1723,9 @@ class RemoteCache:
     # --- downloading ----------------------------------------------------------------------
 
     def _fetch(self, uid: int, prio: int) -> str:
-        """Download one unit if nobody else is and the cache admits it (runs in the pool).
-        Returns "present", "busy" (another process has it), "noroom" or "done"."""
+        """Bring one unit into the cache if nobody else is and the cache admits it (runs in
+        the pool): its files found on disk are verified, else downloaded verified. Returns
+        "present", "busy" (another process has it), "noroom" or "done"."""
         st = self._proc()
         d, shard = self._unit(uid)
         fd = self._open_lock(d.id, shard)
@@ -1549,99 +1735,135 @@ class RemoteCache:
                 return "busy"
             if self._present(uid):
                 return "present"
+            files = self._files(d.id, shard) or []
             for tmp in self._temps(d.id, shard):  # left by a downloader that died: we hold
                 with contextlib.suppress(FileNotFoundError):  # the unit, nobody writes them
                     os.unlink(tmp)
             if not self._reserve(uid, prio):
+                self._unlink(files)  # found there but not counted (no record): not kept
                 st.retry_after[uid] = time.monotonic() + 0.02
                 return "noroom"
-            info = d.manifest.shards[shard]
-            files = self._files(d.id, shard) or []
-            fs, root = self._fs(d)
             t0 = time.monotonic()
-            ok = False
-            beat = [0]
-
-            def on_bytes(n: int) -> None:
-                if st.pool.stopping:
-                    raise _Stopped
-                beat[0] += 1
-                os.pwrite(fd, beat[0].to_bytes(8, "little"), 0)
-
-            try:
-                for (path, size), name, checksum in zip(
-                    files,
-                    (info.name, info.index),
-                    (info.checksum, info.index_checksum),
-                    strict=True,
-                ):
-                    fetch_verified(
-                        fs,
-                        root.rstrip("/") + "/" + name,
-                        path,
-                        size,
-                        checksum,
-                        url=join_path(d.url, name),
-                        retries=self.options.retries,
-                        backoff_s=self.options.backoff_s,
-                        on_bytes=on_bytes,
-                        what="caching",
-                    )
-                ok = True
-            finally:
-                if not ok:
-                    for path, _ in files:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(path)
+            found = self._complete(files) and self._verify_found(d, shard, files)
+            if not found:
+                try:
+                    self._download(st, fd, d, shard, files)
+                except BaseException:
+                    self._unlink(files)
                     self._unreserve(uid)
-            self._commit(uid, prio, time.monotonic() - t0)
+                    raise
+            self._commit(uid, prio, time.monotonic() - t0, files, found)
             return "done"
         finally:
             _close_fd(fd)
 
+    @staticmethod
+    def _unlink(files: list[tuple[str, int]]) -> None:
+        for path, _ in files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def _verify_found(self, d: _Dir, shard: int, files: list[tuple[str, int]]) -> bool:
+        """Files of a unit found on disk (not downloaded by a verified fetch, or changed
+        since): they must match the whole-file checksums of dataset.json before any sample
+        is read from them (issue 20 item 8). A mismatch is discarded (and downloaded again)."""
+        info = d.manifest.shards[shard]
+        for (path, size), want in zip(files, (info.checksum, info.index_checksum), strict=True):
+            try:
+                got = checksum_file(path)
+            except OSError:
+                got = (-1, "")
+            if got != (size, want):
+                self._unlink(files)
+                self._event(
+                    "discard",
+                    dir=d.name,
+                    shard=shard,
+                    file=os.path.basename(path),
+                    why="checksum differs from dataset.json",
+                )
+                return False
+        return True
+
+    def _download(
+        self, st: _Proc, fd: int, d: _Dir, shard: int, files: list[tuple[str, int]]
+    ) -> None:
+        info = d.manifest.shards[shard]
+        fs, root = self._fs(d)
+
+        def on_bytes(n: int) -> None:
+            if st.pool.stopping:
+                raise _Stopped
+            os.utime(fd)  # the heartbeat: the lock file's mtime
+
+        for (path, size), name, checksum in zip(
+            files, (info.name, info.index), (info.checksum, info.index_checksum), strict=True
+        ):
+            fetch_verified(
+                fs,
+                root.rstrip("/") + "/" + name,
+                path,
+                size,
+                checksum,
+                url=join_path(d.url, name),
+                retries=self.options.retries,
+                backoff_s=self.options.backoff_s,
+                on_bytes=on_bytes,
+                what="caching",
+                private=True,
+            )
+
     def _reserve(self, uid: int, prio: int) -> bool:
-        """Admit ``uid`` into the budget, evicting units needed later than ``prio`` (farthest
-        first) if that makes room; False (nothing evicted) if it cannot."""
+        """Hold room for ``uid`` in the budget, evicting units needed later than ``prio``
+        (farthest first) if that makes room; False (nothing evicted) if it cannot. A unit
+        already counted (found on disk, or a ready record whose files changed) keeps its
+        room."""
         need = int(self.unit_bytes[uid])
         key = self._key(uid)
         with self._locked() as (gen, rec):
             rec, changed = self._clean_reserved(rec, uid)
             mine = (rec[:, 0] == key[0]) & (rec[:, 1] == key[1])
-            if mine.any():  # a stale "ready" record whose files are gone
-                rec, changed = rec[~mine], True
-            used = int(rec[:, 2].sum())
+            held = np.array([[*key, need, _RESERVED, 0]], dtype=np.int64)
+            if mine.any():
+                self._write(gen + 1, np.concatenate([rec[~mine], held]))
+                return True
             victims: list[tuple[int, int]] | None = []  # (record row, locked fd)
-            if self.limit is not None and used + need > self.limit:
-                victims = self._choose(rec, prio, used + need - self.limit)
+            if self.limit is not None:
+                short = self._used(rec, extra=1) + need - self.limit
+                if short > 0:
+                    victims = self._choose(rec, prio, short)
             if victims is None:
                 if changed:
                     self._write(gen + 1, rec)
                 return False
-            drop = np.zeros(rec.shape[0], dtype=bool)
-            for row, vfd in victims:
-                dir_id, shard = int(rec[row, 0]), int(rec[row, 1])
-                try:
-                    for p, _ in self._files(dir_id, shard) or []:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(p)
-                finally:
-                    _close_fd(vfd)
-                drop[row] = True
-                self._event(
-                    "evict",
-                    dir=_dir_name(dir_id),
-                    shard=shard,
-                    bytes=int(rec[row, 2]),
-                    epoch=self._proc().pos[0],
-                )
-            rec = np.concatenate([rec[~drop], np.array([[*key, need, _RESERVED]], dtype=np.int64)])
-            self._write(gen + 1, rec)
+            rec = self._evict(rec, victims)
+            self._write(gen + 1, np.concatenate([rec, held]))
             return True
 
+    def _evict(self, rec: np.ndarray, victims: list[tuple[int, int]]) -> np.ndarray:
+        """Delete the victims' files (their locks held) and drop their records."""
+        drop = np.zeros(rec.shape[0], dtype=bool)
+        for row, vfd in victims:
+            dir_id, shard = int(rec[row, 0]), int(rec[row, 1])
+            try:
+                self._unlink(self._files(dir_id, shard) or [])
+            finally:
+                _close_fd(vfd)
+            drop[row] = True
+            self._event(
+                "evict",
+                dir=_dir_name(dir_id),
+                shard=shard,
+                bytes=int(rec[row, 2]),
+                epoch=self._proc().pos[0],
+            )
+        return rec[~drop]
+
     def _choose(self, rec: np.ndarray, prio: int, short: int) -> list[tuple[int, int]] | None:
-        """Ready units, not open anywhere, needed later than ``prio``: the farthest first
-        until ``short`` bytes are free. Returns (row, fd holding LOCK_EX) or None."""
-        ready = np.flatnonzero(rec[:, 3] == _READY)
+        """Ready (or found) units, not open anywhere, needed later than ``prio``: the
+        farthest first until ``short`` bytes are free. Returns (row, fd holding LOCK_EX) or
+        None."""
+        ready = np.flatnonzero(rec[:, 3] != _RESERVED)
         if ready.size == 0:
             return None
         nu = np.full(ready.size, _NEVER, dtype=np.int64)
@@ -1681,20 +1903,19 @@ class RemoteCache:
             _close_fd(fd)
         return None
 
-    def _commit(self, uid: int, prio: int, secs: float) -> None:
+    def _commit(
+        self, uid: int, prio: int, secs: float, files: list[tuple[str, int]], found: bool
+    ) -> None:
+        """The unit is verified: ready, with the stamp of the files that were verified."""
         key = self._key(uid)
+        row = np.array([[*key, self.unit_bytes[uid], _READY, _stamp(files)]], dtype=np.int64)
         with self._locked() as (gen, rec):
             mine = (rec[:, 0] == key[0]) & (rec[:, 1] == key[1])
-            if mine.any():
-                rec[mine, 3] = _READY
-            else:  # the index was rebuilt while this download ran
-                rec = np.concatenate(
-                    [rec, np.array([[*key, self.unit_bytes[uid], _READY]], dtype=np.int64)]
-                )
-            self._write(gen + 1, rec)
+            # (no record: the index was rebuilt while this download ran)
+            self._write(gen + 1, np.concatenate([rec[~mine], row]))
         s = self.length + 1
         self._event(
-            "download",
+            "verify" if found else "download",
             dir=_dir_name(key[0]),
             shard=key[1],
             bytes=int(self.unit_bytes[uid]),
@@ -1760,14 +1981,13 @@ def read_events(cache_dir: str) -> list[dict[str, Any]]:
     """The cache's event log (downloads, evictions, discarded partial files), oldest first."""
     out = []
     for name in (".events.1", ".events"):
-        path = os.path.join(cache_dir, name)
-        try:
-            with open(path, encoding="utf-8") as f:
-                for line in f:
-                    with contextlib.suppress(json.JSONDecodeError):
-                        out.append(json.loads(line))
+        try:  # bounded files, fixed names: never through a symlink
+            raw = _read_private(os.path.join(cache_dir, name))
         except FileNotFoundError:
             continue
+        for line in raw.decode("utf-8", "replace").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
     return out
 
 

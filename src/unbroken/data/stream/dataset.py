@@ -94,6 +94,7 @@ from unbroken.data.stream.order import (
 from unbroken.data.tar.reader import (
     ShardError,
     ShardReader,
+    cached_fix,
     corrupt_sample,
     index_format,
     warn_unverified,
@@ -187,6 +188,7 @@ class _Reader:
 
     counts: np.ndarray
     fingerprint: str
+    fingerprint_v1: str  # as dataset.json version 1 defined it: named when a state carries it
     manifest: DatasetManifest
     cache: Any = None  # a RemoteCache when the source is remote: it opens (pins) the shards
     verify: bool = True
@@ -245,6 +247,12 @@ class _Reader:
         if index_format(magic) == 1:
             warn_unverified(self.root, path)
 
+    def _fix(self, shard: int) -> str:
+        """What to do about a shard that is damaged or does not match dataset.json."""
+        if self.cache is not None:
+            return cached_fix(self._path(shard))
+        return "re-copy the dataset (`unbroken data stage` verifies what it copies)"
+
     def _open_with(self, cls: Callable[..., T], shard: int) -> T:
         """``cls(shard file, its index, ...)`` (a tar or token shard reader) with this
         dataset's verification settings; an OS error names the shard and the fix."""
@@ -256,11 +264,11 @@ class _Reader:
                 verify=self.verify,
                 index_checksum=info.index_checksum,
                 dataset=self.root,
+                cached=self.cache is not None,
             )
         except OSError as e:
             raise ShardError(
-                f"dataset {self.root}: shard {info.name} cannot be opened ({e}); re-copy the "
-                "dataset (`unbroken data stage` verifies what it copies)"
+                f"dataset {self.root}: shard {info.name} cannot be opened ({e}); {self._fix(shard)}"
             ) from None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -280,6 +288,7 @@ class _TarReader(_Reader):
             )
         self._set_counts([s.samples for s in manifest.shards])
         self.fingerprint = manifest.fingerprint
+        self.fingerprint_v1 = manifest.fingerprint_v1
 
     def _open_shard(self, shard: int) -> _MappedShard:
         info = self.manifest.shards[shard]
@@ -289,7 +298,7 @@ class _TarReader(_Reader):
             raise ShardError(
                 f"dataset {self.root}: shard {info.name}: its index describes a tar of "
                 f"{r.index.tar_bytes} bytes with checksum {r.index.tar_checksum}, dataset.json "
-                f"one of {info.bytes} bytes with checksum {info.checksum}; re-copy the dataset"
+                f"one of {info.bytes} bytes with checksum {info.checksum}; {self._fix(shard)}"
             )
         return _MappedShard(r, skip=self.on_corrupt == "skip")
 
@@ -463,6 +472,7 @@ class _MappedShard:
                 if wrong
                 else f"sample {out[p]['__key__']!r} (its bytes changed while it was read)",
                 dataset=self.reader.dataset,
+                cached=self.reader.cached,
             )
             if not self.skip:
                 raise err
@@ -489,6 +499,7 @@ class _TokenReader(_Reader):
                 "seq_len=... to StreamingDataset or Source"
             )
         self.seq_len = int(seq_len)
+        self.fingerprint_v1 = m.fingerprint_v1
         if self.seq_len == m.seq_len:
             self._set_counts([s.samples for s in m.shards])
             self.fingerprint = m.fingerprint
@@ -499,8 +510,9 @@ class _TokenReader(_Reader):
                 counts.append(num_sequences(tokens, self.seq_len))
             self._set_counts(counts)
             # A different seq_len makes different samples: it is a different dataset.
-            self.fingerprint = xxhash.xxh3_128_hexdigest(
-                f"{m.fingerprint}/seq_len={self.seq_len}".encode()
+            self.fingerprint, self.fingerprint_v1 = (
+                xxhash.xxh3_128_hexdigest(f"{f}/seq_len={self.seq_len}".encode())
+                for f in (m.fingerprint, m.fingerprint_v1)
             )
         self._span = np.arange(self.seq_len + 1, dtype=np.int64)
 
@@ -512,7 +524,7 @@ class _TokenReader(_Reader):
         if self.verify and have != want:
             raise ShardError(
                 f"dataset {self.root}: shard {info.name}: its index says (dtype, eos_id, bytes, "
-                f"checksum) = {have}, dataset.json {want}; re-copy the dataset"
+                f"checksum) = {have}, dataset.json {want}; {self._fix(shard)}"
             )
         return ts
 
@@ -726,6 +738,12 @@ class StreamingDataset(IterableDataset):
     @property
     def source_fingerprints(self) -> tuple[str, ...]:
         return tuple(r.fingerprint for r in self._readers)
+
+    @property
+    def source_fingerprints_v1(self) -> tuple[str, ...]:
+        """Each source's fingerprint as unbroken computed it before issue 20 (dataset.json
+        version 1, not covering the indexes): a resume state saved then carries it."""
+        return tuple(r.fingerprint_v1 for r in self._readers)
 
     @property
     def weights(self) -> tuple[float, ...]:

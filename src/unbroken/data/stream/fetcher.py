@@ -12,12 +12,35 @@ of its own process.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import sys
 
 
+class _BoundedStderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Log lines to stderr, the cache's ``.fetch/<dataset>.log`` (opened O_APPEND by the
+    reader that started this process): emptied before it would pass its bound, so the file
+    stays within what the cache limit counts for it."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__(sys.stderr)
+        self.cap = cap
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if os.fstat(2).st_size > self.cap // 2:
+                os.ftruncate(2, 0)
+        except OSError:
+            pass  # not a file (a terminal, a pipe): nothing to bound
+        super().emit(record)
+
+
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s fetcher %(message)s")
+    from unbroken.data.stream.cache import _LOG_MAX
+
+    handler = _BoundedStderr(_LOG_MAX)
+    handler.setFormatter(logging.Formatter("%(asctime)s fetcher %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     if argv:
         print("usage: python -m unbroken.data.stream.fetcher < PICKLED_CACHE", file=sys.stderr)
         return 2

@@ -458,7 +458,8 @@ class StatefulLoader:
                 raise ValueError(
                     f"the dataset changed since the checkpoint: the loader state was saved on "
                     f"dataset fingerprint {fp}, but {', '.join(s.root for s in ds.sources)} "
-                    f"has fingerprint {ds.fingerprint}{_which_source(state, ds)}. Resuming "
+                    f"has fingerprint {ds.fingerprint}{_which_source(state, ds)}."
+                    f"{_older_version(fp, state, ds)} Resuming "
                     f"would misalign the order{_beyond(epoch, consumed, ds)}. Restore the "
                     "original data, or pass "
                     "StatefulLoader(..., on_dataset_change='restart_epoch') to restart epoch "
@@ -502,6 +503,23 @@ def _beyond(epoch: int, consumed: int, ds: StreamingDataset) -> str:
     return (
         f" (its position, sample {consumed} of epoch {epoch}, lies beyond the "
         f"{ds.epoch_length} samples the dataset now holds)"
+    )
+
+
+def _older_version(fp: str, state: dict[str, Any], ds: StreamingDataset) -> str:
+    """A sentence when the state carries a fingerprint as unbroken computed it before issue 20:
+    the data may be unchanged, but neither its identity nor its order can be carried over."""
+    saved = {fp}
+    for s in state.get("sources") or ():
+        if isinstance(s, dict):
+            saved.add(str(s.get("fingerprint")))
+    if saved.isdisjoint(ds.source_fingerprints_v1):
+        return ""
+    return (
+        " The state was saved by an unbroken that read dataset.json version 1, whose "
+        "fingerprint did not cover the indexes; this version fingerprints every field, and "
+        "the epoch order follows the fingerprint, so the saved position does not carry over "
+        "(finish that run with the unbroken that started it, or restart the epoch)."
     )
 
 

@@ -49,6 +49,7 @@ __all__ = [
     "ShardError",
     "ShardIndex",
     "ShardReader",
+    "cached_fix",
     "corrupt_sample",
     "index_format",
     "index_tar",
@@ -84,8 +85,21 @@ class CorruptSampleError(ShardError):
     """
 
 
-def corrupt_sample(path: str, what: str, *, dataset: str | None = None) -> CorruptSampleError:
-    """The error for damaged bytes: ``what`` is e.g. ``"sample 'k1' member 'jpg'"``."""
+def cached_fix(path: str) -> str:
+    """What to do about a damaged file in a remote dataset's node cache."""
+    return f"delete the cached file {path} (the next read downloads it again, verified)"
+
+
+def corrupt_sample(
+    path: str, what: str, *, dataset: str | None = None, cached: bool = False
+) -> CorruptSampleError:
+    """The error for damaged bytes: ``what`` is e.g. ``"sample 'k1' member 'jpg'"``;
+    ``cached``: ``path`` is a node cache's copy of a remote shard."""
+    fix = (
+        cached_fix(path)
+        if cached
+        else "re-copy the shard (`unbroken data stage` re-fetches it) or re-create the dataset"
+    )
     where = ""
     if dataset:
         where = f"dataset {dataset}: "
@@ -93,8 +107,7 @@ def corrupt_sample(path: str, what: str, *, dataset: str | None = None) -> Corru
             path = os.path.basename(path)
     return CorruptSampleError(
         f"{where}shard {path}: {what} does not match the checksum recorded when it was "
-        "written (the shard is damaged: bit rot, a truncated or overwritten copy); re-copy "
-        "the shard (`unbroken data stage` re-fetches it) or re-create the dataset"
+        f"written (the shard is damaged: bit rot, a truncated or overwritten copy); {fix}"
     )
 
 
@@ -131,7 +144,9 @@ def member_digests(datas: Iterable[Any], count: int | None = None) -> np.ndarray
     return np.fromiter(map(xxhash.xxh3_64_intdigest, datas), np.uint64, n)
 
 
-def read_index_file(path: str, checksum: str | None, *, dataset: str | None = None) -> bytes:
+def read_index_file(
+    path: str, checksum: str | None, *, dataset: str | None = None, cached: bool = False
+) -> bytes:
     """The bytes of an index file; with ``checksum`` (dataset.json's ``index_checksum``) they
     must hash to it, so an index edited or swapped after packing is refused by name."""
     with open(path, "rb") as f:
@@ -140,10 +155,14 @@ def read_index_file(path: str, checksum: str | None, *, dataset: str | None = No
         got = checksum_bytes(raw)
         if got != checksum:
             where = f"dataset {dataset}: " if dataset else ""
+            fix = (
+                cached_fix(path)
+                if cached
+                else "re-copy the dataset or re-create its indexes (`unbroken data index DIR`)"
+            )
             raise ShardError(
                 f"{where}index {path} ({len(raw)} bytes, checksum {got}) is not the index "
-                f"dataset.json records (checksum {checksum}); it is damaged or stale - re-copy "
-                "the dataset or re-create its indexes (`unbroken data index DIR`)"
+                f"dataset.json records (checksum {checksum}); it is damaged or stale - {fix}"
             )
     return raw
 
@@ -499,7 +518,8 @@ class ShardReader:
     checksum for it (:class:`CorruptSampleError` names shard, key and member); an index of
     format 1 has none and is read unverified, with one WARNING. ``index_checksum`` (what
     dataset.json records) refuses an index that is not the recorded one; ``dataset`` names
-    the dataset in errors and keys that warning.
+    the dataset in errors and keys that warning; ``cached``: the files are a node cache's
+    copies (an error then says to delete them).
     """
 
     def __init__(
@@ -510,9 +530,11 @@ class ShardReader:
         verify: bool = True,
         index_checksum: str | None = None,
         dataset: str | None = None,
+        cached: bool = False,
     ) -> None:
         self.path = path
         self.dataset = dataset
+        self.cached = cached
         if index_path is None:
             cand = path + INDEX_SUFFIX
             index_path = cand if os.path.exists(cand) else None
@@ -522,7 +544,7 @@ class ShardReader:
             self.index = index_tar(path)
         else:
             checked = index_checksum if verify else None
-            raw = read_index_file(index_path, checked, dataset=dataset)
+            raw = read_index_file(index_path, checked, dataset=dataset, cached=cached)
             self.index = ShardIndex.from_bytes(raw, source=index_path, trusted=checked is not None)
         self._init = (verify, index_checksum)
         self.verifies = verify and self.index.member_hash is not None
@@ -610,7 +632,12 @@ class ShardReader:
                     break
                 out[ext] = v
         if bad is not None:
-            raise corrupt_sample(self.path, f"sample {key!r} member {bad!r}", dataset=self.dataset)
+            raise corrupt_sample(
+                self.path,
+                f"sample {key!r} member {bad!r}",
+                dataset=self.dataset,
+                cached=self.cached,
+            )
         return out
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -656,6 +683,7 @@ class ShardReader:
             "verify": verify,
             "index_checksum": index_checksum,
             "dataset": self.dataset,
+            "cached": self.cached,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -665,4 +693,5 @@ class ShardReader:
             verify=state.get("verify", True),
             index_checksum=state.get("index_checksum"),
             dataset=state.get("dataset"),
+            cached=state.get("cached", False),
         )

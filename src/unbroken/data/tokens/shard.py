@@ -224,7 +224,8 @@ class TokenShard:
     the first time :meth:`document`, :meth:`sequence` or :meth:`damaged` touches it;
     ``tokens`` itself is the raw map (a caller that slices it checks with :meth:`damaged`).
     ``index_checksum`` (dataset.json's) refuses an index that is not the recorded one;
-    ``dataset`` names the dataset in errors and keys the warning for a format-1 index.
+    ``dataset`` names the dataset in errors and keys the warning for a format-1 index;
+    ``cached``: the files are a node cache's copies (an error then says to delete them).
     """
 
     def __init__(
@@ -235,14 +236,19 @@ class TokenShard:
         verify: bool = True,
         index_checksum: str | None = None,
         dataset: str | None = None,
+        cached: bool = False,
     ) -> None:
         self.path = path
         self.dataset = dataset
+        self.cached = cached
         self.index_path = index_path or path + TOKEN_INDEX_SUFFIX
         fix = "re-run `unbroken data tokenize` (it resumes) or re-copy the dataset"
         try:
             raw = read_index_file(
-                self.index_path, index_checksum if verify else None, dataset=dataset
+                self.index_path,
+                index_checksum if verify else None,
+                dataset=dataset,
+                cached=cached,
             )
         except FileNotFoundError:
             raise FileNotFoundError(
@@ -357,6 +363,7 @@ class TokenShard:
             f"token block {b} (tokens {b * B}..{hi}, read for tokens {start}.."
             f"{start + length - 1})",
             dataset=self.dataset,
+            cached=self.cached,
         )
 
     def _guard(self, start: int, length: int) -> None:

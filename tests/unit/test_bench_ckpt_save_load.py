@@ -1,0 +1,95 @@
+"""benchmarks/ckpt_save_load.py compares like with like (issue 23, "every headline row like
+for like" and "I/O ceilings that are real"): its smoke run on a tiny state, and the eviction
+its cold reads rely on."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "ckpt_save_load.py")
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("ckpt_save_load_bench", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _fs_type(path: str) -> str:
+    out = subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def test_evicted_file_is_out_of_the_page_cache_and_ceiling_reads_every_byte(tmp_path) -> None:
+    """issue 23 item 1: the cold read ceiling reads random bytes that are not cached."""
+    b = _bench()
+    if _fs_type(str(tmp_path)) == "tmpfs":
+        pytest.skip("tmpfs keeps every page in memory: nothing to evict")
+    data = memoryview(os.urandom(3 << 20))
+    b.ceiling_write(str(tmp_path / "c"), data, 2)
+    if b.resident(str(tmp_path / "c")) is None:
+        pytest.skip("no util-linux fincore to read the page cache")
+    b.evict(str(tmp_path / "c"))
+    assert b.resident(str(tmp_path / "c")) == 0
+    assert b.ceiling_read(str(tmp_path / "c"), 2) == len(data)
+
+
+def test_rotation_puts_every_contender_in_every_position() -> None:
+    """issue 23 item 1: contenders run in an order rotated per round, not a fixed one."""
+    b = _bench()
+    names = ["a", "b", "c"]
+    firsts = [b.rotated(names, r)[0] for r in range(3)]
+    assert sorted(firsts) == names
+    assert all(sorted(b.rotated(names, r)) == names for r in range(5))
+
+
+@pytest.mark.slow
+def test_smoke_run_reports_ceilings_anchors_and_the_regression_row(tmp_path) -> None:
+    """issue 23 item 1: dcp.save at unbroken's thread count and at its default, random-bytes
+    write and cold read ceilings, cold and warm restores, rotated rounds, the stall anchors,
+    and a PASS/FAIL regression row."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--gib", "0.02", "--repeats", "3", "--warmup", "1",
+         "--stall", "1", "--parts", "--dir", str(tmp_path / "d"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    t = res["threads"]
+    assert t >= 1
+    assert len(res["rounds"]) == 3
+    want = {"ub_save", f"dcp_save_t{t}", "dcp_save", "ceil_write_1", "ub_cold", "ub_warm"}
+    want |= {"dcp_load_cold", "dcp_load_warm", "ceil_read_1_cold"}
+    assert all(want <= set(r) for r in res["rounds"])
+    orders = res["orders"]
+    assert orders[0] != orders[1] != orders[2]  # rotated, each round
+    assert set(res["ratios"]) >= {
+        "save_vs_write_ceiling",
+        "cold_restore_vs_read_ceiling",
+        "warm_restore_vs_dcp_load",
+        "save_vs_dcp_save_equal_threads",
+    }
+    assert "| save vs the random-bytes write ceiling |" in proc.stdout
+    assert "| cold restore vs the cold read ceiling |" in proc.stdout
+    verdicts = [ln for ln in proc.stdout.splitlines() if ln.endswith(("| PASS |", "| FAIL |"))]
+    assert len(verdicts) == 4
+    stall = res["stall"]
+    assert set(stall) == {
+        "copy into preallocated buffers (floor)",
+        "unbroken Checkpointer(async_save=True).save",
+        "dcp.async_save + DefaultStager",
+        "dcp.async_save",
+    }
+    assert all(len(v["runs"]) == 2 for v in stall.values())  # warm-up + 1, for every one
+    assert len(res["parts"]) == 3 and all(v["cpu"] > 0 for v in res["parts"].values())
