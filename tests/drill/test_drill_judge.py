@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from unbroken.common.audit import StateAudit, fingerprint, read_audit
@@ -14,7 +15,9 @@ from unbroken.elastic.drill.judge import (
     FaultResult,
     RunComparison,
     audit_restore,
+    diagnose,
     judge_trajectories,
+    unplanned_failures,
 )
 from unbroken.elastic.drill.plan import FaultSpec, Injection
 
@@ -216,3 +219,47 @@ def test_fingerprint_kinds_and_collapsed_scalar_lists():
         "rng/python/1": "d",
         "rng/python/2": "d",
     }
+
+
+@pytest.mark.parametrize(
+    ("res", "restored", "words"),
+    [
+        (
+            {"first_sample_diff": 320, "first_sample_step": 21, "first_sample_ids": (7, 9)},
+            20,
+            [
+                "data position was not restored",
+                "sample #320 (step 21)",
+                "id 9 where the reference had 7",
+            ],
+        ),
+        ({"first_sample_diff": None, "first_loss_diff": 21}, 20, ["forward pass", "RNG"]),
+        ({"first_sample_diff": None, "first_loss_diff": 22}, 20, ["optimizer update", "step 22"]),
+        ({"first_sample_diff": None, "first_loss_diff": 23}, 20, ["learning-rate schedule"]),
+        (
+            {"first_sample_diff": None, "first_loss_diff": 18},
+            20,
+            ["metric log was not rolled back"],
+        ),
+    ],
+)
+def test_diagnosis_from_where_the_runs_part(res, restored, words):
+    text = diagnose(res, restored)
+    for w in words:
+        assert w in text, text
+
+
+def test_failures_no_injection_explains_fail_the_drill():
+    def fail(t: float, step: int) -> dict:
+        return {"t": t, "step": step, "fault": "process", "rule": "hang", "reason": "stalled"}
+
+    ok = unplanned_failures(
+        [10.0, 20.0], [("A", fail(10.5, 7)), ("B", fail(10.6, 7)), ("A", fail(21.0, 15))]
+    )
+    assert ok.ok and "3 recorded" in ok.detail
+    bad = unplanned_failures(
+        [10.0, 20.0], [("A", fail(5.0, 3)), ("A", fail(10.5, 7)), ("A", fail(12.0, 9))]
+    )
+    assert not bad.ok
+    assert "2 failure(s) no injected fault explains" in bad.detail
+    assert "node A at step 3: process/hang" in bad.detail and "step 9" in bad.detail
