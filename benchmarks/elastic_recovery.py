@@ -59,6 +59,7 @@ from typing import Any
 from unbroken.common import events
 from unbroken.common.procs import cmdline, environ_of, kill_matching, pids_with_env
 from unbroken.elastic import heartbeat
+from unbroken.elastic.launch.worker import FORKSERVER_TITLE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "..", "tests", "integration", "scripts", "elastic_train.py")
@@ -80,7 +81,7 @@ GOALS = {
     "(c) unbroken run, killed before the standby is ready": 1.0,
 }
 GOAL_DETECT = 1.0
-STANDBY = "unbroken.elastic._standby"
+STANDBY = "unbroken.elastic.launch.standby"
 PHASES = ("detect", "relaunch", "load", "catch_up", "regain")
 PARTS = ("imports", "pg_init", "restore", "first_step", "stop")
 HUNG_AFTER = 90.0
@@ -135,13 +136,18 @@ def _proc_cost(pid: int) -> tuple[float, float, float] | None:
     return rss / 1024, pss / 1024, cpu
 
 
+def _is_standby(argv: list[str]) -> bool:
+    """A standby agent (its argv) or its fork server (which titles itself)."""
+    return STANDBY in argv or bool(argv) and argv[0].startswith(FORKSERVER_TITLE)
+
+
 def standby_cost(run_dir: str, attempt: int) -> dict[str, float]:
     """Memory and CPU of the standby processes waiting for ``attempt`` (its agent and fork
     server: a standby's own command line, that attempt's environment)."""
     got = [
         c
         for pid in pids_with_env(events.ENV_ATTEMPT, str(attempt))
-        if STANDBY in cmdline(pid) and environ_of(pid).get(events.ENV_RUN_DIR) == run_dir
+        if _is_standby(cmdline(pid)) and environ_of(pid).get(events.ENV_RUN_DIR) == run_dir
         for c in [_proc_cost(pid)]
         if c is not None
     ]

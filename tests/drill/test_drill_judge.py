@@ -16,6 +16,7 @@ from unbroken.elastic.drill.judge import (
     RunComparison,
     audit_restore,
     diagnose,
+    evaluate_fault,
     judge_trajectories,
     unplanned_failures,
 )
@@ -263,3 +264,42 @@ def test_failures_no_injection_explains_fail_the_drill():
     assert not bad.ok
     assert "2 failure(s) no injected fault explains" in bad.detail
     assert "node A at step 3: process/hang" in bad.detail and "step 9" in bad.detail
+
+
+def test_a_stop_after_a_fault_is_shown_with_its_exit_code_and_message():
+    """issue 21 item 8: the drill's table says why the job did not come back: the
+    supervisor's stop, its exit code and the refusal's message (not "did not come back")."""
+    inj = Injection(FaultSpec(1, "world-size", "elastic", 12), t=100.0)
+    ev = [
+        {"t": 100.0, "event": "launch", "attempt": 0},
+        {
+            "t": 101.0,
+            "event": "failure",
+            "attempt": 0,
+            "kind": "exit",
+            "fault": "node_lost",
+            "t_fail": 100.5,
+            "t_detect": 101.0,
+        },
+        {"t": 102.0, "event": "launch", "attempt": 1},
+        {
+            "t": 105.0,
+            "t_fail": 104.0,
+            "t_detect": 105.0,
+            "event": "failure",
+            "attempt": 1,
+            "kind": "exit",
+            "fault": "configuration",
+            "rule": "restore_refused",
+            "action": "stop",
+            "stop_code": 8,
+            "reason": "restore_refused: rank 0: RestoreRefused: checkpoint step 10 was saved by "
+            "2 ranks and this job has 1",
+        },
+    ]
+    res = evaluate_fault(inj, ev, "", [])
+    (rec,) = [c for c in res.checks if c.name == "recovered"]
+    assert not rec.ok
+    assert "stopped (exit 8, configuration/restore_refused)" in rec.detail, rec.detail
+    assert "saved by 2 ranks and this job has 1" in rec.detail
+    assert not res.passed

@@ -246,7 +246,8 @@ def _add_run(sub: Sub) -> None:
         "unbroken run --nproc-per-node 8 --ckpt-dir /ckpt -- train.py --lr 3e-4",
         "Exit codes of run: 0 finished, 1 supervisor error, 2 usage, 3 same failure twice "
         "(see RUN_DIR/stop-report.txt), 4 restart budget used up, 5 no progress, 6 pre-flight "
-        "never healthy, 7 preempted (SIGTERM/SIGINT; rerun to resume).",
+        "never healthy, 7 preempted (SIGTERM/SIGINT; rerun to resume), 8 the checkpoint refused "
+        "the job's configuration (RestoreRefused: world size, shapes; not retried).",
         func=_run,
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")

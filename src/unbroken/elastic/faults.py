@@ -26,6 +26,9 @@ storage                 preflight           EIO, ENOSPC, stale handle, read-only
                                             probe, a remote dataset's store unreachable:
                                             pre-flight until healthy, then restart
 deterministic           stop                the same failure at the same step twice
+configuration           stop                a refusal at restore (``RestoreRefused``: a
+                                            resize of per-rank state, a shape mismatch):
+                                            the same job refuses again, so stop at once
 preemption              exit                SIGTERM: the job was asked to save; exit cleanly
 ======================  ==================  ==============================================
 """
@@ -46,6 +49,7 @@ from typing import Any
 __all__ = [
     "DEFAULT_RULES",
     "EXIT_BUDGET",
+    "EXIT_CONFIGURATION",
     "EXIT_DETERMINISTIC",
     "EXIT_ERROR",
     "EXIT_NO_PROGRESS",
@@ -84,7 +88,10 @@ EXIT_PREFLIGHT = 6
 """Pre-flight stayed unhealthy for ``--preflight-max-wait`` seconds."""
 EXIT_PREEMPTED = 7
 """SIGTERM/SIGINT: the job was asked to save and stopped; rerun the same command to resume."""
-STOP_EXITS = frozenset({EXIT_DETERMINISTIC, EXIT_BUDGET, EXIT_NO_PROGRESS})
+EXIT_CONFIGURATION = 8
+"""The checkpoint refused the job (``RestoreRefused``): its configuration (world size,
+model shapes, per-rank state) cannot take it; the message says what differs and the fix."""
+STOP_EXITS = frozenset({EXIT_DETERMINISTIC, EXIT_BUDGET, EXIT_NO_PROGRESS, EXIT_CONFIGURATION})
 """The exit codes of a ``STOP`` decision: what one supervisor tells the others (``stop``)."""
 
 
@@ -94,6 +101,7 @@ class FaultClass(str, enum.Enum):
     STORAGE = "storage"
     DETERMINISTIC = "deterministic"
     PREEMPTION = "preemption"
+    CONFIGURATION = "configuration"
 
 
 class Action(str, enum.Enum):
@@ -110,6 +118,7 @@ _ACTION = {
     FaultClass.STORAGE: Action.PREFLIGHT,
     FaultClass.DETERMINISTIC: Action.STOP,
     FaultClass.PREEMPTION: Action.EXIT,
+    FaultClass.CONFIGURATION: Action.STOP,
 }
 
 
@@ -148,6 +157,9 @@ class Rule:
 _P, _N, _S = FaultClass.PROCESS, FaultClass.NODE_LOST, FaultClass.STORAGE
 
 DEFAULT_RULES: tuple[Rule, ...] = (
+    # The checkpoint layer's deterministic refusal (issue 21 item 8); first, as its message
+    # may name anything (a storage path, an error class) that a later row would take.
+    Rule("restore_refused", FaultClass.CONFIGURATION, r"\bRestoreRefused\b", signal_deaths=False),
     Rule(
         "storage",
         _S,
@@ -377,7 +389,7 @@ def _from_launchers(
             glob.glob(os.path.join(log_dir, "**", str(local), "error.json"), recursive=True)
         )
         msg, tb = _read_error_file(efiles[-1]) if efiles else ("", "")
-        if x.exitcode is None:
+        if x.exitcode is None or x.vanished:
             msg = msg or x.describe()
         code = 1 if x.exitcode is None else x.exitcode
         found[x.rank] = WorkerFailure(x.rank, local, code, x.pid, msg, tb, "", not x.failed)
@@ -588,6 +600,8 @@ class RestartTracker:
         p = self.policy
         if c.action is Action.EXIT:
             return Decision(Action.EXIT, 0.0, EXIT_PREEMPTED, c.reason, c.fault)
+        if c.fault is FaultClass.CONFIGURATION:  # refused again on any restart: no retries
+            return Decision(Action.STOP, 0.0, EXIT_CONFIGURATION, c.reason, c.fault)
         if c.signature is not None:
             seen = sum(1 for s in self.history if s == (c.signature, step))
             self.history.append((c.signature, step))

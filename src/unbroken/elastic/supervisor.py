@@ -22,7 +22,8 @@ interpreters).
 
 Exit codes: see :mod:`unbroken.elastic.faults` (``EXIT_*``): 0 finished, 1 supervisor error,
 2 usage, 3 same failure twice (deterministic bug), 4 restart budget used up, 5 no progress,
-6 pre-flight never healthy, 7 preempted (SIGTERM/SIGINT; the job was asked to save).
+6 pre-flight never healthy, 7 preempted (SIGTERM/SIGINT; the job was asked to save), 8 the
+checkpoint refused the job's configuration at restore (a configuration fault: not retried).
 """
 
 from __future__ import annotations
@@ -608,6 +609,7 @@ class Supervisor:
             step=ev.step,
             delay=d.delay,
             restarts=self.tracker.restarts,
+            stop_code=d.exit_code,
         )
         atomic_write_bytes(
             os.path.join(self.run_dir, "supervisor.json"),

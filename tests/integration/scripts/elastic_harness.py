@@ -72,7 +72,8 @@ def script_args(tmp_path: Any, steps: int, **extra: object) -> list[str]:
         str(steps),
     ]
     for k, v in extra.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
+        flag = f"--{k.replace('_', '-')}"
+        args += [flag] if v is True else [flag, str(v)]
     return args
 
 

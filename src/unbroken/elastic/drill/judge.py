@@ -146,19 +146,37 @@ def evaluate_fault(
     missing = [
         p for p in ("relaunch", "load", "catch_up") if rec is None or getattr(rec, p) is None
     ]
-    checks.append(
-        Check(
-            "recovered",
-            not missing and restored is not None,
-            "all four phases recorded"
-            if not missing
-            else f"phases {', '.join(missing)} not recorded (the job did not come back)",
-        )
-    )
+    checks.append(_recovered_check(inj, events, missing, restored))
     checks.append(_restore_check(inj, restored))
     mine = [r for r in records if until is None or float(r.get("time", 0.0)) < until]
     checks += _specific(inj, events, fail, ckpt_root, mine, restored)
     return FaultResult(inj, checks, fail, rec_json, restored)
+
+
+def _recovered_check(
+    inj: Injection, events: list[dict[str, Any]], missing: list[str], restored: int | None
+) -> Check:
+    """All four phases recorded; or why not: the supervisor's stop (exit code and message,
+    e.g. the checkpoint refused the job: issue 21 item 8) when it stopped."""
+    if not missing:
+        return Check("recovered", restored is not None, "all four phases recorded")
+    t0 = inj.t or 0.0
+    stop = next(
+        (
+            e
+            for e in events
+            if e["event"] == "failure" and e["t"] >= t0 and e.get("action") == "stop"
+        ),
+        None,
+    )
+    if stop is None:
+        why = f"phases {', '.join(missing)} not recorded (the job did not come back)"
+    else:
+        why = (
+            f"the supervisor stopped (exit {stop.get('stop_code', '?')}, "
+            f"{stop.get('fault')}/{stop.get('rule')}): {str(stop.get('reason', ''))[:240]}"
+        )
+    return Check("recovered", False, why)
 
 
 def _restore_check(inj: Injection, restored: int | None) -> Check:

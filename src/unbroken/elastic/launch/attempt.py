@@ -45,7 +45,7 @@ from unbroken.common.procs import (
     signal_if_tagged,
 )
 from unbroken.elastic.faults import WorkerExit
-from unbroken.elastic.launch.worker import ENV_ZYGOTE
+from unbroken.elastic.launch.worker import ENV_ZYGOTE, LAUNCHER_TITLE
 
 if TYPE_CHECKING:
     from unbroken.elastic.launch.standby import Standby
@@ -225,7 +225,7 @@ class Attempt:
         for pid in children_of(self.proc.pid):
             if pid not in self._launchers:
                 argv = cmdline(pid)
-                if LAUNCHER not in argv:
+                if LAUNCHER not in argv and not (argv and argv[0].startswith(LAUNCHER_TITLE)):
                     continue  # the fork server, or a launcher not exec'd yet
                 rank = environ_of(pid).get("RANK", "")
                 self._launchers[pid] = int(rank) if rank.isdigit() else None
@@ -249,10 +249,12 @@ class Attempt:
         reported = {x.launcher for x in self.exits}
         for pid in gone:
             if pid not in reported:
-                return WorkerExit(
+                # Only SIGKILL ends a launcher without its report; its worker goes with it
+                # (the fork server kills it): the rank died of SIGKILL, a process fault.
+                x = WorkerExit(
                     rank=self._launchers[pid],
                     local_rank=None,
-                    exitcode=None,
+                    exitcode=-signal.SIGKILL,
                     stopped=False,
                     pid=None,
                     launcher=pid,
@@ -260,6 +262,8 @@ class Attempt:
                     via="?",
                     vanished=True,
                 )
+                self.exits.append(x)  # the evidence of the attempt: this rank's end
+                return x
         return None
 
     def owns(self, pid: int) -> bool:

@@ -51,7 +51,7 @@ import sys
 import time
 from typing import Any
 
-from unbroken.elastic.launch.worker import ENV_ZYGOTE
+from unbroken.elastic.launch.worker import ENV_ZYGOTE, FORKSERVER_TITLE, set_title
 
 __all__ = ["pdeathsig", "start_server"]
 
@@ -123,6 +123,7 @@ def start_server(
     pid = os.fork()
     if pid == 0:
         os.close(ready_r)
+        set_title(f"{FORKSERVER_TITLE}{agent}]", "ub-forkserver")
         try:
             zygote = _Zygote(name, key, agent, log, preload, t0, ready_w)
         except BaseException as e:  # noqa: BLE001 - said in the log; the agent falls back
@@ -453,6 +454,11 @@ def _run_worker(req: dict[str, Any], rng: Any) -> None:
         np.random.seed()  # a fresh interpreter draws its own seed; forks would share one
     argv = list(req["argv"])
     sys.argv = argv
+    # `ps` and `pgrep -f SCRIPT` find the worker by its script, and see that it is one
+    name = argv[0] if req.get("module") else os.path.basename(argv[0])
+    rank = os.environ.get("RANK", "?")
+    shown = ["-m", *argv] if req.get("module") else argv
+    set_title(f"[unbroken worker rank {rank}] {' '.join(shown)}", name)
     try:
         if req.get("module"):
             sys.path[0] = os.getcwd()

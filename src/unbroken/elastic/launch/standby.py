@@ -39,6 +39,11 @@ from unbroken.elastic.launch.worker import ENV_ZYGOTE
 __all__ = ["Standby"]
 
 
+TITLE_ROOM = " " * 1024
+"""The standby's last argument: blank room in its argv for the titles of the workers its
+fork server forks (a title is written over the argv strings, see ``worker.set_title``)."""
+
+
 class Standby:
     """The next attempt's agent, started ahead and waiting with torch imported.
 
@@ -57,7 +62,7 @@ class Standby:
         self.agent = Agent(
             number,
             run_dir,
-            self.argv,
+            [*self.argv, TITLE_ROOM],
             attempt_env(run_dir, number, self.token, nproc),
             echo,
             stdin=subprocess.PIPE,
@@ -91,6 +96,7 @@ class Standby:
 def main(argv: list[str]) -> None:
     """The standby process: import, fork the server, wait for the go order, be the agent."""
     pdeathsig(signal.SIGKILL)  # a standby dies with its supervisor
+    preload = [m for m in argv if m.strip()]  # not the TITLE_ROOM
     t0 = time.perf_counter()
     import torch
 
@@ -108,7 +114,7 @@ def main(argv: list[str]) -> None:
     log = os.path.join(events.attempt_dir(run_dir, attempt), "zygote.log") if run_dir else None
     name = f"unbroken-zygote-{os.getpid()}-{os.urandom(6).hex()}"
     key = os.urandom(32).hex()
-    server = start_server(name, key, log, [m for m in argv if m], t0, rng)
+    server = start_server(name, key, log, preload, t0, rng)
     line = sys.stdin.readline()
     if not line:
         os._exit(0)  # the supervisor no longer needs this attempt (the server follows)

@@ -129,6 +129,11 @@ def _set_child(pid: int, parent: int) -> None:
     """Adopt ``pid`` as the worker if it is a child of ``parent``; deliver pending signals."""
     global _child, _worker
     _child = pid  # what the worker_exit event reports; signals go only to a proven _worker
+    rank = os.environ.get("RANK", "?")
+    set_title(
+        f"[unbroken launcher rank {rank}, worker {pid}] {' '.join(sys.argv[1:])}",
+        f"ub-launcher-{rank}",
+    )
     try:
         _worker = _Worker(pid, parent)
     except ProcessLookupError:
@@ -138,6 +143,39 @@ def _set_child(pid: int, parent: int) -> None:
         return
     while _pending:
         _worker.signal(_pending.pop(0))
+
+
+_PR_SET_NAME = 15
+LAUNCHER_TITLE = "[unbroken launcher rank "
+"""How a launcher's title begins once it has its worker (see :func:`set_title`)."""
+FORKSERVER_TITLE = "[unbroken fork server of agent "
+
+
+def set_title(title: str, comm: str) -> bool:
+    """Show ``title`` as this process's command line (``ps``, ``pgrep -f``) and ``comm``
+    (15 bytes at most) as its name (``/proc/PID/comm``, ``top``, ``pgrep``), as
+    setproctitle does, with the standard library only: the title is written over the
+    original argv strings, so it is cut to their length (a forked worker has the fork
+    server's, which is padded for it: see ``standby``). False if it could not be done."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(comm.encode()[:15]), 0, 0, 0)
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (stat 48, 49)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return False
+    room = end - start
+    if room < 3:
+        return False
+    # The title, a NUL, then non-NUL filler up to the last byte: the kernel then reads the
+    # command line up to the first NUL (the setproctitle convention), not the old argv.
+    text = title.encode("utf-8", "replace").replace(b"\0", b" ")[: room - 2]
+    buf = text + b"\0" + b" " * (room - len(text) - 1)
+    ctypes.memmove(start, buf, room)
+    return True
 
 
 def _say(msg: str) -> None:
