@@ -14,6 +14,8 @@ from unbroken.elastic.drill.judge import (
     Check,
     FaultResult,
     RunComparison,
+    _order_check,
+    _state_check,
     audit_restore,
     diagnose,
     evaluate_fault,
@@ -303,3 +305,64 @@ def test_a_stop_after_a_fault_is_shown_with_its_exit_code_and_message():
     assert "stopped (exit 8, configuration/restore_refused)" in rec.detail, rec.detail
     assert "saved by 2 ranks and this job has 1" in rec.detail
     assert not res.passed
+
+
+def test_a_resized_run_without_sample_ids_is_not_checked_not_passed():
+    """issue 21 item 9: after a world-size change with no sample ids logged nothing of the
+    fault's steps can be compared: the row says NOT CHECKED and why, never PASS."""
+    faults = [_fault(1, 10.0, 10), _fault(2, 20.0, 20)]
+    _judge(faults, _log(40, ids=False), _log(40, ids=False), exact_until=20)
+    first, second = (_traj(f) for f in faults)
+    assert first.ok and not first.skipped and "loss (no sample ids logged)" in first.detail
+    assert second.ok and second.skipped, second
+    assert second.detail.startswith("not checked: no sample ids logged"), second.detail
+    assert faults[1].verdict == "NOT CHECKED"
+
+
+def _res(**kw: Any) -> dict[str, Any]:
+    res: dict[str, Any] = {
+        "model": [],
+        "counters": [],
+        "scalar_diffs": {},
+        "skipped_float_leaves": 0,
+        "duplicated_steps": 0,
+        "first_loss_diff": None,
+        "loss_at_diff": None,
+        "first_sample_diff": None,
+        "first_sample_step": None,
+        "first_sample_ids": None,
+        "missing_samples": 0,
+        "extra_samples": 0,
+        "identical": True,
+        "ids_logged": False,
+    }
+    res.update(kw)
+    return res
+
+
+def test_the_order_row_says_not_checked_and_names_the_loader_only_when_there_is_one():
+    """issue 21 item 9: "not checked: no sample ids logged"; the loader's position line
+    only when the final state holds a loader."""
+    plain = _order_check(_res(), [{"step": 1, "loss": 1.0}])
+    assert plain.ok and plain.skipped and plain.mark == "n/c "
+    assert plain.detail.startswith("not checked: no sample ids logged"), plain.detail
+    assert "loader" not in plain.detail
+    with_loader = _order_check(_res(loader=[]), [{"step": 1, "loss": 1.0}])
+    assert "the loader's position (loader) is compared in the final state" in with_loader.detail
+
+
+def test_keys_declared_to_differ_after_a_resize_are_left_out_with_their_reason():
+    """issue 21 item 9: a value computed on re-derived RNG after a resize is declared; it is
+    not compared and the reason is printed. Undeclared, or without a resize, it fails."""
+    res = _res(values=["/best_val_loss"], scalar_diffs={"values/best_val_loss": (1.25, 1.5)})
+    why = {"values/best_val_loss": "eval batches drawn from per-rank RNG"}
+    ok = _state_check(res, 21, why)
+    assert ok.ok, ok
+    assert (
+        "declared to differ after a resize, not compared: values/best_val_loss: eval batches "
+        "drawn from per-rank RNG"
+    ) in ok.detail
+    bad = _state_check(res, 21, {})
+    assert not bad.ok and "values/best_val_loss: 1.25 in the reference, 1.5 here" in bad.detail
+    no_resize = _state_check(res, None, why)
+    assert not no_resize.ok  # a declaration covers a resize only

@@ -356,6 +356,7 @@ def _drill(a: argparse.Namespace) -> int:
         timeout=a.timeout,
         reference=a.reference,
         supervisor_args=tuple(a.supervisor_arg),
+        may_differ=tuple(_may_differ(x) for x in a.may_differ),
         ckpt_subdir=a.ckpt_subdir,
         metrics_file=a.metrics_file,
     )
@@ -380,6 +381,16 @@ def _drill(a: argparse.Namespace) -> int:
     print(report.format_table())
     print("report: " + ", ".join(report.files.values()))
     return 0 if report.passed else 1
+
+
+def _may_differ(spec: str) -> tuple[str, str]:
+    key, sep, why = spec.partition("=")
+    if not sep:
+        raise ValueError(
+            f"--may-differ {spec!r}: expected KEY=WHY, e.g. "
+            "--may-differ 'values/best_val_loss=eval batches drawn per rank'"
+        )
+    return key.strip(), why.strip()
 
 
 def _add_drill(sub: Sub) -> None:
@@ -475,6 +486,14 @@ def _add_drill_runs(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="reuse a finished 1-rank reference run of the same command",
+    )
+    p.add_argument(
+        "--may-differ",
+        action="append",
+        default=[],
+        metavar="KEY=WHY",
+        help="a final-state key that may differ after a world-size change, and why "
+        "(printed in the report; repeatable), e.g. 'values/best_val_loss=eval on per-rank RNG'",
     )
     p.add_argument(
         "--supervisor-arg",

@@ -51,6 +51,8 @@ class Check:
     detail: str
     skipped: bool = False
     """Nothing could be compared (``ok`` stays True: it is not a failure, nor a pass)."""
+    cause: str = ""
+    """The concrete mismatch a failed check found (the report's headline names the first)."""
 
     @property
     def mark(self) -> str:
@@ -328,9 +330,11 @@ def compare_run(
     metrics: str,
     world_reference: int,
     records: list[dict[str, Any]],
+    may_differ: dict[str, str] | None = None,
 ) -> RunComparison:
     """The drilled run against its reference. When the world size changed, the floats are
-    compared only up to the change (see the module doc of :mod:`unbroken.elastic.drill.runner`)."""
+    compared only up to the change (see the module doc of :mod:`unbroken.elastic.drill.runner`),
+    and the final state's keys declared in ``may_differ`` (key -> why) are not compared."""
     from unbroken.ckpt.compare import compare_runs  # torch: imported only when a drill ends
 
     def verdict(exact_until: int | None, checks: list[Check], res: Any = None) -> RunComparison:
@@ -360,7 +364,7 @@ def compare_run(
     except (ValueError, OSError, KeyError) as e:
         return verdict(exact_until, [Check("final state", False, f"cannot compare: {e}")])
     checks = [
-        _state_check(res, changed),
+        _state_check(res, changed, may_differ or {}),
         _loss_check(res, len(records), world_reference, changed),
         _order_check(res, records),
         _duplicates_check(res),
@@ -390,11 +394,12 @@ def _order_check(res: dict[str, Any], records: list[dict[str, Any]]) -> Check:
     n = res["first_sample_diff"]
     total = sum(len(r.get("ids", ())) for r in records)
     if not res["ids_logged"]:
-        text = (
-            "not compared: the metric log holds no sample ids (log ids=[...] each step "
-            "to compare the order); the loader's position is compared in the final state"
-        )
-    elif n is None:
+        loaders = [p for p in _parts(res) if "loader" in p]
+        text = "not checked: no sample ids logged (log ids=[...] each step to compare the order)"
+        if loaders:
+            text += f"; the loader's position ({', '.join(loaders)}) is compared in the final state"
+        return Check("data order", True, text, skipped=True)
+    if n is None:
         text = f"identical, {total} samples: none missing, none consumed twice"
     else:
         ra, rb = res["first_sample_ids"]
@@ -403,7 +408,7 @@ def _order_check(res: dict[str, Any], records: list[dict[str, Any]]) -> Check:
             f"{ra}, drilled run id {rb}; {res['missing_samples']} samples never consumed, "
             f"{res['extra_samples']} consumed too often"
         )
-    return Check("data order", n is None, text)
+    return Check("data order", n is None, text, cause=f"other samples from sample #{n}")
 
 
 def _duplicates_check(res: dict[str, Any]) -> Check:
@@ -430,11 +435,47 @@ _NOT_PARTS = {
 }
 
 
-def _state_check(res: dict[str, Any], changed: int | None) -> Check:
-    parts = sorted(k for k in res if k not in _NOT_PARTS)
+def _parts(res: dict[str, Any]) -> list[str]:
+    """The final state's components compared (``model``, ``optimizer``, ``loader``, ...)."""
+    return sorted(k for k in res if k not in _NOT_PARTS)
+
+
+def _declared(key: str, may_differ: dict[str, str]) -> str | None:
+    """The declared key that covers leaf ``key`` (itself or a parent), if any."""
+    k = key.strip("/")
+    return next(
+        (d for d in may_differ if k == d.strip("/") or k.startswith(d.strip("/") + "/")), None
+    )
+
+
+def _state_check(res: dict[str, Any], changed: int | None, may_differ: dict[str, str]) -> Check:
+    """The final states identical; after a world-size change, keys the user declared may
+    differ (``--may-differ KEY=WHY``) are left out, each named with its reason."""
+    declared = may_differ if changed is not None else {}
+    left_out: dict[str, str] = {}
+
+    def keep(keys: list[str], part: str = "") -> list[str]:
+        """``keys`` (of component ``part``) less those declared; those are remembered."""
+        out = []
+        for k in keys:
+            d = _declared(part + k, declared)
+            if d is None:
+                out.append(k)
+            else:
+                left_out[(part + k).strip("/")] = declared[d]
+        return out
+
+    parts = _parts(res)
+    res = {
+        **res,
+        **{p: keep(list(res[p]), p) for p in parts if res[p]},
+        "counters": keep(list(res["counters"])),
+        "scalar_diffs": {k: v for k, v in res["scalar_diffs"].items() if keep([k])},
+    }
     bad = [p for p in parts if res[p]]
     if res["counters"]:
         bad.append("counters")
+    why = "; ".join(f"{k}: {r}" for k, r in sorted(left_out.items()))
     if not bad:
         text = f"identical: {', '.join(parts)}, counters"
         if changed is not None:
@@ -442,6 +483,8 @@ def _state_check(res: dict[str, Any], changed: int | None) -> Check:
                 f" (world size changed at step {changed}: {res['skipped_float_leaves']} "
                 "float tensors not compared; integers, positions and schedules are)"
             )
+        if why:
+            text += f"; declared to differ after a resize, not compared: {why}"
         return Check("final state", True, text)
     items = []
     for p in bad:
@@ -465,22 +508,35 @@ def unplanned_failures(injected: list[float], failures: list[tuple[str, dict[str
     node and fault: anything else (a spurious hang verdict, a restart that failed again) is
     a recovery the drill cannot vouch for."""
     seen: set[tuple[int, str]] = set()
-    extra = []
+    extra: list[str] = []
+    reasons: list[str] = []
     for node, e in sorted(failures, key=lambda x: x[1]["t"]):
         i = sum(1 for t in injected if t <= e["t"]) - 1
         if i < 0 or (i, node) in seen:
             extra.append(
                 f"node {node} at step {e.get('step')}: {e.get('fault')}/"
-                f"{e.get('rule')} ({str(e.get('reason', ''))[:80]})"
+                f"{e.get('rule')} ({str(e.get('reason', ''))[:160]})"
             )
+            reasons.append(str(e.get("reason", "")))
         seen.add((i, node))
     if extra:
         return Check(
             "failures",
             False,
             f"{len(extra)} failure(s) no injected fault explains: " + "; ".join(extra),
+            # the job's own failure after a restore is the concrete cause (e.g. the metric
+            # log refusing a step that went backwards: restore()'s step was ignored)
+            cause=_cause_of(reasons[0]),
         )
     return Check("failures", True, f"{len(failures)} recorded, each after an injected fault")
+
+
+def _cause_of(reason: str) -> str:
+    """``rule: rank R: Error: message`` -> ``Error: message`` (the rank's own words)."""
+    parts = reason.split(": ", 2)
+    if len(parts) == 3 and parts[1].startswith("rank "):
+        return f"{parts[2]} ({parts[1]})"
+    return reason
 
 
 def _integral(pair: Any) -> bool:
@@ -871,7 +927,17 @@ def _trajectory(
         return Check("trajectory", True, why, skipped=True)
     if d is not None and d <= b:
         why = explain(findings.get(r.injection.spec.index), cmp.result, r.restored)
-        return Check("trajectory", False, f"steps {a}..{b} compared: {div.what}; {why}")
+        return Check(
+            "trajectory", False, f"steps {a}..{b} compared: {div.what}; {why}", cause=div.what
+        )
+    if not div.ids and cmp.exact_until is not None and cmp.exact_until < b:
+        # another world size and no sample ids: nothing of these steps can be compared
+        span = f"step {a}" if a == b else f"steps {a}..{b}"
+        why = (
+            f"not checked: no sample ids logged, and {span} ran on another world size than "
+            "the reference (floats not compared bit for bit); log ids=[...] each step"
+        )
+        return Check("trajectory", True, why, skipped=True)
     return Check("trajectory", True, _compared(a, b, div.ids, cmp.exact_until))
 
 
@@ -880,11 +946,6 @@ def _compared(a: int, b: int, ids: bool, exact_until: int | None) -> str:
     if exact_until is None or exact_until >= b:
         what = "loss and sample ids" if ids else "loss (no sample ids logged)"
         return f"{what} of {span} identical to the reference"
-    if not ids:
-        return (
-            f"{span} ran on another world size than the reference: floats not compared, "
-            "and no sample ids logged (only the final state's non-float leaves compare)"
-        )
     if exact_until < a:
         return (
             f"sample ids of {span} identical to the reference (another world size from "

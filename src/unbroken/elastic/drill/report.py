@@ -52,6 +52,25 @@ class DrillReport:
             and all(c == 0 for c in self.exits.values() if c is not None)
         )
 
+    def cause(self) -> str:
+        """The first concrete mismatch, for the headline: the job's own failure after a
+        restore when there was one (it is what made the runs part), else the first failed
+        check's finding; "" when the drill passed."""
+        if self.passed:
+            return ""
+        runs = [c for r in self.runs for c in r.checks if not c.ok]
+        own = next((c.cause for c in runs if c.name == "failures" and c.cause), "")
+        if own:
+            return own
+        for f in self.faults:
+            for c in f.checks:
+                if not c.ok:
+                    return f"fault #{f.injection.spec.index} {f.injection.spec.kind}: " + (
+                        c.cause or f"{c.name}: {c.detail}"
+                    )
+        bad = runs[0] if runs else None
+        return (bad.cause or f"{bad.name}: {bad.detail}") if bad else self.reasons()[0]
+
     def reasons(self) -> list[str]:
         out = [
             f"fault #{f.injection.spec.index} {f.injection.spec.kind}: {f.why}"
@@ -108,15 +127,17 @@ class DrillReport:
             ],
             "exits": self.exits,
             "reasons": self.reasons(),
+            "cause": self.cause(),
             "notes": self.notes,
             "files": self.files,
         }
 
     def format_table(self) -> str:
         n = len(self.faults)
+        verdict = "PASS" if self.passed else f"FAIL: {self.cause()[:300]}"
         head = (
             f"unbroken drill: {n} fault{'s' if n != 1 else ''}, seed {self.seed}: "
-            f"{'PASS' if self.passed else 'FAIL'}   ({self.drill_dir})"
+            f"{verdict}   ({self.drill_dir})"
         )
         lines = [head, "", self._fault_table(), "", *self._check_lines(), ""]
         lines += [f"note: {x}" for x in self.notes]

@@ -166,6 +166,10 @@ class DrillConfig:
     """A finished 1-rank reference run of the same command to reuse (its ``{dir}``)."""
     supervisor_args: tuple[str, ...] = ()
     """Extra ``unbroken run`` options for the drilled runs."""
+    may_differ: tuple[tuple[str, str], ...] = ()
+    """``(key, why)``: final-state keys (``values/best_val_loss``, a component name) that
+    may differ after a world-size change (e.g. computed on RNG streams re-derived for the
+    new ranks); left out of the comparison after a resize, each named with its reason."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -197,6 +201,12 @@ class DrillConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
         if self.ckpt_every is not None and self.ckpt_every < 1:
             raise ValueError(f"ckpt_every={self.ckpt_every} must be >= 1")
+        for key, why in self.may_differ:
+            if not key.strip("/") or not why.strip():
+                raise ValueError(
+                    f"may_differ ({key!r}, {why!r}): name the key and say why it may differ, "
+                    "e.g. --may-differ 'values/best_val_loss=eval batches drawn per rank'"
+                )
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -600,7 +610,14 @@ def _judge_run(
     ]
     world = 1 if run.name == "single" else 2
     cmp = compare_run(
-        run.name, refs[world], run.job, cfg.ckpt_subdir, cfg.metrics_file, world, records
+        run.name,
+        refs[world],
+        run.job,
+        cfg.ckpt_subdir,
+        cfg.metrics_file,
+        world,
+        records,
+        dict(cfg.may_differ),
     )
     audit, ref_audit = read_audit(_audit_dir(run.job)), read_audit(_audit_dir(refs[world]))
     findings = {
