@@ -55,3 +55,19 @@ def test_without_a_failure_of_its_own_the_headline_names_the_first_failed_check(
     passed = _report([FaultResult(inj, [Check("injected", True, "")])], [ok_run])
     passed.exits = {}
     assert passed.format_table().splitlines()[0].startswith("unbroken drill: 1 fault, seed 0: PASS")
+
+
+def test_the_timeline_is_drawn_or_a_note_says_why_not(tmp_path, monkeypatch):
+    """issue 21 item 9: no matplotlib -> no PNG and a note saying so; nothing to draw -> a
+    note saying that."""
+    import sys
+
+    from unbroken.elastic.drill import runner
+    from unbroken.elastic.drill.plot import plot_timeline
+
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails as if absent
+    assert plot_timeline(str(tmp_path / "t.png"), [{"t0": 0.0}]) is None
+    assert not (tmp_path / "t.png").exists()
+    report = _report([], [])
+    runner._plot(report, [], {}, runner.DrillConfig(("t.py", "{dir}"), str(tmp_path)))
+    assert report.notes == ["no timeline.png: no drilled run got far enough to draw"]

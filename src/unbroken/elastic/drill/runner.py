@@ -661,6 +661,7 @@ def _plot(report: DrillReport, runs: list[_Run], refs: dict[int, str], cfg: Dril
             }
         )
     if not panels:
+        report.notes.append("no timeline.png: no drilled run got far enough to draw")
         return
     path = plot_timeline(os.path.join(cfg.drill_dir, "timeline.png"), panels)
     if path:
