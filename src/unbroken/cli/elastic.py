@@ -150,8 +150,17 @@ RUN_FLAGS: tuple[ConfigFlag, ...] = (
         ("--no-prewarm",),
         RunConfig,
         "prewarm",
-        "start a fresh torchrun and fresh worker interpreters per attempt instead of a standby "
-        "agent that imported torch ahead and forks the workers",
+        "start every worker as a fresh interpreter instead of forking it from the standby's "
+        "fork server (the next attempt's agent is still started ahead; see --no-standby)",
+        action="store_false",
+    ),
+    F(
+        ("--no-standby",),
+        RunConfig,
+        "standby",
+        "start a fresh torchrun and fresh workers per attempt: nothing is held while the job "
+        "trains (the standby costs a few hundred MB and a few CPU-seconds per attempt), the "
+        "slowest restart",
         action="store_false",
     ),
     F(("-q", "--quiet"), RunConfig, "echo", "do not echo the job's output", action="store_false"),

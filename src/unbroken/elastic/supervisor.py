@@ -18,7 +18,7 @@ a dead peer, so nothing is gained by waiting for them; ``peer_failed()`` tells t
 handlers to skip a hopeless save), restarts at once when the failed attempt made progress,
 and hands the restart to a standby agent that imported torch while the job was training and
 forks the new workers from there (``launch.standby``; ``prewarm=False`` starts fresh
-interpreters).
+worker interpreters from a standby agent, ``standby=False`` a fresh torchrun too).
 
 Exit codes: see :mod:`unbroken.elastic.faults` (``EXIT_*``): 0 finished, 1 supervisor error,
 2 usage, 3 same failure twice (deterministic bug), 4 restart budget used up, 5 no progress,
@@ -119,8 +119,12 @@ class RunConfig:
     are SIGKILLed. They cannot finish a collective with the dead rank (a rank stuck in one
     does not even run its SIGTERM handler), so this only bounds a flush of local state."""
     prewarm: bool = True
-    """Keep the next attempt's agent started with torch imported, and fork workers from it
-    (see ``launch.standby``); False starts a fresh torchrun and fresh interpreters per attempt."""
+    """Fork the workers from the standby's fork server, which imported ``preload`` ahead
+    (see ``launch.standby``); False starts every worker as a fresh interpreter."""
+    standby: bool = True
+    """Keep the next attempt's torchrun agent started ahead, torch imported (with
+    ``prewarm``: and its fork server); False starts a fresh torchrun per attempt and holds
+    nothing while the job trains (the slowest restart, no memory held)."""
     preload: tuple[str, ...] = DEFAULT_PRELOAD
     """Modules the pre-warmed agent imports before forking workers (add your heavy imports:
     they are then free at every restart). A module that fails to import is skipped."""
@@ -313,12 +317,13 @@ class Supervisor:
             nproc=self.cfg.nproc_per_node,
             preload=self.cfg.preload,
             echo=self.cfg.echo,
+            fork_server=self.cfg.prewarm,
         )
 
     def _launch(self, coord: Coordinator, number: int, gen: int) -> Attempt:
         target = self._max_step if self._failures and self._max_step >= 0 else None
         sb, self._standby = self._standby, None
-        if self.cfg.prewarm and (sb is None or sb.number != number or not sb.alive()):
+        if self.cfg.standby and (sb is None or sb.number != number or not sb.alive()):
             if sb is not None:
                 sb.close()
             sb = self._new_standby(number)  # cold: the workers are still forked from it
@@ -351,7 +356,7 @@ class Supervisor:
         """Start the next attempt's standby once this attempt trains (every local rank beat,
         or 30 s after its workers appeared), so that its imports do not slow this attempt's
         start-up."""
-        if not self.cfg.prewarm or self._standby is not None or t_up is None:
+        if not self.cfg.standby or self._standby is not None or t_up is None:
             return
         if (
             len({b.rank for b in beats if b.started}) >= self.cfg.nproc_per_node

@@ -53,7 +53,7 @@ from typing import Any
 
 from unbroken.elastic.launch.worker import ENV_ZYGOTE, FORKSERVER_TITLE, set_title
 
-__all__ = ["pdeathsig", "start_server"]
+__all__ = ["attempt_event", "pdeathsig", "start_server"]
 
 
 _PR_SET_PDEATHSIG = 1
@@ -65,7 +65,8 @@ def pdeathsig(sig: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
-def _event(name: str, **fields: Any) -> None:
+def attempt_event(name: str, **fields: Any) -> None:
+    """Append ``name`` to the run's event log with this process's pid and attempt."""
     from unbroken.common import events
 
     run_dir = os.environ.get(events.ENV_RUN_DIR)
@@ -272,7 +273,7 @@ class _Zygote:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             self.refused = "a preloaded module initialised CUDA, which a fork cannot use"
-        _event(
+        attempt_event(
             "standby",
             seconds=round(time.perf_counter() - t0, 3),
             preload=names,

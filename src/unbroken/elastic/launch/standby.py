@@ -33,12 +33,14 @@ import uuid
 from collections.abc import Sequence
 
 from unbroken.elastic.launch.attempt import Agent, attempt_env, kill_attempt
-from unbroken.elastic.launch.forkserver import pdeathsig, start_server
+from unbroken.elastic.launch.forkserver import attempt_event, pdeathsig, start_server
 from unbroken.elastic.launch.worker import ENV_ZYGOTE
 
 __all__ = ["Standby"]
 
 
+BARE = "--bare"
+"""The standby's first argument when it starts no fork server."""
 TITLE_ROOM = " " * 1024
 """The standby's last argument: blank room in its argv for the titles of the workers its
 fork server forks (a title is written over the argv strings, see ``worker.set_title``)."""
@@ -52,13 +54,23 @@ class Standby:
     """
 
     def __init__(
-        self, *, number: int, run_dir: str, nproc: int, preload: Sequence[str], echo: bool
+        self,
+        *,
+        number: int,
+        run_dir: str,
+        nproc: int,
+        preload: Sequence[str],
+        echo: bool,
+        fork_server: bool = True,
     ) -> None:
+        """``fork_server=False``: a bare standby (``unbroken run --no-prewarm``): the agent
+        is started ahead with torch and torchrun imported, its workers start as fresh
+        interpreters (no fork server, nothing preloaded for them)."""
         self.number = number
         self.run_dir = run_dir
         self.token = uuid.uuid4().hex
         self.t_start = time.time()
-        self.argv = [sys.executable, "-m", __name__, *preload]
+        self.argv = [sys.executable, "-m", __name__, *([BARE] if not fork_server else preload)]
         self.agent = Agent(
             number,
             run_dir,
@@ -97,6 +109,7 @@ def main(argv: list[str]) -> None:
     """The standby process: import, fork the server, wait for the go order, be the agent."""
     pdeathsig(signal.SIGKILL)  # a standby dies with its supervisor
     preload = [m for m in argv if m.strip()]  # not the TITLE_ROOM
+    bare = preload[:1] == [BARE]
     t0 = time.perf_counter()
     import torch
 
@@ -114,7 +127,9 @@ def main(argv: list[str]) -> None:
     log = os.path.join(events.attempt_dir(run_dir, attempt), "zygote.log") if run_dir else None
     name = f"unbroken-zygote-{os.getpid()}-{os.urandom(6).hex()}"
     key = os.urandom(32).hex()
-    server = start_server(name, key, log, preload, t0, rng)
+    server = None if bare else start_server(name, key, log, preload, t0, rng)
+    if bare:  # ready: what the fork server says when it has imported its preloads
+        attempt_event("standby", seconds=round(time.perf_counter() - t0, 3), fork_server=False)
     line = sys.stdin.readline()
     if not line:
         os._exit(0)  # the supervisor no longer needs this attempt (the server follows)
