@@ -15,6 +15,9 @@ benchmarks/RESULTS.md). The supervisor therefore keeps the *next* attempt's agen
    {...}}`` (:meth:`Standby.go`); the standby runs torchrun's ``main`` in-process: it is
    the attempt's agent, and its workers are forked by the server.
 
+With ``unbroken run --no-prewarm`` the standby is *bare* (``--bare``): the agent is started
+ahead all the same, but it starts no fork server, so the workers start as fresh interpreters.
+
 Any failure to pre-warm falls back to the plain path: no standby -> a fresh
 ``python -m torch.distributed.run``; no fork server -> the launcher starts a fresh
 ``python -u SCRIPT``.

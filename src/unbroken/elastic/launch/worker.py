@@ -131,7 +131,7 @@ def _set_child(pid: int, parent: int) -> None:
     _child = pid  # what the worker_exit event reports; signals go only to a proven _worker
     rank = os.environ.get("RANK", "?")
     set_title(
-        f"[unbroken launcher rank {rank}, worker {pid}] {' '.join(sys.argv[1:])}",
+        f"{LAUNCHER_TITLE}{rank}, worker {pid}] {' '.join(sys.argv[1:])}",
         f"ub-launcher-{rank}",
     )
     try:
