@@ -99,15 +99,21 @@ INNER = {
                 "unbroken.elastic.planner",
                 "unbroken.elastic.preflight",
                 "unbroken.elastic.recovery",
-                "unbroken.elastic._coord",
-                "unbroken.elastic._launch",
-                "unbroken.elastic._standby",
-                "unbroken.elastic._attempt",
-                "unbroken.elastic.supervisor",
+                "unbroken.elastic.rendezvous",
             )
         ],
+        [("unbroken.elastic.launch",)],
+        [("unbroken.elastic.supervisor",)],
         [("unbroken.elastic.drill",)],
         [("unbroken.elastic",)],
+    ],
+    # the drill: what to inject (plan) < doing it, judging it < printing it < the run
+    "unbroken.elastic.drill": [
+        [("unbroken.elastic.drill.plan",)],
+        [("unbroken.elastic.drill.inject",), ("unbroken.elastic.drill.judge",)],
+        [("unbroken.elastic.drill.report",), ("unbroken.elastic.drill.plot",)],
+        [("unbroken.elastic.drill.runner",)],
+        [("unbroken.elastic.drill",)],
     ],
 }
 
@@ -196,7 +202,7 @@ def test_no_import_runs_upward() -> None:
     [
         ("unbroken.ckpt.checkpointer", "unbroken.common.events", True),
         ("unbroken.ckpt.checkpointer", "unbroken.elastic.recovery", False),
-        ("unbroken.elastic.drill.report", "unbroken.demo", False),
+        ("unbroken.elastic.drill.judge", "unbroken.demo", False),
         ("unbroken.data.stream.dataset", "unbroken.ckpt.store", False),
         ("unbroken.ckpt.store", "unbroken.data.manifest", False),
         ("unbroken.data.tar.reader", "unbroken.data.stream.order", False),
@@ -209,6 +215,14 @@ def test_no_import_runs_upward() -> None:
         ("unbroken.ckpt.store", "unbroken.ckpt.archive.remote", False),
         ("unbroken.ckpt.checkpointer", "unbroken.ckpt.archive.remote", True),
         ("unbroken.elastic.supervisor", "unbroken.elastic.drill.runner", False),
+        ("unbroken.elastic.launch.attempt", "unbroken.elastic.supervisor", False),
+        ("unbroken.elastic.rendezvous", "unbroken.elastic.launch.attempt", False),
+        ("unbroken.elastic.supervisor", "unbroken.elastic.launch.standby", True),
+        ("unbroken.elastic.drill.inject", "unbroken.elastic.drill.report", False),
+        ("unbroken.elastic.drill.inject", "unbroken.elastic.drill.judge", False),
+        ("unbroken.elastic.drill.plan", "unbroken.elastic.drill.judge", False),
+        ("unbroken.elastic.drill.report", "unbroken.elastic.drill.judge", True),
+        ("unbroken.elastic.drill.runner", "unbroken.elastic.drill.inject", True),
         ("unbroken.common.fs", "unbroken.data.manifest", False),
         ("unbroken.cli", "unbroken.demo", True),
         ("unbroken.ckpt.manifest", "unbroken.ckpt.per_rank", False),  # format -> io
