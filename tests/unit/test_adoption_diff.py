@@ -42,3 +42,16 @@ def test_a_stock_ddp_loop_adopts_unbroken_in_at_most_30_changed_lines():
 def test_the_count_counts():
     assert changed_lines(["a", "b", "c"], ["a", "B", "c", "d"]) == (2, 2, 1)
     assert changed_lines(["a"], ["a"]) == (0, 0, 0)
+
+
+def test_a_nanogpt_style_script_adopts_unbroken_in_at_most_20_changed_lines():
+    """issue 21: ``examples/gpt_flat/train_stock.py`` (flat ``train.bin``, random
+    ``get_batch``, the next batch held across the backward pass, ``iter_num`` and
+    ``best_val_loss`` as globals, DDP) -> ``train.py``: resumable, supervised, drillable."""
+    old, new = _code("gpt_flat/train_stock.py"), _code("gpt_flat/train.py")
+    changed, added, removed = changed_lines(old, new)
+    print(f"gpt_flat/train_stock.py -> train.py: {changed} changed lines (+{added} -{removed})")
+    assert changed <= 20 and added <= 20, (changed, added, removed)
+    assert changed >= 10  # the files really differ
+    assert any("held_batches=1" in line for line in new)  # the held batch is kept, declared
+    assert sum("get_batch(" in line for line in new) >= 3  # the training loop's calls stay

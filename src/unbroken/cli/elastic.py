@@ -415,7 +415,8 @@ def _add_drill(sub: Sub) -> None:
         "steps it compared. {dir} in ARGS is replaced by each run's directory; the script "
         "checkpoints with unbroken's Checkpointer into {dir}/ckpt (restore() at start, a final "
         "checkpoint at the last step) and logs the loss (and, to compare the data order, the "
-        "sample ids: StreamingDataset(with_ids=True)) per step to {dir}/metrics.jsonl. Writes "
+        "sample ids: loader.forever().take_ids(), or StreamingDataset(with_ids=True) with "
+        "global_ids) per step to {dir}/metrics.jsonl. Writes "
         "drill.txt, drill.json and timeline.png into --dir. Try it: unbroken drill --example.",
         func=_drill,
     )

@@ -42,8 +42,8 @@ script"): write under ``{dir}`` (the drill substitutes a directory per run); che
 :class:`unbroken.ckpt.Checkpointer` into ``{dir}/ckpt``, resume from it when started again
 with the same arguments, and save a final checkpoint at the last step; log every step's
 ``loss`` and, to have the data order compared, ``ids`` (the sample ids it consumed:
-``StreamingDataset(with_ids=True)`` hands them out, :func:`unbroken.common.metrics.global_ids`
-gathers them over ranks; without them the loader's position is still compared as part of
+``loader.forever().take_ids()`` lists every rank's, or ``StreamingDataset(with_ids=True)``
+hands them out and :func:`unbroken.common.metrics.global_ids` gathers them over ranks; without them the loader's position is still compared as part of
 the final state) to ``{dir}/metrics.jsonl`` with :class:`unbroken.common.metrics.MetricLog` (also
 ``world_size`` in multi-rank jobs); call :func:`unbroken.elastic.beat` every step; be
 deterministic (seeds, ``torch.use_deterministic_algorithms``). For ``agent-loss`` and
