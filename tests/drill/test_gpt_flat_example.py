@@ -36,6 +36,7 @@ HERE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "gpt_flat
 SCRIPT = os.path.abspath(os.path.join(HERE, "train.py"))
 STOCK = os.path.abspath(os.path.join(HERE, "train_stock.py"))
 ITERS = 30  # iterations 0..30: the final checkpoint is step 31, the periodic ones 10, 20, 30
+DRILL_ITERS = 40  # the drill places a fault between checkpoints: it needs at least 33 steps
 WORDS = "the of and to in a is that for it as was with be by on not he this are or his".split()
 
 
@@ -173,7 +174,7 @@ def test_drill_multi_rank_passes_with_sample_ids_compared(data, tmp_path, capsys
             "values/best=evaluated on weights that round differently on another world size",
             "--",
             SCRIPT,
-            *_args(data, "{dir}"),
+            *_args(data, "{dir}", DRILL_ITERS),
         ]
     )
     text = capsys.readouterr().out
@@ -188,7 +189,7 @@ def test_drill_multi_rank_passes_with_sample_ids_compared(data, tmp_path, capsys
 
 PLANTED = {
     # the batch fetched after the forward pass is in no checkpoint
-    "held batch": [("held_batches=1", "held_batches=0")],
+    "held batch": [("xy=True, held_batches=1)", "xy=True, held_batches=0)")],
     # dropout's stream starts afresh after the restore
     "rng": [("state = TrainState(", "state = TrainState(capture_rng=False, ")],
     # the step counter starts at 0 again: the log is refused
@@ -224,7 +225,15 @@ def planted(data, tmp_path_factory):
             out = str(base / bug.replace(" ", "-"))
             log = out + ".txt"
             cmd = [sys.executable, "-m", "unbroken.cli", "drill", "--faults", "kill"]
-            cmd += ["--dir", out, "--timeout", "400", "--", script, *_args(data, "{dir}")]
+            cmd += [
+                "--dir",
+                out,
+                "--timeout",
+                "400",
+                "--",
+                script,
+                *_args(data, "{dir}", DRILL_ITERS),
+            ]
             with open(log, "wb") as f:
                 rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=HERE).returncode
             return rc, open(log, encoding="utf-8", errors="replace").read(), out
