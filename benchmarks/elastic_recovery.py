@@ -11,8 +11,9 @@ steps), same kill (rank 1 SIGKILLed), at two moments (issue 23: the cold path be
   (whether it was is recorded per run and counted in the table).
 
 Rows, each against torchrun's own restart at the same moment, same run: (a) `unbroken run`,
-standby ready; (b) `unbroken run --no-prewarm`; (c) `unbroken run`, a failure before the
-standby is ready. The anchor is ``torchrun --standalone --max-restarts 1`` (restarts the
+standby ready; (b) `unbroken run --no-prewarm` (a bare standby agent, fresh worker
+interpreters); (c) `unbroken run`, a failure before the standby is ready; (d) `unbroken run
+--no-standby` (nothing held while training: a fresh torchrun and fresh workers). The anchor is ``torchrun --standalone --max-restarts 1`` (restarts the
 worker group inside the running agent) with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without
 it the restarted group usually fails to connect, see RESULTS.md; ``--plain-torchrun`` adds
 that row too). The anchor runs get UNBROKEN_RUN_DIR set by hand so the same script writes
@@ -59,6 +60,7 @@ from typing import Any
 from unbroken.common import events
 from unbroken.common.procs import cmdline, environ_of, kill_matching, pids_with_env
 from unbroken.elastic import heartbeat
+from unbroken.elastic.launch.worker import FORKSERVER_TITLE
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "..", "tests", "integration", "scripts", "elastic_train.py")
@@ -69,6 +71,7 @@ PLAIN = "torchrun --max-restarts 1 (defaults)"
 MODES: dict[str, tuple[list[str], str]] = {
     "(a) unbroken run, standby ready": (["unbroken"], "late"),
     "(b) unbroken run --no-prewarm": (["unbroken", "--no-prewarm"], "late"),
+    "(d) unbroken run --no-standby": (["unbroken", "--no-standby"], "late"),
     ANCHOR: (["torchrun", "noshare"], "late"),
     "(c) unbroken run, killed before the standby is ready": (["unbroken"], "early"),
     ANCHOR_EARLY: (["torchrun", "noshare"], "early"),
@@ -80,7 +83,7 @@ GOALS = {
     "(c) unbroken run, killed before the standby is ready": 1.0,
 }
 GOAL_DETECT = 1.0
-STANDBY = "unbroken.elastic._standby"
+STANDBY = "unbroken.elastic.launch.standby"
 PHASES = ("detect", "relaunch", "load", "catch_up", "regain")
 PARTS = ("imports", "pg_init", "restore", "first_step", "stop")
 HUNG_AFTER = 90.0
@@ -135,13 +138,18 @@ def _proc_cost(pid: int) -> tuple[float, float, float] | None:
     return rss / 1024, pss / 1024, cpu
 
 
+def _is_standby(argv: list[str]) -> bool:
+    """A standby agent (its argv) or its fork server (which titles itself)."""
+    return STANDBY in argv or bool(argv) and argv[0].startswith(FORKSERVER_TITLE)
+
+
 def standby_cost(run_dir: str, attempt: int) -> dict[str, float]:
     """Memory and CPU of the standby processes waiting for ``attempt`` (its agent and fork
     server: a standby's own command line, that attempt's environment)."""
     got = [
         c
         for pid in pids_with_env(events.ENV_ATTEMPT, str(attempt))
-        if STANDBY in cmdline(pid) and environ_of(pid).get(events.ENV_RUN_DIR) == run_dir
+        if _is_standby(cmdline(pid)) and environ_of(pid).get(events.ENV_RUN_DIR) == run_dir
         for c in [_proc_cost(pid)]
         if c is not None
     ]
@@ -203,7 +211,7 @@ def one(mode: list[str], moment: str, work: str, kill_at: int) -> dict[str, floa
     p = subprocess.Popen(
         argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
-    prewarm = mode[0] == "unbroken" and "--no-prewarm" not in mode
+    prewarm = mode[0] == "unbroken" and "--no-standby" not in mode
     wait_ready = prewarm and moment == "late"
     extra: dict[str, float] = {}
     try:
@@ -323,7 +331,8 @@ def _med(xs: list[dict[str, float]], k: str) -> float:
 
 def report(res: dict[str, list[dict[str, float]]], failed: dict[str, list[str]]) -> dict[str, Any]:
     anchor = {
-        m: _med(res[ANCHOR if m == "late" else ANCHOR_EARLY], "regain") for m in ("late", "early")
+        m: _med(res.get(ANCHOR if m == "late" else ANCHOR_EARLY, []), "regain")
+        for m in ("late", "early")
     }
     print("\nSIGKILL of 1 of 2 gloo workers; medians (s) over the runs that recovered")
     print(
@@ -353,23 +362,26 @@ def report(res: dict[str, list[dict[str, float]]], failed: dict[str, list[str]])
     for name, xs in res.items():
         if xs:
             print(f"| {name} | " + " | ".join(f"{_med(xs, k):.2f}" for k in PARTS) + " |")
-    cost = [x for x in res[next(iter(GOALS))] if "standby_rss_mb" in x]
-    if cost:
-        print(
-            f"\nstandby cost per attempt (median of {len(cost)}; agent + fork server, when "
-            f"ready): RSS {_med(cost, 'standby_rss_mb'):.0f} MB, PSS "
-            f"{_med(cost, 'standby_pss_mb'):.0f} MB, CPU {_med(cost, 'standby_cpu_s'):.2f} s "
-            f"(processes: {_med(cost, 'standby_procs'):.0f})"
-        )
+    for name, xs in res.items():
+        cost = [x for x in xs if "standby_rss_mb" in x]
+        if cost:
+            print(
+                f"\n{name}: standby cost per attempt (median of {len(cost)}; its agent and "
+                f"fork server, when ready): RSS {_med(cost, 'standby_rss_mb'):.0f} MB, PSS "
+                f"{_med(cost, 'standby_pss_mb'):.0f} MB, CPU {_med(cost, 'standby_cpu_s'):.2f} "
+                f"s (processes: {_med(cost, 'standby_procs'):.0f})"
+            )
     print("\n| goal (issue 23) | measured | goal | verdict |")
     print("|---|---|---|---|")
     for name, goal in GOALS.items():
+        if name not in res:
+            continue
         r = ratios.get(name, float("nan"))
         print(
             f"| {name}: regain vs torchrun | {r:.2f}x | <= {goal}x | {'PASS' if r <= goal else 'FAIL'} |"
         )
     for name in GOALS:
-        if res[name]:
+        if res.get(name):
             d = max(x["detect"] for x in res[name])
             print(
                 f"| {name}: detect, worst run | {d:.2f} s | <= {GOAL_DETECT} s | {'PASS' if d <= GOAL_DETECT else 'FAIL'} |"
@@ -389,8 +401,18 @@ def main() -> None:
     )
     ap.add_argument("--plain-torchrun", action="store_true", help=f"also the row {PLAIN!r}")
     ap.add_argument("--json", default=None, help="also write every repeat's phases here")
+    ap.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated letters of the rows to run (e.g. 'b,d'; the anchors always run)",
+    )
     a = ap.parse_args()
     modes = dict(MODES)
+    if a.modes:
+        keep = {f"({x.strip()})" for x in a.modes.split(",")}
+        modes = {k: v for k, v in modes.items() if k in (ANCHOR, ANCHOR_EARLY) or k[:3] in keep}
+        if not any(v[1] == "early" for k, v in modes.items() if k != ANCHOR_EARLY):
+            modes.pop(ANCHOR_EARLY)
     if a.plain_torchrun:
         modes[PLAIN] = (["torchrun"], "late")
     load0 = os.getloadavg()

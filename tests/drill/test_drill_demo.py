@@ -19,8 +19,9 @@ import pytest
 
 from unbroken.common.metrics import read_metrics
 from unbroken.common.procs import kill_matching
+from unbroken.elastic.drill.plan import FAULT_KINDS
 from unbroken.elastic.drill.report import DrillReport
-from unbroken.elastic.drill.runner import ENV_TOKEN, FAULT_KINDS, example_config, run_drill
+from unbroken.elastic.drill.runner import ENV_TOKEN, example_config, run_drill
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

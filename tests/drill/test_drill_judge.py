@@ -6,18 +6,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from unbroken.common.audit import StateAudit, fingerprint, read_audit
-from unbroken.elastic.drill.report import (
+from unbroken.elastic.drill.judge import (
     Check,
     FaultResult,
-    FaultSpec,
-    Injection,
     RunComparison,
+    _order_check,
+    _state_check,
     audit_restore,
+    diagnose,
+    evaluate_fault,
     judge_trajectories,
+    unplanned_failures,
 )
+from unbroken.elastic.drill.plan import FaultSpec, Injection
 
 
 def _log(n: int, *, bad_from: int | None = None, ids: bool = True) -> list[dict[str, Any]]:
@@ -217,3 +222,147 @@ def test_fingerprint_kinds_and_collapsed_scalar_lists():
         "rng/python/1": "d",
         "rng/python/2": "d",
     }
+
+
+@pytest.mark.parametrize(
+    ("res", "restored", "words"),
+    [
+        (
+            {"first_sample_diff": 320, "first_sample_step": 21, "first_sample_ids": (7, 9)},
+            20,
+            [
+                "data position was not restored",
+                "sample #320 (step 21)",
+                "id 9 where the reference had 7",
+            ],
+        ),
+        ({"first_sample_diff": None, "first_loss_diff": 21}, 20, ["forward pass", "RNG"]),
+        ({"first_sample_diff": None, "first_loss_diff": 22}, 20, ["optimizer update", "step 22"]),
+        ({"first_sample_diff": None, "first_loss_diff": 23}, 20, ["learning-rate schedule"]),
+        (
+            {"first_sample_diff": None, "first_loss_diff": 18},
+            20,
+            ["metric log was not rolled back"],
+        ),
+    ],
+)
+def test_diagnosis_from_where_the_runs_part(res, restored, words):
+    text = diagnose(res, restored)
+    for w in words:
+        assert w in text, text
+
+
+def test_failures_no_injection_explains_fail_the_drill():
+    def fail(t: float, step: int) -> dict:
+        return {"t": t, "step": step, "fault": "process", "rule": "hang", "reason": "stalled"}
+
+    ok = unplanned_failures(
+        [10.0, 20.0], [("A", fail(10.5, 7)), ("B", fail(10.6, 7)), ("A", fail(21.0, 15))]
+    )
+    assert ok.ok and "3 recorded" in ok.detail
+    bad = unplanned_failures(
+        [10.0, 20.0], [("A", fail(5.0, 3)), ("A", fail(10.5, 7)), ("A", fail(12.0, 9))]
+    )
+    assert not bad.ok
+    assert "2 failure(s) no injected fault explains" in bad.detail
+    assert "node A at step 3: process/hang" in bad.detail and "step 9" in bad.detail
+
+
+def test_a_stop_after_a_fault_is_shown_with_its_exit_code_and_message():
+    """issue 21 item 8: the drill's table says why the job did not come back: the
+    supervisor's stop, its exit code and the refusal's message (not "did not come back")."""
+    inj = Injection(FaultSpec(1, "world-size", "elastic", 12), t=100.0)
+    ev = [
+        {"t": 100.0, "event": "launch", "attempt": 0},
+        {
+            "t": 101.0,
+            "event": "failure",
+            "attempt": 0,
+            "kind": "exit",
+            "fault": "node_lost",
+            "t_fail": 100.5,
+            "t_detect": 101.0,
+        },
+        {"t": 102.0, "event": "launch", "attempt": 1},
+        {
+            "t": 105.0,
+            "t_fail": 104.0,
+            "t_detect": 105.0,
+            "event": "failure",
+            "attempt": 1,
+            "kind": "exit",
+            "fault": "configuration",
+            "rule": "restore_refused",
+            "action": "stop",
+            "stop_code": 8,
+            "reason": "restore_refused: rank 0: RestoreRefused: checkpoint step 10 was saved by "
+            "2 ranks and this job has 1",
+        },
+    ]
+    res = evaluate_fault(inj, ev, "", [])
+    (rec,) = [c for c in res.checks if c.name == "recovered"]
+    assert not rec.ok
+    assert "stopped (exit 8, configuration/restore_refused)" in rec.detail, rec.detail
+    assert "saved by 2 ranks and this job has 1" in rec.detail
+    assert not res.passed
+
+
+def test_a_resized_run_without_sample_ids_is_not_checked_not_passed():
+    """issue 21 item 9: after a world-size change with no sample ids logged nothing of the
+    fault's steps can be compared: the row says NOT CHECKED and why, never PASS."""
+    faults = [_fault(1, 10.0, 10), _fault(2, 20.0, 20)]
+    _judge(faults, _log(40, ids=False), _log(40, ids=False), exact_until=20)
+    first, second = (_traj(f) for f in faults)
+    assert first.ok and not first.skipped and "loss (no sample ids logged)" in first.detail
+    assert second.ok and second.skipped, second
+    assert second.detail.startswith("not checked: no sample ids logged"), second.detail
+    assert faults[1].verdict == "NOT CHECKED"
+
+
+def _res(**kw: Any) -> dict[str, Any]:
+    res: dict[str, Any] = {
+        "model": [],
+        "counters": [],
+        "scalar_diffs": {},
+        "skipped_float_leaves": 0,
+        "duplicated_steps": 0,
+        "first_loss_diff": None,
+        "loss_at_diff": None,
+        "first_sample_diff": None,
+        "first_sample_step": None,
+        "first_sample_ids": None,
+        "missing_samples": 0,
+        "extra_samples": 0,
+        "identical": True,
+        "ids_logged": False,
+    }
+    res.update(kw)
+    return res
+
+
+def test_the_order_row_says_not_checked_and_names_the_loader_only_when_there_is_one():
+    """issue 21 item 9: "not checked: no sample ids logged"; the loader's position line
+    only when the final state holds a loader."""
+    plain = _order_check(_res(), [{"step": 1, "loss": 1.0}])
+    assert plain.ok and plain.skipped and plain.mark == "n/c "
+    assert plain.detail.startswith("not checked: no sample ids logged"), plain.detail
+    assert "loader" not in plain.detail
+    with_loader = _order_check(_res(loader=[]), [{"step": 1, "loss": 1.0}])
+    assert "the loader's position (loader) is compared in the final state" in with_loader.detail
+
+
+def test_keys_declared_to_differ_after_a_resize_are_left_out_with_their_reason():
+    """issue 21 item 9: a value computed on re-derived RNG after a resize is declared; it is
+    not compared and the reason is printed. Undeclared, or without a resize, it fails."""
+    res = _res(values=["/best_val_loss"], scalar_diffs={"values/best_val_loss": (1.25, 1.5)})
+    why = {"values/best_val_loss": "eval batches drawn from per-rank RNG"}
+    ok = _state_check(res, 21, why)
+    assert ok.ok, ok
+    assert (
+        "declared to differ after a resize, not compared: values/best_val_loss: eval batches "
+        "drawn from per-rank RNG"
+    ) in ok.detail
+    bad = _state_check(res, 21, {})
+    assert not bad.ok and "values/best_val_loss: 1.25 in the reference, 1.5 here" in bad.detail
+    no_resize = _state_check(res, None, why)
+    assert not no_resize.ok  # a declaration covers a resize only

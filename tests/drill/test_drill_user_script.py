@@ -30,4 +30,6 @@ def test_drill_on_the_readme_loop_passes_without_sample_ids(tmp_path, capsys) ->
     assert checks["final state"]["ok"] and "loader" in checks["final state"]["detail"]
     assert "ids_logged" not in checks["final state"]["detail"]
     assert checks["loss curve"]["ok"]
-    assert checks["data order"]["detail"].startswith("not compared")
+    # issue 21 item 9: said as not checked (n/c), and the loader's position named
+    assert checks["data order"]["detail"].startswith("not checked: no sample ids logged")
+    assert checks["data order"]["skipped"] and "loader's position" in checks["data order"]["detail"]

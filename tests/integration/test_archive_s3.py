@@ -22,7 +22,7 @@ from datakit import S3_TEST_CREDS
 from unbroken.ckpt import Checkpointer, TrainState
 from unbroken.ckpt.archive.remote import Archive, ArchiveError, fetch_newest_valid
 from unbroken.ckpt.archive.uploader import BackgroundUploader
-from unbroken.elastic._coord import free_port
+from unbroken.elastic.rendezvous import free_port
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")

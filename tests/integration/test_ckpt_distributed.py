@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp_mp
 
-from unbroken.elastic._coord import free_port
+from unbroken.elastic.rendezvous import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ import torch.multiprocessing as tmp_mp
 from safetensors.torch import load_file
 
 from unbroken.cli import main
-from unbroken.elastic._coord import free_port
+from unbroken.elastic.rendezvous import free_port
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unbroken.elastic._coord import free_port
+from unbroken.elastic.rendezvous import free_port
 
 pytestmark = pytest.mark.slow
 

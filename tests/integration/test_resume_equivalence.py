@@ -23,7 +23,7 @@ from datakit import ids_collate
 from unbroken.data.stream.dataset import Source, StreamingDataset
 from unbroken.data.stream.loader import StatefulLoader
 from unbroken.data.stream.order import Partition
-from unbroken.elastic._coord import free_port
+from unbroken.elastic.rendezvous import free_port
 
 # num_workers=3 on a 2-core runner is deliberate (worker-count changes)
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")

@@ -20,18 +20,7 @@ import elastic_harness as h  # noqa: E402
 pytestmark = pytest.mark.timeout(240)
 
 
-def _script_args(tmp_path, steps: int, **extra: object) -> list[str]:
-    args = [
-        "--ckpt",
-        str(tmp_path / "ckpt"),
-        "--metrics",
-        str(tmp_path / "metrics.jsonl"),
-        "--steps",
-        str(steps),
-    ]
-    for k, v in extra.items():
-        args += [f"--{k.replace('_', '-')}", str(v)]
-    return args
+_script_args = h.script_args
 
 
 def _assert_continuous(path: str, steps: int, world: int | None = None) -> None:
@@ -124,12 +113,13 @@ def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
 def test_survivor_stuck_after_its_peer_died_is_killed_after_the_grace(tmp_path):
     """The rank left alive cannot finish its collective and ignores SIGTERM (like a rank
     stuck in a save it can never finish): it costs --stop-grace, not torchrun's 30 s
-    shutdown timeout. Fresh interpreters (--no-prewarm): the fallback path."""
+    shutdown timeout. A fresh torchrun and fresh interpreters (--no-standby, before issue 23
+    --no-prewarm): the fallback path."""
     steps = 30
     with h.jobs() as start:
         job = start(
             str(tmp_path / "run"),
-            ["--nproc-per-node", "2", "--stop-grace", "1", "--no-prewarm"],
+            ["--nproc-per-node", "2", "--stop-grace", "1", "--no-standby"],
             _script_args(tmp_path, steps, save_every=5, linger=120),
         )
         beats = h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=2), 90, "step 8", job)
@@ -146,6 +136,40 @@ def test_survivor_stuck_after_its_peer_died_is_killed_after_the_grace(tmp_path):
     exits = job.events("worker_exit")
     assert {e["via"] for e in exits} == {"spawn"}, exits
     assert [e["prewarmed"] for e in job.events("launch")] == [None, None]
+    _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=2)
+    _assert_nothing_left(job)
+
+
+def test_no_prewarm_restarts_from_a_bare_standby_agent_with_fresh_workers(tmp_path):
+    """issue 23 (cold path): --no-prewarm still starts the next attempt's agent ahead (torch
+    and torchrun imported, no fork server): only the workers start as fresh interpreters."""
+    stop = tmp_path / "stop"
+    with h.jobs() as start:
+        job = start(
+            str(tmp_path / "run"),
+            ["--nproc-per-node", "2", "--no-prewarm"],
+            _script_args(tmp_path, 10_000, save_every=5, stop_file=stop),
+        )
+        h.wait_until(
+            lambda: [e for e in job.events("standby") if e["attempt"] == 1], 90, "standby", job
+        )
+        beats = h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=2), 90, "step 8", job)
+        os.kill(beats[1].pid, signal.SIGKILL)
+        back = max(b.step for b in beats) + 2
+        h.wait_until(lambda: h.live_beats(job, 1, back, ranks=2), 90, "the restarted ranks", job)
+        stop.write_text("")
+        assert job.wait(120) == 0, job.output()[-3000:]
+
+    (sb,) = [e for e in job.events("standby") if e["attempt"] == 1]
+    assert sb["fork_server"] is False, sb
+    launches = job.events("launch")
+    assert [e["prewarmed"] is not None for e in launches] == [True, True], launches
+    assert "--bare" in launches[1]["argv"]
+    exits = job.events("worker_exit")
+    assert {e["via"] for e in exits} == {"spawn"}, exits
+    (f,) = job.events("failure")
+    assert (f["fault"], f["action"]) == ("process", "restart"), f
+    steps = h.metric_steps(str(tmp_path / "metrics.jsonl"))[-1]
     _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=2)
     _assert_nothing_left(job)
 

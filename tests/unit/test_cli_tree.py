@@ -14,7 +14,7 @@ import pytest
 from unbroken import __version__
 from unbroken.cli import DEPRECATED, build_parser, exit_code, main
 from unbroken.cli._args import config_default
-from unbroken.cli.run import PREFLIGHT_FLAGS, RUN_FLAGS, preflight_config, run_config
+from unbroken.cli.elastic import PREFLIGHT_FLAGS, RUN_FLAGS, preflight_config, run_config
 from unbroken.common.errors import CheckFailed
 from unbroken.elastic.preflight import PreflightConfig
 from unbroken.elastic.supervisor import RunConfig

@@ -193,6 +193,13 @@ def test_every_rank_exiting_143_after_a_save_on_sigterm_is_a_preemption(tmp_path
     assert "exit code 143" in c.reason
 
 
+class _RestoreRefused(ValueError):
+    """Named as ``unbroken.ckpt``'s refusal is (the classification reads the name)."""
+
+
+_RestoreRefused.__name__ = _RestoreRefused.__qualname__ = "RestoreRefused"
+
+
 @pytest.mark.parametrize(
     ("exc", "code", "fault", "rule"),
     [
@@ -221,6 +228,14 @@ def test_every_rank_exiting_143_after_a_save_on_sigterm_is_a_preemption(tmp_path
             "collective_timeout",
         ),
         (KeyError("missing"), 1, FaultClass.PROCESS, "exception"),
+        # issue 21 item 8: the checkpoint layer's refusal (its message names no storage
+        # error, but may name anything: it is matched first)
+        (
+            _RestoreRefused("step 5 saved by 2 ranks: [Errno 5] in a path name"),
+            1,
+            FaultClass.CONFIGURATION,
+            "restore_refused",
+        ),
         (None, -11, FaultClass.PROCESS, "segfault"),
         (None, -7, FaultClass.PROCESS, "segfault"),
     ],
@@ -231,6 +246,10 @@ def test_table(tmp_path, exc, code, fault, rule):
     assert (c.fault, c.rule) == (fault, rule), c
     if fault is FaultClass.STORAGE:
         assert c.signature is None and c.action is Action.PREFLIGHT
+    if fault is FaultClass.CONFIGURATION:  # stopped at once, with its own exit code
+        d = RestartTracker(RestartPolicy()).decide(c, progress=5, step=5)
+        assert (d.action, d.exit_code) == (Action.STOP, faults.EXIT_CONFIGURATION), d
+        assert "saved by 2 ranks" in d.reason
 
 
 def test_structural_kinds_and_rendezvous():

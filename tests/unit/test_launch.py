@@ -1,7 +1,7 @@
-"""The per-rank launcher (``_launch.py``) and the fork server (``_standby._Zygote``), with real
+"""The per-rank launcher (``launch/worker.py``) and the fork server (``launch.forkserver``), with real
 processes and real signals but without torch or torchrun: an "agent" process hosts a fork
 server exactly as a standby does after its go order, and each test runs the launcher the
-way torchrun would (``python -S _launch.py SCRIPT ARGS``).
+way torchrun would (``python -S worker.py SCRIPT ARGS``).
 
 Both paths are covered: the worker forked by the server, and the fallback where the
 launcher starts a fresh interpreter because no server can be reached.
@@ -9,42 +9,35 @@ launcher starts a fresh interpreter because no server can be reached.
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 
 from unbroken.common import events
 from unbroken.common.procs import is_alive, parent_of, proc_state
-from unbroken.elastic._attempt import LAUNCHER
+from unbroken.elastic.launch.attempt import LAUNCHER
 
 pytestmark = pytest.mark.timeout(60)
 
-# The agent: creates the server's socket, forks the server (which never returns here
-# except inside a forked worker), reports "<name> <server pid>" and lives until stdin closes.
+# The agent: forks the fork server (which never returns here except inside a forked
+# worker), reports "<name> <server pid> <key>" and lives until stdin closes.
 AGENT = textwrap.dedent("""
-    import os, socket, sys
-    from unbroken.elastic._standby import _Zygote, _run_worker
-    name = "unbroken-test-" + os.urandom(6).hex()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind("\\0" + name)
-    listener.listen(8)
-    agent = os.getpid()
-    pid = os.fork()
-    if pid == 0:
-        work = _Zygote(listener, agent, sys.argv[1], [], 0.0).serve()
-        if work is None:
-            os._exit(0)
-        _run_worker(work, None)
-    else:
-        listener.close()
-        print(name, pid, flush=True)
-        sys.stdin.read()
+    import os, sys
+    from unbroken.elastic.launch.forkserver import start_server
+    name, key = "unbroken-test-" + os.urandom(6).hex(), os.urandom(32).hex()
+    pid = start_server(name, key, sys.argv[1], [], 0.0, None)
+    print(name, pid, key, flush=True)
+    sys.stdin.read()
 """)
 
 WORKER = textwrap.dedent("""
@@ -76,9 +69,9 @@ def agent(tmp_path):
         stdout=subprocess.PIPE,
     )
     assert p.stdout is not None
-    name, zpid = p.stdout.readline().decode().split()
+    name, zpid, key = p.stdout.readline().decode().split()
     try:
-        yield name, int(zpid)
+        yield _zygote_env(name, int(zpid), key), int(zpid)
     finally:
         assert p.stdin is not None
         p.stdin.close()  # the agent exits; the server follows once its workers are gone
@@ -88,6 +81,14 @@ def agent(tmp_path):
             time.sleep(0.02)
         assert not is_alive(int(zpid)), "the fork server outlived its agent"
         p.stdout.close()
+
+
+@pytest.fixture
+def server(agent):
+    """The fork server: its name, pid and key."""
+    zygote, zpid = agent
+    name, _pid, key = zygote.split(" ")
+    yield name, zpid, key
 
 
 class Run:
@@ -169,7 +170,7 @@ def test_module_mode_and_a_clean_exception_traceback(tmp_path, agent):
     err = r.err.read_text()
     assert "ValueError: boom in the worker" in err and "in inner" in err
     # what `python -m w` prints: from the script's frames on, not through the fork server
-    assert "_standby.py" not in err and "runpy" not in err, err
+    assert "forkserver.py" not in err and "runpy" not in err, err
     assert r.info()["path0"] == str(tmp_path / "cwd")
     (e,) = r.exits()
     assert (e["exitcode"], e["via"]) == (1, "zygote")
@@ -214,7 +215,7 @@ def test_a_dead_fork_server_takes_its_workers_along(tmp_path, agent):
     assert e["exitcode"] is None and "fork server" in r.err.read_text()
 
 
-@pytest.mark.parametrize("zygote", [None, "unbroken-test-nobody-listens"])
+@pytest.mark.parametrize("zygote", [None, "unbroken-test-nobody-listens 1 " + "0" * 64])
 def test_fallback_starts_a_fresh_interpreter(tmp_path, zygote):
     r = Run(tmp_path, zygote, "exit", "3")
     assert r.wait() == 3
@@ -231,7 +232,11 @@ def test_server_refuses_a_worker_whose_interpreter_settings_differ(tmp_path, age
     r = Run(tmp_path, name, "exit", "0", PYTHONHASHSEED="123")
     assert r.wait() == 0
     (e,) = r.exits()
-    assert e["via"] == "spawn" and "PYTHONHASHSEED differ" in r.err.read_text()
+    # issue 20 item 1: the launcher hears a generic refusal (an answer naming the variables
+    # that differ helped craft an accepted request); the server's log says which
+    assert e["via"] == "spawn" and "refused" in r.err.read_text()
+    assert "PYTHONHASHSEED" not in r.err.read_text()
+    assert "PYTHONHASHSEED differ" in (tmp_path / "zygote.log").read_text()
 
 
 def test_fallback_forwards_stop_signals_too(tmp_path):
@@ -253,3 +258,216 @@ def _gone(pid: int) -> None:
     while is_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not is_alive(pid), f"worker {pid} outlived its launcher or server"
+
+
+# --- issue 20: who may talk to the fork server, and whom the launcher trusts ----------------
+
+
+def _zygote_env(name: str, pid: int, key: str) -> str:
+    """The launcher's ``UNBROKEN_ZYGOTE`` value for a server at ``name``."""
+    return f"{name} {pid} {key}"
+
+
+def _raw_request(name: str, body: bytes, fds: tuple[int, ...] = (0, 1, 2)) -> dict | None:
+    """Send one request as a launcher would (length, stdio fds, body); the first answer, or
+    None when the server hung up without one."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(20)
+        s.connect("\0" + name)
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        try:
+            s.sendmsg([struct.pack("!I", len(body))], anc)
+            s.sendall(body)
+            line = s.makefile("rb").readline()
+        except (BrokenPipeError, ConnectionResetError):
+            return None  # it hung up on us
+    return json.loads(line) if line.strip() else None
+
+
+def _request(tmp_path, marker, key: str | None) -> bytes:
+    """A well-formed request for a worker that creates ``marker`` (and exits)."""
+    script = tmp_path / "touch.py"
+    script.write_text("import sys\nopen(sys.argv[1], 'w').close()\n")
+    req: dict = {
+        "argv": [str(script), str(marker)],
+        "module": False,
+        "env": {k: v for k, v in os.environ.items() if k != "UNBROKEN_ZYGOTE"},
+        "cwd": str(tmp_path),
+    }
+    if key is not None:
+        req["key"] = key
+    return json.dumps(req).encode()
+
+
+def _served_by_zygote(tmp_path, zygote: str) -> None:
+    """The server still forks workers for a genuine launcher."""
+    r = Run(tmp_path, zygote, "exit", "0")
+    assert r.wait() == 0
+    assert [e["via"] for e in r.exits()] == ["zygote"], r.err.read_text()
+
+
+def test_a_same_uid_process_without_the_key_is_refused(tmp_path, server):
+    """issue 20 item 1: the abstract name is visible to the whole network namespace (another
+    container of the pod, a root sidecar): a peer of the same uid that does not hold the
+    attempt's key gets no worker, and the refusal says nothing about why."""
+    name, zpid, key = server
+    marker = tmp_path / "forked"
+    for bad_key in (None, "0" * 64):
+        answer = _raw_request(name, _request(tmp_path, marker, bad_key))
+        assert answer is not None and "pid" not in answer, answer
+        assert "PYTHON" not in json.dumps(answer), answer
+    time.sleep(0.2)  # a forked worker would have created the marker by now
+    assert not marker.exists(), "the server forked a worker for a request without the key"
+    _served_by_zygote(tmp_path, _zygote_env(name, zpid, key))
+
+
+def test_another_uid_is_refused_even_with_the_key(tmp_path, server):
+    """issue 20 item 1: a process of another user (here uid 65534, set in a forked child)
+    is refused before the server reads its request, even when it knows the key."""
+    name, zpid, key = server
+    marker = tmp_path / "forked-for-nobody"
+    body = _request(tmp_path, marker, key)
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the forked child
+        try:
+            os.close(r)
+            os.setgid(65534)
+            os.setuid(65534)
+            answer = _raw_request(name, body)
+            os.write(w, json.dumps({"answer": answer}).encode())
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            os.write(w, json.dumps({"error": repr(e)}).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        got = json.loads(f.read() or b"{}")
+    os.waitpid(child, 0)
+    assert "error" not in got, got
+    assert got["answer"] is None or "pid" not in got["answer"], got
+    time.sleep(0.2)
+    assert not marker.exists(), "the server forked a worker for another uid"
+    _served_by_zygote(tmp_path, _zygote_env(name, zpid, key))
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[]",
+        b"{}",
+        b"null",
+        b"not json",
+        b"\xff\xfe",
+        b'{"argv": "x", "env": {}, "cwd": "/"}',
+        b'{"argv": [], "env": {}, "cwd": "/"}',
+        b'{"argv": ["x"], "env": [], "cwd": "/"}',
+        b'{"argv": ["x"], "env": {"A": 1}, "cwd": "/"}',
+        b'{"argv": [1], "env": {}, "cwd": 5}',
+    ],
+)
+def test_a_malformed_request_is_refused_and_the_server_keeps_serving(tmp_path, server, body):
+    """issue 20 item 2: a 2-byte ``[]`` used to raise outside the per-request ``try`` and end
+    the server, which freed its name for anyone to take."""
+    name, zpid, key = server
+    answer = _raw_request(name, body)
+    assert answer is None or "pid" not in answer, answer
+    assert is_alive(zpid), "a malformed request ended the fork server"
+    _served_by_zygote(tmp_path, _zygote_env(name, zpid, key))
+
+
+def test_requests_cut_short_or_without_descriptors_are_refused(tmp_path, server):
+    """issue 20 item 2: a request with too few descriptors, or a length it never sends."""
+    name, zpid, key = server
+    answer = _raw_request(name, _request(tmp_path, tmp_path / "m", key), fds=())
+    assert answer is not None and "pid" not in answer, answer
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # says 1 MB, sends 3 bytes
+        s.connect("\0" + name)
+        s.sendmsg([struct.pack("!I", 1 << 20)], [])
+        s.sendall(b"abc")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # says 4 GB
+        s.connect("\0" + name)
+        s.sendmsg([struct.pack("!I", 0xFFFFFFFF)], [])
+    assert is_alive(zpid)
+    _served_by_zygote(tmp_path, _zygote_env(name, zpid, key))
+
+
+class _Impostor:
+    """A process that took the fork server's name: records what it is sent, answers
+    ``{"pid": victim}`` and hangs up (what a dead server looks like to the launcher)."""
+
+    def __init__(self, victim: int) -> None:
+        self.name = "unbroken-impostor-" + os.urandom(6).hex()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind("\0" + self.name)
+        self.sock.listen(4)
+        self.sock.settimeout(30)
+        self.received = b""
+        self.connected = threading.Event()
+        self.victim = victim
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return
+        self.connected.set()
+        with conn:
+            conn.settimeout(2.0)
+            try:
+                while chunk := conn.recv(65536):
+                    self.received += chunk
+                    if len(self.received) > 4:
+                        break
+            except OSError:
+                pass
+            try:
+                conn.sendall(json.dumps({"pid": self.victim}).encode() + b"\n")
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+        self.thread.join(10)
+
+
+@pytest.fixture
+def victim():
+    """A process of ours that no launcher may signal: not its worker (a grandchild)."""
+    p = subprocess.Popen(["sh", "-c", "sleep 120 & echo $!"], stdout=subprocess.PIPE)
+    assert p.stdout is not None
+    pid = int(p.stdout.readline())
+    p.wait(10)
+    yield pid
+    with __import__("contextlib").suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_a_launcher_facing_an_impostor_keeps_its_environment(tmp_path, victim):
+    """issue 20 item 2: the launcher checks who listens (``SO_PEERCRED``: same uid and the
+    server's pid, passed by the standby) before it sends anything: an impostor on the name
+    gets neither the environment (secrets) nor the stdio, and its answer kills nobody."""
+    imp = _Impostor(victim)
+    try:
+        r = Run(tmp_path, _zygote_env(imp.name, 1, "k" * 64), "exit", "0", SECRET="hunter2")
+        assert r.wait() == 0
+    finally:
+        imp.close()
+    assert b"hunter2" not in imp.received and not imp.received, imp.received[:200]
+    assert is_alive(victim), "the launcher killed the pid an impostor named"
+    (e,) = r.exits()
+    assert e["via"] == "spawn"  # it ran the worker itself
+
+
+def test_the_launcher_signals_only_a_worker_it_can_prove(tmp_path, victim):
+    """issue 20 item 2: even a server that passes the peer check (here its expected pid is
+    this test's) cannot make the launcher kill a pid that is not the server's child."""
+    imp = _Impostor(victim)
+    try:
+        r = Run(tmp_path, _zygote_env(imp.name, os.getpid(), "k" * 64), "sleep")
+        r.wait()
+    finally:
+        imp.close()
+    assert is_alive(victim), "the launcher SIGKILLed a pid it could not prove was its worker"

@@ -1,6 +1,6 @@
 """The ``unbroken`` command: parses arguments, calls the library, prints.
 
-One module per command group registers its commands (``data``, ``ckpt``, ``run`` for
+One module per command group registers its commands (``data``, ``ckpt``, ``elastic`` for
 run/preflight/report/plan/drill, ``demo``); handlers import the library lazily so
 ``unbroken --help`` stays fast. The tree::
 
@@ -40,7 +40,7 @@ from unbroken.cli._args import Formatter
 from unbroken.cli.ckpt import add_ckpt
 from unbroken.cli.data import PREP_COMMANDS, add_data
 from unbroken.cli.demo import add_demo
-from unbroken.cli.run import add_run
+from unbroken.cli.elastic import add_elastic
 from unbroken.common.errors import is_check_failure
 
 __all__ = ["DEPRECATED", "build_parser", "exit_code", "main"]
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands")
     add_data(sub)
     add_ckpt(sub)
-    add_run(sub)
+    add_elastic(sub)
     add_demo(sub)
     return parser
 

@@ -16,7 +16,7 @@ Event schema (common keys ``t`` = Unix time, ``event``, ``attempt``, ``pid``, ``
     workers_up    attempt, pids: the first worker processes of the attempt exist
     worker_exit   attempt, rank, local_rank, worker_pid, exitcode (negative: signal; null:
                   unknown), stopped (asked to stop first), via (zygote|spawn): one rank
-                  ended (written by its launcher, see ``_launch``)
+                  ended (written by its launcher, see ``elastic.launch.worker``)
     stop_group    attempt, reason, grace, seconds, exited, killed: a rank failed, so the
                   supervisor stopped the others (``exited`` ranks left within ``grace``
                   seconds, ``killed`` ones were SIGKILLed) and relaunches
@@ -27,6 +27,11 @@ Event schema (common keys ``t`` = Unix time, ``event``, ``attempt``, ``pid``, ``
     hang          attempt, ranks, stacks (dump files), t_detect
     stop          exit_code, reason
     finish        exit_code
+
+The run directory is private to the job's user (:func:`unbroken.common.fs.private_dir`:
+0700, refused when another user owns it or may write in it): the log records argv and
+tracebacks. Every fixed name in it is opened without following a symlink, files are
+created 0600 (:data:`FILE_MODE`) and directories 0700 (:func:`private_subdir`).
 """
 
 from __future__ import annotations
@@ -37,11 +42,14 @@ import os
 import time
 from typing import Any
 
+from unbroken.common.fs import open_private, private_dir
+
 __all__ = [
     "ENV_ATTEMPT",
     "ENV_CATCHUP",
     "ENV_RUN_DIR",
     "EVENTS_FILE",
+    "FILE_MODE",
     "PEER_FAILED_FILE",
     "EventTail",
     "append_event",
@@ -49,6 +57,7 @@ __all__ = [
     "load_events",
     "mark",
     "peer_failed",
+    "private_subdir",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,6 +72,8 @@ EVENTS_FILE = "events.jsonl"
 PEER_FAILED_FILE = "peer_failed"
 """Written into the attempt's directory (one line: why) before the supervisor stops the
 ranks that outlived a failed one; see :func:`peer_failed`."""
+FILE_MODE = 0o600
+"""Mode of every file in a run directory (events, logs, beacons, reports)."""
 _RESERVED = frozenset({"t", "event", "attempt", "pid"})
 _warned = False
 
@@ -70,7 +81,7 @@ _warned = False
 def append_event(run_dir: str, record: dict[str, Any]) -> None:
     """Append one JSON line to ``run_dir/events.jsonl`` with a single ``write``."""
     line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
-    fd = os.open(os.path.join(run_dir, EVENTS_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_private(os.path.join(run_dir, EVENTS_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     try:
         os.write(fd, line)
     finally:
@@ -113,6 +124,22 @@ def attempt_dir(run_dir: str, attempt: int) -> str:
     return os.path.join(run_dir, "attempts", str(attempt))
 
 
+def private_subdir(run_dir: str, *parts: str) -> str:
+    """``RUN_DIR/part/part/...``, each level created 0700 or checked private (``makedirs``
+    would create the levels above the last with the umask's mode)."""
+    path = run_dir
+    for part in parts:
+        path = private_dir(os.path.join(path, part), purpose="run directory")
+    return path
+
+
+def _read_fixed(path: str) -> bytes:
+    """A fixed name's bytes, never through a symlink (``ELOOP``: an ``OSError``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
 def peer_failed() -> str | None:
     """Why this worker's group is being stopped, if a rank of it failed; else None.
 
@@ -126,10 +153,10 @@ def peer_failed() -> str | None:
     if not run_dir or attempt is None:
         return None
     try:
-        with open(os.path.join(attempt_dir(run_dir, attempt), PEER_FAILED_FILE), "rb") as f:
-            return f.read().decode("utf-8", "replace").strip() or "a peer rank failed"
+        data = _read_fixed(os.path.join(attempt_dir(run_dir, attempt), PEER_FAILED_FILE))
     except OSError:
         return None
+    return data[:4096].decode("utf-8", "replace").strip() or "a peer rank failed"
 
 
 def _int_env(name: str) -> int | None:
@@ -142,19 +169,18 @@ def _int_env(name: str) -> int | None:
 
 def load_events(run_dir: str) -> list[dict[str, Any]]:
     """All events of a run in file order; a torn last line (writer killed) is skipped."""
-    path = os.path.join(run_dir, EVENTS_FILE)
-    out: list[dict[str, Any]] = []
     try:
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if isinstance(rec, dict) and "event" in rec and "t" in rec:
-                    out.append(rec)
+        data = _read_fixed(os.path.join(run_dir, EVENTS_FILE))
     except FileNotFoundError:
         return []
+    out: list[dict[str, Any]] = []
+    for line in data.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "event" in rec and "t" in rec:
+            out.append(rec)
     return out
 
 
@@ -171,11 +197,12 @@ class EventTail:
 
     def read(self) -> list[dict[str, Any]]:
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return []
+        with os.fdopen(fd, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
         end = data.rfind(b"\n") + 1  # a line still being written is read next time
         self._offset += end
         out = []

@@ -121,9 +121,11 @@ class HashingWriter:
     read of the file. ``close()`` fsyncs when ``fsync=True``.
     """
 
-    def __init__(self, path: str, *, fsync: bool = True) -> None:
+    def __init__(self, path: str, *, fsync: bool = True, mode: int = 0o666) -> None:
         self.path = path
-        self._f: IO[bytes] = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()
+        self._f: IO[bytes] = open(  # noqa: SIM115 - closed in close()
+            path, "wb", buffering=0, opener=lambda p, flags: os.open(p, flags, mode)
+        )
         self._h = hasher()
         self._fsync = fsync
         self.size = 0
@@ -203,14 +205,15 @@ class HashingWriter:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str, *, fsync: bool = True) -> Iterator[HashingWriter]:
+def atomic_write(path: str, *, fsync: bool = True, mode: int = 0o666) -> Iterator[HashingWriter]:
     """Write ``path`` atomically: readers see the old file or the complete new one.
 
     Yields a :class:`HashingWriter`; after the block its ``size``/``digest`` describe the
     published file. On error the temporary file is removed and ``path`` is untouched.
+    ``mode``: the new file's permissions before the umask (0o600: private to this user).
     """
     tmp = temp_sibling(path)
-    w = HashingWriter(tmp, fsync=fsync)
+    w = HashingWriter(tmp, fsync=fsync, mode=mode)
     try:
         yield w
         w.close()
@@ -224,9 +227,9 @@ def atomic_write(path: str, *, fsync: bool = True) -> Iterator[HashingWriter]:
         raise
 
 
-def atomic_write_bytes(path: str, data: bytes, *, fsync: bool = True) -> str:
+def atomic_write_bytes(path: str, data: bytes, *, fsync: bool = True, mode: int = 0o666) -> str:
     """Atomically publish ``data`` at ``path``; returns its checksum."""
-    with atomic_write(path, fsync=fsync) as w:
+    with atomic_write(path, fsync=fsync, mode=mode) as w:
         w.write(data)
     return w.digest
 

@@ -28,6 +28,7 @@ __all__ = [
     "parent_of",
     "pids_with_env",
     "proc_state",
+    "signal_if_tagged",
 ]
 
 log = logging.getLogger(__name__)
@@ -92,7 +93,7 @@ def environ_of(pid: int) -> dict[str, str]:
     return out
 
 
-_AGENT_MARKS = ("torch.distributed.run", "unbroken.elastic._standby")
+_AGENT_MARKS = ("torch.distributed.run", "unbroken.elastic.launch.standby")
 
 
 def agent_of(worker_pid: int) -> int | None:
@@ -181,6 +182,25 @@ def kill_matching(key: str, value: str, *, timeout: float = 5.0, sig: int = sign
             )
             return len(signalled)
         time.sleep(0.05)
+
+
+def signal_if_tagged(pid: int, sig: int, key: str, value: str) -> bool:
+    """Send ``sig`` to ``pid`` only if its initial environment holds ``key=value`` (a pid
+    read from a file is anyone's until proven ours). The check and the signal go through
+    one pidfd, so a pid reused in between is never hit. Returns whether it was sent."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return False  # gone (or no pidfds: then nothing read from a file is signalled)
+    try:
+        if environ_of(pid).get(key) != value:  # /proc/pid is still fd's process (alive)
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 class PidWatch:

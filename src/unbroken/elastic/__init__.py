@@ -27,13 +27,8 @@ from unbroken.elastic.faults import (
 from unbroken.elastic.heartbeat import beat, install
 from unbroken.elastic.planner import daly_interval, expected_goodput, plan, young_interval
 from unbroken.elastic.preflight import CheckResult, PreflightConfig, run_preflight
-from unbroken.elastic.supervisor import (
-    RendezvousConfig,
-    RunConfig,
-    Supervisor,
-    WatchdogConfig,
-    run,
-)
+from unbroken.elastic.rendezvous import RendezvousConfig
+from unbroken.elastic.supervisor import RunConfig, Supervisor, WatchdogConfig, run
 
 __all__ = [
     "DEFAULT_RULES",

@@ -2,7 +2,7 @@
 policy (budget, exponential backoff, no-progress guard, deterministic-bug stop).
 
 Evidence comes from each rank's launcher (``worker_exit`` events: exit code or signal, and
-whether it had been told to stop, see ``_launch``), from torchrun (its failure summary, when
+whether it had been told to stop, see ``launch.worker``), from torchrun (its failure summary, when
 it got to print one), the ``@record`` error files (``TORCHELASTIC_ERROR_FILE``: message +
 Python call stack) and the tail of each rank's stderr. Failures that merely follow another one
 (ranks stopped by the agent or the supervisor, "Connection closed by peer" from a collective
@@ -26,12 +26,16 @@ storage                 preflight           EIO, ENOSPC, stale handle, read-only
                                             probe, a remote dataset's store unreachable:
                                             pre-flight until healthy, then restart
 deterministic           stop                the same failure at the same step twice
+configuration           stop                a refusal at restore (``RestoreRefused``: a
+                                            resize of per-rank state, a shape mismatch):
+                                            the same job refuses again, so stop at once
 preemption              exit                SIGTERM: the job was asked to save; exit cleanly
 ======================  ==================  ==============================================
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import glob
 import json
@@ -45,6 +49,7 @@ from typing import Any
 __all__ = [
     "DEFAULT_RULES",
     "EXIT_BUDGET",
+    "EXIT_CONFIGURATION",
     "EXIT_DETERMINISTIC",
     "EXIT_ERROR",
     "EXIT_NO_PROGRESS",
@@ -52,6 +57,7 @@ __all__ = [
     "EXIT_PREEMPTED",
     "EXIT_PREFLIGHT",
     "EXIT_USAGE",
+    "STOP_EXITS",
     "Action",
     "Classification",
     "Decision",
@@ -82,6 +88,11 @@ EXIT_PREFLIGHT = 6
 """Pre-flight stayed unhealthy for ``--preflight-max-wait`` seconds."""
 EXIT_PREEMPTED = 7
 """SIGTERM/SIGINT: the job was asked to save and stopped; rerun the same command to resume."""
+EXIT_CONFIGURATION = 8
+"""The checkpoint refused the job (``RestoreRefused``): its configuration (world size,
+model shapes, per-rank state) cannot take it; the message says what differs and the fix."""
+STOP_EXITS = frozenset({EXIT_DETERMINISTIC, EXIT_BUDGET, EXIT_NO_PROGRESS, EXIT_CONFIGURATION})
+"""The exit codes of a ``STOP`` decision: what one supervisor tells the others (``stop``)."""
 
 
 class FaultClass(str, enum.Enum):
@@ -90,6 +101,7 @@ class FaultClass(str, enum.Enum):
     STORAGE = "storage"
     DETERMINISTIC = "deterministic"
     PREEMPTION = "preemption"
+    CONFIGURATION = "configuration"
 
 
 class Action(str, enum.Enum):
@@ -106,6 +118,7 @@ _ACTION = {
     FaultClass.STORAGE: Action.PREFLIGHT,
     FaultClass.DETERMINISTIC: Action.STOP,
     FaultClass.PREEMPTION: Action.EXIT,
+    FaultClass.CONFIGURATION: Action.STOP,
 }
 
 
@@ -144,6 +157,9 @@ class Rule:
 _P, _N, _S = FaultClass.PROCESS, FaultClass.NODE_LOST, FaultClass.STORAGE
 
 DEFAULT_RULES: tuple[Rule, ...] = (
+    # The checkpoint layer's deterministic refusal (issue 21 item 8); first, as its message
+    # may name anything (a storage path, an error class) that a later row would take.
+    Rule("restore_refused", FaultClass.CONFIGURATION, r"\bRestoreRefused\b", signal_deaths=False),
     Rule(
         "storage",
         _S,
@@ -267,7 +283,7 @@ _PREEMPT_EXITS = frozenset(
 
 @dataclass(frozen=True)
 class WorkerExit:
-    """How one rank ended, as its launcher saw it (a ``worker_exit`` event, see ``_launch``)."""
+    """How one rank ended, as its launcher saw it (a ``worker_exit`` event, see ``launch.worker``)."""
 
     rank: int | None
     local_rank: int | None
@@ -328,6 +344,35 @@ def collect_worker_failures(
     the same for ranks without a launcher report; the ``@record`` error file gives the
     message and call stack; ``--tee`` log files give each rank's stderr.
     """
+    found, order = _from_launchers(log_dir, exits)
+    for m in _BLOCK.finditer(console):
+        rank, local, code, pid, efile = int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5]
+        if rank in found:
+            continue
+        # The console carries the workers' own output: a path in it is read only inside
+        # this attempt's log directory.
+        msg, tb = _read_error_file(efile) if _inside(efile, log_dir) else ("", "")
+        found[rank] = WorkerFailure(rank, local, code, pid, msg, tb, "")
+    # Error files of ranks the summary did not list (e.g. torchrun itself was killed).
+    for efile in glob.glob(os.path.join(log_dir, "**", "error.json"), recursive=True):
+        name = os.path.basename(os.path.dirname(efile))
+        local = int(name) if name.isdigit() else -1
+        if any(f.local_rank == local for f in found.values()):
+            continue
+        msg, tb = _read_error_file(efile)
+        found[10_000 + local] = WorkerFailure(-1, local, 1, None, msg, tb, "")
+    out = [
+        dataclasses.replace(f, stderr_tail=_stderr_tail(log_dir, f.local_rank))
+        for f in found.values()
+    ]
+    # launcher reports in the order the ranks ended, then the others by rank
+    return sorted(out, key=lambda f: (f.collateral, order.get(f.rank, len(order)), f.rank))
+
+
+def _from_launchers(
+    log_dir: str, exits: Sequence[WorkerExit]
+) -> tuple[dict[int, WorkerFailure], dict[int, int]]:
+    """The failures the launchers reported (by rank), and the order the ranks ended in."""
     found: dict[int, WorkerFailure] = {}
     order: dict[int, int] = {}
     # A rank can end more than once in an attempt (torchrun restarts the group in place when
@@ -344,52 +389,33 @@ def collect_worker_failures(
             glob.glob(os.path.join(log_dir, "**", str(local), "error.json"), recursive=True)
         )
         msg, tb = _read_error_file(efiles[-1]) if efiles else ("", "")
-        if x.exitcode is None:
+        if x.exitcode is None or x.vanished:
             msg = msg or x.describe()
-        found[x.rank] = WorkerFailure(
-            x.rank,
-            local,
-            1 if x.exitcode is None else x.exitcode,
-            x.pid,
-            msg,
-            tb,
-            "",
-            stopped=not x.failed,
-        )
+        code = 1 if x.exitcode is None else x.exitcode
+        found[x.rank] = WorkerFailure(x.rank, local, code, x.pid, msg, tb, "", not x.failed)
         order[x.rank] = len(order)
-    for m in _BLOCK.finditer(console):
-        rank, local, code, pid, efile = int(m[1]), int(m[2]), int(m[3]), int(m[4]), m[5]
-        if rank in found:
-            continue
-        msg, tb = _read_error_file(efile)
-        found[rank] = WorkerFailure(rank, local, code, pid, msg, tb, "")
-    # Error files of ranks the summary did not list (e.g. torchrun itself was killed).
-    for efile in glob.glob(os.path.join(log_dir, "**", "error.json"), recursive=True):
-        name = os.path.basename(os.path.dirname(efile))
-        local = int(name) if name.isdigit() else -1
-        if any(f.local_rank == local for f in found.values()):
-            continue
-        msg, tb = _read_error_file(efile)
-        found[10_000 + local] = WorkerFailure(-1, local, 1, None, msg, tb, "")
-    out = []
-    for f in found.values():
-        err = sorted(
-            glob.glob(os.path.join(log_dir, "**", str(f.local_rank), "stderr.log"), recursive=True)
-        )
-        tail = _tail(err[-1]) if err else ""
-        out.append(
-            WorkerFailure(
-                f.rank, f.local_rank, f.exitcode, f.pid, f.message, f.traceback, tail, f.stopped
-            )
-        )
-    # launcher reports in the order the ranks ended, then the others by rank
-    return sorted(out, key=lambda f: (f.collateral, order.get(f.rank, len(order)), f.rank))
+    return found, order
+
+
+def _stderr_tail(log_dir: str, local_rank: int) -> str:
+    err = sorted(
+        glob.glob(os.path.join(log_dir, "**", str(local_rank), "stderr.log"), recursive=True)
+    )
+    return _tail(err[-1]) if err else ""
+
+
+def _inside(path: str, root: str) -> bool:
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    return os.path.commonpath([real, top]) == top
+
+
+_MAX_ERROR_FILE = 1 << 20
 
 
 def _read_error_file(path: str) -> tuple[str, str]:
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as fh:
+            data = json.loads(fh.read(_MAX_ERROR_FILE))
         m = data.get("message", {})
         if isinstance(m, dict):
             return str(m.get("message", "")), str(m.get("extraInfo", {}).get("py_callstack", ""))
@@ -574,6 +600,8 @@ class RestartTracker:
         p = self.policy
         if c.action is Action.EXIT:
             return Decision(Action.EXIT, 0.0, EXIT_PREEMPTED, c.reason, c.fault)
+        if c.fault is FaultClass.CONFIGURATION:  # refused again on any restart: no retries
+            return Decision(Action.STOP, 0.0, EXIT_CONFIGURATION, c.reason, c.fault)
         if c.signature is not None:
             seen = sum(1 for s in self.history if s == (c.signature, step))
             self.history.append((c.signature, step))

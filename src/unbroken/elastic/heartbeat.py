@@ -18,6 +18,10 @@ The first beat (or :func:`install`) also registers :mod:`faulthandler` on
 hung worker group. Every worker opens its dump file up front (the signal handler can only
 write to an open descriptor); the supervisor deletes the ones left empty when the attempt
 ends (:func:`remove_empty_dumps`).
+
+Both directories are 0700 and both files 0600, opened without following symlinks. A beacon's
+pid is only a claim: the supervisor signals it only when that process carries the attempt's
+token (:func:`request_stack_dumps`), so a planted beacon cannot aim a signal anywhere.
 """
 
 from __future__ import annotations
@@ -34,13 +38,15 @@ from dataclasses import dataclass
 from typing import IO
 
 from unbroken.common import events
-from unbroken.common.procs import is_alive, proc_state
+from unbroken.common.fs import open_private
+from unbroken.common.procs import is_alive, proc_state, signal_if_tagged
 
 __all__ = [
     "DUMP_SIGNAL",
     "BeatRecord",
     "beat",
     "beat_dir",
+    "hang_began",
     "install",
     "read_beats",
     "remove_empty_dumps",
@@ -76,11 +82,11 @@ class _Beacon:
     def __init__(
         self, run_dir: str, attempt: int, rank: int, target: int, local_rank: int = 0
     ) -> None:
-        d = beat_dir(run_dir, attempt)
-        os.makedirs(d, exist_ok=True)
+        d = events.private_subdir(run_dir, "beats", f"a{attempt}")
         pid = os.getpid()
         path = os.path.join(d, f"r{rank}-p{pid}.beat")
-        with open(path, "w+b") as f:
+        fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        with os.fdopen(fd, "w+b") as f:
             f.write(_HEAD.pack(_MAGIC, _VERSION, pid, rank, attempt) + bytes(_BODY.size))
             f.flush()
             self.mm = mmap.mmap(f.fileno(), _SIZE)  # the mapping outlives the file object
@@ -88,11 +94,11 @@ class _Beacon:
         self.target = target
         self.rank = rank
         self.local_rank = local_rank
-        sd = stack_dir(run_dir)
-        os.makedirs(sd, exist_ok=True)
+        sd = events.private_subdir(run_dir, "stacks")
         # faulthandler writes through this fd from a signal handler; keep it open for life.
-        self._stack_file: IO[str] = open(  # noqa: SIM115
-            os.path.join(sd, f"a{attempt}-r{rank}-p{pid}.txt"), "w"
+        name = os.path.join(sd, f"a{attempt}-r{rank}-p{pid}.txt")
+        self._stack_file: IO[str] = os.fdopen(
+            open_private(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w"
         )
         faulthandler.register(DUMP_SIGNAL, file=self._stack_file, all_threads=True, chain=False)
 
@@ -176,10 +182,11 @@ class BeatRecord:
 def _read_one(path: str) -> BeatRecord | None:
     for _ in range(5):
         try:
-            with open(path, "rb") as f:
-                data = f.read(_SIZE)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return None
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(_SIZE)
         if len(data) < _SIZE:
             return None
         magic, version, pid, rank, attempt = _HEAD.unpack_from(data, 0)
@@ -207,22 +214,32 @@ def stalled(beats: list[BeatRecord], now: float, hang_timeout: float) -> list[Be
     return [b for b in beats if b.started and now - b.t > hang_timeout and is_alive(b.pid)]
 
 
-def request_stack_dumps(run_dir: str, beats: list[BeatRecord], grace: float) -> list[str]:
+def hang_began(beats: list[BeatRecord], hung: list[BeatRecord]) -> float | None:
+    """When the hang began: the last beat of the hung ranks (a healthy rank may beat once
+    more, then wait in the collective), else the last beat of any rank (hung before their
+    first beat); None when nothing beat at all."""
+    started = [b.t for b in hung if b.started] or [b.t for b in beats if b.started]
+    return max(started) if started else None
+
+
+def request_stack_dumps(
+    run_dir: str, beats: list[BeatRecord], grace: float, token: tuple[str, str]
+) -> list[str]:
     """Ask each live beacon owner for its stacks; wait up to ``grace`` s; return dump files.
 
-    A SIGSTOPped worker cannot run a signal handler, so it gets SIGCONT after the dump
-    signal: it then writes where it was stopped (it is killed right after anyway).
+    Only processes whose environment holds ``token`` (``(key, value)``: the attempt's
+    token) are asked: a beacon's pid is whatever its file says. A SIGSTOPped worker cannot
+    run a signal handler, so it gets SIGCONT after the dump signal: it then writes where it
+    was stopped (it is killed right after anyway).
     """
     asked: list[str] = []
     for b in beats:
-        if not is_alive(b.pid):
+        if not signal_if_tagged(b.pid, DUMP_SIGNAL, *token):
             continue
         path = os.path.join(stack_dir(run_dir), f"a{b.attempt}-r{b.rank}-p{b.pid}.txt")
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(b.pid, DUMP_SIGNAL)
-            if proc_state(b.pid) == "T":
-                os.kill(b.pid, signal.SIGCONT)
-            asked.append(path)
+        if proc_state(b.pid) == "T":
+            signal_if_tagged(b.pid, signal.SIGCONT, *token)
+        asked.append(path)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline and not all(_nonempty(p) for p in asked):
         time.sleep(0.05)
@@ -242,7 +259,7 @@ def remove_empty_dumps(run_dir: str, attempt: int) -> int:
         if name.startswith(f"a{attempt}-") and name.endswith(".txt"):
             path = os.path.join(d, name)
             with contextlib.suppress(FileNotFoundError):
-                if os.path.getsize(path) == 0:
+                if os.lstat(path).st_size == 0:
                     os.unlink(path)
                     n += 1
     return n

@@ -93,21 +93,39 @@ class CheckResult:
 # Probes import only the standard library and run with -I -S: ~20 ms to start, and they do
 # not depend on the (possibly slow-to-import) package or on the hung storage themselves.
 _STORAGE_PROBE = r"""
-import json, os, sys
+import errno, json, os, stat, sys
 d, need, node = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 def out(ok, detail):
     print(json.dumps({"ok": ok, "detail": detail})); sys.exit(0)
+def open_probe(path):
+    # Never through a symlink, never truncating what is not our own single-link file: a
+    # name planted in the directory (symlink, hard link) is unlinked and made afresh. Like
+    # any storage call this open may block (a hung mount): the caller's timeout cuts it off.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+    else:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == os.geteuid():
+            os.ftruncate(fd, 0)
+            return fd
+        os.close(fd)
+    os.unlink(path)
+    return os.open(path, flags | os.O_EXCL, 0o600)
 try:
-    os.makedirs(d, exist_ok=True)
+    os.makedirs(d, mode=0o700, exist_ok=True)
     names = os.listdir(d)
     probe = os.path.join(d, ".unbroken-probe-" + node)
     data = os.urandom(4096)
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = open_probe(probe)
     try:
         os.write(fd, data); os.fsync(fd)
     finally:
         os.close(fd)
-    with open(probe, "rb") as f:
+    with open(os.open(probe, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
         back = f.read()
     os.unlink(probe)
     if back != data:

@@ -1,8 +1,8 @@
 """`unbroken run`: keep a torchrun job alive unattended.
 
 One supervisor runs per node. Each attempt is a child ``torchrun`` (elastic agent, c10d
-rendezvous, ``--nnodes MIN:MAX``, ``--max-restarts 0``, see ``_attempt``) on a rendezvous
-store the supervisor hosts or joins (see ``_coord``). Around it the supervisor adds:
+rendezvous, ``--nnodes MIN:MAX``, ``--max-restarts 0``, see ``launch.attempt``) on a
+rendezvous store the supervisor hosts or joins (see ``rendezvous``). Around it the supervisor adds:
 
 1. pre-flight before the first start and before every restart (``preflight``);
 2. a hang watchdog over the workers' progress beats, with Python stack dumps before the kill
@@ -17,15 +17,18 @@ that outlived it after ``stop_grace`` seconds at most (they cannot finish a coll
 a dead peer, so nothing is gained by waiting for them; ``peer_failed()`` tells their SIGTERM
 handlers to skip a hopeless save), restarts at once when the failed attempt made progress,
 and hands the restart to a standby agent that imported torch while the job was training and
-forks the new workers from there (``_standby``; ``prewarm=False`` starts fresh interpreters).
+forks the new workers from there (``launch.standby``; ``prewarm=False`` starts fresh
+worker interpreters from a standby agent, ``standby=False`` a fresh torchrun too).
 
 Exit codes: see :mod:`unbroken.elastic.faults` (``EXIT_*``): 0 finished, 1 supervisor error,
 2 usage, 3 same failure twice (deterministic bug), 4 restart budget used up, 5 no progress,
-6 pre-flight never healthy, 7 preempted (SIGTERM/SIGINT; the job was asked to save).
+6 pre-flight never healthy, 7 preempted (SIGTERM/SIGINT; the job was asked to save), 8 the
+checkpoint refused the job's configuration at restore (a configuration fault: not retried).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -40,16 +43,15 @@ from typing import Any
 
 from unbroken.common import events
 from unbroken.common.events import load_events
-from unbroken.common.fs import atomic_write_bytes
-from unbroken.common.procs import is_alive
+from unbroken.common.fs import atomic_write_bytes, private_dir
 from unbroken.elastic import faults, heartbeat, recovery
-from unbroken.elastic._attempt import DEFAULT_PRELOAD, Attempt, Standby, worker_command
-from unbroken.elastic._coord import Coordinator
 from unbroken.elastic.faults import Action, Classification, Evidence, FaultClass, RestartPolicy
+from unbroken.elastic.launch.attempt import DEFAULT_PRELOAD, ENV_TOKEN, Attempt, worker_command
+from unbroken.elastic.launch.standby import Standby
 from unbroken.elastic.preflight import CheckResult, PreflightConfig, wait_until_healthy
+from unbroken.elastic.rendezvous import Coordinator, RendezvousConfig
 
 __all__ = [
-    "RendezvousConfig",
     "RunConfig",
     "Supervisor",
     "WatchdogConfig",
@@ -88,49 +90,6 @@ class WatchdogConfig:
 
 
 @dataclass(frozen=True)
-class RendezvousConfig:
-    """Where and how the nodes' supervisors meet (torchrun's c10d rendezvous)."""
-
-    nnodes: str = "1"
-    """``N`` or ``MIN:MAX`` nodes (torchrun's ``--nnodes``)."""
-    endpoint: str = "127.0.0.1:0"
-    """``host:port`` of the store; port 0 (single node only) hosts it on a free port."""
-    run_id: str = "unbroken"
-    """Job name shared by all nodes: supervisors of different jobs on one store never meet."""
-    node: str = ""
-    """This node's name among the supervisors (default ``<hostname>-<pid>``)."""
-    last_call_timeout: float = 5.0
-    """Once MIN nodes joined, wait this long for more before starting (seconds)."""
-    join_timeout: float = 600.0
-    """Give up a rendezvous that does not reach MIN nodes within this many seconds."""
-    node_timeout: float = 5.0
-    """A peer supervisor silent this long after a failure counts as a lost node."""
-
-    def __post_init__(self) -> None:
-        lo, hi = self.bounds
-        if lo < 1 or hi < lo:
-            raise ValueError(f"nnodes={self.nnodes!r}: need 1 <= MIN <= MAX, e.g. '1:2'")
-        host, sep, port = self.endpoint.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"rdzv endpoint {self.endpoint!r} is not HOST:PORT")
-        if hi > 1 and int(port) == 0:
-            raise ValueError(
-                f"nnodes={self.nnodes!r} spans nodes: pass --rdzv-endpoint HOST:PORT with a "
-                "fixed port that every node can reach"
-            )
-        if min(self.last_call_timeout, self.join_timeout, self.node_timeout) <= 0:
-            raise ValueError("last_call_timeout, join_timeout and node_timeout must be > 0")
-
-    @property
-    def bounds(self) -> tuple[int, int]:
-        lo, _, hi = self.nnodes.partition(":")
-        try:
-            return int(lo), int(hi or lo)
-        except ValueError:
-            raise ValueError(f"nnodes={self.nnodes!r} is not N or MIN:MAX") from None
-
-
-@dataclass(frozen=True)
 class RunConfig:
     """Everything ``unbroken run`` does, one field per flag; the single source of its defaults
     (the CLI reads them from here)."""
@@ -160,8 +119,12 @@ class RunConfig:
     are SIGKILLed. They cannot finish a collective with the dead rank (a rank stuck in one
     does not even run its SIGTERM handler), so this only bounds a flush of local state."""
     prewarm: bool = True
-    """Keep the next attempt's agent started with torch imported, and fork workers from it
-    (see ``_standby``); False starts a fresh torchrun and fresh interpreters per attempt."""
+    """Fork the workers from the standby's fork server, which imported ``preload`` ahead
+    (see ``launch.standby``); False starts every worker as a fresh interpreter."""
+    standby: bool = True
+    """Keep the next attempt's torchrun agent started ahead, torch imported (with
+    ``prewarm``: and its fork server); False starts a fresh torchrun per attempt and holds
+    nothing while the job trains (the slowest restart, no memory held)."""
     preload: tuple[str, ...] = DEFAULT_PRELOAD
     """Modules the pre-warmed agent imports before forking workers (add your heavy imports:
     they are then free at every restart). A module that fails to import is skipped."""
@@ -205,6 +168,19 @@ class _Outcome:
     """The step the failure is filed under, when fixed at detection (hangs)."""
 
 
+@dataclass
+class _Watch:
+    """What the watch loop carries from one poll to the next."""
+
+    t_up: float | None = None
+    """When the attempt's first workers appeared."""
+    store_lost: float | None = None
+    """Since when the rendezvous store has been unreachable."""
+    warned: bool = False
+    installed: dict[str, float] = field(default_factory=dict)
+    """Beacon -> when first seen (workers may restart)."""
+
+
 class Supervisor:
     """Runs :class:`RunConfig`'s command until it finishes or the policy gives up."""
 
@@ -242,9 +218,9 @@ class Supervisor:
         """The checkpointed step as the job reported it (``saved``/``loaded``), else the
         highest step any attempt reached."""
         steps = [
-            int(e["step"])
+            e["step"]
             for e in load_events(self.run_dir)
-            if e["event"] in ("saved", "loaded") and e.get("step") is not None
+            if e["event"] in ("saved", "loaded") and type(e.get("step")) is int
         ]
         if steps:
             return max(steps)
@@ -341,12 +317,13 @@ class Supervisor:
             nproc=self.cfg.nproc_per_node,
             preload=self.cfg.preload,
             echo=self.cfg.echo,
+            fork_server=self.cfg.prewarm,
         )
 
     def _launch(self, coord: Coordinator, number: int, gen: int) -> Attempt:
         target = self._max_step if self._failures and self._max_step >= 0 else None
         sb, self._standby = self._standby, None
-        if self.cfg.prewarm and (sb is None or sb.number != number or not sb.alive()):
+        if self.cfg.standby and (sb is None or sb.number != number or not sb.alive()):
             if sb is not None:
                 sb.close()
             sb = self._new_standby(number)  # cold: the workers are still forked from it
@@ -379,7 +356,7 @@ class Supervisor:
         """Start the next attempt's standby once this attempt trains (every local rank beat,
         or 30 s after its workers appeared), so that its imports do not slow this attempt's
         start-up."""
-        if not self.cfg.prewarm or self._standby is not None or t_up is None:
+        if not self.cfg.standby or self._standby is not None or t_up is None:
             return
         if (
             len({b.rank for b in beats if b.started}) >= self.cfg.nproc_per_node
@@ -389,78 +366,97 @@ class Supervisor:
 
     def _monitor(self, att: Attempt, coord: Coordinator) -> _Outcome:
         w = self.cfg.watchdog
-        t_up: float | None = None
-        store_lost: float | None = None
-        warned = False
-        installed: dict[str, float] = {}  # beacon -> when first seen (workers may restart)
-        pids: set[int] = set()
+        st = _Watch()
         while True:
             rc = att.poll()
             now = time.time()
             if rc is not None:
-                if rc == 0:
-                    return _Outcome("success", 0)
-                kind = "agent_lost" if rc < 0 else "exit"
-                detail = f"torchrun killed by {_signame(-rc)}" if rc < 0 else ""
-                first = att.failure()
-                # The failure happened when the first rank failed; torchrun's teardown of
-                # the others (and its exit) is already part of the relaunch.
-                return _Outcome(kind, rc, first.t if first else now, now, detail)
+                return self._ended(att, rc, now)
             if self._signal is not None:
                 return self._preempt(att)
-            try:
-                coord.tick()
-                stop = coord.get_stop()
-                newer = coord.gen() > att.gen
-                store_lost = None
-            except RuntimeError as e:
-                # The store host may be finishing a moment before us; only a lasting loss
-                # is fatal (torchrun's own rendezvous keep-alives fail soon after anyway).
-                store_lost = store_lost or now
-                if now - store_lost > 2 * self.cfg.rdzv.node_timeout:
-                    att.kill()
-                    raise RuntimeError(f"lost the rendezvous store at {coord.endpoint}: {e}") from e
-                stop, newer = None, False
-            if stop is not None:
-                att.kill()
-                return _Outcome("stopped", None, now, now, stop=stop)
-            if newer:
-                att.kill()
-                return _Outcome("peer", None, now, now, "another node failed; joining its restart")
+            news = self._store_news(att, coord, st, now)
+            if news is not None:
+                return news
             beats = heartbeat.read_beats(self.run_dir, att.number)
-            pids = set(att.worker_pids()) | {b.pid for b in beats if is_alive(b.pid)}
-            if pids and t_up is None:
-                t_up = now
+            # A beacon's pid counts (liveness, hangs, stops) only for this attempt's processes.
+            mine = [b for b in beats if att.owns(b.pid)]
+            pids = set(att.worker_pids()) | {b.pid for b in mine}
+            if pids and st.t_up is None:
+                st.t_up = now
                 self._event("workers_up", attempt=att.number, pids=sorted(pids))
             failed = att.failure()
             if failed is not None:
-                return self._stop_group(att, failed, beats)
+                return self._stop_group(att, failed, mine)
             for b in beats:
                 self._max_step = max(self._max_step, b.step)
-            self._maybe_prewarm(att, beats, t_up, now)
-            if not beats and t_up is not None and not warned and now - t_up > w.hang_timeout:
-                warned = True
-                log.warning(
-                    "no heartbeat from the workers after %.0f s: call "
-                    "unbroken.elastic.beat(step) every step to enable hang detection "
-                    "and catch-up measurement",
-                    now - t_up,
-                )
-            for b in beats:
-                installed.setdefault(b.path, now)
-            hung = heartbeat.stalled(beats, now, w.hang_timeout)
-            if not hung:  # installed but never beat: stuck before the first step
-                hung = [
-                    b
-                    for b in beats
-                    if not b.started
-                    and is_alive(b.pid)
-                    and now - installed[b.path] > w.startup_timeout
-                ]
+            self._maybe_prewarm(att, mine, st.t_up, now)
+            self._warn_without_beats(beats, st, now)
+            hung = self._hung(mine, st, now)
             if hung:
-                return self._hang(att, beats, hung, now)
+                return self._hang(att, mine, hung, now)
             # Until the workers exist, look often: workers_up ends the relaunch phase.
-            att.wait(pids, w.poll_interval if t_up is not None else min(w.poll_interval, 0.05))
+            att.wait(pids, w.poll_interval if st.t_up is not None else min(w.poll_interval, 0.05))
+
+    def _ended(self, att: Attempt, rc: int, now: float) -> _Outcome:
+        """The agent exited with ``rc``."""
+        if rc == 0:
+            return _Outcome("success", 0)
+        kind = "agent_lost" if rc < 0 else "exit"
+        detail = f"torchrun killed by {_signame(-rc)}" if rc < 0 else ""
+        first = att.failure()
+        # The failure happened when the first rank failed; torchrun's teardown of the others
+        # (and its exit) is already part of the relaunch.
+        return _Outcome(kind, rc, first.t if first else now, now, detail)
+
+    def _store_news(
+        self, att: Attempt, coord: Coordinator, st: _Watch, now: float
+    ) -> _Outcome | None:
+        """Tick; another node stopped the job, or moved to a newer generation."""
+        try:
+            coord.tick()
+            stop = coord.get_stop()
+            newer = coord.gen() > att.gen
+            st.store_lost = None
+        except RuntimeError as e:
+            # The store host may be finishing a moment before us; only a lasting loss is
+            # fatal (torchrun's own rendezvous keep-alives fail soon after anyway).
+            st.store_lost = st.store_lost or now
+            if now - st.store_lost > 2 * self.cfg.rdzv.node_timeout:
+                att.kill()
+                raise RuntimeError(f"lost the rendezvous store at {coord.endpoint}: {e}") from e
+            return None
+        if stop is not None:
+            att.kill()
+            return _Outcome("stopped", None, now, now, stop=stop)
+        if newer:
+            att.kill()
+            return _Outcome("peer", None, now, now, "another node failed; joining its restart")
+        return None
+
+    def _warn_without_beats(
+        self, beats: list[heartbeat.BeatRecord], st: _Watch, now: float
+    ) -> None:
+        if beats or st.t_up is None or st.warned or now - st.t_up <= self.cfg.watchdog.hang_timeout:
+            return
+        st.warned = True
+        log.warning(
+            "no heartbeat from the workers after %.0f s: call unbroken.elastic.beat(step) "
+            "every step to enable hang detection and catch-up measurement",
+            now - st.t_up,
+        )
+
+    def _hung(
+        self, mine: list[heartbeat.BeatRecord], st: _Watch, now: float
+    ) -> list[heartbeat.BeatRecord]:
+        """Live workers without a beat for ``hang_timeout`` s, or stuck before their first
+        beat for ``startup_timeout`` s."""
+        w = self.cfg.watchdog
+        for b in mine:
+            st.installed.setdefault(b.path, now)
+        hung = heartbeat.stalled(mine, now, w.hang_timeout)
+        if hung:
+            return hung
+        return [b for b in mine if not b.started and now - st.installed[b.path] > w.startup_timeout]
 
     def _stop_group(
         self, att: Attempt, failed: faults.WorkerExit, beats: list[heartbeat.BeatRecord]
@@ -497,13 +493,15 @@ class Supervisor:
         hung: list[heartbeat.BeatRecord],
         now: float,
     ) -> _Outcome:
-        started = [b.t for b in beats if b.started]
-        t_fail = max(started) if started else att.t_launch
+        began = heartbeat.hang_began(beats, hung)
+        t_fail = began if began is not None else att.t_launch
         ranks = sorted({b.rank for b in hung})
         # The step is fixed now: a SIGSTOPped rank resumed for its stack dump may still beat
         # once before the kill, and the table must say what the message says.
         step = max((b.step for b in beats), default=-1)
-        stacks = heartbeat.request_stack_dumps(self.run_dir, beats, self.cfg.watchdog.dump_grace)
+        stacks = heartbeat.request_stack_dumps(
+            self.run_dir, beats, self.cfg.watchdog.dump_grace, (ENV_TOKEN, att.token)
+        )
         detail = (
             f"ranks {ranks} made no progress for {now - t_fail:.1f} s "
             f"(--hang-timeout {self.cfg.watchdog.hang_timeout:g} s) at step {step}"
@@ -562,33 +560,44 @@ class Supervisor:
     def _handle_failure(self, coord: Coordinator, att: Attempt, out: _Outcome) -> int | None:
         """Classify, record, decide; returns an exit code or None to restart."""
         ev = self._evidence(att, out)
+        c = self._classify(coord, ev, out)
+        d = self.tracker.decide(c, self._progress(), ev.step)
+        self._failures.append((att.number, ev, c))
+        self._record_failure(att, out, ev, c, d)
+        if d.exit_code is not None:
+            if d.action is Action.STOP:
+                self._write_stop_report(d)
+                with contextlib.suppress(RuntimeError):
+                    coord.set_stop(d.exit_code, d.reason)
+            return d.exit_code
+        self._sleep(d.delay, coord)
+        return None
+
+    def _classify(self, coord: Coordinator, ev: Evidence, out: _Outcome) -> Classification:
+        """The rules' verdict, turned into a lost node when a peer supervisor went silent
+        around a process fault, or into a storage fault when pre-flight now fails."""
         c = faults.classify(ev, self.cfg.rules)
         if self.cfg.rdzv.bounds[1] > 1 and c.fault is FaultClass.PROCESS and out.kind != "hang":
             lost = self._lost_peers(coord, out.t_fail)
             if lost:
+                why = f"node(s) {', '.join(lost)} lost; continuing within --nnodes {self.cfg.rdzv.nnodes}"
                 c = Classification(
-                    FaultClass.NODE_LOST,
-                    Action.WAIT_FOR_NODES,
-                    "node_lost",
-                    f"node(s) {', '.join(lost)} lost; continuing within "
-                    f"--nnodes {self.cfg.rdzv.nnodes}",
-                    None,
-                    True,
+                    FaultClass.NODE_LOST, Action.WAIT_FOR_NODES, "node_lost", why, None, True
                 )
         if c.action is not Action.EXIT:
-            ok, res = self._preflight(coord, wait=False)
+            _ok, res = self._preflight(coord, wait=False)
             bad = [r for r in res if not r.ok and r.name in ("ckpt_dir", "data")]
             if bad:
+                why = "; ".join(f"{r.name}: {r.detail}" for r in bad)
                 c = Classification(
-                    FaultClass.STORAGE,
-                    Action.PREFLIGHT,
-                    "preflight",
-                    "; ".join(f"{r.name}: {r.detail}" for r in bad),
-                    None,
-                    True,
+                    FaultClass.STORAGE, Action.PREFLIGHT, "preflight", why, None, True
                 )
-        d = self.tracker.decide(c, self._progress(), ev.step)
-        self._failures.append((att.number, ev, c))
+        return c
+
+    def _record_failure(
+        self, att: Attempt, out: _Outcome, ev: Evidence, c: Classification, d: faults.Decision
+    ) -> None:
+        """The ``failure`` event, ``supervisor.json`` (the restart bookkeeping), a log line."""
         self._event(
             "failure",
             attempt=att.number,
@@ -605,10 +614,12 @@ class Supervisor:
             step=ev.step,
             delay=d.delay,
             restarts=self.tracker.restarts,
+            stop_code=d.exit_code,
         )
         atomic_write_bytes(
             os.path.join(self.run_dir, "supervisor.json"),
             json.dumps(self.tracker.state_dict(), indent=1).encode(),
+            mode=events.FILE_MODE,
         )
         log.warning(
             "attempt %d failed: %s [%s -> %s] %s",
@@ -618,16 +629,6 @@ class Supervisor:
             d.action.value,
             d.reason or c.reason,
         )
-        if d.exit_code is not None:
-            if d.action is Action.STOP:
-                self._write_stop_report(d)
-                try:
-                    coord.set_stop(d.exit_code, d.reason)
-                except RuntimeError:
-                    pass
-            return d.exit_code
-        self._sleep(d.delay, coord)
-        return None
 
     def _sleep(self, seconds: float, coord: Coordinator) -> None:
         end = time.monotonic() + seconds
@@ -658,18 +659,26 @@ class Supervisor:
             "Fix the cause, then rerun the same command: it resumes from the newest checkpoint.",
         ]
         text = "\n".join(lines) + "\n"
-        atomic_write_bytes(os.path.join(self.run_dir, "stop-report.txt"), text.encode())
+        atomic_write_bytes(
+            os.path.join(self.run_dir, "stop-report.txt"), text.encode(), mode=events.FILE_MODE
+        )
         print(text, flush=True)
 
     # --- main loop -----------------------------------------------------------------------
 
     def run(self) -> int:
-        os.makedirs(self.run_dir, exist_ok=True)
+        # The log records argv and tracebacks, and the run's files steer signals (beacons):
+        # refused unless private to this user (PrivateDirError names the directory and fix).
+        private_dir(self.run_dir, purpose="run directory")
         old = {}
         if threading.current_thread() is threading.main_thread():
             old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         first = 1 + max(
-            (int(e["attempt"]) for e in load_events(self.run_dir) if e["event"] == "launch"),
+            (
+                e["attempt"]
+                for e in load_events(self.run_dir)
+                if e["event"] == "launch" and type(e.get("attempt")) is int
+            ),
             default=-1,
         )
         code = faults.EXIT_ERROR
@@ -677,7 +686,12 @@ class Supervisor:
             r = self.cfg.rdzv
             host, _, port = r.endpoint.rpartition(":")
             self._coord = Coordinator(
-                host, int(port), r.run_id, self.node, connect_timeout=r.join_timeout
+                host,
+                int(port),
+                r.run_id,
+                self.node,
+                connect_timeout=r.join_timeout,
+                multi_node=r.bounds[1] > 1,
             )
             self._event(
                 "start",
@@ -746,10 +760,11 @@ class Supervisor:
             number += 1
 
     def _finish(self) -> None:
-        events = load_events(self.run_dir)
-        summary = recovery.summarize(events)
+        summary = recovery.summarize(load_events(self.run_dir))
         lines = b"".join(json.dumps(r.to_json()).encode() + b"\n" for r in summary.recoveries)
-        atomic_write_bytes(os.path.join(self.run_dir, "recovery.jsonl"), lines)
+        atomic_write_bytes(
+            os.path.join(self.run_dir, "recovery.jsonl"), lines, mode=events.FILE_MODE
+        )
         print(recovery.format_summary(summary), flush=True)
 
 

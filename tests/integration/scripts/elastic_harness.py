@@ -29,7 +29,7 @@ from unbroken.common.procs import (
     proc_state,
 )
 from unbroken.elastic import heartbeat
-from unbroken.elastic._coord import free_port  # noqa: F401 - used as h.free_port
+from unbroken.elastic.rendezvous import free_port  # noqa: F401 - used as h.free_port
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_train.py")
 
@@ -59,6 +59,22 @@ FAST = [
     "--shutdown-timeout",
     "5",
 ]
+
+
+def script_args(tmp_path: Any, steps: int, **extra: object) -> list[str]:
+    """elastic_train.py's arguments: checkpoints and metrics under ``tmp_path``."""
+    args = [
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+        "--metrics",
+        str(tmp_path / "metrics.jsonl"),
+        "--steps",
+        str(steps),
+    ]
+    for k, v in extra.items():
+        flag = f"--{k.replace('_', '-')}"
+        args += [flag] if v is True else [flag, str(v)]
+    return args
 
 
 class Job:

@@ -16,12 +16,14 @@ and the first step finished: benchmarks/elastic_recovery.py splits recovery time
 ``--linger S`` makes a rank whose collective failed (a peer died) stay alive S more seconds
 ignoring SIGTERM, like a rank stuck on a save it can never finish.
 ``--stderr-noise TEXT`` prints TEXT to stderr at start (old warnings in a rank's log).
+``--refuse-restore``: rank 0 refuses any checkpoint it restores as the checkpoint layer
+does when the job cannot take it (``RestoreRefused``).
 ``--stop-file PATH``: the job finishes after the first step at which PATH exists (the ranks
 agree on that step by an all-reduce), so a test decides when it has seen enough.
 
     torchrun ... elastic_train.py --ckpt DIR --metrics FILE --steps N [--save-every K]
         [--sleep S] [--raise-at STEP] [--ckpt-kind unbroken|file] [--linger S]
-        [--stderr-noise TEXT] [--stop-file PATH]
+        [--stderr-noise TEXT] [--stop-file PATH] [--refuse-restore]
 """
 
 from __future__ import annotations
@@ -83,6 +85,24 @@ class _FileCkpt:
         self.last_save_seconds = time.perf_counter() - t0
 
 
+def _restore_refused(step: int) -> Exception:
+    """What the checkpoint layer raises when the live job cannot take an intact checkpoint
+    (a resize it refuses, a shape mismatch): ``unbroken.ckpt.RestoreRefused``, or a stand-in
+    of the same name where that class is not there yet (issue 21 item 8)."""
+    try:
+        from unbroken.ckpt import RestoreRefused  # type: ignore[attr-defined]
+    except ImportError:
+
+        class RestoreRefused(ValueError):  # type: ignore[no-redef]
+            pass
+
+        RestoreRefused.__module__ = "unbroken.ckpt.store"
+    return RestoreRefused(
+        f"checkpoint step {step} was saved by 2 ranks and this job has 1: per-rank state "
+        "['extra'] differs between the saving ranks. Resume with 2 ranks"
+    )
+
+
 @record
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -96,6 +116,7 @@ def main() -> None:
     ap.add_argument("--linger", type=float, default=0.0)
     ap.add_argument("--stderr-noise", default=None)
     ap.add_argument("--stop-file", default=None)
+    ap.add_argument("--refuse-restore", action="store_true")
     a = ap.parse_args()
     if a.stderr_noise:
         print(a.stderr_noise, file=sys.stderr, flush=True)
@@ -133,6 +154,8 @@ def main() -> None:
     start = torch.full((1,), -1, dtype=torch.int64)
     if ckpt is not None:
         restored = ckpt.restore()  # marks "loaded" with step and seconds
+        if a.refuse_restore and restored is not None:
+            raise _restore_refused(restored)
         start[0] = -1 if restored is None else restored
     dist.broadcast(start, 0)
     for p in model.parameters():

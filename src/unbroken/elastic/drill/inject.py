@@ -26,9 +26,10 @@ from typing import IO, Any
 
 from unbroken.ckpt.store import Store
 from unbroken.common import events
-from unbroken.common.procs import agent_of, is_alive, kill_matching
+from unbroken.common.fs import open_private, private_dir
+from unbroken.common.procs import agent_of, environ_of, is_alive, kill_matching
 from unbroken.elastic import heartbeat
-from unbroken.elastic.drill.report import FaultSpec, Injection
+from unbroken.elastic.drill.plan import FaultSpec, Injection
 
 __all__ = ["Ctx", "Node", "inject"]
 
@@ -42,10 +43,10 @@ class Node:
 
     def __init__(self, name: str, sup_dir: str, argv: Sequence[str], env: dict[str, str]) -> None:
         self.name = name
-        self.sup_dir = os.path.abspath(sup_dir)
-        os.makedirs(self.sup_dir, exist_ok=True)
+        self.sup_dir = private_dir(os.path.abspath(sup_dir), purpose="run directory")
         self.out_path = os.path.join(self.sup_dir, "supervisor.out")
-        self._out: IO[bytes] = open(self.out_path, "wb")  # noqa: SIM115 - closed in close()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self._out: IO[bytes] = os.fdopen(open_private(self.out_path, flags), "wb")
         self.proc = subprocess.Popen(
             list(argv),
             stdout=self._out,
@@ -75,16 +76,20 @@ class Node:
         return any(e["event"] == "start" and e.get("hosting") for e in self.events())
 
     def live_beats(self, since: float) -> list[heartbeat.BeatRecord]:
-        """Started beacons of live workers in attempts launched after ``since``."""
+        """Started beacons of live workers in attempts launched after ``since``: only
+        processes of this node's job (a beacon's pid is a claim; it is signalled next)."""
         out: list[heartbeat.BeatRecord] = []
         for e in self.events():
-            if e["event"] == "launch" and e["t"] > since:
+            if e["event"] == "launch" and e["t"] > since and type(e.get("attempt")) is int:
                 out += [
                     b
-                    for b in heartbeat.read_beats(self.sup_dir, int(e["attempt"]))
-                    if b.started and is_alive(b.pid)
+                    for b in heartbeat.read_beats(self.sup_dir, e["attempt"])
+                    if b.started and self.owns(b.pid)
                 ]
         return out
+
+    def owns(self, pid: int) -> bool:
+        return is_alive(pid) and environ_of(pid).get(events.ENV_RUN_DIR) == self.sup_dir
 
     def kill(self) -> None:
         """SIGKILL the supervisor and everything below it: the whole node is gone."""

@@ -1,917 +1,33 @@
-"""The drill's verdicts and its report (``drill.txt``, ``drill.json``).
-
-Per fault: was it injected, did the supervisor detect and classify it, did the job recover
-(the four phases of :mod:`recovery`), did it resume from the checkpoint it had to (the
-newest, or the one before a corrupted newest), and the fault's own evidence (stack dumps of
-a hang, the quarantined checkpoint, no restart during a storage outage, the world size
-after a node left). Per drilled run: the final state, loss curve, data order and metric log
-against the reference run (:func:`unbroken.ckpt.compare.compare_runs`).
-
-Each fault's ``trajectory`` check compares the steps its recovery produced - from its
-restored step + 1 to the step the next fault's recovery restored - with the reference, and
-says which steps it compared. The fault whose steps hold the first difference fails; faults
-after it say "not checked: the run had already diverged at step N". Its ``restore`` check
-compares, per rank, the state right after the restore with what that rank saved (the state
-audit, :mod:`unbroken.common.audit`); the diagnosis names the component that was not brought back,
-or that differs from the reference one step after the restore, and only without an audit
-guesses from how far past the restore the runs part (:func:`diagnose`).
-"""
+"""The drill's report: ``drill.txt`` (a table and each fault's checks) and ``drill.json``."""
 
 from __future__ import annotations
 
 import json
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from unbroken.common.jsonable import plain_json
 from unbroken.common.tables import cell, render_table
-from unbroken.elastic.recovery import phases
-
-__all__ = [
-    "Check",
-    "DrillReport",
-    "FaultResult",
-    "FaultSpec",
-    "Injection",
-    "RunComparison",
-    "AuditFinding",
-    "audit_restore",
-    "explain",
-    "first_divergence",
-    "judge_trajectories",
-    "restore_check",
-    "compare_run",
-    "diagnose",
-    "evaluate_fault",
-    "unplanned_failures",
-]
-
-
-@dataclass(frozen=True)
-class FaultSpec:
-    """One planned fault (all fields derive from the drill's seed)."""
-
-    index: int
-    kind: str
-    run: str
-    """``single`` (one node, one rank) or ``elastic`` (two nodes of one rank each)."""
-    step: int
-    """Inject once the workers reached this step (after the previous fault's recovery)."""
-    victim: int = 0
-    """Which rank (or node, for agent-loss) is hit, modulo the live ones."""
-    mode: str = ""
-    """corrupt: ``bitflip`` or ``truncate``."""
-    salt: int = 0
-    """Seeded bits for the choices made at injection time (file, byte, bit)."""
-
-
-@dataclass
-class Injection:
-    spec: FaultSpec
-    t: float | None = None
-    """Unix time of the injection; None when it never happened."""
-    step: int | None = None
-    node: str = ""
-    rank: int | None = None
-    pid: int | None = None
-    detail: str = ""
-    expected_restore: int | None = None
-    """The step the recovery must restore (known when the job was frozen or dead)."""
-    min_restore: int | None = None
-    """A lower bound instead, when workers may still have saved after the injection."""
-    facts: dict[str, Any] = field(default_factory=dict)
-    error: str | None = None
-
-    def record(self, node: str, beat: Any, detail: str) -> None:
-        self.t, self.step, self.node = time.time(), int(beat.step), node
-        self.rank, self.pid, self.detail = int(beat.rank), int(beat.pid), detail
-
-    @property
-    def report_node(self) -> str:
-        return str(self.facts.get("report_node", self.node))
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    skipped: bool = False
-    """Nothing could be compared (``ok`` stays True: it is not a failure, nor a pass)."""
-
-    @property
-    def mark(self) -> str:
-        return "FAIL" if not self.ok else "n/c " if self.skipped else "ok  "
-
-
-@dataclass
-class FaultResult:
-    injection: Injection
-    checks: list[Check]
-    failure: dict[str, Any] | None = None
-    recovery: dict[str, Any] | None = None
-    restored: int | None = None
-
-    @property
-    def passed(self) -> bool:
-        return all(c.ok for c in self.checks)
-
-    @property
-    def verdict(self) -> str:
-        """PASS, FAIL, or NOT CHECKED when a check could compare nothing."""
-        if not self.passed:
-            return "FAIL"
-        return "NOT CHECKED" if any(c.skipped for c in self.checks) else "PASS"
-
-    @property
-    def why(self) -> str:
-        return "; ".join(f"{c.name}: {c.detail}" for c in self.checks if not c.ok)
-
-
-@dataclass
-class RunComparison:
-    run: str
-    reference: str
-    job: str
-    world_reference: int
-    exact_until: int | None
-    """Last step compared bit for bit when the world size changed (None: the whole run)."""
-    checks: list[Check]
-    result: dict[str, Any]
-    steps: int = 0
-
-    @property
-    def passed(self) -> bool:
-        return all(c.ok for c in self.checks)
-
-
-# --- per fault ----------------------------------------------------------------------------
-
-_EXPECTED = {  # what the supervisor must have made of each fault: (field, value)
-    "kill": ("fault", "process"),
-    "kill-in-save": ("fault", "process"),
-    "hang": ("kind", "hang"),
-    "corrupt": ("fault", "process"),
-    "storage": ("fault", "storage"),
-    "agent-loss": ("kind", "agent_lost"),
-    "world-size": ("fault", "node_lost"),
-}
-
-
-def evaluate_fault(
-    inj: Injection,
-    events: list[dict[str, Any]],
-    ckpt_root: str,
-    records: list[dict[str, Any]],
-    until: float | None = None,
-) -> FaultResult:
-    """Checks for one injected fault from the reporting node's events and the metric log
-    (``until``: when the next fault was injected; later records are not this fault's)."""
-    kind = inj.spec.kind
-    if inj.t is None:
-        return FaultResult(inj, [Check("injected", False, inj.error or "never injected")])
-    checks = [Check("injected", inj.error is None, inj.error or inj.detail)]
-    fail = next((e for e in events if e["event"] == "failure" and e["t"] >= inj.t), None)
-    if fail is None:
-        checks.append(Check("detected", False, "the supervisor recorded no failure after it"))
-        return FaultResult(inj, checks)
-    key, want = _EXPECTED[kind]
-    checks.append(
-        Check(
-            "detected",
-            fail.get(key) == want,
-            f"{fail.get('kind')}: {fail.get('fault')}/{fail.get('rule')} -> {fail.get('action')} "
-            f"({str(fail.get('reason', ''))[:90]})"
-            + ("" if fail.get(key) == want else f"; expected {key} {want!r}"),
-        )
-    )
-    attempt = int(fail["attempt"])
-    rec = next((r for r in phases(events) if r.attempt == attempt), None)
-    rec_json = rec.to_json() if rec else None
-    loaded = [e for e in events if e["event"] == "loaded" and e.get("attempt") == attempt + 1]
-    restored = min((int(e["step"]) for e in loaded), default=None)
-    missing = [
-        p for p in ("relaunch", "load", "catch_up") if rec is None or getattr(rec, p) is None
-    ]
-    checks.append(
-        Check(
-            "recovered",
-            not missing and restored is not None,
-            "all four phases recorded"
-            if not missing
-            else f"phases {', '.join(missing)} not recorded (the job did not come back)",
-        )
-    )
-    checks.append(_restore_check(inj, restored))
-    mine = [r for r in records if until is None or float(r.get("time", 0.0)) < until]
-    checks += _specific(inj, events, fail, ckpt_root, mine, restored)
-    return FaultResult(inj, checks, fail, rec_json, restored)
-
-
-def _restore_check(inj: Injection, restored: int | None) -> Check:
-    if inj.expected_restore is not None:
-        ok = restored == inj.expected_restore
-        what = (
-            "the checkpoint before the corrupted one"
-            if inj.spec.kind == "corrupt"
-            else "the newest committed checkpoint"
-        )
-        return Check(
-            "resumed", ok, f"restored step {restored}; expected {inj.expected_restore} ({what})"
-        )
-    if inj.min_restore is not None:
-        ok = restored is not None and restored >= inj.min_restore
-        return Check(
-            "resumed",
-            ok,
-            f"restored step {restored}; newest checkpoint at the injection was {inj.min_restore}",
-        )
-    return Check(
-        "resumed",
-        restored is not None,
-        f"restored step {restored} (no checkpoint existed at the injection)",
-    )
-
-
-@dataclass(frozen=True)
-class _Seen:
-    """What a fault-specific check looks at: the run's events, the failure record, the
-    checkpoint root, the metric log and the step restored after the fault."""
-
-    events: list[dict[str, Any]]
-    fail: dict[str, Any]
-    ckpt_root: str
-    records: list[dict[str, Any]]
-    restored: int | None
-
-
-def _specific(
-    inj: Injection,
-    events: list[dict[str, Any]],
-    fail: dict[str, Any],
-    ckpt_root: str,
-    records: list[dict[str, Any]],
-    restored: int | None,
-) -> list[Check]:
-    """The check that proves this kind of fault was handled the right way (none for a kill)."""
-    check = _SPECIFIC.get(inj.spec.kind)
-    return [] if check is None else [check(inj, _Seen(events, fail, ckpt_root, records, restored))]
-
-
-def _debris_removed(inj: Injection, seen: _Seen) -> Check:
-    f = inj.facts
-    left = os.path.exists(os.path.join(seen.ckpt_root, f["tmp_dir"]))
-    files = ", ".join(f["tmp_files"]) or "still empty"
-    after = (
-        "still there after the restore"
-        if left
-        else f"removed by the restore, step {f['save_step']} never visible"
-    )
-    return Check("debris", not left, f"half-written {f['tmp_dir']} ({files}) {after}")
-
-
-def _stacks_dumped(inj: Injection, seen: _Seen) -> Check:
-    t0 = inj.t or 0
-    hang = next((e for e in seen.events if e["event"] == "hang" and e["t"] >= t0), None)
-    stacks = hang.get("stacks", []) if hang else []
-    names = ", ".join(os.path.basename(s) for s in stacks)
-    detail = f"{len(stacks)} written: {names}" if stacks else "no stack dump written"
-    return Check("stack dumps", bool(stacks), detail)
-
-
-def _quarantined(inj: Injection, seen: _Seen) -> Check:
-    f = inj.facts
-    prefix = f"corrupt-step-{int(f['corrupted_step']):08d}-"
-    try:
-        q = [n for n in os.listdir(seen.ckpt_root) if n.startswith(prefix)]
-    except OSError:
-        q = []
-    where = f"moved to {q[0]}" if q else "the damaged checkpoint was not quarantined"
-    return Check("quarantined", bool(q), f"{f['detail']} in {f['file']}; {where}")
-
-
-def _waited_for_storage(inj: Injection, seen: _Seen) -> Check:
-    f, t_fail = inj.facts, seen.fail["t"]
-    until = float(f.get("outage_until", 0.0))
-    early = [e for e in seen.events if e["event"] == "launch" and t_fail <= e["t"] <= until]
-    n = int(f.get("failing_preflights", 0))
-    how = (
-        f"{len(early)} restart(s) while the storage was down"
-        if early
-        else "no restart until it was back"
-    )
-    return Check(
-        "waited",
-        not early and n >= 2,
-        f"{n} failing pre-flights during the {until - t_fail:.1f} s outage, {how}",
-    )
-
-
-def _world_after(seen: _Seen) -> tuple[list[int], list[int]]:
-    after = [
-        int(r.get("world_size", 0))
-        for r in seen.records
-        if seen.restored is not None and r["step"] > seen.restored
-    ]
-    return after, sorted(set(after))
-
-
-def _went_on_alone(inj: Injection, seen: _Seen) -> Check:
-    after, sizes = _world_after(seen)
-    return Check(
-        "world size",
-        bool(after) and sizes == [1],
-        f"steps after the restore ran on world size(s) {sizes or 'none'}",
-    )
-
-
-def _went_on_elastic(inj: Injection, seen: _Seen) -> Check:
-    # Going on alone and getting the node back are both correct elastic behaviour.
-    after, sizes = _world_after(seen)
-    how = "the node rejoined" if sizes and sizes[-1] > 1 else "went on without the node"
-    return Check(
-        "world size",
-        bool(after),
-        f"steps after the restore ran on world size(s) {sizes or 'none'} ({how})",
-    )
-
-
-_SPECIFIC = {
-    "kill-in-save": _debris_removed,
-    "hang": _stacks_dumped,
-    "corrupt": _quarantined,
-    "storage": _waited_for_storage,
-    "agent-loss": _went_on_elastic,
-    "world-size": _went_on_alone,
-}
-
-
-# --- per run ------------------------------------------------------------------------------
-
-
-def compare_run(
-    run: str,
-    ref_dir: str,
-    job_dir: str,
-    ckpt: str,
-    metrics: str,
-    world_reference: int,
-    records: list[dict[str, Any]],
-) -> RunComparison:
-    """The drilled run against its reference. When the world size changed, the floats are
-    compared only up to the change (see the module doc of :mod:`unbroken.elastic.drill.runner`)."""
-    from unbroken.ckpt.compare import compare_runs  # torch: imported only when a drill ends
-
-    if not records or "loss" not in records[0]:
-        why = "is empty" if not records else "has no loss per step"
-        return RunComparison(
-            run,
-            ref_dir,
-            job_dir,
-            world_reference,
-            None,
-            [
-                Check(
-                    "metric log",
-                    False,
-                    f"{os.path.join(job_dir, metrics)} {why}: log every step "
-                    "with MetricLog.log(step, loss=...[, ids=[sample ids of the step]])",
-                )
-            ],
-            {},
-        )
-    changed = next(
-        (
-            int(r["step"])
-            for r in records
-            if int(r.get("world_size", world_reference)) != world_reference
-        ),
-        None,
-    )
-    exact_until = None if changed is None else changed - 1
-    try:
-        res = compare_runs(ref_dir, job_dir, ckpt=ckpt, metrics=metrics, floats=changed is None)
-    except (ValueError, OSError, KeyError) as e:
-        return RunComparison(
-            run,
-            ref_dir,
-            job_dir,
-            world_reference,
-            exact_until,
-            [Check("final state", False, f"cannot compare: {e}")],
-            {},
-        )
-    checks = [_state_check(res, changed)]
-    d = res["first_loss_diff"]
-    if d is None:
-        text = f"identical, {len(records)} steps"
-    elif exact_until is not None and d > exact_until:
-        text = (
-            f"identical up to step {exact_until} (world size {world_reference}); from "
-            f"step {changed} on another world size: floats not compared bit for bit"
-        )
-    else:
-        a, b = res["loss_at_diff"] or (None, None)
-        text = f"differs from step {d}: reference {a!r}, drilled run {b!r}"
-    checks.append(
-        Check("loss curve", d is None or (exact_until is not None and d > exact_until), text)
-    )
-    n = res["first_sample_diff"]
-    total = sum(len(r.get("ids", ())) for r in records)
-    if not res["ids_logged"]:
-        text = (
-            "not compared: the metric log holds no sample ids (log ids=[...] each step "
-            "to compare the order); the loader's position is compared in the final state"
-        )
-    elif n is None:
-        text = f"identical, {total} samples: none missing, none consumed twice"
-    else:
-        ra, rb = res["first_sample_ids"]
-        text = (
-            f"differs from sample #{n} (step {res['first_sample_step']}): reference id "
-            f"{ra}, drilled run id {rb}; {res['missing_samples']} samples never consumed, "
-            f"{res['extra_samples']} consumed too often"
-        )
-    checks.append(Check("data order", n is None, text))
-    dup = res["duplicated_steps"]
-    checks.append(
-        Check(
-            "metric log", dup == 0, "no duplicated step" if not dup else f"{dup} duplicated steps"
-        )
-    )
-    return RunComparison(
-        run,
-        ref_dir,
-        job_dir,
-        world_reference,
-        exact_until,
-        checks,
-        plain_json(res, lossy=True),
-        len(records),
-    )
-
-
-_NOT_PARTS = {
-    "counters",
-    "scalar_diffs",
-    "skipped_float_leaves",
-    "duplicated_steps",
-    "first_loss_diff",
-    "loss_at_diff",
-    "first_sample_diff",
-    "first_sample_step",
-    "first_sample_ids",
-    "missing_samples",
-    "extra_samples",
-    "identical",
-    "ids_logged",
-}
-
-
-def _state_check(res: dict[str, Any], changed: int | None) -> Check:
-    parts = sorted(k for k in res if k not in _NOT_PARTS)
-    bad = [p for p in parts if res[p]]
-    if res["counters"]:
-        bad.append("counters")
-    if not bad:
-        text = f"identical: {', '.join(parts)}, counters"
-        if changed is not None:
-            text += (
-                f" (world size changed at step {changed}: {res['skipped_float_leaves']} "
-                "float tensors not compared; integers, positions and schedules are)"
-            )
-        return Check("final state", True, text)
-    items = []
-    for p in bad:
-        keys = res[p] if p != "counters" else res["counters"]
-        items.append(
-            f"{p} ({len(keys)}: {', '.join(k.lstrip('/') for k in keys[:3])}"
-            f"{', ...' if len(keys) > 3 else ''})"
-        )
-    # Counters (step counts, last_epoch, positions) say most about what was not restored.
-    ranked = sorted(res["scalar_diffs"].items(), key=lambda kv: (not _integral(kv[1]), kv[0]))
-    scal = "; ".join(
-        f"{k.lstrip('/')}: {a!r} in the reference, {b!r} here" for k, (a, b) in ranked[:5]
-    )
-    return Check(
-        "final state", False, "differs in " + ", ".join(items) + (f"; {scal}" if scal else "")
-    )
-
-
-def unplanned_failures(injected: list[float], failures: list[tuple[str, dict[str, Any]]]) -> Check:
-    """Every failure a supervisor recorded must follow an injected fault, at most one per
-    node and fault: anything else (a spurious hang verdict, a restart that failed again) is
-    a recovery the drill cannot vouch for."""
-    seen: set[tuple[int, str]] = set()
-    extra = []
-    for node, e in sorted(failures, key=lambda x: x[1]["t"]):
-        i = sum(1 for t in injected if t <= e["t"]) - 1
-        if i < 0 or (i, node) in seen:
-            extra.append(
-                f"node {node} at step {e.get('step')}: {e.get('fault')}/"
-                f"{e.get('rule')} ({str(e.get('reason', ''))[:80]})"
-            )
-        seen.add((i, node))
-    if extra:
-        return Check(
-            "failures",
-            False,
-            f"{len(extra)} failure(s) no injected fault explains: " + "; ".join(extra),
-        )
-    return Check("failures", True, f"{len(failures)} recorded, each after an injected fault")
-
-
-def _integral(pair: Any) -> bool:
-    return all(isinstance(v, int | float) and float(v).is_integer() for v in pair)
-
-
-def diagnose(res: dict[str, Any], restored: int | None) -> str:
-    """Guess what was not restored from where the runs part after a restore (used when the
-    state audit cannot name it, see :func:`explain`)."""
-    if res.get("first_sample_diff") is not None:
-        ra, rb = res.get("first_sample_ids") or (None, None)
-        return (
-            "the data position was not restored: the resumed run consumed other samples "
-            f"from sample #{res['first_sample_diff']} (step {res['first_sample_step']}) on: "
-            f"id {rb} where the reference had {ra}"
-        )
-    d = res.get("first_loss_diff")
-    if d is None or restored is None:
-        return "the final state differs although the loss curve and the data order match"
-    k = d - restored
-    if k <= 0:
-        return (
-            f"the loss differs at step {d}, before the restored step {restored}: the "
-            "metric log was not rolled back to the checkpoint"
-        )
-    if k == 1:
-        return (
-            f"the first step after restoring step {restored} already differs, on the same "
-            "samples: state the forward pass uses was not restored (RNG streams such as "
-            "dropout, or the model weights)"
-        )
-    if k == 2:
-        return (
-            f"step {restored + 1} after the restore matches but step {d} does not: the "
-            "first optimizer update differs (optimizer state was not restored: moments, "
-            "step counts or learning rate)"
-        )
-    return (
-        f"steps {restored + 1}..{d - 1} after the restore match, step {d} does not: state "
-        "that acts later was not restored (e.g. the learning-rate schedule)"
-    )
-
-
-# --- the state audit (see unbroken.common.audit) ----------------------------------------------
-
-
-@dataclass
-class AuditFinding:
-    """What the state audit says about one restore (all ranks that recorded it)."""
-
-    restored: int
-    ranks: list[int]
-    leaves: int
-    """Leaves compared per rank (the largest count)."""
-    restore_diff: dict[int, list[str]]
-    """rank -> leaves whose restored value is not the value that rank saved."""
-    from_rank0: dict[int, list[str]]
-    """rank -> those of its differing leaves that hold rank 0's saved value instead."""
-    step_diff: dict[int, list[str]] | None
-    """rank -> leaves that differ from the reference one step after the restore, as
-    ``kind:leaf`` (kinds of :func:`unbroken.common.audit._digest`); None: not compared."""
-    note: str = ""
-
-
-def _component(leaf: str) -> str:
-    return leaf.split("/", 1)[0]
-
-
-def _name_leaves(leaves: list[str], per: int = 3) -> str:
-    """``extra.hidden (h/0), model (fc.weight, fc.bias)``: components, a few leaves each."""
-    by: dict[str, list[str]] = {}
-    for leaf in leaves:
-        by.setdefault(_component(leaf), []).append(leaf.split("/", 1)[1] if "/" in leaf else "")
-    parts = []
-    for comp, keys in by.items():
-        keys = [k for k in keys if k]
-        shown = ", ".join(keys[:per]) + (", ..." if len(keys) > per else "")
-        parts.append(f"{comp} ({shown})" if shown else comp)
-    return ", ".join(parts)
-
-
-def audit_restore(
-    inj_t: float,
-    restored: int,
-    audit: dict[int, list[dict[str, Any]]],
-    ref_audit: dict[int, list[dict[str, Any]]],
-) -> AuditFinding | None:
-    """Compare, per rank, the state right after the restore of step ``restored`` (the first
-    one after ``inj_t``) with what that rank saved for that step, and the state one step
-    later with the reference run's state at that step. None when nothing was recorded."""
-    restore_diff: dict[int, list[str]] = {}
-    from_rank0: dict[int, list[str]] = {}
-    step_diff: dict[int, list[str]] = {}
-    ranks: list[int] = []
-    leaves = 0
-    notes: set[str] = set()
-    saved0 = None
-    for rank in sorted(audit):
-        recs = audit[rank]
-        at = next(
-            (
-                i
-                for i, r in enumerate(recs)
-                if r["event"] == "restored" and r["step"] == restored and r["t"] >= inj_t
-            ),
-            None,
-        )
-        if at is None:
-            continue
-        got = recs[at]
-        saved = next(
-            (r for r in reversed(recs[:at]) if r["event"] == "saved" and r["step"] == restored),
-            None,
-        )
-        if saved is None:
-            notes.add(f"no record of the save of step {restored} on rank {rank}")
-            continue
-        ranks.append(rank)
-        a, b = saved["leaves"], got["leaves"]
-        if saved["world"] != got["world"]:  # per-rank RNG streams are re-derived, by design
-            notes.add(
-                f"world size {saved['world']} -> {got['world']}: RNG re-derived, not compared"
-            )
-            a = {k: v for k, v in a.items() if not k.startswith("rng/")}
-            b = {k: v for k, v in b.items() if not k.startswith("rng/")}
-        leaves = max(leaves, len(a))
-        diff = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
-        if rank == 0:
-            saved0 = a
-        if diff:
-            restore_diff[rank] = diff
-            if rank != 0 and saved0 is not None:
-                same = [k for k in diff if b.get(k) is not None and b.get(k) == saved0.get(k)]
-                if same:
-                    from_rank0[rank] = same
-        nxt = next((r for r in recs[at + 1 :] if r["pid"] == got["pid"]), None)
-        mine = ref_audit.get(rank, [])
-        ref = next(
-            (
-                r
-                for r in mine
-                if r["event"] == "step" and r["step"] == restored + 1 and r["world"] == got["world"]
-            ),
-            None,
-        )
-        ref_saved = next(
-            (
-                r
-                for r in mine
-                if r["event"] == "saved" and r["step"] == restored and r["world"] == got["world"]
-            ),
-            None,
-        )
-        if nxt is None or nxt["event"] != "step" or nxt["step"] != restored + 1 or ref is None:
-            continue
-        # Leaves that differ between the two runs already in the checkpoint both made of
-        # this step (an RNG the script never seeds nor uses) say nothing about the restore.
-        e = ref_saved["leaves"] if ref_saved else {}
-        noise = {k for k in a.keys() | e.keys() if a.get(k) != e.get(k)} if e else set()
-        c, d = ref["leaves"], nxt["leaves"]
-        step_diff[rank] = sorted(
-            f"{(d.get(k) or c.get(k) or '?:')[0]}:{k}"
-            for k in c.keys() | d.keys()
-            if c.get(k) != d.get(k) and k not in noise
-        )
-    if not ranks:
-        return None
-    return AuditFinding(
-        restored,
-        ranks,
-        leaves,
-        restore_diff,
-        from_rank0,
-        step_diff if step_diff else None,
-        "; ".join(sorted(notes)),
-    )
-
-
-def restore_check(f: AuditFinding | None, restored: int | None) -> Check:
-    """The fault's ``restore`` check: did restore() bring back exactly what was saved?"""
-    if f is None:
-        why = (
-            "the job did not resume"
-            if restored is None
-            else "no state audit recorded for this restore (the state was not restored by "
-            "unbroken's Checkpointer, or its save was not recorded)"
-        )
-        return Check("restore", True, f"not checked: {why}", skipped=True)
-    if not f.restore_diff:
-        rk = ", ".join(map(str, f.ranks))
-        return Check(
-            "restore",
-            True,
-            f"every leaf ({f.leaves}) of step {f.restored} came back "
-            f"exactly as it was saved, on rank{'s' if len(f.ranks) > 1 else ''} {rk}"
-            + (f" ({f.note})" if f.note else ""),
-        )
-    return Check("restore", False, _restore_text(f))
-
-
-def _restore_text(f: AuditFinding) -> str:
-    out = []
-    for rank, diff in sorted(f.restore_diff.items()):
-        text = f"on rank {rank}, {_name_leaves(diff)} not as saved"
-        if f.from_rank0.get(rank):
-            text += (
-                f" (it holds rank 0's value of {_name_leaves(f.from_rank0[rank])}: state "
-                "that differs between ranks was saved once, not per rank)"
-            )
-        out.append(text)
-    return f"restore() did not bring back what was saved at step {f.restored}: " + "; ".join(out)
-
-
-def explain(f: AuditFinding | None, res: dict[str, Any], restored: int | None) -> str:
-    """The diagnosis of the fault whose recovery the runs part after: the component the state
-    audit names, else :func:`diagnose`'s guess from where they part."""
-    guess = diagnose(res, restored)
-    if f is None or restored is None:
-        return guess
-    if f.restore_diff:
-        return _restore_text(f)
-    if f.step_diff is None:
-        return guess + " (restore() itself brought back every leaf exactly)"
-    leaves = sorted({k for d in f.step_diff.values() for k in d})
-    causes = [k.split(":", 1)[1] for k in leaves if not k.startswith("f:")]
-    floats = [k.split(":", 1)[1] for k in leaves if k.startswith("f:")]
-    head = (
-        f"restore() brought back every leaf of step {restored} exactly, but one step "
-        f"later (step {restored + 1}) "
-    )
-    if causes:
-        # The component with most differing discrete leaves first: the one that was reset
-        # (an optimizer's step counts) ahead of what follows from it (a scheduler's last lr).
-        count: dict[str, int] = {}
-        for k in causes:
-            count[_component(k)] = count.get(_component(k), 0) + 1
-        comps = sorted(count, key=lambda c: (-count[c], c))
-        causes.sort(key=lambda k: (comps.index(_component(k)), k))
-        text = (
-            head + f"{', '.join(comps)} differ{'s' if len(comps) == 1 else ''} from the "
-            f"reference: {_name_leaves(causes)}; {'it was' if len(comps) == 1 else 'they were'} "
-            "changed after restore() (re-seeded, re-created or reloaded by the script), or "
-            "the step takes them from somewhere the checkpoint does not cover"
-        )
-        if res.get("first_sample_diff") is not None and "loader" in comps:
-            text += f". {guess}"
-        return text
-    if floats:
-        return (
-            head + f"only computed values differ ({_name_leaves(floats)}): the step used "
-            "state that is not in the checkpoint (a hidden state carried across batches, a "
-            "module attribute, a global or a generator TrainState does not capture); "
-            "register it with TrainState(extras={...})"
-        )
-    return guess + " (restore() brought back every leaf, and the state one step later matches)"
-
-
-# --- per fault: what its recovery's steps show --------------------------------------------
-
-
-def first_divergence(
-    ref: list[dict[str, Any]], got: list[dict[str, Any]], exact_until: int | None
-) -> tuple[int | None, str, bool]:
-    """(first step where the logs part, what differs there, whether sample ids are compared).
-    Steps are matched by number (the last record of a step counts); the loss is compared up
-    to ``exact_until`` (None: everywhere), sample ids wherever both logs hold them."""
-    a = {int(r["step"]): r for r in ref}
-    b = {int(r["step"]): r for r in got}
-    ids = bool(ref) and all("ids" in r for r in ref) and all("ids" in r for r in got)
-    for s in sorted(a.keys() | b.keys()):
-        x, y = a.get(s), b.get(s)
-        if x is None:
-            return s, f"step {s} is not in the reference's log", ids
-        if y is None:
-            return s, f"step {s} is missing from the drilled run's log", ids
-        if ids and x["ids"] != y["ids"]:
-            return s, f"other samples than the reference at step {s}", ids
-        if (exact_until is None or s <= exact_until) and x.get("loss") != y.get("loss"):
-            return s, f"the loss differs from step {s} on", ids
-    return None, "", ids
-
-
-def judge_trajectories(
-    results: list[FaultResult],
-    cmp: RunComparison,
-    records: list[dict[str, Any]],
-    ref_records: list[dict[str, Any]],
-    findings: dict[int, AuditFinding | None] | None = None,
-) -> None:
-    """Add ``restore`` and ``trajectory`` checks to each fault of the run.
-
-    A fault's recovery produced the steps from its restored step + 1 up to the step the next
-    fault's recovery restored (the rest was rolled back) - those are what its trajectory
-    check compares with the reference. The fault whose steps hold the first difference fails,
-    with a diagnosis (:func:`explain`); faults after it say they were not checked.
-    """
-    findings = findings or {}
-    mine = sorted(
-        (r for r in results if r.injection.spec.run == cmp.run and r.injection.t is not None),
-        key=lambda r: r.injection.spec.index,
-    )
-    for r in mine:
-        r.checks.append(restore_check(findings.get(r.injection.spec.index), r.restored))
-    d, what, ids = first_divergence(ref_records, records, cmp.exact_until)
-    last = max([int(x["step"]) for x in records + ref_records], default=0)
-    first_restore = mine[0].restored if mine else None
-    if d is not None and first_restore is not None and d <= first_restore:
-        cmp.checks.append(
-            Check(
-                "before any fault",
-                False,
-                f"{what}, before any fault's "
-                "recovery: the training script is not deterministic (seeds, "
-                "data order, nondeterministic kernels)",
-            )
-        )
-    culprit: FaultResult | None = None
-    for i, r in enumerate(mine):
-        if r.restored is None:
-            r.checks.append(
-                Check(
-                    "trajectory",
-                    True,
-                    "not checked: the job did not resume (no restore recorded)",
-                    skipped=True,
-                )
-            )
-            continue
-        a = r.restored + 1
-        later = mine[i + 1] if i + 1 < len(mine) else None
-        b = later.restored if later is not None and later.restored is not None else last
-        if later is None:
-            b = last
-        if b < a:
-            r.checks.append(
-                Check(
-                    "trajectory",
-                    True,
-                    f"not checked: fault #"
-                    f"{later.injection.spec.index if later else '?'} rolled the job "
-                    f"back to step {b} before any step after this restore was "
-                    "kept",
-                    skipped=True,
-                )
-            )
-            continue
-        if d is not None and d < a:
-            where = (
-                f" after fault #{culprit.injection.spec.index}'s recovery"
-                if culprit
-                else " before any fault's recovery"
-            )
-            r.checks.append(
-                Check(
-                    "trajectory",
-                    True,
-                    f"not checked: the run had already diverged at step {d}{where}",
-                    skipped=True,
-                )
-            )
-            continue
-        if d is not None and d <= b:
-            culprit = r
-            why = explain(findings.get(r.injection.spec.index), cmp.result, r.restored)
-            r.checks.append(Check("trajectory", False, f"steps {a}..{b} compared: {what}; {why}"))
-            continue
-        r.checks.append(Check("trajectory", True, _compared(a, b, ids, cmp.exact_until)))
-
-
-def _compared(a: int, b: int, ids: bool, exact_until: int | None) -> str:
-    span = f"step {a}" if a == b else f"steps {a}..{b}"
-    if exact_until is None or exact_until >= b:
-        what = "loss and sample ids" if ids else "loss (no sample ids logged)"
-        return f"{what} of {span} identical to the reference"
-    if not ids:
-        return (
-            f"{span} ran on another world size than the reference: floats not compared, "
-            "and no sample ids logged (only the final state's non-float leaves compare)"
-        )
-    if exact_until < a:
-        return (
-            f"sample ids of {span} identical to the reference (another world size from "
-            f"step {exact_until + 1} on: floats not compared bit for bit)"
-        )
-    return (
-        f"loss of steps {a}..{exact_until} and sample ids of {span} identical to the "
-        f"reference (another world size from step {exact_until + 1} on)"
-    )
-
-
-# --- the report ---------------------------------------------------------------------------
+from unbroken.elastic.drill.judge import FaultResult, RunComparison
+from unbroken.elastic.drill.plan import FaultSpec
+
+__all__ = ["DrillReport"]
+
+_PHASES = ("detect", "relaunch", "load", "catch_up", "total")
+_HEADER = (
+    "#",
+    "fault",
+    "run",
+    "step",
+    "restored",
+    "detect",
+    "relaunch",
+    "load",
+    "catch-up",
+    "total",
+    "verdict",
+)
 
 
 @dataclass
@@ -935,6 +51,25 @@ class DrillReport:
             and all(r.passed for r in self.runs)
             and all(c == 0 for c in self.exits.values() if c is not None)
         )
+
+    def cause(self) -> str:
+        """The first concrete mismatch, for the headline: the job's own failure after a
+        restore when there was one (it is what made the runs part), else the first failed
+        check's finding; "" when the drill passed."""
+        if self.passed:
+            return ""
+        runs = [c for r in self.runs for c in r.checks if not c.ok]
+        own = next((c.cause for c in runs if c.name == "failures" and c.cause), "")
+        if own:
+            return own
+        for f in self.faults:
+            for c in f.checks:
+                if not c.ok:
+                    return f"fault #{f.injection.spec.index} {f.injection.spec.kind}: " + (
+                        c.cause or f"{c.name}: {c.detail}"
+                    )
+        bad = runs[0] if runs else None
+        return (bad.cause or f"{bad.name}: {bad.detail}") if bad else self.reasons()[0]
 
     def reasons(self) -> list[str]:
         out = [
@@ -992,16 +127,24 @@ class DrillReport:
             ],
             "exits": self.exits,
             "reasons": self.reasons(),
+            "cause": self.cause(),
             "notes": self.notes,
             "files": self.files,
         }
 
     def format_table(self) -> str:
         n = len(self.faults)
+        verdict = "PASS" if self.passed else f"FAIL: {self.cause()[:300]}"
         head = (
             f"unbroken drill: {n} fault{'s' if n != 1 else ''}, seed {self.seed}: "
-            f"{'PASS' if self.passed else 'FAIL'}   ({self.drill_dir})"
+            f"{verdict}   ({self.drill_dir})"
         )
+        lines = [head, "", self._fault_table(), "", *self._check_lines(), ""]
+        lines += [f"note: {x}" for x in self.notes]
+        lines += self._result_lines()
+        return "\n".join(lines)
+
+    def _fault_table(self) -> str:
         rows = []
         for f in self.faults:
             inj, rec = f.injection, f.recovery or {}
@@ -1012,56 +155,38 @@ class DrillReport:
                     inj.spec.run,
                     cell(inj.step if inj.step is not None else inj.spec.step),
                     cell(f.restored),
-                    *(
-                        cell(rec.get(p), ".2f")
-                        for p in ("detect", "relaunch", "load", "catch_up", "total")
-                    ),
+                    *(cell(rec.get(p), ".2f") for p in _PHASES),
                     f.verdict,
                 )
             )
-        header = (
-            "#",
-            "fault",
-            "run",
-            "step",
-            "restored",
-            "detect",
-            "relaunch",
-            "load",
-            "catch-up",
-            "total",
-            "verdict",
-        )
-        lines = [head, "", render_table(rows, header=header, right={0, 3, 4, 5, 6, 7, 8, 9})]
-        lines.append("")
+        return render_table(rows, header=_HEADER, right={0, 3, 4, 5, 6, 7, 8, 9})
+
+    def _check_lines(self) -> list[str]:
+        lines = []
         for f in self.faults:
             inj = f.injection
             lines.append(f"#{inj.spec.index} {inj.spec.kind}: {inj.detail or inj.error}")
-            for c in f.checks[1:]:
-                lines.append(f"     {c.mark} {c.name}: {c.detail}")
+            lines += [f"     {c.mark} {c.name}: {c.detail}" for c in f.checks[1:]]
         for r in self.runs:
             lines += [
                 "",
                 f"{r.run} run vs its reference ({r.world_reference} rank"
                 f"{'s' if r.world_reference > 1 else ''}, {r.reference}):",
             ]
-            for c in r.checks:
-                lines.append(f"     {c.mark} {c.name}: {c.detail}")
-        lines.append("")
-        lines += [f"note: {x}" for x in self.notes]
-        if self.passed:
-            lines.append(
-                "result: PASS: every fault was recovered and the resumed runs match "
-                "their references"
-            )
-            for f in self.faults:
-                for c in f.checks:
-                    if c.skipped:
-                        lines.append(f"  (fault #{f.injection.spec.index} {c.name}: {c.detail})")
-        else:
-            lines.append("result: FAIL")
-            lines += [f"  - {x}" for x in self.reasons()]
-        return "\n".join(lines)
+            lines += [f"     {c.mark} {c.name}: {c.detail}" for c in r.checks]
+        return lines
+
+    def _result_lines(self) -> list[str]:
+        if not self.passed:
+            return ["result: FAIL", *(f"  - {x}" for x in self.reasons())]
+        lines = [
+            "result: PASS: every fault was recovered and the resumed runs match their references"
+        ]
+        for f in self.faults:
+            for c in f.checks:
+                if c.skipped:
+                    lines.append(f"  (fault #{f.injection.spec.index} {c.name}: {c.detail})")
+        return lines
 
     def write(self) -> None:
         """``drill.txt`` and ``drill.json`` in the drill directory."""

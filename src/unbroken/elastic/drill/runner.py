@@ -69,7 +69,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -80,15 +79,12 @@ from typing import Any
 
 from unbroken.common import events
 from unbroken.common.audit import ENV_AUDIT, read_audit
+from unbroken.common.fs import private_dir
 from unbroken.common.metrics import read_metrics
 from unbroken.common.procs import kill_matching
-from unbroken.elastic._coord import free_port
 from unbroken.elastic.drill.inject import Ctx, Node, inject
-from unbroken.elastic.drill.report import (
-    DrillReport,
+from unbroken.elastic.drill.judge import (
     FaultResult,
-    FaultSpec,
-    Injection,
     RunComparison,
     audit_restore,
     compare_run,
@@ -96,24 +92,27 @@ from unbroken.elastic.drill.report import (
     judge_trajectories,
     unplanned_failures,
 )
+from unbroken.elastic.drill.plan import (
+    ELASTIC_KINDS,
+    FAULT_KINDS,
+    SINGLE_KINDS,
+    FaultSpec,
+    Injection,
+    plan_faults,
+)
+from unbroken.elastic.drill.report import DrillReport
+from unbroken.elastic.rendezvous import free_port
 
 __all__ = [
-    "ELASTIC_KINDS",
     "ENV_TOKEN",
-    "FAULT_KINDS",
-    "SINGLE_KINDS",
     "DrillConfig",
     "example_config",
-    "plan_faults",
     "run_drill",
     "run_reference",
 ]
 
 log = logging.getLogger(__name__)
 
-SINGLE_KINDS = ("kill", "kill-in-save", "hang", "corrupt", "storage")
-ELASTIC_KINDS = ("agent-loss", "world-size")
-FAULT_KINDS = SINGLE_KINDS + ELASTIC_KINDS
 ENV_TOKEN = "UNBROKEN_DRILL_TOKEN"
 """Every process a drill starts inherits this; cleanup kills whatever still carries it."""
 
@@ -167,6 +166,10 @@ class DrillConfig:
     """A finished 1-rank reference run of the same command to reuse (its ``{dir}``)."""
     supervisor_args: tuple[str, ...] = ()
     """Extra ``unbroken run`` options for the drilled runs."""
+    may_differ: tuple[tuple[str, str], ...] = ()
+    """``(key, why)``: final-state keys (``values/best_val_loss``, a component name) that
+    may differ after a world-size change (e.g. computed on RNG streams re-derived for the
+    new ranks); left out of the comparison after a resize, each named with its reason."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -198,6 +201,12 @@ class DrillConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
         if self.ckpt_every is not None and self.ckpt_every < 1:
             raise ValueError(f"ckpt_every={self.ckpt_every} must be >= 1")
+        for key, why in self.may_differ:
+            if not key.strip("/") or not why.strip():
+                raise ValueError(
+                    f"may_differ ({key!r}, {why!r}): name the key and say why it may differ, "
+                    "e.g. --may-differ 'values/best_val_loss=eval batches drawn per rank'"
+                )
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -234,38 +243,6 @@ def example_config(
     kwargs.setdefault("hang_timeout", 4.0)
     kwargs.setdefault("multi_rank", True)
     return DrillConfig(cmd, drill_dir, module=True, seed=seed, ckpt_every=5, **kwargs)
-
-
-def plan_faults(kinds: tuple[str, ...], steps: int, ckpt_every: int, seed: int) -> list[FaultSpec]:
-    """The seeded schedule. One-node kinds in a seeded order, then the two-node kinds
-    (agent-loss before world-size: after a lost node there is no second agent). Each fault
-    falls in the first half of its own segment of steps ``2E+1 .. N-E-1``: two checkpoints
-    exist before it (corrupt needs a fall-back) and a save still follows it."""
-    rng = random.Random(seed)
-    single = [k for k in SINGLE_KINDS if k in kinds]
-    rng.shuffle(single)
-    groups = (("single", single), ("elastic", [k for k in ELASTIC_KINDS if k in kinds]))
-    out: list[FaultSpec] = []
-    for run, group in groups:
-        if not group:
-            continue
-        lo, hi = 2 * ckpt_every + 1, steps - ckpt_every - 1
-        seg = (hi - lo + 1) // len(group)
-        if seg < 2:
-            need = 3 * ckpt_every + 1 + 2 * len(group)
-            raise ValueError(
-                f"{steps} steps with a checkpoint every {ckpt_every} are too few for "
-                f"{len(group)} fault(s) in the {run} run; the script needs at least {need} steps"
-            )
-        for i, kind in enumerate(group):
-            step = lo + i * seg + rng.randrange(max(1, seg // 2))
-            mode = rng.choice(("bitflip", "truncate")) if kind == "corrupt" else ""
-            out.append(
-                FaultSpec(
-                    len(out) + 1, kind, run, step, rng.randrange(1 << 16), mode, rng.getrandbits(32)
-                )
-            )
-    return out
 
 
 # --- processes ----------------------------------------------------------------------------
@@ -520,7 +497,7 @@ def _prepare(cfg: DrillConfig) -> None:
             shutil.rmtree(p)
         elif os.path.exists(p):
             os.unlink(p)
-    os.makedirs(d, exist_ok=True)
+    private_dir(d, purpose="drill directory")  # it holds the drilled runs' run directories
 
 
 def run_drill(cfg: DrillConfig, *, token: str | None = None) -> DrillReport:
@@ -587,39 +564,7 @@ def _evaluate(
     comps: list[RunComparison] = []
     exits: dict[str, int | None] = {}
     for run in runs:
-        records = read_metrics(os.path.join(run.job, cfg.metrics_file))
-        ts = [i.t for i in run.injections[1:]] + [None]
-        mine = [
-            evaluate_fault(
-                inj, run.ctx.node(inj.report_node).events(fresh=True), run.ckpt, records, until
-            )
-            for inj, until in zip(run.injections, ts, strict=True)
-        ]
-        world = 1 if run.name == "single" else 2
-        cmp = compare_run(
-            run.name, refs[world], run.job, cfg.ckpt_subdir, cfg.metrics_file, world, records
-        )
-        audit, ref_audit = read_audit(_audit_dir(run.job)), read_audit(_audit_dir(refs[world]))
-        findings = {
-            r.injection.spec.index: audit_restore(
-                r.injection.t or 0.0, r.restored, audit, ref_audit
-            )
-            for r in mine
-            if r.restored is not None
-        }
-        ref_records = read_metrics(os.path.join(refs[world], cfg.metrics_file))
-        judge_trajectories(mine, cmp, records, ref_records, findings)
-        cmp.checks.append(
-            unplanned_failures(
-                [i.t for i in run.injections if i.t is not None],
-                [
-                    (n.name, e)
-                    for n in run.ctx.nodes
-                    for e in n.events(fresh=True)
-                    if e["event"] == "failure"
-                ],
-            )
-        )
+        mine, cmp = _judge_run(cfg, run, refs)
         results += mine
         comps.append(cmp)
         lost = {i.facts.get("lost_node") for i in run.injections}
@@ -651,6 +596,46 @@ def _evaluate(
     )
 
 
+def _judge_run(
+    cfg: DrillConfig, run: _Run, refs: dict[int, str]
+) -> tuple[list[FaultResult], RunComparison]:
+    """Each fault of one drilled run, and the run against its reference."""
+    records = read_metrics(os.path.join(run.job, cfg.metrics_file))
+    ts = [i.t for i in run.injections[1:]] + [None]
+    mine = [
+        evaluate_fault(
+            inj, run.ctx.node(inj.report_node).events(fresh=True), run.ckpt, records, until
+        )
+        for inj, until in zip(run.injections, ts, strict=True)
+    ]
+    world = 1 if run.name == "single" else 2
+    cmp = compare_run(
+        run.name,
+        refs[world],
+        run.job,
+        cfg.ckpt_subdir,
+        cfg.metrics_file,
+        world,
+        records,
+        dict(cfg.may_differ),
+    )
+    audit, ref_audit = read_audit(_audit_dir(run.job)), read_audit(_audit_dir(refs[world]))
+    findings = {
+        r.injection.spec.index: audit_restore(r.injection.t or 0.0, r.restored, audit, ref_audit)
+        for r in mine
+        if r.restored is not None
+    }
+    ref_records = read_metrics(os.path.join(refs[world], cfg.metrics_file))
+    judge_trajectories(mine, cmp, records, ref_records, findings)
+    failures = [
+        (n.name, e) for n in run.ctx.nodes for e in n.events(fresh=True) if e["event"] == "failure"
+    ]
+    cmp.checks.append(
+        unplanned_failures([i.t for i in run.injections if i.t is not None], failures)
+    )
+    return mine, cmp
+
+
 def _plot(report: DrillReport, runs: list[_Run], refs: dict[int, str], cfg: DrillConfig) -> None:
     from unbroken.elastic.drill.plot import plot_timeline
 
@@ -676,6 +661,7 @@ def _plot(report: DrillReport, runs: list[_Run], refs: dict[int, str], cfg: Dril
             }
         )
     if not panels:
+        report.notes.append("no timeline.png: no drilled run got far enough to draw")
         return
     path = plot_timeline(os.path.join(cfg.drill_dir, "timeline.png"), panels)
     if path:

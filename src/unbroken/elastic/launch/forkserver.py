@@ -1,25 +1,27 @@
-"""A pre-warmed torchrun agent with a fork server for its workers (``unbroken run`` default).
+"""The fork server: one per pre-warmed agent (see :mod:`.standby`), it forks the workers.
 
-A restart used to pay ``import torch`` twice before the first new step: once in the fresh
-torchrun agent, once in every fresh worker (3-4 s each on a busy 2-core box, see
-benchmarks/RESULTS.md). The supervisor therefore keeps the *next* attempt's agent waiting:
+torchrun starts the launcher (:mod:`.worker`) per rank (``--no-python``); each launcher asks
+the fork server, over the abstract Unix socket named in ``UNBROKEN_ZYGOTE``, for a worker.
+The server (single-threaded: it never started a thread, a CUDA context or a process group)
+forks one, which takes the launcher's argv, environment, working directory and stdio, starts
+its own session and runs the script as ``__main__`` (``runpy``). The server reports the
+worker's pid and, when it ends, its wait status to the launcher. Before serving it imports
+the ``preload`` modules (what the workers need) and appends a ``standby`` event
+(``seconds``: the import time a restart no longer pays).
 
-1. ``python -m unbroken.elastic._standby`` starts while the current attempt trains, with the
-   next attempt's environment (run dir, attempt number, kill token). It imports torch and
-   torchrun (what the agent needs), then forks the **fork server**, which imports the
-   ``preload`` modules (``_attempt.DEFAULT_PRELOAD``, what the workers need), appends a
-   ``standby`` event (``seconds``: the import time a restart no longer pays) and serves;
-   the standby itself waits on stdin. A cold restart (no standby ready yet) thus rendezvouses
-   while the server is still importing.
-2. On a restart the supervisor writes one JSON line ``{"argv": [torchrun args], "env":
-   {...}}``; the standby runs torchrun's ``main`` in-process: it is the attempt's agent.
-3. torchrun starts ``_launch.py`` per rank (``--no-python``); each launcher asks the fork
-   server, over an abstract Unix socket named in ``UNBROKEN_ZYGOTE`` (only processes of the
-   same user may connect: ``SO_PEERCRED``), for a worker. The server (single-threaded: it
-   never started a thread, a CUDA context or a process group) forks one, which takes the
-   launcher's argv, environment, working directory and stdio, starts its own session and
-   runs the script as ``__main__`` (``runpy``). The server reports the worker's pid and,
-   when it ends, its wait status to the launcher.
+Who talks to whom. An abstract name is visible to every process of the network namespace
+(another container of the pod, a ``--network=host`` sidecar), so the name is no secret and
+the socket's permissions protect nothing. Instead ``UNBROKEN_ZYGOTE`` is ``NAME PID KEY``:
+the server serves only a peer of this uid (``SO_PEERCRED``) whose request carries KEY, 256
+random bits that exist only in this attempt's environment (another user, or a process of
+another pid namespace, cannot read ``/proc/<pid>/environ`` of ours); the launcher sends
+nothing to a listener that is not PID of this uid (an impostor that took a free name gets
+neither the environment nor the stdio), and signals only a worker it proved is the server's
+child (a pidfd). Why not a socket file in a 0700 directory: the run directory may sit on a
+shared file system where ``bind`` of a socket fails or a 108-byte path limit bites; the key
+needs no file system and leaves nothing behind. Every request is parsed inside one ``try``
+(bounded: 8 MiB, 5 s); a bad one is logged to ``zygote.log`` and refused with one generic
+line, and the server serves on.
 
 The server calls ``gc.freeze()`` before each fork (CPython's advice for fork servers), so the
 pages of the preloaded modules stay shared. A forked worker starts as a fresh interpreter
@@ -37,6 +39,7 @@ import array
 import contextlib
 import ctypes
 import gc
+import hmac
 import importlib
 import json
 import os
@@ -48,21 +51,22 @@ import sys
 import time
 from typing import Any
 
-from unbroken.elastic._launch import ENV_ZYGOTE
+from unbroken.elastic.launch.worker import ENV_ZYGOTE, FORKSERVER_TITLE, set_title
 
-__all__: list[str] = []
+__all__ = ["attempt_event", "pdeathsig", "start_server"]
 
 
 _PR_SET_PDEATHSIG = 1
 
 
-def _pdeathsig(sig: int) -> None:
+def pdeathsig(sig: int) -> None:
     """Let the kernel send ``sig`` to this process when its parent dies (0: stop that)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
-def _event(name: str, **fields: Any) -> None:
+def attempt_event(name: str, **fields: Any) -> None:
+    """Append ``name`` to the run's event log with this process's pid and attempt."""
     from unbroken.common import events
 
     run_dir = os.environ.get(events.ENV_RUN_DIR)
@@ -106,60 +110,119 @@ def _preload(names: list[str], stop: Any = None) -> dict[str, str]:
     return failed
 
 
-def main(argv: list[str]) -> None:
-    _pdeathsig(signal.SIGKILL)  # a standby dies with its supervisor
-    t0 = time.perf_counter()
-    import torch
-
-    rng = torch.default_generator.get_state()  # what a fresh interpreter starts with
-    from torch.distributed.run import main as torchrun
-
-    from unbroken.common import events
-
-    # The fork server starts now, before the go order, and imports the workers' modules
-    # itself: the agent needs only torch and torchrun, so a cold restart (no standby ready)
-    # rendezvouses while the server is still importing.
-
-    run_dir = os.environ.get(events.ENV_RUN_DIR, "")
-    attempt = int(os.environ.get(events.ENV_ATTEMPT, "0"))
-    log = os.path.join(events.attempt_dir(run_dir, attempt), "zygote.log") if run_dir else None
-    name = f"unbroken-zygote-{os.getpid()}-{os.urandom(6).hex()}"
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind("\0" + name)
-    listener.listen(64)
+def start_server(
+    name: str, key: str, log: str | None, preload: list[str], t0: float, rng: Any
+) -> int | None:
+    """Fork the fork server for this agent (the calling process); returns its pid once it
+    listens on the abstract name ``name``, None if it could not start (the launchers then
+    start fresh interpreters). In the forked server this never returns: it serves, and
+    inside each worker it forks it runs the worker's script and exits as the script does."""
+    agent = os.getpid()
+    ready_r, ready_w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
-    standby = os.getpid()
-    if os.fork() == 0:
-        work = _Zygote(listener, standby, log, [m for m in argv if m], t0).serve()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_r)
+        set_title(f"{FORKSERVER_TITLE}{agent}]", "ub-forkserver")
+        try:
+            zygote = _Zygote(name, key, agent, log, preload, t0, ready_w)
+        except BaseException as e:  # noqa: BLE001 - said in the log; the agent falls back
+            print(f"fork server: cannot start: {e}", flush=True)
+            os._exit(1)
+        work = zygote.serve()
         if work is None:
             os._exit(0)
-        _run_worker(work, rng)  # the interpreter then exits as the script's would
-        return
-    listener.close()
-    line = sys.stdin.readline()
-    if not line:
-        os._exit(0)  # the supervisor no longer needs this attempt (the server follows)
-    _pdeathsig(0)  # from here on this is a torchrun agent and lives like one
-    req = json.loads(line)
-    os.environ.update(req["env"])
-    os.environ[ENV_ZYGOTE] = name
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    sys.argv = ["torchrun", *req["argv"]]
-    torchrun(req["argv"])
+        _run_worker(work, rng)
+        raise SystemExit(0)  # the script ended: exit as `python SCRIPT` does
+    os.close(ready_w)
+    with os.fdopen(ready_r, "rb") as f:
+        up = f.read(1) == b"1"
+    if not up:
+        os.waitpid(pid, 0)
+    return pid if up else None
+
+
+_MAX_REQUEST = 8 << 20
+"""Bytes of one request (argv, environment, cwd); Linux caps argv + environment far lower."""
+_REQUEST_SECONDS = 5.0
+"""A launcher sends its request at once; the single-threaded server waits no longer."""
+_REFUSED = json.dumps({"refused": "request refused (the fork server's zygote.log says why)"})
+
+
+class _Refused(Exception):
+    """A request the server does not serve (logged; the client learns nothing of why)."""
+
+
+def _parse_request(body: bytes) -> dict[str, Any]:
+    """The request's fields, each of its type, or ``_Refused``."""
+    try:
+        req = json.loads(body)
+    except ValueError as e:  # UnicodeDecodeError included
+        raise _Refused(f"not JSON ({type(e).__name__})") from None
+    if not isinstance(req, dict):
+        raise _Refused(f"a JSON {type(req).__name__}, not an object")
+    argv, env, cwd = req.get("argv"), req.get("env"), req.get("cwd")
+    module, key = req.get("module", False), req.get("key")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise _Refused("argv is not a non-empty list of strings")
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise _Refused("env is not an object of strings")
+    if not isinstance(cwd, str) or not isinstance(module, bool) or not isinstance(key, str):
+        raise _Refused("cwd, module or key has the wrong type")
+    return {"argv": argv, "env": env, "cwd": cwd, "module": module, "key": key}
+
+
+def _received_fds(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    out: list[int] = []
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(data[: len(data) - len(data) % a.itemsize])
+            out.extend(a)
+    return out
+
+
+def _recv_exactly(conn: socket.socket, size: int, deadline: float) -> bytes:
+    body = bytearray()
+    while len(body) < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _Refused(f"request not sent within {_REQUEST_SECONDS:g} s")
+        conn.settimeout(left)
+        chunk = conn.recv(min(size - len(body), 1 << 20))
+        if not chunk:
+            raise _Refused("the client hung up mid-request")
+        body += chunk
+    return bytes(body)
 
 
 class _Zygote:
-    """The fork server: single-threaded, it only accepts, forks, reaps and reports."""
+    """The fork server: single-threaded, it only accepts, forks, reaps and reports.
+
+    Who may ask: a process of this uid (``SO_PEERCRED``) that knows ``key`` (64 hex digits
+    the standby put in the agent's environment, hence in every launcher's; another user
+    cannot read it from ``/proc``, nor can another container's processes). The abstract
+    name itself is no secret: ``/proc/net/unix`` lists it to the whole network namespace.
+    Every request is read, checked and answered inside one ``try``: a bad one is logged
+    and refused with one generic line, and the server serves on.
+    """
 
     def __init__(
-        self, listener: socket.socket, agent: int, log: str | None, preload: list[str], t0: float
+        self,
+        name: str,
+        key: str,
+        agent: int,
+        log: str | None,
+        preload: list[str],
+        t0: float,
+        ready: int,
     ) -> None:
-        self.listener = listener
         self.agent = agent
         self.me = os.getpid()
+        self.key = key.encode()
         self.refused: str | None = None
         self._preload = (preload, t0)
         self.interp_env = {k: v for k, v in os.environ.items() if k.startswith("PYTHON")}
@@ -168,13 +231,7 @@ class _Zygote:
         # ends this process by SIGKILL or it leaves once the agent and its workers are gone.
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(s, signal.SIG_IGN)
-        try:
-            out = os.open(log or os.devnull, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        except OSError:
-            out = os.open(os.devnull, os.O_WRONLY)
-        for fd in (1, 2):
-            os.dup2(out, fd)
-        os.close(out)
+        self._redirect_output(log)
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -183,6 +240,26 @@ class _Zygote:
             self.agent_fd: int | None = os.pidfd_open(agent)
         except (OSError, AttributeError):
             self.agent_fd = None
+        # Bound and listening in this process: SO_PEERCRED of every connection names this
+        # pid, which is what the launchers check before they send anything.
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind("\0" + name)
+        self.listener.listen(64)
+        os.write(ready, b"1")
+        os.close(ready)
+
+    @staticmethod
+    def _redirect_output(log: str | None) -> None:
+        from unbroken.common.fs import open_private
+
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+            out = open_private(log, flags) if log else os.open(os.devnull, os.O_WRONLY)
+        except OSError:
+            out = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            os.dup2(out, fd)
+        os.close(out)
 
     def _warm_up(self) -> None:
         names, t0 = self._preload
@@ -196,7 +273,7 @@ class _Zygote:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             self.refused = "a preloaded module initialised CUDA, which a fork cannot use"
-        _event(
+        attempt_event(
             "standby",
             seconds=round(time.perf_counter() - t0, 3),
             preload=names,
@@ -258,7 +335,7 @@ class _Zygote:
         for pid, c in list(self.conns.items()):
             if c is conn:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)  # our unreaped child: it is that process
                 self.conns.pop(pid)
                 conn.close()
 
@@ -269,34 +346,38 @@ class _Zygote:
             return None
         fds: list[int] = []
         try:
-            conn.settimeout(10.0)
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            _pid, uid, _gid = struct.unpack("3i", creds)
-            if uid != os.getuid():
-                raise PermissionError(f"connection from uid {uid}")
-            msg, anc, _flags, _addr = conn.recvmsg(4, socket.CMSG_LEN(3 * 4))
-            for level, kind, data in anc:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    a = array.array("i")
-                    a.frombytes(data[: len(data) - len(data) % a.itemsize])
-                    fds.extend(a)
-            (size,) = struct.unpack("!I", msg)
-            body = b""
-            while len(body) < size:
-                chunk = conn.recv(size - len(body))
-                if not chunk:
-                    raise ConnectionError("launcher hung up mid-request")
-                body += chunk
-            req = json.loads(body)
-            if len(fds) != 3:
-                raise ValueError(f"expected 3 stdio descriptors, got {len(fds)}")
-        except (OSError, ValueError, struct.error) as e:
-            print(f"fork server: bad request: {e}", flush=True)
+            req = self._request(conn, fds)
+        except Exception as e:  # noqa: BLE001 - no request, however malformed, ends the server
+            why = e if isinstance(e, _Refused) else f"{type(e).__name__}: {e}"
+            print(f"fork server: refused a request: {why}", flush=True)
             for fd in fds:
                 os.close(fd)
+            with contextlib.suppress(OSError):
+                conn.sendall(_REFUSED.encode() + b"\n")
             conn.close()
             return None
-        conn.settimeout(None)
+        return self._fork(conn, fds, req)
+
+    def _request(self, conn: socket.socket, fds: list[int]) -> dict[str, Any]:
+        """Read and check one request (its stdio descriptors land in ``fds``)."""
+        deadline = time.monotonic() + _REQUEST_SECONDS
+        conn.settimeout(_REQUEST_SECONDS)
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, uid, _gid = struct.unpack("3i", creds)
+        if uid != os.getuid():
+            raise _Refused(f"connection from pid {pid} of uid {uid}")  # nothing read from it
+        msg, anc, _flags, _addr = conn.recvmsg(4, socket.CMSG_SPACE(3 * 4))
+        fds.extend(_received_fds(anc))
+        if len(msg) != 4:
+            raise _Refused(f"pid {pid}: request cut short")
+        (size,) = struct.unpack("!I", msg)
+        if size > _MAX_REQUEST:
+            raise _Refused(f"pid {pid}: a request of {size} bytes (at most {_MAX_REQUEST})")
+        req = _parse_request(_recv_exactly(conn, size, deadline))
+        if not hmac.compare_digest(req.pop("key").encode(), self.key):
+            raise _Refused(f"pid {pid} of this uid does not hold the attempt's key")
+        if len(fds) != 3:
+            raise _Refused(f"pid {pid}: expected 3 stdio descriptors, got {len(fds)}")
         differ = sorted(
             k
             for k in set(req["env"]) | set(self.interp_env)
@@ -306,20 +387,24 @@ class _Zygote:
         # ...): with other values a fork would not be what `python SCRIPT` gives.
         why = self.refused or (f"{', '.join(differ)} differ" if differ else None)
         if why:
-            with contextlib.suppress(OSError):
-                conn.sendall(json.dumps({"refused": why}).encode() + b"\n")
-            for fd in fds:
-                os.close(fd)
-            conn.close()
-            return None
+            raise _Refused(f"pid {pid}: {why}; it starts a fresh interpreter")
+        conn.settimeout(None)
+        return req
+
+    def _fork(
+        self, conn: socket.socket, fds: list[int], req: dict[str, Any]
+    ) -> dict[str, Any] | None:
         # Park every object imported so far outside the collector: a worker's collections
         # (and the final one at its exit) then never touch those pages, which would copy
         # them all (measured: a worker's exit took 3.7 s instead of 0.6 s on a busy box).
         gc.freeze()
         pid = os.fork()
         if pid == 0:
-            self._become_worker(conn, fds)
-            return dict(req)
+            try:
+                self._become_worker(conn, fds)
+            except BaseException:  # noqa: BLE001 - a half-made worker must not serve on
+                os._exit(1)
+            return req
         for fd in fds:
             os.close(fd)
         self.conns[pid] = conn
@@ -340,7 +425,7 @@ class _Zygote:
             if fd is not None:
                 os.close(fd)
         os.setsid()  # as torchrun does for its workers
-        _pdeathsig(signal.SIGKILL)
+        pdeathsig(signal.SIGKILL)
         if os.getppid() != self.me:
             os._exit(1)  # the server died before the line above
         for i, fd in enumerate(fds):
@@ -370,6 +455,11 @@ def _run_worker(req: dict[str, Any], rng: Any) -> None:
         np.random.seed()  # a fresh interpreter draws its own seed; forks would share one
     argv = list(req["argv"])
     sys.argv = argv
+    # `ps` and `pgrep -f SCRIPT` find the worker by its script, and see that it is one
+    name = argv[0] if req.get("module") else os.path.basename(argv[0])
+    rank = os.environ.get("RANK", "?")
+    shown = ["-m", *argv] if req.get("module") else argv
+    set_title(f"[unbroken worker rank {rank}] {' '.join(shown)}", name)
     try:
         if req.get("module"):
             sys.path[0] = os.getcwd()
@@ -393,7 +483,3 @@ def _run_worker(req: dict[str, Any], rng: Any) -> None:
 
 
 _OUR_FILES = frozenset({__file__, os.path.realpath(__file__)})
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -1,9 +1,8 @@
-"""Recovery phases from events (E-MEASURED), `mark`, and the heartbeat beacons / watchdog
-helpers (beats from real processes, stack dumps from a real stopped process)."""
+"""The heartbeat beacons and watchdog helpers: beats from real processes, stall and hang
+detection, stack dumps from a real stopped process."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -14,115 +13,10 @@ import time
 import pytest
 
 from unbroken.common import events
-from unbroken.elastic import heartbeat, recovery
+from unbroken.elastic import heartbeat
 from unbroken.elastic.heartbeat import BeatRecord
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _ev(t, event, **kw):
-    return {"t": t, "event": event, **kw}
-
-
-def _run(failure_step=12, loaded_step=10, caught=True):
-    ev = [
-        _ev(0.0, "start"),
-        _ev(0.1, "launch", attempt=0),
-        _ev(2.0, "workers_up", attempt=0),
-        _ev(4.0, "loaded", attempt=0, rank=0, step=0),
-        _ev(
-            20.5,
-            "failure",
-            attempt=0,
-            t_fail=20.0,
-            t_detect=20.5,
-            fault="process",
-            reason="killed",
-            step=failure_step,
-        ),
-        _ev(21.0, "launch", attempt=1),
-        _ev(23.0, "workers_up", attempt=1),
-        _ev(25.0, "loaded", attempt=1, rank=1, step=loaded_step, seconds=0.4),
-        _ev(26.0, "loaded", attempt=1, rank=0, step=loaded_step, seconds=0.9),
-        _ev(40.0, "loaded", attempt=1, rank=0, step=loaded_step),  # a later reload (spare)
-    ]
-    if caught:
-        ev.append(_ev(29.0, "caught_up", attempt=1, rank=0, step=failure_step))
-    ev.append(_ev(50.0, "finish", exit_code=0))
-    return ev
-
-
-def test_phases_from_events():
-    (r,) = recovery.phases(_run())
-    assert (r.detect, r.relaunch, r.load, r.catch_up) == (0.5, 2.5, 3.0, 3.0)
-    assert r.total == 9.0 and r.restore_seconds == 0.9 and r.loaded_step == 10
-    (r,) = recovery.phases(_run(caught=False))
-    assert r.catch_up is None and r.total is None
-    (r,) = recovery.phases(_run(failure_step=10, caught=False))
-    assert r.catch_up == 0.0  # the checkpoint held the failure step: nothing to redo
-
-
-def test_summary_goodput_and_trend():
-    s = recovery.summarize(_run())
-    assert s.wall == 50.0 and s.lost == pytest.approx(4.0 + 9.0)
-    assert s.goodput == pytest.approx(1 - 13 / 50)
-    text = recovery.format_summary(s)
-    assert "goodput 74.0%" in text and "killed" in text and s.trend_warning is None
-    recs = [
-        recovery.Recovery(i, i, "process", "", 1, 0.0, 1.0, t, 1.0, 1.0, None, 1)
-        for i, t in enumerate((2.0, 2.2, 1.8, 9.0))
-    ]
-    assert "getting slower" in (recovery._trend(recs) or "")
-
-
-def test_timeline_png(tmp_path):
-    pytest.importorskip("matplotlib")
-    out = recovery.plot_timeline(_run(), str(tmp_path / "timeline.png"))
-    with open(out, "rb") as f:
-        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    assert os.path.getsize(out) > 5000
-    with pytest.raises(ValueError, match="no events"):
-        recovery.plot_timeline([], str(tmp_path / "x.png"))
-
-
-def test_mark_is_a_noop_unsupervised_and_appends_when_supervised(tmp_path, monkeypatch):
-    monkeypatch.delenv(events.ENV_RUN_DIR, raising=False)
-    events.mark("loaded", step=3, seconds=0.1)
-    assert not os.listdir(tmp_path)
-    monkeypatch.setenv(events.ENV_RUN_DIR, str(tmp_path))
-    monkeypatch.setenv(events.ENV_ATTEMPT, "2")
-    monkeypatch.setenv("RANK", "1")
-    events.mark("loaded", step=3, seconds=0.1)
-    (e,) = events.load_events(str(tmp_path))
-    assert (e["event"], e["attempt"], e["rank"], e["step"], e["seconds"]) == (
-        "loaded",
-        2,
-        1,
-        3,
-        0.1,
-    )
-    with pytest.raises(ValueError, match="reserved"):
-        events.mark("x", t=1)
-    with open(tmp_path / events.EVENTS_FILE, "a") as f:
-        f.write('{"t": 1, "event": "torn')  # a writer killed mid-line
-    assert len(events.load_events(str(tmp_path))) == 1
-
-
-def _marker(run_dir: str, n: int) -> None:
-    os.environ[events.ENV_RUN_DIR] = run_dir
-    for i in range(n):
-        events.mark("saved", step=i, payload="x" * 200)
-
-
-def test_concurrent_marks_never_interleave(tmp_path):
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_marker, args=(str(tmp_path), 300)) for _ in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(30)
-    ev = events.load_events(str(tmp_path))
-    assert len(ev) == 1200 and {len(e["payload"]) for e in ev} == {200}
 
 
 _CHILD = textwrap.dedent("""
@@ -220,14 +114,15 @@ def test_stack_dump_from_a_stopped_process(tmp_path):
     the stop in effect, the dump complete), so a loaded box only makes it slower."""
     from unbroken.common.procs import proc_state
 
+    token = ("UNBROKEN_ATTEMPT_TOKEN", "t-stack")  # only the attempt's processes are asked
     env = {events.ENV_RUN_DIR: str(tmp_path), events.ENV_ATTEMPT: "0", "RANK": "4"}
-    p = _child(tmp_path, 3, "sleep", **env)
+    p = _child(tmp_path, 3, "sleep", **env, **dict([token]))
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "inside"
         os.kill(p.pid, signal.SIGSTOP)
         _until(lambda: proc_state(p.pid) == "T", "the child to be stopped")
         beats = heartbeat.read_beats(str(tmp_path), 0)
-        dumps = heartbeat.request_stack_dumps(str(tmp_path), beats, grace=30.0)
+        dumps = heartbeat.request_stack_dumps(str(tmp_path), beats, grace=30.0, token=token)
         assert dumps == [os.path.join(heartbeat.stack_dir(str(tmp_path)), f"a0-r4-p{p.pid}.txt")]
 
         # the dump is non-empty once it has started; it is complete once the frame is in it
@@ -241,3 +136,21 @@ def test_stack_dump_from_a_stopped_process(tmp_path):
     finally:
         p.kill()
         p.wait(10)
+
+
+def test_a_hang_is_dated_by_the_hung_ranks_last_beat():
+    """A hang's detect phase is never shorter than the hang timeout (test_supervisor's
+    SIGSTOP test once read 5.999 s for a 6 s timeout): the hang began when the hung rank
+    last beat, not when a healthy rank last did (it beats once more, then waits in the
+    collective)."""
+    rec, me = heartbeat.BeatRecord, os.getpid()  # live pids: stalled() asks
+    stopped = rec("r1.beat", me, 1, 0, seq=8, step=8, t=100.0)
+    waiting = rec("r0.beat", me, 0, 0, seq=9, step=9, t=100.04)
+    now = 106.01  # the first poll after the stopped rank's beat aged past 6 s
+    hung = heartbeat.stalled([stopped, waiting], now, 6.0)
+    assert hung == [stopped]
+    began = heartbeat.hang_began([stopped, waiting], hung)
+    assert began == 100.0 and now - began >= 6.0
+    never = rec("r2.beat", me, 2, 0, seq=0, step=-1, t=0.0)  # stuck before its first beat
+    assert heartbeat.hang_began([never, waiting], [never]) == 100.04
+    assert heartbeat.hang_began([never], [never]) is None

@@ -19,9 +19,10 @@ from unbroken.cli._args import (
 )
 from unbroken.elastic.faults import RestartPolicy
 from unbroken.elastic.preflight import PreflightConfig
-from unbroken.elastic.supervisor import RendezvousConfig, RunConfig, WatchdogConfig
+from unbroken.elastic.rendezvous import RendezvousConfig
+from unbroken.elastic.supervisor import RunConfig, WatchdogConfig
 
-__all__ = ["PREFLIGHT_FLAGS", "RUN_FLAGS", "add_run", "preflight_config", "run_config"]
+__all__ = ["PREFLIGHT_FLAGS", "RUN_FLAGS", "add_elastic", "preflight_config", "run_config"]
 
 F = ConfigFlag
 
@@ -149,8 +150,17 @@ RUN_FLAGS: tuple[ConfigFlag, ...] = (
         ("--no-prewarm",),
         RunConfig,
         "prewarm",
-        "start a fresh torchrun and fresh worker interpreters per attempt instead of a standby "
-        "agent that imported torch ahead and forks the workers",
+        "start every worker as a fresh interpreter instead of forking it from the standby's "
+        "fork server (the next attempt's agent is still started ahead; see --no-standby)",
+        action="store_false",
+    ),
+    F(
+        ("--no-standby",),
+        RunConfig,
+        "standby",
+        "start a fresh torchrun and fresh workers per attempt: nothing is held while the job "
+        "trains (the standby costs a few hundred MB and a few CPU-seconds per attempt), the "
+        "slowest restart",
         action="store_false",
     ),
     F(("-q", "--quiet"), RunConfig, "echo", "do not echo the job's output", action="store_false"),
@@ -197,7 +207,7 @@ def _command(a: argparse.Namespace) -> tuple[str, ...]:
 def run_config(a: argparse.Namespace) -> RunConfig:
     """The supervisor's config from ``unbroken run``'s parsed flags (by keyword)."""
     from unbroken.elastic import faults
-    from unbroken.elastic._attempt import DEFAULT_PRELOAD
+    from unbroken.elastic.launch.attempt import DEFAULT_PRELOAD
 
     return RunConfig(
         command=_command(a),
@@ -245,7 +255,8 @@ def _add_run(sub: Sub) -> None:
         "unbroken run --nproc-per-node 8 --ckpt-dir /ckpt -- train.py --lr 3e-4",
         "Exit codes of run: 0 finished, 1 supervisor error, 2 usage, 3 same failure twice "
         "(see RUN_DIR/stop-report.txt), 4 restart budget used up, 5 no progress, 6 pre-flight "
-        "never healthy, 7 preempted (SIGTERM/SIGINT; rerun to resume).",
+        "never healthy, 7 preempted (SIGTERM/SIGINT; rerun to resume), 8 the checkpoint refused "
+        "the job's configuration (RestoreRefused: world size, shapes; not retried).",
         func=_run,
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...]")
@@ -354,6 +365,7 @@ def _drill(a: argparse.Namespace) -> int:
         timeout=a.timeout,
         reference=a.reference,
         supervisor_args=tuple(a.supervisor_arg),
+        may_differ=tuple(_may_differ(x) for x in a.may_differ),
         ckpt_subdir=a.ckpt_subdir,
         metrics_file=a.metrics_file,
     )
@@ -380,6 +392,16 @@ def _drill(a: argparse.Namespace) -> int:
     return 0 if report.passed else 1
 
 
+def _may_differ(spec: str) -> tuple[str, str]:
+    key, sep, why = spec.partition("=")
+    if not sep:
+        raise ValueError(
+            f"--may-differ {spec!r}: expected KEY=WHY, e.g. "
+            "--may-differ 'values/best_val_loss=eval batches drawn per rank'"
+        )
+    return key.strip(), why.strip()
+
+
 def _add_drill(sub: Sub) -> None:
     p = add_command(
         sub,
@@ -403,6 +425,12 @@ def _add_drill(sub: Sub) -> None:
         help="-- SCRIPT ARGS with {dir} (with --example: extra demo arguments, "
         "e.g. -- --break rng)",
     )
+    _add_drill_plan(p)
+    _add_drill_runs(p)
+
+
+def _add_drill_plan(p: argparse.ArgumentParser) -> None:
+    """What the drill runs and which faults it injects where."""
     p.add_argument("--example", action="store_true", help="drill the demo model (tiny GPT)")
     p.add_argument(
         "--dir",
@@ -432,6 +460,10 @@ def _add_drill(sub: Sub) -> None:
         help="the script trains on 2 ranks and resumes on another world size "
         "(enables agent-loss and world-size; implied by --example)",
     )
+
+
+def _add_drill_runs(p: argparse.ArgumentParser) -> None:
+    """Where the drilled script keeps its state, and the limits of each run."""
     p.add_argument("--ckpt-subdir", default="ckpt", help="Checkpointer root under {dir}")
     p.add_argument("--metrics-file", default="metrics.jsonl", help="MetricLog file under {dir}")
     p.add_argument(
@@ -465,6 +497,14 @@ def _add_drill(sub: Sub) -> None:
         help="reuse a finished 1-rank reference run of the same command",
     )
     p.add_argument(
+        "--may-differ",
+        action="append",
+        default=[],
+        metavar="KEY=WHY",
+        help="a final-state key that may differ after a world-size change, and why "
+        "(printed in the report; repeatable), e.g. 'values/best_val_loss=eval on per-rank RNG'",
+    )
+    p.add_argument(
         "--supervisor-arg",
         action="append",
         default=[],
@@ -473,7 +513,7 @@ def _add_drill(sub: Sub) -> None:
     )
 
 
-def add_run(sub: Sub) -> None:
+def add_elastic(sub: Sub) -> None:
     """``run``, ``preflight``, ``report``, ``plan``, ``drill``: top-level commands."""
     for add in (_add_run, _add_preflight, _add_report, _add_plan, _add_drill):
         add(sub)

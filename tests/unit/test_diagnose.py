@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from unbroken.data.diagnose import timer as profile
+from unbroken.data.diagnose import timer as timer_module
 from unbroken.data.diagnose.timer import (
     StepTimer,
     detect_sawtooth,
@@ -37,7 +37,7 @@ class FakeClock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     c = FakeClock()
-    monkeypatch.setattr(profile.time, "perf_counter_ns", c)
+    monkeypatch.setattr(timer_module.time, "perf_counter_ns", c)
     return c
 
 
@@ -167,7 +167,7 @@ def test_timeline_file_round_trip(tmp_path: Any, clock: FakeClock) -> None:
     for _ in timer.wrap(delayed_loader(clock, waits)):
         clock.advance_ms(5.0)
     # two full windows were appended while running; close() writes the remaining 5
-    assert sum(1 for _ in open(run / profile.TIMELINE_FILE)) == 2 + 16
+    assert sum(1 for _ in open(run / timer_module.TIMELINE_FILE)) == 2 + 16
     timer.close()
     tl = load_timeline(str(run))
     assert tl.batch_size == 32 and tl.num_workers == 4
@@ -177,7 +177,7 @@ def test_timeline_file_round_trip(tmp_path: Any, clock: FakeClock) -> None:
     s = tl.summary()
     assert s.stall_pct == pytest.approx(100 * sum(waits) / (sum(waits) + 5 * 21))
     # a torn last line (crash mid-append) is skipped; damage elsewhere is an error
-    with open(run / profile.TIMELINE_FILE, "a") as f:
+    with open(run / timer_module.TIMELINE_FILE, "a") as f:
         f.write("29,1.0")
     assert load_timeline(str(run)).step.size == 21
     bad = tmp_path / "bad.csv"
@@ -299,7 +299,7 @@ def test_real_dataloader_sawtooth_is_detected_with_period_num_workers() -> None:
 
 
 def test_tensorboard_writer_is_a_sink_or_none(tmp_path: Any) -> None:
-    w = profile.tensorboard_writer(str(tmp_path / "tb"))
+    w = timer_module.tensorboard_writer(str(tmp_path / "tb"))
     try:
         import torch.utils.tensorboard  # noqa: F401
     except ImportError:

@@ -5,10 +5,11 @@ passes through classification, backoff and pre-flight, and so that a restart is 
 process (a wedged agent or stale in-process state cannot carry over). Membership changes
 (a spare joining) are still handled inside torchrun, which does not count them as restarts.
 
-The agent is either a pre-warmed :class:`Standby` (torch already imported, with a fork server
-for the workers, see ``_standby``) or, as the fallback, a fresh
-``python -m torch.distributed.run``. Either way torchrun starts ``_launch.py`` per rank, which
-reports how its rank ended (``worker_exit`` events) and forwards stop signals.
+The agent is either a pre-warmed :class:`~.standby.Standby` (torch already imported, with a
+fork server for the workers, see :mod:`.forkserver`) or, as the fallback, a fresh
+``python -m torch.distributed.run``. Either way torchrun starts the launcher
+(:mod:`.worker`) per rank, which reports how its rank ended (``worker_exit`` events) and
+forwards stop signals.
 
 Layout per attempt: ``RUN_DIR/attempts/<n>/torchrun.log`` (agent console, workers teed into it
 with ``[rankN]:`` prefixes), ``RUN_DIR/attempts/<n>/torchelastic/`` (torchrun's
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
 import os
 import signal
@@ -31,9 +31,10 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from unbroken.common import events
-from unbroken.common.fs import atomic_write_bytes
+from unbroken.common.fs import atomic_write_bytes, open_private
 from unbroken.common.procs import (
     PidWatch,
     children_of,
@@ -41,25 +42,30 @@ from unbroken.common.procs import (
     environ_of,
     is_alive,
     kill_matching,
+    signal_if_tagged,
 )
-from unbroken.elastic._launch import ENV_ZYGOTE
 from unbroken.elastic.faults import WorkerExit
+from unbroken.elastic.launch.worker import ENV_ZYGOTE, LAUNCHER_TITLE
+
+if TYPE_CHECKING:
+    from unbroken.elastic.launch.standby import Standby
 
 __all__ = [
     "DEFAULT_PRELOAD",
     "ENV_TOKEN",
     "LAUNCHER",
+    "Agent",
     "Attempt",
-    "Standby",
     "attempt_env",
+    "kill_attempt",
     "worker_command",
 ]
 
 log = logging.getLogger(__name__)
 
 ENV_TOKEN = "UNBROKEN_ATTEMPT_TOKEN"
-"""Inherited by every process of an attempt; the supervisor kills by it (see _procs)."""
-LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch.py")
+"""Inherited by every process of an attempt; the supervisor kills by it (see procs)."""
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 DEFAULT_PRELOAD = (
     "torch",
     "torch.distributed",
@@ -74,7 +80,7 @@ DEFAULT_PRELOAD = (
 
 
 def worker_command(command: Sequence[str], module: bool, torchrun_args: Sequence[str]) -> list[str]:
-    """torchrun's trailing arguments: the launcher (``_launch``) in front of the script."""
+    """torchrun's trailing arguments: the launcher (``worker.py``) in front of the script."""
     exec_ = any(a in ("--no-python", "--no_python") for a in torchrun_args)
     mode = ["--exec"] if exec_ else (["-m"] if module else [])
     return ["--no-python", sys.executable, "-S", LAUNCHER, *mode, *command]
@@ -102,7 +108,7 @@ def attempt_env(run_dir: str, number: int, token: str, nproc: int) -> dict[str, 
     return env
 
 
-class _Agent:
+class Agent:
     """A torchrun agent process with its console copied to ``torchrun.log``."""
 
     def __init__(
@@ -114,11 +120,11 @@ class _Agent:
         echo: bool,
         stdin: int,
     ) -> None:
-        self.dir = events.attempt_dir(run_dir, number)
-        os.makedirs(self.dir, exist_ok=True)
+        self.dir = events.private_subdir(run_dir, "attempts", str(number))
         self._tail: collections.deque[str] = collections.deque(maxlen=600)
         self._echo = echo
-        self._log = open(os.path.join(self.dir, "torchrun.log"), "ab")  # noqa: SIM115
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        self._log = os.fdopen(open_private(os.path.join(self.dir, "torchrun.log"), flags), "ab")
         self.proc = subprocess.Popen(
             argv,
             env=env,
@@ -154,7 +160,7 @@ class _Agent:
             self._log.close()
 
 
-def _kill(proc: subprocess.Popen[bytes], token: str) -> int:
+def kill_attempt(proc: subprocess.Popen[bytes], token: str) -> int:
     """SIGKILL a process group and every process carrying ``token``; reap the leader."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
@@ -162,55 +168,6 @@ def _kill(proc: subprocess.Popen[bytes], token: str) -> int:
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=10.0)
     return n
-
-
-class Standby:
-    """The next attempt's agent, started ahead and waiting with torch imported (``_standby``).
-
-    It carries that attempt's environment (run dir, attempt number, kill token) from birth,
-    so a crash of the supervisor or a kill by token reaches it like any attempt process.
-    """
-
-    def __init__(
-        self, *, number: int, run_dir: str, nproc: int, preload: Sequence[str], echo: bool
-    ) -> None:
-        self.number = number
-        self.run_dir = run_dir
-        self.token = uuid.uuid4().hex
-        self.t_start = time.time()
-        self.argv = [sys.executable, "-m", "unbroken.elastic._standby", *preload]
-        self.agent = _Agent(
-            number,
-            run_dir,
-            self.argv,
-            attempt_env(run_dir, number, self.token, nproc),
-            echo,
-            stdin=subprocess.PIPE,
-        )
-
-    def alive(self) -> bool:
-        return self.agent.proc.poll() is None
-
-    def go(self, torchrun_argv: list[str], env: dict[str, str]) -> bool:
-        """Turn the standby into the running agent; False if it cannot take the order."""
-        req = {"argv": torchrun_argv, "env": env, "log": os.path.join(self.agent.dir, "zygote.log")}
-        pipe = self.agent.proc.stdin
-        if pipe is None or not self.alive():
-            return False
-        try:
-            pipe.write(json.dumps(req).encode() + b"\n")
-            pipe.close()
-        except OSError:
-            return False
-        return True
-
-    def close(self) -> None:
-        """Dismiss an unused standby (nothing of it survives; it is reaped)."""
-        with contextlib.suppress(OSError):
-            if self.agent.proc.stdin is not None:
-                self.agent.proc.stdin.close()
-        _kill(self.agent.proc, self.token)
-        self.agent.close()
 
 
 class Attempt:
@@ -229,8 +186,7 @@ class Attempt:
         self.number = number
         self.gen = gen
         self.run_dir = run_dir
-        self.dir = events.attempt_dir(run_dir, number)
-        os.makedirs(self.dir, exist_ok=True)
+        self.dir = events.private_subdir(run_dir, "attempts", str(number))
         self.log_dir = os.path.join(self.dir, "torchelastic")
         self._events = events.EventTail(run_dir)
         self.exits: list[WorkerExit] = []
@@ -253,7 +209,7 @@ class Attempt:
             self.argv = [sys.executable, "-m", "torch.distributed.run", *targv]
             env = attempt_env(run_dir, number, self.token, nproc)
             env.update(extra)
-            self._agent = _Agent(number, run_dir, self.argv, env, echo, stdin=subprocess.DEVNULL)
+            self._agent = Agent(number, run_dir, self.argv, env, echo, stdin=subprocess.DEVNULL)
         self.proc = self._agent.proc
 
     def console(self) -> str:
@@ -269,7 +225,7 @@ class Attempt:
         for pid in children_of(self.proc.pid):
             if pid not in self._launchers:
                 argv = cmdline(pid)
-                if LAUNCHER not in argv:
+                if LAUNCHER not in argv and not (argv and argv[0].startswith(LAUNCHER_TITLE)):
                     continue  # the fork server, or a launcher not exec'd yet
                 rank = environ_of(pid).get("RANK", "")
                 self._launchers[pid] = int(rank) if rank.isdigit() else None
@@ -293,10 +249,12 @@ class Attempt:
         reported = {x.launcher for x in self.exits}
         for pid in gone:
             if pid not in reported:
-                return WorkerExit(
+                # Only SIGKILL ends a launcher without its report; its worker goes with it
+                # (the fork server kills it): the rank died of SIGKILL, a process fault.
+                x = WorkerExit(
                     rank=self._launchers[pid],
                     local_rank=None,
-                    exitcode=None,
+                    exitcode=-signal.SIGKILL,
                     stopped=False,
                     pid=None,
                     launcher=pid,
@@ -304,7 +262,14 @@ class Attempt:
                     via="?",
                     vanished=True,
                 )
+                self.exits.append(x)  # the evidence of the attempt: this rank's end
+                return x
         return None
+
+    def owns(self, pid: int) -> bool:
+        """``pid`` (e.g. from a beacon file) is a live process of this attempt: its
+        environment carries the attempt's token."""
+        return is_alive(pid) and environ_of(pid).get(ENV_TOKEN) == self.token
 
     def wait(self, pids: Iterable[int], timeout: float) -> None:
         """Sleep ``timeout`` s, or less if the agent or one of ``pids`` exits."""
@@ -322,14 +287,17 @@ class Attempt:
                 os.path.join(self.dir, events.PEER_FAILED_FILE),
                 reason.encode() + b"\n",
                 fsync=False,
+                mode=events.FILE_MODE,
             )
         ranks = dict(ranks_by_pid)
         ranks.update({p: r for p, r in self._launchers.items() if r is not None})
         ended = {p for x in self.exits for p in (x.pid, x.launcher)}  # e.g. the failed rank
-        targets = [p for p in ranks if p not in ended and is_alive(p)]
-        for pid in targets:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGTERM)
+        # Only processes that carry this attempt's token: a pid from a beacon is a claim.
+        targets = [
+            p
+            for p in ranks
+            if p not in ended and signal_if_tagged(p, signal.SIGTERM, ENV_TOKEN, self.token)
+        ]
         deadline = t0 + grace
         while True:
             alive = [p for p in targets if is_alive(p)]
@@ -354,7 +322,7 @@ class Attempt:
     def kill(self) -> None:
         """SIGKILL the agent and every process that inherited this attempt's token."""
         self.killed_by_us = True
-        n = _kill(self.proc, self.token)
+        n = kill_attempt(self.proc, self.token)
         if n:
             log.debug("attempt %d: killed %d processes", self.number, n)
 
