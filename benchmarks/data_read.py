@@ -104,8 +104,10 @@ TOK_EPOCHS = 3
 TOKENS = 64 << 20  # 64 Mi tokens (uint16): 128 MB
 # unbroken: x, y contiguous int64 copies, as nanoGPT's get_batch gives them (the headline);
 # unbroken-views: x, y as views of the (batch, seq_len + 1) tokens (no copy)
-TOK_MAIN = ("unbroken", "unbroken-views", "nanogpt")  # in the main process
-TOK_READERS = ("unbroken", "unbroken-views", "unbroken-pipe", "nanogpt")  # with workers
+# unbroken-flat: nanoGPT's own train.bin read in place, random windows, x, y made in the worker
+# (StreamingDataset(train.bin, windows="random") + StatefulLoader(xy=True)): like for like
+TOK_MAIN = ("unbroken", "unbroken-views", "unbroken-flat", "nanogpt")  # in the main process
+TOK_READERS = ("unbroken", "unbroken-views", "unbroken-pipe", "unbroken-flat", "nanogpt")
 # how a batch crosses from a DataLoader worker to the training process
 TRANSPORT = {
     "unbroken": "shm ring",
@@ -218,6 +220,9 @@ def _prepare_tokens(root: str) -> None:
             flat.write(f.read())
     flat.close()
     DatasetManifest.create("tokens", infos, dtype="uint16", eos_id=0, seq_len=SEQ_LEN).save(out)
+    from unbroken.data.tokens.flat import index_flat
+
+    index_flat(f"{root}/train.bin", vocab_size=50_000, fsync=False)  # in place, for unbroken-flat
 
 
 # --- the same per-sample functions and collates for every loader -------------------------
@@ -302,7 +307,7 @@ def make_loader(
         ds = StreamingDataset(f"{root}/tar", seed=seed, transform=fn, **extra)
         ld = StatefulLoader(
             ds,
-            BATCH,
+            batch_size=BATCH,
             collate_fn=collate,
             num_workers=workers,
             pin_memory=pin and workers > 0,
@@ -656,10 +661,17 @@ def child_tokens(name: str, root: str, batch: int, workers: int) -> dict[str, An
                 _GetBatch(root, batch, total), batch_size=None, num_workers=workers
             ):
                 tick(x)
+    elif name == "unbroken-flat":
+        flat = StreamingDataset(f"{root}/train.bin", seq_len=SEQ_LEN, windows="random", seed=0)
+        it = StatefulLoader(flat, batch_size=batch, num_workers=workers, xy=True).forever()
+        for _ in range(total):
+            x, _y = next(it)
+            tick(x)
+        it.close()
     else:
         ld = StatefulLoader(
             ds,
-            batch,
+            batch_size=batch,
             num_workers=workers,
             last_batch="drop",
             shm_transport=name != "unbroken-pipe",
@@ -917,6 +929,7 @@ def run_tokens(a: argparse.Namespace, out: dict[str, Any]) -> None:
         "unbroken": "unbroken, x/y contiguous int64 (as get_batch; the headline)",
         "unbroken-views": "unbroken, x/y views of one tensor (no copy)",
         "unbroken-pipe": "unbroken over torch's pipe, x/y contiguous",
+        "unbroken-flat": "unbroken on nanoGPT's train.bin, random windows, xy=True",
         "nanogpt": "nanoGPT get_batch, x/y contiguous int64",
     }
     for batch in TOK_BATCHES:

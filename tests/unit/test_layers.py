@@ -33,6 +33,30 @@ INNER = {
         [("unbroken.data.diagnose",)],
         [("unbroken.data",)],
     ],
+    "unbroken.data.stream": [
+        [("unbroken.data.stream.order",), ("unbroken.data.stream.transport",)],
+        [("unbroken.data.stream.config",)],
+        [("unbroken.data.stream.remote",)],
+        [("unbroken.data.stream.readers",)],
+        [("unbroken.data.stream.dataset",)],
+        [("unbroken.data.stream.loader",)],
+        [("unbroken.data.stream",)],
+    ],
+    "unbroken.data.stream.remote": [
+        [
+            ("unbroken.data.stream.remote.locks",),
+            ("unbroken.data.stream.remote.pool",),
+            ("unbroken.data.stream.remote.probe",),
+            ("unbroken.data.stream.remote.fetch",),
+        ],
+        [("unbroken.data.stream.remote.index",)],
+        [("unbroken.data.stream.remote.events",), ("unbroken.data.stream.remote.readers",)],
+        [("unbroken.data.stream.remote.plan",)],
+        [("unbroken.data.stream.remote.units",)],
+        # the cache starts its fetcher process, which serves the cache
+        [("unbroken.data.stream.remote.cache", "unbroken.data.stream.remote.fetcher")],
+        [("unbroken.data.stream.remote",)],
+    ],
     "unbroken.ckpt": [
         [
             (
@@ -171,6 +195,11 @@ def test_no_import_runs_upward() -> None:
         ("unbroken.ckpt.store", "unbroken.data.manifest", False),
         ("unbroken.data.tar.reader", "unbroken.data.stream.order", False),
         ("unbroken.data.stream.loader", "unbroken.data.feed.prefetch", True),
+        ("unbroken.data.stream.order", "unbroken.data.stream.dataset", False),
+        ("unbroken.data.stream.readers", "unbroken.data.stream.remote.cache", True),
+        ("unbroken.data.stream.remote.cache", "unbroken.data.stream.readers", False),
+        ("unbroken.data.stream.remote.index", "unbroken.data.stream.remote.units", False),
+        ("unbroken.data.stream.remote.fetcher", "unbroken.data.stream.remote.cache", True),
         ("unbroken.ckpt.store", "unbroken.ckpt.archive.remote", False),
         ("unbroken.ckpt.checkpointer", "unbroken.ckpt.archive.remote", True),
         ("unbroken.elastic.supervisor", "unbroken.elastic.drill.runner", False),

@@ -13,8 +13,11 @@ from unbroken.data.tokens.shard import TokenShard
 _LAZY = {
     "pack": "unbroken.data.prepare.pack",
     "index_directory": "unbroken.data.prepare.pack",
+    "index_flat": "unbroken.data.tokens.flat",
+    "read_vocab_size": "unbroken.data.tokens.flat",
     "stage": "unbroken.data.prepare.stage",
-    "CacheOptions": "unbroken.data.stream.cache",
+    "CacheConfig": "unbroken.data.stream.config",
+    "DatasetConfig": "unbroken.data.stream.config",
     "EpochOrder": "unbroken.data.stream.order",
     "LoaderConfig": "unbroken.data.stream.config",
     "Source": "unbroken.data.stream.dataset",
@@ -31,7 +34,8 @@ __getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = [
     # streaming and the GPU feed
-    "CacheOptions",
+    "CacheConfig",
+    "DatasetConfig",
     "DevicePrefetcher",
     "StepTimer",
     "EpochOrder",
@@ -41,6 +45,8 @@ __all__ = [
     "StreamingDataset",
     # data preparation
     "index_directory",
+    "index_flat",
+    "read_vocab_size",
     "pack",
     "stage",
     "tokenize",

@@ -25,7 +25,9 @@ State (the ``Stateful`` protocol): ``state_dict()`` returns the wrapped loader's
 belongs to the last batch *delivered* to the training loop, not to the batches prefetched
 behind it. The prefetcher snapshots ``inner.state_dict()`` right after pulling each batch
 (the loader state is tiny; D-RESUME) and hands out the snapshot of the delivered one.
-``load_state_dict()`` forwards to the wrapped loader and drops in-flight batches.
+``load_state_dict()`` forwards to the wrapped loader and drops in-flight batches. A batch the
+loop itself holds across a save (drawn before the step ends) is the loader's to count:
+``StatefulLoader(..., held_batches=1)``, wrapped as ``DevicePrefetcher(loader.forever())``.
 """
 
 from __future__ import annotations
