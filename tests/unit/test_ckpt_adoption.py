@@ -284,3 +284,20 @@ def test_capture_rng_false_leaves_the_rng_alone_and_says_no_resize(tmp_path, cap
     ck.close()
     assert random.getstate() == want[0] and torch.equal(torch.get_rng_state(), want[1])
     assert not [r for r in caplog.records if "world size changed" in r.getMessage()]
+
+
+def test_a_root_unbroken_creates_is_private(tmp_path) -> None:
+    """The README's security model (issue 21 report; RULES: private modes on a shared node):
+    the root and each step directory unbroken creates are 0700; a root that exists keeps
+    the mode its owner gave it."""
+    root = tmp_path / "new" / "ck"
+    st = TrainState(model=torch.nn.Linear(2, 2))
+    st.step = 1
+    Checkpointer(str(root), st).save()
+    assert os.stat(root).st_mode & 0o777 == 0o700
+    assert os.stat(step_dir(str(root), 1)).st_mode & 0o777 == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o750)
+    os.chmod(shared, 0o750)
+    Checkpointer(str(shared), st).save()
+    assert os.stat(shared).st_mode & 0o777 == 0o750
