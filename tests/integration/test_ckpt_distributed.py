@@ -362,6 +362,7 @@ def _ranked_build(rank: int, seed: int, wrap: bool, **kw: Any) -> tuple[Any, ...
         extras={"hidden": hidden, "shared": shared},
         replicated=["extra.shared"],
         seed=11,
+        values={"best_val_loss": 1e9},  # issue 21 item 4: the same on every rank
         **kw,
     )
     return st, ddp, model, own, opt, hidden, shared
@@ -394,6 +395,7 @@ def _ranked_worker(rank: int, world: int, job: dict[str, Any]) -> None:
                 hidden.h.fill_(rank + 1.0)
                 hidden.n = 10 * rank
                 shared.h.fill_(float(rank))  # declared replicated, yet differs: say so
+                st.values["best_val_loss"] = 1.5
                 st.step = 1
                 ck = Checkpointer(r, st)
                 ck.save()
@@ -416,8 +418,10 @@ def _ranked_worker(rank: int, world: int, job: dict[str, Any]) -> None:
                 out["step"] = ck.restore()
             except ValueError as e:
                 out["error"] = str(e)
+                out["error_type"] = type(e).__name__
             else:
                 out.update(
+                    values=dict(st.values),
                     hidden=hidden.h.tolist(),
                     n=hidden.n,
                     shared=shared.h.tolist(),
@@ -491,16 +495,19 @@ def test_per_rank_state_survives_resize_is_refused_ddp_is_unwrapped(tmp_path) ->
             assert got["hidden"] == [[r + 1.0] * 3] * 2 and got["n"] == 10 * r
             assert got["shared"] == [float(r)] * 2  # its own copy, not rank 0's
             assert got["momentum"] == s["momentum"] and got["weight"] == s["weight"]
+            assert got["values"] == {"best_val_loss": 1.5}
 
         one = _ranked(1, {"mode": "load", "root": root, "out": out, "locked": locked})[0]
         assert "extra.hidden" in one["error"] and "2" in one["error"], one["error"]
         assert "per_rank_on_resize" in one["error"], one["error"]
+        assert one["error_type"] == "RestoreRefused"  # issue 21: a configuration fault
 
         kw = {"per_rank_on_resize": "skip"}
         one = _ranked(1, {"mode": "load", "root": root, "out": out, "locked": locked, "kw": kw})[0]
         assert one["step"] == 1
         assert one["hidden"] == [[0.0] * 3] * 2 and one["n"] == 0  # kept as constructed
         assert one["shared"] == [0.0, 0.0] and one["momentum"] == save[0]["momentum"]
+        assert one["values"] == {"best_val_loss": 1.5}  # issue 21 item 4: 2 -> 1 ranks
         warned = " | ".join(one["warnings"])
         assert "extra.hidden" in warned and "extra.shared" in warned, warned
     finally:

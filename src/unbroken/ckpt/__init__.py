@@ -5,7 +5,7 @@ from __future__ import annotations
 from unbroken.ckpt.checkpointer import Checkpointer
 from unbroken.ckpt.config import ArchiveConfig, CheckpointConfig
 from unbroken.ckpt.state import Stateful, TrainState
-from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint
+from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint, RestoreRefused
 from unbroken.ckpt.verify import read_checkpoint
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointInfo",
     "Checkpointer",
     "CorruptCheckpoint",
+    "RestoreRefused",
     "Stateful",
     "TrainState",
     "read_checkpoint",

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["decode", "encode", "rekey", "tensor_keys"]
+__all__ = ["decode", "encode", "first_difference", "is_ref", "rekey", "tensor_keys"]
 
 _TAG = "__ub__"
 
@@ -123,7 +123,10 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor] | None = None) -> Any:
         )
         return flat.view(_dtype(obj["dtype"])).reshape(obj["shape"]).clone()
     if tag == "dict":
-        return {decode(k, tensors): decode(v, tensors) for k, v in obj["items"]}
+        out = {decode(k, tensors): decode(v, tensors) for k, v in obj["items"]}
+        if len(out) != len(obj["items"]):  # encode never writes a key twice (nor 1 and True)
+            raise ValueError("a dict in checkpoint state repeats a key")
+        return out
     if tag == "tuple":
         return tuple(decode(v, tensors) for v in obj["items"])
     if tag == "size":
@@ -140,6 +143,11 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor] | None = None) -> Any:
     if tag == "npscalar":
         return np.dtype(obj["dtype"]).type(obj["value"])
     raise ValueError(f"unknown tag {tag!r} in checkpoint state (written by a newer unbroken?)")
+
+
+def is_ref(obj: Any) -> bool:
+    """Is ``obj`` (an encoded value) a reference to a stored tensor?"""
+    return isinstance(obj, dict) and obj.get(_TAG) == "tensor"
 
 
 def _refs(obj: Any) -> Iterator[dict[str, Any]]:
@@ -169,3 +177,44 @@ def rekey(tree: Any, mapping: Mapping[str, str]) -> Any:
     if tree.get(_TAG) == "tensor":
         return {**tree, "key": mapping.get(tree["key"], tree["key"])}
     return {k: rekey(v, mapping) for k, v in tree.items()}
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+    return local.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """The path of the first place where ``a`` and ``b`` (state dicts, as saved and as
+    decoded) differ, bit for bit (NaN equals NaN; a tuple is not a list), or None."""
+    here = path or "<root>"
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        same = (
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype and a.shape == b.shape and torch.equal(_raw(a), _raw(b))
+        )  # fmt: skip
+        return None if same else here
+    if isinstance(a, Mapping) and isinstance(b, Mapping):  # an OrderedDict decodes as a dict
+        if a.keys() != b.keys():
+            return f"{here} (keys)"
+        for k in a:
+            d = first_difference(a[k], b[k], f"{path}/{k}")
+            if d is not None:
+                return d
+        return None
+    if type(a) is not type(b):
+        return f"{here} ({type(a).__name__} vs {type(b).__name__})"
+    if isinstance(a, np.ndarray):
+        same = a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+        return None if same else here
+    if isinstance(a, list | tuple):
+        if len(a) != len(b):
+            return f"{here} (length)"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            d = first_difference(x, y, f"{path}/{i}")
+            if d is not None:
+                return d
+        return None
+    if isinstance(a, float) and a != a and b != b:  # NaN: the same value saved
+        return None
+    return None if a == b else here

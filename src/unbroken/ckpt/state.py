@@ -5,12 +5,13 @@ State dict schema (what a checkpoint holds)::
     {
       "counters": {"step", "samples", "tokens", "micro_step"},
       "components": {"model": ..., "optimizer": ..., "scheduler": ..., "ema": ...,
-                     "scaler": ..., "loader": ..., "metrics": ..., "extra.<name>": ...},
+                     "scaler": ..., "loader": ..., "metrics": ..., "values": {name: scalar},
+                     "extra.<name>": ...},
       "rng": {python, numpy, numpy_generators, torch, cuda}      # per rank
     }
 
 Each component is declared ``replicated`` (the same on every rank: model, optimizer,
-scheduler, ema, scaler, loader, metrics) or ``per_rank`` (extras, unless declared otherwise);
+scheduler, ema, scaler, loader, metrics, values) or ``per_rank`` (extras, unless declared otherwise);
 whatever actually differs between ranks is saved per rank and restored to the same rank,
 and a world-size change follows the rule in :mod:`unbroken.ckpt.per_rank`.
 
@@ -29,7 +30,7 @@ than silently dropping them. The counter is still saved so a resumed run knows w
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
@@ -42,10 +43,115 @@ from torch.distributed.tensor import DTensor
 
 from unbroken.ckpt import rng as _rng
 
-__all__ = ["Stateful", "TrainState"]
+__all__ = ["Stateful", "TrainState", "Values", "check_values"]
 
-_COUNTERS = ("step", "samples", "tokens", "micro_step")
+COUNTERS = ("step", "samples", "tokens", "micro_step")
+"""The training loop's counters, saved with every checkpoint."""
 _ON_RESIZE = ("refuse", "skip")
+
+
+# What one ``values`` entry may be, and how many there may be: the file is untrusted, and a
+# best loss, an iteration number or a run name need far less.
+MAX_VALUES = 1024
+MAX_KEY_CHARS = 256
+MAX_STR_CHARS = 65_536
+_INT64 = 1 << 63
+
+
+def check_value(key: Any, v: Any, where: str = "values") -> Any:
+    """``v`` as stored under ``key`` (a float subclass becomes a float); raises
+    ``TypeError``/``ValueError`` naming ``where[key]``, the value and the fix."""
+    if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS:
+        shown = repr(key) if len(repr(key)) <= 80 else repr(key)[:77] + "..."
+        raise ValueError(
+            f"{where}: key {shown} must be a non-empty string of at most {MAX_KEY_CHARS} characters"
+        )
+    here = f"{where}[{key!r}]"
+    if v is None or isinstance(v, bool):
+        return v
+    if isinstance(v, int):
+        if not -_INT64 <= v < _INT64:
+            raise ValueError(f"{here}={v} is outside int64; store it as a float or a string")
+        return int(v)
+    if isinstance(v, float):
+        return float(v)  # NaN and inf are kept
+    if isinstance(v, str):
+        if len(v) > MAX_STR_CHARS:
+            raise ValueError(
+                f"{here} is a string of {len(v)} characters; at most {MAX_STR_CHARS} are kept "
+                "(values are for scalars: put large state in a Stateful component)"
+            )
+        return v
+    hint = " (a tensor: store t.item())" if isinstance(v, torch.Tensor) else ""
+    raise TypeError(
+        f"{here} is a {type(v).__qualname__}{hint}; values hold JSON scalars only (None, bool, "
+        "int, float, str): keep other state in a Stateful component"
+    )
+
+
+def check_values(sd: Any, where: str = "values") -> dict[str, Any]:
+    """A saved ``values`` state checked as untrusted input (bounded, types checked)."""
+    if not isinstance(sd, dict):
+        raise TypeError(f"{where} is a {type(sd).__name__}, not a dict of values")
+    if len(sd) > MAX_VALUES:
+        raise ValueError(f"{where} holds {len(sd)} values; at most {MAX_VALUES} are allowed")
+    return {k: check_value(k, v, where) for k, v in sd.items()}
+
+
+class Values(MutableMapping[str, Any]):
+    """Plain values of the training loop (``best_val_loss``, an iteration number, a run
+    name): JSON scalars by name, read and written like a dict (``state.values["best"] =
+    loss``), saved with every checkpoint (checksummed like all state) and restored by
+    :meth:`Checkpointer.restore`. The same on every rank by default (component
+    ``values``, replicated: a world-size change restores rank 0's copy on new ranks).
+
+    A value is checked where it is set: None, bool, int (int64), float (NaN and inf
+    kept) or str (at most 65,536 characters); at most 1,024 keys of at most 256 characters.
+    On restore the saved values replace the live ones; a key the checkpoint does not hold
+    keeps its declared default.
+    """
+
+    def __init__(self, declared: Mapping[str, Any] | None, *, registered: bool = True) -> None:
+        if declared is not None and not isinstance(declared, Mapping):
+            raise TypeError(
+                f"TrainState(values=...) takes a dict of name -> value, got "
+                f"{type(declared).__qualname__}"
+            )
+        self.registered = registered
+        self._declared = check_values(dict(declared or {}), "TrainState values")
+        self._d = dict(self._declared)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._d[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        if not self.registered:
+            raise RuntimeError(
+                f"state.values[{key!r}] would not be saved: this TrainState was built "
+                "without values=; declare them, e.g. TrainState(..., values={'best_val_loss': "
+                "float('inf')})"
+            )
+        if key not in self._d and len(self._d) >= MAX_VALUES:
+            raise ValueError(f"values[{key!r}]: at most {MAX_VALUES} values are allowed")
+        self._d[key] = check_value(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        del self._d[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __repr__(self) -> str:
+        return f"Values({self._d!r})"
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._d)
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        self._d = {**self._declared, **check_values(sd)}
 
 
 def _is_sharded(obj: Any) -> bool:
@@ -142,6 +248,9 @@ class TrainState:
         metrics: ``unbroken.common.metrics.MetricLog`` so the log continues without a repeated segment.
         extras: any further ``Stateful`` objects, by name (component ``extra.<name>``).
             Per-rank by default: each rank saves and restores its own.
+        values: plain values of the loop by name (``{"best_val_loss": float("inf")}``):
+            JSON scalars, read and written as ``state.values[name]``, saved and restored
+            with the rest, the same on every rank (component ``values``, see :class:`Values`).
         numpy_generators: ``np.random.Generator`` objects to capture with the RNG state.
         capture_rng: capture python/numpy/torch/CUDA RNG (default True).
         seed: the run's seed; when a checkpoint is restored with another world size,
@@ -156,7 +265,7 @@ class TrainState:
             leave per-rank components that cannot be mapped as constructed (WARNING).
 
     Counters ``step``, ``samples``, ``tokens`` and ``micro_step`` are plain attributes the
-    training loop updates.
+    training loop updates; ``values`` holds its other plain values (``state.values``).
     """
 
     def __init__(
@@ -170,6 +279,7 @@ class TrainState:
         loader: Any = None,
         metrics: Any = None,
         extras: Mapping[str, Any] | None = None,
+        values: Mapping[str, Any] | None = None,
         numpy_generators: Mapping[str, np.random.Generator] | None = None,
         capture_rng: bool = True,
         seed: int = 0,
@@ -190,6 +300,9 @@ class TrainState:
             comps.update(_named(kind, obj))
         for name, obj in (extras or {}).items():
             comps[f"extra.{name}"] = obj
+        self.values = Values(values, registered=values is not None)
+        if values is not None:
+            comps["values"] = self.values
         self.synced_buffers: dict[str, set[str]] = {}
         for name, obj in comps.items():
             comps[name], synced = _unwrap(obj)
@@ -250,7 +363,7 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {
-            "counters": {k: int(getattr(self, k)) for k in _COUNTERS},
+            "counters": {k: int(getattr(self, k)) for k in COUNTERS},
             "components": {name: obj.state_dict() for name, obj in self.components.items()},
         }
         if self.capture_rng:
@@ -269,6 +382,10 @@ class TrainState:
                 "same components as the run that saved it"
             )
 
+    def load_counters(self, counters: Mapping[str, Any]) -> None:
+        for k in COUNTERS:
+            setattr(self, k, int(counters[k]))
+
     def load_state_dict(
         self, sd: Mapping[str, Any], *, restore_rng: bool = True, skip: Iterable[str] = ()
     ) -> None:
@@ -279,7 +396,6 @@ class TrainState:
         for name, obj in self.components.items():
             if name not in skip:
                 obj.load_state_dict(saved[name])
-        for k in _COUNTERS:
-            setattr(self, k, int(sd["counters"][k]))
+        self.load_counters(sd["counters"])
         if restore_rng and self.capture_rng and "rng" in sd:
             _rng.restore(sd["rng"], self.numpy_generators)

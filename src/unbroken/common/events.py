@@ -21,6 +21,8 @@ Event schema (common keys ``t`` = Unix time, ``event``, ``attempt``, ``pid``, ``
                   supervisor stopped the others (``exited`` ranks left within ``grace``
                   seconds, ``killed`` ones were SIGKILLed) and relaunches
     loaded        step, seconds: a rank restored a checkpoint (from the Checkpointer)
+    restore_refused  step, reason: a rank's restore was refused by the live state
+                  (``unbroken.ckpt.RestoreRefused``: deterministic, a configuration fault)
     saved         step, seconds: a rank committed a checkpoint (optional)
     caught_up     step: local rank 0's beats reached the step reached before the last failure
     failure       attempt, t_fail, t_detect, kind, fault, action, reason, step, exit_code

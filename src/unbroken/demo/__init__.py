@@ -181,7 +181,7 @@ def _timings(log_path: str) -> dict[str, str]:
         for line in f:
             if "checkpointer: saved step " in line:
                 saves.append(float(line.rsplit(" in ", 1)[1].split(" s")[0]))
-            elif "checkpointer: restored step " in line:
+            elif "checkpointer: resumed from step " in line:
                 restore = line.rsplit(" in ", 1)[1].strip()
     out = {}
     if saves:
