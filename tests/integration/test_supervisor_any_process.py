@@ -46,15 +46,23 @@ def _launcher_of(job: h.Job, rank: int, worker: int) -> int:
     return pid
 
 
-@pytest.mark.parametrize("victim", ["worker", "launcher", "fork server"])
-def test_any_process_of_a_rank_killed_is_a_process_fault_that_restarts_it(tmp_path, victim):
+@pytest.mark.parametrize(
+    ("victim", "mode"),
+    [
+        ("worker", []),
+        ("launcher", []),
+        ("fork server", []),
+        ("launcher", ["--no-prewarm"]),  # its worker a fresh interpreter, not a fork
+    ],
+)
+def test_any_process_of_a_rank_killed_is_a_process_fault_that_restarts_it(tmp_path, victim, mode):
     """issue 21 item 7: SIGKILL of the worker, of the per-rank launcher or of the fork server
     of rank 1 is a process fault; the job restarts and ends bit-identical."""
     steps = 30
     with h.jobs() as start:
         job = start(
             str(tmp_path / "run"),
-            ["--nproc-per-node", "2", "--stop-grace", "5"],
+            ["--nproc-per-node", "2", "--stop-grace", "5", *mode],
             h.script_args(tmp_path, steps, save_every=5),
         )
         beats = h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=2), 90, "step 8", job)

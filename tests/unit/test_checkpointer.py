@@ -196,8 +196,10 @@ def test_bad_input_errors_name_the_problem(tmp_path) -> None:
     ck.save(1)
     with pytest.raises(ValueError, match=r"step 5.*committed steps: \[1\]"):
         ck.restore(5)
+    assert ck.save(1) == ck.store.step_dir(1)  # the same state: a no-op (issue 21 item 3)
+    _train(st, m, opt, 1)
     with pytest.raises(FileExistsError, match="immutable"):
-        ck.save(1)
+        ck.save(1)  # other content under a committed step
     data_dir = tmp_path / "dataset"
     data_dir.mkdir()
     (data_dir / "shard-000000.tar").write_bytes(b"x")

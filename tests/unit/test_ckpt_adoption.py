@@ -317,3 +317,20 @@ def test_maybe_save_final_saves_the_last_step_whatever_the_interval(
     assert [c.step for c in ck.list()] == [4, 7]
     assert ck.maybe_save(7, final=True)  # the same step again: no-op, no error
     ck.close()
+
+
+def test_a_root_unbroken_creates_is_private(tmp_path) -> None:
+    """The README's security model (issue 21 report; RULES: private modes on a shared node):
+    the root and each step directory unbroken creates are 0700; a root that exists keeps
+    the mode its owner gave it."""
+    root = tmp_path / "new" / "ck"
+    st = TrainState(model=torch.nn.Linear(2, 2))
+    st.step = 1
+    Checkpointer(str(root), st).save()
+    assert os.stat(root).st_mode & 0o777 == 0o700
+    assert os.stat(step_dir(str(root), 1)).st_mode & 0o777 == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o750)
+    os.chmod(shared, 0o750)
+    Checkpointer(str(shared), st).save()
+    assert os.stat(shared).st_mode & 0o777 == 0o750

@@ -284,3 +284,20 @@ def test_data_index_command_indexes_a_flat_file(tmp_path, capsys) -> None:
     assert cli_main(["data", "index", path, "--meta", meta]) == 0
     assert "65536" in capsys.readouterr().out
     assert flat_manifest(path).vocab_size == 65_536
+
+
+def test_random_slots_are_uniform_and_keyed() -> None:
+    """issue 21 item 2: the window starts are uniform over [0, room) (chi-square over 20 bins
+    of 200k draws), differ by seed, epoch and fingerprint, and are a pure function."""
+    from unbroken.data.stream.order import random_slots
+
+    pos = np.arange(200_000)
+    s = random_slots("fp", 0, 0, pos, 1_000_003)
+    assert s.min() >= 0 and s.max() < 1_000_003
+    counts = np.bincount(s * 20 // 1_000_003, minlength=20)
+    chi2 = float(((counts - 10_000) ** 2 / 10_000).sum())
+    assert chi2 < 60, chi2  # 19 degrees of freedom: p < 1e-5 above ~50
+    assert np.array_equal(s, random_slots("fp", 0, 0, pos, 1_000_003))
+    for other in (("fp", 1, 0), ("fp", 0, 1), ("fq", 0, 0)):
+        assert (random_slots(*other, pos[:100], 1_000_003) != s[:100]).mean() > 0.95
+    assert np.array_equal(random_slots("fp", 0, 0, pos[5:9], 1_000_003), s[5:9])

@@ -162,7 +162,7 @@ def _lock(root: str) -> _Held:
         raise ValueError(f"checkpoint root {root!r} is a file, not a directory")
     path = os.path.join(root, LOCK_NAME)
     try:
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(root, mode=0o700, exist_ok=True)
         fd = _open(path)
     except OSError as e:
         if e.errno in _DENIED and os.path.isdir(root):

@@ -111,7 +111,7 @@ class Store:
 
     def ensure_root(self) -> None:
         try:
-            os.makedirs(self.root, exist_ok=True)
+            os.makedirs(self.root, mode=0o700, exist_ok=True)  # private when ours (T-SHARED-NODE)
         except OSError as e:
             raise RuntimeError(
                 f"cannot create checkpoint directory {self.root!r}: {e.strerror}; pass a "
@@ -232,7 +232,7 @@ class Store:
         self.ensure_root()
         tmp = os.path.join(self.root, f"{_TMP_PREFIX}{step:08d}.{uuid.uuid4().hex[:8]}")
         note_temp(tmp)  # before it exists: a restore in another thread must never take it
-        os.mkdir(tmp)
+        os.mkdir(tmp, 0o700)
         return tmp
 
     def commit(self, tmp: str, step: int, manifest: CheckpointManifest) -> str:

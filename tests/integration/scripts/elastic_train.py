@@ -87,16 +87,9 @@ class _FileCkpt:
 
 def _restore_refused(step: int) -> Exception:
     """What the checkpoint layer raises when the live job cannot take an intact checkpoint
-    (a resize it refuses, a shape mismatch): ``unbroken.ckpt.RestoreRefused``, or a stand-in
-    of the same name where that class is not there yet (issue 21 item 8)."""
-    try:
-        from unbroken.ckpt import RestoreRefused  # type: ignore[attr-defined]
-    except ImportError:
+    (a resize it refuses, a shape mismatch): ``unbroken.ckpt.RestoreRefused`` (issue 21 item 8)."""
+    from unbroken.ckpt import RestoreRefused
 
-        class RestoreRefused(ValueError):  # type: ignore[no-redef]
-            pass
-
-        RestoreRefused.__module__ = "unbroken.ckpt.store"
     return RestoreRefused(
         f"checkpoint step {step} was saved by 2 ranks and this job has 1: per-rank state "
         "['extra'] differs between the saving ranks. Resume with 2 ranks"

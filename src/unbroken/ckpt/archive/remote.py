@@ -320,7 +320,7 @@ class Archive:
                     f"remote object has {have[name]} bytes, manifest says {f.size}",
                     damaged=True,
                 )
-        os.makedirs(dest_dir, exist_ok=True)
+        os.makedirs(dest_dir, mode=0o700, exist_ok=True)
         fds: dict[str, int] = {}
         try:
             parts: list[tuple[str, int, int]] = []

@@ -60,6 +60,7 @@ _TAG_SHARDS = 1
 _TAG_WINDOW = 2
 _TAG_MIX = 3
 _TAG_RANDOM = 4
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment
 # Default window bounds: at least 256 Ki samples (a dataset that small is shuffled globally;
 # 2 MiB of permutation), at most 4 Mi (32 MiB per worker).
 _MIN_DEFAULT_WINDOW = 1 << 18
@@ -146,12 +147,21 @@ def random_slots(
     the sample at each position of ``epoch``, uniform and independent per position, a pure
     function of (fingerprint, seed, epoch, position) - so the draw stream is the position: a
     resume at any position, on any layout, continues it exactly (D-ORDER, D-RESUME).
-    ``room`` may be an array (each position's own). The bias of the modulo is below
-    ``room / 2**63``."""
+    ``room`` may be an array (each position's own). The draw at position ``p`` is SplitMix64's
+    ``p``-th output from a key mixed from (fingerprint, seed, epoch): six vector operations
+    per batch (SeedSequence mixing per value cost ~1 ms per batch of 16). The bias of the
+    modulo is below ``room / 2**64``."""
     _check_seed(seed, epoch)
     fp = xxhash.xxh3_64_intdigest(fingerprint.encode())
-    h = mix_seeds((fp, seed, _TAG_RANDOM, epoch), positions, ())
-    return (h % np.asarray(room, dtype=np.uint64)).astype(np.int64)
+    key = np.uint64(mix_seed(fp, seed, _TAG_RANDOM, epoch))
+    pos = np.asarray(positions, dtype=np.int64)
+    if pos.size and int(pos.min()) < 0:
+        raise ValueError("random_slots: positions must be non-negative")
+    z = key + (pos.astype(np.uint64) + np.uint64(1)) * _GOLDEN  # uint64 arrays wrap
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return (z % np.asarray(room, dtype=np.uint64)).astype(np.int64)
 
 
 def seeded_rng(fingerprint: str, seed: int, *parts: int) -> np.random.Generator:
