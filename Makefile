@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test unit lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,10 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# The quick loop while editing: unit tests without the slow ones (fuzzers, end-to-end runs).
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests/unit
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -145,7 +145,7 @@ def _parallel(fn: Callable[[int, memoryview], None], views: list[memoryview]) ->
     def run(i: int, v: memoryview) -> None:
         try:
             fn(i, v)
-        except BaseException as e:  # re-raised below, in the caller's thread
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
             errors.append(e)
 
     ts = [threading.Thread(target=run, args=(i, v)) for i, v in enumerate(views)]

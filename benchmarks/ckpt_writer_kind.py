@@ -70,7 +70,7 @@ def _step(m: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> No
     opt.zero_grad()
 
 
-def _steps_while(busy, m, opt, x) -> list[float]:  # noqa: ANN001
+def _steps_while(busy, m, opt, x) -> list[float]:
     times = []
     while busy():
         t = time.perf_counter()
@@ -109,7 +109,7 @@ def main() -> None:
         ck.save()
         blocked = time.perf_counter() - t0
         fut = ck._inflight
-        during = _steps_while(lambda: fut is not None and not fut.done(), m, opt, x)  # noqa: B023
+        during = _steps_while(lambda: fut is not None and not fut.done(), m, opt, x)
         ck.wait()
         r = rows["thread"]
         r.setdefault("blocked", []).append(blocked)
@@ -132,7 +132,7 @@ def main() -> None:
             bufs[k].copy_(v)
         inbox.put(d)
         blocked = time.perf_counter() - t0
-        during = _steps_while(lambda: outbox.empty(), m, opt, x)  # noqa: B023
+        during = _steps_while(lambda: outbox.empty(), m, opt, x)
         outbox.get()
         r = rows["process"]
         r.setdefault("blocked", []).append(blocked)

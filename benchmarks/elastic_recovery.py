@@ -207,7 +207,7 @@ def one(mode: list[str], moment: str, work: str, kill_at: int) -> dict[str, floa
             *script,
         ]
     log_path = os.path.join(work, "log.txt")
-    log = open(log_path, "wb")  # noqa: SIM115 - closed below
+    log = open(log_path, "wb")
     p = subprocess.Popen(
         argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )

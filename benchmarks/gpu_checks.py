@@ -44,10 +44,10 @@ from typing import Any
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
 
-import torch  # noqa: E402
-import torch.distributed.checkpoint as dcp  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 try:

@@ -45,8 +45,8 @@ try:
 except ImportError:  # the GPU machine's python3 has torch, numpy, xxhash, fsspec; not us
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
-from unbroken.data.diagnose.timer import StepTimer  # noqa: E402
-from unbroken.data.feed.prefetch import DevicePrefetcher  # noqa: E402
+from unbroken.data.diagnose.timer import StepTimer
+from unbroken.data.feed.prefetch import DevicePrefetcher
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -126,7 +126,7 @@ def h2d_ceiling(dev: torch.device, nbytes: int) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def run_variant(name: str, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
+def run_variant(name: str, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:  # noqa: C901 - one benchmark variant per branch, read top to bottom
     cuda = dev.type == "cuda"
     torch.manual_seed(0)
     model = TinyViT(args.dim, args.layers, args.heads, args.image).to(dev)

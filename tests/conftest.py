@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Callable
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `import datakit` from any test
-
-from datakit import build_tar_dataset, build_token_dataset  # noqa: E402
+from datakit import build_tar_dataset, build_token_dataset
 
 
 @pytest.fixture(scope="session")

@@ -73,7 +73,7 @@ def test_background_failure_is_reported_and_previous_stays_valid(tmp_path, monke
     ck.wait()
     _step(st, m, opt)
 
-    def broken(self, b):  # noqa: ANN001
+    def broken(self, b):
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(_fs.HashingWriter, "write", broken)

@@ -22,11 +22,9 @@ import time
 
 import pytest
 import torch
+from ckpt_writer import Values
 
 from unbroken.ckpt import Checkpointer, TrainState, read_checkpoint
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-from ckpt_writer import Values  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -12,14 +12,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 
+import elastic_harness as h
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-import elastic_harness as h  # noqa: E402
-
-from unbroken.common.procs import cmdline, environ_of, parent_of  # noqa: E402
+from unbroken.common.procs import cmdline, environ_of, parent_of
 
 pytestmark = pytest.mark.timeout(240)
 

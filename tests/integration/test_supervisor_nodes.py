@@ -4,13 +4,10 @@
 from __future__ import annotations
 
 import os
-import sys
 import time
 
+import elastic_harness as h
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-import elastic_harness as h  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

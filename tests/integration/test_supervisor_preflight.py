@@ -11,13 +11,11 @@ import subprocess
 import sys
 import time
 
+import elastic_harness as h
 import pytest
 
 from unbroken.common.events import load_events
 from unbroken.elastic.preflight import PreflightConfig, run_preflight, wait_until_healthy
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-import elastic_harness as h  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 
+import elastic_harness as h
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-import elastic_harness as h  # noqa: E402
-
-from unbroken.elastic import faults  # noqa: E402
+from unbroken.elastic import faults
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -8,15 +8,12 @@ import os
 import stat
 import struct
 import subprocess
-import sys
 import time
 from datetime import timedelta
 
+import elastic_harness as h
 import pytest
 from torch.distributed import TCPStore
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "scripts"))
-import elastic_harness as h  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -244,7 +244,7 @@ def _run_disk_full(
     else:
         from unbroken.common import fs as _fs
 
-        def full(self, b):  # noqa: ANN001
+        def full(self, b):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(_fs.HashingWriter, "write", full)

@@ -204,9 +204,14 @@ class Mutator:
         if hostile == "ABSOLUTE":
             hostile = os.path.join(self.outside, f"abs-{victim}")
         target = os.path.normpath(os.path.join(d, hostile)) if hostile else ""
-        if hostile and not target.startswith(d + os.sep) and os.path.isdir(os.path.dirname(target)):
-            if not os.path.exists(target) and not hostile.startswith("/etc"):
-                shutil.copyfile(os.path.join(d, victim), target)  # following it would "work"
+        if (
+            hostile
+            and not target.startswith(d + os.sep)
+            and os.path.isdir(os.path.dirname(target))
+            and not os.path.exists(target)
+            and not hostile.startswith("/etc")
+        ):
+            shutil.copyfile(os.path.join(d, victim), target)  # following it would "work"
         m["files"][hostile] = m["files"].pop(victim)
         for t in m["tensors"].values():
             for c in t["chunks"]:

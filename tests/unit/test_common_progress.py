@@ -35,11 +35,13 @@ def _read_all(fd: int) -> str:
 
 def test_a_terminal_gets_a_bar_with_total_and_eta() -> None:
     master, slave = _openpty()
-    with os.fdopen(slave, "w", buffering=1) as tty:
-        with progress_bar("stage", total=4000, unit="B", file=tty) as bar:
-            bar.update(1000)
-            bar.set_postfix_str("1 shard")
-            bar.update(3000)
+    with (
+        os.fdopen(slave, "w", buffering=1) as tty,
+        progress_bar("stage", total=4000, unit="B", file=tty) as bar,
+    ):
+        bar.update(1000)
+        bar.set_postfix_str("1 shard")
+        bar.update(3000)
     text = _read_all(master)
     os.close(master)
     assert "stage" in text and "100%" in text and "4.00k/4.00k" in text, text

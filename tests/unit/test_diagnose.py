@@ -108,7 +108,7 @@ def test_break_records_the_last_step_and_manual_api_matches(
     step = 0
     for i in timer.wrap(delayed_loader(clock, [3.0] * 10)):
         clock.advance_ms(7.0)
-        step += 1  # the training loop's counter: metrics.log(step, ...) logs 1, 2, ...
+        step += 1  # noqa: SIM113 - the training loop's counter: metrics.log(step, ...) logs 1, 2, ...
         mlog_steps.append(step)
         if i == 4:
             break

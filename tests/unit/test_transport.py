@@ -475,12 +475,12 @@ class _FakeCuda:
 
         self.Event = Event
 
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
         assert ptr % 4096 == 0 and size % 4096 == 0 and flags == 1
         self.registered[ptr] = size
         return 0
 
-    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+    def cudaHostUnregister(self, ptr: int) -> int:
         self.unregistered.append(ptr)
         return 0
 

@@ -151,7 +151,7 @@ _MEMOIZE_OP, _STOP_OP = 0x94, ord(".")
 _WIDTH = {-11: 1, -14: 4, -15: 4, -18: 8}
 
 
-def pickle_cost(data: bytes, where: str) -> int:
+def pickle_cost(data: bytes, where: str) -> int:  # noqa: C901 - one branch per opcode family
     """Walk ``data``'s opcodes as pickle reads them, up to STOP, building nothing; return an
     upper bound on what unpickling it allocates. Raises :class:`TooCostly` for what no
     unpickler should be handed: an unknown or refused opcode, a length beyond the data, a
@@ -174,7 +174,7 @@ def pickle_cost(data: bytes, where: str) -> int:
             if i + layout > n:
                 break
             kind = kinds[op]
-            if kind == _BINPUT or kind == _LONG_BINPUT:
+            if kind in (_BINPUT, _LONG_BINPUT):
                 memo = _put(data[i] if kind == _BINPUT else _u32(data, i), memo, where, i)
             elif kind == _FRAME and _u64(data, i) > n - i - 8:
                 break

@@ -509,9 +509,8 @@ class _WriterLock:
         (rank 0 saves alone, everyone restores) takes it only when it saves."""
         if self.held:
             return
-        if not self.comm.enabled and restoring and is_dist():
-            if torch.distributed.get_rank() != 0:
-                return
+        if not self.comm.enabled and restoring and is_dist() and torch.distributed.get_rank() != 0:
+            return
         err: BaseException | None = None
         lease: lock.Lease | None = None
         if self.comm.rank == 0:

@@ -128,7 +128,7 @@ def check_dcp_metadata(data: bytes, where: str, budget: Budget | None = None) ->
         top = _Checker(io.BytesIO(data)).load()
     except UnsafeMetadata as e:
         raise UnsafeMetadata(f"{where} {e}; refusing a crafted checkpoint") from None
-    except Exception as e:  # a truncated or garbled pickle: pickle raises many types
+    except Exception as e:  # noqa: BLE001 - a truncated or garbled pickle: pickle raises many types
         raise UnsafeMetadata(
             f"{where} is not a readable pickle ({type(e).__name__}: {e})"
         ) from None

@@ -438,7 +438,7 @@ class _Checker:
 
     def dict_(self, x: Any, what: str) -> dict[str, Any]:
         self.require(isinstance(x, dict), f"{what} is not a JSON object")
-        return x  # type: ignore[no-any-return]
+        return x
 
     def disjoint(self, tensors: Mapping[str, TensorEntry], files: Mapping[str, FileEntry]) -> None:
         """No two chunks share a byte of a file: together with exact coverage, the tensors

@@ -495,7 +495,7 @@ def _parse_tensor_pickle(raw: bytes) -> Any:
         if pickle_cost(raw, "data.pkl") > _TENSOR_PICKLE_COST:
             return None
         return _TensorPickle(io.BytesIO(raw)).load()
-    except Exception:  # garbled, foreign or a bomb: the caller takes the checked slow path
+    except Exception:  # noqa: BLE001 - garbled, foreign or a bomb: the caller takes the checked slow path
         return None
 
 

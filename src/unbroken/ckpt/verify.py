@@ -102,7 +102,7 @@ def load_verified(
         return _load_verified(store, step, rank, world, every_rank)
     except (CorruptCheckpoint, KeyboardInterrupt, SystemExit):
         raise
-    except BaseException as e:  # noqa: BLE001 - DCP's and torch's errors include BaseException
+    except BaseException as e:
         reason = (
             e.reason
             if isinstance(e, ManifestError)

@@ -96,9 +96,13 @@ def phases(events: Sequence[dict[str, Any]]) -> list[Recovery]:
         catch_up: float | None = None
         if loaded and caught:
             catch_up = max(0.0, caught["t"] - loaded["t"])
-        elif loaded and f.get("step") is not None and loaded.get("step") is not None:
-            if int(loaded["step"]) >= int(f["step"]):
-                catch_up = 0.0  # the checkpoint already held the step reached before the failure
+        elif (
+            loaded
+            and f.get("step") is not None
+            and loaded.get("step") is not None
+            and int(loaded["step"]) >= int(f["step"])
+        ):
+            catch_up = 0.0  # the checkpoint already held the step reached before the failure
         restore = loaded.get("seconds") if loaded else None
         out.append(
             Recovery(

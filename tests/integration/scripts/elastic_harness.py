@@ -86,7 +86,7 @@ class Job:
         self.run_dir = os.path.abspath(run_dir)
         os.makedirs(self.run_dir, exist_ok=True)
         self.out_path = os.path.join(self.run_dir, "supervisor.out")
-        self._out = open(self.out_path, "wb")  # noqa: SIM115 - closed in kill_all
+        self._out = open(self.out_path, "wb")
         argv = [
             sys.executable,
             "-m",

@@ -61,7 +61,7 @@ class BackgroundUploader:
             raise RuntimeError("BackgroundUploader.submit() after close()")
         try:
             snap = LocalSnapshot(step_dir, step, self.archive.url)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - reported, never raised into the loop
             self._report(step, e)
             return
         dropped: LocalSnapshot | None = None
@@ -107,7 +107,7 @@ class BackgroundUploader:
                     self.uploaded.append(snap.step)
                 if self.config.keep_last is not None:
                     self.archive.prune(self.config.keep_last, self.config.keep_every)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - reported, never raised into the loop
                 self._report(snap.step, e)
             finally:
                 snap.close()

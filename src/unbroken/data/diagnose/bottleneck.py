@@ -201,7 +201,7 @@ def load_report(path: str) -> BottleneckReport:
 # -- analysis (pure arithmetic) ------------------------------------------------------------
 
 
-def analyse(
+def analyse(  # noqa: C901 - one verdict per stage, in the order the report gives them
     stages: tuple[StageResult, ...] | list[StageResult],
     *,
     batch_size: int,

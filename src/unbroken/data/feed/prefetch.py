@@ -398,7 +398,7 @@ class DevicePrefetcher:
             except StopIteration:
                 self._exhausted = True
                 return
-            except Exception as e:  # raised after the batches already in flight
+            except Exception as e:  # noqa: BLE001 - raised after the batches already in flight
                 self._exhausted = True
                 self._error = e
                 return

@@ -617,7 +617,7 @@ class DatasetOrder:
             hit = self._orders.get(key)
             if hit is not None:
                 self._orders.move_to_end(key)
-                return hit  # type: ignore[no-any-return]
+                return hit
         made = make()
         with self._lock:
             self._orders[key] = made

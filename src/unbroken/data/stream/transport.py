@@ -691,7 +691,7 @@ class RingReceiver:
         try:
             # 1 = cudaHostRegisterPortable, as torch.cuda._pin_memory_utils registers memory
             torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(ptr, t.size, 1))
-        except Exception as e:  # a CudaError, or a runtime without the call
+        except Exception as e:  # noqa: BLE001 - a CudaError, or a runtime without the call
             self._pin_failed = True
             log.warning(
                 "cudaHostRegister of a %d-byte batch slot failed (%s); batches are pinned by a "

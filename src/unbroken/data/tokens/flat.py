@@ -82,7 +82,7 @@ def read_vocab_size(meta_path: str) -> int:
         raise ValueError(f"{path}: larger than {MAX_META_BYTES:,} bytes: not read; {fix}")
     try:
         meta = _NoGlobals(io.BytesIO(raw)).load()
-    except Exception as e:  # any malformed pickle: one message, no traceback from inside
+    except Exception as e:  # noqa: BLE001 - any malformed pickle: one message, no traceback from inside
         raise ValueError(
             f"{path}: refused as a meta.pkl ({e}): only plain dicts, lists, strings and numbers "
             f"are read, nothing that names code; {fix}"
@@ -236,14 +236,13 @@ def flat_to_shards(
     step = max(1, shard_size // ts.dtype.itemsize)
     if seq_len:
         step = max(seq_len, step // seq_len * seq_len)
-    n, shards, i = ts.num_tokens, [], 0
-    for lo in range(0, max(n - 1, 1), step):
+    n, shards = ts.num_tokens, []
+    for i, lo in enumerate(range(0, max(n - 1, 1), step)):
         hi = min(n, lo + step + 1)  # one token of overlap: the last window's target
         name = os.path.join(out, f"tokens-{i:06d}.bin")
         w = TokenShardWriter(name, ts.dtype.name, NO_EOS, fsync=fsync)
         w.add_raw(np.asarray(ts.tokens[lo:hi]))
         shards.append(w.commit_info(seq_len))
-        i += 1
     m2 = DatasetManifest.create(
         "tokens",
         shards,

@@ -153,7 +153,7 @@ def load_tokenizer(path: str) -> Any:
         )
     try:
         return Tokenizer.from_file(path)
-    except Exception as e:  # tokenizers raises a bare Exception for malformed files
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for malformed files
         raise ValueError(f"{path}: not a valid tokenizer.json ({e}); re-export it") from None
 
 

@@ -140,7 +140,7 @@ def _serve(cache: RemoteCache, idle_exit: float) -> None:
         time.sleep(nap)
 
 
-class _BoundedStderr(logging.StreamHandler):  # type: ignore[type-arg]
+class _BoundedStderr(logging.StreamHandler):
     """Log lines to stderr, the cache's ``.fetch/<dataset>.log`` (opened O_APPEND by the
     reader that started this process): emptied before it would pass its bound."""
 

@@ -100,7 +100,7 @@ class Pool:
             fut.set_running_or_notify_cancel()
             try:
                 res = self._fn(uid, prio)
-            except BaseException as e:  # handed to whoever waits on the unit
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the unit
                 with self._cond:
                     self._tasks.pop(uid, None)
                 fut.set_exception(e)
