@@ -75,3 +75,18 @@ def test_open_private_refuses_a_fifo(tmp_path) -> None:
     os.mkfifo(os.path.join(d, "x"))
     with pytest.raises(PrivateDirError, match="regular file"):
         open_private(os.path.join(d, "x"), os.O_RDONLY | os.O_NONBLOCK)
+
+
+def test_a_symlink_planted_at_a_written_name_is_refused_not_followed(tmp_path):
+    """T-SHARED-NODE: every file unbroken writes through HashingWriter (atomic publishes,
+    DCP data files, staged and cached shards) refuses a symlink at its name instead of
+    writing through it to the file it points at."""
+    from unbroken.common.fs import HashingWriter
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    planted = tmp_path / "planted"
+    planted.symlink_to(victim)
+    with pytest.raises(OSError):
+        HashingWriter(str(planted))
+    assert victim.read_bytes() == b"keep"

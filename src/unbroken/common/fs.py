@@ -123,8 +123,11 @@ class HashingWriter:
 
     def __init__(self, path: str, *, fsync: bool = True, mode: int = 0o666) -> None:
         self.path = path
+        # O_NOFOLLOW: a symlink planted at the (temporary) name is refused, never written
+        # through to wherever it points (T-SHARED-NODE).
+        flags = os.O_NOFOLLOW | os.O_CLOEXEC
         self._f: IO[bytes] = open(  # noqa: SIM115 - closed in close()
-            path, "wb", buffering=0, opener=lambda p, flags: os.open(p, flags, mode)
+            path, "wb", buffering=0, opener=lambda p, f: os.open(p, f | flags, mode)
         )
         self._h = hasher()
         self._fsync = fsync
