@@ -13,7 +13,7 @@ Every contender writes the same state to the same disk. Like for like (issue 23)
 * ``os.sync()`` (not timed) before every timed operation: no contender pays for another's
   dirty pages;
 * the ``dcp.save`` anchor at unbroken's writer-thread count (``FileSystemWriter(
-  thread_count=Checkpointer.io_threads)``) and at DCP's default (1 thread);
+  thread_count=CheckpointConfig.io_threads)``) and at DCP's default (1 thread);
 * I/O ceilings of *random* bytes (a ``dd`` from ``/dev/zero`` is no ceiling on a virtual disk
   that stores zero blocks cheaply), the same byte count as the state, one stream and as many
   streams as unbroken's writer threads (the better one is "the ceiling"): write + fsync, and
@@ -224,7 +224,7 @@ class Bench:
         self.nbytes = state_bytes(self.model, self.opt)
         st = TrainState(model=self.model, optimizer=self.opt)
         # the anchor gets the writer-thread count unbroken uses (its default, read from it)
-        self.threads = Checkpointer(os.path.join(root, "probe"), st).io_threads
+        self.threads = Checkpointer(os.path.join(root, "probe"), st).config.io_threads
         shutil.rmtree(os.path.join(root, "probe"), ignore_errors=True)
         self.random = memoryview(np.random.default_rng(0).bytes(self.nbytes))
         self.streams = sorted({1, self.threads})
@@ -348,7 +348,7 @@ class AsyncSaves:
     def _dcp(self, stage: bool) -> Callable[[], Any]:
         self.count += 1
         path = os.path.join(self.root, f"dcpa{self.count}")
-        w = FileSystemWriter(path, thread_count=self.ck.io_threads)
+        w = FileSystemWriter(path, thread_count=self.ck.config.io_threads)
         stager = self.stager if stage else None
         r = dcp.async_save(self.sd, storage_writer=w, async_stager=stager)
         done = r.upload_completion if hasattr(r, "upload_completion") else r

@@ -120,9 +120,10 @@ def identical(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def build_root(root: str) -> dict[int, dict[str, Any]]:
-    """Steps 2 and 4 of a small run (model, AdamW, StepLR); the exact state of each."""
-    st, m, opt = small_state()
+def build_root(root: str, **kw: Any) -> dict[int, dict[str, Any]]:
+    """Steps 2 and 4 of a small run (model, AdamW, StepLR, and whatever further
+    ``TrainState`` arguments ``kw`` holds); the exact state of each."""
+    st, m, opt = small_state(**kw)
     ck = Checkpointer(root, st, keep_last=None)
     want: dict[int, dict[str, Any]] = {}
     for s in STEPS:
@@ -219,6 +220,79 @@ def replace_file(d: str, name: str, data: bytes) -> None:
     )
 
 
+def read_state(d: str, name: str = "state-rank0.json") -> dict[str, Any]:
+    """A rank's state file as JSON: ``{"state": <encoded tree>, "rng": <encoded RNG>}``."""
+    with open(os.path.join(d, name), "rb") as f:
+        return json.loads(f.read())  # type: ignore[no-any-return]
+
+
+def edit_state(
+    d: str, edit: Callable[[dict[str, Any]], object], name: str = "state-rank0.json"
+) -> None:
+    """Edit a rank's state file and record its new size and checksum (re-signed): content
+    that decodes, checked only by what restore makes of it."""
+    blob = read_state(d, name)
+    edit(blob)
+    replace_file(d, name, json.dumps(blob).encode())
+
+
+def root_bytes(root: str) -> int:
+    """What the files under ``root`` hold, in bytes (the B of the memory bound 2·B + 256 MiB)."""
+    return sum(
+        os.lstat(os.path.join(dp, n)).st_size for dp, _, names in os.walk(root) for n in names
+    )
+
+
+_PEAK_CHILD = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[3])
+import torch
+torch.set_num_threads(1)
+from ckptkit import small_state
+from unbroken.ckpt import Checkpointer
+from unbroken.ckpt.export import verify_steps
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+st, _, _ = small_state(seed=9)
+out = {}
+for mode in sys.argv[2].split(","):
+    base = status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS: the peak from here on
+    if mode == "restore":
+        ck = Checkpointer(sys.argv[1], st, allow_fresh_start=True)
+        try:
+            got = ck.restore()
+        finally:
+            ck.close()
+    else:
+        got = [v.step for v in verify_steps(sys.argv[1], progress=False) if v.ok]
+    out[mode] = {"extra": status("VmHWM") - base, "result": got}
+print(json.dumps(out))
+"""
+
+
+def peak_rss(root: str, modes: str = "verify,restore", timeout: float = 300) -> dict[str, Any]:
+    """Peak RSS beyond the process's RSS before the call (bytes), and the result, of
+    ``ckpt verify`` (the intact steps) and ``restore()`` (the step) on ``root``, each
+    measured in a fresh Python process (``/proc/self/clear_refs`` resets the peak)."""
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run(
+        [sys.executable, "-c", _PEAK_CHILD, root, modes, here],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"peak_rss child exited {proc.returncode}: {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
 def copy_root(src: str, dst: str) -> None:
     if os.path.exists(dst):
         shutil.rmtree(dst)
@@ -246,6 +320,11 @@ def p_stack_global(module: str, name: str) -> bytes:
 def p_call(fn: bytes, *args: str) -> bytes:
     """``fn(*args)`` through REDUCE; ``fn`` is the bytes that push the callable."""
     return fn + b"(" + b"".join(p_str(a) for a in args) + b"tR"
+
+
+def p_long_binput(index: int) -> bytes:
+    """LONG_BINPUT: store the top of the stack in memo slot ``index``."""
+    return b"r" + struct.pack("<I", index)
 
 
 PROTO = b"\x80\x04"

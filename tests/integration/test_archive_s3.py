@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from datakit import S3_TEST_CREDS
-from unbroken.ckpt import Checkpointer, TrainState
+from unbroken.ckpt import ArchiveConfig, Checkpointer, TrainState
 from unbroken.ckpt.archive.remote import Archive, ArchiveError, fetch_newest_valid
 from unbroken.ckpt.archive.uploader import BackgroundUploader
 from unbroken.elastic._coord import free_port
@@ -297,8 +297,8 @@ def test_remote_prune_keeps_the_right_steps_and_ignores_foreign_objects(
 def test_checkpointer_archive_option_restores_from_s3_after_the_disk_is_lost(
     endpoint: str, bucket: str, tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The user-facing path: ``Checkpointer(archive="s3://...", archive_every=2)`` (endpoint
-    from ``AWS_ENDPOINT_URL``, which botocore reads)."""
+    """The user-facing path: ``Checkpointer(archive=ArchiveConfig("s3://...", every=2))``
+    (endpoint from ``AWS_ENDPOINT_URL``, which botocore reads)."""
     import s3fs
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
@@ -306,7 +306,7 @@ def test_checkpointer_archive_option_restores_from_s3_after_the_disk_is_lost(
     root = str(tmp_path / "ckpt")
     try:
         st, m, opt = _state(0)
-        ck = Checkpointer(root, st, keep_last=1, archive=url, archive_every=2)
+        ck = Checkpointer(root, st, keep_last=1, archive=ArchiveConfig(url, every=2))
         snaps = {}
         for _ in range(5):
             _train(st, m, opt, 1)
@@ -319,7 +319,7 @@ def test_checkpointer_archive_option_restores_from_s3_after_the_disk_is_lost(
         shutil.rmtree(root)
         st2, m2, opt2 = _state(1)
         _train(st2, m2, opt2, 1)
-        ck2 = Checkpointer(root, st2, archive=url)
+        ck2 = Checkpointer(root, st2, archive=ArchiveConfig(url))
         assert ck2.restore() == 4
         ck2.close()
         assert _bits_equal(_snapshot(m2, opt2), snaps[4])

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from unbroken.ckpt import TrainState, codec, lock, per_rank
-from unbroken.ckpt.manifest import CheckpointManifest
+from unbroken.ckpt.manifest import CheckpointManifest, split_key
 
 
 class _Box:
@@ -51,7 +51,7 @@ def test_compare_names_what_differs_and_rename_points_each_rank_at_its_copy() ->
     tree2, tensors2 = per_rank.rename(tree, tensors, differing, 1)
     assert set(tensors2) == {"rank1/components/extra.h/t", "components/model/w"}
     assert codec.tensor_keys(tree2) == {"rank1/components/extra.h/t"}
-    assert per_rank.split_key("rank1/components/extra.h/t") == (1, "components/extra.h/t")
+    assert split_key("rank1/components/extra.h/t") == (1, "components/extra.h/t")
 
 
 def _manifest(world: int, differs: dict[str, bool] | None) -> CheckpointManifest:

@@ -29,14 +29,9 @@ from unbroken.data import DevicePrefetcher, LoaderConfig, StatefulLoader, Stream
 
 CONFIGS = (CheckpointConfig, ArchiveConfig, LoaderConfig)
 # each component, and the config whose fields its keywords share (names and defaults)
-COMPONENTS = (
-    (Checkpointer, CheckpointConfig),
-    (Archive, ArchiveConfig),
-    (BackgroundUploader, ArchiveConfig),
-    (StatefulLoader, LoaderConfig),
-)
+COMPONENTS = ((StatefulLoader, LoaderConfig),)
 # keywords whose None means "not given: the dataclass's default" (last_batch: or drop_last)
-UNSET_IS_NONE = {("StatefulLoader", "last_batch"), ("Archive", "storage_options")}
+UNSET_IS_NONE = {("StatefulLoader", "last_batch")}
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -131,59 +126,32 @@ def test_keyword_defaults_are_the_dataclass_defaults(component: type, cls: type)
         assert params[f.name].default == want, f"{component.__name__}({f.name}=)"
 
 
-def test_checkpointer_keywords_equal_config(tmp_path) -> None:
+def test_checkpointer_takes_a_config_and_field_overrides(tmp_path) -> None:
+    """issue 24 item 3: one way in. ``Checkpointer(root, state, config, **overrides)``:
+    the overrides are fields of the config, applied with ``dataclasses.replace``; anything
+    else is a TypeError that lists the fields."""
     st, m, opt = small_state()
     url = _url()
-    by_kw = Checkpointer(
-        str(tmp_path / "a"),
-        st,
-        every_steps=2,
-        keep_last=2,
-        keep_every=4,
-        async_save=True,
-        io_threads=3,
-        archive=url,
-        archive_every=2,
-        archive_keep_last=1,
-        archive_options={"skip_instance_cache": True},
-    )
-    cfg = CheckpointConfig(
-        every_steps=2,
-        keep_last=2,
-        keep_every=4,
-        async_save=True,
-        io_threads=3,
-        archive=ArchiveConfig(
-            url, every=2, keep_last=1, storage_options={"skip_instance_cache": True}
-        ),
-    )
-    by_cfg = Checkpointer(str(tmp_path / "b"), st, config=cfg)
+    cfg = CheckpointConfig(every_steps=2, keep_last=2, archive=ArchiveConfig(url, every=2))
+    ck = Checkpointer(str(tmp_path / "a"), st, cfg, keep_every=4, io_threads=3)
     try:
-        assert by_kw.config == by_cfg.config == cfg
-        assert Checkpointer(str(tmp_path / "c"), st).config == CheckpointConfig()
-        # ... and they run the same: saves at the same steps, the same ones kept
-        for ck in (by_kw, by_cfg):
-            for _ in range(6):
-                train(st, m, opt, 1)
-                ck.maybe_save()
-            st.step = 0
-            ck.wait()
-        assert [i.step for i in by_kw.list()] == [i.step for i in by_cfg.list()] == [4, 6]
+        assert ck.config == dataclasses.replace(cfg, keep_every=4, io_threads=3)
+        assert Checkpointer(str(tmp_path / "b"), st).config == CheckpointConfig()
+        inline = Checkpointer(str(tmp_path / "c"), st, every_steps=500, keep_last=3)
+        assert inline.config == CheckpointConfig(every_steps=500, keep_last=3)
+        for _ in range(6):
+            train(st, m, opt, 1)
+            ck.maybe_save()
+        ck.wait()
+        assert [i.step for i in ck.list()] == [4, 6]
     finally:
-        by_kw.close()
-        by_cfg.close()
-
-
-def test_checkpointer_refuses_config_and_keywords(tmp_path) -> None:
-    st, _, _ = small_state()
-    with pytest.raises(ValueError, match=r"not both .*keep_last=5"):
-        Checkpointer(str(tmp_path), st, config=CheckpointConfig(), keep_last=5)
-    with pytest.raises(ValueError, match=r"not both .*archive="):
-        Checkpointer(str(tmp_path), st, config=CheckpointConfig(), archive=_url())
-    with pytest.raises(ValueError, match="archive_every given without archive=URL"):
+        ck.close()
+    with pytest.raises(TypeError, match=r"archive_every.*fields of CheckpointConfig: every_steps"):
         Checkpointer(str(tmp_path), st, archive_every=2)
-    with pytest.raises(ValueError, match=r"ArchiveConfig.every=0 .*archive_every= sets every"):
-        Checkpointer(str(tmp_path), st, archive=_url(), archive_every=0)
+    with pytest.raises(ValueError, match=r"CheckpointConfig.keep_last=0"):
+        Checkpointer(str(tmp_path), st, cfg, keep_last=0)  # validated again
+    with pytest.raises(ValueError, match=r"pass archive=ArchiveConfig\('memory://"):
+        Checkpointer(str(tmp_path), st, archive=url)
     with pytest.raises(TypeError, match="takes a CheckpointConfig"):
         Checkpointer(str(tmp_path), st, config=LoaderConfig())  # type: ignore[arg-type]
 
@@ -192,17 +160,18 @@ def test_archive_and_uploader_read_the_config() -> None:
     url = _url()
     cfg = ArchiveConfig(url, retries=1, backoff_s=0.0, threads=2, keep_last=3, max_pending=4)
     arch = Archive(cfg)
-    assert arch.config == cfg and (arch.retries, arch.threads) == (1, 2)
+    assert arch.config == cfg
     assert Archive(url, retries=1, backoff_s=0.0, threads=2).config == dataclasses.replace(
         cfg, keep_last=None, max_pending=2
     )
-    with pytest.raises(ValueError, match="not both"):
-        Archive(cfg, threads=3)
+    assert Archive(cfg, threads=3).config == dataclasses.replace(cfg, threads=3)
     up = BackgroundUploader(arch)
     over = BackgroundUploader(arch, keep_last=1)
     try:
-        assert (up.max_pending, up.keep_last) == (4, 3)
-        assert (over.max_pending, over.keep_last) == (4, 1)
+        assert up.config == cfg
+        assert over.config == dataclasses.replace(cfg, keep_last=1)
+        with pytest.raises(TypeError, match="fields of ArchiveConfig: url"):
+            BackgroundUploader(arch, every_steps=1)
     finally:
         up.close()
         over.close()

@@ -3,7 +3,8 @@
 Every ``import`` in ``src/unbroken`` (function-local ones too: a lazy import is still an
 arrow) is checked against the layer table below. A module may import its own group, or a
 group on a lower layer of the same table; siblings on one layer (``data`` and ``ckpt``) never
-import each other. See ARCHITECTURE.md for what each layer is.
+import each other. Inside the packages of ``CYCLE_FREE`` no import cycle either, even
+between modules of one group (issue 24 item 7). See ARCHITECTURE.md for what each layer is.
 """
 
 from __future__ import annotations
@@ -33,19 +34,29 @@ INNER = {
         [("unbroken.data.diagnose",)],
         [("unbroken.data",)],
     ],
+    # format (what the bytes mean) < io (reading and writing them: local, then remote) <
+    # policy (when to save, what to restore, tools over checkpoints)
     "unbroken.ckpt": [
         [
             (
-                "unbroken.ckpt._dist",
+                "unbroken.ckpt.bounds",
                 "unbroken.ckpt.codec",
                 "unbroken.ckpt.config",
                 "unbroken.ckpt.dcp_metadata",
-                "unbroken.ckpt.lock",
                 "unbroken.ckpt.manifest",
-                "unbroken.ckpt.per_rank",
                 "unbroken.ckpt.rng",
-                "unbroken.ckpt.snapshot",
+                "unbroken.ckpt.schema",
                 "unbroken.ckpt.state",
+            )
+        ],
+        [
+            (
+                "unbroken.ckpt.collectives",
+                "unbroken.ckpt.load",
+                "unbroken.ckpt.lock",
+                "unbroken.ckpt.per_rank",
+                "unbroken.ckpt.save",
+                "unbroken.ckpt.snapshot",
                 "unbroken.ckpt.store",
                 "unbroken.ckpt.tensor_io",
                 "unbroken.ckpt.verify",
@@ -167,7 +178,80 @@ def test_no_import_runs_upward() -> None:
         ("unbroken.elastic.supervisor", "unbroken.elastic.drill.runner", False),
         ("unbroken.common.fs", "unbroken.data.manifest", False),
         ("unbroken.cli", "unbroken.demo", True),
+        ("unbroken.ckpt.manifest", "unbroken.ckpt.per_rank", False),  # format -> io
+        ("unbroken.ckpt.per_rank", "unbroken.ckpt.manifest", True),
+        ("unbroken.ckpt.save", "unbroken.ckpt.checkpointer", False),  # io -> policy
+        ("unbroken.ckpt.checkpointer", "unbroken.ckpt.load", True),
     ],
 )
 def test_the_rule_itself(src: str, dst: str, ok: bool) -> None:
     assert arrow_ok(src, dst) is ok
+
+
+# --- no cycles: inside a package, modules import one way (issue 24 item 7) -------------------
+
+CYCLE_FREE = ["unbroken.ckpt"]
+
+
+def import_graph(prefix: str) -> dict[str, set[str]]:
+    """module -> the modules under ``prefix`` it imports (function-local and TYPE_CHECKING
+    imports too: each is an arrow a reader has to follow)."""
+    graph: dict[str, set[str]] = {}
+    for f in sorted(SRC.joinpath(*prefix.split(".")).rglob("*.py")):
+        src = _module_name(f)
+        graph[src] = {
+            dst
+            for _, dst in _imports(f)
+            if (dst == prefix or dst.startswith(prefix + ".")) and dst != src
+        }
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as ``[a, b, ..., a]``, or None (depth-first, three colours)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+@pytest.mark.parametrize("package", CYCLE_FREE)
+def test_no_import_cycle(package: str) -> None:
+    graph = import_graph(package)
+    assert len(graph) > 10  # the walk found the package
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_rule_itself() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    # the manifest <-> per_rank cycle this check was written against (issue 24 item 7)
+    old = {
+        "unbroken.ckpt.manifest": {"unbroken.ckpt.per_rank"},
+        "unbroken.ckpt.per_rank": {"unbroken.ckpt.manifest"},
+    }
+    assert find_cycle(old) == [
+        "unbroken.ckpt.manifest",
+        "unbroken.ckpt.per_rank",
+        "unbroken.ckpt.manifest",
+    ]

@@ -1,4 +1,6 @@
-"""``Checkpointer``: save (sync or async), verify, restore with fall-back, retention, archive.
+"""``Checkpointer``: when to save and what to restore; the mechanisms are :mod:`.save` and
+:mod:`.load`. It keeps the triggers (``every_steps``/``every_seconds``, SIGTERM), the writer
+lock, the fall-back order of restore, retention and the archive.
 
 Typical loop::
 
@@ -30,46 +32,33 @@ group so they never interleave with the training loop's collectives.
 from __future__ import annotations
 
 import atexit
-import dataclasses
-import json
 import logging
 import os
 import signal
 import sys
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-import unbroken
-from unbroken.ckpt import _dist, codec, lock, per_rank
-from unbroken.ckpt import rng as _rng
-from unbroken.ckpt.config import ArchiveConfig, CheckpointConfig
-from unbroken.ckpt.manifest import CheckpointManifest, Chunk, FileEntry, TensorEntry
+from unbroken.ckpt import lock
+from unbroken.ckpt.collectives import Comm, is_dist
+from unbroken.ckpt.config import ArchiveConfig, CheckpointConfig, configured
+from unbroken.ckpt.load import Loader, refusal
+from unbroken.ckpt.save import Job, Saver, encode
 from unbroken.ckpt.snapshot import Snapshotter
 from unbroken.ckpt.state import TrainState
 from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint, Store
-from unbroken.ckpt.tensor_io import ItemLocation, fill, write_tensors
-from unbroken.ckpt.verify import Verified, check_fits, load_verified
+from unbroken.ckpt.verify import load_verified
 from unbroken.common.audit import state_audit
-from unbroken.common.config import resolve
-from unbroken.common.fs import atomic_write_bytes, checksum_file
-from unbroken.common.jsonable import plain_json
 
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger(__name__)
-
-# Checkpointer's archive keywords -> the ArchiveConfig fields they set
-_ARCHIVE_FIELDS = {
-    "archive_every": "every",
-    "archive_keep_last": "keep_last",
-    "archive_options": "storage_options",
-}
 
 
 def _mark(event: str, **fields: Any) -> None:
@@ -79,19 +68,6 @@ def _mark(event: str, **fields: Any) -> None:
     events.mark(event, **fields)
 
 
-@dataclass
-class _Job:
-    step: int
-    tmp: str
-    tensors: dict[str, torch.Tensor]
-    sd: dict[str, Any]
-    tree: Any  # the encoded state dict (tensor references), without RNG
-    rng: Any  # the encoded RNG state of this rank
-    t0: float
-    blocked: float = 0.0
-    differing: dict[str, list[str]] = field(default_factory=dict)  # filled by _persist
-
-
 class Checkpointer:
     """Crash-proof checkpoints of a :class:`TrainState` under ``root``.
 
@@ -99,12 +75,11 @@ class Checkpointer:
         root: checkpoint directory (a local path, or a shared filesystem for multi-node).
         state: the :class:`TrainState` to save and restore.
         config: a :class:`~unbroken.ckpt.CheckpointConfig` (what each option does, its unit
-            and default). Or pass its fields as keywords instead (not both):
-            ``every_steps``, ``every_seconds``, ``keep_last``, ``keep_every``,
-            ``allow_fresh_start``, ``async_save``, ``io_threads``, ``save_on_sigterm``,
-            ``distributed``; and for the archive (:class:`~unbroken.ckpt.ArchiveConfig`):
-            ``archive`` (its URL), ``archive_every``, ``archive_keep_last``,
-            ``archive_options`` (its ``every``, ``keep_last``, ``storage_options``).
+            and default); default ``CheckpointConfig()``.
+        **overrides: fields of the config to change, by name
+            (``Checkpointer("run/ckpt", state, every_steps=500, keep_last=3)``), applied with
+            ``dataclasses.replace``; remote copies: ``archive=ArchiveConfig("s3://b/run",
+            every=4)``.
 
     ``save_on_sigterm``: in a multi-rank job a SIGTERM seen by any rank stops every rank at
     the same step (one tiny all-reduce per :meth:`maybe_save` call), saves, and the ranks exit
@@ -115,87 +90,28 @@ class Checkpointer:
     """
 
     def __init__(
-        self,
-        root: str,
-        state: TrainState,
-        *,
-        config: CheckpointConfig | None = None,
-        every_steps: int | None = CheckpointConfig.every_steps,
-        every_seconds: float | None = CheckpointConfig.every_seconds,
-        keep_last: int | None = CheckpointConfig.keep_last,
-        keep_every: int | None = CheckpointConfig.keep_every,
-        allow_fresh_start: bool = CheckpointConfig.allow_fresh_start,
-        async_save: bool = CheckpointConfig.async_save,
-        io_threads: int = CheckpointConfig.io_threads,
-        archive: str | None = None,
-        archive_every: int | None = None,
-        archive_keep_last: int | None = None,
-        archive_options: Mapping[str, Any] | None = None,
-        save_on_sigterm: bool = CheckpointConfig.save_on_sigterm,
-        distributed: bool | None = CheckpointConfig.distributed,
+        self, root: str, state: TrainState, config: CheckpointConfig | None = None, **overrides: Any
     ) -> None:
         if not isinstance(state, TrainState):
             raise TypeError(
                 f"state must be an unbroken.ckpt.TrainState, got {type(state).__qualname__}"
             )
-        # the archive_* keywords fill an ArchiveConfig; None: not given
-        given: dict[str, Any] = {
-            k: v
-            for k, v in (("archive_every", archive_every), ("archive_keep_last", archive_keep_last),
-                         ("archive_options", archive_options))
-            if v is not None
-        }  # fmt: skip
-        if given and archive is None:
-            raise ValueError(
-                f"{', '.join(given)} given without archive=URL; pass archive='s3://bucket/run' "
-                "too, or leave them out"
-            )
-        keywords: dict[str, Any] = dict(
-            every_steps=every_steps,
-            every_seconds=every_seconds,
-            keep_last=keep_last,
-            keep_every=keep_every,
-            allow_fresh_start=allow_fresh_start,
-            async_save=async_save,
-            io_threads=io_threads,
-            save_on_sigterm=save_on_sigterm,
-            distributed=distributed,
-        )
-        if archive is not None:
-            try:
-                keywords["archive"] = ArchiveConfig(
-                    archive, **{_ARCHIVE_FIELDS[k]: v for k, v in given.items()}
-                )
-            except ValueError as e:
-                names = ", ".join(f"{k}= sets {f}" for k, f in _ARCHIVE_FIELDS.items())
-                raise ValueError(f"{e} (Checkpointer's archive= sets url, {names})") from None
-        c = self.config = resolve(CheckpointConfig, config, keywords, owner="Checkpointer")
+        self.config = configured(CheckpointConfig, config, overrides, owner="Checkpointer")
         self.store = Store(root)
         self.state = state
-        self.every_steps = c.every_steps
-        self.every_seconds = c.every_seconds
-        self.keep_last = c.keep_last
-        self.keep_every = c.keep_every
-        self.allow_fresh_start = c.allow_fresh_start
-        self.async_save = c.async_save
-        self.io_threads = c.io_threads
-        self.archive_url = c.archive.url if c.archive is not None else None
-        self.archive_every = c.archive.every if c.archive is not None else 1
-        self._uploader: Any = None
-        self._archive: Any = None
-        if c.archive is not None:
-            from unbroken.ckpt.archive.remote import Archive
-            from unbroken.ckpt.archive.uploader import BackgroundUploader
-
-            self._archive = Archive(c.archive)
-            self._uploader = BackgroundUploader(self._archive)
         # Checkpoint collectives get their own group: a background save must never
         # interleave with the training loop's collectives on the default group.
-        self._comm = _dist.Comm(c.distributed)
-        self._audit = state_audit(self.state, self._comm)  # `unbroken drill` only; else no-op
+        self._comm = Comm(self.config.distributed)
+        self._audit = state_audit(state, self._comm)  # `unbroken drill` only; else no-op
+        self._saver = Saver(self.store, state, self._comm, self.config.io_threads, self._audit)
+        self._loader = Loader(self.store, state, self._comm, self._audit)
+        self._archive, self._uploader = _open_archive(self.config.archive)
+        self._lock = _WriterLock(self.store, self._comm)
         self._snap = Snapshotter()
         self._pool = (
-            ThreadPoolExecutor(1, thread_name_prefix="unbroken-ckpt") if c.async_save else None
+            ThreadPoolExecutor(1, thread_name_prefix="unbroken-ckpt")
+            if self.config.async_save
+            else None
         )
         self._inflight: Future[str] | None = None
         self._prepared: Future[None] | None = None  # async: buffers allocated ahead
@@ -205,12 +121,7 @@ class Checkpointer:
         self.last_wait_seconds: float = 0.0
         self.last_restore_seconds: float | None = None
         self.preempted = False
-        self._watch_sigterm = c.save_on_sigterm
-        self._lease: lock.Lease | None = None  # rank 0's claim on the root (C-ONE-WRITER)
-        self._writer = False  # every rank: the lock was taken for this checkpointer
-        self._finalizer: weakref.finalize[Any, Any] | None = None
-        self._warned: set[str] = set()  # components reported as differing between ranks
-        if c.save_on_sigterm:
+        if self.config.save_on_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         atexit.register(_flush_at_exit, weakref.ref(self))
 
@@ -247,22 +158,22 @@ class Checkpointer:
         step = self.state.step if step is None else step
         self._audit.step(step)
         self._raise_background_error()
-        every = self.every_seconds
+        every, every_steps = self.config.every_seconds, self.config.every_steps
         time_due = every is not None and time.monotonic() - self._last_save_time >= every
-        if every is not None or self._watch_sigterm:
+        if every is not None or self.config.save_on_sigterm:
             # Ranks see the clock, and a SIGTERM, at different steps; a collective save needs
             # every rank at the same one, so the flags are OR-ed over the ranks each step.
             self.preempted, time_due = self._comm.any_of(self.preempted, time_due)
         if self.preempted:
             self._final_save_and_exit(step)
-        due = time_due or bool(self.every_steps and step % self.every_steps == 0)
+        due = time_due or bool(every_steps and step % every_steps == 0)
         if due and not os.path.exists(self.store.step_dir(step)):
             self.save(step)
             return True
         if self._pool is not None and self._prepared is None:
             # First step boundary without a save: let the checkpoint thread allocate the
             # snapshot buffers now (the optimizer state exists by now), not at the first save.
-            self._prepared = self._pool.submit(self._snap.prepare, self._encode()[3])
+            self._prepared = self._pool.submit(self._snap.prepare, encode(self.state)[3])
         return False
 
     def save(self, step: int | None = None) -> str:
@@ -281,8 +192,9 @@ class Checkpointer:
                 f"checkpoint for step {step} already exists at {self.store.step_dir(step)}; "
                 "steps are immutable once committed"
             )
-        self._take_writer_lock()
-        job = self._snapshot(step)
+        self._lock.take(self)
+        job = self._saver.snapshot(step, self._snap if self._pool is not None else None)
+        self.last_blocked_seconds = job.blocked
         if self._pool is None:
             return self._persist(job)
         self._inflight = self._pool.submit(self._persist, job)
@@ -317,152 +229,29 @@ class Checkpointer:
                 f"background checkpoint save failed: {fut.exception()}"
             ) from fut.exception()
 
-    def _encode(self) -> tuple[dict[str, Any], Any, Any, dict[str, torch.Tensor]]:
-        """(state dict without RNG, RNG state, JSON tree, {key: live tensor})."""
-        sd = self.state.state_dict()
-        rng_state = sd.pop("rng", None)
-        live: dict[str, torch.Tensor] = {}
-        tree = codec.encode(sd, live)
-        return sd, rng_state, tree, live
-
-    def _snapshot(self, step: int) -> _Job:
-        t0 = time.perf_counter()
-        sd, rng_state, tree, live = self._encode()
-        self._audit.saved(step, sd, rng_state)
-        tensors = self._snap.take(live) if self._pool is not None else live
-        rng_tree = codec.encode(rng_state, None)
-        tmp = self.store.begin(step) if self.rank == 0 else ""
-        tmp = self._comm.broadcast(tmp)
-        blocked = time.perf_counter() - t0
-        self.last_blocked_seconds = blocked
-        return _Job(step, tmp, tensors, sd, tree, rng_tree, t0, blocked)
-
-    def _split_per_rank(self, job: _Job) -> tuple[Any, dict[str, torch.Tensor]]:
-        """Compare every rank's state (one all-gather of fingerprints); what differs is
-        saved per rank, under this rank's own keys (C-PER-RANK, :mod:`.per_rank`)."""
-        if self._comm.world < 2:
-            return job.tree, job.tensors
-        mine = per_rank.fingerprints(job.tree["components"], job.tensors, self.state.sharing)
-        job.differing = per_rank.compare(self._comm.gather(mine))
-        if self._comm.rank == 0:
-            per_rank.report(job.step, job.differing, self.state, self._warned)
-        return per_rank.rename(job.tree, job.tensors, job.differing, self._comm.rank)
-
-    def _persist(self, job: _Job) -> str:
-        rank, world = self._comm.rank, self._comm.world
-        err: BaseException | None = None
-        files: dict[str, tuple[int, str]] = {}
-        locations: list[ItemLocation] = []
-        meta: dict[str, Any] = {}
-        own: dict[str, Any] = {}  # meta of this rank's own copies (rank 0 lists them all)
-        try:
-            tree, tensors = self._split_per_rank(job)
-            files, locations, meta = write_tensors(
-                job.tmp, tensors, threads=self.io_threads, comm=self._comm
-            )
-            own = {k: v for k, v in meta.items() if per_rank.split_key(k)[0] == rank}
-            rank_state = json.dumps({"state": tree, "rng": job.rng}).encode()
-            name = f"state-rank{rank}.json"
-            files[name] = (
-                len(rank_state),
-                atomic_write_bytes(os.path.join(job.tmp, name), rank_state),
-            )
-        except BaseException as e:  # noqa: BLE001 - reported collectively below
-            err = e
-        reports = self._comm.gather((repr(err) if err else None, files, own))
-        failed = [(r, e) for r, (e, _, _) in enumerate(reports) if e]
-        path = self.store.step_dir(job.step)
-        if rank == 0:
-            if failed:
-                self.store.abort(job.tmp)
-            else:
-                try:
-                    all_files = {k: v for _, f, _ in reports for k, v in f.items()}
-                    all_files[".metadata"] = checksum_file(os.path.join(job.tmp, ".metadata"))
-                    for r, (_, _, theirs) in enumerate(reports):
-                        meta.update({k: {**v, "rank": r} for k, v in theirs.items()})
-                    manifest = self._manifest(job, all_files, locations, meta, world)
-                    self.store.commit(job.tmp, job.step, manifest)
-                except BaseException as e:  # noqa: BLE001
-                    self.store.abort(job.tmp)
-                    failed = [(0, repr(e))]
-                    err = err or e
-        failed = self._comm.broadcast(failed)
-        if failed:
-            if err is not None and isinstance(err, OSError) and err.errno == 28:
-                raise RuntimeError(
-                    f"disk full while writing checkpoint step {job.step} under "
-                    f"{self.store.root!r}; the previous checkpoints are intact. Free space, "
-                    "or lower keep_last"
-                ) from err
-            if err is not None:
-                raise err
-            raise RuntimeError(
-                f"checkpoint step {job.step} failed on rank(s) {failed}; nothing was committed"
-            )
+    def _persist(self, job: Job) -> str:
+        """Commit ``job`` (:meth:`.Saver.commit`), then what follows a commit: the log
+        line, the recovery event, retention and the archive upload (rank 0)."""
+        path, total = self._saver.commit(job)
         dt = time.perf_counter() - job.t0
         self._last_save_time = time.monotonic()
         self.last_save_seconds = dt
-        if rank == 0:
-            total = sum(s for _, f, _ in reports for s, _ in f.values())
-            log.info(
-                "saved step %d to %s: %.1f MB in %.2f s (%.2f GB/s), loop blocked %.3f s",
-                job.step,
-                path,
-                total / 1e6,
-                dt,
-                total / dt / 1e9,
-                job.blocked,
-            )
-            # "seconds" is what the save cost the training loop (Young/Daly's C).
-            cost = job.blocked if self._pool is not None else dt
-            _mark("saved", step=job.step, seconds=round(cost, 4), write_seconds=round(dt, 4))
-            gone = self.store.prune(self.keep_last, self.keep_every, protect=[job.step])
-            if gone:
-                log.info("retention removed steps %s", gone)
-            if self._uploader is not None and job.step % self.archive_every == 0:
-                self._uploader.submit(path, job.step)
+        if self._comm.rank != 0:
+            return path
+        log.info(
+            "saved step %d to %s: %.1f MB in %.2f s (%.2f GB/s), loop blocked %.3f s",
+            job.step, path, total / 1e6, dt, total / dt / 1e9, job.blocked,
+        )  # fmt: skip
+        # "seconds" is what the save cost the training loop (Young/Daly's C).
+        cost = job.blocked if self._pool is not None else dt
+        _mark("saved", step=job.step, seconds=round(cost, 4), write_seconds=round(dt, 4))
+        gone = self.store.prune(self.config.keep_last, self.config.keep_every, protect=[job.step])
+        if gone:
+            log.info("retention removed steps %s", gone)
+        archive = self.config.archive
+        if self._uploader is not None and archive is not None and job.step % archive.every == 0:
+            self._uploader.submit(path, job.step)
         return path
-
-    def _manifest(
-        self,
-        job: _Job,
-        files: Mapping[str, tuple[int, str]],
-        locations: Sequence[ItemLocation],
-        meta: Mapping[str, Any],
-        world: int,
-    ) -> CheckpointManifest:
-        chunks: dict[str, list[Chunk]] = {}
-        for loc in locations:
-            chunks.setdefault(loc.key, []).append(
-                Chunk(loc.chunk_offsets, loc.chunk_sizes, loc.file, loc.offset, loc.length)
-            )
-        loader = job.sd["components"].get("loader")
-        return CheckpointManifest(
-            step=job.step,
-            world_size=world,
-            ranks={r: f"state-rank{r}.json" for r in range(world)},
-            files={k: FileEntry(s, c) for k, (s, c) in files.items()},
-            tensors={
-                k: TensorEntry(
-                    v["dtype"],
-                    tuple(v["shape"]),
-                    v["sharded"],
-                    v["stats"],
-                    tuple(chunks[k]),
-                    v.get("rank"),  # set for a rank's own copy of state that differed
-                )
-                for k, v in meta.items()
-            },
-            counters=dict(job.sd["counters"]),
-            data_state=plain_json(loader),  # None when the loader's state is not JSON
-            created=time.time(),
-            unbroken_version=unbroken.__version__,
-            torch_version=torch.__version__,
-            save_seconds=round(time.perf_counter() - job.t0, 4),
-            blocked_seconds=round(job.blocked, 4),
-            extra={"components": per_rank.manifest_section(job.differing, self.state.sharing)},
-        )
 
     # --- shutdown and preemption --------------------------------------------------------------
 
@@ -477,39 +266,7 @@ class Checkpointer:
             if self._uploader is not None:
                 self._uploader.close()
                 self._uploader = None
-            self._release_writer_lock()
-
-    # --- the writer lock (C-ONE-WRITER) --------------------------------------------------------
-
-    def _take_writer_lock(self, *, restoring: bool = False) -> None:
-        """Become the root's one writer before the first restore or save; refuse (on every
-        rank, with the holder named) when another live process is. Collective: rank 0
-        holds the lock for the job. A non-collective checkpointer on rank > 0 of a job
-        (rank 0 saves alone, everyone restores) takes it only when it saves."""
-        if self._writer:
-            return
-        if not self._comm.enabled and restoring and _dist.is_dist():
-            if torch.distributed.get_rank() != 0:
-                return
-        err: BaseException | None = None
-        if self._comm.rank == 0:
-            try:
-                self._lease = lock.acquire(self.store.root)
-            except Exception as e:  # noqa: BLE001 - RootLocked, not a dir, I/O: all ranks raise
-                err = e
-        err = self._comm.broadcast(err)
-        if err is not None:
-            raise err
-        self._writer = True
-        if self._lease is not None:  # a checkpointer dropped without close() lets go too
-            self._finalizer = weakref.finalize(self, self._lease.release)
-
-    def _release_writer_lock(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()  # releases the lease once
-            self._finalizer = None
-        self._lease = None
-        self._writer = False
+            self._lock.release()
 
     def _flush_quietly(self) -> None:
         try:
@@ -553,152 +310,158 @@ class Checkpointer:
         listing what was tried and why, unless ``allow_fresh_start=True``. A checkpoint that
         verifies but does not fit the live state (other keys, shapes or dtypes) raises a
         ``ValueError`` naming them before anything is copied: the live state is unchanged.
+
+        A component that refuses its saved state (its own ``load_state_dict`` raises when
+        restore rehearses it, before any tensor of the live state changes: see
+        :mod:`.load`) makes the next older checkpoint be tried; once one applies, those
+        refused are moved aside as damaged. When the live state refuses every one (e.g. a
+        loader whose dataset changed), restore raises ``ValueError`` with the first reason,
+        nothing moved aside and nothing of the live state changed.
         """
         self.wait()
         if step is not None:
             self._require_step(step)
-        self._take_writer_lock(restoring=True)
-        rank, world = self._comm.rank, self._comm.world
+        self._lock.take(self, restoring=True)
         t0 = time.perf_counter()
-        if rank == 0:
+        if self._comm.rank == 0:
             self.store.remove_debris(is_stale=lambda p: not lock.writer_alive(p))
+        tried = _Tried()
         candidates = [step] if step is not None else sorted(self.store.candidates(), reverse=True)
-        tried: list[str] = []
         for s in self._comm.broadcast(candidates):
-            why = self._try_load(s, rank, world)
-            if why is None:
-                return self._restored(s, t0)
-            tried.append(f"step {s}: {why}")
-            if step is not None:
-                raise CorruptCheckpoint(
-                    s, "damaged", f"the requested checkpoint failed verification ({why})"
-                )
+            if self._try(s, tried, requested=step is not None):
+                return self._restored(s, t0, tried.refused)
+        got = self._from_archive(tried)
+        if got is not None:
+            return self._restored(got, t0, tried.refused)
+        self._nothing_restored(tried)
+        return None
+
+    def _try(self, s: int, tried: _Tried, *, requested: bool = False, where: str = "") -> bool:
+        """Load step ``s`` (:meth:`.Loader.try_load`); True when applied. A step asked
+        for by number raises instead of falling back."""
+        why = self._loader.try_load(s)
+        if why is None:
+            return True
+        tried.texts.append(f"step {s}{where}: {why.text}")
+        if why.refused:
+            tried.refused.append((s, why.text))
+        if requested and why.refused:
+            raise ValueError(refusal(s, why.text, self.store.root))
+        if requested:
+            raise CorruptCheckpoint(
+                s, "damaged", f"the requested checkpoint failed verification ({why.text})"
+            )
+        return False
+
+    def _from_archive(self, tried: _Tried) -> int | None:
+        """Node replaced or disk lost: the newest remote copy that verifies and applies."""
         older: int | None = None
-        while self._archive is not None:  # node replaced or disk lost: newest good remote copy
+        while self._archive is not None:
             fetched = None
-            if rank == 0:
+            if self._comm.rank == 0:
                 from unbroken.ckpt.archive.remote import fetch_newest_valid
 
                 fetched = fetch_newest_valid(self._archive, self.store.root, older_than=older)
             fetched = self._comm.broadcast(fetched)
             if fetched is None:
                 break
-            why = self._try_load(fetched, rank, world)
-            if why is None:
-                return self._restored(fetched, t0)
-            tried.append(f"step {fetched} (from {self._archive.url}): {why}")
+            if self._try(fetched, tried, where=f" (from {self._archive.url})"):
+                return int(fetched)
             older = fetched
-        if self.store.has_foreign_content() and not self.allow_fresh_start:
-            what = "; ".join(tried) if tried else "no step-N directory"
+        return None
+
+    def _nothing_restored(self, tried: _Tried) -> None:
+        """No checkpoint applied: refuse (live refusals; files but nothing valid, unless
+        ``allow_fresh_start``), or start fresh."""
+        if tried.refused:  # the live objects refuse every checkpoint: theirs to fix, not damage
+            s, why = tried.refused[0]
+            raise ValueError(refusal(s, why, self.store.root, len(tried.refused)))
+        if self.store.has_foreign_content() and not self.config.allow_fresh_start:
+            what = "; ".join(tried.texts) if tried.texts else "no step-N directory"
             raise RuntimeError(
                 f"{self.store.root!r} is not empty but holds no valid checkpoint (tried: "
                 f"{what}); refusing to silently start from scratch. Pass "
                 "allow_fresh_start=True to start anew, or point at another directory"
             )
-        if tried and rank == 0:
+        if tried.texts and self._comm.rank == 0:
             log.warning(
                 "no checkpoint in %s verified (%d tried); starting from scratch as "
                 "allow_fresh_start=True asks",
                 self.store.root,
-                len(tried),
+                len(tried.texts),
             )
         for obj in self.state.components.values():  # a fresh start: e.g. MetricLog drops
             getattr(obj, "start_fresh", lambda: None)()  # what an earlier attempt logged
-        return None
 
-    def _restored(self, s: int, t0: float) -> int:
+    def _restored(self, s: int, t0: float, refused: Sequence[tuple[int, str]] = ()) -> int:
+        for bad, why in refused:  # an older one applied: what the live state refused is damage
+            self._loader.quarantine(bad, "refused", why, f"step {s} restored instead")
         dt = time.perf_counter() - t0
         self.last_restore_seconds = dt
         self._last_save_time = time.monotonic()
-        if self.rank == 0:
+        if self._comm.rank == 0:
             log.info("restored step %d from %s in %.2f s", s, self.store.step_dir(s), dt)
         _mark("loaded", step=s, seconds=dt)
         return s
 
-    def _try_load(self, s: int, rank: int, world: int) -> str | None:
-        """Verify ``s`` on every rank and apply it only if all agree. Returns None when it
-        was applied, else why not (after quarantining or skipping it)."""
-        ver: Verified | None = None
-        why = None
-        try:
-            ver = load_verified(self.store, s, rank=rank, world=world)
-        except CorruptCheckpoint as e:  # load_verified raises nothing else for damage
-            why = (e.reason, e.detail)
-        verdicts = self._comm.gather(why)
-        bad = [(r, w) for r, w in enumerate(verdicts) if w]
-        if bad:
-            r, (reason, detail) = bad[0]
-            if rank == 0:
-                where = self.store.quarantine(s, reason)
-                if isinstance(where, OSError):
-                    log.warning(
-                        "checkpoint step %d is damaged (rank %d: %s: %s); could not move it "
-                        "aside (%s), skipped; trying an older one",
-                        s, r, reason, detail, where.strerror or where,
-                    )  # fmt: skip
-                else:
-                    log.warning(
-                        "checkpoint step %d is damaged (rank %d: %s: %s); moved to %s, "
-                        "trying an older one",
-                        s, r, reason, detail, where,
-                    )  # fmt: skip
-            self._comm.barrier()
-            return f"{reason}: {detail}"
-        if ver is None:  # unreachable: no rank reported damage
-            return "not verified"
-        self._apply(ver, rank, world)
-        return None
 
-    def _apply(self, ver: Verified, rank: int, world: int) -> None:
-        # The world-size rule (C-PER-RANK) is a refusal, like check_fits below: it raises
-        # to the caller and never quarantines the (intact) checkpoint.
-        skip = per_rank.check_resize(ver.manifest, self.state, world, rank)
-        if skip:  # neither read nor decoded: those components keep their live state
-            comps = {n: None if n in skip else v for n, v in ver.tree["components"].items()}
-            tree = {**ver.tree, "components": comps}
-            ver = dataclasses.replace(ver, tree=tree, needed=ver.needed & codec.tensor_keys(tree))
-        current = self.state.state_dict()
-        current.pop("rng", None)
-        live: dict[str, torch.Tensor] = {}
-        codec.encode(current, live)
-        for k in ver.needed:  # "rank1/components/x" restores into the live "components/x"
-            base = per_rank.split_key(k)[1]
-            if base != k and base in live:
-                live[k] = live.pop(base)
-        # All or nothing: every key, shape and dtype is checked on every rank before the
-        # first tensor is copied into the live state. Skipped components are not compared.
-        components = {n: None if n in skip else o for n, o in self.state.components.items()}
-        mine = check_fits(ver, live, components)
-        problems = [p for ps in self._comm.gather(mine) for p in ps]
-        if problems:
-            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-            raise ValueError(
-                f"checkpoint step {ver.step} in {self.store.root!r} does not fit the live "
-                f"state: {'; '.join(sorted(set(problems))[:5])}{more}. Nothing was restored "
-                "(the live state is unchanged); build the model and optimizer as the run "
-                "that saved it did, or restore from another directory"
-            )
-        tensors = ver.manifest.tensors
-        targets = {  # what this rank's state references: live tensors, or new ones
-            k: live[k] if k in live else torch.empty(tensors[k].shape, dtype=tensors[k].torch_dtype)
-            for k in sorted(ver.needed)
-        }
-        fill(self.store.step_dir(ver.step), ver.manifest, targets, views=ver.tensors)
-        sd = ver.decode(targets)
-        self.state.load_state_dict(sd, restore_rng=ver.rng is not None, skip=skip)
-        if ver.rng is None:
-            saved = ver.manifest.world_size
-            _rng.derive(self.state.seed, rank, ver.step, self.state.numpy_generators)
-            if rank == 0:
-                log.warning(
-                    "world size changed (%d -> %d ranks): per-rank RNG streams re-derived from "
-                    "(seed=%d, rank, step=%d)",
-                    saved,
-                    world,
-                    self.state.seed,
-                    ver.step,
-                )
-        self._audit.restored(ver.step)
+@dataclass
+class _Tried:
+    """What one restore tried: a line per step, and the steps the live state refused."""
+
+    texts: list[str] = field(default_factory=list)
+    refused: list[tuple[int, str]] = field(default_factory=list)
+
+
+class _WriterLock:
+    """The root's one writer (C-ONE-WRITER, :mod:`.lock`): rank 0 holds the lease for the
+    job; every rank knows whether it was taken for this checkpointer."""
+
+    def __init__(self, store: Store, comm: Comm) -> None:
+        self.store, self.comm = store, comm
+        self.held = False
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    def take(self, owner: Checkpointer, *, restoring: bool = False) -> None:
+        """Become the root's one writer before the first restore or save; refuse (on every
+        rank, with the holder named) when another live process is. Collective: rank 0
+        holds the lock for the job. A non-collective checkpointer on rank > 0 of a job
+        (rank 0 saves alone, everyone restores) takes it only when it saves."""
+        if self.held:
+            return
+        if not self.comm.enabled and restoring and is_dist():
+            if torch.distributed.get_rank() != 0:
+                return
+        err: BaseException | None = None
+        lease: lock.Lease | None = None
+        if self.comm.rank == 0:
+            try:
+                lease = lock.acquire(self.store.root)
+            except Exception as e:  # noqa: BLE001 - RootLocked, not a dir, I/O: all ranks raise
+                err = e
+        err = self.comm.broadcast(err)
+        if err is not None:
+            raise err
+        self.held = True
+        if lease is not None:  # a checkpointer dropped without close() lets go too
+            self._finalizer = weakref.finalize(owner, lease.release)
+
+    def release(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # releases the lease once
+            self._finalizer = None
+        self.held = False
+
+
+def _open_archive(cfg: ArchiveConfig | None) -> tuple[Any, Any]:
+    """The remote archive and its background uploader (fsspec: imported only when used)."""
+    if cfg is None:
+        return None, None
+    from unbroken.ckpt.archive.remote import Archive
+    from unbroken.ckpt.archive.uploader import BackgroundUploader
+
+    archive = Archive(cfg)
+    return archive, BackgroundUploader(archive)
 
 
 def _flush_at_exit(ref: weakref.ref[Checkpointer]) -> None:

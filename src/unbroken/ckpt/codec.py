@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["decode", "encode", "rekey", "tensor_keys"]
+__all__ = ["decode", "encode", "is_ref", "rekey", "tensor_keys"]
 
 _TAG = "__ub__"
 
@@ -123,7 +123,10 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor] | None = None) -> Any:
         )
         return flat.view(_dtype(obj["dtype"])).reshape(obj["shape"]).clone()
     if tag == "dict":
-        return {decode(k, tensors): decode(v, tensors) for k, v in obj["items"]}
+        out = {decode(k, tensors): decode(v, tensors) for k, v in obj["items"]}
+        if len(out) != len(obj["items"]):  # encode never writes a key twice (nor 1 and True)
+            raise ValueError("a dict in checkpoint state repeats a key")
+        return out
     if tag == "tuple":
         return tuple(decode(v, tensors) for v in obj["items"])
     if tag == "size":
@@ -140,6 +143,11 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor] | None = None) -> Any:
     if tag == "npscalar":
         return np.dtype(obj["dtype"]).type(obj["value"])
     raise ValueError(f"unknown tag {tag!r} in checkpoint state (written by a newer unbroken?)")
+
+
+def is_ref(obj: Any) -> bool:
+    """Is ``obj`` (an encoded value) a reference to a stored tensor?"""
+    return isinstance(obj, dict) and obj.get(_TAG) == "tensor"
 
 
 def _refs(obj: Any) -> Iterator[dict[str, Any]]:

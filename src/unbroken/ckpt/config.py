@@ -1,24 +1,51 @@
 """What can be configured about checkpointing: ``CheckpointConfig`` and ``ArchiveConfig``.
 
 These two frozen dataclasses are the one place the defaults live. ``Checkpointer`` takes a
-``CheckpointConfig`` (``config=``) or the same options as keywords; ``Archive`` and
-``BackgroundUploader`` read an ``ArchiveConfig``. Bad values are refused here, once, with
-the option, the value and the fix::
+``CheckpointConfig`` and, as keywords, fields of it to change (:func:`configured`);
+``Archive`` and ``BackgroundUploader`` read an ``ArchiveConfig``. Bad values are refused
+here, once, with the option, the value and the fix::
 
     cfg = CheckpointConfig(every_steps=500, keep_last=3, async_save=True,
                            archive=ArchiveConfig("s3://bucket/run", every=4))
-    ckpt = Checkpointer("run/ckpt", state, config=cfg)
+    ckpt = Checkpointer("run/ckpt", state, cfg)
+    ckpt = Checkpointer("run/ckpt", state, every_steps=500, keep_last=3)  # the same, inline
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from unbroken.common.config import check_count, check_flag, check_seconds
 
-__all__ = ["ArchiveConfig", "CheckpointConfig"]
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+__all__ = ["ArchiveConfig", "CheckpointConfig", "configured"]
+
+C = TypeVar("C", bound="DataclassInstance")
+
+
+def configured(cls: type[C], config: C | None, overrides: Mapping[str, Any], *, owner: str) -> C:
+    """``config`` (default ``cls()``) with the fields named in ``overrides`` changed
+    (``dataclasses.replace``: validated again). A keyword that names no field is a
+    ``TypeError`` that lists the fields."""
+    if config is None:
+        config = cls()
+    elif not isinstance(config, cls):
+        raise TypeError(
+            f"{owner}(config=...) takes a {cls.__name__}, got {type(config).__qualname__}"
+        )
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise TypeError(
+            f"{owner}() got unexpected keyword argument(s) {', '.join(unknown)}; its options "
+            f"are the fields of {cls.__name__}: {', '.join(names)}"
+        )
+    return dataclasses.replace(config, **overrides) if overrides else config
 
 
 @dataclass(frozen=True)

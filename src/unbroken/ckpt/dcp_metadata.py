@@ -20,6 +20,7 @@ import io
 import pickle
 from typing import Any
 
+from unbroken.ckpt.bounds import Budget, pickle_cost
 from unbroken.ckpt.manifest import DTYPES
 
 __all__ = ["UnsafeMetadata", "check_dcp_metadata"]
@@ -117,9 +118,12 @@ class _Checker(pickle.Unpickler):
         raise UnsafeMetadata("uses a persistent id, which DCP metadata never holds")
 
 
-def check_dcp_metadata(data: bytes, where: str) -> None:
+def check_dcp_metadata(data: bytes, where: str, budget: Budget | None = None) -> None:
     """Raise :class:`UnsafeMetadata` unless ``data`` is a DCP metadata pickle built only of
-    DCP's data classes. Runs no code from ``data``."""
+    DCP's data classes. Runs no code from ``data``. Its opcodes are walked first and what
+    unpickling them may cost is charged to ``budget`` (default: what ``data`` alone
+    justifies); a bomb raises :class:`~unbroken.ckpt.bounds.TooCostly` unparsed."""
+    (budget or Budget(len(data))).charge(pickle_cost(data, where), where)
     try:
         top = _Checker(io.BytesIO(data)).load()
     except UnsafeMetadata as e:

@@ -9,7 +9,10 @@
   keys as the model's own ``state_dict`` names (``0.weight``).
 
 Every command reads the manifest through the one validated
-:class:`~unbroken.ckpt.manifest.CheckpointManifest`.
+:class:`~unbroken.ckpt.manifest.CheckpointManifest`, and everything it prints that came
+from a file (manifest strings, directory names, error details) goes through
+:func:`~unbroken.common.text.printable`: a checkpoint cannot move the cursor, clear the
+screen or start a line of its own (issue 20).
 """
 
 from __future__ import annotations
@@ -23,13 +26,20 @@ from dataclasses import dataclass
 
 import torch
 
-from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
-from unbroken.ckpt.per_rank import split_key
+from unbroken.ckpt.manifest import (
+    COMPONENTS,
+    MANIFEST,
+    CheckpointManifest,
+    component_of,
+    component_prefix,
+    split_key,
+)
 from unbroken.ckpt.store import CorruptCheckpoint, Store
 from unbroken.common.errors import CheckFailed
 from unbroken.common.fs import fsync_dir, is_remote, temp_sibling
 from unbroken.common.progress import Progress, progress_bar
 from unbroken.common.tables import render_table
+from unbroken.common.text import printable
 
 __all__ = [
     "StepVerdict",
@@ -40,7 +50,6 @@ __all__ = [
     "verify_steps",
 ]
 
-_COMPONENTS = "components/"
 _CORRUPT_RE = re.compile(r"^corrupt-step-(\d+)-(.+)$")
 
 
@@ -121,6 +130,7 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
             for n in store.uncommitted()
         ]
         notes += [f"{n}: save in progress, or debris of a killed one" for n in store.temp_dirs()]
+        notes = [printable(n) for n in notes]
     remote: dict[int, tuple[int, float | None]] = {}
     if archive is not None:
         arch = Archive(archive)
@@ -130,7 +140,7 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
             try:
                 rinfo = arch.info(s)
             except RuntimeError as e:
-                notes.append(f"remote step {s}: unreadable manifest ({e})")
+                notes.append(printable(f"remote step {s}: unreadable manifest ({e})"))
                 continue
             remote[s] = (rinfo.size, rinfo.created)
     rows = []
@@ -141,7 +151,7 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
     where = store.root if store is not None else ""
     if archive is not None:
         where = f"{where} (archive {archive})" if where else f"archive {archive}"
-    out = [f"checkpoints in {where}"]
+    out = [f"checkpoints in {printable(where)}"]
     out.append(
         render_table(rows, header=["STEP", "SIZE", "AGE", "STATUS"], right={0, 1})
         if rows
@@ -159,12 +169,6 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
 # --- inspect -------------------------------------------------------------------------------
 
 
-def _component(key: str) -> str:
-    key = split_key(key)[1]  # a rank's own copy (rank1/components/...) counts as its component
-    rest = key.removeprefix(_COMPONENTS)
-    return rest.split("/", 1)[0] if rest != key else key.split("/", 1)[0]
-
-
 def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -> str:
     """The manifest of ``step`` (default: newest) in human form."""
     store = Store(directory)
@@ -176,27 +180,30 @@ def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -
         if m.created is not None
         else "?"
     )
+    p = printable
     out = [
-        f"checkpoint {store.step_dir(step)}",
+        f"checkpoint {p(store.step_dir(step))}",
         f"  step            {m.step}",
         f"  created         {when}",
         f"  format          unbroken-checkpoint v{m.version}, checksums xxh3_128",
-        f"  versions        unbroken {m.unbroken_version}, torch {m.torch_version}",
+        f"  versions        unbroken {p(m.unbroken_version)}, torch {p(m.torch_version)}",
         f"  world size      {m.world_size}",
     ]
     for name, secs in (("save seconds", m.save_seconds), ("blocked seconds", m.blocked_seconds)):
         if secs is not None:
             out.append(f"  {name:<15} {secs} s")
-    out.append("  counters        " + (", ".join(f"{k}={v}" for k, v in m.counters.items()) or "-"))
+    out.append(
+        "  counters        " + (p(", ".join(f"{k}={v}" for k, v in m.counters.items())) or "-")
+    )
     data = m.data_state
     text = json.dumps(data, sort_keys=True) if data is not None else "- (no JSON-able loader state)"
-    out.append("  data state      " + (text if len(text) <= 200 else text[:197] + "..."))
+    out.append("  data state      " + p(text if len(text) <= 200 else text[:197] + "..."))
     out.append(f"  files           {len(m.files)} + {MANIFEST}, {_size(m.total_bytes)}")
-    rows = [[n, _size(f.size), f.checksum] for n, f in sorted(m.files.items())]
+    rows = [[p(n), _size(f.size), f.checksum] for n, f in sorted(m.files.items())]
     out.append(render_table(rows, header=["FILE", "SIZE", "CHECKSUM"], right={1}, indent=_IN))
     by_comp: dict[str, list[int]] = {}
     for k, t in m.tensors.items():
-        c = by_comp.setdefault(_component(k), [0, 0])
+        c = by_comp.setdefault(component_of(k), [0, 0])
         c[0] += 1
         c[1] += t.nbytes
     total = sum(b for _, b in by_comp.values())
@@ -207,8 +214,8 @@ def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -
         if isinstance(c, dict) and c.get("differs")
     )  # fmt: skip
     if differ:
-        out.append(f"  saved per rank  {', '.join(differ)} (differed between the ranks)")
-    rows = [[c, str(n), _size(b)] for c, (n, b) in sorted(by_comp.items())]
+        out.append(f"  saved per rank  {p(', '.join(differ))} (differed between the ranks)")
+    rows = [[p(c), str(n), _size(b)] for c, (n, b) in sorted(by_comp.items())]
     out.append(
         render_table(rows, header=["COMPONENT", "TENSORS", "BYTES"], right={1, 2}, indent=_IN)
     )
@@ -216,7 +223,8 @@ def format_manifest(directory: str, step: int | None = None, *, top: int = 10) -
     if biggest:
         out.append(f"  largest tensors (top {len(biggest)})")
         rows = [
-            [k, "x".join(map(str, t.shape)) or "()", t.dtype, _size(t.nbytes)] for k, t in biggest
+            [p(k), "x".join(map(str, t.shape)) or "()", t.dtype, _size(t.nbytes)]
+            for k, t in biggest
         ]
         out.append(
             render_table(rows, header=["KEY", "SHAPE", "DTYPE", "BYTES"], right={3}, indent=_IN)
@@ -299,13 +307,13 @@ def verify_report(
             "ok" if v.ok else f"DAMAGED ({v.reason})",
             _size(v.size),
             f"{v.seconds:.2f} s",
-            v.detail,
+            printable(v.detail),
         ]
         for v in verdicts
     ]
     bad = sum(not v.ok for v in verdicts)
     table = render_table(rows, header=["STEP", "RESULT", "SIZE", "TIME", "DETAIL"], right={0, 2, 3})
-    out = [f"verifying {root}", table]
+    out = [f"verifying {printable(root)}", table]
     out.append(
         f"{len(verdicts)} checkpoint(s) verified, all intact"
         if not bad
@@ -365,12 +373,12 @@ def _export(store: Store, step: int, out: str, component: str, bar: Progress) ->
             "another step with --step (see `unbroken ckpt verify`)"
         ) from e
     meta = v.manifest.tensors
-    prefix = f"{_COMPONENTS}{component}/"
+    prefix = component_prefix(component)
     # a tensor that differed between ranks is saved per rank: export rank 0's copy
     saved = {split_key(k)[1]: k for k in sorted(meta) if split_key(k)[0] in (None, 0)}
     keys = sorted(k for k in saved if k.startswith(prefix))
     if not keys:
-        have = sorted({_component(k) for k in saved if k.startswith(_COMPONENTS)})
+        have = sorted({component_of(k) for k in saved if k.startswith(COMPONENTS)})
         raise ValueError(
             f"checkpoint step {step} has no tensors for component {component!r}; "
             f"components with tensors: {have}. Pass --component with one of them"

@@ -23,11 +23,16 @@ On disk (written last by the commit, so a step directory counts only once it is 
 
 Every file of a checkpoint is untrusted input (bit rot, truncation, a crafted copy), so
 :meth:`CheckpointManifest.from_json` checks everything before any other file is opened:
-types, dtypes from a fixed set, shapes, chunks inside their tensor and covering it, byte
-ranges inside their file's recorded size, rank state files listed, every file name a plain
-name inside the step directory (no ``/``, no ``..``, not absolute), the step number, and
-(version 2) the manifest's own checksum, so a flipped bit in any field is caught even when
-the JSON still parses. :meth:`CheckpointManifest.check_files` then checks the directory:
+types, dtypes from a fixed set, shapes, chunks inside their tensor and covering it exactly
+once (an overlap or a gap is damage), byte ranges inside their file's recorded size and
+never shared by two chunks, no chunk shorter than its elements' bytes (so the tensors a
+restore allocates are bounded by the data files), rank state files listed (``world_size``
+is counted against them, never enumerated), every file name a plain name inside the step
+directory (no ``/``, no ``..``, not absolute), the step number, and (version 2) the
+manifest's own checksum, so a flipped bit in any field is caught even when the JSON still
+parses. Parsing is bounded too (:mod:`unbroken.ckpt.bounds`): a manifest above 256 MiB,
+or one whose JSON could cost more memory than its checkpoint's files justify, is refused
+unparsed. :meth:`CheckpointManifest.check_files` then checks the directory:
 every listed file a regular file (not a symlink) of its recorded size.
 
 Version 1 (written before chunk sizes and the self-checksum) is still read.
@@ -40,13 +45,14 @@ import math
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+import numpy as np
 import torch
 
-from unbroken.ckpt.per_rank import split_key
+from unbroken.ckpt.bounds import MAX_MANIFEST, Budget, TooCostly, load_json
 from unbroken.common.fs import CHECKSUM_ALGO, checksum_bytes
 
 __all__ = [
@@ -60,7 +66,11 @@ __all__ = [
     "FileEntry",
     "ManifestError",
     "TensorEntry",
+    "component_of",
+    "component_prefix",
     "manifest_digest",
+    "rank_key",
+    "split_key",
     "torch_dtype",
 ]
 
@@ -85,6 +95,38 @@ _KNOWN = frozenset(
         "save_seconds", "blocked_seconds", _CHECKSUM_KEY,
     }
 )  # fmt: skip
+
+
+# --- tensor keys -------------------------------------------------------------------------------
+# A stored tensor's key is its path in the state dict: ``components/<name>/<path>`` (``/``
+# inside a name or a path segment written ``%2F``, as the codec writes it), and
+# ``rank<r>/components/...`` for rank r's own copy of state that differed between ranks.
+
+COMPONENTS = "components/"
+_RANK_KEY = re.compile(r"^rank(\d+)/(components/.+)$")
+
+
+def rank_key(key: str, rank: int) -> str:
+    """The checkpoint key of ``rank``'s own copy of tensor ``key``."""
+    return f"rank{rank}/{key}"
+
+
+def split_key(key: str) -> tuple[int | None, str]:
+    """``rank1/components/x`` -> ``(1, "components/x")``; a shared key -> ``(None, key)``."""
+    m = _RANK_KEY.match(key)
+    return (int(m.group(1)), m.group(2)) if m else (None, key)
+
+
+def component_prefix(name: str) -> str:
+    """``components/<name>/`` as keys spell it (``model.g`` -> ``components/model.g/``)."""
+    return f"{COMPONENTS}{name.replace('/', '%2F')}/"
+
+
+def component_of(key: str) -> str:
+    """The component a key belongs to, as the key spells it: ``components/model/0.weight``
+    and ``rank1/components/model/0.weight`` -> ``model``; another key -> its first part."""
+    parts = split_key(key)[1].split("/", 2)
+    return parts[1] if len(parts) > 1 and parts[0] == COMPONENTS[:-1] else parts[0]
 
 
 class ManifestError(ValueError):
@@ -241,11 +283,22 @@ class CheckpointManifest:
     # --- reading --------------------------------------------------------------------------
 
     @classmethod
-    def from_json(cls, raw: bytes, *, step: int | None, where: str) -> CheckpointManifest:
+    def from_json(
+        cls, raw: bytes, *, step: int | None, where: str, budget: Budget | None = None
+    ) -> CheckpointManifest:
         """Parse and fully validate ``raw`` (the bytes of ``where``); ``step`` is the step
-        its directory names (None: any). Raises :class:`ManifestError` naming the field."""
+        its directory names (None: any). Raises :class:`ManifestError` naming the field.
+        ``budget``: what parsing may cost (default: what ``raw`` alone justifies, see
+        :mod:`unbroken.ckpt.bounds`); above :data:`~unbroken.ckpt.bounds.MAX_MANIFEST`
+        bytes a manifest is refused unread."""
+        if len(raw) > MAX_MANIFEST:
+            raise ManifestError(
+                where, f"is {len(raw)} bytes, above the {MAX_MANIFEST >> 20} MiB cap", "too-large"
+            )
         try:
-            d = json.loads(raw)
+            d = load_json(raw, budget or Budget(len(raw)), where)
+        except TooCostly as e:
+            raise ManifestError(where, str(e).removeprefix(f"{where} "), "too-large") from e
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise ManifestError(where, f"not valid JSON ({e})") from e
         return cls.from_dict(d, step=step, where=where)
@@ -296,9 +349,10 @@ class CheckpointManifest:
                 f"ranks[{r!r}].state {state!r} is not a listed file",
             )
             ranks[int(r)] = str(state)
+        # counted, never enumerated: world_size may claim anything
         v.require(
-            sorted(ranks) == list(range(world)),
-            f"lists state files for ranks {sorted(ranks)}, world_size is {world}",
+            len(ranks) == world and (not ranks or max(ranks) == world - 1),
+            f"lists state files for {len(ranks)} rank(s), world_size is {world}",
         )
 
         data_names = set(files) - set(ranks.values()) - {METADATA}
@@ -306,6 +360,7 @@ class CheckpointManifest:
             k: v.tensor(k, t, files, data_names, version, world)
             for k, t in v.dict_(d.get("tensors"), "tensors").items()
         }
+        v.disjoint(tensors, files)
         counters = {
             k: v.int_(c, f"counters[{k!r}]", lo=None)
             for k, c in v.dict_(d.get("counters", {}), "counters").items()
@@ -385,6 +440,21 @@ class _Checker:
         self.require(isinstance(x, dict), f"{what} is not a JSON object")
         return x  # type: ignore[no-any-return]
 
+    def disjoint(self, tensors: Mapping[str, TensorEntry], files: Mapping[str, FileEntry]) -> None:
+        """No two chunks share a byte of a file: together with exact coverage, the tensors
+        hold no more elements than the data files have bytes (what a restore allocates)."""
+        ranges: dict[str, list[tuple[int, int, str]]] = {}
+        for k, t in tensors.items():
+            for c in t.chunks:
+                ranges.setdefault(c.file, []).append((c.offset, c.offset + c.length, k))
+        for name, rs in ranges.items():
+            rs.sort()
+            for (_, end, a), (start, _, b) in zip(rs, rs[1:], strict=False):
+                self.require(
+                    start >= end,
+                    f"tensors[{a!r}] and tensors[{b!r}] share bytes {start}..{end} of {name}",
+                )
+
     def name(self, name: str, what: str) -> None:
         # Plain names only: no "/" (so no "../x" and no absolute path), not "." or "..".
         self.require(
@@ -417,52 +487,18 @@ class _Checker:
         sharded = t.get("sharded", False)
         if type(sharded) is not bool:
             bad(f".sharded={sharded!r} is not true/false")
-        stats = t.get("stats")
-        if stats is not None:
-            # We record no statistics for sharded tensors (a DTensor's would need collectives).
-            if sharded:
-                bad(" is sharded but has stats")
-            if type(stats) is not dict or stats.keys() != {"sum", "norm"}:
-                bad(f".stats={stats!r} is not {{sum, norm}}")
-            for x in stats.values():
-                if type(x) not in (int, float):
-                    bad(f".stats={stats!r} holds a non-number")
+        stats = _stats(t.get("stats"), sharded, bad)
         raw = t.get("chunks")
         if type(raw) is not list or not raw:
             bad(".chunks is not a non-empty list")
-        chunks = []
-        volume = 0
-        ndim = len(shape)
-        for i, c in enumerate(raw):
-            if type(c) is not dict:
-                bad(f".chunks[{i}] is not a JSON object")
-            offsets = _ints(c.get("offsets"))
-            sizes = None if version < 2 and "sizes" not in c else _ints(c.get("sizes"))
-            if offsets is None or len(offsets) != ndim:
-                bad(f".chunks[{i}].offsets={c.get('offsets')!r} is not {ndim} integers >= 0")
-            if sizes is not None:
-                if len(sizes) != ndim or any(
-                    o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)
-                ):
-                    bad(f".chunks[{i}] (offsets {c.get('offsets')}, sizes {c.get('sizes')}) lies "
-                        f"outside shape {list(shape)}")  # fmt: skip
-                volume += math.prod(sizes)
-            elif version >= 2:
-                bad(f".chunks[{i}].sizes={c.get('sizes')!r} is not a list of integers >= 0")
-            elif any(o >= max(d, 1) for o, d in zip(offsets, shape, strict=True)):
-                bad(f".chunks[{i}].offsets lie outside shape {list(shape)}")
-            name, offset, length = c.get("file"), c.get("offset"), c.get("length")
-            # data_names are validated plain names: membership confines the path too.
-            if type(name) is not str or name not in data_names:
-                bad(f".chunks[{i}].file={name!r} is not a data file listed in the manifest")
-            if type(offset) is not int or type(length) is not int or offset < 0 or length < 1:
-                bad(f".chunks[{i}] has offset={offset!r}, length={length!r}")
-            if offset + length > files[name].size:
-                bad(f".chunks[{i}] (bytes {offset}..{offset + length}) lies outside {name} "
-                    f"({files[name].size} bytes)")  # fmt: skip
-            chunks.append(Chunk(offsets, sizes, name, offset, length))
-        if all(c.sizes is not None for c in chunks) and volume != math.prod(shape):
-            bad(f".chunks cover {volume} elements, shape {list(shape)} has {math.prod(shape)}")
+        item = _TORCH_DTYPES[dtype].itemsize
+        chunks = [
+            _chunk(i, c, shape, item, files, data_names, version, bad) for i, c in enumerate(raw)
+        ]
+        if all(c.sizes is not None for c in chunks):
+            gap = _cover_error(shape, chunks)
+            if gap:
+                bad(f".chunks {gap}")
         if not sharded:
             only = chunks[0]
             if len(chunks) != 1 or any(only.offsets) or only.sizes not in (None, shape):
@@ -473,14 +509,104 @@ class _Checker:
         if (split_key(key)[0] if key.startswith("rank") else None) != rank:
             # a rank's own copy (state that differed between ranks) is keyed rank<r>/, says r
             bad(f".rank={rank!r} does not match its key")
-        return TensorEntry(
-            dtype,
-            shape,
-            sharded,
-            None if stats is None else {k: float(x) for k, x in stats.items()},
-            tuple(chunks),
-            rank,
-        )
+        return TensorEntry(dtype, shape, sharded, stats, tuple(chunks), rank)
+
+
+Bad = Callable[[str], NoReturn]
+
+
+def _stats(stats: Any, sharded: bool, bad: Bad) -> dict[str, float] | None:
+    if stats is None:
+        return None
+    # We record no statistics for sharded tensors (a DTensor's would need collectives).
+    if sharded:
+        bad(" is sharded but has stats")
+    if type(stats) is not dict or stats.keys() != {"sum", "norm"}:
+        bad(f".stats={stats!r} is not {{sum, norm}}")
+    for x in stats.values():
+        if type(x) not in (int, float):
+            bad(f".stats={stats!r} holds a non-number")
+    return {k: float(x) for k, x in stats.items()}
+
+
+def _chunk(
+    i: int,
+    c: Any,
+    shape: tuple[int, ...],
+    itemsize: int,
+    files: Mapping[str, FileEntry],
+    data_names: set[str],
+    version: int,
+    bad: Bad,
+) -> Chunk:
+    """Chunk ``i`` of a tensor of ``shape``: inside it, and inside a listed data file that
+    holds at least its elements' bytes."""
+    if type(c) is not dict:
+        bad(f".chunks[{i}] is not a JSON object")
+    ndim = len(shape)
+    offsets = _ints(c.get("offsets"))
+    sizes = None if version < 2 and "sizes" not in c else _ints(c.get("sizes"))
+    if offsets is None or len(offsets) != ndim:
+        bad(f".chunks[{i}].offsets={c.get('offsets')!r} is not {ndim} integers >= 0")
+    if sizes is not None:
+        if len(sizes) != ndim or any(
+            o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)
+        ):
+            bad(f".chunks[{i}] (offsets {c.get('offsets')}, sizes {c.get('sizes')}) lies "
+                f"outside shape {list(shape)}")  # fmt: skip
+    elif version >= 2:
+        bad(f".chunks[{i}].sizes={c.get('sizes')!r} is not a list of integers >= 0")
+    elif any(o >= max(d, 1) for o, d in zip(offsets, shape, strict=True)):
+        bad(f".chunks[{i}].offsets lie outside shape {list(shape)}")
+    name, offset, length = c.get("file"), c.get("offset"), c.get("length")
+    # data_names are validated plain names: membership confines the path too.
+    if type(name) is not str or name not in data_names:
+        bad(f".chunks[{i}].file={name!r} is not a data file listed in the manifest")
+    if type(offset) is not int or type(length) is not int or offset < 0 or length < 1:
+        bad(f".chunks[{i}] has offset={offset!r}, length={length!r}")
+    if offset + length > files[name].size:
+        bad(f".chunks[{i}] (bytes {offset}..{offset + length}) lies outside {name} "
+            f"({files[name].size} bytes)")  # fmt: skip
+    if length < math.prod(sizes if sizes is not None else shape) * itemsize:
+        # a torch.save blob holds its raw bytes: no tensor is larger than its files
+        bad(f".chunks[{i}] has {length} bytes, fewer than its elements need")
+    return Chunk(offsets, sizes, name, offset, length)
+
+
+def _cover_error(shape: tuple[int, ...], chunks: list[Chunk]) -> str | None:
+    """Why ``chunks`` do not cover ``shape`` exactly once (None when they do).
+
+    The boundaries of all chunks cut each dimension into intervals, and the tensor into a
+    grid of cells; each cell must lie in exactly one chunk. A sharded save (FSDP, tensor
+    parallel, both) stores one chunk per cell, so a grid larger than a few times the number
+    of chunks is refused before it is built (it would cost time and memory in a power of
+    the number of chunks a manifest can list)."""
+    total = math.prod(shape)
+    if len(chunks) == 1:
+        sizes = chunks[0].sizes
+        return None if sizes == shape else f"cover {math.prod(sizes or ())} of {total} elements"
+    cuts = []
+    for k, d in enumerate(shape):
+        ends = {c.offsets[k] + c.sizes[k] for c in chunks if c.sizes is not None}
+        cuts.append(sorted({0, d, *(c.offsets[k] for c in chunks), *ends}))
+    grid = math.prod(len(b) - 1 for b in cuts)
+    if grid > 4 * len(chunks) + 64:
+        return f"cut shape {list(shape)} into {grid} cells, not the grid of a sharded save"
+    index = [{x: j for j, x in enumerate(b)} for b in cuts]
+    spans = [
+        tuple(slice(index[k][o], index[k][o + n]) for k, (o, n) in enumerate(zip(c.offsets, c.sizes, strict=True)))
+        for c in chunks
+        if c.sizes is not None and 0 not in c.sizes  # an empty shard covers nothing
+    ]  # fmt: skip
+    cells = sum(math.prod(s.stop - s.start for s in span) for span in spans)
+    if total and cells != grid:
+        return f"cover {cells} of the {grid} cells they cut shape {list(shape)} into"
+    count = np.zeros([len(b) - 1 for b in cuts], dtype=np.uint8)
+    for span in spans:
+        count[span] += 1
+    if total and count.min() != 1:
+        return f"overlap and leave a gap in shape {list(shape)}"
+    return None
 
 
 def _ints(x: Any) -> tuple[int, ...] | None:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -51,10 +50,17 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from unbroken.ckpt import codec
+from unbroken.ckpt.manifest import (
+    COMPONENTS,
+    CheckpointManifest,
+    component_of,
+    component_prefix,
+    rank_key,
+)
 from unbroken.common.fs import checksum_bytes
 
 if TYPE_CHECKING:
-    from unbroken.ckpt.manifest import CheckpointManifest
+    from unbroken.ckpt.collectives import Comm
     from unbroken.ckpt.state import TrainState
 
 __all__ = [
@@ -63,36 +69,42 @@ __all__ = [
     "compare",
     "fingerprints",
     "manifest_section",
-    "rank_key",
     "rename",
     "report",
-    "split_key",
+    "split",
 ]
 
 log = logging.getLogger(__name__)
 
 NON_TENSOR = "<non-tensor state>"
-_PREFIX = "components/"
-_RANK_KEY = re.compile(r"^rank(\d+)/(components/.+)$")
 _PROCESS = os.urandom(8).hex()  # unique to this process
 
 
-def rank_key(key: str, rank: int) -> str:
-    """The checkpoint key of ``rank``'s own copy of tensor ``key``."""
-    return f"rank{rank}/{key}"
-
-
-def split_key(key: str) -> tuple[int | None, str]:
-    """``rank1/components/x`` -> ``(1, "components/x")``; a shared key -> ``(None, key)``."""
-    m = _RANK_KEY.match(key)
-    return (int(m.group(1)), m.group(2)) if m else (None, key)
+def split(
+    tree: Any,
+    tensors: Mapping[str, torch.Tensor],
+    state: TrainState,
+    comm: Comm,
+    step: int,
+    warned: set[str],
+) -> tuple[Any, dict[str, torch.Tensor], dict[str, list[str]]]:
+    """What this rank saves: every rank's state compared (one all-gather of fingerprints);
+    what differs keeps this rank's own key, in ``tensors`` and in the tree's references
+    (see the module docstring). Returns ``(tree, tensors, differing)``; on rank 0, a
+    replicated component that differs is reported (once per component in ``warned``)."""
+    if comm.world < 2:
+        return tree, dict(tensors), {}
+    mine = fingerprints(tree["components"], tensors, state.sharing)
+    differing = compare(comm.gather(mine))
+    if comm.rank == 0:
+        report(step, differing, state, warned)
+    tree, tensors = rename(tree, tensors, differing, comm.rank)
+    return tree, tensors, differing
 
 
 def _component(key: str, names: Mapping[str, str]) -> str | None:
-    """The component a tensor key belongs to (``components/<escaped name>/...``)."""
-    if not key.startswith(_PREFIX):
-        return None
-    return names.get(key[len(_PREFIX) :].split("/", 1)[0])
+    """The component a shared tensor key belongs to, by its name as keys spell it."""
+    return names.get(component_of(key)) if key.startswith(COMPONENTS) else None
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -113,7 +125,7 @@ def fingerprints(
     of each per-rank component's non-tensor state under :data:`NON_TENSOR`.
 
     ``components`` is the encoded ``"components"`` tree (tensor references, not values)."""
-    names = {n.replace("/", "%2F"): n for n in components}
+    names = {component_of(component_prefix(n)): n for n in components}
     out: dict[str, dict[str, str]] = {n: {} for n in components}
     for key, t in tensors.items():
         name = _component(key, names)
@@ -155,7 +167,7 @@ def _short(name: str, key: str) -> str:
     """A tensor key as the component's own state-dict path (``0.running_mean``)."""
     if key == NON_TENSOR:
         return key
-    return key.removeprefix(f"{_PREFIX}{name.replace('/', '%2F')}/")
+    return key.removeprefix(component_prefix(name))
 
 
 def report(

@@ -44,7 +44,8 @@ from unbroken.ckpt import rng as _rng
 
 __all__ = ["Stateful", "TrainState"]
 
-_COUNTERS = ("step", "samples", "tokens", "micro_step")
+COUNTERS = ("step", "samples", "tokens", "micro_step")
+"""The training loop's counters, saved with every checkpoint."""
 _ON_RESIZE = ("refuse", "skip")
 
 
@@ -250,7 +251,7 @@ class TrainState:
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {
-            "counters": {k: int(getattr(self, k)) for k in _COUNTERS},
+            "counters": {k: int(getattr(self, k)) for k in COUNTERS},
             "components": {name: obj.state_dict() for name, obj in self.components.items()},
         }
         if self.capture_rng:
@@ -269,6 +270,10 @@ class TrainState:
                 "same components as the run that saved it"
             )
 
+    def load_counters(self, counters: Mapping[str, Any]) -> None:
+        for k in COUNTERS:
+            setattr(self, k, int(counters[k]))
+
     def load_state_dict(
         self, sd: Mapping[str, Any], *, restore_rng: bool = True, skip: Iterable[str] = ()
     ) -> None:
@@ -279,7 +284,6 @@ class TrainState:
         for name, obj in self.components.items():
             if name not in skip:
                 obj.load_state_dict(saved[name])
-        for k in _COUNTERS:
-            setattr(self, k, int(sd["counters"][k]))
+        self.load_counters(sd["counters"])
         if restore_rng and self.capture_rng and "rng" in sd:
             _rng.restore(sd["rng"], self.numpy_generators)

@@ -31,6 +31,7 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from unbroken.ckpt.bounds import MAX_MANIFEST, Budget
 from unbroken.ckpt.lock import LOCK_NAME, note_temp
 from unbroken.ckpt.manifest import (
     FORMAT,
@@ -41,6 +42,7 @@ from unbroken.ckpt.manifest import (
 )
 from unbroken.common.errors import CheckFailed
 from unbroken.common.fs import atomic_write_bytes, fsync_dir, is_remote, local_path
+from unbroken.common.text import printable
 
 __all__ = [
     "FORMAT",
@@ -55,13 +57,14 @@ log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_PREFIX = ".tmp-step-"
-_MAX_MANIFEST = 1 << 30  # a crafted multi-GB manifest.json must not exhaust memory
 
 
 class CorruptCheckpoint(CheckFailed):
-    """A committed checkpoint failed verification; ``reason`` is a short slug."""
+    """A committed checkpoint failed verification; ``reason`` is a short slug. ``detail``
+    quotes the files: its control characters are escaped (safe to print or log)."""
 
     def __init__(self, step: int, reason: str, detail: str) -> None:
+        detail = printable(detail)
         super().__init__(f"step {step}: {reason}: {detail}")
         self.step = step
         self.reason = reason
@@ -147,15 +150,30 @@ class Store:
                 size += e.stat().st_size
         return CheckpointInfo(step, d, size, os.path.getmtime(os.path.join(d, MANIFEST)))
 
+    def file_bytes(self, step: int) -> int:
+        """Bytes of the regular files in ``step``'s directory (symlinks not followed): what
+        justifies the memory a restore of it may spend (:class:`~.bounds.Budget`)."""
+        try:
+            with os.scandir(self.step_dir(step)) as it:
+                return sum(
+                    e.stat(follow_symlinks=False).st_size
+                    for e in it
+                    if e.is_file(follow_symlinks=False)
+                )
+        except OSError:
+            return 0
+
     def has_foreign_content(self) -> bool:
         """True when the root holds anything at all (a sign it was meant to hold checkpoints)."""
         return any(n != LOCK_NAME for n in self._entries())
 
     # --- manifest -------------------------------------------------------------------------
 
-    def read_manifest(self, step: int) -> CheckpointManifest:
+    def read_manifest(self, step: int, budget: Budget | None = None) -> CheckpointManifest:
         """The fully validated manifest of ``step`` (see :mod:`unbroken.ckpt.manifest`);
-        raises :class:`CorruptCheckpoint` naming what is wrong. Opens nothing else."""
+        raises :class:`CorruptCheckpoint` naming what is wrong. Opens nothing else.
+        ``budget``: what parsing may cost (default: what the step directory's files justify,
+        :mod:`unbroken.ckpt.bounds`)."""
         d = self.step_dir(step)
         path = os.path.join(d, MANIFEST)
         try:
@@ -176,14 +194,21 @@ class Store:
             ) from e
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MANIFEST:
+            if not stat.S_ISREG(st.st_mode):
                 raise CorruptCheckpoint(step, "bad-manifest", f"{path} is not a manifest file")
+            if st.st_size > MAX_MANIFEST:
+                raise CorruptCheckpoint(
+                    step, "too-large", f"{path} is {st.st_size} bytes, above the "
+                    f"{MAX_MANIFEST >> 20} MiB cap on a manifest"
+                )  # fmt: skip
             with os.fdopen(fd, "rb", closefd=False) as f:
-                raw = f.read()
+                raw = f.read(MAX_MANIFEST + 1)
         finally:
             os.close(fd)
+        if budget is None:
+            budget = Budget(self.file_bytes(step))
         try:
-            return CheckpointManifest.from_json(raw, step=step, where=path)
+            return CheckpointManifest.from_json(raw, step=step, where=path, budget=budget)
         except ManifestError as e:
             raise CorruptCheckpoint(step, e.reason, str(e)) from e
 

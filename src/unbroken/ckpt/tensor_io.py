@@ -47,7 +47,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.tensor import DTensor
 
-from unbroken.ckpt._dist import Comm
+from unbroken.ckpt.bounds import TooCostly, pickle_cost
+from unbroken.ckpt.collectives import Comm
 from unbroken.ckpt.manifest import DTYPES, CheckpointManifest, Chunk, FileEntry, TensorEntry
 from unbroken.common.fs import HashingWriter, checksum_bytes
 
@@ -364,6 +365,7 @@ def _chunk_tensor(mm: mmap.mmap | None, c: Chunk, t: TensorEntry, path: str) -> 
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start)
             return flat.view(dtype).view(sizes)
+    _check_pickles(memoryview(mm)[c.offset : c.offset + c.length], path)
     got = torch.load(
         io.BytesIO(mm[c.offset : c.offset + c.length]), map_location="cpu", weights_only=True
     )
@@ -484,11 +486,35 @@ class _TensorPickle(pickle.Unpickler):
         return ("pid", pid)
 
 
+# What the data.pkl of one torch.save'd tensor may cost to parse: ours cost ~10 KiB.
+_TENSOR_PICKLE_COST = 16 << 20
+
+
 def _parse_tensor_pickle(raw: bytes) -> Any:
     try:
+        if pickle_cost(raw, "data.pkl") > _TENSOR_PICKLE_COST:
+            return None
         return _TensorPickle(io.BytesIO(raw)).load()
-    except Exception:  # garbled or foreign: the caller takes the checked slow path
+    except Exception:  # garbled, foreign or a bomb: the caller takes the checked slow path
         return None
+
+
+def _check_pickles(blob: memoryview, path: str) -> None:
+    """Before ``torch.load`` parses a foreign blob: every pickle in it within bounds
+    (torch's weights-only unpickler builds whatever the pickle describes)."""
+    for info in _zip_entries(blob):
+        if info.filename.endswith(".pkl"):
+            p = _record_start(blob, info)
+            raw = bytes(blob[p : p + info.file_size]) if p is not None else b""
+            try:
+                cost = pickle_cost(raw, info.filename)
+            except TooCostly as e:
+                raise ChecksumError(path, str(e)) from None
+            if cost > _TENSOR_PICKLE_COST:
+                raise ChecksumError(
+                    path, f"{info.filename} would cost {cost >> 20} MiB to parse; a tensor's "
+                    "costs a few KiB"
+                )  # fmt: skip
 
 
 _STORAGE_NAMES: dict[torch.dtype, str | None] = {}

@@ -15,18 +15,23 @@ always agree. Checks, cheapest first:
    cache), every tensor located, its sum and norm against the values recorded at save;
    sharded: rank ``r`` of ``W`` verifies data files ``r, r+W, ...`` (the ranks then agree,
    see ``Checkpointer.restore``);
-6. the saved state tree decodes, and every tensor it references is in the checkpoint.
+6. the saved state tree decodes, references exactly the tensors this rank saved, and can
+   be applied (:func:`~unbroken.ckpt.schema.check_state`: counters, every RNG stream on a
+   scratch generator, the components and layouts the manifest records).
+
+Every parse is charged to the checkpoint's memory budget, ``2 * B + 256 MiB`` for B bytes
+of files (:mod:`unbroken.ckpt.bounds`): a file that would cost more is damage.
 
 ANY failure (whatever its exception type, except ``KeyboardInterrupt``/``SystemExit``)
 raises :class:`CorruptCheckpoint` with a short reason slug used in quarantine names.
 
 :func:`check_fits` then compares a verified checkpoint with the live state (keys, shapes,
-dtypes, optimizer parameter groups) so restore copies nothing unless everything fits.
+dtypes, optimizer parameter groups) so restore copies nothing unless everything fits
+(:mod:`unbroken.ckpt.load` adds what only the live objects can tell).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from collections.abc import Iterable, Mapping
@@ -36,9 +41,16 @@ from typing import Any
 import torch
 
 from unbroken.ckpt import codec
+from unbroken.ckpt.bounds import Budget, TooCostly, load_json
 from unbroken.ckpt.dcp_metadata import UnsafeMetadata, check_dcp_metadata
-from unbroken.ckpt.manifest import METADATA, CheckpointManifest, FileEntry, ManifestError
-from unbroken.ckpt.per_rank import split_key
+from unbroken.ckpt.manifest import (
+    METADATA,
+    CheckpointManifest,
+    FileEntry,
+    ManifestError,
+    component_of,
+)
+from unbroken.ckpt.schema import SchemaError, check_state
 from unbroken.ckpt.store import CorruptCheckpoint, Store
 from unbroken.ckpt.tensor_io import ChecksumError, read_tensors, stats_match, verify_files
 from unbroken.common.fs import checksum_bytes
@@ -98,11 +110,13 @@ def load_verified(
             if isinstance(e, ChecksumError)
             else "metadata"
             if isinstance(e, UnsafeMetadata)
+            else "too-large"
+            if isinstance(e, TooCostly)
             else "unreadable"
         )
         detail = (
             str(e)
-            if isinstance(e, ChecksumError | ManifestError | UnsafeMetadata)
+            if isinstance(e, ChecksumError | ManifestError | UnsafeMetadata | TooCostly)
             else (f"{store.step_dir(step)}: {type(e).__name__}: {e}")
         )
         raise CorruptCheckpoint(step, reason, detail.splitlines()[0] if detail else "") from e
@@ -136,15 +150,21 @@ def _read_checked(directory: str, name: str, want: FileEntry) -> bytes:
 
 
 def _load_verified(store: Store, step: int, rank: int, world: int, every_rank: bool) -> Verified:
-    m = store.read_manifest(step)
+    budget = Budget(store.file_bytes(step))  # what parsing its files may cost (T-BOUNDED)
+    m = store.read_manifest(step, budget)
     d = store.step_dir(step)
     m.check_files(d)
-    rank_file = m.ranks[rank if rank < m.world_size else 0]
-    raw = _read_checked(d, rank_file, m.files[rank_file])
+    mine = rank if rank < m.world_size else 0
+    raw = _read_checked(d, m.ranks[mine], m.files[m.ranks[mine]])
     if every_rank:
-        for other in sorted(set(m.ranks.values()) - {rank_file}):
-            _decode_state(step, d, other, _read_checked(d, other, m.files[other]), m, world)
-    check_dcp_metadata(_read_checked(d, METADATA, m.files[METADATA]), os.path.join(d, METADATA))
+        for r, other in sorted(m.ranks.items()):
+            if r != mine:
+                with budget.scope():
+                    raw_r = _read_checked(d, other, m.files[other])
+                    _decode_state(step, d, r, raw_r, m, world, budget)
+    where = os.path.join(d, METADATA)
+    with budget.scope():
+        check_dcp_metadata(_read_checked(d, METADATA, m.files[METADATA]), where, budget)
     tensors: dict[str, torch.Tensor] = {}
     if m.sharded:
         verify_files(d, m, m.data_files[rank::world])
@@ -155,27 +175,42 @@ def _load_verified(store: Store, step: int, rank: int, world: int, every_rank: b
                 raise CorruptCheckpoint(
                     step, "stats", f"tensor {k!r} in {d} does not match its recorded sum/norm"
                 )
-    tree, rng, needed = _decode_state(step, d, rank_file, raw, m, world)
+    tree, rng, needed = _decode_state(step, d, mine, raw, m, world, budget)
     return Verified(step, m, tree, tensors, rng, needed)
 
 
 def _decode_state(
-    step: int, d: str, name: str, raw: bytes, m: CheckpointManifest, world: int
+    step: int, d: str, rank: int, raw: bytes, m: CheckpointManifest, world: int, budget: Budget
 ) -> tuple[Any, Any, frozenset[str]]:
-    """The state tree, RNG and referenced tensor keys of one rank's state file, decoded as
-    restore will decode them."""
-    where = os.path.join(d, name)
+    """The state tree, RNG and referenced tensor keys of ``rank``'s state file, decoded as
+    restore will decode them and checked as restore will apply them
+    (:func:`~unbroken.ckpt.schema.check_state`). The RNG is None when restored at another
+    world size (re-derived), but checked all the same: verify and restore agree."""
+    where = os.path.join(d, m.ranks[rank])
     try:
-        blob = json.loads(raw)
+        blob = load_json(raw, budget, where)
         tree = blob["state"]
-        rng = codec.decode(blob["rng"]) if m.world_size == world else None
+        rng = codec.decode(blob["rng"])
         refs = _Refs(m.tensors)
         sd = codec.decode(tree, refs)  # every reference resolves
-    except (KeyError, TypeError, ValueError, RecursionError) as e:
-        raise CorruptCheckpoint(step, "bad-state", f"{where}: {e!r}") from e
-    if not (isinstance(sd, dict) and isinstance(sd.get("components"), dict)):
-        raise CorruptCheckpoint(step, "bad-state", f"{where} holds no component state")
-    return tree, rng, frozenset(refs.seen)
+        check_state(
+            sd,
+            rng,
+            refs=refs.seen,
+            stored=[k for k, t in m.tensors.items() if t.rank in (None, rank)],
+            components=m.extra.get("components"),
+            layouts=m.extra.get("layouts"),
+            generators=m.extra.get("generators"),
+            counters=m.counters if rank == 0 else None,
+            where=where,
+        )
+    except TooCostly:
+        raise
+    except (KeyError, TypeError, ValueError, RecursionError, SchemaError) as e:
+        first = (str(e).splitlines() or [""])[0]  # torch appends its C++ stack
+        detail = first if isinstance(e, SchemaError) else f"{where}: {type(e).__name__}: {first}"
+        raise CorruptCheckpoint(step, "bad-state", detail) from e
+    return tree, rng if m.world_size == world else None, frozenset(refs.seen)
 
 
 def read_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
@@ -200,13 +235,6 @@ def read_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
     whole = {k: torch.empty(t.shape, dtype=t.torch_dtype) for k, t in v.manifest.tensors.items()}
     fill(store.step_dir(step), v.manifest, whole)
     return v.decode(whole)
-
-
-def _component(key: str) -> str:
-    """``components/model/0.weight`` -> ``model`` (the codec's key layout); a rank's own
-    copy (``rank1/components/model/0.weight``) belongs to the same component."""
-    parts = split_key(key)[1].split("/", 2)
-    return parts[1] if len(parts) > 1 and parts[0] == "components" else parts[0]
 
 
 def _desc(shape: Any, dtype: Any) -> str:
@@ -234,7 +262,7 @@ def check_fits(
         )
 
     def strict(key: str) -> bool:  # modules load strictly: every key on both sides
-        return isinstance(components.get(_component(key)), torch.nn.Module)
+        return isinstance(components.get(component_of(key)), torch.nn.Module)
 
     for k in sorted(v.needed):
         t = v.manifest.tensors[k]

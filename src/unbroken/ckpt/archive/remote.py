@@ -26,7 +26,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -41,10 +41,10 @@ from unbroken.ckpt.archive.io import (
     parse_manifest,
     run_all,
 )
-from unbroken.ckpt.config import ArchiveConfig
+from unbroken.ckpt.bounds import MAX_MANIFEST
+from unbroken.ckpt.config import ArchiveConfig, configured
 from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
 from unbroken.ckpt.store import Store
-from unbroken.common.config import resolve
 from unbroken.common.fs import (
     atomic_write_bytes,
     checksum_file,
@@ -81,32 +81,17 @@ class Archive:
 
     Args:
         url: any fsspec URL (``s3://bucket/prefix``, ``file:///mnt/nfs/x``, ``memory://x``),
-            or a whole :class:`~unbroken.ckpt.ArchiveConfig` (then no keywords).
-        retries, backoff_s, threads, storage_options: the :class:`ArchiveConfig` fields of
-            the same names (what each does, its unit and default).
+            or a whole :class:`~unbroken.ckpt.ArchiveConfig`.
+        **overrides: :class:`ArchiveConfig` fields to change, by name (``retries``,
+            ``backoff_s``, ``threads``, ``storage_options`` ...: what each does, its unit
+            and default).
     """
 
-    def __init__(
-        self,
-        url: str | ArchiveConfig,
-        *,
-        retries: int = ArchiveConfig.retries,
-        backoff_s: float = ArchiveConfig.backoff_s,
-        threads: int = ArchiveConfig.threads,
-        storage_options: Mapping[str, Any] | None = None,
-    ) -> None:
-        keywords: dict[str, Any] = dict(retries=retries, backoff_s=backoff_s, threads=threads)
-        if storage_options is not None:
-            keywords["storage_options"] = storage_options
-        if isinstance(url, ArchiveConfig):
-            cfg = resolve(ArchiveConfig, url, keywords, owner="Archive")
-        else:
-            cfg = ArchiveConfig(url, **keywords)
+    def __init__(self, url: str | ArchiveConfig, **overrides: Any) -> None:
+        base = url if isinstance(url, ArchiveConfig) else ArchiveConfig(url)
+        cfg = configured(ArchiveConfig, base, overrides, owner="Archive")
         self.config = cfg
         self.url = cfg.url.rstrip("/")
-        self.retries = cfg.retries
-        self.backoff_s = cfg.backoff_s
-        self.threads = cfg.threads
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url, **cfg.storage_options)
         except (ImportError, ValueError) as e:
@@ -131,7 +116,7 @@ class Archive:
     # --- retries ------------------------------------------------------------------------------
 
     def _retry(self, file: str, what: str, fn: Callable[[], _T]) -> _T:
-        for attempt in range(self.retries + 1):
+        for attempt in range(self.config.retries + 1):
             try:
                 return fn()
             except Damaged as e:
@@ -139,13 +124,13 @@ class Archive:
             except ArchiveError:
                 raise
             except Exception as e:
-                if attempt == self.retries:
+                if attempt == self.config.retries:
                     raise ArchiveError(
                         self.url,
                         file,
                         f"{what} failed after {attempt + 1} attempt(s): {type(e).__name__}: {e}",
                     ) from e
-                delay = self.backoff_s * 2**attempt
+                delay = self.config.backoff_s * 2**attempt
                 log.info(
                     "archive %s: %s of %s failed (%s: %s); retry %d/%d in %.2f s",
                     self.url,
@@ -154,7 +139,7 @@ class Archive:
                     type(e).__name__,
                     e,
                     attempt + 1,
-                    self.retries,
+                    self.config.retries,
                     delay,
                 )
                 time.sleep(delay)
@@ -189,11 +174,16 @@ class Archive:
 
         def get() -> bytes:
             try:
-                return bytes(self.fs.cat_file(path))
+                # one byte past the cap: a longer one is refused unread (T-BOUNDED)
+                return bytes(self.fs.cat_file(path, start=0, end=MAX_MANIFEST + 1))
             except FileNotFoundError as e:
                 raise Damaged(f"{path} is missing: step {step} is not committed remotely") from e
 
         raw = self._retry(path, "manifest download", get)
+        if len(raw) > MAX_MANIFEST:
+            raise ArchiveError(
+                self.url, path, f"larger than the {MAX_MANIFEST >> 20} MiB cap", damaged=True
+            )
         return raw, parse_manifest(raw, step, self.url, path)
 
     def info(self, step: int) -> RemoteInfo:
@@ -223,7 +213,7 @@ class Archive:
             return
         t0 = time.perf_counter()
         tasks = [partial(self._put_retrying, s, prefix) for s in snap.sources]
-        run_all(self.threads, "unbroken-upload", tasks)
+        run_all(self.config.threads, "unbroken-upload", tasks)
         # Nothing skipped: every listed file must be there with its size before the commit.
         want = {s.name: s.size for s in snap.sources}
         got = self._retry(prefix, "listing", lambda: self._sizes(prefix))
@@ -369,8 +359,8 @@ class Archive:
 
             total = sum(f.size for f in files.values())
             with progress_bar(f"download step {step}", total=total, enabled=progress) as bar:
-                run_all(self.threads, "unbroken-download", [partial(get, *p) for p in parts])
-            run_all(self.threads, "unbroken-verify", [partial(check, n) for n in files])
+                run_all(self.config.threads, "unbroken-download", [partial(get, *p) for p in parts])
+            run_all(self.config.threads, "unbroken-verify", [partial(check, n) for n in files])
         finally:
             for fd in fds.values():
                 os.close(fd)

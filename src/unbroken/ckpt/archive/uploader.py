@@ -8,14 +8,13 @@ skipped (a newer checkpoint supersedes it).
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from unbroken.ckpt.archive.io import LocalSnapshot
-from unbroken.ckpt.config import ArchiveConfig
+from unbroken.ckpt.config import ArchiveConfig, configured
 
 if TYPE_CHECKING:
     from unbroken.ckpt.archive.remote import Archive
@@ -35,28 +34,14 @@ class BackgroundUploader:
     checkpoints supersede it), logged and kept in :attr:`skipped`. After each upload, remote
     retention runs when ``keep_last`` is set. ``max_pending``, ``keep_last`` and
     ``keep_every`` are the :class:`~unbroken.ckpt.ArchiveConfig` fields of the same names,
-    taken from ``archive.config``; a keyword that differs from the default overrides it.
+    taken from ``archive.config``; keyword ``overrides`` change fields of it, by name.
     """
 
-    def __init__(
-        self,
-        archive: Archive,
-        *,
-        max_pending: int = ArchiveConfig.max_pending,
-        keep_last: int | None = ArchiveConfig.keep_last,
-        keep_every: int | None = ArchiveConfig.keep_every,
-    ) -> None:
-        keywords: dict[str, Any] = dict(
-            max_pending=max_pending, keep_last=keep_last, keep_every=keep_every
-        )
-        cfg = dataclasses.replace(  # validates
-            archive.config,
-            **{k: v for k, v in keywords.items() if v != getattr(ArchiveConfig, k)},
+    def __init__(self, archive: Archive, **overrides: Any) -> None:
+        self.config = configured(
+            ArchiveConfig, archive.config, overrides, owner="BackgroundUploader"
         )
         self.archive = archive
-        self.max_pending = cfg.max_pending
-        self.keep_last = cfg.keep_last
-        self.keep_every = cfg.keep_every
         self.errors: list[Exception] = []
         self.uploaded: list[int] = []
         self.skipped: list[int] = []
@@ -81,7 +66,7 @@ class BackgroundUploader:
             return
         dropped: LocalSnapshot | None = None
         with self._cv:
-            if len(self._pending) >= self.max_pending:
+            if len(self._pending) >= self.config.max_pending:
                 dropped = self._pending.popleft()
                 self.skipped.append(dropped.step)
             self._pending.append(snap)
@@ -120,8 +105,8 @@ class BackgroundUploader:
                 self.archive._upload(snap)
                 with self._cv:
                     self.uploaded.append(snap.step)
-                if self.keep_last is not None:
-                    self.archive.prune(self.keep_last, self.keep_every)
+                if self.config.keep_last is not None:
+                    self.archive.prune(self.config.keep_last, self.config.keep_every)
             except Exception as e:
                 self._report(snap.step, e)
             finally:
