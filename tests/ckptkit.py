@@ -220,6 +220,15 @@ def replace_file(d: str, name: str, data: bytes) -> None:
     )
 
 
+def flip(path: str, at: int, mask: int = 0x10) -> None:
+    """Bit rot in place: XOR byte ``at`` of ``path`` with ``mask``."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def read_state(d: str, name: str = "state-rank0.json") -> dict[str, Any]:
     """A rank's state file as JSON: ``{"state": <encoded tree>, "rng": <encoded RNG>}``."""
     with open(os.path.join(d, name), "rb") as f:
