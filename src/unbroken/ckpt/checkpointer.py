@@ -49,12 +49,14 @@ from unbroken.ckpt import lock
 from unbroken.ckpt.collectives import Comm, is_dist
 from unbroken.ckpt.config import ArchiveConfig, CheckpointConfig, configured
 from unbroken.ckpt.load import Loader, refusal
+from unbroken.ckpt.memtier import MemoryTier, default_dir
 from unbroken.ckpt.save import Job, Saver, encode
 from unbroken.ckpt.snapshot import Snapshotter
 from unbroken.ckpt.state import TrainState
 from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint, Store
 from unbroken.ckpt.verify import load_verified
 from unbroken.common.audit import state_audit
+from unbroken.common.text import printable
 
 __all__ = ["Checkpointer"]
 
@@ -107,6 +109,11 @@ class Checkpointer:
         self._loader = Loader(self.store, state, self._comm, self._audit)
         self._archive, self._uploader = _open_archive(self.config.archive)
         self._lock = _WriterLock(self.store, self._comm)
+        self._memory = (
+            MemoryTier(self.config.memory_dir or default_dir(root), root, self._comm)
+            if self.config.memory_every_steps
+            else None
+        )
         self._snap = Snapshotter()
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="unbroken-ckpt")
@@ -120,6 +127,7 @@ class Checkpointer:
         self.last_blocked_seconds: float | None = None
         self.last_wait_seconds: float = 0.0
         self.last_restore_seconds: float | None = None
+        self.restored_tier: str | None = None  # "memory", "disk" or "archive"
         self.preempted = False
         if self.config.save_on_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -170,6 +178,10 @@ class Checkpointer:
         if due and not os.path.exists(self.store.step_dir(step)):
             self.save(step)
             return True
+        mem = self.config.memory_every_steps
+        if mem and step % mem == 0 and self._memory is not None:
+            self._publish(self._memory, step)
+            return False
         if self._pool is not None and self._prepared is None:
             # First step boundary without a save: let the checkpoint thread allocate the
             # snapshot buffers now (the optimizer state exists by now), not at the first save.
@@ -199,6 +211,33 @@ class Checkpointer:
             return self._persist(job)
         self._inflight = self._pool.submit(self._persist, job)
         return self.store.step_dir(step)
+
+    def _publish(self, memory: MemoryTier, step: int) -> None:
+        """The memory tier alone: snapshot as a save does, publish in the background."""
+        if memory.published == step or memory.disabled:
+            return
+        self.state.check_saveable()
+        self.wait()
+        job = self._saver.snapshot(step, self._snap if self._pool is not None else None, disk=False)
+        self.last_blocked_seconds = job.blocked
+        if self._pool is None:
+            self._to_memory(memory, job)
+        else:
+            self._inflight = self._pool.submit(self._to_memory, memory, job)
+
+    def _to_memory(self, memory: MemoryTier, job: Job) -> str:
+        """Publish ``job`` into the memory tier; a failure there (tmpfs full) turns the
+        tier off with one WARNING, never stops training: the disk tier still saves."""
+        try:
+            memory.publish(job, self.state)
+        except OSError as e:
+            memory.disabled = str(e)
+            log.warning(
+                "memory tier off after a failed publish of step %d (%s); the disk tier "
+                "alone protects this job from now on",
+                job.step, e,
+            )  # fmt: skip
+        return memory.store.rank_dir
 
     def wait(self) -> str | None:
         """Block until the in-flight background save (if any) is committed; re-raise its
@@ -232,6 +271,8 @@ class Checkpointer:
     def _persist(self, job: Job) -> str:
         """Commit ``job`` (:meth:`.Saver.commit`), then what follows a commit: the log
         line, the recovery event, retention and the archive upload (rank 0)."""
+        if self._memory is not None:  # first: the memory tier is what a crash resumes from
+            self._to_memory(self._memory, job)
         path, total = self._saver.commit(job)
         dt = time.perf_counter() - job.t0
         self._last_save_time = time.monotonic()
@@ -266,6 +307,8 @@ class Checkpointer:
             if self._uploader is not None:
                 self._uploader.close()
                 self._uploader = None
+            if self._memory is not None:
+                self._memory.close(self.latest())
             self._lock.release()
 
     def _flush_quietly(self) -> None:
@@ -327,12 +370,17 @@ class Checkpointer:
             self.store.remove_debris(is_stale=lambda p: not lock.writer_alive(p))
         tried = _Tried()
         candidates = [step] if step is not None else sorted(self.store.candidates(), reverse=True)
-        for s in self._comm.broadcast(candidates):
+        candidates = self._comm.broadcast(candidates)
+        if self._memory is not None and step is None:
+            got, tried.memory = self._memory.restore(self._loader, next(iter(candidates), None))
+            if got is not None:
+                return self._restored(got, t0, tier="memory")
+        for s in candidates:
             if self._try(s, tried, requested=step is not None):
-                return self._restored(s, t0, tried.refused)
+                return self._restored(s, t0, tried.refused, skipped=tried.memory)
         got = self._from_archive(tried)
         if got is not None:
-            return self._restored(got, t0, tried.refused)
+            return self._restored(got, t0, tried.refused, tier="archive", skipped=tried.memory)
         self._nothing_restored(tried)
         return None
 
@@ -393,15 +441,39 @@ class Checkpointer:
         for obj in self.state.components.values():  # a fresh start: e.g. MetricLog drops
             getattr(obj, "start_fresh", lambda: None)()  # what an earlier attempt logged
 
-    def _restored(self, s: int, t0: float, refused: Sequence[tuple[int, str]] = ()) -> int:
+    def _restored(
+        self,
+        s: int,
+        t0: float,
+        refused: Sequence[tuple[int, str]] = (),
+        *,
+        tier: str = "disk",
+        skipped: str = "",
+    ) -> int:
+        """After a restore: what the live state refused is damage, and ONE line names the
+        tier, the step and why a newer tier was skipped (C-TIERS)."""
         for bad, why in refused:  # an older one applied: what the live state refused is damage
             self._loader.quarantine(bad, "refused", why, f"step {s} restored instead")
         dt = time.perf_counter() - t0
         self.last_restore_seconds = dt
         self._last_save_time = time.monotonic()
+        self.restored_tier = tier
         if self._comm.rank == 0:
-            log.info("restored step %d from %s in %.2f s", s, self.store.step_dir(s), dt)
-        _mark("loaded", step=s, seconds=dt)
+            where = (
+                self._memory.store.directory
+                if tier == "memory" and self._memory
+                else (self.store.step_dir(s))
+            )
+            why = (
+                f"; memory tier not used: {skipped}"
+                if skipped and tier != "memory"
+                else (f" ({skipped})" if skipped else "")
+            )
+            log.info(
+                "restored step %d from the %s tier (%s) in %.3f s%s",
+                s, tier, where, dt, printable(why),
+            )  # fmt: skip
+        _mark("loaded", step=s, seconds=dt, tier=tier)
         return s
 
 
@@ -411,6 +483,7 @@ class _Tried:
 
     texts: list[str] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
+    memory: str = ""  # why the memory tier was not used (C-TIERS), when it is on
 
 
 class _WriterLock:

@@ -44,17 +44,24 @@ from typing import Any
 
 import torch
 import xxhash
+from torch.distributed.tensor import DTensor
 
-from unbroken.ckpt import codec
+from unbroken.ckpt import codec, schema
 from unbroken.ckpt.bounds import Budget, load_json
-from unbroken.ckpt.manifest import torch_dtype
+from unbroken.ckpt.collectives import Comm
+from unbroken.ckpt.load import Loader, NotLoaded
+from unbroken.ckpt.manifest import CheckpointManifest, TensorEntry, torch_dtype
+from unbroken.ckpt.save import Job
 from unbroken.ckpt.schema import check_state
+from unbroken.ckpt.state import TrainState
+from unbroken.ckpt.verify import Verified
 from unbroken.common.fs import PrivateDirError, hasher, open_private, private_dir
 
 __all__ = [
     "ENV",
     "HEADER_BYTES",
     "MemorySnapshot",
+    "MemoryTier",
     "SlotDamaged",
     "SlotStore",
     "TierBusy",
@@ -205,7 +212,7 @@ class SlotStore:
                 self._generation = snap.generation
             else:
                 self._generation = max(
-                    (h.generation for h in map(self._head_or_none, range(SLOTS)) if h), default=0
+                    (h.generation for h in map(self.head, range(SLOTS)) if h), default=0
                 )
         return 0 if self._newest is None else 1 - self._newest
 
@@ -289,7 +296,8 @@ class SlotStore:
 
     # --- reading ----------------------------------------------------------------------------
 
-    def _head_or_none(self, i: int) -> _Head | None:
+    def head(self, i: int) -> _Head | None:
+        """Slot ``i``'s header when it verifies (the payload is not read), else None."""
         try:
             fd = open_private(self.slot_path(i), os.O_RDONLY | os.O_NONBLOCK)
         except (OSError, PrivateDirError):
@@ -480,3 +488,145 @@ def _check(tree: Any, rng: Any, tensors: Mapping[str, torch.Tensor], meta: Any, 
         counters=None,
         where=path,
     )
+
+
+# --- the Checkpointer's side: publish a save's snapshot, restore the newest agreed step -----
+
+
+class MemoryTier:
+    """Publishes each snapshot of a :class:`~unbroken.ckpt.Checkpointer` into this rank's
+    slots and restores from them (C-TIERS). ``root`` is the checkpoint root the slots
+    belong to: a slot written for another root, world size or rank is never used.
+
+    Restore is collective (:meth:`restore`): every rank lists the steps its slot headers
+    claim; the ranks try the newest step they all hold that is not older than the disk
+    tier's newest; each rank fully verifies its slot of that step, and only when every
+    rank's verifies is it applied (through :meth:`.load.Loader.apply`, the disk tier's
+    fit check, rehearsal and commit). Otherwise the next common step, then the disk tier.
+    """
+
+    def __init__(self, directory: str, root: str, comm: Comm) -> None:
+        self.comm = comm
+        self.root = os.path.realpath(root)
+        self.store = SlotStore(directory, comm.rank)
+        self.published: int | None = None  # newest step this process published
+        self.disabled: str | None = None  # why publishing stopped (once, logged)
+
+    def _meta(self, job: Job, state: TrainState) -> dict[str, Any]:
+        return {
+            "root": self.root,
+            "world": self.comm.world,
+            "components": sorted(state.components),
+            "layouts": schema.describe(state.components, job.sd["components"]),
+            "generators": schema.generators(state),
+        }
+
+    def publish(self, job: Job, state: TrainState) -> None:
+        """Publish ``job``'s snapshot (its tensors are the host copies the loop already
+        made, or the live tensors in a synchronous save). Not collective."""
+        if self.disabled is not None:
+            return
+        if any(isinstance(t, DTensor) for t in job.tensors.values()):
+            self.disabled = (
+                "the state holds sharded (DTensor) tensors, which the memory tier does not "
+                "keep yet; the disk tier alone protects this job"
+            )
+            log.warning("memory tier off: %s", self.disabled)
+            return
+        self.store.publish(job.step, job.tree, job.rng, job.tensors, self._meta(job, state))
+        self.published = job.step
+
+    def _mine(self) -> dict[int, int]:
+        """step -> slot, for the slots whose header verifies and that are this job's (the
+        newer generation when both hold one step)."""
+        best: dict[int, tuple[int, int]] = {}
+        me = {"root": self.root, "world": self.comm.world, "rank": self.comm.rank}
+        for i in range(SLOTS):
+            h = self.store.head(i)
+            if h is None or any(h.meta.get(k) != v for k, v in me.items()):
+                continue
+            if h.step not in best or h.generation > best[h.step][0]:
+                best[h.step] = (h.generation, i)
+        return {s: i for s, (_, i) in best.items()}
+
+    def restore(self, loader: Loader, disk_newest: int | None) -> tuple[int | None, str]:
+        """Apply the newest step every rank holds in memory, when it is not older than
+        ``disk_newest``. Returns (the step applied or None, why a newer copy was skipped
+        or why memory was not used). Collective."""
+        mine = self._mine()
+        held = self.comm.gather(sorted(mine))
+        common = set(held[0]).intersection(*held[1:]) if held else set()
+        newest_any = max((s for h in held for s in h), default=None)
+        notes: list[str] = []
+        if newest_any is not None and newest_any not in common:
+            lacking = [r for r, h in enumerate(held) if newest_any not in h]
+            notes.append(f"memory step {newest_any} is missing on rank(s) {lacking[:8]}")
+        for s in sorted(common, reverse=True):
+            if disk_newest is not None and s < disk_newest:
+                notes.append(f"memory step {s} is older than disk step {disk_newest}")
+                break
+            why = self._try(loader, s, mine[s])
+            if why is None:
+                return s, "; ".join(notes)
+            notes.append(f"memory step {s}: {why}")
+        if newest_any is None:
+            notes.append("the memory tier holds no step of this job")
+        return None, "; ".join(notes)
+
+    def _try(self, loader: Loader, s: int, slot: int) -> str | None:
+        why: str | None = None
+        snap: MemorySnapshot | None = None
+        try:
+            snap = self.store.read(slot)
+            if snap.step != s:
+                why = f"slot-{slot} changed under us (step {snap.step})"
+        except SlotDamaged as e:
+            why = f"{os.path.basename(e.path)} {e.reason}: {e.detail}"
+        verdicts = self.comm.gather(why)
+        bad = [(r, w) for r, w in enumerate(verdicts) if w]
+        if bad or snap is None:
+            r, w = bad[0] if bad else (self.comm.rank, "not read")
+            return f"rank {r}: {w}"
+        try:
+            got = loader.apply(_as_verified(snap, self.comm.world))
+        except ValueError as e:  # does not fit the live state: the disk tier will say why
+            got = NotLoaded(str(e).splitlines()[0], refused=True)
+        finally:
+            del snap  # the views of the mapping go with it
+        return None if got is None else got.text
+
+    def close(self, disk_newest: int | None) -> None:
+        """End of the job: the slots are removed when the disk tier holds everything they
+        hold (nothing to lose), else kept for a resume and their place logged."""
+        self.store.close()
+        if self.published is not None and (disk_newest is None or disk_newest < self.published):
+            log.info(
+                "memory tier kept at %s: it holds step %d, newer than the disk tier's %s",
+                self.store.rank_dir, self.published, disk_newest,
+            )  # fmt: skip
+            return
+        self.store.remove()
+        with contextlib.suppress(OSError):  # the job directory stays while other ranks use it
+            os.unlink(os.path.join(self.store.rank_dir, "lock"))
+            os.rmdir(self.store.rank_dir)
+            os.rmdir(self.store.directory)
+
+
+def _as_verified(snap: MemorySnapshot, world: int) -> Verified:
+    """A verified slot in the shape the disk tier's loader applies: every tensor whole
+    (``views``), saved by this rank at this world size."""
+    tensors = {
+        k: TensorEntry(str(t.dtype).removeprefix("torch."), tuple(t.shape), False, None, ())
+        for k, t in snap.tensors.items()
+    }
+    tree = snap.tree if isinstance(snap.tree, dict) else {}
+    manifest = CheckpointManifest(
+        step=snap.step,
+        world_size=world,
+        ranks={},
+        files={},
+        tensors=tensors,
+        counters=dict(tree.get("counters", {})),
+    )
+    needed = frozenset(codec.tensor_keys(snap.tree))
+    return Verified(snap.step, manifest, snap.tree, snap.tensors, snap.rng, needed)

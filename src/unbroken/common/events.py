@@ -20,7 +20,8 @@ Event schema (common keys ``t`` = Unix time, ``event``, ``attempt``, ``pid``, ``
     stop_group    attempt, reason, grace, seconds, exited, killed: a rank failed, so the
                   supervisor stopped the others (``exited`` ranks left within ``grace``
                   seconds, ``killed`` ones were SIGKILLed) and relaunches
-    loaded        step, seconds: a rank restored a checkpoint (from the Checkpointer)
+    loaded        step, seconds, tier: a rank restored a checkpoint (from the Checkpointer;
+                  tier: memory, disk or archive)
     saved         step, seconds: a rank committed a checkpoint (optional)
     caught_up     step: local rank 0's beats reached the step reached before the last failure
     failure       attempt, t_fail, t_detect, kind, fault, action, reason, step, exit_code
