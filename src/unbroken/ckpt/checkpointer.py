@@ -114,6 +114,13 @@ class Checkpointer:
             if self.config.memory_every_steps
             else None
         )
+        # the slots go when the job ends with the disk tier holding as much (close(), or a
+        # checkpointer dropped without it); a crash leaves them for the restart
+        self._memory_done = (
+            weakref.finalize(self, _close_memory, self._memory, self.store)
+            if self._memory is not None
+            else None
+        )
         self._snap = Snapshotter()
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="unbroken-ckpt")
@@ -307,8 +314,8 @@ class Checkpointer:
             if self._uploader is not None:
                 self._uploader.close()
                 self._uploader = None
-            if self._memory is not None:
-                self._memory.close(self.latest())
+            if self._memory_done is not None:
+                self._memory_done()  # once
             self._lock.release()
 
     def _flush_quietly(self) -> None:
@@ -372,9 +379,12 @@ class Checkpointer:
         candidates = [step] if step is not None else sorted(self.store.candidates(), reverse=True)
         candidates = self._comm.broadcast(candidates)
         if self._memory is not None and step is None:
-            got, tried.memory = self._memory.restore(self._loader, next(iter(candidates), None))
+            disk = next(iter(candidates), None)
+            got, tried.memory = self._memory.restore(self._loader, disk)
             if got is not None:
-                return self._restored(got, t0, tier="memory")
+                newest = "no disk step" if disk is None else f"disk's newest: step {disk}"
+                note = "; ".join(filter(None, [newest, tried.memory]))
+                return self._restored(got, t0, tier="memory", skipped=note)
         for s in candidates:
             if self._try(s, tried, requested=step is not None):
                 return self._restored(s, t0, tried.refused, skipped=tried.memory)
@@ -535,6 +545,11 @@ def _open_archive(cfg: ArchiveConfig | None) -> tuple[Any, Any]:
 
     archive = Archive(cfg)
     return archive, BackgroundUploader(archive)
+
+
+def _close_memory(memory: MemoryTier, store: Store) -> None:
+    steps = store.steps()
+    memory.close(steps[-1] if steps else None)
 
 
 def _flush_at_exit(ref: weakref.ref[Checkpointer]) -> None:
