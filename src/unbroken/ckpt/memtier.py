@@ -5,7 +5,9 @@ Each rank owns two slot files in a private directory on tmpfs
 (``/dev/shm/unbroken-<uid>/<job>/rank-<r>/slot-{0,1}``). A slot is::
 
     [header: _HEAD struct + meta JSON, padded to HEADER_BYTES][payload]
-    payload = [u64 n][n bytes of JSON: state tree, rng, tensor key table][pad][tensor bytes]
+    payload = [u64 n][n bytes of JSON: state tree, rng, tensor key table][pad][tensors]
+
+(each tensor's bytes at the next 64-byte boundary, in the key table's order)
 
 The state tree and RNG are the disk tier's codec encoding (:mod:`.codec`: JSON, no
 pickle); the tensors are raw bytes placed by the key table, each 64-byte aligned.
@@ -235,7 +237,7 @@ class SlotStore:
         meta_raw = json.dumps({**(meta or {}), "rank": self.rank}).encode()
         if len(meta_raw) > _MAX_META:
             raise ValueError(f"memory-tier meta of {len(meta_raw)} bytes exceeds {_MAX_META}")
-        parts, table, end = self._layout(tree, rng, tensors)
+        parts, end = self._layout(tree, rng, tensors)
         fd = self._open_slot(path)
         try:
             os.pwrite(fd, bytes(_HEAD.size), 0)  # invalidate first: a torn slot never verifies
@@ -266,33 +268,28 @@ class SlotStore:
     @staticmethod
     def _layout(
         tree: Any, rng: Any, tensors: Mapping[str, torch.Tensor]
-    ) -> tuple[list[memoryview | bytes], dict[str, Any], int]:
-        """The payload as buffers in order (no joining copy), its key table and length."""
+    ) -> tuple[list[memoryview | bytes], int]:
+        """The payload as buffers in order (no joining copy) and its length. The tensors
+        follow the key table in its order, each at the next 64-byte boundary: offsets are
+        implied by the table, never stored (one less field to trust, one JSON encode)."""
         flat = {k: t.detach().contiguous() for k, t in tensors.items()}
-        table: dict[str, Any] = {}
-        # the table's offsets depend on the JSON's length: place tensors after a bound on it
-        sizes = {k: t.numel() * t.element_size() for k, t in flat.items()}
-        draft = {
+        table = {
             k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
             for k, t in flat.items()
         }
-        body = json.dumps({"state": tree, "rng": rng, "tensors": draft}).encode()
-        offset = 8 + len(body) + 24 * len(flat) + 64  # room for each "offset": <= 20 digits
-        offset += _pad(offset)
-        for k in flat:
-            table[k] = {**draft[k], "offset": offset}
-            offset += sizes[k] + _pad(sizes[k])
         blob = json.dumps({"state": tree, "rng": rng, "tensors": table}).encode()
-        first = next(iter(table.values()), {"offset": offset})["offset"]
-        if 8 + len(blob) > first:  # unreachable by the bound above; never overlap bytes
-            raise RuntimeError("memory-tier key table outgrew its room")
-        head = struct.pack("<Q", len(blob)) + blob + bytes(first - 8 - len(blob))
+        head = struct.pack("<Q", len(blob)) + blob
+        head += bytes(_pad(len(head)))
         parts: list[memoryview | bytes] = [head]
-        for k, t in flat.items():
-            parts.append(_slot_bytes(t))
-            if _pad(sizes[k]):
-                parts.append(bytes(_pad(sizes[k])))
-        return parts, table, offset
+        end = len(head)
+        for t in flat.values():
+            raw = _slot_bytes(t)
+            parts.append(raw)
+            end += len(raw)
+            if _pad(len(raw)):
+                parts.append(bytes(_pad(len(raw))))
+                end += _pad(len(raw))
+        return parts, end
 
     # --- reading ----------------------------------------------------------------------------
 
@@ -423,40 +420,47 @@ def _read_slot(fd: int, path: str) -> MemorySnapshot:
         payload.release()
     if not isinstance(blob, dict) or not isinstance(blob.get("tensors"), dict):
         raise SlotDamaged(path, "bad-payload", "no tensor table")
-    tensors = {
-        k: _view(mm, k, e, start, head.payload_len, path) for k, e in blob["tensors"].items()
-    }
+    tensors: dict[str, torch.Tensor] = {}
+    offset = start + _pad(start)
+    for k, e in blob["tensors"].items():
+        tensors[k], offset = _view(mm, k, e, offset, path)
+    if offset != head.payload_len:
+        raise SlotDamaged(
+            path, "bad-payload", f"the table places {offset} bytes, the payload holds "
+            f"{head.payload_len}"
+        )  # fmt: skip
     rng = codec.decode(blob.get("rng"))
     tree = blob.get("state")
     _check(tree, rng, tensors, head.meta, path)
     return MemorySnapshot(path, head.step, head.generation, head.meta, tree, rng, tensors)
 
 
-def _view(mm: mmap.mmap, key: Any, e: Any, start: int, payload_len: int, path: str) -> torch.Tensor:
-    """The tensor ``key`` of the table entry ``e``: a read-only view of the mapping, after
-    its dtype, shape and byte range are checked against the payload."""
+def _view(mm: mmap.mmap, key: Any, e: Any, offset: int, path: str) -> tuple[torch.Tensor, int]:
+    """The tensor ``key`` of table entry ``e`` at ``offset`` of the payload (a read-only
+    view of the mapping, after its dtype, shape and byte range are checked against the
+    mapping), and the offset of the next one."""
     if not isinstance(e, dict) or not isinstance(key, str):
         raise SlotDamaged(path, "bad-payload", f"table entry {key!r} is not an object")
-    shape, offset = e.get("shape"), e.get("offset")
+    shape = e.get("shape")
     dtype = torch_dtype(str(e.get("dtype")))  # the manifest's fixed list; ValueError otherwise
     if (
         not isinstance(shape, list)
         or len(shape) > _MAX_DIMS
         or not all(type(d) is int and 0 <= d < _MAX_STEP for d in shape)
-        or type(offset) is not int
     ):
-        raise SlotDamaged(path, "bad-payload", f"table entry {key!r}: bad shape or offset")
+        raise SlotDamaged(path, "bad-payload", f"table entry {key!r}: bad shape")
     nbytes = math.prod(shape) * dtype.itemsize
-    if offset < start or offset % _ALIGN or offset + nbytes > payload_len:
+    if HEADER_BYTES + offset + nbytes > len(mm):
         raise SlotDamaged(
             path, "bad-payload", f"tensor {key!r}: bytes {offset}+{nbytes} outside the payload"
         )
+    nxt = offset + nbytes + _pad(nbytes)
     if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype), nxt
     with warnings.catch_warnings():  # read-only on purpose: views never escape
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
         flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=HEADER_BYTES + offset)
-    return flat.view(dtype).view(shape)
+    return flat.view(dtype).view(shape), nxt
 
 
 class _Refs(dict[str, torch.Tensor]):
