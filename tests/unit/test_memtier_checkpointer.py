@@ -13,8 +13,8 @@ import os
 
 import pytest
 
-from ckptkit import flip, identical, small_state, snapshot, train
-from unbroken.ckpt import Checkpointer
+from ckptkit import can_mount, flip, identical, small_state, snapshot, tmpfs, train
+from unbroken.ckpt import Checkpointer, TrainState
 from unbroken.ckpt.memtier import SlotStore
 
 
@@ -157,3 +157,45 @@ def test_config_refuses_bad_memory_options(tmp_path) -> None:
         Checkpointer(str(tmp_path), st, memory_every_steps=0)
     with pytest.raises(ValueError, match="memory_dir=''"):
         Checkpointer(str(tmp_path), st, memory_every_steps=1, memory_dir="")
+
+
+@pytest.mark.skipif(not can_mount(), reason="needs root and mount(8) for a tiny tmpfs")
+def test_full_tmpfs_turns_the_tier_off_and_training_goes_on(tmp_path, caplog) -> None:
+    """A publish that finds the tmpfs full (ENOSPC) turns the memory tier off with one
+    WARNING; training and the disk tier go on, and restore uses disk."""
+    import torch
+
+    root = str(tmp_path / "ckpt")
+    with tmpfs(str(tmp_path / "shm"), "1m") as shm:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(512, 512)  # 1 MiB of weights + 2 MiB of AdamW moments
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        st = TrainState(model=m, optimizer=opt)
+        ck = Checkpointer(root, st, every_steps=2, memory_every_steps=1, memory_dir=f"{shm}/job")
+        with caplog.at_level(logging.WARNING, logger="unbroken.ckpt.checkpointer"):
+            for _ in range(4):
+                m(torch.ones(2, 512)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                st.step += 1
+                ck.maybe_save()
+        warned = [r.getMessage() for r in caplog.records if "memory tier off" in r.getMessage()]
+        assert len(warned) == 1 and "No space left" in warned[0], warned
+        assert ck.latest() == 4
+        ck._lock.release()
+        ck._memory.store.close()
+        ck2 = Checkpointer(root, st, memory_every_steps=1, memory_dir=f"{shm}/job")
+        assert ck2.restore() == 4 and ck2.restored_tier == "disk"
+        ck2.close()
+
+
+def test_a_live_publisher_keeps_a_restore_off_its_slots(tmp_path) -> None:
+    """Restore takes the rank directory's lock: a worker still alive (not yet stopped)
+    could rewrite a slot while it is read; memory is skipped, disk used, and said why."""
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    *_, ck = _run(root, tier, 7)  # still holds the lock: alive
+    ck._lock.release()
+    *_, ck2 = _ckpt(root, tier, seed=1)
+    assert ck2.restore() == 5 and ck2.restored_tier == "disk"
+    ck2.close()
+    ck.close()

@@ -557,11 +557,16 @@ class MemoryTier:
         """Apply the newest step every rank holds in memory, when it is not older than
         ``disk_newest``. Returns (the step applied or None, why a newer copy was skipped
         or why memory was not used). Collective."""
-        mine = self._mine()
+        notes: list[str] = []
+        try:  # a live publisher (a worker not yet stopped) could rewrite a slot under us
+            self.store._take_lock()
+            mine = self._mine()
+        except TierBusy as e:
+            mine = {}
+            notes.append(str(e))
         held = self.comm.gather(sorted(mine))
         common = set(held[0]).intersection(*held[1:]) if held else set()
         newest_any = max((s for h in held for s in h), default=None)
-        notes: list[str] = []
         if newest_any is not None and newest_any not in common:
             lacking = [r for r, h in enumerate(held) if newest_any not in h]
             notes.append(f"memory step {newest_any} is missing on rank(s) {lacking[:8]}")
