@@ -203,38 +203,50 @@ def main() -> None:
     p.add_argument("--block", type=int, default=20)
     p.add_argument("--json", default=None)
     p.add_argument("--tmp", default=None, help="disk directory for the checkpoints")
+    p.add_argument("--only", choices=["demo", "big"], default=None, help="run one part")
     a = p.parse_args()
     torch.set_num_threads(1)
     tmp = tempfile.mkdtemp(prefix="unbroken-memtier-", dir=a.tmp)
     res: dict[str, Any] = {"load_before": _load()}
     try:
-        res["demo"] = demo_overhead(a.blocks, a.block, tmp)
-        print(f"load {_load()}; demo K=1: {json.dumps(res['demo'])}", flush=True)
-        res["big"] = big_state(a.gib, a.repeats, tmp)
-        print(f"load {_load()}; {a.gib} GiB: {json.dumps(res['big'])}", flush=True)
+        if a.only != "big":
+            res["demo"] = demo_overhead(a.blocks, a.block, tmp)
+            print(f"load {_load()}; demo K=1: {json.dumps(res['demo'])}", flush=True)
+        if a.only != "demo":
+            res["big"] = big_state(a.gib, a.repeats, tmp)
+            print(f"load {_load()}; {a.gib} GiB: {json.dumps(res['big'])}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     res["load_after"] = _load()
-    d, b = res["demo"], res["big"]
-    print(
-        f"\ndemo model, K=1: step {d['step_off_ms']:.2f} ms off, {d['step_on_ms']:.2f} ms on: "
-        f"overhead {d['overhead_pct']:+.1f}% (goal <= 2%); stall {d['stall_ms']:.2f} ms\n"
-        f"{b['state_bytes'] / 2**30:.2f} GiB state: publish stall {b['publish_stall_s']:.3f} s vs "
-        f"async disk stall {b['disk_stall_s']:.3f} s; publish in background "
-        f"{b['publish_background_s']:.3f} s "
-        f"({b['state_bytes'] / b['publish_background_s'] / 1e9:.2f} GB/s); disk write "
-        f"{b['disk_write_s']:.2f} s\n"
-        f"restore: memory {b['restore_memory_s']:.3f} s vs warm disk "
-        f"{b['restore_disk_warm_s']:.3f} s: {b['restore_speedup']:.1f}x (goal >= 5x); cold "
-        f"disk {b['restore_disk_cold_s']:.3f} s\n"
-        f"memory per rank: slots {b['slot_bytes'] / 2**30:.2f} GiB "
-        f"({b['slot_bytes'] / b['state_bytes']:.2f}x the state) + snapshot buffers "
-        f"{b['snapshot_buffer_bytes'] / 2**30:.2f} GiB\n"
-        f"load average before {res['load_before']}, after {res['load_after']}"
-    )
+    _summary(res)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
+
+
+def _summary(res: dict[str, Any]) -> None:
+    if "demo" in res:
+        d = res["demo"]
+        print(
+            f"\ndemo model, K=1: step {d['step_off_ms']:.2f} ms off, {d['step_on_ms']:.2f} ms "
+            f"on: overhead {d['overhead_pct']:+.1f}% (goal <= 2%); stall {d['stall_ms']:.2f} ms"
+        )
+    if "big" in res:
+        b = res["big"]
+        print(
+            f"{b['state_bytes'] / 2**30:.2f} GiB state: publish stall {b['publish_stall_s']:.3f} s vs "
+            f"async disk stall {b['disk_stall_s']:.3f} s; publish in background "
+            f"{b['publish_background_s']:.3f} s "
+            f"({b['state_bytes'] / b['publish_background_s'] / 1e9:.2f} GB/s); disk write "
+            f"{b['disk_write_s']:.2f} s\n"
+            f"restore: memory {b['restore_memory_s']:.3f} s vs warm disk "
+            f"{b['restore_disk_warm_s']:.3f} s: {b['restore_speedup']:.1f}x (goal >= 5x); cold "
+            f"disk {b['restore_disk_cold_s']:.3f} s\n"
+            f"memory per rank: slots {b['slot_bytes'] / 2**30:.2f} GiB "
+            f"({b['slot_bytes'] / b['state_bytes']:.2f}x the state) + snapshot buffers "
+            f"{b['snapshot_buffer_bytes'] / 2**30:.2f} GiB"
+        )
+    print(f"load average before {res['load_before']}, after {res['load_after']}")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ by this user, not writable by group or others, no symlink; slots are opened with
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import fcntl
@@ -143,7 +144,7 @@ def _slot_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
     if t.numel() == 0:
         return memoryview(b"")
-    arr: Any = t.detach().reshape(-1).view(torch.uint8).numpy()
+    arr: Any = t.reshape(-1).view(torch.uint8).numpy()
     return memoryview(arr).cast("B")
 
 
@@ -151,12 +152,24 @@ def _pad(n: int) -> int:
     return -n % _ALIGN
 
 
-def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> int:
-    mv = memoryview(data).cast("B")
-    done = 0
-    while done < len(mv):  # pwrite may write less than asked
-        done += os.pwrite(fd, mv[done:], offset + done)
-    return offset + done
+_IOV_MAX = 1024  # buffers per pwritev call (Linux allows 1024)
+_ZEROS = memoryview(bytes(_ALIGN))
+
+
+def _pwritev_all(fd: int, bufs: list[memoryview | bytes], offset: int) -> int:
+    """Write ``bufs`` in order at ``offset`` with few system calls (a small state is one
+    ``pwritev``); short writes are resumed. Returns the offset after the last byte."""
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    i = 0
+    while i < len(views):
+        n = os.pwritev(fd, views[i : i + _IOV_MAX], offset)
+        offset += n
+        while i < len(views) and n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        if n:
+            views[i] = views[i][n:]
+    return offset
 
 
 class SlotStore:
@@ -181,6 +194,7 @@ class SlotStore:
             os.path.join(directory, f"rank-{rank}"), purpose="memory-tier rank directory"
         )
         self._lock_fd: int | None = None
+        self._fds: dict[int, int] = {}  # slot -> fd, opened once by the publisher
         self._newest: int | None = None  # the slot holding the newest verified step
         self._generation = 0
 
@@ -238,26 +252,25 @@ class SlotStore:
         if len(meta_raw) > _MAX_META:
             raise ValueError(f"memory-tier meta of {len(meta_raw)} bytes exceeds {_MAX_META}")
         parts, end = self._layout(tree, rng, tensors)
-        fd = self._open_slot(path)
-        try:
-            os.pwrite(fd, bytes(_HEAD.size), 0)  # invalidate first: a torn slot never verifies
-            if os.fstat(fd).st_size != HEADER_BYTES + end:
-                os.ftruncate(fd, HEADER_BYTES + end)
-            h = hasher()
-            offset = HEADER_BYTES
-            for part in parts:
-                h.update(part)
-                offset = _pwrite_all(fd, part, offset)
-            gen = self._generation + 1
-            _pwrite_all(fd, _pack(step, gen, end, h.digest(), meta_raw), 0)
-        finally:
-            os.close(fd)
+        fd = self._open_slot(i)
+        _pwritev_all(fd, [bytes(_HEAD.size)], 0)  # invalidate first: a torn slot never verifies
+        if os.fstat(fd).st_size != HEADER_BYTES + end:
+            os.ftruncate(fd, HEADER_BYTES + end)
+        h = hasher()
+        collections.deque(map(h.update, parts), maxlen=0)  # hash without a Python loop
+        _pwritev_all(fd, parts, HEADER_BYTES)
+        gen = self._generation + 1
+        _pwritev_all(fd, [_pack(step, gen, end, h.digest(), meta_raw)], 0)
         self._newest, self._generation = i, gen
         return path
 
-    def _open_slot(self, path: str) -> int:
+    def _open_slot(self, i: int) -> int:
+        if i in self._fds:
+            return self._fds[i]
+        path = self.slot_path(i)
         try:
-            return open_private(path, os.O_RDWR | os.O_CREAT)
+            self._fds[i] = open_private(path, os.O_RDWR | os.O_CREAT)
+            return self._fds[i]
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise PrivateDirError(
@@ -272,7 +285,7 @@ class SlotStore:
         """The payload as buffers in order (no joining copy) and its length. The tensors
         follow the key table in its order, each at the next 64-byte boundary: offsets are
         implied by the table, never stored (one less field to trust, one JSON encode)."""
-        flat = {k: t.detach().contiguous() for k, t in tensors.items()}
+        flat = {k: t.detach().contiguous() for k, t in tensors.items()}  # no copy when already
         table = {
             k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
             for k, t in flat.items()
@@ -287,7 +300,7 @@ class SlotStore:
             parts.append(raw)
             end += len(raw)
             if _pad(len(raw)):
-                parts.append(bytes(_pad(len(raw))))
+                parts.append(_ZEROS[: _pad(len(raw))])
                 end += _pad(len(raw))
         return parts, end
 
@@ -344,6 +357,9 @@ class SlotStore:
         return (good[0] if good else None), bad
 
     def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
