@@ -531,6 +531,7 @@ class MemoryTier:
         self.store = SlotStore(directory, comm.rank)
         self.published: int | None = None  # newest step this process published
         self.disabled: str | None = None  # why publishing stopped (once, logged)
+        self.inline: bool | None = None  # publish in the loop (a small state); None: not known yet
 
     def _meta(self, job: Job, state: TrainState) -> dict[str, Any]:
         return {
