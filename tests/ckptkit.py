@@ -220,6 +220,36 @@ def replace_file(d: str, name: str, data: bytes) -> None:
     )
 
 
+def flip(path: str, at: int, mask: int = 0x10) -> None:
+    """Bit rot in place: XOR byte ``at`` of ``path`` with ``mask``."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ mask]))
+
+
+def demo_run(d: str, steps: int, args: list[str]) -> str:
+    """One uninterrupted run of the demo training script in ``d`` (a reference run)."""
+    from unbroken.demo import run_training
+
+    rc, _ = run_training(d, steps, 0, args)
+    assert rc == 0, open(os.path.join(d, "train.log")).read()
+    return d
+
+
+def assert_same_run(reference: str, d: str) -> None:
+    """C-IDENTICAL: run ``d`` ended where ``reference`` ended, bit for bit, with the same
+    loss curve and samples and no step logged twice."""
+    from unbroken.ckpt.compare import compare_runs
+
+    res = compare_runs(reference, d)
+    for part in ("model", "optimizer", "scheduler", "ema", "loader"):
+        assert res[part] == [], f"{part} differs after resume: {res[part][:3]}"
+    assert res["first_loss_diff"] is None and res["first_sample_diff"] is None
+    assert res["duplicated_steps"] == 0 and res["identical"]
+
+
 def read_state(d: str, name: str = "state-rank0.json") -> dict[str, Any]:
     """A rank's state file as JSON: ``{"state": <encoded tree>, "rng": <encoded RNG>}``."""
     with open(os.path.join(d, name), "rb") as f:

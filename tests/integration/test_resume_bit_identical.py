@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from ckptkit import assert_same_run, demo_run
 from unbroken.ckpt.compare import compare_runs
 from unbroken.demo import run_training
 
@@ -19,10 +20,7 @@ COMMON = ["--ckpt-every", "10", "--batch", "8"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> str:
-    d = str(tmp_path_factory.mktemp("reference"))
-    rc, _ = run_training(d, STEPS, 0, COMMON)
-    assert rc == 0, open(os.path.join(d, "train.log")).read()
-    return d
+    return demo_run(str(tmp_path_factory.mktemp("reference")), STEPS, COMMON)
 
 
 @pytest.mark.parametrize(
@@ -40,11 +38,7 @@ def test_sigkill_and_resume_is_bit_identical(reference: str, tmp_path, die_at: s
     assert rc == -9, "the run must have died of SIGKILL"
     rc, _ = run_training(d, STEPS, 0, COMMON)
     assert rc == 0, open(os.path.join(d, "train.log")).read()
-    res = compare_runs(reference, d)
-    for part in ("model", "optimizer", "scheduler", "ema", "loader"):
-        assert res[part] == [], f"{part} differs after resume: {res[part][:3]}"
-    assert res["first_loss_diff"] is None and res["first_sample_diff"] is None
-    assert res["duplicated_steps"] == 0 and res["identical"]
+    assert_same_run(reference, d)
 
 
 def test_broken_resume_is_detected(reference: str, tmp_path) -> None:

@@ -79,6 +79,7 @@ INNER = {
                 "unbroken.ckpt.collectives",
                 "unbroken.ckpt.load",
                 "unbroken.ckpt.lock",
+                "unbroken.ckpt.memtier",
                 "unbroken.ckpt.per_rank",
                 "unbroken.ckpt.save",
                 "unbroken.ckpt.snapshot",

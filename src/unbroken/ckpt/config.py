@@ -124,6 +124,10 @@ class CheckpointConfig:
     """remote copies of committed checkpoints (:class:`ArchiveConfig`); None: local only."""
     quiet: bool = False
     """no line on stderr (rank 0) for each restore and fall-back; they go to DEBUG logging."""
+    memory_every_steps: int | None = None
+    """publish the snapshot to node memory every K steps (steps; 1 allowed): a crash loses <= K; None: off."""
+    memory_dir: str | None = None
+    """the memory tier's private directory; None: ``$UNBROKEN_MEMORY_TIER``, else ``/dev/shm/unbroken-<uid>/<job>``."""
 
     def __post_init__(self) -> None:
         own = "CheckpointConfig"
@@ -132,6 +136,14 @@ class CheckpointConfig:
         check_count(own, "keep_last", self.keep_last, none="keep all")
         check_count(own, "keep_every", self.keep_every, none="only keep_last")
         check_count(own, "io_threads", self.io_threads)
+        check_count(own, "memory_every_steps", self.memory_every_steps, none="memory tier off")
+        if self.memory_dir is not None and (
+            not isinstance(self.memory_dir, str) or not self.memory_dir
+        ):
+            raise ValueError(
+                f"CheckpointConfig.memory_dir={self.memory_dir!r} must be a non-empty path or "
+                "None (then $UNBROKEN_MEMORY_TIER or /dev/shm/unbroken-<uid>/<job>)"
+            )
         for name in ("allow_fresh_start", "async_save", "save_on_sigterm", "quiet"):
             check_flag(own, name, getattr(self, name))
         check_flag(own, "distributed", self.distributed, none="collective when initialised")

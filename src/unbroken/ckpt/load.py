@@ -272,6 +272,11 @@ class Loader:
                 )  # fmt: skip
         self.comm.barrier()
 
+    def apply(self, ver: Verified) -> NotLoaded | None:
+        """Apply ``ver``, verified elsewhere (the memory tier's slots, :mod:`.memtier`):
+        fit, rehearsal and commit as for a disk step; collective."""
+        return self._apply(ver)
+
     def _apply(self, ver: Verified) -> NotLoaded | None:
         # The world-size rule (C-PER-RANK) is a refusal, like the fit below: it raises
         # to the caller and never quarantines the (intact) checkpoint.

@@ -98,16 +98,17 @@ class Saver:
         self.audit = audit  # `unbroken drill`'s state fingerprints; a no-op otherwise
         self.warned: set[str] = set()  # components reported as differing between ranks
 
-    def snapshot(self, step: int, buffers: Snapshotter | None) -> Job:
+    def snapshot(self, step: int, buffers: Snapshotter | None, *, disk: bool = True) -> Job:
         """Capture the state as of now: with ``buffers``, copies the background write
-        reads (the loop may go on at once); without, the live tensors themselves."""
+        reads (the loop may go on at once); without, the live tensors themselves.
+        ``disk=False``: for the memory tier only (no temporary directory, no collective)."""
         t0 = time.perf_counter()
         sd, rng_state, tree, live = encode(self.state)
         self.audit.saved(step, sd, rng_state)
         tensors = buffers.take(live) if buffers is not None else live
         rng_tree = codec.encode(rng_state, None)
-        tmp = self.store.begin(step) if self.comm.rank == 0 else ""
-        tmp = self.comm.broadcast(tmp)
+        tmp = self.store.begin(step) if disk and self.comm.rank == 0 else ""
+        tmp = self.comm.broadcast(tmp) if disk else ""
         return Job(step, tmp, tensors, sd, tree, rng_tree, t0, time.perf_counter() - t0)
 
     def commit(self, job: Job) -> tuple[str, int]:

@@ -20,7 +20,8 @@ Event schema (common keys ``t`` = Unix time, ``event``, ``attempt``, ``pid``, ``
     stop_group    attempt, reason, grace, seconds, exited, killed: a rank failed, so the
                   supervisor stopped the others (``exited`` ranks left within ``grace``
                   seconds, ``killed`` ones were SIGKILLed) and relaunches
-    loaded        step, seconds: a rank restored a checkpoint (from the Checkpointer)
+    loaded        step, seconds, tier: a rank restored a checkpoint (from the Checkpointer;
+                  tier: memory, disk or archive)
     restore_refused  step, reason: a rank's restore was refused by the live state
                   (``unbroken.ckpt.RestoreRefused``: deterministic, a configuration fault)
     saved         step, seconds: a rank committed a checkpoint (optional)

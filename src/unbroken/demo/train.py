@@ -97,6 +97,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--ckpt-every", type=int, default=20)
     p.add_argument("--keep-last", type=int, default=CheckpointConfig.keep_last)
+    p.add_argument(
+        "--memory-every",
+        type=int,
+        default=CheckpointConfig.memory_every_steps,
+        help="also publish to the memory tier every K steps (default: off)",
+    )
     p.add_argument("--die-at", default=None, help="STEP[:MICRO]: SIGKILL self there")
     p.add_argument(
         "--break",
@@ -163,7 +169,11 @@ def _build(a: argparse.Namespace, rank: int, world: int) -> _Run:
         model=model, optimizer=opt, scheduler=sched, ema=ema, loader=loader, metrics=metrics
     )
     ckpt = Checkpointer(
-        os.path.join(a.dir, "ckpt"), state, every_steps=a.ckpt_every, keep_last=a.keep_last
+        os.path.join(a.dir, "ckpt"),
+        state,
+        every_steps=a.ckpt_every,
+        keep_last=a.keep_last,
+        memory_every_steps=a.memory_every,
     )
     return _Run(model, opt, sched, ema, loader, metrics, state, ckpt)
 

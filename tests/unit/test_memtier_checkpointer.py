@@ -1,0 +1,217 @@
+"""The memory tier inside the Checkpointer (issue 25 items 1 and 3: publish every K steps,
+restore the newest verified tier with one line naming it; C-TIERS).
+
+In-process: a Checkpointer trains with ``memory_every_steps=1, every_steps=5``; "crash" is
+dropping it without ``close()`` (its locks released as the kernel would); a fresh state
+restores. The SIGKILL of a real process is tests/integration/test_memtier_resume.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from ckptkit import can_mount, flip, identical, small_state, snapshot, tmpfs, train
+from unbroken.ckpt import Checkpointer, TrainState
+from unbroken.ckpt.memtier import SlotStore
+
+
+def _ckpt(root: str, tier: str, seed: int = 0, **kw):
+    st, m, opt = small_state(seed)
+    ck = Checkpointer(
+        root, st, every_steps=5, memory_every_steps=1, memory_dir=tier, keep_last=2, **kw
+    )
+    return st, m, opt, ck
+
+
+def _run(root: str, tier: str, steps: int, **kw):
+    st, m, opt, ck = _ckpt(root, tier, **kw)
+    assert ck.restore() is None
+    for _ in range(steps):
+        train(st, m, opt, 1)
+        ck.maybe_save()
+    ck.wait()
+    return st, m, opt, ck
+
+
+def _crash(ck: Checkpointer) -> None:
+    """What the kernel does for a SIGKILLed process: its locks go, nothing else."""
+    assert ck._memory is not None
+    ck._memory.store.close()
+    ck._lock.release()
+    if ck._pool is not None:
+        ck._pool.shutdown(wait=True)
+        ck._pool = None
+
+
+def _restored_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "resumed from step" in r.getMessage()]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async-inline", "async-background"])
+def test_crash_resumes_from_memory_losing_no_step(tmp_path, caplog, monkeypatch, mode) -> None:
+    """issue 25: K=1, N=5, crash after step 7: memory holds step 7 (disk: 5); the restore
+    takes it, says so in one line, and the state is bit-identical to the one saved. A small
+    state publishes in the loop; a large one (here: the threshold lowered) in the
+    background from the snapshot buffers."""
+    from unbroken.ckpt import checkpointer
+
+    if mode == "async-background":
+        monkeypatch.setattr(checkpointer, "_INLINE_PUBLISH_BYTES", 0)
+    async_save = mode != "sync"
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    st, _, _, ck = _run(root, tier, 7, async_save=async_save)
+    assert ck._memory is not None and ck._memory.inline is (mode != "async-background")
+    want = snapshot(st)
+    _crash(ck)
+    st2, _, _, ck2 = _ckpt(root, tier, seed=1, async_save=async_save)
+    with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
+        assert ck2.restore() == 7
+    assert ck2.restored_tier == "memory"
+    assert identical(snapshot(st2), want)
+    lines = _restored_lines(caplog)
+    assert (
+        len(lines) == 1
+        and lines[0].startswith("resumed from step 7,")
+        and "from the memory tier" in lines[0]
+    ), lines
+    ck2.close()
+
+
+def test_resumed_run_continues_bit_identical(tmp_path) -> None:
+    """Crash at 7, resume from memory, train to 12: equal to 12 straight steps."""
+    ref_st, _, _, ref_ck = _run(str(tmp_path / "ref"), str(tmp_path / "unbroken-r" / "job"), 12)
+    ref_ck.close()
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    *_, ck = _run(root, tier, 7)
+    _crash(ck)
+    st, m, opt, ck2 = _ckpt(root, tier, seed=1)
+    assert ck2.restore() == 7
+    for _ in range(5):
+        train(st, m, opt, 1)
+        ck2.maybe_save()
+    ck2.close()
+    assert identical(snapshot(st), snapshot(ref_st))
+
+
+def test_damaged_slots_fall_back_to_the_older_slot_then_disk(tmp_path, caplog) -> None:
+    """issue 25: a damaged slot: the older slot (step 6); both damaged: disk step 5, and
+    the one line says why the newer memory tier was skipped."""
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    *_, ck = _run(root, tier, 7)
+    _crash(ck)
+    slots = SlotStore(tier, rank=0)
+    snap, _ = slots.newest()
+    assert snap is not None and snap.step == 7
+    newest = snap.path
+    older = next(p for p in (slots.slot_path(0), slots.slot_path(1)) if p != newest)
+    del snap
+    flip(newest, os.path.getsize(newest) - 11)
+    *_, ck2 = _ckpt(root, tier, seed=1)
+    assert ck2.restore() == 6 and ck2.restored_tier == "memory"
+    _crash(ck2)
+    flip(older, os.path.getsize(older) - 11)
+    *_, ck3 = _ckpt(root, tier, seed=1)
+    with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
+        assert ck3.restore() == 5
+    assert ck3.restored_tier == "disk"
+    lines = _restored_lines(caplog)
+    assert len(lines) == 1, lines
+    assert (
+        lines[0].startswith("resumed from step 5,")
+        and "from the disk tier" in lines[0]
+        and "memory tier not used" in lines[0]
+    )
+    assert "checksum" in lines[0]
+    ck3.close()
+
+
+def test_memory_older_than_disk_is_skipped(tmp_path, caplog) -> None:
+    """A slot of an older step than the disk's newest is not used, and the line says so."""
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    st, m, opt, ck = _run(root, tier, 4)
+    assert ck._memory is not None
+    ck._memory.disabled = "test: stop publishing"
+    train(st, m, opt, 1)
+    ck.maybe_save()  # step 5: the disk tier only
+    ck.wait()
+    _crash(ck)
+    *_, ck2 = _ckpt(root, tier, seed=1)
+    with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
+        assert ck2.restore() == 5
+    line = _restored_lines(caplog)[0]
+    assert "disk tier" in line and "memory step 4 is older than disk step 5" in line
+    ck2.close()
+
+
+def test_slots_of_another_root_are_never_used(tmp_path) -> None:
+    """One memory directory, two roots: a slot records its root and is used only for it."""
+    tier = str(tmp_path / "unbroken-x" / "job")
+    *_, ck = _run(str(tmp_path / "a"), tier, 3)
+    _crash(ck)
+    *_, ck2 = _ckpt(str(tmp_path / "b"), tier, seed=1)
+    assert ck2.restore() is None
+    ck2.close()
+
+
+def test_clean_close_removes_slots_only_when_disk_holds_as_much(tmp_path) -> None:
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    *_, ck = _run(root, tier, 7)  # memory 7, disk 5: kept
+    ck.close()
+    assert os.path.exists(os.path.join(tier, "rank-0", "slot-0"))
+    other = str(tmp_path / "unbroken-y" / "job")
+    *_, ck2 = _run(str(tmp_path / "ckpt2"), other, 5)
+    ck2.close()  # memory 5 == disk 5: removed, directory too
+    assert not os.path.exists(other)
+
+
+def test_config_refuses_bad_memory_options(tmp_path) -> None:
+    st, _, _ = small_state()
+    with pytest.raises(ValueError, match="memory_every_steps=0 must be an integer >= 1"):
+        Checkpointer(str(tmp_path), st, memory_every_steps=0)
+    with pytest.raises(ValueError, match="memory_dir=''"):
+        Checkpointer(str(tmp_path), st, memory_every_steps=1, memory_dir="")
+
+
+@pytest.mark.skipif(not can_mount(), reason="needs root and mount(8) for a tiny tmpfs")
+def test_full_tmpfs_turns_the_tier_off_and_training_goes_on(tmp_path, caplog) -> None:
+    """A publish that finds the tmpfs full (ENOSPC) turns the memory tier off with one
+    WARNING; training and the disk tier go on, and restore uses disk."""
+    import torch
+
+    root = str(tmp_path / "ckpt")
+    with tmpfs(str(tmp_path / "shm"), "1m") as shm:
+        torch.manual_seed(0)
+        m = torch.nn.Linear(512, 512)  # 1 MiB of weights + 2 MiB of AdamW moments
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        st = TrainState(model=m, optimizer=opt)
+        ck = Checkpointer(root, st, every_steps=2, memory_every_steps=1, memory_dir=f"{shm}/job")
+        with caplog.at_level(logging.WARNING, logger="unbroken.ckpt.checkpointer"):
+            for _ in range(4):
+                m(torch.ones(2, 512)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                st.step += 1
+                ck.maybe_save()
+        warned = [r.getMessage() for r in caplog.records if "memory tier off" in r.getMessage()]
+        assert len(warned) == 1 and "No space left" in warned[0], warned
+        assert ck.latest() == 4
+        ck._lock.release()
+        ck._memory.store.close()
+        ck2 = Checkpointer(root, st, memory_every_steps=1, memory_dir=f"{shm}/job")
+        assert ck2.restore() == 4 and ck2.restored_tier == "disk"
+        ck2.close()
+
+
+def test_a_live_publisher_keeps_a_restore_off_its_slots(tmp_path) -> None:
+    """Restore takes the rank directory's lock: a worker still alive (not yet stopped)
+    could rewrite a slot while it is read; memory is skipped, disk used, and said why."""
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    *_, ck = _run(root, tier, 7)  # still holds the lock: alive
+    ck._lock.release()
+    *_, ck2 = _ckpt(root, tier, seed=1)
+    assert ck2.restore() == 5 and ck2.restored_tier == "disk"
+    ck2.close()
+    ck.close()
