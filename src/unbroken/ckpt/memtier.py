@@ -334,7 +334,7 @@ class SlotStore:
             raise
         except (KeyboardInterrupt, SystemExit):
             raise
-        except BaseException as e:
+        except BaseException as e:  # any fault of untrusted bytes is damage
             first = (str(e).splitlines() or [""])[0]
             raise SlotDamaged(path, "bad-payload", f"{type(e).__name__}: {first}") from e
         finally:
