@@ -391,3 +391,34 @@ def test_sigkill_mid_download_leaves_no_file_that_counts_as_complete(
     _store(proxy.endpoint, bucket).get_file("k", dst, size=len(data), checksum=checksum_bytes(data))
     with open(dst, "rb") as f:
         assert f.read() == data
+
+
+def _child_get(store: Any, dst: str, size: int, digest: str) -> None:
+    store.get_file("f", dst, size=size, checksum=digest)
+    if store._forked() is None:  # obstore's runtime hangs in a fork: fsspec must serve it
+        sys.exit(3)
+
+
+def test_a_forked_child_uses_the_parents_store_with_its_own_connections(
+    endpoint: str, bucket: str, tmp_path: Any
+) -> None:
+    """issue 22 item 1: a DataLoader worker forked after the parent fetched downloads through
+    the inherited store: obstore's runtime does not survive a fork (a request in the child
+    hangs, obstore 0.12.1), so fsspec serves the child; the part threads are its own."""
+    import multiprocessing
+
+    data = os.urandom(12 * MiB)
+    _plant(endpoint, bucket, "f", data)
+    store = _store(endpoint, bucket)
+    store.get_file("f", str(tmp_path / "parent"), size=len(data), checksum=checksum_bytes(data))
+    ctx = multiprocessing.get_context("fork")
+    p = ctx.Process(
+        target=_child_get, args=(store, str(tmp_path / "child"), len(data), checksum_bytes(data))
+    )
+    p.start()
+    p.join(120)
+    if p.exitcode is None:
+        p.kill()
+        p.join()
+    assert p.exitcode == 0
+    assert (tmp_path / "child").read_bytes() == data

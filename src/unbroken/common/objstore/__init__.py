@@ -72,7 +72,7 @@ def open_store(
     if route.kind == "obstore":
         from unbroken.common.objstore._obstore import ObstoreStore
 
-        return ObstoreStore(url, opts, route)
+        return ObstoreStore(url, opts, route, storage_options)
     if (url, route.why) not in _told and "://" in url and not url.startswith("file://"):
         _told.add((url, route.why))
         log.info("%s: served by fsspec (%s)", url, route.why)

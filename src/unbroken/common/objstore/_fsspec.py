@@ -59,6 +59,9 @@ class FsspecStore(ObjectStore):
 
     def _open(self) -> tuple[Any, str]:
         """This process's filesystem (an async one's event loop does not survive a fork)."""
+        if self._fs is not None and self._fs_pid != os.getpid():
+            # a forked child: the parent's lock may have been held by a thread that is gone
+            self._fs, self._fs_lock = None, threading.Lock()
         with self._fs_lock:
             if self._fs is None or self._fs_pid != os.getpid():
                 import fsspec

@@ -229,6 +229,9 @@ class ObjectStore:
         return buf
 
     def _executor(self) -> ThreadPoolExecutor:
+        if self._pool_pid != os.getpid() and self._pool is not None:
+            # a forked child: the parent's lock may have been held by a thread that is gone
+            self._pool, self._pool_lock = None, threading.Lock()
         with self._pool_lock:
             if self._pool is None or self._pool_pid != os.getpid():
                 self._pool = ThreadPoolExecutor(
