@@ -422,3 +422,58 @@ def test_a_forked_child_uses_the_parents_store_with_its_own_connections(
         p.join()
     assert p.exitcode == 0
     assert (tmp_path / "child").read_bytes() == data
+
+
+def test_a_symlink_planted_at_the_destination_is_replaced_not_followed(
+    endpoint: str, bucket: str, tmp_path: Any
+) -> None:
+    """issue 22 item 1 (T-SHARED-NODE): the bytes go to a fresh O_EXCL|O_NOFOLLOW temp name
+    and rename() replaces a link at the destination; the link's target is never written."""
+    data = os.urandom(3000)
+    _plant(endpoint, bucket, "s", data)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(victim, out / "s")
+    _store(endpoint, bucket).get_file(
+        "s", str(out / "s"), size=len(data), checksum=checksum_bytes(data), private=True
+    )
+    assert victim.read_bytes() == b"keep"
+    assert not os.path.islink(out / "s") and (out / "s").read_bytes() == data
+    assert os.stat(out / "s").st_mode & 0o777 == 0o600
+
+
+def test_a_server_that_ignores_range_is_refused_without_reading_the_body(tmp_path: Any) -> None:
+    """issue 22 item 1 (T-BOUNDED): a 200 with the whole body in answer to a ranged GET is
+    refused (never buffered whole), as a storage error naming the URL."""
+    import functools
+    import http.server
+    import threading
+
+    (tmp_path / "f").write_bytes(os.urandom(4 * MiB))
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *a: Any) -> None:
+            pass
+
+        def handle(self) -> None:
+            try:
+                super().handle()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client hung up on the unwanted body: what this test wants
+
+    srv = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(tmp_path))
+    )
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        with pytest.raises(RemoteStorageError, match=f"{url}/f: .*Range request not supported"):
+            open_store(url, None, OPTS).get_file(
+                "f", str(tmp_path / "g"), size=100, checksum="0" * 32
+            )
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert not os.path.exists(tmp_path / "g")
