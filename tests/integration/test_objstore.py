@@ -477,3 +477,46 @@ def test_a_server_that_ignores_range_is_refused_without_reading_the_body(tmp_pat
         srv.shutdown()
         srv.server_close()
     assert not os.path.exists(tmp_path / "g")
+
+
+def test_many_files_at_once_up_and_down_and_one_bad_file_fails_the_batch(
+    endpoint: str, proxy: FaultProxy, bucket: str, tmp_path: Any
+) -> None:
+    """issue 22 item 1: concurrent transfers across files (each large one also in parts) on
+    one store; a damaged object fails the batch with its URL, leaving no temp file."""
+    sizes = [0, 1, 3000, 5 * MiB + 1, 11 * MiB, 300_000]
+    blobs = [os.urandom(n) for n in sizes]
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, b in enumerate(blobs):
+        (src / f"f{i}").write_bytes(b)
+    store = _store(proxy.endpoint, bucket)
+    fds = [os.open(str(src / f"f{i}"), os.O_RDONLY) for i in range(len(blobs))]
+    try:
+        store.put_files(
+            [
+                (f"m/f{i}", fd, len(b), checksum_bytes(b))
+                for i, (fd, b) in enumerate(zip(fds, blobs, strict=True))
+            ],
+            threads=4,
+        )
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert store.list_objects("m") == {f"m/f{i}": n for i, n in enumerate(sizes)}
+    out = tmp_path / "out"
+    out.mkdir()
+    got: list[int] = []
+    specs = [
+        (f"m/f{i}", str(out / f"f{i}"), len(b), checksum_bytes(b)) for i, b in enumerate(blobs)
+    ]
+    store.get_files(specs, threads=4, on_bytes=got.append)
+    assert [(out / f"f{i}").read_bytes() for i in range(len(blobs))] == blobs
+    assert sum(got) == sum(sizes)
+    _plant(endpoint, bucket, "m/f3", blobs[3][:-1] + b"!")  # same size, other bytes
+    again = tmp_path / "again"
+    again.mkdir()
+    with pytest.raises(ObjectMismatch, match=f"s3://{bucket}/ds/m/f3: xxh3-128"):
+        store.get_files([(k, str(again / os.path.basename(d)), n, c) for k, d, n, c in specs])
+    assert not any(is_temp_name(n) for n in os.listdir(again))
+    assert not os.path.exists(again / "f3")

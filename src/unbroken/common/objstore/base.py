@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -33,7 +34,10 @@ from unbroken.common.errors import ObjectMismatch
 from unbroken.common.fs import hasher, open_private, temp_sibling
 from unbroken.common.objstore.options import StoreOptions
 
-__all__ = ["ObjectStore", "PastEnd"]
+__all__ = ["FileSpec", "ObjectStore", "PastEnd", "run_parallel"]
+
+FileSpec = tuple[str, Any, int, str]
+"""``(key, local path or descriptor, size in bytes, xxh3-128 hex)``: one file of a transfer."""
 
 
 class PastEnd(Exception):
@@ -169,6 +173,43 @@ class ObjectStore:
                 os.unlink(tmp)
             raise
 
+    def get_files(
+        self,
+        files: Sequence[FileSpec],
+        *,
+        threads: int = 8,
+        on_bytes: Callable[[int], None] | None = None,
+        private: bool = False,
+        fsync: bool = False,
+    ) -> None:
+        """:meth:`get_file` for each ``(key, dst, size, checksum)``, ``threads`` files at a
+        time (each large one also split into parts); the first failure cancels the files not
+        yet started and is raised once the started ones have ended. ``on_bytes`` may be
+        called from several threads at once."""
+        jobs = [
+            functools.partial(
+                self.get_file,
+                key,
+                dst,
+                size=size,
+                checksum=checksum,
+                on_bytes=on_bytes,
+                private=private,
+                fsync=fsync,
+            )
+            for key, dst, size, checksum in files
+        ]
+        run_parallel(jobs, threads, "unbroken-get")
+
+    def put_files(self, files: Sequence[FileSpec], *, threads: int = 8) -> None:
+        """:meth:`put_file` for each ``(key, src, size, checksum)`` (``src`` a path or an
+        open descriptor), ``threads`` files at a time; failures as in :meth:`get_files`."""
+        jobs = [
+            functools.partial(self.put_file, key, src, size=size, checksum=checksum)
+            for key, src, size, checksum in files
+        ]
+        run_parallel(jobs, threads, "unbroken-put")
+
     def _get_into(self, key: str, fd: int, size: int, tick: Callable[[int], None]) -> str:
         """Fetch ``key`` into the open file ``fd``; returns the xxh3-128 of its bytes."""
         h = hasher()
@@ -285,6 +326,24 @@ class ObjectStore:
         else:
             self._put_stream(key, chunks, size)
         return None
+
+
+def run_parallel(jobs: Sequence[Callable[[], Any]], threads: int, name: str) -> None:
+    """Run ``jobs`` on ``threads`` threads; on the first failure cancel what has not started
+    and raise it (a doomed transfer should not wait for every other file's retries)."""
+    if len(jobs) <= 1 or threads <= 1:
+        for j in jobs:
+            j()
+        return
+    with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix=name) as pool:
+        futs = [pool.submit(j) for j in jobs]
+        try:
+            for f in futs:
+                f.result()
+        except BaseException:
+            for f in futs:
+                f.cancel()
+            raise
 
 
 def _verified_chunks(fd: int, size: int, checksum: str, part: int, local: str) -> Iterator[bytes]:
