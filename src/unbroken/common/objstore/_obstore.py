@@ -201,7 +201,8 @@ class ObstoreStore(ObjectStore):
                 key,
                 chunks,
                 use_multipart=True,
-                chunk_size=o.part_bytes,
+                # S3 takes at most 10,000 parts: a file beyond 80 GB gets larger ones
+                chunk_size=max(o.part_bytes, -(-size // 9_000)),
                 max_concurrency=o.concurrency,
             ),
         )
