@@ -302,7 +302,7 @@ def make_loader(
         ds = StreamingDataset(f"{root}/tar", seed=seed, transform=fn, **extra)
         ld = StatefulLoader(
             ds,
-            BATCH,
+            batch_size=BATCH,
             collate_fn=collate,
             num_workers=workers,
             pin_memory=pin and workers > 0,
@@ -659,7 +659,7 @@ def child_tokens(name: str, root: str, batch: int, workers: int) -> dict[str, An
     else:
         ld = StatefulLoader(
             ds,
-            batch,
+            batch_size=batch,
             num_workers=workers,
             last_batch="drop",
             shm_transport=name != "unbroken-pipe",

@@ -8,7 +8,7 @@ epochs through a local cache limited to 25% of *its* dataset's size, 2 DataLoade
 batches of 256, shuffle on, the same decode (``json.loads`` of the metadata + the first 2,048
 payload bytes as a float tensor) and ``default_collate``:
 
-* unbroken: ``StreamingDataset("s3://...", cache_dir=, cache_limit=, shuffle_window=5000)``;
+* unbroken: ``StreamingDataset("s3://...", cache=CacheConfig(cache_dir=, cache_limit=), shuffle_window=5000)``;
 * MosaicML Streaming: ``StreamingDataset(remote="s3://...", local=, cache_limit=,
   shuffle_block_size=5000)`` (the same shuffle span as ours; its default block of 262,144
   samples spans the whole dataset, which a 25% cache can only thrash on);
@@ -215,23 +215,23 @@ def make_loader(name: str, endpoint: str, cache: str, limit: int) -> Any:
 
         local = os.path.join(os.path.dirname(cache), "tar")  # cache is <root>/cache-<name>
         ds = StreamingDataset(local, seed=0, shuffle_window=WINDOW, transform=decode_tar)
-        return StatefulLoader(ds, BATCH, num_workers=WORKERS, collate_fn=default_collate)
+        return StatefulLoader(ds, batch_size=BATCH, num_workers=WORKERS, collate_fn=default_collate)
     if name == "unbroken":
-        from unbroken.data.stream.cache import CacheOptions
-        from unbroken.data.stream.dataset import StreamingDataset
-        from unbroken.data.stream.loader import StatefulLoader
+        from unbroken.data import CacheConfig, StatefulLoader, StreamingDataset
 
         ds = StreamingDataset(
             f"{url}/tar",
             seed=0,
             shuffle_window=WINDOW,
             transform=decode_tar,
-            cache_dir=cache,
-            cache_limit=limit,
-            storage_options={"client_kwargs": {"endpoint_url": endpoint}},
-            cache_options=CacheOptions(threads=4),
+            cache=CacheConfig(
+                cache_dir=cache,
+                cache_limit=limit,
+                storage_options={"client_kwargs": {"endpoint_url": endpoint}},
+                threads=4,
+            ),
         )
-        return StatefulLoader(ds, BATCH, num_workers=WORKERS, collate_fn=default_collate)
+        return StatefulLoader(ds, batch_size=BATCH, num_workers=WORKERS, collate_fn=default_collate)
     if name == "mosaicml":
         from streaming import StreamingDataLoader, StreamingDataset
         from streaming.base.util import clean_stale_shared_memory

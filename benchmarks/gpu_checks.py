@@ -287,8 +287,10 @@ def ring_check(dev: torch.device, root: str, smoke: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"samples": n, "batch": batch, "workers": workers}
 
     # (a) same batches as without workers, and pinned
-    ref = list(StatefulLoader(ds, batch, drop_last=True))
-    ld = StatefulLoader(ds, batch, drop_last=True, num_workers=workers, pin_memory=True)
+    ref = list(StatefulLoader(ds, batch_size=batch, last_batch="drop"))
+    ld = StatefulLoader(
+        ds, batch_size=batch, last_batch="drop", num_workers=workers, pin_memory=True
+    )
     same = pinned = 0
     for got, want in zip(ld, ref, strict=True):
         same += bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
@@ -341,8 +343,8 @@ def ring_check(dev: torch.device, root: str, smoke: bool) -> dict[str, Any]:
     def epochs(**kw: Any) -> Any:
         loader = StatefulLoader(
             ds,
-            batch,
-            drop_last=True,
+            batch_size=batch,
+            last_batch="drop",
             num_workers=workers,
             pin_memory=True,
             persistent_workers=True,

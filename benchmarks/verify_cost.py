@@ -114,7 +114,7 @@ def time_loader(root: str, verify: bool, seed: int) -> tuple[float, float]:
     from unbroken.data.stream.loader import StatefulLoader
 
     ds = StreamingDataset(root, seed=seed, verify=verify, transform=touch)
-    ld = StatefulLoader(ds, BATCH, collate_fn=list_collate, num_workers=2)
+    ld = StatefulLoader(ds, batch_size=BATCH, collate_fn=list_collate, num_workers=2)
     n, t0, n0 = 0, 0.0, 0
     c0 = _cpu()
     for b, out in enumerate(ld):

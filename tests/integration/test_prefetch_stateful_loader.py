@@ -17,7 +17,9 @@ from unbroken.data.stream.loader import StatefulLoader
 
 def loader(root: str, workers: int) -> StatefulLoader:
     ds = StreamingDataset(root, seed=3)
-    return StatefulLoader(ds, 8, collate_fn=ids_collate, num_workers=workers, last_batch="drop")
+    return StatefulLoader(
+        ds, batch_size=8, collate_fn=ids_collate, num_workers=workers, last_batch="drop"
+    )
 
 
 def queued(inner: Any, depth: int) -> DevicePrefetcher:
@@ -80,8 +82,8 @@ def test_batches_held_by_the_prefetcher_keep_their_ring_slots(stream_data: Any) 
     """Tensor batches arrive in shared-memory slots that workers reuse once a batch is gone;
     batches queued in the prefetcher (and those the loop keeps) must never be overwritten."""
     ds = StreamingDataset(stream_data("tar"), seed=9, transform=_decode)
-    reference = list(StatefulLoader(ds, 8, last_batch="drop"))
-    p = queued(StatefulLoader(ds, 8, num_workers=2, last_batch="drop"), depth=4)
+    reference = list(StatefulLoader(ds, batch_size=8, last_batch="drop"))
+    p = queued(StatefulLoader(ds, batch_size=8, num_workers=2, last_batch="drop"), depth=4)
     kept = []
     for i, (got, want) in enumerate(zip(p, reference, strict=True)):
         assert torch.equal(got["x"], want["x"]) and got["key"] == want["key"]

@@ -34,14 +34,10 @@ import pytest
 from datakit import S3_TEST_CREDS
 from unbroken.data.diagnose.timer import StepTimer
 from unbroken.data.manifest import DatasetManifest
-from unbroken.data.stream.cache import (
-    EVENTS_MAX,
-    CacheOptions,
-    RemoteStorageError,
-    epoch_plan,
-    read_events,
-)
+from unbroken.data.stream.config import CacheConfig
 from unbroken.data.stream.dataset import Source, StreamingDataset
+from unbroken.data.stream.remote import EVENTS_MAX, RemoteStorageError, read_events
+from unbroken.data.stream.remote import fetcher as fetcher_process
 from unbroken.data.tar.reader import CorruptSampleError, ShardIndex, ShardReader
 
 s3fs = pytest.importorskip("s3fs")
@@ -294,11 +290,9 @@ def test_two_ranks_two_workers_bounded_cache_kill_and_resume(
     resumed = [s for s in states if s is not None and s["epoch"] == 1]
     assert resumed
     p_min = min(s["samples_consumed"] for s in resumed)
-    plan = epoch_plan(
-        StreamingDataset(local_ds, seed=SEED, shuffle_window=WINDOW, rank=0, world_size=world),
-        1,
-        {0: 0},
-    )
+    plan = StreamingDataset(
+        local_ds, seed=SEED, shuffle_window=WINDOW, rank=0, world_size=world
+    ).order.plan(1, {0: 0})
     after = [e for e in events if e["t"] > killed_at]
     for e in after:
         if e["ev"] == "download" and e["for_epoch"] == 1:
@@ -314,10 +308,10 @@ def test_two_ranks_two_workers_bounded_cache_kill_and_resume(
     _wait(lambda: _no_fetcher(cache), 60, "the fetcher to exit")
     names = os.listdir(os.path.join(cache, m.fingerprint[:16]))
     assert not [n for n in names if n.startswith(".tmp-")]
-    from unbroken.data.stream.cache import _unpack_index
+    from unbroken.data.stream.remote.index import unpack_index
 
     with open(os.path.join(cache, ".index"), "rb") as f:
-        got_index = _unpack_index(f.read())
+        got_index = unpack_index(f.read())
     assert got_index is not None
     assert int(got_index[1][:, 2].sum()) == _cache_bytes(cache) <= limit
 
@@ -336,13 +330,18 @@ def test_mixture_with_a_remote_source_reads_like_local(
     local = StreamingDataset([Source(local_ds, 0.75), Source(stream_data("tar_b"), 0.25)], **kw)
     remote = StreamingDataset(
         [
-            Source("s3://data/mix", 0.75, storage_options=_opts(endpoint)),
+            Source("s3://data/mix", 0.75),
             Source(stream_data("tar_b"), 0.25),
         ],
-        cache_dir=str(tmp_path / "c"),
-        cache_limit="600KB",
         **kw,
-        cache_options=CacheOptions(prefetch_shards=4, timeout=20, backoff_s=0.05),
+        cache=CacheConfig(
+            cache_dir=str(tmp_path / "c"),
+            cache_limit="600KB",
+            storage_options=_opts(endpoint),
+            prefetch_shards=4,
+            timeout=20,
+            backoff_s=0.05,
+        ),
     )
     assert remote.fingerprint == local.fingerprint
     timer = StepTimer(log_every=0, network=remote)  # the network as its own stage
@@ -363,9 +362,11 @@ def test_mixture_with_a_remote_source_reads_like_local(
     ):
         StreamingDataset(
             "s3://data/mix",
-            cache_dir=str(tmp_path / "c2"),
-            cache_limit=10_000,
-            storage_options=_opts(endpoint),
+            cache=CacheConfig(
+                cache_dir=str(tmp_path / "c2"),
+                cache_limit=10_000,
+                storage_options=_opts(endpoint),
+            ),
             shuffle_window=WINDOW,
         )
 
@@ -374,18 +375,20 @@ def test_mixture_with_a_remote_source_reads_like_local(
     def depth(limit: int | None) -> tuple[int, int]:
         ds = StreamingDataset(
             "s3://data/mix",
-            cache_dir=str(tmp_path / "c3"),
-            cache_limit=limit,
-            storage_options=_opts(endpoint),
+            cache=CacheConfig(
+                cache_dir=str(tmp_path / "c3"),
+                cache_limit=limit,
+                storage_options=_opts(endpoint),
+                fetch_process=False,
+            ),
             shuffle_window=WINDOW,
-            cache_options=CacheOptions(fetch_process=False),
         )
-        assert ds._cache is not None
-        return ds._cache.prefetch_shards, ds._cache.min_limit()[0]
+        assert ds.cache is not None
+        return ds.cache.prefetch_shards, ds.cache.min_limit()[0]
 
     window, least = depth(None)
     assert depth(least)[0] == window
-    one = int(remote._cache.unit_bytes.max()) if remote._cache is not None else 0
+    one = int(remote.cache.unit_bytes.max()) if remote.cache is not None else 0
     more, need = depth(least + 8 * one)
     assert window < more == (window + 8) * 3 // 4 and need <= least + 8 * one
     assert depth(least + 1000 * one)[0] == 4 * window
@@ -406,9 +409,13 @@ def test_a_shard_damaged_in_the_bucket_is_named(
         shuffle=False,
         rank=0,
         world_size=1,
-        cache_dir=str(tmp_path / "c"),
-        storage_options=_opts(endpoint),
-        cache_options=CacheOptions(retries=1, backoff_s=0.01, timeout=20),
+        cache=CacheConfig(
+            cache_dir=str(tmp_path / "c"),
+            storage_options=_opts(endpoint),
+            retries=1,
+            backoff_s=0.01,
+            timeout=20,
+        ),
     )
     seen: list[str] = []
     with pytest.raises(
@@ -438,9 +445,9 @@ def test_a_cached_shard_damaged_after_download_is_checked_like_a_local_one(
         "shuffle": False,
         "rank": 0,
         "world_size": 1,
-        "cache_dir": cache,
-        "storage_options": _opts(endpoint),
-        "cache_options": CacheOptions(timeout=20, backoff_s=0.01),
+        "cache": CacheConfig(
+            cache_dir=cache, storage_options=_opts(endpoint), timeout=20, backoff_s=0.01
+        ),
     }
 
     def keys(ds: StreamingDataset) -> list[str]:
@@ -484,20 +491,25 @@ def test_a_closed_batch_iterator_leaves_the_frame_and_unpins(
         shuffle_window=WINDOW,
         rank=0,
         world_size=1,
-        cache_dir=str(tmp_path / "c"),
-        storage_options=_opts(endpoint),
-        cache_options=CacheOptions(timeout=20, backoff_s=0.01),
+        cache=CacheConfig(
+            cache_dir=str(tmp_path / "c"),
+            storage_options=_opts(endpoint),
+            timeout=20,
+            backoff_s=0.01,
+        ),
     )
     it = ds.iter_batches(0, 0, 16)
     next(it)
-    cache = ds._cache
-    assert [(e, p) for e, p, _ in cache._registrations()] == [(0, 0)]
-    assert any(r._open for r in cache.readers)  # the first batch's shards are pinned
+    cache = ds.cache
+    assert cache is not None
+    holders = cache._holders.values()
+    assert [(e, p) for e, p, _ in cache.live_readers()] == [(0, 0)]
+    assert any(h.open_shards() for h in holders)  # the first batch's shards are pinned
     it.close()
-    assert cache._registrations() == [] and not any(r._open for r in cache.readers)
+    assert cache.live_readers() == [] and not any(h.open_shards() for h in holders)
     it = ds.iter_batches(0, 16, 16)
     assert len(next(it)) == 16  # reading again registers again
-    assert [(e, p) for e, p, _ in cache._registrations()] == [(0, 16)]
+    assert [(e, p) for e, p, _ in cache.live_readers()] == [(0, 16)]
     it.close()
 
 
@@ -518,11 +530,15 @@ def test_server_stopped_mid_epoch_fails_within_the_timeout(local_ds: str, tmp_pa
                 shuffle_window=WINDOW,
                 rank=0,
                 world_size=1,
-                cache_dir=str(tmp_path / "c"),
-                cache_limit=m.total_bytes // 4,
-                storage_options=_opts(ep),
-                cache_options=CacheOptions(
-                    prefetch_shards=2, timeout=4, retries=2, backoff_s=0.05, grace_s=0.2
+                cache=CacheConfig(
+                    cache_dir=str(tmp_path / "c"),
+                    cache_limit=m.total_bytes // 4,
+                    storage_options=_opts(ep),
+                    prefetch_shards=2,
+                    timeout=4,
+                    retries=2,
+                    backoff_s=0.05,
+                    grace_s=0.2,
                 ),
             )
             it = ds.iter_batches(0, 0, 16)
@@ -569,11 +585,11 @@ def test_data_bench_on_a_remote_dataset_names_the_network(
             "1e9",
         ]
     )
-    out = capsys.readouterr().out
-    assert rc == 0, out
+    out, err = capsys.readouterr()
+    assert rc == 0, out + err
     row = next(ln for ln in out.splitlines() if ln.startswith("network"))
     assert "remote" in row and "parallel downloads" in row
-    assert "CacheOptions(prefetch_shards=" in out
+    assert "CacheConfig(prefetch_shards=" in out
     assert os.listdir(str(tmp_path / "scratch")) == []  # the scratch cache is gone
     rc = main(["data", "bench", "s3://data/bench", "--storage-options", "{oops"])
     assert rc == 2 and "--storage-options" in capsys.readouterr().err
@@ -583,7 +599,7 @@ def test_a_fetcher_in_a_fresh_interpreter_serves_the_readers(
     endpoint: str, local_ds: str, tmp_path: Any
 ) -> None:
     """The path a DataLoader worker takes when no fetcher runs (it may not fork): ``python -m
-    unbroken.data.stream.fetcher``, its state piped into its stdin (never a pickle on disk,
+    unbroken.data.stream.remote.fetcher``, its state piped into its stdin (never a pickle on disk,
     which another writer of the cache directory could replace); every download then comes
     from that process."""
     _upload(endpoint, local_ds, "data", "fresh")
@@ -594,12 +610,18 @@ def test_a_fetcher_in_a_fresh_interpreter_serves_the_readers(
         shuffle_window=WINDOW,
         rank=0,
         world_size=1,
-        cache_dir=cache,
-        storage_options=_opts(endpoint),
-        cache_options=CacheOptions(fetch_process=False, prefetch_shards=4, grace_s=30, timeout=30),
+        cache=CacheConfig(
+            cache_dir=cache,
+            storage_options=_opts(endpoint),
+            fetch_process=False,
+            prefetch_shards=4,
+            grace_s=30,
+            timeout=30,
+        ),
     )
-    c = ds._cache
-    c._spawn_fetcher(fresh=True)
+    c = ds.cache
+    assert c is not None
+    fetcher_process.spawn(c, fresh=True)
     _wait(lambda: any(e["ev"] == "fetcher" for e in read_events(cache)), 60, "the fetcher")
     c._proc().fetcher_checked = -1e9
     assert c.fetcher_alive()
@@ -640,14 +662,14 @@ class _AllWatcher(_Watcher):
             self.stop.wait(0.001)
 
 
-def _cache_kw(endpoint: str, **options: Any) -> dict[str, Any]:
+def _cache(endpoint: str, cache_dir: Any, cache_limit: Any = None, **options: Any) -> CacheConfig:
     opts = {"timeout": 20, "backoff_s": 0.01, "fetch_process": False, **options}
-    return {
-        "rank": 0,
-        "world_size": 1,
-        "storage_options": _opts(endpoint),
-        "cache_options": CacheOptions(**opts),
-    }
+    return CacheConfig(
+        cache_dir=str(cache_dir),
+        cache_limit=cache_limit,
+        storage_options=_opts(endpoint),
+        **opts,
+    )
 
 
 def _read_all(ds: StreamingDataset, batch: int = 16) -> list[dict[str, Any]]:
@@ -663,18 +685,18 @@ def test_the_cache_directory_is_private_and_its_fixed_names_are_never_followed(
     and 0600 files."""
     _upload(endpoint, local_ds, "data", "priv")
     m = DatasetManifest.load(local_ds)
-    kw = {"seed": 0, "shuffle_window": WINDOW, **_cache_kw(endpoint)}
+    kw = {"seed": 0, "shuffle_window": WINDOW, "rank": 0, "world_size": 1}
     url = "s3://data/priv"
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o777)
     with pytest.raises(PermissionError, match=rf"{shared}: the cache directory .* mode 0777"):
-        StreamingDataset(url, cache_dir=str(shared), cache_limit="1GB", **kw)
+        StreamingDataset(url, cache=_cache(endpoint, shared, "1GB"), **kw)
     other = tmp_path / "other"
     other.mkdir(mode=0o700)
     os.chown(other, 4242, 4242)
     with pytest.raises(PermissionError, match=rf"{other}: the cache directory .* uid 4242"):
-        StreamingDataset(url, cache_dir=str(other), cache_limit="1GB", **kw)
+        StreamingDataset(url, cache=_cache(endpoint, other, "1GB"), **kw)
 
     fixed = [
         ".index",
@@ -690,12 +712,12 @@ def test_the_cache_directory_is_private_and_its_fixed_names_are_never_followed(
         victim.write_bytes(b"precious " * 100)
         os.symlink(victim, cache / name)
         with pytest.raises(OSError):
-            ds = StreamingDataset(url, cache_dir=str(cache), cache_limit="1GB", **kw)
+            ds = StreamingDataset(url, cache=_cache(endpoint, cache, "1GB"), **kw)
             _read_all(ds)
         assert victim.read_bytes() == b"precious " * 100, name
 
     cache = tmp_path / "clean"
-    ds = StreamingDataset(url, cache_dir=str(cache), cache_limit=m.total_bytes // 2, **kw)
+    ds = StreamingDataset(url, cache=_cache(endpoint, cache, m.total_bytes // 2), **kw)
     assert len(_read_all(ds)) == N
     for root, _, files in os.walk(cache):
         assert os.stat(root).st_mode & 0o777 == 0o700, root
@@ -741,7 +763,7 @@ def test_a_forged_shard_in_the_cache_is_never_served(endpoint: str, tmp_path: An
     shutil.copy(str(tmp_path / "forged.tar.idx"), str(local / m.shards[1].index))
     for name in (m.shards[0].name, m.shards[0].index):  # a genuine unit found there
         shutil.copy(os.path.join(src, name), str(local / name))
-    kw = {"seed": 0, "shuffle": False, "cache_dir": str(cache), **_cache_kw(endpoint)}
+    kw = {"seed": 0, "shuffle": False, "rank": 0, "world_size": 1, "cache": _cache(endpoint, cache)}
     assert _read_all(StreamingDataset("s3://data/forged", **kw)) == want
     assert checksum_file(str(local / m.shards[1].name))[1] == m.shards[1].checksum
     fetched = {e["shard"] for e in read_events(str(cache)) if e["ev"] == "download"}
@@ -789,10 +811,7 @@ def test_every_get_is_ranged_to_the_recorded_size(endpoint: str, tmp_path: Any) 
     watcher.start()
     try:
         ds = StreamingDataset(
-            "s3://data/lie",
-            cache_dir=cache,
-            cache_limit="1MB",
-            **_cache_kw(endpoint, retries=2),
+            "s3://data/lie", rank=0, world_size=1, cache=_cache(endpoint, cache, "1MB", retries=2)
         )
         with pytest.raises(RuntimeError, match=r"s3://data/lie/shard-000000\.tar: checksum"):
             _read_all(ds)
@@ -820,15 +839,15 @@ def test_every_byte_the_cache_writes_counts_against_its_limit(endpoint: str, tmp
     assert len(m.shards) >= 100
     _upload(endpoint, src, "data", "small")
     cache = str(tmp_path / "c")
-    kw = {"seed": 3, "shuffle_window": 12, "cache_dir": cache, **_cache_kw(endpoint)}
-    probe = StreamingDataset("s3://data/small", cache_limit=None, **kw)
-    assert probe._cache is not None
-    limit = probe._cache.min_limit()[0]
+    kw = {"seed": 3, "shuffle_window": 12, "rank": 0, "world_size": 1}
+    probe = StreamingDataset("s3://data/small", cache=_cache(endpoint, cache), **kw)
+    assert probe.cache is not None
+    limit = probe.cache.min_limit()[0]
     shutil.rmtree(cache)
     watcher = _AllWatcher(cache)
     watcher.start()
     try:
-        ds = StreamingDataset("s3://data/small", cache_limit=limit, **kw)
+        ds = StreamingDataset("s3://data/small", cache=_cache(endpoint, cache, limit), **kw)
         for epoch in (0, 1):
             got = [s for b in ds.iter_batches(epoch, 0, 12) for s in b]
             assert sorted(s["__key__"] for s in got) == [s["__key__"] for s in want]
@@ -839,10 +858,10 @@ def test_every_byte_the_cache_writes_counts_against_its_limit(endpoint: str, tmp
     assert watcher.samples > 50 and watcher.peak <= limit, (watcher.peak, limit)
 
     # the event log: bounded, newest kept
-    c = ds._cache
+    c = ds.cache
     assert c is not None
     for i in range(20_000):
-        c._event("test", i=i, pad="x" * 100)
+        c.events.write("test", i=i, pad="x" * 100)
     sizes = [os.path.getsize(os.path.join(cache, n)) for n in (".events", ".events.1")]
     assert sum(sizes) <= 2 * EVENTS_MAX, sizes
     assert read_events(cache)[-1]["i"] == 19_999

@@ -52,7 +52,7 @@ def _loaders(spec: Any, lay: Layout, policy: str) -> list[StatefulLoader]:
     return [
         StatefulLoader(
             StreamingDataset(spec, seed=SEED, shuffle_window=WINDOW, rank=r, world_size=lay.world),
-            lay.batch,
+            batch_size=lay.batch,
             collate_fn=ids_collate,
             num_workers=lay.workers,
             last_batch=policy,
@@ -201,7 +201,9 @@ def _rank_main(
         # rank and world size from torch.distributed
         ds = StreamingDataset(spec, seed=SEED, shuffle_window=WINDOW)
         assert (ds.rank, ds.world_size) == (rank, world)
-        ld = StatefulLoader(ds, batch, collate_fn=ids_collate, num_workers=1, last_batch="short")
+        ld = StatefulLoader(
+            ds, batch_size=batch, collate_fn=ids_collate, num_workers=1, last_batch="short"
+        )
         if os.path.exists(state_path):
             with open(state_path) as f:
                 ld.load_state_dict(json.load(f))

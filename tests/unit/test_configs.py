@@ -25,18 +25,24 @@ from unbroken.ckpt.archive.remote import Archive
 from unbroken.ckpt.archive.uploader import BackgroundUploader
 from unbroken.common.jsonable import plain_json
 from unbroken.common.metrics import MetricLog
-from unbroken.data import DevicePrefetcher, LoaderConfig, StatefulLoader, StreamingDataset
+from unbroken.data import (
+    CacheConfig,
+    DatasetConfig,
+    DevicePrefetcher,
+    LoaderConfig,
+    StatefulLoader,
+    StreamingDataset,
+)
 
-CONFIGS = (CheckpointConfig, ArchiveConfig, LoaderConfig)
+CONFIGS = (CheckpointConfig, ArchiveConfig, LoaderConfig, DatasetConfig, CacheConfig)
 # each component, and the config whose fields its keywords share (names and defaults)
 COMPONENTS = (
     (Checkpointer, CheckpointConfig),
     (Archive, ArchiveConfig),
     (BackgroundUploader, ArchiveConfig),
-    (StatefulLoader, LoaderConfig),
 )
-# keywords whose None means "not given: the dataclass's default" (last_batch: or drop_last)
-UNSET_IS_NONE = {("StatefulLoader", "last_batch"), ("Archive", "storage_options")}
+# keywords whose None means "not given: the dataclass's default"
+UNSET_IS_NONE = {("Archive", "storage_options")}
 
 
 def _field_docs(cls: type) -> dict[str, str]:
@@ -108,6 +114,14 @@ BAD = [
     (LoaderConfig, {"persistent_workers": True}, "persistent_workers=True needs num_workers"),
     (LoaderConfig, {"timeout": -1}, "timeout=-1"),
     (LoaderConfig, {"pin_memory": None}, "pin_memory=None"),
+    (DatasetConfig, {"seed": -1}, "seed=-1"),
+    (DatasetConfig, {"on_corrupt": "ignore"}, "on_corrupt='ignore'"),
+    (DatasetConfig, {"rank": 1}, "rank=1 world_size=None: pass both or neither"),
+    (DatasetConfig, {"rank": 2, "world_size": 2}, "rank=2 world_size=2"),
+    (DatasetConfig, {"shuffle_window": 0}, "shuffle_window=0"),
+    (CacheConfig, {"cache_limit": "lots"}, "cache_limit='lots'"),
+    (CacheConfig, {"threads": 0}, "threads=0"),
+    (CacheConfig, {"timeout": 0}, "timeout=0"),
 ]
 
 
@@ -208,28 +222,32 @@ def test_archive_and_uploader_read_the_config() -> None:
         over.close()
 
 
-def test_loader_keywords_equal_config(stream_data) -> None:
-    ds = StreamingDataset(stream_data("tar"), seed=3)
-    by_kw = StatefulLoader(
-        ds, 8, collate_fn=ids_collate, drop_last=True, on_dataset_change="restart_epoch"
-    )
-    cfg = LoaderConfig(batch_size=8, last_batch="drop", on_dataset_change="restart_epoch")
-    by_cfg = StatefulLoader(ds, collate_fn=ids_collate, config=cfg)
-    assert by_kw.config == by_cfg.config == cfg
+def test_data_components_take_one_config_and_its_fields_as_keywords(stream_data) -> None:
+    """Issue 24 item 3: StreamingDataset(source, DatasetConfig, **fields) and
+    StatefulLoader(dataset, LoaderConfig, **fields): the keywords replace fields of the config
+    (validated again), an unknown one is a TypeError that lists the fields."""
+    root = stream_data("tar")
+    cfg = DatasetConfig(seed=3, shuffle_window=40)
+    ds = StreamingDataset(root, cfg, with_ids=True)
+    assert ds.config == dataclasses.replace(cfg, with_ids=True)
+    assert StreamingDataset(root).config == DatasetConfig()
+    with pytest.raises(TypeError, match=r"cache_dir; its options are the fields of DatasetConfig"):
+        StreamingDataset(root, cache_dir="/tmp/x")
+    with pytest.raises(ValueError, match=r"DatasetConfig.seed=-1"):
+        StreamingDataset(root, cfg, seed=-1)
+    lcfg = LoaderConfig(batch_size=8, last_batch="drop")
+    ld = StatefulLoader(ds, lcfg, num_workers=2, collate_fn=ids_collate)
+    assert ld.config == dataclasses.replace(lcfg, num_workers=2)
     assert StatefulLoader(ds).config == LoaderConfig()
-    assert (by_cfg.batch_size, by_cfg.last_batch) == (8, "drop")
-    assert list(by_kw) == list(by_cfg)
-    assert by_kw.state_dict() == by_cfg.state_dict()
-    with pytest.raises(ValueError, match=r"not both .*num_workers=2"):
-        StatefulLoader(ds, config=cfg, num_workers=2)
-    with pytest.raises(ValueError, match=r"not both .*last_batch='drop'"):
-        StatefulLoader(ds, config=LoaderConfig(), drop_last=True)
+    with pytest.raises(ValueError, match="prefetch_factor=2 needs num_workers"):
+        StatefulLoader(ds, lcfg, prefetch_factor=2)
+    assert not hasattr(ld, "batch_size") and not hasattr(ds, "seed")  # no copies on self
 
 
 def test_stateful_is_torchs_protocol(tmp_path, stream_data) -> None:
     assert unbroken.ckpt.Stateful is TorchStateful
     st, _, _ = small_state()
-    loader = StatefulLoader(StreamingDataset(stream_data("tar"), seed=0), 4)
+    loader = StatefulLoader(StreamingDataset(stream_data("tar"), seed=0), batch_size=4)
     ml = MetricLog(str(tmp_path / "m.jsonl"))
     try:
         for obj in (st, loader, DevicePrefetcher(loader, device="cpu"), ml):

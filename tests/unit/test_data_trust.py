@@ -79,7 +79,9 @@ def test_skip_mode_drops_and_counts_the_damaged_sample(stream_data, tmp_path, ca
     _flip(tar, off)
     for workers in (0, 2):
         ds = StreamingDataset(root, seed=0, on_corrupt="skip")
-        ld = StatefulLoader(ds, 8, collate_fn=list, last_batch="short", num_workers=workers)
+        ld = StatefulLoader(
+            ds, batch_size=8, collate_fn=list, last_batch="short", num_workers=workers
+        )
         with caplog.at_level(logging.WARNING, logger="unbroken.data"):
             got = [s for b in ld for s in b]
         assert len(got) == len(ref) - 1 and key not in {s["__key__"] for s in got}
@@ -196,7 +198,7 @@ def test_token_block_damage_is_named_and_skippable(tmp_path):
         ts.sequence(70_000 // 512, 512)
     assert ts.sequence(0, 512).tolist() == TokenShard(path, verify=False).sequence(0, 512).tolist()
     ds = StreamingDataset(root, seed=0, on_corrupt="skip")
-    ld = StatefulLoader(ds, 16, collate_fn=ids_collate, last_batch="short")
+    ld = StatefulLoader(ds, batch_size=16, collate_fn=ids_collate, last_batch="short")
     got = [x for b in ld for x in b]
     # sequences touching tokens 65,536 .. 131,071 of shard 1: (131072 - 65536) / 512 + 1
     lost = len(ref) - len(got)
@@ -219,7 +221,7 @@ def test_state_beyond_a_shrunk_dataset_names_the_change_or_restarts(stream_data,
     """Issue 12 item 12: the fingerprint check comes before the range check."""
     src = stream_data("tar_b")
     root = _copy(src, str(tmp_path / "ds"))
-    ld = StatefulLoader(StreamingDataset(root, seed=0), 4, collate_fn=ids_collate)
+    ld = StatefulLoader(StreamingDataset(root, seed=0), batch_size=4, collate_fn=ids_collate)
     it = iter(ld)
     for _ in range(14):  # 56 of 61 samples consumed
         next(it)
@@ -229,9 +231,11 @@ def test_state_beyond_a_shrunk_dataset_names_the_change_or_restarts(stream_data,
     build_tar_dataset(root, 30, prefix="b")  # the dataset shrank below the saved position
     ds2 = StreamingDataset(root, seed=0)
     with pytest.raises(ValueError, match="the dataset changed since the checkpoint") as ei:
-        StatefulLoader(ds2, 4).load_state_dict(state)
+        StatefulLoader(ds2, batch_size=4).load_state_dict(state)
     assert "outside" not in str(ei.value)
-    ld2 = StatefulLoader(ds2, 4, collate_fn=ids_collate, on_dataset_change="restart_epoch")
+    ld2 = StatefulLoader(
+        ds2, batch_size=4, collate_fn=ids_collate, on_dataset_change="restart_epoch"
+    )
     ld2.load_state_dict(state)
     assert (ld2.epoch, ld2.samples_consumed) == (0, 0)
     assert len([x for b in ld2 for x in b]) == 32  # 30 samples, the last batch padded
@@ -335,7 +339,7 @@ def test_new_content_under_the_old_tar_checksum_is_another_dataset(stream_data, 
 
     root = _copy(stream_data("tar"), str(tmp_path / "ds"))
     m = DatasetManifest.load(root)
-    ld = StatefulLoader(StreamingDataset(root, seed=0), 4, collate_fn=ids_collate)
+    ld = StatefulLoader(StreamingDataset(root, seed=0), batch_size=4, collate_fn=ids_collate)
     it = iter(ld)
     next(it)
     state = ld.state_dict()
@@ -358,7 +362,7 @@ def test_new_content_under_the_old_tar_checksum_is_another_dataset(stream_data, 
     edited.save(root)
     ds = StreamingDataset(root, seed=0)
     with pytest.raises(ValueError, match="the dataset changed since the checkpoint"):
-        StatefulLoader(ds, 4).load_state_dict(state)
+        StatefulLoader(ds, batch_size=4).load_state_dict(state)
 
 
 def test_a_dataset_json_of_the_previous_version_reads_with_the_full_fingerprint(
@@ -393,7 +397,7 @@ def test_a_dataset_json_of_the_previous_version_reads_with_the_full_fingerprint(
         "shuffle_window": list(ds.shuffle_window),
     }
     with pytest.raises(ValueError, match="version 1.*restart_epoch") as ei:
-        StatefulLoader(ds, 4).load_state_dict(old)
+        StatefulLoader(ds, batch_size=4).load_state_dict(old)
     assert "the dataset changed since the checkpoint" in str(ei.value)
     d["shards"][0]["samples"] += 1
     d["num_samples"] += 1

@@ -73,7 +73,7 @@ def test_plain_dataloader_over_the_dataset_is_worker_independent(stream_data):
 )
 def test_last_batch_policies(stream_data, policy, batches, last_len):
     ds = StreamingDataset(stream_data("tar"), seed=0)
-    ld = StatefulLoader(ds, 10, collate_fn=ids_collate, last_batch=policy)
+    ld = StatefulLoader(ds, batch_size=10, collate_fn=ids_collate, last_batch=policy)
     assert len(ld) == batches
     out = list(ld)
     assert len(out) == batches and len(out[-1]) == last_len
@@ -88,20 +88,26 @@ def test_last_batch_policies(stream_data, policy, batches, last_len):
     assert ld.state_dict()["epoch"] == 1 and ld.state_dict()["samples_consumed"] == 0
 
 
-def test_drop_last_alias_and_conflicts(stream_data):
+def test_last_batch_is_the_one_spelling_of_drop_last(stream_data):
+    """Issue 24 item 3: one way in - a LoaderConfig and its field names as keywords;
+    ``drop_last`` (torch's spelling of one of the three policies) is refused with the fix."""
     ds = StreamingDataset(stream_data("tar"))
-    assert StatefulLoader(ds, 10, drop_last=True).last_batch == "drop"
-    with pytest.raises(ValueError, match="drop_last=True contradicts"):
-        StatefulLoader(ds, 10, drop_last=True, last_batch="pad")
+    assert StatefulLoader(ds, batch_size=10, last_batch="drop").config.last_batch == "drop"
+    with pytest.raises(TypeError, match="drop_last=True is last_batch='drop'"):
+        StatefulLoader(ds, batch_size=10, drop_last=True)
+    with pytest.raises(TypeError, match=r"bogus; its options are .*batch_size, last_batch"):
+        StatefulLoader(ds, bogus=1)
+    with pytest.raises(TypeError, match="takes a LoaderConfig, got int"):
+        StatefulLoader(ds, 10)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="persistent_workers=True needs num_workers"):
-        StatefulLoader(ds, 10, persistent_workers=True)
+        StatefulLoader(ds, batch_size=10, persistent_workers=True)
     with pytest.raises(TypeError, match="needs a StreamingDataset"):
-        StatefulLoader([1, 2, 3], 1)  # type: ignore[arg-type]
+        StatefulLoader([1, 2, 3], batch_size=1)  # type: ignore[arg-type]
 
 
 def test_state_counts_delivered_batches_not_prefetched_ones(stream_data):
     ds = StreamingDataset(stream_data("tar"), seed=3, rank=1, world_size=2)
-    ld = StatefulLoader(ds, 4, collate_fn=ids_collate, num_workers=2, prefetch_factor=4)
+    ld = StatefulLoader(ds, batch_size=4, collate_fn=ids_collate, num_workers=2, prefetch_factor=4)
     it = iter(ld)
     next(it)
     time.sleep(0.3)  # let the workers run ahead
@@ -126,7 +132,7 @@ def test_loader_leaves_the_global_rngs_alone(stream_data, workers):
     dropout stream would shift by one draw after every resume. Transforms running in this
     process (num_workers=0) must not move the training RNGs either."""
     ds = StreamingDataset(stream_data("tar"), seed=3, transform=_augment)
-    ld = StatefulLoader(ds, 8, collate_fn=list, num_workers=workers)
+    ld = StatefulLoader(ds, batch_size=8, collate_fn=list, num_workers=workers)
     torch.manual_seed(123)
     random.seed(5)
     np.random.seed(6)
@@ -148,7 +154,7 @@ def test_random_augmentations_resume_exactly_for_any_worker_count(stream_data):
 
     def loader(workers: int) -> StatefulLoader:
         ds = StreamingDataset(root, seed=3, transform=_augment)
-        return StatefulLoader(ds, 8, collate_fn=list, num_workers=workers)
+        return StatefulLoader(ds, batch_size=8, collate_fn=list, num_workers=workers)
 
     ref = loader(0)
     full = list(ref) + list(ref)  # epochs 0 and 1
@@ -178,7 +184,7 @@ def test_resume_reads_only_the_samples_it_yields(stream_data):
     for frac in (0.1, 0.9):
         reads.clear()
         ds = StreamingDataset(root, seed=4, transform=counting)
-        ld = StatefulLoader(ds, 5, collate_fn=ids_collate)
+        ld = StatefulLoader(ds, batch_size=5, collate_fn=ids_collate)
         state = {**ld.state_dict(), "samples_consumed": int(frac * 203)}
         t0 = time.perf_counter()
         ld.load_state_dict(state)
@@ -194,7 +200,7 @@ def test_changed_dataset_is_refused_or_restarts_the_epoch(stream_data, tmp_path)
     src = stream_data("tar_b")
     root = str(tmp_path / "ds")
     shutil.copytree(src, root)
-    ld = StatefulLoader(StreamingDataset(root, seed=0), 4, collate_fn=ids_collate)
+    ld = StatefulLoader(StreamingDataset(root, seed=0), batch_size=4, collate_fn=ids_collate)
     ld.set_epoch(2)
     it = iter(ld)
     next(it), next(it)
@@ -204,10 +210,12 @@ def test_changed_dataset_is_refused_or_restarts_the_epoch(stream_data, tmp_path)
     build_tar_dataset(root, 62, prefix="b")  # one more sample: another dataset
     ds2 = StreamingDataset(root, seed=0)
     with pytest.raises(ValueError) as ei:
-        StatefulLoader(ds2, 4).load_state_dict(state)
+        StatefulLoader(ds2, batch_size=4).load_state_dict(state)
     msg = str(ei.value)
     assert old_fp in msg and ds2.fingerprint in msg and "on_dataset_change='restart_epoch'" in msg
-    ld2 = StatefulLoader(ds2, 4, collate_fn=ids_collate, on_dataset_change="restart_epoch")
+    ld2 = StatefulLoader(
+        ds2, batch_size=4, collate_fn=ids_collate, on_dataset_change="restart_epoch"
+    )
     ld2.load_state_dict(state)
     assert (ld2.epoch, ld2.samples_consumed) == (2, 0)
     first = next(iter(ld2))
@@ -216,24 +224,26 @@ def test_changed_dataset_is_refused_or_restarts_the_epoch(stream_data, tmp_path)
 
 def test_other_state_mismatches_are_named(stream_data):
     root = stream_data("tar")
-    sd = StatefulLoader(StreamingDataset(root, seed=1), 4).state_dict()
+    sd = StatefulLoader(StreamingDataset(root, seed=1), batch_size=4).state_dict()
     with pytest.raises(
         ValueError, match=r"seed=1 .* seed=2; construct StreamingDataset\(\.\.\., seed=1\)"
     ):
-        StatefulLoader(StreamingDataset(root, seed=2), 4).load_state_dict(sd)
+        StatefulLoader(StreamingDataset(root, seed=2), batch_size=4).load_state_dict(sd)
     with pytest.raises(ValueError, match="shuffle_window=.*pass StreamingDataset"):
-        StatefulLoader(StreamingDataset(root, seed=1, shuffle_window=7), 4).load_state_dict(sd)
+        StatefulLoader(
+            StreamingDataset(root, seed=1, shuffle_window=7), batch_size=4
+        ).load_state_dict(sd)
     with pytest.raises(ValueError, match="missing or bad field"):
-        StatefulLoader(StreamingDataset(root, seed=1), 4).load_state_dict({"epoch": 1})
+        StatefulLoader(StreamingDataset(root, seed=1), batch_size=4).load_state_dict({"epoch": 1})
     with pytest.raises(ValueError, match="outside this dataset's epoch"):
-        StatefulLoader(StreamingDataset(root, seed=1), 4).load_state_dict(
+        StatefulLoader(StreamingDataset(root, seed=1), batch_size=4).load_state_dict(
             {**sd, "samples_consumed": 10_000}
         )
 
 
 def test_epochs_set_epoch_and_automatic_advance(stream_data):
     ds = StreamingDataset(stream_data("tar"), seed=9)
-    ld = StatefulLoader(ds, 16, collate_fn=ids_collate, last_batch="short")
+    ld = StatefulLoader(ds, batch_size=16, collate_fn=ids_collate, last_batch="short")
     e0, e1 = _epoch_ids(ld), _epoch_ids(ld)  # automatic: epoch 0 then epoch 1
     assert ld.epoch == 2 and sorted(e0) == sorted(e1) and e0 != e1
     ld.set_epoch(1)
@@ -250,10 +260,15 @@ def test_epochs_set_epoch_and_automatic_advance(stream_data):
 
 def test_persistent_workers_match_fresh_workers_across_epochs_and_breaks(stream_data):
     ds = StreamingDataset(stream_data("tar"), seed=6)
-    ref = StatefulLoader(ds, 8, collate_fn=ids_collate, last_batch="short")
+    ref = StatefulLoader(ds, batch_size=8, collate_fn=ids_collate, last_batch="short")
     want = [_epoch_ids(ref) for _ in range(3)]
     ld = StatefulLoader(
-        ds, 8, collate_fn=ids_collate, last_batch="short", num_workers=2, persistent_workers=True
+        ds,
+        batch_size=8,
+        collate_fn=ids_collate,
+        last_batch="short",
+        num_workers=2,
+        persistent_workers=True,
     )
     assert _epoch_ids(ld) == want[0]
     dl = ld._dl
@@ -278,7 +293,7 @@ def test_mixture_follows_weights_and_refreshes_an_exhausted_source(stream_data):
     assert ids == [sample_id(s) for s in ds.read(0, np.arange(264))]
     ds2 = StreamingDataset([Source(a, 0.5), Source(b, 0.5)], seed=0, mix_block=64)
     assert ds2.fingerprint != ds.fingerprint  # weights are part of what a position means
-    sd = StatefulLoader(ds, 4).state_dict()
+    sd = StatefulLoader(ds, batch_size=4).state_dict()
     assert [s["weight"] for s in sd["sources"]] == pytest.approx([0.7, 0.3])
 
 
@@ -321,9 +336,9 @@ def test_token_batches_are_long_tensors_like_default_collate(stream_data):
     from torch.utils.data import default_collate
 
     ds = StreamingDataset(stream_data("tokens"), seed=1)
-    fast = list(StatefulLoader(ds, 4, num_workers=2))
-    ref = list(StatefulLoader(ds, 4, collate_fn=default_collate))
-    assert len(fast) == len(ref) == len(StatefulLoader(ds, 4))
+    fast = list(StatefulLoader(ds, batch_size=4, num_workers=2))
+    ref = list(StatefulLoader(ds, batch_size=4, collate_fn=default_collate))
+    assert len(fast) == len(ref) == len(StatefulLoader(ds, batch_size=4))
     for a, b in zip(fast, ref, strict=True):
         assert isinstance(a, torch.Tensor) and a.dtype == torch.int64 and a.shape == (4, 9)
         assert torch.equal(a, b)

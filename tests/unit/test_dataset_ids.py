@@ -23,7 +23,7 @@ def _ids(loader: StatefulLoader) -> list[int]:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_tar_batches_carry_ids_that_name_the_sample(stream_data, workers):
     ds = StreamingDataset(stream_data("tar"), seed=3, with_ids=True)
-    loader = StatefulLoader(ds, 8, num_workers=workers, last_batch="short")
+    loader = StatefulLoader(ds, batch_size=8, num_workers=workers, last_batch="short")
     seen = []
     for b in loader:
         assert b["__id__"].dtype == torch.int64 and len(b["__id__"]) == len(b["__key__"])
@@ -38,9 +38,12 @@ def test_tar_batches_carry_ids_that_name_the_sample(stream_data, workers):
 
 def test_token_batches_are_tokens_and_ids(stream_data):
     root = stream_data("tokens")
-    plain = StatefulLoader(StreamingDataset(root, seed=5), 4, last_batch="drop")
+    plain = StatefulLoader(StreamingDataset(root, seed=5), batch_size=4, last_batch="drop")
     loader = StatefulLoader(
-        StreamingDataset(root, seed=5, with_ids=True), 4, num_workers=2, last_batch="drop"
+        StreamingDataset(root, seed=5, with_ids=True),
+        batch_size=4,
+        num_workers=2,
+        last_batch="drop",
     )
     rows: dict[int, torch.Tensor] = {}
     for ref, (tokens, ids) in zip(plain, loader, strict=True):
@@ -61,7 +64,7 @@ def test_transforms_keep_the_id(stream_data):
     a, b = to_dict.read(0, np.arange(4)), to_len.read(0, np.arange(4))
     assert [s["__id__"] for s in a] == [i for _, i in b]
     assert [s["n"] for s in a] == [n for n, _ in b]
-    n, ids = next(iter(StatefulLoader(to_len, 4)))
+    n, ids = next(iter(StatefulLoader(to_len, batch_size=4)))
     assert n.tolist() == [s["n"] for s in a] and ids.tolist() == [s["__id__"] for s in a]
 
 
@@ -76,9 +79,13 @@ def test_mixture_ids_are_unique_across_sources(stream_data):
 
 def test_rank_ids_interleave_into_the_one_rank_order(stream_data):
     root = stream_data("tar")
-    one = StatefulLoader(StreamingDataset(root, seed=7, with_ids=True, rank=0, world_size=1), 6)
+    one = StatefulLoader(
+        StreamingDataset(root, seed=7, with_ids=True, rank=0, world_size=1), batch_size=6
+    )
     ranks = [
-        StatefulLoader(StreamingDataset(root, seed=7, with_ids=True, rank=r, world_size=2), 3)
+        StatefulLoader(
+            StreamingDataset(root, seed=7, with_ids=True, rank=r, world_size=2), batch_size=3
+        )
         for r in (0, 1)
     ]
     for ref, b0, b1 in zip(one, *ranks, strict=False):

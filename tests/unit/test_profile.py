@@ -314,7 +314,7 @@ def test_network_wait_is_its_own_column(tmp_path) -> None:
     """A reader blocked on a download (as the remote cache records it in .stats/<pid>) shows
     as net_ms within the step's wait; the timeline keeps it, and old files still load."""
     from unbroken.data.diagnose.timer import load_timeline
-    from unbroken.data.stream.cache import NetworkWaitProbe
+    from unbroken.data.stream.remote import NetworkWaitProbe
 
     probe = NetworkWaitProbe(str(tmp_path))
     slot = probe._slots[1]  # DataLoader worker 1 of this process

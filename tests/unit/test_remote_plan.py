@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from unbroken.common.config import parse_size
-from unbroken.data.stream.cache import CacheOptions, check_cache_args, epoch_plan
+from unbroken.data.stream.config import CacheConfig
 from unbroken.data.stream.dataset import Source, StreamingDataset
+from unbroken.data.stream.remote import check_cache_config
 from unbroken.elastic.faults import DEFAULT_RULES, FaultClass
 
 
 def _assert_covers(ds: StreamingDataset, epoch: int, bases: dict[int, int]) -> None:
-    plan = epoch_plan(ds, epoch, bases)
+    plan = ds.order.plan(epoch, bases)
     pos = np.arange(ds.epoch_length, dtype=np.int64)
     src, ids = ds.lookup(epoch, pos)
     for i, base in bases.items():
@@ -39,7 +40,7 @@ def test_plan_covers_every_read_of_one_source(stream_data, shuffle, window) -> N
     )
     for epoch in (0, 1):
         _assert_covers(ds, epoch, {0: 0})
-    plan = epoch_plan(ds, 0, {0: 0})
+    plan = ds.order.plan(0, {0: 0})
     n = len(ds._readers[0].manifest.shards)
     assert set(plan.uid.tolist()) == set(range(n))  # every shard is read once an epoch
     if shuffle and window:
@@ -67,13 +68,13 @@ def test_sizes_options_and_the_storage_fault_class() -> None:
     with pytest.raises(ValueError, match="not a size like 256MB"):
         parse_size("lots")
     with pytest.raises(ValueError, match="threads=0 must be >= 1"):
-        CacheOptions(threads=0)
+        CacheConfig(threads=0)
     with pytest.raises(ValueError, match="timeout=0 must be > 0"):
-        CacheOptions(timeout=0)
-    assert CacheOptions(prefetch_bytes="1MB").cap_bytes == 10**6
+        CacheConfig(timeout=0)
+    assert CacheConfig(prefetch_bytes="1MB").cap_bytes == 10**6
     with pytest.raises(ValueError, match=r"s3://b/ds: .* pass cache_dir="):
-        check_cache_args(["s3://b/ds"], None, "1GB")
-    assert check_cache_args(["/local"], None, None) is None
+        check_cache_config(["s3://b/ds"], CacheConfig(cache_limit="1GB"))
+    assert check_cache_config(["/local"], CacheConfig()) is None
     # a store that failed every retry is a storage fault (probe, then restart), also when
     # torch wraps it in a DataLoader worker's RuntimeError
     text = (

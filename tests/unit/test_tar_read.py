@@ -10,7 +10,7 @@ import pytest
 import xxhash
 
 from unbroken.data.prepare.pack import pack
-from unbroken.data.stream.dataset import StreamingDataset, _MappedShard
+from unbroken.data.stream.dataset import StreamingDataset
 from unbroken.data.tar.reader import ShardError, ShardIndex, ShardReader
 
 
@@ -50,9 +50,9 @@ def test_dataset_reads_exactly_what_shard_reader_reads(tmp_path, layout):
         assert all(type(v) is bytes for k, v in s.items() if k != "__key__")
     shards = [ds._readers[0]._shard(i) for i in range(len(ds._readers[0].counts))]
     # uniform shards take the row-table path; a mixed layout the general one
-    assert all((m.rows is None) == (layout == "mixed") for m in shards)
-    reader = shards[0].reader
-    assert shards[0].read(np.array([3, 1])) == [reader[3], reader[1]]
+    assert all((m._rows is None) == (layout == "mixed") for m in shards)
+    reader = shards[0]
+    assert shards[0].read_many(np.array([3, 1])) == [reader[3], reader[1]]
 
 
 def test_index_loads_as_numpy_and_round_trips(tmp_path):
@@ -83,7 +83,7 @@ def test_index_loads_as_numpy_and_round_trips(tmp_path):
     with ShardReader(os.path.join(root, tar)) as r:
         assert [s["__key__"] for s in r] == [f"k{i:04d}" for i in range(40)]
         assert r[-1] == list(r)[-1]
-        assert _MappedShard(ShardReader(r.path)).read(np.array([0])) == [r[0]]
+        assert ShardReader(r.path).read_many(np.array([0])) == [r[0]]
     raw = bytearray(idx.to_bytes())
     raw[72 : 72 + 8] = (5).to_bytes(8, "little")  # member_start[0] != 0
     with pytest.raises(ShardError, match="index checksum does not match"):

@@ -358,8 +358,8 @@ def _count_tickets(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 def test_loader_delivers_the_same_batches_and_state_with_the_ring(stream_data, kw, monkeypatch):
     tickets = _count_tickets(monkeypatch)
     ds = StreamingDataset(stream_data("tar"), seed=5)
-    ref = StatefulLoader(ds, 16, collate_fn=_rich_collate, shm_transport=False)
-    ld = StatefulLoader(ds, 16, collate_fn=_rich_collate, **kw)
+    ref = StatefulLoader(ds, batch_size=16, collate_fn=_rich_collate, shm_transport=False)
+    ld = StatefulLoader(ds, batch_size=16, collate_fn=_rich_collate, **kw)
     for _epoch in range(2):  # persistent workers keep their ring across epochs
         n = 0
         for g, w in zip(ld, ref, strict=True):
@@ -379,8 +379,8 @@ def test_loader_delivers_the_same_batches_and_state_with_the_ring(stream_data, k
 def test_decoded_tensor_batches_take_the_ring_and_match_stock(stream_data, collate, monkeypatch):
     tickets = _count_tickets(monkeypatch)
     ds = StreamingDataset(stream_data("tar"), seed=8, transform=decode)
-    ref = StatefulLoader(ds, 16, collate_fn=collate, shm_transport=False)
-    ld = StatefulLoader(ds, 16, collate_fn=collate, num_workers=2)
+    ref = StatefulLoader(ds, batch_size=16, collate_fn=collate, shm_transport=False)
+    ld = StatefulLoader(ds, batch_size=16, collate_fn=collate, num_workers=2)
     kept = []
     n = 0
     for g, w in zip(ld, ref, strict=True):
@@ -396,9 +396,9 @@ def test_decoded_tensor_batches_take_the_ring_and_match_stock(stream_data, colla
 def test_token_batches_arrive_as_tensors_in_the_ring(stream_data, monkeypatch):
     tickets = _count_tickets(monkeypatch)
     ds = StreamingDataset(stream_data("tokens"), seed=2)
-    ref = list(StatefulLoader(ds, 4))
+    ref = list(StatefulLoader(ds, batch_size=4))
     got = []
-    for b in StatefulLoader(ds, 4, num_workers=2):
+    for b in StatefulLoader(ds, batch_size=4, num_workers=2):
         assert b.dtype == torch.int64 and b.shape == (4, 9)
         got.append(b)
     assert len(got) == len(ref)
@@ -409,8 +409,8 @@ def test_token_batches_arrive_as_tensors_in_the_ring(stream_data, monkeypatch):
 
 def test_spawned_workers_send_their_ring_fd_once(stream_data):
     ds = StreamingDataset(stream_data("tar"), seed=7, transform=decode)
-    ref = StatefulLoader(ds, 32, shm_transport=False)
-    ld = StatefulLoader(ds, 32, num_workers=1, multiprocessing_context="spawn")
+    ref = StatefulLoader(ds, batch_size=32, shm_transport=False)
+    ld = StatefulLoader(ds, batch_size=32, num_workers=1, multiprocessing_context="spawn")
     for g, w in zip(ld, ref, strict=True):
         assert_same(g, w)
 
@@ -425,15 +425,15 @@ def test_the_first_batch_of_a_run_is_made_here_unless_workers_need_their_init(
 ):
     tickets = _count_tickets(monkeypatch)
     ds = StreamingDataset(stream_data("tar"), seed=4, transform=decode)
-    ref = [b["key"] for b in StatefulLoader(ds, 16)]
-    ld = StatefulLoader(ds, 16, num_workers=2, **kw)
+    ref = [b["key"] for b in StatefulLoader(ds, batch_size=16)]
+    ld = StatefulLoader(ds, batch_size=16, num_workers=2, **kw)
     assert [b["key"] for b in ld] == ref
     made_here = 0 if kw else 1
     assert len(tickets) == 2 * len(ref) - made_here and sum(tickets) == len(ref) - made_here
     # a resume that leaves one batch: made here, no worker started at all
     sd = ld.state_dict()
     sd.update(epoch=0, samples_consumed=ds.epoch_length - 5)
-    alone = StatefulLoader(ds, 16)
+    alone = StatefulLoader(ds, batch_size=16)
     alone.load_state_dict(sd)
     want = [b["key"] for b in alone]
     ld.load_state_dict(sd)
@@ -444,13 +444,13 @@ def test_the_first_batch_of_a_run_is_made_here_unless_workers_need_their_init(
 
 def test_state_and_resume_count_ring_batches_like_stock_ones(stream_data):
     ds = StreamingDataset(stream_data("tar"), seed=6, transform=decode)
-    ld = StatefulLoader(ds, 8, num_workers=2)
+    ld = StatefulLoader(ds, batch_size=8, num_workers=2)
     it = iter(ld)
     first = [next(it) for _ in range(5)]
     sd = ld.state_dict()
     assert sd["samples_consumed"] == 40
     rest_here = [b["key"] for b in it]
-    fresh = StatefulLoader(ds, 8, num_workers=2)
+    fresh = StatefulLoader(ds, batch_size=8, num_workers=2)
     fresh.load_state_dict(json.loads(json.dumps(sd)))
     assert [b["key"] for b in fresh] == rest_here
     assert sum(len(b["key"]) for b in first) + sum(map(len, rest_here)) >= ds.epoch_length

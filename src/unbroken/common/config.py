@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "check_choice",
+    "configure",
     "check_count",
     "check_flag",
     "check_seconds",
@@ -52,6 +53,30 @@ def resolve(cls: type[C], config: C | None, keywords: Mapping[str, Any], *, owne
             f"with dataclasses.replace(config, {given[0]}=...)"
         )
     return config
+
+
+def configure(cls: type[C], config: C | None, overrides: Mapping[str, Any], *, owner: str) -> C:
+    """The config ``owner`` runs with: ``config`` (default ``cls()``) with ``overrides``, field
+    names of ``cls``, applied by ``dataclasses.replace`` (so ``__post_init__`` validates the
+    result). The one way into a component: ``Component(..., config=None, **overrides)``; a
+    keyword that is not a field is a ``TypeError`` that lists the fields."""
+    if config is None:
+        config = cls()
+    elif not isinstance(config, cls):
+        raise TypeError(
+            f"{owner}(config=...) takes a {cls.__name__}, got {type(config).__qualname__}; "
+            f"pass options as keywords named like its fields ({owner}(..., name=value))"
+        )
+    if not overrides:
+        return config
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(overrides) - set(names))
+    if unknown:
+        raise TypeError(
+            f"{owner}() got unexpected keyword argument(s) {', '.join(unknown)}; its options are "
+            f"the fields of {cls.__name__}: {', '.join(names)}"
+        )
+    return dataclasses.replace(config, **overrides)
 
 
 # --- checks for __post_init__: each names the option, the value and the fix --------------

@@ -14,7 +14,8 @@ _LAZY = {
     "pack": "unbroken.data.prepare.pack",
     "index_directory": "unbroken.data.prepare.pack",
     "stage": "unbroken.data.prepare.stage",
-    "CacheOptions": "unbroken.data.stream.cache",
+    "CacheConfig": "unbroken.data.stream.config",
+    "DatasetConfig": "unbroken.data.stream.config",
     "EpochOrder": "unbroken.data.stream.order",
     "LoaderConfig": "unbroken.data.stream.config",
     "Source": "unbroken.data.stream.dataset",
@@ -31,7 +32,8 @@ __getattr__ = lazy_getattr(__name__, _LAZY)
 
 __all__ = [
     # streaming and the GPU feed
-    "CacheOptions",
+    "CacheConfig",
+    "DatasetConfig",
     "DevicePrefetcher",
     "StepTimer",
     "EpochOrder",

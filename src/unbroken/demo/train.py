@@ -154,7 +154,9 @@ def _build(a: argparse.Namespace, rank: int, world: int) -> _Run:
     # Every rank reads the same global batch (rank 0 of 1) and trains on its share, so the
     # sample order is the same for any world size.
     dataset = StreamingDataset(data_dir, seed=a.seed, rank=0, world_size=1)
-    loader = StatefulLoader(dataset, a.batch, collate_fn=collate_tokens, last_batch="drop")
+    loader = StatefulLoader(
+        dataset, batch_size=a.batch, collate_fn=collate_tokens, last_batch="drop"
+    )
     # every rank holds a metric log (rank 0 writes it): the same components on every rank
     metrics = MetricLog(os.path.join(a.dir, "metrics.jsonl"))
     state = TrainState(

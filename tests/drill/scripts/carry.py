@@ -64,7 +64,7 @@ def main() -> None:
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ds = StreamingDataset(data, seed=0, transform=decode, with_ids=True)
-    loader = StatefulLoader(ds, BATCH, last_batch="drop")
+    loader = StatefulLoader(ds, batch_size=BATCH, last_batch="drop")
     hidden = Carried(a.broken == "hidden")
     metrics = MetricLog(os.path.join(a.dir, "metrics.jsonl"))
     state = TrainState(

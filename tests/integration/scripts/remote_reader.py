@@ -13,8 +13,7 @@ import json
 import os
 import sys
 
-from unbroken.data import StatefulLoader, StreamingDataset
-from unbroken.data.stream.cache import CacheOptions
+from unbroken.data import CacheConfig, StatefulLoader, StreamingDataset
 
 
 def keys(batch: list[dict[str, object]]) -> list[str]:
@@ -34,10 +33,14 @@ def main() -> int:
         shuffle_window=cfg["window"],
         rank=cfg["rank"],
         world_size=cfg["world_size"],
-        cache_dir=cfg["cache_dir"],
-        cache_limit=cfg["limit"],
-        storage_options=opts,
-        cache_options=CacheOptions(prefetch_shards=cfg["prefetch"], timeout=20, backoff_s=0.05),
+        cache=CacheConfig(
+            cache_dir=cfg["cache_dir"],
+            cache_limit=cfg["limit"],
+            storage_options=opts,
+            prefetch_shards=cfg["prefetch"],
+            timeout=20,
+            backoff_s=0.05,
+        ),
     )
     loader = StatefulLoader(
         ds, batch_size=cfg["batch"], num_workers=cfg["workers"], collate_fn=keys

@@ -310,13 +310,12 @@ def measure_network(ds: Any, samples: int, max_seconds: float) -> tuple[StageRes
     prefetch hint for :func:`~unbroken.data.diagnose.bottleneck.analyse`: (seconds one shard takes,
     samples per shard, shards per shuffle window).
     """
-    from unbroken.data.stream.cache import read_events
+    from unbroken.data.stream.remote import read_events
 
-    cache = ds._cache
-    reader = ds._readers[0]
-    counts = np.asarray(reader.counts)
+    cache = ds.cache
+    counts = ds.order.counts[0]
     need = int(np.searchsorted(np.cumsum(counts), samples, side="left")) + 1
-    threads = cache.options.threads
+    threads = cache.config.threads
     total = len(counts)
     want = min(total, max(need, 2 * threads))
     t0 = time.perf_counter()
@@ -339,7 +338,7 @@ def measure_network(ds: Any, samples: int, max_seconds: float) -> tuple[StageRes
         nbytes / secs / 1e6 if secs > 0 else math.nan,
         f"{done} shards, {threads} parallel downloads, {unit_s:.2f} s per shard",
     )
-    window = cache._window_units(0)
+    window = cache.window_units(0)
     return stage, (unit_s, n / max(done, 1), window)
 
 
@@ -413,10 +412,17 @@ def _bench(
     cache_dir: str | None,
     storage_options: dict[str, Any] | None,
 ) -> BottleneckReport:
-    from unbroken.data.stream.cache import CacheOptions
+    from unbroken.data.stream.config import CacheConfig
     from unbroken.data.stream.dataset import StreamingDataset
 
     remote = cache_dir is not None
+    # the bench downloads in this process: there is no decoding worker to get in its way
+    cache = CacheConfig(
+        cache_dir=cache_dir,
+        storage_options=storage_options,
+        fetch_process=False,
+        prefetch_shards=0,
+    )
     ds = StreamingDataset(
         root,
         seed=seed,
@@ -424,10 +430,7 @@ def _bench(
         rank=0,
         world_size=1,
         shuffle=not remote,
-        cache_dir=cache_dir,
-        storage_options=storage_options,
-        # the bench downloads in this process: there is no decoding worker to get in its way
-        cache_options=CacheOptions(fetch_process=False, prefetch_shards=0) if remote else None,
+        cache=cache if remote else CacheConfig(),
     )
     part = ds.partition(0, batch_size, "drop")
     total = part.num_batches()

@@ -89,7 +89,7 @@ class BottleneckReport:
     suggested_prefetch_factor: int
     advice: tuple[str, ...] = field(default_factory=tuple)
     suggested_prefetch_shards: int | None = None
-    """Remote datasets: ``CacheOptions(prefetch_shards=...)``; None for local data."""
+    """Remote datasets: ``CacheConfig(prefetch_shards=...)``; None for local data."""
 
     def stage(self, name: str) -> StageResult:
         for s in self.stages:
@@ -131,7 +131,7 @@ class BottleneckReport:
         shards = (
             ""
             if self.suggested_prefetch_shards is None
-            else f" CacheOptions(prefetch_shards={self.suggested_prefetch_shards})"
+            else f" CacheConfig(prefetch_shards={self.suggested_prefetch_shards})"
         )
         rows.append(
             f"suggest: num_workers={self.suggested_workers} "
@@ -280,7 +280,7 @@ def analyse(
         advice.append(
             f"the network limits: downloads deliver {net.mb_per_s:,.1f} MB/s "
             f"({net.samples_per_s:,.0f} samples/s); if one stream is what limits, more parallel "
-            "downloads help (CacheOptions(threads=...)); otherwise stage the dataset "
+            "downloads help (CacheConfig(threads=...)); otherwise stage the dataset "
             "(`unbroken data stage`) or put the cache nearer the store"
         )
     elif limiting == "transport":

@@ -65,8 +65,7 @@ def shuffle_stats(ds: StreamingDataset, epochs: int = 3) -> list[EpochShuffleSta
     if epochs < 1:
         raise ValueError(f"epochs={epochs} must be >= 1")
     n = ds.epoch_length
-    reader = ds._readers[0]
-    counts = reader.counts.astype(np.float64)
+    counts = ds.order.counts[0].astype(np.float64)
     same_random = float((counts * (counts - 1)).sum() / (n * (n - 1.0))) if n > 1 else 1.0
     random_disp = (n * n - 1.0) / (3.0 * n * n)
     prev: np.ndarray | None = None
@@ -77,14 +76,15 @@ def shuffle_stats(ds: StreamingDataset, epochs: int = 3) -> list[EpochShuffleSta
         sum_d2 = 0.0
         pairs = 0
         last_shard = -1
-        first = ds._source_order(0, epoch, ()).shard_order[:8].tolist()
+        order = ds.order.pass_order(0, epoch)
+        first = order.shard_order[:8].tolist()
         for lo in range(0, n, _CHUNK):
             pos = np.arange(lo, min(n, lo + _CHUNK), dtype=np.int64)
             _, ids = ds.lookup(epoch, pos)
             d = (pos - ids).astype(np.float64)
             abs_d += float(np.abs(d).sum())
             sum_d2 += float((d * d).sum())
-            shard, _ = reader.locate(ids)
+            shard, _ = order.locate(ids)
             pairs += int((shard[1:] == shard[:-1]).sum()) + int(shard[0] == last_shard)
             last_shard = int(shard[-1])
             if pos_of is not None:
@@ -113,14 +113,13 @@ def shuffle_stats(ds: StreamingDataset, epochs: int = 3) -> list[EpochShuffleSta
 
 def format_shuffle_stats(ds: StreamingDataset, stats: list[EpochShuffleStats]) -> str:
     """A table a person can read, with one line saying what good values look like."""
-    reader = ds._readers[0]
-    shards = reader.counts.size
+    shards = ds.order.counts[0].size
     window = ds.shuffle_window[0]
     mean_shard = ds.epoch_length / max(1, shards)
     head = (
         f"{ds.sources[0].root}: {ds.kind} dataset, {ds.epoch_length} samples in {shards} shards, "
         f"fingerprint {ds.fingerprint[:16]}\n"
-        f"seed {ds.seed}, shuffle window "
+        f"seed {ds.config.seed}, shuffle window "
         + (f"{window} samples (~{window / mean_shard:.1f} shards)" if window else "off")
     )
     rows = [

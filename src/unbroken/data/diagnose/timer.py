@@ -10,7 +10,7 @@ lock); summaries are computed every ``log_every`` steps over the preallocated ri
 The measured overhead is in ``benchmarks/RESULTS.md`` and checked by a unit test.
 
 With ``network=dataset`` (a ``StreamingDataset`` reading a remote source through its cache,
-:mod:`unbroken.data.stream.cache`) it also records how much of each wait the rank's readers spent
+:mod:`unbroken.data.stream.remote`) it also records how much of each wait the rank's readers spent
 blocked on a download: the network as its own stage, next to the loop's total wait.
 
 Timeline file (``<run_dir>/data_steps.csv``), appended once per ``window`` steps and on
@@ -63,7 +63,7 @@ _NS_PER_MS = 1_000_000
 def _network_probe(network: Any) -> Any:
     if network is None or hasattr(network, "blocked_ns"):
         return network
-    from unbroken.data.stream.cache import network_probe
+    from unbroken.data.stream.remote import network_probe
 
     return network_probe(network)
 
@@ -210,7 +210,7 @@ class StepTimer:
             records is ``start_step + 1``, so its summaries and timeline line up with the
             metric log.
         network: the ``StreamingDataset`` this rank reads, when it reads a remote source (or
-            a :class:`~unbroken.data.stream.cache.NetworkWaitProbe`): each step's wait is split
+            a :class:`~unbroken.data.stream.remote.NetworkWaitProbe`): each step's wait is split
             into the part the rank's readers spent blocked on downloads (``net_ms``) and the
             rest. Ignored for local data.
     """

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
-from unbroken.common.config import resolve
+from unbroken.common.config import configure
 from unbroken.data.feed.prefetch import map_tensors
 from unbroken.data.stream.config import LoaderConfig
 from unbroken.data.stream.dataset import StreamingDataset
@@ -129,82 +129,51 @@ class StatefulLoader:
     ms sooner); not with a ``worker_init_fn`` (the transform may depend on it), nor when
     persistent workers already run that epoch.
 
-    Args:
-        dataset: the :class:`StreamingDataset` (it fixes the order, rank and world size).
-        batch_size: samples per batch on this rank (global batch = ``batch_size*world_size``).
-        config: a :class:`~unbroken.data.LoaderConfig` (what each option does, its unit and
-            default). Or pass its fields as keywords instead (not both): ``batch_size``,
-            ``last_batch``, ``on_dataset_change``, ``num_workers``, ``prefetch_factor``,
-            ``pin_memory``, ``persistent_workers``, ``timeout``, ``pin_memory_device``,
-            ``shm_transport``. ``last_batch``: ``"pad"`` (default; repeat the epoch's first
-            samples so every rank gets equal, full batches), ``"drop"`` (skip the rest),
-            ``"short"`` (a shorter last batch; ranks may then differ by one batch).
-            ``drop_last=True`` is accepted as ``"drop"``. ``shm_transport``: with workers,
-            batches cross to this process through a ring of reusable shared-memory slots per
-            worker instead of torch's pipe: tensors are collated straight into a slot and
-            arrive without a copy - pinned, when ``pin_memory=True`` on CUDA (the slot is
-            registered once; torch's pin-memory thread and its copy are not used); small
-            tensor-free batches keep the pipe, which is faster for them (see
-            :mod:`unbroken.data.stream.transport`). The batches are the same values, types
-            and shapes either way.
-        collate_fn: builds a batch from a list of samples, in the worker
-            (default ``torch.utils.data.default_collate``).
-        worker_init_fn, multiprocessing_context, generator: as ``DataLoader``.
+    ``StatefulLoader(dataset, config=None, *, collate_fn=None, worker_init_fn=None,
+    multiprocessing_context=None, generator=None, **overrides)``:
+
+    * ``dataset``: the :class:`StreamingDataset` (it fixes the order, rank and world size);
+    * ``config``: a :class:`~unbroken.data.LoaderConfig` (what each option does, its unit and
+      default); the keywords are fields of it, applied over ``config``
+      (``StatefulLoader(ds, batch_size=32, num_workers=4, pin_memory=True)``).
+      ``last_batch`` is the one spelling of torch's ``drop_last`` (``"drop"``; ``"pad"``, the
+      default, and ``"short"`` are the other policies). ``shm_transport``: with workers,
+      batches cross to this process through a ring of reusable shared-memory slots per
+      worker instead of torch's pipe: tensors are collated straight into a slot and arrive
+      without a copy - pinned, when ``pin_memory=True`` on CUDA (the slot is registered once;
+      torch's pin-memory thread and its copy are not used); small tensor-free batches keep
+      the pipe, which is faster for them (see :mod:`unbroken.data.stream.transport`);
+    * ``collate_fn``: builds a batch from a list of samples, in the worker (default
+      ``torch.utils.data.default_collate``); ``worker_init_fn``,
+      ``multiprocessing_context``, ``generator``: as ``DataLoader``.
     """
 
     def __init__(
         self,
         dataset: StreamingDataset,
-        batch_size: int = LoaderConfig.batch_size,
-        *,
         config: LoaderConfig | None = None,
+        *,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-        last_batch: str | None = None,
-        drop_last: bool = False,
-        on_dataset_change: str = LoaderConfig.on_dataset_change,
-        num_workers: int = LoaderConfig.num_workers,
-        prefetch_factor: int | None = LoaderConfig.prefetch_factor,
-        pin_memory: bool = LoaderConfig.pin_memory,
-        persistent_workers: bool = LoaderConfig.persistent_workers,
-        timeout: float = LoaderConfig.timeout,
         worker_init_fn: Callable[[int], None] | None = None,
         multiprocessing_context: Any = None,
         generator: Any = None,
-        pin_memory_device: str = LoaderConfig.pin_memory_device,
-        shm_transport: bool = LoaderConfig.shm_transport,
+        **overrides: Any,
     ) -> None:
         if not isinstance(dataset, StreamingDataset):
             raise TypeError(
                 f"StatefulLoader needs a StreamingDataset, got {type(dataset).__name__}; wrap "
                 "your data with unbroken.data.StreamingDataset(dir)"
             )
-        if drop_last:  # torch's spelling of last_batch="drop"
-            if last_batch not in (None, "drop"):
-                raise ValueError(
-                    f"drop_last=True contradicts last_batch={last_batch!r}; pass only one of them"
-                )
-            last_batch = "drop"
-        keywords: dict[str, Any] = dict(
-            batch_size=batch_size,
-            on_dataset_change=on_dataset_change,
-            num_workers=num_workers,
-            prefetch_factor=prefetch_factor,
-            pin_memory=pin_memory,
-            persistent_workers=persistent_workers,
-            timeout=timeout,
-            pin_memory_device=pin_memory_device,
-            shm_transport=shm_transport,
-        )
-        if last_batch is not None:
-            keywords["last_batch"] = last_batch
-        c = self.config = resolve(LoaderConfig, config, keywords, owner="StatefulLoader")
-        # from here on, the values the config resolved to
-        batch_size, last_batch, num_workers = c.batch_size, c.last_batch, c.num_workers
-        pin_memory, pin_memory_device = c.pin_memory, c.pin_memory_device
+        if "drop_last" in overrides:
+            raise TypeError(
+                "StatefulLoader() takes last_batch, not drop_last: drop_last=True is "
+                "last_batch='drop' (the other policies: 'pad', the default, repeats the epoch's "
+                "first samples so every rank gets full batches; 'short' keeps a short last batch)"
+            )
+        c = self.config = configure(LoaderConfig, config, overrides, owner="StatefulLoader")
         self.dataset = dataset
-        self.batch_size = batch_size
-        ring = c.shm_transport and num_workers > 0 and transport_available()
-        if pin_memory and pin_memory_device and not pin_memory_device.startswith("cuda"):
+        ring = c.shm_transport and c.num_workers > 0 and transport_available()
+        if c.pin_memory and c.pin_memory_device and not c.pin_memory_device.startswith("cuda"):
             ring = False  # another accelerator's pinned memory: torch's pin thread does it
         self._ring = ring
         # Token rows with the default collate: through the ring, default_collate stacks them
@@ -217,30 +186,26 @@ class StatefulLoader:
             collate_fn is None
             and dataset.kind == "tokens"
             and not dataset.transform
-            and not dataset.with_ids  # (row, id) pairs: default_collate makes (tokens, ids)
+            and not dataset.config.with_ids  # (row, id) pairs: default_collate makes (tokens, ids)
         )
         self._from_numpy = tokens and not ring
-        self._pin_here = self._from_numpy and pin_memory
+        self._pin_here = self._from_numpy and c.pin_memory
         if self._from_numpy:
             self.collate_fn: Callable[[list[Any]], Any] = _stack_rows
         else:
             self.collate_fn = collate_fn or default_collate
-        self.last_batch = last_batch
-        self.on_dataset_change = c.on_dataset_change
-        self.num_workers = num_workers
-        self._pin_ring = ring and pin_memory
-        self._pin_memory = pin_memory
+        self._pin_ring = ring and c.pin_memory
         self._dl_kwargs: dict[str, Any] = dict(
-            num_workers=num_workers,
+            num_workers=c.num_workers,
             prefetch_factor=c.prefetch_factor,
             # the ring pins by registration; the numpy token path pins here
-            pin_memory=pin_memory and not ring and not self._pin_here,
+            pin_memory=c.pin_memory and not ring and not self._pin_here,
             persistent_workers=c.persistent_workers,
             timeout=c.timeout,
             worker_init_fn=worker_init_fn,
             multiprocessing_context=multiprocessing_context,
             generator=generator,
-            pin_memory_device=pin_memory_device,
+            pin_memory_device=c.pin_memory_device,
         )
         self._epoch = 0
         self._start = 0
@@ -262,7 +227,7 @@ class StatefulLoader:
         _, epoch, start = self._run
         if self._delivered >= self._run_steps:
             return epoch + 1, 0
-        part = self.dataset.partition(start, self.batch_size, self.last_batch)
+        part = self.dataset.partition(start, self.config.batch_size, self.config.last_batch)
         return epoch, part.consumed_after(self._delivered)
 
     @property
@@ -285,7 +250,9 @@ class StatefulLoader:
     def __len__(self) -> int:
         """Batches this rank gets in the rest of the current epoch."""
         _, start = self._position()
-        return self.dataset.partition(start, self.batch_size, self.last_batch).num_batches()
+        return self.dataset.partition(
+            start, self.config.batch_size, self.config.last_batch
+        ).num_batches()
 
     # --- iteration -----------------------------------------------------------------------
 
@@ -295,13 +262,13 @@ class StatefulLoader:
             if self._rx is None:
                 raise RuntimeError("StatefulLoader: persistent DataLoader without its receiver")
             return self._dl, self._rx
-        fds = worker_fds(self.num_workers) if self._ring else None
+        fds = worker_fds(self.config.num_workers) if self._ring else None
         stream = _RunStream(
             self.dataset,
             epoch,
             start,
-            self.batch_size,
-            self.last_batch,
+            self.config.batch_size,
+            self.config.last_batch,
             self.collate_fn,
             self._ring,
             fds,
@@ -314,7 +281,7 @@ class StatefulLoader:
             # (one iterator more than the uninterrupted run) would shift the model's dropout
             # stream. Seeded by the position instead: worker seeds also survive a resume.
             kwargs["generator"] = torch.Generator().manual_seed(
-                mix_seed(self.dataset.seed, epoch, start)
+                mix_seed(self.dataset.config.seed, epoch, start)
             )
         dl = DataLoader(stream, batch_size=None, collate_fn=_passthrough, in_order=True, **kwargs)
         rx = RingReceiver(fds, pin=self._pin_ring)
@@ -327,7 +294,7 @@ class StatefulLoader:
 
     def __iter__(self) -> Iterator[Any]:
         epoch, start = self._position()
-        part = self.dataset.partition(start, self.batch_size, self.last_batch)
+        part = self.dataset.partition(start, self.config.batch_size, self.config.last_batch)
         run_id = next(self._ids)
         self._run = (run_id, epoch, start)
         self._run_steps = part.num_steps
@@ -339,7 +306,9 @@ class StatefulLoader:
         rx: RingReceiver | None = None
         try:
             first = 0
-            batches = self.dataset.partition(start, self.batch_size, self.last_batch).num_batches()
+            batches = self.dataset.partition(
+                start, self.config.batch_size, self.config.last_batch
+            ).num_batches()
             if batches and self._first_here(epoch, start):
                 # The run's first batch is made here, before the workers start: forking them
                 # and their start-up (tens of ms) then overlap the step that uses it instead
@@ -385,19 +354,23 @@ class StatefulLoader:
         """Make the run's first batch in this process: only when workers are about to be
         started for it (not for persistent workers already running it), and only without a
         ``worker_init_fn`` (the transform may need what it sets up in a worker)."""
-        if self.num_workers == 0 or self._dl_kwargs["worker_init_fn"] is not None:
+        if self.config.num_workers == 0 or self._dl_kwargs["worker_init_fn"] is not None:
             return False
         return self._dl is None or self._dl_next != (epoch, start)
 
     def _batch_here(self, epoch: int, start: int) -> Any:
         batches = self.dataset.iter_batches(
-            epoch, start, self.batch_size, last_batch=self.last_batch, collate_fn=self.collate_fn
+            epoch,
+            start,
+            self.config.batch_size,
+            last_batch=self.config.last_batch,
+            collate_fn=self.collate_fn,
         )
         batch = next(batches)
         del batches  # a generator: closed here
         if self._from_numpy and isinstance(batch, np.ndarray):
             batch = torch.from_numpy(batch)
-        if self._pin_memory and torch.cuda.is_available():
+        if self.config.pin_memory and torch.cuda.is_available():
             batch = map_tensors(lambda t: t if t.is_pinned() else t.pin_memory(), batch)
         return batch
 
@@ -409,7 +382,7 @@ class StatefulLoader:
         sd: dict[str, Any] = {
             "version": _STATE_VERSION,
             "fingerprint": ds.fingerprint,
-            "seed": ds.seed,
+            "seed": ds.config.seed,
             "epoch": epoch,
             "samples_consumed": consumed,
             "shuffle_window": list(ds.shuffle_window),
@@ -441,10 +414,10 @@ class StatefulLoader:
                 f"loader state version {version} is not supported (this unbroken writes "
                 f"{_STATE_VERSION})"
             )
-        if seed != ds.seed:
+        if seed != ds.config.seed:
             raise ValueError(
                 f"the loader state was saved with seed={seed} but the dataset has "
-                f"seed={ds.seed}; construct StreamingDataset(..., seed={seed}) to resume the "
+                f"seed={ds.config.seed}; construct StreamingDataset(..., seed={seed}) to resume the "
                 "same order"
             )
         # The fingerprint first: a position beyond a dataset that shrank is a changed dataset.
@@ -454,7 +427,7 @@ class StatefulLoader:
                 f"dataset's epoch of {ds.epoch_length} samples"
             )
         if fp != ds.fingerprint:
-            if self.on_dataset_change != "restart_epoch":
+            if self.config.on_dataset_change != "restart_epoch":
                 raise ValueError(
                     f"the dataset changed since the checkpoint: the loader state was saved on "
                     f"dataset fingerprint {fp}, but {', '.join(s.root for s in ds.sources)} "
@@ -492,8 +465,8 @@ class StatefulLoader:
     def __repr__(self) -> str:
         epoch, consumed = self._position()
         return (
-            f"StatefulLoader({self.dataset!r}, batch_size={self.batch_size}, "
-            f"num_workers={self.num_workers}, epoch={epoch}, samples_consumed={consumed})"
+            f"StatefulLoader({self.dataset!r}, batch_size={self.config.batch_size}, "
+            f"num_workers={self.config.num_workers}, epoch={epoch}, samples_consumed={consumed})"
         )
 
 

@@ -17,6 +17,12 @@ dealt out in blocks whose per-source counts follow the weights exactly (cumulati
 the slots inside a block are permuted by an RNG keyed by the block. Source ``i`` then supplies
 its own :class:`EpochOrder` stream, continuing into fresh source epochs when it is exhausted.
 
+:class:`DatasetOrder` is the order of a whole (possibly mixed) dataset as one object: what
+it depends on (each source's fingerprint and shard sizes, the seed, the shuffle settings, the
+weights) and nothing else (no files, no torch). The dataset reads through it; the remote cache
+takes it to its fetcher process and derives from it the :class:`EpochPlan` of an epoch - for
+every shard, the positions at which it is read - to prefetch and evict by.
+
 :class:`Partition` splits the positions of one run (from a resume point to the epoch end)
 across ranks and into batches. Nothing here depends on world size, worker count, prefetch
 depth or batch size except :class:`Partition`, which only *reads* the global order.
@@ -25,17 +31,22 @@ depth or batch size except :class:`Partition`, which only *reads* the global ord
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any, TypeVar
 
 import numpy as np
 import xxhash
 
 __all__ = [
     "LAST_BATCH_POLICIES",
+    "NEVER",
+    "DatasetOrder",
     "EpochOrder",
+    "EpochPlan",
     "MixtureOrder",
     "Partition",
     "default_shuffle_window",
@@ -54,6 +65,10 @@ _MAX_DEFAULT_WINDOW = 1 << 22
 _WINDOW_CACHE = 2
 
 LAST_BATCH_POLICIES = ("pad", "drop", "short")
+NEVER = np.iinfo(np.int64).max
+"""An :class:`EpochPlan`'s "no known next use"."""
+_ORDER_CACHE = 8  # EpochOrder / MixtureOrder objects kept per DatasetOrder (and their windows)
+T = TypeVar("T")
 
 
 def mix_seed(*parts: int) -> int:
@@ -443,3 +458,236 @@ class Partition:
     def consumed_after(self, steps: int) -> int:
         """Global samples consumed in the epoch after ``steps`` whole global steps."""
         return min(self.epoch_len, self.start + steps * self.global_batch)
+
+
+# --- the order of a whole dataset, and the plan of an epoch ------------------------------
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """For one epoch: every (unit, [lo, hi)) span of positions in which a shard is read, a
+    unit being a shard numbered from its source's base (``DatasetOrder.plan``'s ``bases``).
+
+    ``uid/lo/hi`` are sorted by ``lo`` (the prefetch order); ``key``/``key_lo`` index the same
+    spans by ``uid * (L + 1) + hi`` for next-use queries.
+    """
+
+    epoch: int
+    length: int
+    uid: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    key: np.ndarray
+    key_lo: np.ndarray
+
+    def overlaps(self, uids: np.ndarray, p: int, q: int) -> np.ndarray:
+        """Whether each unit is read somewhere in positions ``[p, q]``."""
+        s = self.length + 1
+        i = np.searchsorted(self.key, uids * s + p, side="right")
+        ok = i < self.key.size
+        j = np.minimum(i, max(self.key.size - 1, 0))
+        return ok & (self.key[j] // s == uids) & (self.key_lo[j] <= q)
+
+    def next_use(self, uids: np.ndarray, p: int) -> np.ndarray:
+        """Absolute position (epoch * (L+1) + pos) of each unit's next read at or after
+        ``p`` in this epoch; :data:`NEVER` where none."""
+        s = self.length + 1
+        i = np.searchsorted(self.key, uids * s + p, side="right")
+        j = np.minimum(i, max(self.key.size - 1, 0))
+        out = np.full(uids.size, NEVER, dtype=np.int64)
+        if self.key.size == 0:
+            return out
+        ok = (i < self.key.size) & (self.key[j] // s == uids)
+        out[ok] = self.epoch * s + np.maximum(self.key_lo[j[ok]], p)
+        return out
+
+
+def _spans(order: EpochOrder) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(shard, lo, hi) of one source pass in its own positions: a shard is read in every
+    shuffle window its stretch of the permuted shard stream overlaps."""
+    counts = np.asarray(order.counts, dtype=np.int64)
+    shard = np.asarray(order.shard_order, dtype=np.int64)
+    ends = np.cumsum(counts[shard])
+    starts = ends - counts[shard]
+    keep = counts[shard] > 0
+    shard, starts, ends = shard[keep], starts[keep], ends[keep]
+    if not order.shuffle:
+        return shard, starts, ends
+    w = int(order.window)
+    return shard, (starts // w) * w, np.minimum(order.length, ((ends - 1) // w + 1) * w)
+
+
+class DatasetOrder:
+    """The sample order of a dataset of one or several sources: D-ORDER as one object.
+
+    A pure function of each source's fingerprint and shard sizes (``counts``: samples per
+    shard, manifest order), the seed, the shuffle settings and the mixture's weights; it reads
+    no file and needs no torch, so it travels to the remote cache's fetcher process. Position
+    ``p`` of epoch ``e`` is :meth:`lookup`; :meth:`plan` says where each shard is read.
+
+    ``fingerprint`` identifies the dataset (and keys the order): a single source's own, or
+    for a mixture a hash of the sources' fingerprints, the weights, the epoch length and the
+    block. ``windows[i]`` is source ``i``'s shuffle window (0: no shuffle).
+    """
+
+    def __init__(
+        self,
+        counts: Sequence[np.ndarray],
+        fingerprints: Sequence[str],
+        *,
+        seed: int,
+        shuffle: bool = True,
+        shuffle_window: int | None = None,
+        weights: Sequence[float] = (1.0,),
+        samples_per_epoch: int | None = None,
+        mix_block: int = 4096,
+    ) -> None:
+        self.counts = tuple(np.asarray(c, dtype=np.int64) for c in counts)
+        self.fingerprints = tuple(str(f) for f in fingerprints)
+        self.sizes = tuple(int(c.sum()) for c in self.counts)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.mix_block = int(mix_block)
+        self.windows = tuple(
+            (shuffle_window or default_shuffle_window(c)) if shuffle else 0 for c in self.counts
+        )
+        if len(self.counts) == 1:
+            if samples_per_epoch is not None:
+                raise ValueError(
+                    "samples_per_epoch applies to mixtures of several sources; an epoch of one "
+                    f"dataset is its {self.sizes[0]} samples - drop samples_per_epoch"
+                )
+            self.length = self.sizes[0]
+            self.fingerprint = self.fingerprints[0]
+            self.weights: tuple[float, ...] = (1.0,)
+        else:
+            self.length = int(samples_per_epoch or sum(self.sizes))
+            # normalises the weights, and refuses them against mix_block now, not in a worker
+            self.weights = MixtureOrder(weights, "", 0, 0, 1, block=mix_block).weights
+            parts = [f"{f}:{w!r}" for f, w in zip(self.fingerprints, self.weights, strict=True)]
+            self.fingerprint = xxhash.xxh3_128_hexdigest(
+                ("mix/" + ",".join(parts) + f"/{self.length}/{mix_block}").encode()
+            )
+        self._orders: OrderedDict[tuple[int, ...], Any] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_orders": OrderedDict(), "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def clone(self) -> DatasetOrder:
+        """The same order with caches of its own (planning in one place must not push a
+        reader's windows out of the other's)."""
+        twin = object.__new__(DatasetOrder)
+        twin.__setstate__(self.__getstate__())
+        return twin
+
+    def _cached(self, key: tuple[int, ...], make: Callable[[], T]) -> T:
+        with self._lock:  # the cache's threads plan while a reader looks up
+            hit = self._orders.get(key)
+            if hit is not None:
+                self._orders.move_to_end(key)
+                return hit  # type: ignore[no-any-return]
+        made = make()
+        with self._lock:
+            self._orders[key] = made
+            if len(self._orders) > _ORDER_CACHE:
+                self._orders.popitem(last=False)
+        return made
+
+    def pass_order(self, i: int, epoch: int, k: int = 0) -> EpochOrder:
+        """Source ``i``'s ``k``-th pass inside ``epoch`` (a mixture epoch may go over a source
+        more than once; a single source has one pass, ``k = 0``)."""
+        salt = () if len(self.counts) == 1 else (i, k)
+        return self._cached(
+            (i, epoch, *salt),
+            lambda: EpochOrder(
+                self.counts[i],
+                self.fingerprints[i],
+                self.seed,
+                epoch,
+                shuffle=self.shuffle,
+                shuffle_window=self.windows[i] or None,
+                salt=salt,
+            ),
+        )
+
+    def mixture(self, epoch: int) -> MixtureOrder:
+        return self._cached(
+            (-1, epoch),
+            lambda: MixtureOrder(
+                self.weights, self.fingerprint, self.seed, epoch, self.length, block=self.mix_block
+            ),
+        )
+
+    def lookup(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Epoch positions -> (source index, sample id in that source's manifest order)."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if len(self.counts) == 1:
+            return np.zeros_like(pos), self.pass_order(0, epoch).ids(pos)
+        src, off = self.mixture(epoch).assign(pos)
+        ids = np.empty_like(pos)
+        for i in np.unique(src).tolist():
+            sel = src == i
+            rep, rest = np.divmod(off[sel], self.sizes[i])
+            part = np.empty_like(rest)
+            for k in np.unique(rep).tolist():
+                m = rep == k
+                part[m] = self.pass_order(i, epoch, k).ids(rest[m])
+            ids[sel] = part
+        return src, ids
+
+    def _blocks_before(self, i: int, nblocks: int) -> np.ndarray:
+        """Slots of source ``i`` in mixture blocks ``0..b-1`` for every ``b <= nblocks``: the
+        same cumulative floors as :class:`MixtureOrder`, exactly, in int64
+        (``floor(n*p/q) = (n//q)*p + (n%q)*p//q`` keeps every product below 2**62)."""
+        cum = MixtureOrder(self.weights, "", 0, 0, 1, block=self.mix_block).cum
+        n = np.arange(nblocks + 1, dtype=np.int64) * self.mix_block
+
+        def floor_at(k: int) -> np.ndarray:
+            if k < 0:
+                return np.zeros_like(n)
+            p, q = cum[k].numerator, cum[k].denominator
+            return (n // q) * p + (n % q) * p // q
+
+        return floor_at(i) - floor_at(i - 1)
+
+    def _source_spans(self, i: int, epoch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(shard, lo, hi) of source ``i`` in mixture positions: source offset o (counted
+        across passes) lies in the block b with before(b) <= o < before(b+1), anywhere among
+        its positions (a block's slots are permuted)."""
+        if len(self.counts) == 1:
+            return _spans(self.pass_order(i, epoch))
+        length, blk, n = self.length, self.mix_block, self.sizes[i]
+        before = self._blocks_before(i, -(-length // blk))
+        parts = []
+        for k in range(-(-int(before[-1]) // n)):
+            ps, a, b = _spans(self.pass_order(i, epoch, k))
+            first = np.searchsorted(before, a + k * n, side="right") - 1
+            last = np.searchsorted(before, b - 1 + k * n, side="right") - 1
+            parts.append(
+                (ps, np.minimum(first * blk, length), np.minimum((last + 1) * blk, length))
+            )
+        sh, lo, hi = (np.concatenate([q[j] for q in parts]) for j in range(3))
+        keep = lo < hi
+        return sh[keep], lo[keep], hi[keep]
+
+    def plan(self, epoch: int, bases: dict[int, int]) -> EpochPlan:
+        """The plan of ``epoch`` for the sources ``{source index: unit of its shard 0}``: every
+        span of positions in which a shard is read."""
+        uids, los, his = [], [], []
+        for i, base in bases.items():
+            sh, lo, hi = self._source_spans(i, epoch)
+            uids.append(sh + base)
+            los.append(lo)
+            his.append(hi)
+        uid = np.concatenate(uids).astype(np.int64)
+        lo = np.concatenate(los).astype(np.int64)
+        hi = np.concatenate(his).astype(np.int64)
+        o = np.lexsort((uid, lo))
+        key = uid * (self.length + 1) + hi
+        ko = np.argsort(key, kind="stable")
+        return EpochPlan(epoch, self.length, uid[o], lo[o], hi[o], key[ko], lo[ko])

@@ -68,6 +68,7 @@ _MAGIC_V1 = b"UBIDX\x01\x00\x00"
 _HEADER = struct.Struct("<8sQQQQ32s")
 _HASH = 8  # bytes of one xxh3_64 (member hashes, the index's own trailer)
 _BLOCK = 512
+_FEW = 8  # read_many: a shard's first read of up to this many samples skips the row table
 # webdataset's rule: key = path prefix + basename up to its first dot, ext = the rest.
 _NAME_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 
@@ -553,6 +554,15 @@ class ShardReader:
             warn_unverified(dataset or path, index_path or path)
         self._hashes: list[int] | None = None
         self._lists: tuple[list[int], ...] | None = None
+        # read_many's map and row table (made on first use)
+        self._mm: mmap.mmap | bytes | None = None
+        self._exts: tuple[str, ...] | None = None
+        self._text = ""  # uniform layout: the keys, decoded
+        # uniform layout, per sample: key start, key end (in `_text`), each member's data
+        # start and end, then (verifying) each member's checksum; uint64: tolist() gives ints
+        self._rows: np.ndarray | None = None
+        self._planned = False
+        self._first_done = False  # a first small read goes without the table
         self._fd = os.open(path, os.O_RDONLY)
         try:
             self._check()
@@ -663,7 +673,175 @@ class ShardReader:
         if checksum is not None and digest != checksum:
             raise ShardError(f"{self.path}: checksum {digest} != manifest {checksum}; re-copy it")
 
+    # --- many samples at once, through a map of the shard (the dataset's read path) -----
+
+    def _map(self) -> mmap.mmap | bytes:
+        """The shard mapped read-only (made on first use; b"" for an empty file)."""
+        if self._mm is None:
+            size = os.fstat(self._fd).st_size
+            self._mm = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ) if size else b""
+        return self._mm
+
+    def _plan_rows(self) -> None:
+        """Decide the layout and build the row table (or, for any other layout, the index as
+        lists); ~0.3 ms for a 64 MB shard, so a shard read once for a few samples (the first
+        batch after a resume touches many shards) skips it."""
+        self._planned = True
+        idx = self.index
+        ms = np.asarray(idx.member_start, dtype=np.int64)
+        eo = np.asarray(idx.ext_off, dtype=np.int64)
+        n = ms.size - 1
+        k = int(ms[1]) if n > 0 else 0
+        if k > 0 and bool((np.diff(ms) == k).all()):
+            first = self.index.strings[eo[0] : eo[k]]
+            lens = np.diff(eo).reshape(n, k)
+            if self.index.strings[eo[0] :] == first * n and bool((lens == lens[0]).all()):
+                self._exts = tuple(self.index.strings[eo[j] : eo[j + 1]].decode() for j in range(k))
+                ko = np.asarray(idx.key_off, dtype=np.int64)
+                # Keys are sliced from one str (one object per key instead of a bytes slice
+                # and its decode): offsets in characters, i.e. bytes minus the UTF-8
+                # continuation bytes before them (ShardIndex checked that every key decodes).
+                keys = self.index.strings[: int(ko[-1])]
+                self._text = keys.decode()
+                if not keys.isascii():
+                    cont = (np.frombuffer(keys, np.uint8) & 0xC0) == 0x80
+                    ko = ko - np.concatenate(([0], np.cumsum(cont)))[ko]
+                off = np.asarray(idx.data_offset, dtype=np.int64).reshape(n, k)
+                rows = np.empty((n, 2 + 2 * k + (k if self.verifies else 0)), dtype=np.uint64)
+                rows[:, 0] = ko[:-1]
+                rows[:, 1] = ko[1:]
+                rows[:, 2 : 2 + 2 * k : 2] = off
+                rows[:, 3 : 2 + 2 * k : 2] = off + np.asarray(idx.data_size).reshape(n, k)
+                if self.verifies:
+                    rows[:, 2 + 2 * k :] = np.asarray(idx.member_hash).reshape(n, k)
+                self._rows = rows
+                return
+        self._tables()  # Python ints for _read_any's per-member lookups
+
+    def read_many(self, local: np.ndarray, *, skip: bool = False) -> list[Any]:
+        """Samples ``local`` of this shard (indexes, in the order given), as ``self[i]``
+        gives them, with every member a slice of a map of the shard: no syscall, no tar
+        parsing (slicing costs ~1 us where a ``pread`` per sample costs several, most of a
+        DataLoader worker's time at 4 KB samples). A damaged sample raises
+        :class:`CorruptSampleError` naming its first damaged member; with ``skip`` it is
+        logged and None takes its place.
+
+        When every sample has the same extensions in the same order (the usual case), their
+        names are decoded once and one row per sample - key span, each member's data span
+        and, when verifying, each member's xxh3_64 - is gathered for a whole group with a
+        single numpy indexing; each member is hashed right after it is sliced, in the same
+        loop (a separate pass cost as much again as the hashing; measured in RESULTS.md)."""
+        rows, exts = self._rows, self._exts
+        if rows is None or exts is None:
+            if not self._planned and (self._first_done or len(local) > _FEW):
+                self._plan_rows()
+                return self.read_many(local, skip=skip)
+            self._first_done = True
+            return self._read_any(local.tolist(), skip)
+        mm, text, h = self._map(), self._text, xxhash.xxh3_64_intdigest
+        out: list[Any] = []
+        bad: list[int] = []  # positions in `out` whose bytes do not match their checksums
+        if not self.verifies and len(exts) <= 2:
+            if len(exts) == 1:
+                (x,) = exts
+                for a, b, o, e in rows.take(local, 0).tolist():
+                    out.append({"__key__": text[a:b], x: mm[o:e]})
+            else:
+                x, y = exts
+                for a, b, o, e, p, q in rows.take(local, 0).tolist():
+                    out.append({"__key__": text[a:b], x: mm[o:e], y: mm[p:q]})
+        elif len(exts) == 1:
+            (x,) = exts
+            for a, b, o, e, w in rows.take(local, 0).tolist():
+                v = mm[o:e]
+                if h(v) != w:
+                    bad.append(len(out))
+                out.append({"__key__": text[a:b], x: v})
+        elif len(exts) == 2:
+            x, y = exts
+            for a, b, o, e, p, q, w, z in rows.take(local, 0).tolist():
+                v, u = mm[o:e], mm[p:q]
+                if h(v) != w or h(u) != z:
+                    bad.append(len(out))
+                out.append({"__key__": text[a:b], x: v, y: u})
+        else:
+            k = len(exts)
+            cols = [(x, 2 + 2 * j, 3 + 2 * j, 2 + 2 * k + j) for j, x in enumerate(exts)]
+            verify = self.verifies
+            for r in rows.take(local, 0).tolist():
+                d: dict[str, Any] = {"__key__": text[r[0] : r[1]]}
+                ok = True
+                for x, s, t, c in cols:
+                    v = d[x] = mm[r[s] : r[t]]
+                    if verify and ok and h(v) != r[c]:
+                        ok = False
+                if not ok:
+                    bad.append(len(out))
+                out.append(d)
+        return self._damaged(out, bad, local, skip) if bad else out
+
+    def _read_any(self, local: list[int], skip: bool) -> list[Any]:
+        """Any layout: members and extensions looked up per sample."""
+        # lists once planned; before, the index's numpy views (a few samples: no tables)
+        lists = self._lists
+        ms, ko, off, size, eo = lists if lists is not None else self.index._tables()
+        hashes = None
+        if self.verifies:
+            hashes = self._hashes if lists is not None else self.index.member_hash
+        mm, strings, h = self._map(), self.index.strings, xxhash.xxh3_64_intdigest
+        cache: dict[bytes, str] = {}
+        out: list[Any] = []
+        bad: list[int] = []
+        for i in local:
+            d: dict[str, Any] = {"__key__": strings[ko[i] : ko[i + 1]].decode()}
+            ok = True
+            for j in range(ms[i], ms[i + 1]):
+                raw = strings[eo[j] : eo[j + 1]]
+                ext = cache.get(raw)
+                if ext is None:
+                    ext = cache[raw] = raw.decode()
+                o = off[j]
+                v = d[ext] = mm[o : o + size[j]]
+                if hashes is not None and ok and h(v) != hashes[j]:
+                    ok = False
+            if not ok:
+                bad.append(len(out))
+            out.append(d)
+        return self._damaged(out, bad, local, skip) if bad else out
+
+    def _damaged(self, out: list[Any], bad: list[int], local: Any, skip: bool) -> list[Any]:
+        """Raise for the first damaged sample, naming its first damaged member, or (when
+        skipping) log each and put None in its place."""
+        idx, mm = self.index, self._map()
+        for p in bad:
+            i = int(local[p])
+            a, b = int(idx.member_start[i]), int(idx.member_start[i + 1])
+            wrong = [
+                idx.ext(j)
+                for j in range(a, b)
+                if xxhash.xxh3_64_intdigest(
+                    mm[int(idx.data_offset[j]) : int(idx.data_offset[j] + idx.data_size[j])]
+                )
+                != int(idx.member_hash[j])  # type: ignore[index]
+            ]
+            err = corrupt_sample(
+                self.path,
+                f"sample {out[p]['__key__']!r} member {wrong[0]!r}"
+                if wrong
+                else f"sample {out[p]['__key__']!r} (its bytes changed while it was read)",
+                dataset=self.dataset,
+                cached=self.cached,
+            )
+            if not skip:
+                raise err
+            log.warning("%s; skipped (on_corrupt='skip')", err)
+            out[p] = None
+        return out
+
     def close(self) -> None:
+        if isinstance(self._mm, mmap.mmap):
+            self._mm.close()
+        self._mm = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

@@ -1,0 +1,81 @@
+"""The node cache's event log: ``<cache_dir>/.events``, one JSON line per download,
+verification, eviction or discarded file, for people and tests to read.
+
+Bounded (it counts in ``cache_limit``): rotated to ``.events.1`` before it would pass
+:data:`EVENTS_MAX`, under a lock on the file, so the two hold at most twice that (the last
+~500 events). Both are fixed names, never followed through a symlink.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from typing import Any
+
+from unbroken.common.fs import open_private
+from unbroken.data.stream.remote.index import read_private
+
+__all__ = ["EVENTS_MAX", "EventLog", "read_events"]
+
+EVENTS_MAX = 32 << 10
+"""Bytes of ``.events`` before it is rotated to ``.events.1``."""
+
+
+class EventLog:
+    def __init__(self, cache_dir: str) -> None:
+        self.path = os.path.join(cache_dir, ".events")
+
+    def write(self, kind: str, **fields: Any) -> None:
+        """Append one line (one ``O_APPEND`` write: lines of several processes never
+        interleave); rotate first when it would pass :data:`EVENTS_MAX`."""
+        line = (
+            json.dumps(
+                {"t": round(time.time(), 6), "ev": kind, "pid": os.getpid(), **fields},
+                separators=(",", ":"),
+            )
+            + "\n"
+        ).encode()
+        for _ in range(8):  # another writer rotated it between our open and our lock: again
+            fd = open_private(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                here = os.fstat(fd)
+                try:
+                    now = os.lstat(self.path)
+                except FileNotFoundError:
+                    continue
+                if (now.st_dev, now.st_ino) != (here.st_dev, here.st_ino):
+                    continue
+                if here.st_size and here.st_size + len(line) > EVENTS_MAX:
+                    os.replace(self.path, self.path + ".1")
+                    continue
+                os.write(fd, line)
+                return
+            finally:
+                os.close(fd)
+
+    def size(self) -> int:
+        """Bytes the log holds now (both files)."""
+        total = 0
+        for path in (self.path, self.path + ".1"):
+            with contextlib.suppress(OSError):
+                total += os.lstat(path).st_size
+        return total
+
+
+def read_events(cache_dir: str) -> list[dict[str, Any]]:
+    """The cache's event log (downloads, verifications, evictions, discarded files), oldest
+    first."""
+    out = []
+    for name in (".events.1", ".events"):
+        try:
+            raw = read_private(os.path.join(cache_dir, name))
+        except FileNotFoundError:
+            continue
+        for line in raw.decode("utf-8", "replace").splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+    return out

@@ -1,0 +1,177 @@
+"""The per-node download process of a remote dataset (``python -m
+unbroken.data.stream.remote.fetcher``, or forked).
+
+Started by the first reader of a :class:`~unbroken.data.stream.remote.cache.RemoteCache` that
+finds none running: forked from it (milliseconds, everything imported; daemonic, gone with
+its parent), or, from a DataLoader worker (which may not fork children), a fresh interpreter
+whose state - the pickled cache (manifests, order, config; no torch, no transform) - comes
+over a pipe into its stdin, never through a file others could replace. It holds
+``<cache_dir>/.fetch/<dataset>.lock`` while it runs, so there is one per node and dataset,
+prefetches for every live reader, fetches first what a reader waits for, and exits 10 s
+after the last reader is gone. Downloads run here rather than in the DataLoader workers
+because a worker busy decoding holds the GIL and starves the I/O threads of its own process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from unbroken.common.fs import open_private
+from unbroken.data.stream.remote.plan import LOG_MAX
+
+if TYPE_CHECKING:
+    from unbroken.data.stream.remote.cache import RemoteCache
+
+__all__ = ["main", "serve", "spawn"]
+
+log = logging.getLogger(__name__)
+
+_CHILDREN: list[Any] = []  # fetcher processes started here (kept to be reaped, not waited for)
+
+
+class _Forked:
+    """``poll()`` for a multiprocessing child, like ``subprocess.Popen``'s."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+
+    def poll(self) -> int | None:
+        return self.proc.exitcode
+
+
+def spawn(cache: RemoteCache, fresh: bool | None = None) -> None:
+    """Start a fetcher for ``cache``: forked from this process, or (``fresh``; the default in a
+    DataLoader worker, which may not fork children) a new interpreter."""
+    import multiprocessing
+    import subprocess
+
+    clone = cache.detached()
+    _CHILDREN[:] = [c for c in _CHILDREN if c.poll() is None]  # reap finished ones
+    if fresh is None:
+        fresh = bool(multiprocessing.current_process().daemon)
+    if not fresh:
+        # Forked like a DataLoader worker, and like one it never touches CUDA.
+        child = multiprocessing.get_context("fork").Process(
+            target=serve, args=(clone,), name="unbroken-fetcher", daemon=True
+        )
+        child.start()
+        _CHILDREN.append(_Forked(child))
+        return
+    payload = pickle.dumps(clone)
+    # its log: a fixed name (never followed), started afresh when it reached half its bound;
+    # the fetcher keeps it within LOG_MAX (counted at that size in the limit)
+    lock = cache.fetch_lock_path()
+    err = open_private(lock[: -len(".lock")] + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        if os.fstat(err).st_size > LOG_MAX // 2:
+            os.ftruncate(err, 0)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "unbroken.data.stream.remote.fetcher"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            close_fds=True,
+        )
+    finally:
+        os.close(err)
+    _CHILDREN.append(proc)
+    # written from a thread: the child reads it all once its interpreter is up
+    threading.Thread(
+        target=_feed, args=(proc.stdin, payload), name="unbroken-fetcher-feed", daemon=True
+    ).start()
+
+
+def _feed(pipe: Any, payload: bytes) -> None:
+    """Write ``payload`` into a child's stdin and close it (a child that died first: nothing
+    to do; its readers start another)."""
+    try:
+        pipe.write(payload)
+        pipe.close()
+    except OSError:
+        pass
+
+
+def serve(cache: RemoteCache, idle_exit: float = 10.0) -> None:
+    """The fetcher's loop (see the module docstring); returns when nobody has read for
+    ``idle_exit`` seconds, when the cache directory is gone, or when another fetcher already
+    serves. A failed download is the readers' to report (they fetch it themselves after
+    ``grace_s``), so nothing here raises."""
+    try:
+        _serve(cache, idle_exit)
+    except FileNotFoundError:
+        pass  # the cache directory was removed under us
+    except Exception:
+        log.exception("fetcher for %s stopped", cache.cache_dir)
+
+
+def _serve(cache: RemoteCache, idle_exit: float) -> None:
+    if not cache.hold_fetch_lock():
+        return
+    cache.events.write("fetcher", state="start")
+    idle_since = time.monotonic()
+    last: dict[tuple[int, int], tuple[int, float]] = {}
+    seen: list[tuple[int, int, int]] = []
+    nap = 0.005
+    while os.path.isdir(cache.cache_dir):
+        regs = sorted(cache.live_readers())
+        now = time.monotonic()
+        if regs:
+            idle_since = now
+        elif now - idle_since > idle_exit:
+            return
+        for epoch, pos, want in regs:
+            cache.demand(want, epoch, pos)
+        for epoch, pos in sorted({(e, p) for e, p, _ in regs}):
+            bound, t = last.get((epoch, pos // 1024), (-1, 0.0))
+            if pos < bound and now - t < 0.05:
+                continue
+            last[(epoch, pos // 1024)] = (cache.prefetch(epoch, pos), now)
+        if len(last) > 4096:
+            last.clear()
+        # poll fast while readers move, slowly while nothing changes
+        nap = 0.02 if regs != seen else min(nap * 2, 0.1)
+        seen = regs
+        time.sleep(nap)
+
+
+class _BoundedStderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Log lines to stderr, the cache's ``.fetch/<dataset>.log`` (opened O_APPEND by the
+    reader that started this process): emptied before it would pass its bound."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__(sys.stderr)
+        self.cap = cap
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if os.fstat(2).st_size > self.cap // 2:
+                os.ftruncate(2, 0)
+        except OSError:
+            pass  # not a file (a terminal, a pipe): nothing to bound
+        super().emit(record)
+
+
+def main(argv: list[str]) -> int:
+    handler = _BoundedStderr(LOG_MAX)
+    handler.setFormatter(logging.Formatter("%(asctime)s fetcher %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    if argv:
+        print(
+            "usage: python -m unbroken.data.stream.remote.fetcher < PICKLED_CACHE",
+            file=sys.stderr,
+        )
+        return 2
+    payload = sys.stdin.buffer.read()  # all of it first: the parent's writer is not kept waiting
+    cache = pickle.loads(payload)  # from spawn(), in our parent, over a pipe
+    serve(cache)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
