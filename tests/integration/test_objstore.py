@@ -197,6 +197,34 @@ def test_an_object_shorter_or_longer_than_recorded_or_with_another_checksum_is_r
         assert int(rng.split("-")[1]) <= size, (path, rng)  # never past size + 1 bytes
 
 
+def test_an_object_recorded_empty_is_one_get_of_one_byte(
+    endpoint: str, proxy: FaultProxy, bucket: str, tmp_path: Any
+) -> None:
+    """issue 22 item 2 (a dataset.json recording 0 bytes, issue 20 item 10): an empty object
+    is fetched with one GET ranged to its size + 1 (no HEAD); a non-empty one recorded as
+    empty is refused having cost one byte; a missing one is FileNotFoundError. obstore and
+    fsspec alike."""
+    empty = checksum_bytes(b"")
+    _plant(endpoint, bucket, "e", b"")
+    _plant(endpoint, bucket, "full", os.urandom(3 * MiB))
+    fs_opts = StoreOptions(**{**OPTS.__dict__, "client": "fsspec"})
+    so = {"client_kwargs": {"endpoint_url": proxy.endpoint}, "skip_instance_cache": True}
+    for store in (_store(proxy.endpoint, bucket), open_store(f"s3://{bucket}/ds", so, fs_opts)):
+        out = tmp_path / store.kind
+        out.mkdir()
+        n0 = len(proxy.requests)
+        store.get_file("e", str(out / "e"), size=0, checksum=empty)
+        assert (out / "e").read_bytes() == b""
+        with pytest.raises(ObjectMismatch, match=f"s3://{bucket}/ds/full: longer than the 0"):
+            store.get_file("full", str(out / "f"), size=0, checksum=empty)
+        with pytest.raises(FileNotFoundError, match=f"s3://{bucket}/ds/none"):
+            store.get_file("none", str(out / "n"), size=0, checksum=empty)
+        seen = proxy.requests[n0:]
+        assert [r[0] for r in seen] == ["GET"] * 3, (store.kind, seen)
+        assert all(r[2] == "bytes=0-0" for r in seen), (store.kind, seen)
+        assert sorted(os.listdir(out)) == ["e"]
+
+
 def test_multipart_put_round_trip_and_a_damaged_local_file_is_never_uploaded(
     endpoint: str, proxy: FaultProxy, bucket: str, tmp_path: Any
 ) -> None:

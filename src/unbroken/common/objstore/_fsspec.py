@@ -92,7 +92,9 @@ class FsspecStore(ObjectStore):
         for attempt in range(o.retries + 1):
             try:
                 return fn(self._open()[0])
-            except (FileNotFoundError, PastEnd, ObjectMismatch):
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"{url}: no such object ({e})") from e
+            except (PastEnd, ObjectMismatch):
                 raise
             except PermissionError as e:
                 raise RemoteStorageError(f"{url}: {what} refused ({e})", url=url) from e

@@ -91,7 +91,7 @@ class _Proc:
     def __init__(self, cache: RemoteCache) -> None:
         self.pid = os.getpid()
         self.pool = Pool(cache.config.threads, cache._fetch, "unbroken-cache")
-        self.stores: dict[int, tuple[Any, str]] = {}
+        self.stores: dict[int, fetch.ObjectStore] = {}
         self.retry_after: dict[int, float] = {}
         self.fetcher_up = False
         self.fetcher_checked = -1e9
@@ -215,11 +215,11 @@ class RemoteCache:
         twin.__setstate__({**self.__getstate__(), "_holders": {}})
         return twin
 
-    def _store(self, d: _Dir) -> tuple[Any, str]:
+    def _store(self, d: _Dir) -> fetch.ObjectStore:
         st = self._proc()
         hit = st.stores.get(d.id)
         if hit is None:
-            hit = st.stores[d.id] = fetch.open_store(d.url, d.options)
+            hit = st.stores[d.id] = fetch.open_store(d.url, d.options, self.config)
         return hit
 
     # --- units ----------------------------------------------------------------------------
