@@ -931,3 +931,42 @@ def test_sigkill_mid_download_then_resume(endpoint: str, tmp_path: Any) -> None:
     assert _temps(cache) == []  # the dead download's temporary was discarded
     events = read_events(cache)
     assert {e["shard"] for e in events if e["ev"] == "download"} == set(range(len(m.shards)))
+
+
+def test_defaults_fit_a_small_cache_limit(
+    endpoint: str, local_ds: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """issue 22 item 3: with the default shuffle window and read-ahead, a cache limit that
+    cannot hold them is not refused: the largest window that fits is used (said in one
+    line), the epoch is exact and in the order of a local read with that window; only a limit
+    below one shard's window is refused, naming the least limit that works, which works."""
+    from unbroken.data.stream.order import default_shuffle_window
+
+    _upload(endpoint, local_ds, "data", "fit")
+    m = DatasetManifest.load(local_ds)
+    counts = [s.samples for s in m.shards]
+    own = 300_000  # the cache's own files (index, event log bound, manifest copy)
+    limit = m.total_bytes // 3 + own
+    with caplog.at_level(logging.WARNING, logger="unbroken"):
+        ds = StreamingDataset(
+            "s3://data/fit", rank=0, world_size=1, cache=_cache(endpoint, tmp_path / "c", limit)
+        )
+    said = [r.getMessage() for r in caplog.records if "cannot hold" in r.getMessage()]
+    assert len(said) == 1 and "shards per window" in said[0] and "near pairs" in said[0], said
+    w = ds.shuffle_window[0]
+    assert w < min(default_shuffle_window(counts), N)
+    got = [s["__key__"] for s in _read_all(ds)]
+    ref = StreamingDataset(local_ds, shuffle_window=w, rank=0, world_size=1)
+    assert got == [s["__key__"] for s in _read_all(ref)]
+    assert sorted(got) == [f"k{i:05d}" for i in range(N)]
+    with pytest.raises(
+        ValueError, match=r"cache_limit=1,000 bytes is too small.* >= ([\d,]+)$"
+    ) as ei:
+        StreamingDataset(
+            "s3://data/fit", rank=0, world_size=1, cache=_cache(endpoint, tmp_path / "d", 1000)
+        )
+    least = int(str(ei.value).rsplit(">= ", 1)[1].replace(",", ""))
+    ds = StreamingDataset(
+        "s3://data/fit", rank=0, world_size=1, cache=_cache(endpoint, tmp_path / "d", least)
+    )
+    assert sorted(s["__key__"] for s in _read_all(ds)) == [f"k{i:05d}" for i in range(N)]
