@@ -61,15 +61,25 @@ def _add_index(ds: Sub) -> None:
     p = add_command(
         ds,
         "index",
-        "index existing (e.g. WebDataset) tar shards in place",
-        "unbroken data index ./webdataset-shards",
-        "Write <shard>.tar.idx for every *.tar in DIR and a dataset.json; the tar files are "
-        "not modified.",
+        "index tar shards or a flat token file (nanoGPT's train.bin) in place",
+        "unbroken data index ./webdataset-shards\n  unbroken data index data/train.bin --meta data/meta.pkl",
+        "DIR: write <shard>.tar.idx for every *.tar in DIR and a dataset.json. FILE (a flat "
+        "uint16/uint32 token file): write FILE.idx (checksums) and FILE.dataset.json beside it; "
+        "StreamingDataset(FILE, seq_len=...) then reads it in place. Nothing is modified or "
+        "copied. meta.pkl is read without unpickling code (only its vocab_size).",
         func=_index,
     )
-    p.add_argument("dir", help="directory of .tar shards")
+    p.add_argument("dir", help="directory of .tar shards, or a flat token file")
     p.add_argument("--workers", type=int, default=None, help="processes (default: CPU count)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--vocab-size", type=at_least(1), default=None, help="flat file: vocabulary")
+    p.add_argument("--meta", default=None, help="flat file: nanoGPT meta.pkl with vocab_size")
+    p.add_argument(
+        "--dtype",
+        choices=("uint16", "uint32"),
+        default=None,
+        help="flat file: token dtype (default: from the vocabulary, else uint16)",
+    )
 
 
 def _add_tokenize(ds: Sub) -> None:
@@ -83,7 +93,11 @@ def _add_tokenize(ds: Sub) -> None:
         "Output is identical for any --workers; re-running resumes.",
         func=_tokenize,
     )
-    p.add_argument("src", help=".jsonl / .txt file, a directory of them, or a packed tar dataset")
+    p.add_argument(
+        "src",
+        help=".jsonl / .txt file, a directory of them, a packed tar dataset, or with "
+        "--from-bin an indexed flat token file",
+    )
     p.add_argument("out", help="output directory")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json path")
     p.add_argument(
@@ -105,6 +119,12 @@ def _add_tokenize(ds: Sub) -> None:
         help="token dtype (default: uint16 if the vocabulary fits)",
     )
     p.add_argument("--eos-token", default=None, help="end-of-document token (default: detect)")
+    p.add_argument(
+        "--from-bin",
+        action="store_true",
+        help="SRC is a flat token file indexed by `unbroken data index`: cut its ids into "
+        "token shards as they are (no tokenizer); same windows at --seq-len",
+    )
     p.add_argument("--workers", type=int, default=None, help="processes (default: CPU count)")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (faster, not durable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -168,7 +188,19 @@ def _pack(a: argparse.Namespace) -> int:
 
 
 def _index(a: argparse.Namespace) -> int:
+    import os
+
     from unbroken.data.prepare.pack import index_directory
+
+    if os.path.isfile(a.dir):
+        from unbroken.data.tokens.flat import index_flat
+
+        m = index_flat(a.dir, vocab_size=a.vocab_size, meta=a.meta, dtype=a.dtype)
+        _say(
+            f"indexed {printable(a.dir)} in place: {m.shards[0].tokens} {m.dtype} tokens, "
+            f"vocabulary {m.vocab_size}; fingerprint {m.fingerprint}"
+        )
+        return 0
 
     r = index_directory(a.dir, workers=a.workers, progress=not a.no_progress)
     m = r.manifest
@@ -181,6 +213,18 @@ def _index(a: argparse.Namespace) -> int:
 
 def _tokenize(a: argparse.Namespace) -> int:
     from unbroken.data.tokens.tokenizer import tokenize
+
+    if a.from_bin:
+        from unbroken.data.tokens.flat import flat_to_shards
+
+        fm = flat_to_shards(
+            a.src, a.out, seq_len=a.seq_len, shard_size=a.shard_size, fsync=not a.no_fsync
+        )
+        _say(
+            f"{len(fm.shards)} token shards, {fm.num_samples} samples ({fm.dtype}) from "
+            f"{printable(a.src)}; fingerprint {fm.fingerprint}"
+        )
+        return 0
 
     r = tokenize(
         a.src,

@@ -13,6 +13,8 @@ from unbroken.data.tokens.shard import TokenShard
 _LAZY = {
     "pack": "unbroken.data.prepare.pack",
     "index_directory": "unbroken.data.prepare.pack",
+    "index_flat": "unbroken.data.tokens.flat",
+    "read_vocab_size": "unbroken.data.tokens.flat",
     "stage": "unbroken.data.prepare.stage",
     "CacheConfig": "unbroken.data.stream.config",
     "DatasetConfig": "unbroken.data.stream.config",
@@ -43,6 +45,8 @@ __all__ = [
     "StreamingDataset",
     # data preparation
     "index_directory",
+    "index_flat",
+    "read_vocab_size",
     "pack",
     "stage",
     "tokenize",

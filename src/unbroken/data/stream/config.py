@@ -24,10 +24,18 @@ from typing import Any
 from unbroken.common.config import check_choice, check_count, check_flag, check_seconds, parse_size
 from unbroken.data.stream.order import LAST_BATCH_POLICIES
 
-__all__ = ["ON_CORRUPT", "ON_DATASET_CHANGE", "CacheConfig", "DatasetConfig", "LoaderConfig"]
+__all__ = [
+    "ON_CORRUPT",
+    "ON_DATASET_CHANGE",
+    "WINDOWS",
+    "CacheConfig",
+    "DatasetConfig",
+    "LoaderConfig",
+]
 
 ON_DATASET_CHANGE = ("error", "restart_epoch")
 ON_CORRUPT = ("raise", "skip")
+WINDOWS = ("fixed", "random")
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,8 @@ class DatasetConfig:
     """samples per shuffle window (8 bytes each per worker); None: 4x the largest shard, >= 256 Ki, <= 4 Mi."""
     seq_len: int | None = None
     """token datasets: tokens per sequence (a sample is seq_len + 1 tokens); None: as tokenized."""
+    windows: str = "fixed"
+    """token datasets: "fixed" cuts sample i at token i*seq_len (each token once an epoch); "random" starts each sample at a uniform token offset (nanoGPT's get_batch), drawn from (seed, epoch, position): resumes exactly."""
     rank: int | None = None
     """this process's rank; None (with world_size None): from torch.distributed, else 0."""
     world_size: int | None = None
@@ -148,6 +158,7 @@ class DatasetConfig:
         for name in ("with_ids", "verify"):
             check_flag(own, name, getattr(self, name))
         check_choice(own, "on_corrupt", self.on_corrupt, ON_CORRUPT)
+        check_choice(own, "windows", self.windows, WINDOWS)
         if not isinstance(self.cache, CacheConfig):
             raise ValueError(f"{own}.cache={self.cache!r} must be a CacheConfig")
         rank, world = self.rank, self.world_size
@@ -193,6 +204,10 @@ class LoaderConfig:
     """device whose pinned memory to use (as ``DataLoader``); "" means the current accelerator."""
     shm_transport: bool = True
     """workers hand tensors over through reusable shared-memory slots, not torch's pipe (False: for comparisons)."""
+    xy: bool = False
+    """token datasets: deliver ``(x, y)``, contiguous ``(B, seq_len)`` inputs and targets made in the worker (``targets.view(-1)`` works), instead of ``(B, seq_len + 1)`` rows."""
+    held_batches: int = 0
+    """batches the training loop holds across a save (nanoGPT's ``X, Y = next(it)`` right after the forward pass: 1); the saved position leaves them unconsumed, so a resume delivers them again."""
 
     def __post_init__(self) -> None:
         own = "LoaderConfig"
@@ -210,7 +225,8 @@ class LoaderConfig:
         if self.persistent_workers and self.num_workers == 0:
             raise ValueError("LoaderConfig.persistent_workers=True needs num_workers > 0")
         check_seconds(own, "timeout", self.timeout)
-        for name in ("pin_memory", "persistent_workers", "shm_transport"):
+        check_count(own, "held_batches", self.held_batches, least=0)
+        for name in ("pin_memory", "persistent_workers", "shm_transport", "xy"):
             check_flag(own, name, getattr(self, name))
         if not isinstance(self.pin_memory_device, str):
             raise ValueError(

@@ -49,6 +49,15 @@ checksum ``dataset.json`` records for it, when its shard is opened. Damage raise
 then shorter; one whose every sample is damaged arrives as an empty list), logged and counted
 in :attr:`StreamingDataset.corrupt_skipped` (``StatefulLoader.stats()``).
 
+A flat token file (nanoGPT's ``train.bin``: bare ``uint16``/``uint32`` ids), indexed once in
+place by ``unbroken data index train.bin`` (:mod:`unbroken.data.tokens.flat`), is a source
+like a token dataset directory: ``StreamingDataset("data/train.bin", seq_len=1024)``, read
+through ``np.memmap`` without a copy. ``windows="random"`` (token datasets) starts every
+sample at a uniform token offset instead of at ``i * seq_len`` - nanoGPT's ``get_batch`` -
+drawn from (fingerprint, seed, epoch, position) (:func:`~unbroken.data.stream.order.random_slots`):
+the RNG stream *is* the position, so the loader's state resumes it exactly, on any layout,
+and the sample id (``with_ids``) is the window's start.
+
 Use it through :class:`unbroken.data.stream.loader.StatefulLoader`, which adds batching, workers and
 the resume state. Iterated on its own (or by ``DataLoader(ds, batch_size=None)``) it yields the
 rank's samples one by one from :meth:`set_epoch`'s epoch.
@@ -78,9 +87,10 @@ from unbroken.data.stream.order import (
     Partition,
     mix_seed,
     mix_seeds,
+    random_slots,
     shards_per_window,
 )
-from unbroken.data.stream.readers import MIN_OPEN, open_reader, read_ids
+from unbroken.data.stream.readers import MIN_OPEN, Reader, open_reader, read_ids
 from unbroken.data.stream.remote import (
     RemoteSource,
     check_cache_config,
@@ -155,6 +165,27 @@ class Source:
             raise ValueError(f"Source {self.root}: seq_len={self.seq_len} must be >= 1")
 
 
+def _check_random(srcs: list[Source], readers: list[Reader]) -> None:
+    """``windows="random"`` needs local token datasets with room for one window."""
+    for s, r in zip(srcs, readers, strict=True):
+        if r.manifest.kind != "tokens":
+            raise ValueError(
+                f"{s.root}: windows='random' applies to token datasets (a random token "
+                "offset); this is a tar dataset - drop windows, or set shuffle"
+            )
+        if is_remote(s.root):
+            raise ValueError(
+                f"{s.root}: windows='random' reads anywhere in the dataset, which a remote "
+                "source cannot serve (D-IO); stage it first (`unbroken data stage`) or use "
+                "windows='fixed', which shuffles in local windows"
+            )
+        if r.room < 1:
+            raise ValueError(
+                f"{s.root}: no shard holds more than seq_len tokens, so no random window of "
+                "seq_len + 1 tokens fits; use a smaller seq_len"
+            )
+
+
 def _resolve_rank(config: DatasetConfig) -> tuple[int, int]:
     """(rank, world size): the config's, else torch.distributed's, else (0, 1)."""
     if config.rank is not None and config.world_size is not None:
@@ -211,6 +242,9 @@ class StreamingDataset(IterableDataset):
                 raise ValueError(f"{s.root}: the dataset holds no samples")
         self._skipped = _SharedCount() if c.on_corrupt == "skip" else None
         self.kind = self._readers[0].manifest.kind
+        self._random = c.windows == "random"
+        if self._random:
+            _check_random(srcs, self._readers)
 
         def order_for(window: int | None) -> DatasetOrder:
             return DatasetOrder(
@@ -231,7 +265,8 @@ class StreamingDataset(IterableDataset):
         self.order = order_for(window if window is not None else c.shuffle_window)
         for r, w in zip(self._readers, self.order.windows, strict=True):
             r.max_open = max(MIN_OPEN, shards_per_window(r.counts, w or 1) + 1)
-        self._id_base = np.cumsum([0, *self.order.sizes[:-1]], dtype=np.int64)  # first ids
+        sizes = [r.room for r in self._readers] if self._random else self.order.sizes
+        self._id_base = np.cumsum([0, *sizes[:-1]], dtype=np.int64)  # each source's first id
         self._epoch = 0
         self.cache = open_cache(self.order, remote, cache_config)
         """The node cache of the remote sources (None when every source is local)."""
@@ -287,16 +322,21 @@ class StreamingDataset(IterableDataset):
     def _read(self, epoch: int, positions: np.ndarray, rng_seed: int | None) -> list[Any]:
         if self.cache is not None:
             self.cache.advance(epoch, positions)  # prefetch from here; release what is done
-        if len(self._readers) == 1:  # (lookup's per-source split, without its numpy calls)
+        if self._random:
+            src, ids = self._random_slots(epoch, positions)
+        elif len(self._readers) == 1:  # (lookup's per-source split, without its numpy calls)
             ids = self.order.pass_order(0, epoch).ids(np.asarray(positions, dtype=np.int64))
-            out = read_ids(self._readers[0], ids)
-            gid = ids
+            src = None
         else:
             src, ids = self.lookup(epoch, positions)
+        if src is None:
+            out = read_ids(self._readers[0], ids, slots=self._random)
+            gid = ids
+        else:
             out = [None] * len(ids)
             for i in np.unique(src).tolist():
                 sel = np.flatnonzero(src == i)
-                got = read_ids(self._readers[i], ids[sel])
+                got = read_ids(self._readers[i], ids[sel], slots=self._random)
                 for dst, smp in zip(sel.tolist(), got, strict=True):
                     out[dst] = smp
             gid = self._id_base[src] + ids
@@ -327,6 +367,16 @@ class StreamingDataset(IterableDataset):
                 else:
                     out[k] = (smp, gids[k])
         return out
+
+    def _random_slots(self, epoch: int, positions: np.ndarray) -> tuple[Any, np.ndarray]:
+        """Random windows: (source per position, or None for one source; window slot)."""
+        pos = np.asarray(positions, dtype=np.int64)
+        fp, seed = self.fingerprint, self.config.seed
+        if len(self._readers) == 1:
+            return None, random_slots(fp, seed, epoch, pos, self._readers[0].room)
+        src, _ = self.lookup(epoch, pos)  # the mixture's choice of source, then its window
+        rooms = np.asarray([r.room for r in self._readers], dtype=np.int64)
+        return src, random_slots(fp, seed, epoch, pos, rooms[src])
 
     # --- iteration -----------------------------------------------------------------------
 

@@ -8,14 +8,18 @@ State dict (the ``Stateful`` protocol; plain JSON types, the same on every rank)
      "epoch": 3,
      "samples_consumed": 81920,                # global positions of `epoch` already consumed
      "shuffle_window": [4000],                 # per source; 0 = no shuffle
+     "windows": "random",                      # random windows only (DatasetConfig.windows)
      "sources": [{"fingerprint": "...", "weight": 0.7}, ...]}   # mixtures only
 
 ``samples_consumed`` counts *global* positions of the epoch order and is advanced in whole
 global steps: after a rank has been handed ``k`` batches of the current run, it is
 ``start + k * world_size * batch_size`` (capped at the epoch length), because at an
 optimizer-step boundary every rank has taken the same ``k`` batches. It reflects batches
-*delivered* to the caller, never those prefetched by workers. Once the last batch of an epoch
-is delivered, the state reads ``{epoch + 1, samples_consumed: 0}``.
+*delivered* to the caller, never those prefetched by workers, less the last
+``held_batches`` (``LoaderConfig``): a loop that draws the next batch before the step ends
+(nanoGPT's ``X, Y = get_batch()`` after the forward pass) holds it across a save, and with
+``held_batches=1`` the state leaves it unconsumed, so a resume delivers it again. Once the
+last batch of an epoch is consumed, the state reads ``{epoch + 1, samples_consumed: 0}``.
 
 Resuming (``load_state_dict``) only stores those numbers: the next iteration starts at
 global position ``samples_consumed`` with the *new* world size, batch size and worker count,
@@ -28,7 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import numpy as np
@@ -42,7 +46,7 @@ from unbroken.data.stream.dataset import StreamingDataset
 from unbroken.data.stream.order import mix_seed
 from unbroken.data.stream.transport import RingReceiver, RingSender, transport_available, worker_fds
 
-__all__ = ["LoaderConfig", "StatefulLoader"]
+__all__ = ["Endless", "LoaderConfig", "StatefulLoader"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,33 @@ def _passthrough(batch: Any) -> Any:
 
 def _stack_rows(batch: list[np.ndarray]) -> np.ndarray:
     return np.stack(batch)
+
+
+def _xy_rows(batch: list[Any]) -> tuple[np.ndarray, ...]:
+    """``LoaderConfig.xy``: rows of ``seq_len + 1`` tokens -> contiguous ``(x, y)`` (``(x, y,
+    ids)`` for ``(row, id)`` samples), made in the worker: one copy each, where the rows are
+    gathered anyway, so the training process gets tensors it can ``view(-1)``."""
+    ids = None
+    if batch and isinstance(batch[0], tuple):
+        ids = np.asarray([i for _, i in batch], dtype=np.int64)
+        batch = [r for r, _ in batch]
+    rows = np.stack(batch)
+    x, y = np.ascontiguousarray(rows[:, :-1]), np.ascontiguousarray(rows[:, 1:])
+    return (x, y) if ids is None else (x, y, ids)
+
+
+def _xy_tensors(batch: list[Any]) -> tuple[torch.Tensor, ...]:
+    # through the shared-memory ring: tensors, which it packs into a slot
+    return tuple(torch.from_numpy(a) for a in _xy_rows(batch))
+
+
+def _as_tensors(batch: Any) -> Any:
+    """A numpy batch (an array, or a tuple of them) as tensors on the same memory."""
+    if isinstance(batch, np.ndarray):
+        return torch.from_numpy(batch)
+    if isinstance(batch, tuple) and all(isinstance(a, np.ndarray) for a in batch):
+        return tuple(torch.from_numpy(a) for a in batch)
+    return batch
 
 
 class _RunStream(IterableDataset):
@@ -188,10 +219,14 @@ class StatefulLoader:
             and not dataset.transform
             and not dataset.config.with_ids  # (row, id) pairs: default_collate makes (tokens, ids)
         )
-        self._from_numpy = tokens and not ring
+        if c.xy:
+            _check_xy(dataset, collate_fn)
+        self._from_numpy = (tokens or c.xy) and not ring
         self._pin_here = self._from_numpy and c.pin_memory
-        if self._from_numpy:
-            self.collate_fn: Callable[[list[Any]], Any] = _stack_rows
+        if c.xy:
+            self.collate_fn: Callable[[list[Any]], Any] = _xy_tensors if ring else _xy_rows
+        elif self._from_numpy:
+            self.collate_fn = _stack_rows
         else:
             self.collate_fn = collate_fn or default_collate
         self._pin_ring = ring and c.pin_memory
@@ -220,15 +255,17 @@ class StatefulLoader:
 
     # --- position ------------------------------------------------------------------------
 
-    def _position(self) -> tuple[int, int]:
-        """(epoch, global samples consumed) after the batches delivered so far."""
+    def _position(self, held: int = 0) -> tuple[int, int]:
+        """(epoch, global samples consumed) after the batches delivered so far, less the
+        last ``held`` of them (batches the loop holds, not consumed: the saved position)."""
         if self._run is None:
             return self._epoch, self._start
         _, epoch, start = self._run
-        if self._delivered >= self._run_steps:
+        done = max(0, self._delivered - held)
+        if done >= self._run_steps:
             return epoch + 1, 0
         part = self.dataset.partition(start, self.config.batch_size, self.config.last_batch)
-        return epoch, part.consumed_after(self._delivered)
+        return epoch, part.consumed_after(done)
 
     @property
     def epoch(self) -> int:
@@ -246,6 +283,13 @@ class StatefulLoader:
         if epoch != cur:
             self._run = None
             self._epoch, self._start = epoch, 0
+
+    def forever(self) -> Endless:
+        """Batches epoch after epoch, without end, for loops that draw with ``next(...)``
+        (nanoGPT's ``X, Y = get_batch()``): an iterator whose ``state_dict`` and
+        ``load_state_dict`` are this loader's (so ``DevicePrefetcher(loader.forever())`` is
+        Stateful too)."""
+        return Endless(self)
 
     def __len__(self) -> int:
         """Batches this rank gets in the rest of the current epoch."""
@@ -330,10 +374,10 @@ class StatefulLoader:
                 if self._run is None or self._run[0] != run_id:
                     return
                 batch = unpack(item)
-                if self._from_numpy and isinstance(batch, np.ndarray):
-                    batch = torch.from_numpy(batch)
+                if self._from_numpy:
+                    batch = _as_tensors(batch)
                     if self._pin_here:
-                        batch = batch.pin_memory()
+                        batch = map_tensors(lambda t: t.pin_memory(), batch)
                 self._delivered += 1
                 yield batch
             if self._run is not None and self._run[0] == run_id:
@@ -368,8 +412,8 @@ class StatefulLoader:
         )
         batch = next(batches)
         del batches  # a generator: closed here
-        if self._from_numpy and isinstance(batch, np.ndarray):
-            batch = torch.from_numpy(batch)
+        if self._from_numpy:
+            batch = _as_tensors(batch)
         if self.config.pin_memory and torch.cuda.is_available():
             batch = map_tensors(lambda t: t if t.is_pinned() else t.pin_memory(), batch)
         return batch
@@ -377,7 +421,9 @@ class StatefulLoader:
     # --- Stateful ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        epoch, consumed = self._position()
+        """The position after the batches the loop consumed: those delivered, less the
+        ``held_batches`` it still holds (LoaderConfig)."""
+        epoch, consumed = self._position(self.config.held_batches)
         ds = self.dataset
         sd: dict[str, Any] = {
             "version": _STATE_VERSION,
@@ -387,6 +433,8 @@ class StatefulLoader:
             "samples_consumed": consumed,
             "shuffle_window": list(ds.shuffle_window),
         }
+        if ds.config.windows != "fixed":
+            sd["windows"] = ds.config.windows
         if len(ds.sources) > 1:
             sd["sources"] = [
                 {"fingerprint": fp, "weight": w}
@@ -413,6 +461,13 @@ class StatefulLoader:
             raise ValueError(
                 f"loader state version {version} is not supported (this unbroken writes "
                 f"{_STATE_VERSION})"
+            )
+        windows = str(state.get("windows", "fixed"))
+        if windows != ds.config.windows:
+            raise ValueError(
+                f"the loader state was saved with windows={windows!r} but the dataset has "
+                f"windows={ds.config.windows!r}; construct StreamingDataset(..., windows="
+                f"{windows!r}) to resume the same samples"
             )
         if seed != ds.config.seed:
             raise ValueError(
@@ -467,6 +522,54 @@ class StatefulLoader:
         return (
             f"StatefulLoader({self.dataset!r}, batch_size={self.config.batch_size}, "
             f"num_workers={self.config.num_workers}, epoch={epoch}, samples_consumed={consumed})"
+        )
+
+
+class Endless:
+    """:meth:`StatefulLoader.forever`: the loader's batches, epoch after epoch."""
+
+    def __init__(self, loader: StatefulLoader) -> None:
+        self.loader = loader
+        self._it: Generator[Any, None, None] | None = None
+
+    def __iter__(self) -> Endless:
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            self._it = _epochs(self.loader)  # not a method: no cycle keeps workers alive
+        return next(self._it)
+
+    def close(self) -> None:
+        """Stop the workers of the epoch in flight now (the position stays)."""
+        it, self._it = self._it, None
+        if it is not None:
+            it.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The loader resumes there; the next batch comes from the restored position."""
+        self.loader.load_state_dict(state)
+        self.close()
+
+
+def _epochs(loader: StatefulLoader) -> Generator[Any, None, None]:
+    while True:
+        yield from loader
+
+
+def _check_xy(dataset: StreamingDataset, collate_fn: Any) -> None:
+    if dataset.kind != "tokens":
+        raise ValueError(
+            f"StatefulLoader(xy=True) splits token rows into inputs and targets; "
+            f"{dataset!r} is a {dataset.kind} dataset - drop xy"
+        )
+    if collate_fn is not None:
+        raise ValueError(
+            "StatefulLoader(xy=True) is its own collate (contiguous x, y); pass xy or "
+            "collate_fn, not both"
         )
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "MixtureOrder",
     "Partition",
     "default_shuffle_window",
+    "random_slots",
     "seeded_rng",
     "shards_per_window",
 ]
@@ -58,6 +59,7 @@ __all__ = [
 _TAG_SHARDS = 1
 _TAG_WINDOW = 2
 _TAG_MIX = 3
+_TAG_RANDOM = 4
 # Default window bounds: at least 256 Ki samples (a dataset that small is shuffled globally;
 # 2 MiB of permutation), at most 4 Mi (32 MiB per worker).
 _MIN_DEFAULT_WINDOW = 1 << 18
@@ -135,6 +137,21 @@ def mix_seeds(head: Sequence[int], values: np.ndarray, tail: Sequence[int]) -> n
             state.append((x ^ (x >> np.uint32(16))).astype(np.uint64))
         out[sel] = (state[0] | (state[1] << np.uint64(32))) >> np.uint64(1)
     return out
+
+
+def random_slots(
+    fingerprint: str, seed: int, epoch: int, positions: np.ndarray, room: int | np.ndarray
+) -> np.ndarray:
+    """Random windows (``DatasetConfig.windows="random"``): the start slot in ``[0, room)`` of
+    the sample at each position of ``epoch``, uniform and independent per position, a pure
+    function of (fingerprint, seed, epoch, position) - so the draw stream is the position: a
+    resume at any position, on any layout, continues it exactly (D-ORDER, D-RESUME).
+    ``room`` may be an array (each position's own). The bias of the modulo is below
+    ``room / 2**63``."""
+    _check_seed(seed, epoch)
+    fp = xxhash.xxh3_64_intdigest(fingerprint.encode())
+    h = mix_seeds((fp, seed, _TAG_RANDOM, epoch), positions, ())
+    return (h % np.asarray(room, dtype=np.uint64)).astype(np.int64)
 
 
 def seeded_rng(fingerprint: str, seed: int, *parts: int) -> np.random.Generator:

@@ -30,6 +30,7 @@ from unbroken.data.tar.reader import (
     index_format,
     warn_unverified,
 )
+from unbroken.data.tokens.flat import flat_manifest
 from unbroken.data.tokens.shard import TokenShard, num_sequences
 
 __all__ = ["Reader", "open_reader", "read_ids"]
@@ -106,6 +107,17 @@ class Reader:
 
     def read(self, shard: int, local: np.ndarray) -> list[Any]:
         raise NotImplementedError
+
+    def read_at(self, shard: int, starts: np.ndarray) -> list[Any]:
+        raise NotImplementedError
+
+    def locate_slots(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    @property
+    def room(self) -> int:
+        """Random windows: how many window starts the source offers (0: none, a tar)."""
+        return 0
 
     def warn_if_unverified(self) -> None:
         """One WARNING per dataset, in this process (workers inherit it), when its indexes
@@ -210,6 +222,27 @@ class _TokenReader(Reader):
                 for f in (m.fingerprint, m.fingerprint_v1)
             )
         self._span = np.arange(self.seq_len + 1, dtype=np.int64)
+        # Random windows: shard s has max(0, tokens - seq_len) starts whose window fits in it.
+        sizes = (
+            [
+                s.tokens if s.tokens is not None else TokenShard(self._path(i)).num_tokens
+                for i, s in enumerate(m.shards)
+            ]
+            if config.windows == "random"
+            else [0] * len(m.shards)
+        )
+        self.rooms = np.maximum(np.asarray(sizes, dtype=np.int64) - self.seq_len, 0)
+        self._room_starts = np.concatenate([[0], np.cumsum(self.rooms)]).astype(np.int64)
+
+    @property
+    def room(self) -> int:
+        """Random windows: the starts a window can take over all shards (the draw's range)."""
+        return int(self._room_starts[-1])
+
+    def locate_slots(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Random-window slots -> (shard, token start in that shard)."""
+        shard = np.searchsorted(self._room_starts, slots, side="right") - 1
+        return shard, slots - self._room_starts[shard]
 
     def _open_shard(self, shard: int) -> TokenShard:
         info, m = self.manifest.shards[shard], self.manifest
@@ -224,8 +257,11 @@ class _TokenReader(Reader):
         return ts
 
     def read(self, shard: int, local: np.ndarray) -> list[Any]:
+        return self.read_at(shard, local * self.seq_len)
+
+    def read_at(self, shard: int, starts: np.ndarray) -> list[Any]:
+        """The windows of ``seq_len + 1`` tokens at token offsets ``starts`` of ``shard``."""
         ts = self._shard(shard)
-        starts = local * self.seq_len
         bad = ts.damaged(starts, self.seq_len + 1)  # None unless a block under them is damaged
         if bad is not None and self.on_corrupt == "raise":
             raise ts.error(int(starts[np.flatnonzero(bad)[0]]), self.seq_len + 1)
@@ -253,6 +289,10 @@ def open_reader(root: str, seq_len: int | None, config: DatasetConfig) -> Reader
                 f"{root}: the manifest lacks per-shard token counts (an old `unbroken "
                 "tokenize`); re-tokenize, or stage it with `unbroken data stage` and read it locally"
             )
+    elif os.path.isfile(local_path(root)):  # a flat token file, read in place
+        path = local_path(root)
+        manifest = flat_manifest(path)
+        root = os.path.dirname(os.path.abspath(path))
     else:
         root = local_path(root)
         manifest = DatasetManifest.load(root)
@@ -261,22 +301,24 @@ def open_reader(root: str, seq_len: int | None, config: DatasetConfig) -> Reader
     return _TokenReader(root, manifest, config, seq_len or config.seq_len)
 
 
-def read_ids(reader: Reader, ids: np.ndarray) -> list[Any]:
+def read_ids(reader: Reader, ids: np.ndarray, *, slots: bool = False) -> list[Any]:
     """Samples ``ids`` (manifest order) of one source, in the order given; read shard by
     shard, each shard's samples in index order (sequential inside a shard, D-IO). Sorting
-    the ids once sorts by (shard, index): a shard is a contiguous run of ids."""
+    the ids once sorts by (shard, index): a shard is a contiguous run of ids.
+    ``slots``: the ids are random-window slots (:meth:`Reader.locate_slots`)."""
     n = len(ids)
     if n == 0:
         return []
     order = np.argsort(ids, kind="stable")
-    shard, local = reader.locate(ids[order])
+    locate, read = (reader.locate_slots, reader.read_at) if slots else (reader.locate, reader.read)
+    shard, local = locate(ids[order])
     if shard[0] == shard[-1]:
-        got = reader.read(int(shard[0]), local)
+        got = read(int(shard[0]), local)
     else:
         cuts = (np.flatnonzero(shard[1:] != shard[:-1]) + 1).tolist()
         got = []
         for a, b in zip([0, *cuts], [*cuts, n], strict=True):
-            got += reader.read(int(shard[a]), local[a:b])
+            got += read(int(shard[a]), local[a:b])
     out: list[Any] = [None] * n
     for dst, smp in zip(order.tolist(), got, strict=True):
         out[dst] = smp

@@ -55,6 +55,7 @@ __all__ = [
     "TokenShard",
     "TokenShardWriter",
     "dtype_for_vocab",
+    "encode_index",
     "num_sequences",
 ]
 
@@ -96,6 +97,35 @@ def num_sequences(num_tokens: int, seq_len: int) -> int:
     return max(0, (num_tokens - 1) // seq_len)
 
 
+def encode_index(
+    itemsize: int,
+    offsets: Any,
+    eos_id: int,
+    checksum: str,
+    block_tokens: int,
+    block_hashes: Any,
+) -> bytes:
+    """The bytes of a token index (format 2, the module docstring) for a ``.bin`` of
+    ``offsets[-1]`` tokens: a shard being written, or a flat token file indexed in place."""
+    head = _HEADER.pack(
+        _MAGIC,
+        itemsize,
+        len(offsets) - 1,
+        int(offsets[-1]),
+        eos_id,
+        checksum.encode(),
+        block_tokens,
+    )
+    body = b"".join(
+        (
+            head,
+            np.asarray(offsets, dtype="<u8").tobytes(),
+            np.asarray(block_hashes, dtype="<u8").tobytes(),
+        )
+    )
+    return body + xxhash.xxh3_64_intdigest(body).to_bytes(_HASH, "little")
+
+
 class TokenShardWriter(IndexedFileWriter):
     """Append documents (EOS added) to a temporary sibling; :meth:`commit` publishes the .bin
     and then its index (the commit order of :class:`IndexedFileWriter`)."""
@@ -114,7 +144,8 @@ class TokenShardWriter(IndexedFileWriter):
         super().__init__(path, path + TOKEN_INDEX_SUFFIX, fsync=fsync)
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.eos_id = int(eos_id)
-        self._eos = np.array([eos_id], dtype=self.dtype)
+        # eos_id -1: no end-of-document token (a flat token file's ids, added with add_raw)
+        self._eos = np.array([max(eos_id, 0)], dtype=self.dtype)
         self._offsets = [0]
         self._pending: list[np.ndarray] = []
         self._pending_bytes = 0
@@ -134,6 +165,7 @@ class TokenShardWriter(IndexedFileWriter):
 
     def add(self, ids: Any) -> None:
         """One document's token ids (without EOS)."""
+        self._need_eos()
         arr = np.asarray(ids, dtype=self.dtype)
         self._pending.append(arr)
         self._pending.append(self._eos)
@@ -142,8 +174,23 @@ class TokenShardWriter(IndexedFileWriter):
         if self._pending_bytes >= _FLUSH:
             self._flush()
 
+    def _need_eos(self) -> None:
+        if self.eos_id < 0:
+            raise ValueError(f"{self.path}: written without an EOS id (eos_id=-1): use add_raw")
+
+    def add_raw(self, ids: np.ndarray) -> None:
+        """Tokens as they are, one document with no EOS added (a flat token file's stretch:
+        its last token is no end of document)."""
+        arr = np.asarray(ids, dtype=self.dtype)
+        self._pending.append(arr)
+        self._offsets.append(self._offsets[-1] + arr.size)
+        self._pending_bytes += arr.nbytes
+        if self._pending_bytes >= _FLUSH:
+            self._flush()
+
     def add_many(self, ids: np.ndarray, lens: np.ndarray) -> None:
         """Several documents at once: ``ids`` concatenated, ``lens`` their lengths."""
+        self._need_eos()
         arr = np.insert(ids.astype(self.dtype, copy=False), np.cumsum(lens), self.eos_id)
         self._offsets.extend((self._offsets[-1] + np.cumsum(lens + 1)).tolist())
         self._pending.append(arr)
@@ -179,23 +226,14 @@ class TokenShardWriter(IndexedFileWriter):
         if self._block_fill:
             self._block_hashes.append(self._block.intdigest())
             self._block_fill = 0
-        head = _HEADER.pack(
-            _MAGIC,
+        raw = encode_index(
             self.dtype.itemsize,
-            self.num_documents,
-            self.num_tokens,
+            self._offsets,
             self.eos_id,
-            self._w.digest.encode(),
+            self._w.digest,
             self.block_tokens,
+            self._block_hashes,
         )
-        body = b"".join(
-            (
-                head,
-                np.asarray(self._offsets, dtype="<u8").tobytes(),
-                np.asarray(self._block_hashes, dtype="<u8").tobytes(),
-            )
-        )
-        raw = body + xxhash.xxh3_64_intdigest(body).to_bytes(_HASH, "little")
         self._publish(raw)
         return self.size, self.checksum, raw
 
@@ -313,6 +351,11 @@ class TokenShard:
         elif verify:
             warn_unverified(dataset or path, self.index_path)
         self._any_bad = False
+
+    def close(self) -> None:
+        """Let the map go (a reader keeps a bounded number of shards open): unmapped once
+        no row sliced from it is alive."""
+        self.tokens = np.zeros(0, dtype=self.dtype)
 
     # --- verification ----------------------------------------------------------------------
 
