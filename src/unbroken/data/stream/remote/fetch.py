@@ -37,6 +37,9 @@ __all__ = [
 ]
 
 
+_PART = 64 << 20
+
+
 def with_timeouts(url: str, opts: Any, timeout: float) -> dict[str, Any]:
     """The caller's storage options plus per-call timeouts for s3fs (which defaults to none
     shorter than a minute and retries inside botocore); fresh fsspec instances, because a
@@ -57,7 +60,17 @@ def with_timeouts(url: str, opts: Any, timeout: float) -> dict[str, Any]:
 def open_store(url: str, options: dict[str, Any], config: CacheConfig) -> ObjectStore:
     """The object store of a remote dataset root (``options``: its storage options, with
     timeouts); requests retried ``config.retries`` times from ``config.backoff_s``."""
-    so = StoreOptions(retries=config.retries, backoff_s=config.backoff_s, timeout=config.timeout)
+    so = StoreOptions(
+        retries=config.retries,
+        backoff_s=config.backoff_s,
+        timeout=config.timeout,
+        # One GET per shard up to 64 MiB: the cache's own threads are its concurrency (several
+        # shards in flight), and every extra ranged part is a request the server pays for
+        # (against moto, 8 parts of a 64 MiB object cost 7x the server CPU of one GET:
+        # benchmarks/objstore_get.py). Memory: ``threads`` x 2 parts in flight at most.
+        part_bytes=_PART,
+        concurrency=2,
+    )
     return _open_store(url, options, so)
 
 
