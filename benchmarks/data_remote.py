@@ -86,13 +86,21 @@ from data_read import _litdata_item, make_sample  # noqa: E402 - same samples as
 # --- the data ------------------------------------------------------------------------------
 
 
-def prepare(root: str) -> None:
-    done = os.path.join(root, f"ready-{N}-{SHARD}")
-    if os.path.exists(done):
-        return
-    shutil.rmtree(root, ignore_errors=True)
-    os.makedirs(root)
-    t0 = time.perf_counter()
+def prepare(root: str, formats: set[str]) -> None:
+    """The formats the loaders run need (each made once, then kept)."""
+    os.makedirs(root, exist_ok=True)
+    for fmt in sorted(formats):
+        done = os.path.join(root, f"ready-{fmt}-{N}-{SHARD}")
+        if os.path.exists(done) or os.path.exists(os.path.join(root, f"ready-{N}-{SHARD}")):
+            continue
+        shutil.rmtree(os.path.join(root, fmt), ignore_errors=True)
+        t0 = time.perf_counter()
+        _MAKE[fmt](root)
+        open(done, "w").close()
+        print(f"prepared {root}/{fmt} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def _make_tar(root: str) -> None:
     from unbroken.data.prepare.pack import pack
 
     pack(
@@ -102,12 +110,18 @@ def prepare(root: str) -> None:
         progress=False,
         fsync=False,
     )
+
+
+def _make_mds(root: str) -> None:
     from streaming import MDSWriter
 
     cols = {"key": "str", "bin": "bytes", "json": "bytes"}
     with MDSWriter(out=f"{root}/mds", columns=cols, size_limit=SHARD) as w:
         for i in range(N):
             w.write(_litdata_item(i))
+
+
+def _make_litdata(root: str) -> None:
     import litdata
 
     litdata.optimize(
@@ -118,8 +132,9 @@ def prepare(root: str) -> None:
         num_workers=1,
         verbose=False,
     )
-    open(done, "w").close()
-    print(f"prepared {root} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+_MAKE = {"tar": _make_tar, "mds": _make_mds, "litdata": _make_litdata}
 
 
 def dir_bytes(path: str) -> int:
@@ -193,12 +208,12 @@ def counts(endpoint: str) -> dict[str, int]:
         return json.loads(r.read())
 
 
-def upload(endpoint: str, root: str) -> None:
+def upload(endpoint: str, root: str, formats: set[str]) -> None:
     import s3fs
 
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
     fs.mkdir(BUCKET)
-    for fmt in ("tar", "mds", "litdata"):
+    for fmt in sorted(formats):
         fs.put(f"{root}/{fmt}/", f"{BUCKET}/{fmt}/", recursive=True)
 
 
@@ -459,6 +474,7 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=None, help=f"subset of {LOADERS}")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the loaders (median)")
+    ap.add_argument("--prepare-only", action="store_true", help="make the data, then stop")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child", nargs=4, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -471,7 +487,18 @@ def main() -> int:
         print(json.dumps(child(name, endpoint, int(limit), cache)), flush=True)
         return 0
 
-    prepare(a.root)
+    fmt = {
+        "unbroken": "tar",
+        "mosaicml": "mds",
+        "litdata": "litdata",
+        "s3torchconnector": "tar",
+        "unbroken-local": "tar",
+    }
+    names = list(a.only or LOADERS)
+    formats = {fmt[n] for n in names}
+    prepare(a.root, formats)
+    if a.prepare_only:
+        return 0
     port_file = os.path.join(a.root, "port")
     with __import__("contextlib").suppress(FileNotFoundError):
         os.unlink(port_file)
@@ -486,16 +513,8 @@ def main() -> int:
             time.sleep(0.05)
         endpoint = f"http://127.0.0.1:{open(port_file).read().strip()}"
         t0 = time.perf_counter()
-        upload(endpoint, a.root)
+        upload(endpoint, a.root, formats)
         print(f"uploaded to {endpoint} in {time.perf_counter() - t0:.0f} s", flush=True)
-        fmt = {
-            "unbroken": "tar",
-            "mosaicml": "mds",
-            "litdata": "litdata",
-            "s3torchconnector": "tar",
-            "unbroken-local": "tar",
-        }
-        names = list(a.only or LOADERS)
         results: dict[str, Any] = {n: {"rounds": []} for n in names}
         for rnd in range(a.rounds):
             # rotate the order each round: a busy box drifts, no loader always goes first
