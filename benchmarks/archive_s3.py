@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +44,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _moto import moto_process  # noqa: E402
 from data_remote import _CREDS, counts  # noqa: E402 - the same server and byte counter
 
 BUCKET = "ckptbench"
@@ -142,6 +142,44 @@ def ops(
     }
 
 
+def run_round(
+    endpoint: str,
+    server_pid: int,
+    step_dir: str,
+    tensors: dict[str, torch.Tensor],
+    work: str,
+    rnd: int,
+    results: dict[str, list[dict[str, float]]],
+) -> None:
+    """Each operation once: uploads before downloads (those read what the uploads wrote),
+    the two clients' order rotated per round."""
+    table = ops(endpoint, step_dir, tensors, work, rnd)
+    pairs = [("unbroken.upload", "s3torchconnector.save")]
+    pairs += [("unbroken.download", "s3torchconnector.load")]
+    for first, second in pairs:
+        for op in (first, second) if rnd % 2 == 0 else (second, first):
+            c0, s0, p0 = counts(endpoint), server_cpu(server_pid), time.process_time()
+            t0 = time.perf_counter()
+            n = table[op]()
+            dt = time.perf_counter() - t0
+            p1, s1, c1 = time.process_time(), server_cpu(server_pid), counts(endpoint)
+            r = {
+                "seconds": dt,
+                "gb_per_s": n / 1e9 / dt,
+                "client_cpu_s": p1 - p0,
+                "server_cpu_s": s1 - s0,
+                "requests": c1["requests"] - c0["requests"],
+                "get_bytes": c1["get_bytes"] - c0["get_bytes"],
+            }
+            results[op].append(r)
+            print(
+                f"round {rnd} {op:>22}: {dt:6.2f} s, {r['gb_per_s']:.2f} GB/s, client "
+                f"CPU {r['client_cpu_s']:.1f} s, server CPU {r['server_cpu_s']:.1f} s, "
+                f"{r['requests']} requests",
+                flush=True,
+            )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default="/tmp/unbroken-bench-archive")
@@ -152,68 +190,28 @@ def main() -> int:
     os.environ.update(_CREDS)
     os.makedirs(a.root, exist_ok=True)
     step_dir, tensors = committed_step(a.root, a.gib)
-    port_file = os.path.join(a.root, "port")
-    if os.path.exists(port_file):
-        os.unlink(port_file)
     here = os.path.dirname(os.path.abspath(__file__))
-    server = subprocess.Popen(
-        [sys.executable, os.path.join(here, "data_remote.py"), "--serve", port_file],
-        env={**os.environ, **_CREDS},
-    )
     results: dict[str, list[dict[str, float]]] = {op: [] for op in OPS}
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(port_file):
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("the moto server did not start")
-            time.sleep(0.05)
-        endpoint = f"http://127.0.0.1:{open(port_file).read().strip()}"
+    script = os.path.join(here, "data_remote.py")
+    port_file = os.path.join(a.root, "port")
+    with moto_process(script, port_file, {**os.environ, **_CREDS}) as (server, endpoint):
         import s3fs
 
         s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}).mkdir(BUCKET)
         for rnd in range(a.rounds):
-            table = ops(endpoint, step_dir, tensors, a.root, rnd)
-            # uploads before downloads (they read what the upload wrote); the two clients'
-            # order rotates per round
-            pairs = [("unbroken.upload", "s3torchconnector.save")]
-            pairs += [("unbroken.download", "s3torchconnector.load")]
-            for first, second in pairs:
-                for op in (first, second) if rnd % 2 == 0 else (second, first):
-                    c0, s0, p0 = counts(endpoint), server_cpu(server.pid), time.process_time()
-                    t0 = time.perf_counter()
-                    n = table[op]()
-                    dt = time.perf_counter() - t0
-                    p1, s1, c1 = time.process_time(), server_cpu(server.pid), counts(endpoint)
-                    r = {
-                        "seconds": dt,
-                        "gb_per_s": n / 1e9 / dt,
-                        "client_cpu_s": p1 - p0,
-                        "server_cpu_s": s1 - s0,
-                        "requests": c1["requests"] - c0["requests"],
-                        "get_bytes": c1["get_bytes"] - c0["get_bytes"],
-                    }
-                    results[op].append(r)
-                    print(
-                        f"round {rnd} {op:>22}: {dt:6.2f} s, {r['gb_per_s']:.2f} GB/s, client "
-                        f"CPU {r['client_cpu_s']:.1f} s, server CPU {r['server_cpu_s']:.1f} s, "
-                        f"{r['requests']} requests",
-                        flush=True,
-                    )
-        print(f"\nmedian over {a.rounds} rounds, {a.gib} GiB:")
-        for op in OPS:
-            v = results[op]
-            print(
-                f"{op:>22}: {statistics.median(x['seconds'] for x in v):.2f} s, "
-                f"{statistics.median(x['gb_per_s'] for x in v):.2f} GB/s, client CPU "
-                f"{statistics.median(x['client_cpu_s'] for x in v):.1f} s, server CPU "
-                f"{statistics.median(x['server_cpu_s'] for x in v):.1f} s"
-            )
-        if a.out:
-            with open(a.out, "w") as f:
-                json.dump(results, f, indent=1)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+            run_round(endpoint, server.pid, step_dir, tensors, a.root, rnd, results)
+    print(f"\nmedian over {a.rounds} rounds, {a.gib} GiB:")
+    for op in OPS:
+        v = results[op]
+        print(
+            f"{op:>22}: {statistics.median(x['seconds'] for x in v):.2f} s, "
+            f"{statistics.median(x['gb_per_s'] for x in v):.2f} GB/s, client CPU "
+            f"{statistics.median(x['client_cpu_s'] for x in v):.1f} s, server CPU "
+            f"{statistics.median(x['server_cpu_s'] for x in v):.1f} s"
+        )
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
     return 0
 
 

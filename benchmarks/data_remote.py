@@ -81,6 +81,7 @@ _CREDS = {
 BUCKET = "bench"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _moto import moto_process  # noqa: E402
 from data_read import _litdata_item, make_sample  # noqa: E402 - same samples as data_read
 
 # --- the data ------------------------------------------------------------------------------
@@ -500,18 +501,7 @@ def main() -> int:
     if a.prepare_only:
         return 0
     port_file = os.path.join(a.root, "port")
-    with __import__("contextlib").suppress(FileNotFoundError):
-        os.unlink(port_file)
-    server = subprocess.Popen(
-        [sys.executable, __file__, "--serve", port_file], env={**os.environ, **_CREDS}
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(port_file):
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("the moto server did not start")
-            time.sleep(0.05)
-        endpoint = f"http://127.0.0.1:{open(port_file).read().strip()}"
+    with moto_process(__file__, port_file, {**os.environ, **_CREDS}) as (_, endpoint):
         t0 = time.perf_counter()
         upload(endpoint, a.root, formats)
         print(f"uploaded to {endpoint} in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -615,9 +605,6 @@ def main() -> int:
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(results, f, indent=1)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     return 0
 
 

@@ -36,12 +36,14 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _moto import moto_process  # noqa: E402
 
 BUCKET = "objbench"
 SIZES = {"256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
@@ -231,14 +233,7 @@ def main() -> int:
     if a.gets_64mib is not None:
         gets["64MiB"] = a.gets_64mib
     port_file = tempfile.mktemp(prefix="unbroken-objbench-port-")
-    server = subprocess.Popen([sys.executable, __file__, "--serve", port_file])
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(port_file):
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("the moto server did not start")
-            time.sleep(0.05)
-        endpoint = f"http://127.0.0.1:{open(port_file).read().strip()}"
+    with moto_process(__file__, port_file) as (server, endpoint):
         import s3fs
 
         fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
@@ -249,23 +244,19 @@ def main() -> int:
         t0 = time.time()
         res = run(endpoint, server.pid, gets, a.rounds)
         load1 = os.getloadavg()
-        head = (
-            f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(t0))}, "
-            f"{time.time() - t0:.0f} s; load average {load0[0]:.2f} / {load0[1]:.2f} / "
-            f"{load0[2]:.2f} at the start, {load1[0]:.2f} / {load1[1]:.2f} / {load1[2]:.2f} "
-            f"at the end; {os.cpu_count()} CPUs"
-        )
-        print(head)
-        print(table(res))
-        if a.out:
-            with open(a.out, "w") as f:
-                json.dump({"head": head, "results": res}, f, indent=1)
-    finally:
-        server.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(10)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(port_file)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(port_file)
+    head = (
+        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(t0))}, "
+        f"{time.time() - t0:.0f} s; load average {load0[0]:.2f} / {load0[1]:.2f} / "
+        f"{load0[2]:.2f} at the start, {load1[0]:.2f} / {load1[1]:.2f} / {load1[2]:.2f} "
+        f"at the end; {os.cpu_count()} CPUs"
+    )
+    print(head)
+    print(table(res))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"head": head, "results": res}, f, indent=1)
     return 0
 
 
