@@ -421,6 +421,33 @@ def test_sigkill_mid_download_leaves_no_file_that_counts_as_complete(
         assert f.read() == data
 
 
+_RUNTIME = r"""
+import sys
+from unbroken.common.objstore import obstore_runtime_here, open_store
+from unbroken.data.stream.remote import fetcher
+if obstore_runtime_here() or fetcher.fork_default() is not True:
+    sys.exit(2)
+open_store(sys.argv[2], {"client_kwargs": {"endpoint_url": sys.argv[1]}}).head("x")
+if not obstore_runtime_here() or fetcher.fork_default() is not False:
+    sys.exit(3)
+"""
+
+
+def test_a_process_that_ran_obstore_starts_its_fetcher_fresh_not_forked(
+    endpoint: str, bucket: str
+) -> None:
+    """issue 22 item 2: once this process has run an obstore request (the archive's upload
+    in a training process), a fetcher it starts is a new interpreter, not a fork (obstore's
+    runtime does not survive a fork: a forked fetcher would fall back to fsspec)."""
+    r = subprocess.run(
+        [sys.executable, "-c", _RUNTIME, endpoint, f"s3://{bucket}/ds"],
+        env=os.environ.copy(),
+        capture_output=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+
+
 def _child_get(store: Any, dst: str, size: int, digest: str) -> None:
     store.get_file("f", dst, size=size, checksum=digest)
     if store._forked() is None:  # obstore's runtime hangs in a fork: fsspec must serve it

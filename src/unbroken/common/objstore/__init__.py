@@ -27,12 +27,22 @@ __all__ = [
     "ObjectStore",
     "RemoteStorageError",
     "StoreOptions",
+    "obstore_runtime_here",
     "open_store",
     "route_of",
 ]
 
 log = logging.getLogger(__name__)
 _told: set[tuple[str, str]] = set()
+
+
+def obstore_runtime_here() -> bool:
+    """Whether this process has run an obstore request: a child it forks is then served by
+    fsspec, so a helper process that should use obstore is better started fresh (spawn)."""
+    import sys
+
+    mod = sys.modules.get("unbroken.common.objstore._obstore")
+    return bool(mod is not None and mod.runtime_here())
 
 
 def route_of(

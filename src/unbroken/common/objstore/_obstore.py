@@ -28,11 +28,17 @@ from unbroken.common.errors import RemoteStorageError
 from unbroken.common.objstore.base import ObjectStore, PastEnd
 from unbroken.common.objstore.options import Route, StoreOptions
 
-__all__ = ["ObstoreStore"]
+__all__ = ["ObstoreStore", "runtime_here"]
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _runtime_pid: int | None = None  # the process whose obstore runtime has run a request
+
+
+def runtime_here() -> bool:
+    """Whether this process has run an obstore request (a child it forks could not use
+    obstore: see the module docstring)."""
+    return _runtime_pid == os.getpid()
 
 
 def _reason(e: BaseException) -> str:
