@@ -15,6 +15,6 @@ CONS=$(mktemp)
 trap 'rm -f "$CONS"' EXIT
 printf 'torch==2.14.1\ntorchvision==0.29.1\n' >"$CONS"
 "$VENV/bin/pip" install -q -c "$CONS" mosaicml-streaming litdata webdataset numpy xxhash \
-    fsspec tokenizers tqdm s3fs "moto[server]" s3torchconnector
+    fsspec tokenizers tqdm s3fs "moto[server]" s3torchconnector tenacity
 "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/python" -c "import torch, streaming, litdata, webdataset, s3torchconnector; print('bench venv ok: torch', torch.__version__)"

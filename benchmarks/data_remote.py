@@ -1,20 +1,31 @@
 """A dataset 4x larger than the local cache, streamed from S3: unbroken vs the anchors.
 
-Same run, same 100,000 samples (2-6 KB random bytes + a small JSON each, data_read.py's
-recipe), each loader on its own format of them (our tar shards, MosaicML Streaming's MDS,
-LitData's optimized chunks; 4 MB shards/chunks everywhere), uploaded to one moto S3 server
-(its own process on 127.0.0.1, with a byte counter around its WSGI app). Each loader reads two
-epochs through a local cache limited to 25% of *its* dataset's size, 2 DataLoader workers,
-batches of 256, shuffle on, the same decode (``json.loads`` of the metadata + the first 2,048
-payload bytes as a float tensor) and ``default_collate``:
+Same run, same samples (``--samples``, default 100,000; 2-6 KB random bytes + a small JSON
+each, data_read.py's recipe), each loader on its own format of them (our tar shards, MosaicML
+Streaming's MDS, LitData's optimized chunks; ``--shard`` MB shards/chunks everywhere, default
+4), uploaded to one moto S3 server (its own process on 127.0.0.1, with a byte counter around
+its WSGI app). Each loader reads two epochs through a local cache limited to 25% of *its*
+dataset's size, 2 DataLoader workers, batches of 256, shuffle on, the same decode
+(``json.loads`` of the metadata + the first 2,048 payload bytes as a float tensor) and
+``default_collate``:
 
-* unbroken: ``StreamingDataset("s3://...", cache=CacheConfig(cache_dir=, cache_limit=), shuffle_window=5000)``;
+* unbroken: ``StreamingDataset("s3://...", cache=CacheConfig(cache_dir=, cache_limit=))``,
+  **defaults** (shuffle window and read-ahead chosen to fit the limit, issue 22 item 3);
+  ``--window N`` pins the window;
 * MosaicML Streaming: ``StreamingDataset(remote="s3://...", local=, cache_limit=,
-  shuffle_block_size=5000)`` (the same shuffle span as ours; its default block of 262,144
-  samples spans the whole dataset, which a 25% cache can only thrash on);
+  shuffle_block_size=5000)`` (its default block of 262,144 samples spans the whole dataset,
+  which a 25% cache can only thrash on);
 * LitData: ``StreamingDataset("s3://...", cache_dir=, max_cache_size=)``;
+* s3torchconnector (AWS): ``S3IterableDataset.from_prefix("s3://.../tar/", enable_sharding=True)``
+  (objects split over the workers) + a DataLoader; each tar shard is read as a stream
+  (``tarfile`` ``r|``), samples pass a 5,000-sample shuffle buffer per worker (AWS's
+  recommended pattern with WebDataset-style shards); no cache: every epoch downloads it all;
 * unbroken-local (reference, not a contender): our loader on the same tar shards in a local
   directory, no cache and no network - what this decode allows on this box.
+
+CPU: the loader's whole process tree (the loader process, its DataLoader workers and any
+fetcher process: every process of the child's session, read from ``/proc/<pid>/stat`` every
+50 ms, the largest utime + stime seen per pid), per epoch, and per GB downloaded.
 
 Per epoch: samples/s over the whole epoch (its first batch included: an epoch that waits for
 the network shows it), samples delivered and distinct, bytes the server sent (GET bodies,
@@ -25,6 +36,9 @@ Run from the anchor venv, from the repository root, under the bench lock:
 
     flock /tmp/unbroken-bench.lock env PYTHONPATH=$PWD/src \\
         /work/main/.venv-bench/bin/python benchmarks/data_remote.py [--only unbroken mosaicml]
+
+``UNBROKEN_BENCH_SHARD_MB=64`` (shard size), ``UNBROKEN_BENCH_SAMPLES=400000`` (dataset
+size), ``UNBROKEN_BENCH_WINDOW=5000`` (pin unbroken's window instead of the defaults).
 """
 
 from __future__ import annotations
@@ -44,15 +58,18 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = "/tmp/unbroken-bench-remote"
-N = 100_000
+N = int(os.environ.get("UNBROKEN_BENCH_SAMPLES", "100000"))
 BATCH = 256
 WORKERS = 2
-SHARD = 4 << 20
-WINDOW = 5000
+SHARD = int(os.environ.get("UNBROKEN_BENCH_SHARD_MB", "4")) << 20
+ROOT = "/tmp/unbroken-bench-remote" + (
+    "" if (N, SHARD) == (100_000, 4 << 20) else f"-{N}-{SHARD >> 20}mb"
+)
+WINDOW = 5000  # MosaicML's shuffle block, s3torchconnector's buffer
+UB_WINDOW = int(os.environ.get("UNBROKEN_BENCH_WINDOW", "0")) or None  # None: the defaults
 CACHE_FRAC = 0.25
 EPOCHS = 2
-LOADERS = ("unbroken", "mosaicml", "litdata", "unbroken-local")
+LOADERS = ("unbroken", "mosaicml", "litdata", "s3torchconnector", "unbroken-local")
 # unbroken-local: the same tar shards, the same decode, read from the local directory (no
 # cache, no network): the ceiling of this decode on this box, for reference.
 _CREDS = {
@@ -64,18 +81,27 @@ _CREDS = {
 BUCKET = "bench"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _moto import moto_process  # noqa: E402
 from data_read import _litdata_item, make_sample  # noqa: E402 - same samples as data_read
 
 # --- the data ------------------------------------------------------------------------------
 
 
-def prepare(root: str) -> None:
-    done = os.path.join(root, f"ready-{N}-{SHARD}")
-    if os.path.exists(done):
-        return
-    shutil.rmtree(root, ignore_errors=True)
-    os.makedirs(root)
-    t0 = time.perf_counter()
+def prepare(root: str, formats: set[str]) -> None:
+    """The formats the loaders run need (each made once, then kept)."""
+    os.makedirs(root, exist_ok=True)
+    for fmt in sorted(formats):
+        done = os.path.join(root, f"ready-{fmt}-{N}-{SHARD}")
+        if os.path.exists(done) or os.path.exists(os.path.join(root, f"ready-{N}-{SHARD}")):
+            continue
+        shutil.rmtree(os.path.join(root, fmt), ignore_errors=True)
+        t0 = time.perf_counter()
+        _MAKE[fmt](root)
+        open(done, "w").close()
+        print(f"prepared {root}/{fmt} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def _make_tar(root: str) -> None:
     from unbroken.data.prepare.pack import pack
 
     pack(
@@ -85,12 +111,18 @@ def prepare(root: str) -> None:
         progress=False,
         fsync=False,
     )
+
+
+def _make_mds(root: str) -> None:
     from streaming import MDSWriter
 
     cols = {"key": "str", "bin": "bytes", "json": "bytes"}
     with MDSWriter(out=f"{root}/mds", columns=cols, size_limit=SHARD) as w:
         for i in range(N):
             w.write(_litdata_item(i))
+
+
+def _make_litdata(root: str) -> None:
     import litdata
 
     litdata.optimize(
@@ -101,8 +133,9 @@ def prepare(root: str) -> None:
         num_workers=1,
         verbose=False,
     )
-    open(done, "w").close()
-    print(f"prepared {root} in {time.perf_counter() - t0:.0f} s", flush=True)
+
+
+_MAKE = {"tar": _make_tar, "mds": _make_mds, "litdata": _make_litdata}
 
 
 def dir_bytes(path: str) -> int:
@@ -176,12 +209,12 @@ def counts(endpoint: str) -> dict[str, int]:
         return json.loads(r.read())
 
 
-def upload(endpoint: str, root: str) -> None:
+def upload(endpoint: str, root: str, formats: set[str]) -> None:
     import s3fs
 
     fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}, skip_instance_cache=True)
     fs.mkdir(BUCKET)
-    for fmt in ("tar", "mds", "litdata"):
+    for fmt in sorted(formats):
         fs.put(f"{root}/{fmt}/", f"{BUCKET}/{fmt}/", recursive=True)
 
 
@@ -222,13 +255,12 @@ def make_loader(name: str, endpoint: str, cache: str, limit: int) -> Any:
         ds = StreamingDataset(
             f"{url}/tar",
             seed=0,
-            shuffle_window=WINDOW,
+            shuffle_window=UB_WINDOW,
             transform=decode_tar,
             cache=CacheConfig(
                 cache_dir=cache,
                 cache_limit=limit,
                 storage_options={"client_kwargs": {"endpoint_url": endpoint}},
-                threads=4,
             ),
         )
         return StatefulLoader(ds, batch_size=BATCH, num_workers=WORKERS, collate_fn=default_collate)
@@ -274,7 +306,108 @@ def make_loader(name: str, endpoint: str, cache: str, limit: int) -> Any:
         return StreamingDataLoader(
             ds, batch_size=BATCH, num_workers=WORKERS, collate_fn=default_collate
         )
+    if name == "s3torchconnector":
+        from s3torchconnector import S3ClientConfig, S3IterableDataset
+
+        s3ds = S3IterableDataset.from_prefix(
+            f"{url}/tar/",
+            region="us-east-1",
+            endpoint=endpoint,
+            s3client_config=S3ClientConfig(force_path_style=True),  # moto on 127.0.0.1
+            enable_sharding=True,
+        )
+        return torch.utils.data.DataLoader(
+            _TarSamples(s3ds), batch_size=BATCH, num_workers=WORKERS, collate_fn=default_collate
+        )
     raise ValueError(f"unknown loader {name!r}; one of {LOADERS}")
+
+
+class _TarSamples(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """Samples of the tar shards an ``S3IterableDataset`` yields (one S3Reader per object,
+    streamed through ``tarfile`` ``r|``), through a shuffle buffer of ``WINDOW`` samples
+    seeded per epoch and worker, decoded like every other loader's."""
+
+    def __init__(self, objects: Any) -> None:
+        self.objects = objects
+        self.epoch = 0
+
+    def _samples(self) -> Any:
+        import tarfile
+
+        for obj in self.objects:
+            if not obj.key.endswith(".tar"):
+                continue  # the index files and dataset.json beside the shards
+            cur: dict[str, bytes] = {}
+            key = None
+            with tarfile.open(fileobj=obj, mode="r|") as tf:
+                for m in tf:
+                    f = tf.extractfile(m)
+                    if f is None:
+                        continue
+                    k, _, ext = m.name.partition(".")
+                    if key is not None and k != key:
+                        yield cur
+                        cur = {}
+                    key = k
+                    cur[ext] = f.read()
+            if cur:
+                yield cur
+
+    def __iter__(self) -> Any:
+        import random
+
+        info = torch.utils.data.get_worker_info()
+        rng = random.Random(self.epoch * 1000 + (info.id if info else 0))
+        buf: list[dict[str, bytes]] = []
+        for s in self._samples():
+            buf.append(s)
+            if len(buf) >= WINDOW:
+                j = rng.randrange(len(buf))
+                buf[j], buf[-1] = buf[-1], buf[j]
+                x = buf.pop()
+                yield decode("", x["bin"], x["json"])
+        rng.shuffle(buf)
+        for x in buf:
+            yield decode("", x["bin"], x["json"])
+
+
+class TreeCPU:
+    """CPU seconds of every process in this session (the loader, its DataLoader workers,
+    any fetcher), from ``/proc/<pid>/stat`` every 50 ms: the largest utime + stime seen per
+    pid, so a worker that exited still counts (up to its last 50 ms)."""
+
+    def __init__(self) -> None:
+        self.sid = os.getsid(0)
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.seen: dict[int, float] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _sample(self) -> None:
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(rest[3]) != self.sid:  # field 6: the session id
+                continue
+            cpu = (int(rest[11]) + int(rest[12])) / self.tick  # fields 14, 15: utime, stime
+            with self.lock:
+                self.seen[int(d)] = max(self.seen.get(int(d), 0.0), cpu)
+
+    def _run(self) -> None:
+        while not self.stop.wait(0.05):
+            self._sample()
+
+    def total(self) -> float:
+        self._sample()
+        with self.lock:
+            return sum(self.seen.values())
 
 
 def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
@@ -290,12 +423,16 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    cpu = TreeCPU()
     ld = make_loader(name, endpoint, cache, limit)
     epochs = []
     for e in range(EPOCHS):
         if name.startswith("unbroken"):
             ld.set_epoch(e)
+        if name == "s3torchconnector":
+            ld.dataset.epoch = e
         c0 = counts(endpoint)
+        cpu0 = cpu.total()
         t0 = time.perf_counter()
         ids: list[np.ndarray] = []
         shapes_ok = True
@@ -305,6 +442,7 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
                 tuple(batch["x"].shape[1:]) == (2048,) and batch["x"].dtype == torch.float32
             )
         dt = time.perf_counter() - t0
+        cpu1 = cpu.total()
         c1 = counts(endpoint)
         seen = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
         epochs.append(
@@ -315,12 +453,17 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
                 "samples_per_s": seen.size / dt,
                 "bytes_downloaded": c1["get_bytes"] - c0["get_bytes"],
                 "gets": c1["gets"] - c0["gets"],
+                "cpu_s": cpu1 - cpu0,
                 "decoded_ok": bool(shapes_ok),
             }
         )
     stop.set()
     watcher.join()
-    return {"epochs": epochs, "peak_cache_bytes": peak[0]}
+    cpu.stop.set()
+    out: dict[str, Any] = {"epochs": epochs, "peak_cache_bytes": peak[0]}
+    if name == "unbroken":
+        out["shuffle_window"] = list(ld.dataset.shuffle_window)
+    return out
 
 
 # --- driver ---------------------------------------------------------------------------------
@@ -332,6 +475,7 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=None, help=f"subset of {LOADERS}")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the loaders (median)")
+    ap.add_argument("--prepare-only", action="store_true", help="make the data, then stop")
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child", nargs=4, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -344,25 +488,23 @@ def main() -> int:
         print(json.dumps(child(name, endpoint, int(limit), cache)), flush=True)
         return 0
 
-    prepare(a.root)
+    fmt = {
+        "unbroken": "tar",
+        "mosaicml": "mds",
+        "litdata": "litdata",
+        "s3torchconnector": "tar",
+        "unbroken-local": "tar",
+    }
+    names = list(a.only or LOADERS)
+    formats = {fmt[n] for n in names}
+    prepare(a.root, formats)
+    if a.prepare_only:
+        return 0
     port_file = os.path.join(a.root, "port")
-    with __import__("contextlib").suppress(FileNotFoundError):
-        os.unlink(port_file)
-    server = subprocess.Popen(
-        [sys.executable, __file__, "--serve", port_file], env={**os.environ, **_CREDS}
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not os.path.exists(port_file):
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("the moto server did not start")
-            time.sleep(0.05)
-        endpoint = f"http://127.0.0.1:{open(port_file).read().strip()}"
+    with moto_process(__file__, port_file, {**os.environ, **_CREDS}) as (_, endpoint):
         t0 = time.perf_counter()
-        upload(endpoint, a.root)
+        upload(endpoint, a.root, formats)
         print(f"uploaded to {endpoint} in {time.perf_counter() - t0:.0f} s", flush=True)
-        fmt = {"unbroken": "tar", "mosaicml": "mds", "litdata": "litdata", "unbroken-local": "tar"}
-        names = list(a.only or LOADERS)
         results: dict[str, Any] = {n: {"rounds": []} for n in names}
         for rnd in range(a.rounds):
             # rotate the order each round: a busy box drifts, no loader always goes first
@@ -389,6 +531,7 @@ def main() -> int:
                     capture_output=True,
                     text=True,
                     timeout=1800,
+                    start_new_session=True,  # its session: the processes TreeCPU counts
                 )
                 if r.returncode != 0:
                     print(f"{name}: failed\n{r.stderr[-4000:]}", flush=True)
@@ -403,12 +546,19 @@ def main() -> int:
                         f"samples/s ({ep['samples']:,} samples, {ep['distinct']:,} distinct, "
                         f"{ep['seconds']:.1f} s), downloaded "
                         f"{ep['bytes_downloaded'] / size:.2f}x its dataset "
-                        f"({ep['bytes_downloaded'] / 1e6:,.0f} MB, {ep['gets']} GETs)",
+                        f"({ep['bytes_downloaded'] / 1e6:,.0f} MB, {ep['gets']} GETs), "
+                        f"CPU {ep['cpu_s']:.1f} s "
+                        f"({ep['cpu_s'] / max(ep['bytes_downloaded'] / 1e9, 1e-9):.1f} s/GB)",
                         flush=True,
                     )
                 print(
                     f"round {rnd} {name:>9} peak cache {res['peak_cache_bytes'] / 1e6:,.1f} "
-                    f"MB of {limit / 1e6:,.1f} MB limit; dataset {size / 1e6:,.1f} MB",
+                    f"MB of {limit / 1e6:,.1f} MB limit; dataset {size / 1e6:,.1f} MB"
+                    + (
+                        f"; shuffle_window {res['shuffle_window']}"
+                        if "shuffle_window" in res
+                        else ""
+                    ),
                     flush=True,
                 )
         print("\nmedian over rounds:")
@@ -432,6 +582,22 @@ def main() -> int:
                     for e in range(EPOCHS)
                 }
             )
+            summ.update(
+                {
+                    f"epoch{e + 1}_cpu_s": statistics.median(r["epochs"][e]["cpu_s"] for r in ok)
+                    for e in range(EPOCHS)
+                }
+            )
+            summ.update(
+                {
+                    f"epoch{e + 1}_cpu_s_per_gb": statistics.median(
+                        r["epochs"][e]["cpu_s"]
+                        / max(r["epochs"][e]["bytes_downloaded"] / 1e9, 1e-9)
+                        for r in ok
+                    )
+                    for e in range(EPOCHS)
+                }
+            )
             summ["peak_cache_mb"] = max(r["peak_cache_bytes"] for r in ok) / 1e6
             summ["cache_limit_mb"] = results[name]["cache_limit"] / 1e6
             results[name]["summary"] = summ
@@ -439,9 +605,6 @@ def main() -> int:
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(results, f, indent=1)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     return 0
 
 

@@ -865,3 +865,108 @@ def test_every_byte_the_cache_writes_counts_against_its_limit(endpoint: str, tmp
     sizes = [os.path.getsize(os.path.join(cache, n)) for n in (".events", ".events.1")]
     assert sum(sizes) <= 2 * EVENTS_MAX, sizes
     assert read_events(cache)[-1]["i"] == 19_999
+
+
+def _temps(cache: str) -> list[str]:
+    from unbroken.common.fs import is_temp_name
+
+    return [os.path.join(d, n) for d, _, names in os.walk(cache) for n in names if is_temp_name(n)]
+
+
+def test_sigkill_mid_download_then_resume(endpoint: str, tmp_path: Any) -> None:
+    """issue 22 item 2: a reader SIGKILLed while a shard's ranged GET through the object-store
+    layer is in flight (a slow server: the kill lands inside the transfer, seen by its
+    temporary file) leaves only a temporary name, never a shard that counts as cached; the
+    next run discards it, downloads again, verified, and delivers every sample once in the
+    order of a local read."""
+    from storekit import FaultProxy
+    from unbroken.data.prepare.pack import pack
+
+    rng = np.random.default_rng(22)
+    src = str(tmp_path / "src")
+    n = 12
+    samples = ({"__key__": f"k{i:03d}", "bin": rng.bytes(1_500_000)} for i in range(n))
+    pack(samples, src, shard_size=6_000_000, workers=1, fsync=False, progress=False)
+    m = DatasetManifest.load(src)
+    assert len(m.shards) >= 3
+    _upload(endpoint, src, "data", "killdl")
+    cache = str(tmp_path / "cache")
+    base = {
+        "url": "s3://data/killdl",
+        "cache_dir": cache,
+        "limit": m.total_bytes * 2,
+        "seed": SEED,
+        "window": 4,
+        "prefetch": 1,
+        "world_size": 1,
+        "rank": 0,
+        "workers": 2,
+        "batch": 2,
+        "epochs": 1,
+    }
+    with FaultProxy(endpoint) as proxy:
+        proxy.delay_body_s = 0.05  # 64 KiB per 50 ms: a shard takes seconds to arrive
+        p = _launch(
+            {**base, "endpoint": proxy.endpoint, "out": str(tmp_path / "a.jsonl")},
+            str(tmp_path / "a.json"),
+        )
+        try:
+            _wait(lambda: bool(_temps(cache)) or p.poll() is not None, 120, "a download")
+            assert p.poll() is None, p.stderr.read().decode()[-3000:] if p.stderr else ""
+            assert any(r[0] == "GET" and "shard-" in r[1] for r in proxy.requests)
+        finally:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+    assert [t for t in _temps(cache) if ".tmp-shard-" in t], "the kill landed inside a download"
+    assert not os.path.exists(str(tmp_path / "a.jsonl.done"))
+    q = _launch(
+        {**base, "endpoint": endpoint, "out": str(tmp_path / "b.jsonl")}, str(tmp_path / "b.json")
+    )
+    _, err = q.communicate(timeout=180)
+    assert q.returncode == 0, err.decode()[-3000:]
+    ref = StreamingDataset(src, seed=SEED, shuffle_window=4, rank=0, world_size=1)
+    want = [[s["__key__"] for s in b] for b in ref.iter_batches(0, 0, 2)]
+    assert [x["keys"] for x in _lines(str(tmp_path / "b.jsonl"))] == want
+    _wait(lambda: _no_fetcher(cache), 60, "the fetcher to exit")
+    assert _temps(cache) == []  # the dead download's temporary was discarded
+    events = read_events(cache)
+    assert {e["shard"] for e in events if e["ev"] == "download"} == set(range(len(m.shards)))
+
+
+def test_defaults_fit_a_small_cache_limit(
+    endpoint: str, local_ds: str, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """issue 22 item 3: with the default shuffle window and read-ahead, a cache limit that
+    cannot hold them is not refused: the largest window that fits is used (said in one
+    line), the epoch is exact and in the order of a local read with that window; only a limit
+    below one shard's window is refused, naming the least limit that works, which works."""
+    from unbroken.data.stream.order import default_shuffle_window
+
+    _upload(endpoint, local_ds, "data", "fit")
+    m = DatasetManifest.load(local_ds)
+    counts = [s.samples for s in m.shards]
+    own = 300_000  # the cache's own files (index, event log bound, manifest copy)
+    limit = m.total_bytes // 3 + own
+    with caplog.at_level(logging.WARNING, logger="unbroken"):
+        ds = StreamingDataset(
+            "s3://data/fit", rank=0, world_size=1, cache=_cache(endpoint, tmp_path / "c", limit)
+        )
+    said = [r.getMessage() for r in caplog.records if "cannot hold" in r.getMessage()]
+    assert len(said) == 1 and "shards per window" in said[0] and "near pairs" in said[0], said
+    w = ds.shuffle_window[0]
+    assert w < min(default_shuffle_window(counts), N)
+    got = [s["__key__"] for s in _read_all(ds)]
+    ref = StreamingDataset(local_ds, shuffle_window=w, rank=0, world_size=1)
+    assert got == [s["__key__"] for s in _read_all(ref)]
+    assert sorted(got) == [f"k{i:05d}" for i in range(N)]
+    with pytest.raises(
+        ValueError, match=r"cache_limit=1,000 bytes is too small.* >= ([\d,]+)$"
+    ) as ei:
+        StreamingDataset(
+            "s3://data/fit", rank=0, world_size=1, cache=_cache(endpoint, tmp_path / "d", 1000)
+        )
+    least = int(str(ei.value).rsplit(">= ", 1)[1].replace(",", ""))
+    ds = StreamingDataset(
+        "s3://data/fit", rank=0, world_size=1, cache=_cache(endpoint, tmp_path / "d", least)
+    )
+    assert sorted(s["__key__"] for s in _read_all(ds)) == [f"k{i:05d}" for i in range(N)]

@@ -122,23 +122,23 @@ def test_stream_source_and_disk_full_during_staging(
     """The space check passed but the disk fills up mid-copy (another job wrote there)."""
     import errno
 
-    from unbroken.common.fs import HashingWriter
+    from unbroken.common.objstore import base
 
     src = os.path.join(tmp_path, "src")
     m = _dataset(src)
     url = _to_memory_fs(src, "ds-full")
     ok = stage(url, os.path.join(tmp_path, "ok"), workers=2, progress=False)
     assert ok.files_copied == 2 * len(m.shards) and _same(src, os.path.join(tmp_path, "ok"), m)
-    orig = HashingWriter.write
+    orig = base.pwrite_all
     written = [0]
 
-    def write(w: HashingWriter, b: Any) -> int:
+    def write(fd: int, b: Any, offset: int) -> None:  # the layer's one write of a GET's bytes
         written[0] += memoryview(b).nbytes
         if written[0] > 100_000:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return orig(w, b)
+        orig(fd, b, offset)
 
-    monkeypatch.setattr(HashingWriter, "write", write)
+    monkeypatch.setattr(base, "pwrite_all", write)
     dst = os.path.join(tmp_path, "dst")
     with pytest.raises(RuntimeError, match=r"dst/.*: disk full while staging.*re-run"):
         stage(url, dst, workers=2, progress=False)
@@ -329,20 +329,23 @@ def test_an_s3_object_longer_or_shorter_than_the_manifest_says_is_reported(
     # an object that grew must fail the size check, not be cut to the expected length.
     import s3fs
 
+    from unbroken.common.objstore import open_store
     from unbroken.data.prepare.stage import fetch_verified
 
     src = os.path.join(tmp_path, "src")
     m = _dataset(src)
     fs = _upload(s3, src, "sizes")
     assert isinstance(fs, s3fs.S3FileSystem)
+    store = open_store("s3://data/sizes", s3)  # issue 22 item 2: the object-store layer
+    assert store.kind == "obstore"
     s = m.shards[1]
     good = open(os.path.join(src, s.name), "rb").read()
     dst = os.path.join(tmp_path, s.name)
     for label, body in (("longer", good + b"\0"), ("shorter", good[:-1])):
         fs.pipe_file(f"data/sizes/{s.name}", body)
         with pytest.raises(RuntimeError, match=rf"{s.name}: checksum mismatch .*got {len(body)} "):
-            fetch_verified(fs, f"data/sizes/{s.name}", dst, s.bytes, s.checksum, retries=0)
+            fetch_verified(store, s.name, dst, s.bytes, s.checksum, retries=0)
         assert not os.path.exists(dst), label
     fs.pipe_file(f"data/sizes/{s.name}", good)
-    fetch_verified(fs, f"data/sizes/{s.name}", dst, s.bytes, s.checksum, retries=0)
+    fetch_verified(store, s.name, dst, s.bytes, s.checksum, retries=0)
     assert open(dst, "rb").read() == good

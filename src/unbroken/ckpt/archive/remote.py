@@ -43,15 +43,15 @@ from unbroken.ckpt.archive.io import (
 )
 from unbroken.ckpt.bounds import MAX_MANIFEST
 from unbroken.ckpt.config import ArchiveConfig, configured
-from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest
+from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest, FileEntry
 from unbroken.ckpt.store import Store
+from unbroken.common.errors import ObjectMismatch
 from unbroken.common.fs import (
     atomic_write_bytes,
-    checksum_file,
     fsync_dir,
-    hasher,
     is_local_fs,
 )
+from unbroken.common.objstore import StoreOptions, open_store
 from unbroken.common.progress import progress_bar
 
 __all__ = [
@@ -64,7 +64,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_CHUNK = 8 << 20  # upload read size and download part size: bounds memory to threads x 8 MiB
 _T = TypeVar("_T")
 
 
@@ -101,6 +100,10 @@ class Archive:
             ) from e
         self.root: str = root.rstrip("/")
         self._local = is_local_fs(self.fs)
+        # file transfers go through the object-store layer (obstore for s3/gs/az/http(s):
+        # multipart PUTs, parallel ranged GETs, each file verified as its bytes pass)
+        so = StoreOptions(retries=cfg.retries, backoff_s=cfg.backoff_s)
+        self._store = open_store(self.url, cfg.storage_options, so)
 
     def __repr__(self) -> str:
         return f"Archive({self.url!r})"
@@ -256,31 +259,19 @@ class Archive:
         rpath = f"{prefix}/{src.name}"
         self._retry(rpath, "upload", partial(self._put, src, rpath))
 
+    def _key(self, rpath: str) -> str:
+        """``rpath`` (under :attr:`root`) as a key of the object-store layer's store."""
+        return rpath[len(self.root) + 1 :]
+
     def _put(self, src: SourceFile, rpath: str) -> None:
-        """Stream one local file to ``rpath``, hashing what is read against the manifest."""
-        if self._local:
-            self.fs.makedirs(rpath.rsplit("/", 1)[0], exist_ok=True)
-        h = hasher()
-        off = 0
-        f = self.fs.open(rpath, "wb")
+        """Upload one local file to ``rpath`` (multipart above the part size), hashing what is
+        read against the manifest: a mismatch aborts the upload before its last part."""
         try:
-            while off < src.size:
-                b = os.pread(src.fd, min(_CHUNK, src.size - off), off)
-                if not b:
-                    raise Damaged(f"local file {src.name} shrank to {off} bytes while uploading")
-                h.update(b)
-                f.write(b)
-                off += len(b)
-        except BaseException:
-            with contextlib.suppress(Exception):  # a partial object is harmless: no manifest
-                f.close()
-            raise
-        f.close()
-        if h.hexdigest() != src.checksum:
-            raise Damaged(
-                f"local file {src.name} does not match its manifest checksum; the local "
-                "checkpoint is damaged and is not archived"
+            self._store.put_file(
+                self._key(rpath), src.fd, size=src.size, checksum=src.checksum, name=src.name
             )
+        except ObjectMismatch as e:
+            raise Damaged(f"{e}; the local checkpoint is damaged and is not archived") from None
 
     def _put_manifest(self, path: str, data: bytes) -> None:
         if self._local:  # a local/shared filesystem write is not atomic: publish by rename
@@ -321,49 +312,19 @@ class Archive:
                     damaged=True,
                 )
         os.makedirs(dest_dir, mode=0o700, exist_ok=True)
-        fds: dict[str, int] = {}
-        try:
-            parts: list[tuple[str, int, int]] = []
-            for name, f in files.items():
-                lpath = os.path.join(dest_dir, name)
-                fds[name] = os.open(
-                    lpath, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644
-                )
-                size = f.size
-                os.ftruncate(fds[name], size)
-                parts += [(name, o, min(o + _CHUNK, size)) for o in range(0, size, _CHUNK)]
+        lock = threading.Lock()
 
-            lock = threading.Lock()
+        def tick(n: int) -> None:
+            with lock:
+                bar.update(n)
 
-            def get(name: str, start: int, end: int) -> None:
-                rpath = f"{prefix}/{name}"
-                data = self._retry(rpath, "download", lambda: self._get_range(rpath, start, end))
-                view = memoryview(data)
-                while view:  # pwrite may be short
-                    view = view[os.pwrite(fds[name], view, start + len(data) - len(view)) :]
-                with lock:
-                    bar.update(len(data))
+        def get(name: str) -> None:
+            rpath = f"{prefix}/{name}"
+            self._retry(rpath, "download", partial(self._get, rpath, dest_dir, name, files, tick))
 
-            def check(name: str) -> None:
-                lpath = os.path.join(dest_dir, name)
-                os.fsync(fds[name])
-                size, digest = checksum_file(lpath)
-                if digest != files[name].checksum:
-                    raise ArchiveError(
-                        self.url,
-                        f"{prefix}/{name}",
-                        f"checksum mismatch after download ({size} bytes, xxh3-128 {digest}, "
-                        f"manifest says {files[name].checksum}): the remote copy is damaged",
-                        damaged=True,
-                    )
-
-            total = sum(f.size for f in files.values())
-            with progress_bar(f"download step {step}", total=total, enabled=progress) as bar:
-                run_all(self.config.threads, "unbroken-download", [partial(get, *p) for p in parts])
-            run_all(self.config.threads, "unbroken-verify", [partial(check, n) for n in files])
-        finally:
-            for fd in fds.values():
-                os.close(fd)
+        total = sum(f.size for f in files.values())
+        with progress_bar(f"download step {step}", total=total, enabled=progress) as bar:
+            run_all(self.config.threads, "unbroken-download", [partial(get, n) for n in files])
         atomic_write_bytes(os.path.join(dest_dir, MANIFEST), raw)  # as validated, byte for byte
         fsync_dir(dest_dir)
         dt = time.perf_counter() - t0
@@ -377,16 +338,32 @@ class Archive:
             total / max(dt, 1e-9) / 1e6,
         )
 
-    def _get_range(self, rpath: str, start: int, end: int) -> bytes:
+    def _get(
+        self,
+        rpath: str,
+        dest_dir: str,
+        name: str,
+        files: dict[str, FileEntry],
+        tick: Callable[[int], None],
+    ) -> None:
+        """One verified download (the layer's ``get_file``: parallel ranged GETs, the last
+        one byte past the size, hashed in order, fsynced, renamed into place on a match)."""
+        f = files[name]
         try:
-            data = bytes(self.fs.cat_file(rpath, start=start, end=end))
+            self._store.get_file(
+                self._key(rpath),
+                os.path.join(dest_dir, name),
+                size=f.size,
+                checksum=f.checksum,
+                on_bytes=tick,
+                fsync=True,
+            )
         except FileNotFoundError as e:
             raise Damaged(f"{rpath} vanished during download") from e
-        if len(data) != end - start:
+        except ObjectMismatch as e:
             raise Damaged(
-                f"{rpath}: short read at offset {start} ({len(data)} of {end - start} bytes)"
-            )
-        return data
+                f"checksum mismatch after download ({e.reason}): the remote copy is damaged"
+            ) from None
 
     # --- retention ----------------------------------------------------------------------------
 

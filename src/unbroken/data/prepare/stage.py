@@ -1,10 +1,12 @@
 """`unbroken data stage URL LOCAL_DIR`: copy a dataset to local disk before training, verified.
 
-Reads ``dataset.json`` at any fsspec URL (``s3://``, ``gs://``, ``file://``, a mounted path),
-then copies every shard and index file in parallel threads. Each file is written to a
-temporary sibling, its xxh3-128 checksum (computed while streaming from a remote store; read
-back from the page cache after an in-kernel copy for a local source) is compared with the
-manifest, and only then is it renamed into place; a mismatch is re-fetched, then reported. Files
+Reads ``dataset.json`` at any URL (``s3://``, ``gs://``, ``file://``, a mounted path, any
+fsspec URL), then copies every shard and index file in parallel threads through the
+object-store layer (:mod:`unbroken.common.objstore`: obstore for s3/gs/az/http(s), fsspec
+otherwise). Each file is written to a temporary sibling, its xxh3-128 checksum (computed as
+the ranged GETs arrive from a remote store; read back from the page cache after an in-kernel
+copy for a local source) is compared with the manifest, and only then is it renamed into
+place; a mismatch is re-fetched, then reported. Files
 already present and valid are skipped, so staging again is cheap and an interrupted staging
 resumes. ``dataset.json`` is written after all files and the completion marker
 ``.unbroken-staged`` (holding the dataset fingerprint) last.
@@ -27,17 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
-
-from unbroken.common.fs import (
-    HashingWriter,
-    atomic_write_bytes,
-    checksum_file,
-    is_local_fs,
-    is_temp_name,
-    open_private,
-    temp_sibling,
-)
+from unbroken.common.errors import ObjectMismatch, RemoteStorageError
+from unbroken.common.fs import atomic_write_bytes, checksum_file, is_temp_name
+from unbroken.common.objstore import ObjectStore, StoreOptions, open_store
 from unbroken.common.progress import progress_bar
 from unbroken.data.manifest import DatasetManifest, join_path
 
@@ -46,7 +40,6 @@ __all__ = ["MARKER_NAME", "RemoteStorageError", "StageResult", "fetch_verified",
 log = logging.getLogger(__name__)
 
 MARKER_NAME = ".unbroken-staged"
-_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -100,124 +93,31 @@ def _valid_local(path: str, f: _File) -> bool:
         return False
 
 
-def _copy_local(
-    src: str, tmp: str, fsync: bool, on_bytes: Callable[[int], None], want: int
-) -> tuple[int, str]:
-    """In-kernel copy (what `cp` does), then checksum the copy from the page cache.
-
-    Routing the bytes through Python (read + hash + write) costs two user-space copies;
-    copy_file_range costs none, and hashing the written file afterwards reads it once from
-    memory, so the checksum still covers exactly the bytes that landed on local disk. A
-    source longer than the ``want`` bytes dataset.json records is refused before a byte is
-    copied.
-    """
-    copy_range = getattr(os, "copy_file_range", None)
-    with open(src, "rb") as r, open(tmp, "wb") as w:
-        size = os.fstat(r.fileno()).st_size
-        if size > want:
-            raise _ChecksumMismatch(f"{src}: {size} bytes, dataset.json records {want}")
-        done = 0
-        try:
-            while copy_range is not None and done < size:
-                n = copy_range(r.fileno(), w.fileno(), size - done)
-                if n == 0:
-                    break  # the source shrank: the size check below reports it
-                done += n
-                on_bytes(n)
-        except OSError as e:
-            if done or e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                raise
-            copy_range = None  # e.g. an old kernel across filesystems
-        if copy_range is None:
-            w.close()
-            return _copy_stream(open(src, "rb", buffering=0), tmp, fsync, on_bytes, want)
-        if fsync:
-            os.fsync(w.fileno())
-    return checksum_file(tmp)
-
-
-def _copy_stream(
-    r: Any, tmp: str, fsync: bool, on_bytes: Callable[[int], None], want: int
-) -> tuple[int, str]:
-    """Copy an open binary stream into ``tmp``, hashing while writing; never more than the
-    ``want`` bytes dataset.json records (a longer stream is refused before its excess is
-    written: a cache's limit counts on it)."""
-    with r, HashingWriter(tmp, fsync=fsync) as w:
-        while True:
-            data = r.read(min(_CHUNK, want + 1 - w.size))
-            if not data:
-                break
-            if w.size + len(data) > want:
-                raise _ChecksumMismatch(f"more than the {want} bytes dataset.json records")
-            w.write(data)
-            on_bytes(len(data))
-    return w.size, w.digest
-
-
-class RemoteStorageError(RuntimeError):
-    """A remote store failed a transfer on every attempt (unreachable, timing out, refusing).
-
-    The supervisor classifies it as a ``storage`` fault (probe until healthy, then restart);
-    a damaged or missing object is *not* one of these (restarting would not fix it).
-    """
-
-
-def _open_remote(fs: Any, src: str, size: int) -> Any:
-    # The size is known from the manifest: passing it saves object stores a HEAD request
-    # per file (a large share of the time for small shards), and the file object's ranged
-    # reads stop there. A longer object is read only up to that size; the checksum still
-    # covers every byte that is kept.
-    try:
-        return fs.open(src, "rb", block_size=_CHUNK, size=size)
-    except TypeError:  # a filesystem whose open() takes no size
-        return fs.open(src, "rb", block_size=_CHUNK)
-
-
 def _copy_one(
-    fs: Any,
-    src: str,
+    store: ObjectStore,
+    key: str,
     dst: str,
     f: _File,
     fsync: bool,
     on_bytes: Callable[[int], None],
     private: bool = False,
 ) -> None:
-    """Copy src -> temp sibling of dst; checksum it; rename only if it verifies."""
-    tmp = temp_sibling(dst)
+    """One verified attempt: the object-store layer's ``get_file`` (ranged GETs to one byte
+    past the size, xxh3-128 while writing, rename only on a match; a local source copied in
+    the kernel and hashed from the page cache). Bytes other than recorded raise
+    :class:`_ChecksumMismatch`."""
     try:
-        if private:  # created 0600 here; the writers below truncate it, keeping the mode
-            os.close(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
-        if is_local_fs(fs):
-            size, digest = _copy_local(fs._strip_protocol(src), tmp, fsync, on_bytes, f.size)
-        elif f.size <= _CHUNK:
-            # One request for the whole object: what a streamed read costs for its first
-            # chunk anyway, without a file object and a read-ahead copy. Every GET is ranged
-            # to one byte past the manifest's size (issue 20 item 10), so a longer object
-            # fails the size check having cost that byte, not its length in memory and disk
-            # (the range also keeps s3fs from sending a HEAD first to decide on a concurrent
-            # multi-part read: half the requests, measured 40% of the fetch CPU with 4 MB
-            # shards).
-            data = fs.cat_file(src, start=0, end=f.size + 1)
-            if len(data) != f.size:
-                raise _ChecksumMismatch(
-                    f"{src}: got {len(data)} bytes, dataset.json records {f.size}"
-                )
-            with HashingWriter(tmp, fsync=fsync) as w:
-                w.write(data)
-            on_bytes(len(data))
-            size, digest = w.size, w.digest
-        else:
-            size, digest = _copy_stream(_open_remote(fs, src, f.size), tmp, fsync, on_bytes, f.size)
-        if size != f.size or digest != f.checksum:
-            raise _ChecksumMismatch(
-                f"{src}: got {size} bytes with checksum {digest}, manifest says "
-                f"{f.size} bytes with {f.checksum}"
-            )
-        os.replace(tmp, dst)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+        store.get_file(
+            key,
+            dst,
+            size=f.size,
+            checksum=f.checksum,
+            on_bytes=on_bytes,
+            private=private,
+            fsync=fsync,
+        )
+    except ObjectMismatch as e:
+        raise _ChecksumMismatch(e.reason) from None
 
 
 def _disk_full(e: BaseException) -> bool:
@@ -225,8 +125,8 @@ def _disk_full(e: BaseException) -> bool:
 
 
 def fetch_verified(
-    fs: Any,
-    src: str,
+    store: ObjectStore,
+    key: str,
     dst: str,
     size: int,
     checksum: str,
@@ -239,27 +139,30 @@ def fetch_verified(
     what: str = "staging",
     private: bool = False,
 ) -> int:
-    """Copy one file ``fs:src`` to the local path ``dst``, verified; returns the re-fetches.
+    """Copy the object ``key`` of ``store`` to the local path ``dst``, verified; returns the
+    re-fetches.
 
     The one implementation of "copy a shard and verify it" (``stage`` and the remote-dataset
     cache both use it): the bytes go to a temporary sibling of ``dst``, their size and
     xxh3-128 checksum are compared with ``size``/``checksum`` (from ``dataset.json``) and only
     a match is renamed into place, so ``dst`` is either absent or verified. A failed attempt
     (checksum mismatch, missing object, any transfer error) is retried ``retries`` times,
-    ``backoff_s * 2**attempt`` seconds apart; a full local disk is not retried. After the last
-    attempt: ``RuntimeError`` (checksum mismatch), ``FileNotFoundError`` (missing) or
-    :class:`RemoteStorageError` (the store failed), each naming ``url`` (default ``src``).
+    ``backoff_s * 2**attempt`` seconds apart (on top of the retries of each request inside
+    the object-store layer, ``StoreOptions.retries``); a full local disk is not retried. After
+    the last attempt: ``RuntimeError`` (checksum mismatch), ``FileNotFoundError`` (missing) or
+    :class:`RemoteStorageError` (the store failed), each naming ``url`` (default: the store's
+    URL of ``key``).
     ``on_bytes(n)`` is called as bytes arrive (``n == 0`` when an attempt starts).
     No request asks for more than ``size + 1`` bytes and no more than ``size`` are written.
     ``private``: the file is created 0600 (a node cache's files).
     """
-    url = url or src
+    url = url or store.url_of(key)
     tick = on_bytes or (lambda n: None)
     f = _File(os.path.basename(dst), size, checksum)
     for attempt in range(retries + 1):
         tick(0)
         try:
-            _copy_one(fs, src, dst, f, fsync, tick, private)
+            _copy_one(store, key, dst, f, fsync, tick, private)
             return attempt
         except Exception as e:
             if _disk_full(e):
@@ -282,7 +185,8 @@ def fetch_verified(
                 raise RemoteStorageError(
                     f"{url}: {what} failed after {n} ({type(e).__name__}: {e}); the storage is "
                     "unreachable or failing - check it (endpoint, credentials, network), then "
-                    "re-run"
+                    "re-run",
+                    url=url,
                 ) from e
             delay = backoff_s * 2**attempt
             log.warning(
@@ -373,7 +277,7 @@ def stage(
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1")
     t0 = time.perf_counter()
-    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    store = open_store(url, storage_options, StoreOptions(backoff_s=backoff_s))
     manifest = DatasetManifest.load(url, storage_options)
     os.makedirs(local_dir, exist_ok=True)
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
@@ -400,10 +304,9 @@ def stage(
             with lock:
                 stats["skipped"] += 1
             return
-        src = root.rstrip("/") + "/" + f.name
         refetched = fetch_verified(
-            fs,
-            src,
+            store,
+            f.name,
             dst,
             f.size,
             f.checksum,
@@ -421,7 +324,7 @@ def stage(
     try:
         # Largest first so one big shard does not start last and run alone.
         order = sorted(files, key=lambda f: -f.size)
-        if is_local_fs(fs):
+        if getattr(store, "local", False):
             # A local copy is CPU/memory bound (in-kernel copy + checksum): threads beyond
             # the core count only contend (measured: 8 threads cost ~1.5x the CPU of 2).
             workers = min(workers, os.cpu_count() or 1)

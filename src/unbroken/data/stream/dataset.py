@@ -91,7 +91,12 @@ from unbroken.data.stream.order import (
     shards_per_window,
 )
 from unbroken.data.stream.readers import MIN_OPEN, Reader, open_reader, read_ids
-from unbroken.data.stream.remote import RemoteSource, check_cache_config, open_cache
+from unbroken.data.stream.remote import (
+    RemoteSource,
+    check_cache_config,
+    fit_cache,
+    open_cache,
+)
 
 __all__ = ["ON_CORRUPT", "Source", "StreamingDataset"]
 
@@ -240,28 +245,34 @@ class StreamingDataset(IterableDataset):
         self._random = c.windows == "random"
         if self._random:
             _check_random(srcs, self._readers)
-        self.order = DatasetOrder(
-            [r.counts for r in self._readers],
-            [r.fingerprint for r in self._readers],
-            seed=c.seed,
-            shuffle=c.shuffle,
-            shuffle_window=c.shuffle_window,
-            weights=[s.weight for s in srcs],
-            samples_per_epoch=c.samples_per_epoch,
-            mix_block=c.mix_block,
-        )
+
+        def order_for(window: int | None) -> DatasetOrder:
+            return DatasetOrder(
+                [r.counts for r in self._readers],
+                [r.fingerprint for r in self._readers],
+                seed=c.seed,
+                shuffle=c.shuffle,
+                shuffle_window=window,
+                weights=[s.weight for s in srcs],
+                samples_per_epoch=c.samples_per_epoch,
+                mix_block=c.mix_block,
+            )
+
+        remote = [RemoteSource(i, s.root, self._readers[i].manifest) for i, s in enumerate(srcs)]
+        remote = [x for x in remote if is_remote(x.url)]
+        # a cache limit too small for the default window / read-ahead: the largest that fit
+        window, cache_config = fit_cache(order_for, remote, c, c.cache)
+        self.order = order_for(window if window is not None else c.shuffle_window)
         for r, w in zip(self._readers, self.order.windows, strict=True):
             r.max_open = max(MIN_OPEN, shards_per_window(r.counts, w or 1) + 1)
         sizes = [r.room for r in self._readers] if self._random else self.order.sizes
         self._id_base = np.cumsum([0, *sizes[:-1]], dtype=np.int64)  # each source's first id
         self._epoch = 0
-        remote = [RemoteSource(i, s.root, self._readers[i].manifest) for i, s in enumerate(srcs)]
-        self.cache = open_cache(self.order, [x for x in remote if is_remote(x.url)], c.cache)
+        self.cache = open_cache(self.order, remote, cache_config)
         """The node cache of the remote sources (None when every source is local)."""
         if self.cache is not None:
             for x in remote:
-                if is_remote(x.url):
-                    self._readers[x.index].use_cache(self.cache, x.index)
+                self._readers[x.index].use_cache(self.cache, x.index)
 
     # --- the order ---------------------------------------------------------------------------
 

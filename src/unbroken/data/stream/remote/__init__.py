@@ -45,6 +45,7 @@ from unbroken.data.stream.remote.cache import (
     RemoteCache,
     RemoteSource,
     check_cache_config,
+    fit_cache,
     open_cache,
 )
 from unbroken.data.stream.remote.events import EVENTS_MAX, read_events
@@ -58,6 +59,7 @@ __all__ = [
     "RemoteSource",
     "RemoteStorageError",
     "check_cache_config",
+    "fit_cache",
     "load_remote_manifest",
     "network_probe",
     "open_cache",

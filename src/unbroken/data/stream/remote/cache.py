@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
@@ -29,7 +30,7 @@ import xxhash
 
 from unbroken.common.fs import is_remote, open_private, private_dir
 from unbroken.data.manifest import DatasetManifest, join_path
-from unbroken.data.stream.config import CacheConfig
+from unbroken.data.stream.config import CacheConfig, DatasetConfig
 from unbroken.data.stream.order import NEVER, DatasetOrder, EpochPlan
 from unbroken.data.stream.remote import fetch, fetcher, plan
 from unbroken.data.stream.remote.events import EventLog
@@ -47,7 +48,14 @@ from unbroken.data.stream.remote.probe import WaitSlot, sweep_stats
 from unbroken.data.stream.remote.readers import Registration, live_readers
 from unbroken.data.stream.remote.units import Files, UnitStore
 
-__all__ = ["RemoteCache", "RemoteSource", "ShardHolder", "check_cache_config", "open_cache"]
+__all__ = [
+    "RemoteCache",
+    "RemoteSource",
+    "ShardHolder",
+    "check_cache_config",
+    "fit_cache",
+    "open_cache",
+]
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +99,7 @@ class _Proc:
     def __init__(self, cache: RemoteCache) -> None:
         self.pid = os.getpid()
         self.pool = Pool(cache.config.threads, cache._fetch, "unbroken-cache")
-        self.stores: dict[int, tuple[Any, str]] = {}
+        self.stores: dict[int, fetch.ObjectStore] = {}
         self.retry_after: dict[int, float] = {}
         self.fetcher_up = False
         self.fetcher_checked = -1e9
@@ -215,11 +223,11 @@ class RemoteCache:
         twin.__setstate__({**self.__getstate__(), "_holders": {}})
         return twin
 
-    def _store(self, d: _Dir) -> tuple[Any, str]:
+    def _store(self, d: _Dir) -> fetch.ObjectStore:
         st = self._proc()
         hit = st.stores.get(d.id)
         if hit is None:
-            hit = st.stores[d.id] = fetch.open_store(d.url, d.options)
+            hit = st.stores[d.id] = fetch.open_store(d.url, d.options, self.config)
         return hit
 
     # --- units ----------------------------------------------------------------------------
@@ -622,6 +630,40 @@ def check_cache_config(roots: Sequence[str], config: CacheConfig) -> None:
         )
     if not remote and (config.cache_dir is not None or config.cache_limit is not None):
         log.info("cache_dir/cache_limit ignored: every source is a local directory")
+
+
+def fit_cache(
+    order_for: Callable[[int | None], DatasetOrder],
+    sources: Sequence[RemoteSource],
+    dataset: DatasetConfig,
+    config: CacheConfig,
+) -> tuple[int | None, CacheConfig]:
+    """The shuffle window to use instead of the default (None: keep it) and the cache
+    config with the read-ahead to use, when ``config.cache_limit`` cannot hold the defaults
+    (:func:`.plan.fit_to_limit`, issue 22 item 3); an explicit ``shuffle_window`` or
+    ``prefetch_shards`` is kept."""
+    limit = config.limit_bytes
+    if not sources or limit is None or not dataset.shuffle:
+        return None, config
+    units: dict[int, np.ndarray] = {}
+    manifests: dict[str, int] = {}
+    for s in sources:
+        units[s.index] = np.array(
+            [x.bytes + x.index_bytes for x in s.manifest.shards], dtype=np.int64
+        )
+        manifests[s.manifest.fingerprint] = len(s.manifest.dumps())
+    window, prefetch = plan.fit_to_limit(
+        order_for,
+        units,
+        limit,
+        config.cap_bytes,
+        sum(manifests.values()),
+        window=dataset.shuffle_window,
+        prefetch=config.prefetch_shards,
+    )
+    if prefetch is not None:
+        config = dataclasses.replace(config, prefetch_shards=prefetch)
+    return window, config
 
 
 def open_cache(

@@ -1,11 +1,16 @@
 """The request path of the remote cache: everything that asks an object store for bytes.
 
-A store is reached through fsspec (``storage_options``: endpoint, credentials) with per-call
-timeouts; ``dataset.json`` is read with retries; a unit's two files (shard and index) are
-downloaded by :func:`~unbroken.data.prepare.stage.fetch_verified` - ranged GETs of at most the
-size dataset.json records + 1, checked against its xxh3-128 before they are renamed into place.
-Another request path (another client library) plugs in here: the cache calls only
-:func:`open_store`, :func:`load_remote_manifest` and :func:`download_unit`.
+A store is reached through the object-store layer (:mod:`unbroken.common.objstore`: obstore
+for ``s3://``, ``gs://``, ``az://`` and ``http(s)://``, fsspec for any other scheme and for
+``storage_options`` obstore has no equivalent for), with the cache's timeout, retries and
+backoff; a unit's two files (shard and index) are downloaded by
+:func:`~unbroken.data.prepare.stage.fetch_verified` - ranged GETs of at most the size
+dataset.json records + 1, hashed (xxh3-128) as they arrive and ``pwrite``-n into a temporary
+file renamed into place only on a match. ``dataset.json`` is read through fsspec, with
+retries: one request, in the rank process, which must not start obstore's runtime before it
+forks its DataLoader workers and the fetcher (that runtime does not survive a fork).
+The cache calls only :func:`open_store`, :func:`load_remote_manifest` and
+:func:`download_unit`.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from unbroken.common.fs import checksum_file
+from unbroken.common.objstore import ObjectStore, StoreOptions
+from unbroken.common.objstore import open_store as _open_store
 from unbroken.data.manifest import DatasetManifest, join_path
 from unbroken.data.prepare.stage import RemoteStorageError, fetch_verified
 from unbroken.data.stream.config import CacheConfig
 
 __all__ = [
+    "ObjectStore",
     "RemoteStorageError",
     "check_files",
     "download_unit",
@@ -27,6 +35,9 @@ __all__ = [
     "open_store",
     "with_timeouts",
 ]
+
+
+_PART = 64 << 20
 
 
 def with_timeouts(url: str, opts: Any, timeout: float) -> dict[str, Any]:
@@ -46,12 +57,21 @@ def with_timeouts(url: str, opts: Any, timeout: float) -> dict[str, Any]:
     return out
 
 
-def open_store(url: str, options: dict[str, Any]) -> tuple[Any, str]:
-    """(filesystem, root path) of a remote dataset root."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(url, **options)
-    return fs, str(root)
+def open_store(url: str, options: dict[str, Any], config: CacheConfig) -> ObjectStore:
+    """The object store of a remote dataset root (``options``: its storage options, with
+    timeouts); requests retried ``config.retries`` times from ``config.backoff_s``."""
+    so = StoreOptions(
+        retries=config.retries,
+        backoff_s=config.backoff_s,
+        timeout=config.timeout,
+        # One GET per shard up to 64 MiB: the cache's own threads are its concurrency (several
+        # shards in flight), and every extra ranged part is a request the server pays for
+        # (against moto, 8 parts of a 64 MiB object cost 7x the server CPU of one GET:
+        # benchmarks/objstore_get.py). Memory: ``threads`` x 2 parts in flight at most.
+        part_bytes=_PART,
+        concurrency=2,
+    )
+    return _open_store(url, options, so)
 
 
 def load_remote_manifest(url: str, config: CacheConfig) -> DatasetManifest:
@@ -75,7 +95,7 @@ def load_remote_manifest(url: str, config: CacheConfig) -> DatasetManifest:
 
 
 def download_unit(
-    store: tuple[Any, str],
+    store: ObjectStore,
     url: str,
     names: Sequence[str],
     files: Sequence[tuple[str, int]],
@@ -86,11 +106,10 @@ def download_unit(
     """Download a unit's files (``names`` under the store root, to the local ``files`` of the
     sizes dataset.json records), each verified against its checksum before it is published
     (0600); raises naming the file's URL after ``config.retries`` re-fetches."""
-    fs, root = store
     for name, (path, size), checksum in zip(names, files, checksums, strict=True):
         fetch_verified(
-            fs,
-            root.rstrip("/") + "/" + name,
+            store,
+            name,
             path,
             size,
             checksum,

@@ -28,7 +28,7 @@ from unbroken.data.stream.remote.plan import LOG_MAX
 if TYPE_CHECKING:
     from unbroken.data.stream.remote.cache import RemoteCache
 
-__all__ = ["main", "serve", "spawn"]
+__all__ = ["fork_default", "main", "serve", "spawn"]
 
 log = logging.getLogger(__name__)
 
@@ -45,16 +45,28 @@ class _Forked:
         return self.proc.exitcode
 
 
+def fork_default() -> bool:
+    """Whether a fetcher started here is forked (cheap) rather than a new interpreter: not
+    from a DataLoader worker (a daemon, which may not fork children), nor from a process
+    that has run obstore (its runtime does not survive a fork; the child would fall back
+    to fsspec, the slower request path)."""
+    import multiprocessing
+
+    from unbroken.common.objstore import obstore_runtime_here
+
+    return not (multiprocessing.current_process().daemon or obstore_runtime_here())
+
+
 def spawn(cache: RemoteCache, fresh: bool | None = None) -> None:
-    """Start a fetcher for ``cache``: forked from this process, or (``fresh``; the default in a
-    DataLoader worker, which may not fork children) a new interpreter."""
+    """Start a fetcher for ``cache``: forked from this process, or (``fresh``; the default
+    where :func:`fork_default` says no) a new interpreter."""
     import multiprocessing
     import subprocess
 
     clone = cache.detached()
     _CHILDREN[:] = [c for c in _CHILDREN if c.poll() is None]  # reap finished ones
     if fresh is None:
-        fresh = bool(multiprocessing.current_process().daemon)
+        fresh = not fork_default()
     if not fresh:
         # Forked like a DataLoader worker, and like one it never touches CUDA.
         child = multiprocessing.get_context("fork").Process(

@@ -12,6 +12,7 @@ own files, and the bytes those files take now.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable
 
@@ -26,11 +27,14 @@ __all__ = [
     "LOG_MAX",
     "bookkeeping_bytes",
     "default_depth",
+    "fit_to_limit",
     "min_limit",
     "next_uses",
     "prefetch_targets",
     "window_units",
 ]
+
+log = logging.getLogger(__name__)
 
 LOG_MAX = 16 << 10
 """A fetcher process's log is kept within this (and counted at it)."""
@@ -93,6 +97,103 @@ def default_depth(window: int, limit: int | None, need: int, biggest: int) -> in
         return window
     room = (limit - need) // max(biggest, 1) + window  # shards beyond two windows
     return int(min(max(window, room * 3 // 4), 4 * window))
+
+
+def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int | None:
+    """The largest ``x`` in ``[lo, hi]`` with ``ok(x)`` (``ok`` true below some point), or None."""
+    if lo > hi or not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def near_pairs(order: DatasetOrder, n: int = 1 << 16) -> float:
+    """Share of consecutive samples of epoch 0's first ``n`` positions from the same source
+    whose ids are < 1000 apart (the shuffle-quality figure of ``benchmarks/data_read.py``)."""
+    src, ids = order.lookup(0, np.arange(min(order.length, n), dtype=np.int64))
+    if ids.size < 2:
+        return 0.0
+    near = (src[1:] == src[:-1]) & (np.abs(np.diff(ids)) < 1000)
+    return float(near.mean())
+
+
+def fit_to_limit(
+    order_for: Callable[[int | None], DatasetOrder],
+    units: dict[int, np.ndarray],
+    limit: int,
+    cap_bytes: int | None,
+    manifest_bytes: int,
+    *,
+    window: int | None = None,
+    prefetch: int | None = None,
+) -> tuple[int | None, int | None]:
+    """Defaults that fit the cache (issue 22 item 3): ``(shuffle_window, prefetch_shards)``
+    to use instead of the defaults, None where the default (or the caller's ``window`` /
+    ``prefetch``, never changed) stays. ``order_for(w)``: the dataset's order with shuffle
+    window ``w`` (None: the default).
+
+    When ``limit`` holds the order's two windows plus one window's read-ahead
+    (:func:`min_limit`), nothing changes. Else the largest window from one shard's samples
+    up to the default that fits with that read-ahead; else one shard's window (or the given
+    one) with the largest read-ahead that fits; said in one WARNING line with the shuffle
+    quality (shards per window, near-pair rate). Refused (``ValueError`` naming the least
+    limit that works) only when not even that window fits with no read-ahead."""
+
+    def need(w: int | None, p: int | None) -> tuple[int, str]:
+        o = order_for(w)
+        k = sum(window_units(o, i) for i in units) if p is None else p
+        return min_limit(o, units, k, cap_bytes, manifest_bytes)
+
+    default = order_for(window)
+    need0 = need(window, prefetch)[0]
+    if need0 <= limit:
+        return None, None
+    one = max(int(default.counts[i].max()) for i in units)  # one (largest) shard's samples
+    top = max(default.windows[i] for i in units)
+    w = None
+    if window is None:
+        w = _largest(min(one, top), top, lambda x: need(x, prefetch)[0] <= limit)
+    p = None
+    if w is None and prefetch is None:
+        small = window if window is not None else min(one, top)
+        k = sum(window_units(order_for(small), i) for i in units)
+        p = _largest(0, k, lambda x: need(small, x)[0] <= limit)
+        w = None if p is None else small
+    if w is None:
+        least_w = window if window is not None else min(one, top)
+        least, why = need(least_w, prefetch if prefetch is not None else 0)
+        ahead = f"prefetch_shards={prefetch}" if prefetch is not None else "no read-ahead"
+        raise ValueError(
+            f"cache_limit={limit:,} bytes is too small: {why}, with the smallest shuffle "
+            f"window tried ({least_w:,} samples: one shard's, or the one given) and {ahead}; "
+            f"pass cache_limit >= {least:,}"
+        )
+    chosen = order_for(w)
+    spw = sum(window_units(chosen, i) for i in units)
+    spw0 = sum(window_units(default, i) for i in units)
+    ahead = f"{p} shards" if p is not None else f"at least {prefetch or spw} shards"
+    log.warning(
+        "cache_limit=%s bytes cannot hold the shuffle window and read-ahead asked for "
+        "(%s bytes): using shuffle_window=%s (%d shards per window, near pairs %.1f%%; "
+        "asked for: %d shards per window, %.1f%%) and a read-ahead of %s; pass "
+        "cache_limit >= %s to keep them, or choose shuffle_window= / "
+        "CacheConfig(prefetch_shards=) yourself",
+        f"{limit:,}",
+        f"{need0:,}",
+        f"{w:,}",
+        spw,
+        100 * near_pairs(chosen),
+        spw0,
+        100 * near_pairs(default),
+        ahead,
+        f"{need0:,}",
+    )
+    return (None if window is not None else w), p
 
 
 def bookkeeping_bytes(cache_dir: str, records: int, events: int) -> int:

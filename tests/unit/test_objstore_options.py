@@ -1,0 +1,150 @@
+"""Which client serves a URL, and how fsspec-style storage_options become obstore's
+configuration (issue 22 item 1). Pure: no server; the requests themselves are proved in
+tests/integration/test_objstore.py."""
+
+from __future__ import annotations
+
+import pickle
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from unbroken.common.errors import ObjectMismatch, RemoteStorageError
+from unbroken.common.objstore import StoreOptions, open_store, route_of
+from unbroken.common.objstore.base import parts
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    for k in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_PROFILE",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    ):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-such-file"))
+
+
+def test_s3fs_keys_map_to_obstore_config() -> None:
+    """issue 22 item 1: key/secret/token, endpoint_url and region in client_kwargs, botocore
+    timeouts and max_attempts, addressing style, anon."""
+    r = route_of(
+        "s3://b/p",
+        {
+            "key": "AK",
+            "secret": "SK",
+            "token": "TK",
+            "client_kwargs": {"endpoint_url": "http://127.0.0.1:9000", "region_name": "eu-west-1"},
+            "config_kwargs": {
+                "retries": {"max_attempts": 1},
+                "connect_timeout": 2,
+                "read_timeout": 7,
+                "s3": {"addressing_style": "path"},
+                "response_checksum_validation": "when_required",
+            },
+            "skip_instance_cache": True,
+        },
+    )
+    assert r.kind == "obstore"
+    assert r.config == {
+        "access_key_id": "AK",
+        "secret_access_key": "SK",
+        "session_token": "TK",
+        "endpoint": "http://127.0.0.1:9000",
+        "region": "eu-west-1",
+        "virtual_hosted_style_request": False,
+    }
+    assert r.client["allow_http"] is True  # the user named a plain-http endpoint
+    assert r.client["connect_timeout"] == timedelta(seconds=2)
+    assert r.client["read_timeout"] == timedelta(seconds=7)
+    assert r.retry["max_retries"] == 0  # botocore's 1 attempt = no retry
+    assert route_of("s3://b", {"anon": True}).config == {"skip_signature": True}
+    assert route_of("s3://b", {"endpoint_url": "https://x"}).config == {"endpoint": "https://x"}
+    assert "allow_http" not in route_of("s3://b", {"endpoint_url": "https://x"}).client
+
+
+def test_options_obstore_lacks_send_the_url_to_fsspec_and_say_which() -> None:
+    """issue 22 item 1: what users already pass keeps working: an unknown key -> fsspec."""
+    for so, key in [
+        ({"profile": "dev"}, "profile"),
+        ({"s3_additional_kwargs": {"ServerSideEncryption": "AES256"}}, "s3_additional_kwargs"),
+        ({"client_kwargs": {"verify": False}}, "client_kwargs.verify"),
+        ({"config_kwargs": {"signature_version": "s3v4"}}, "config_kwargs.signature_version"),
+    ]:
+        r = route_of("s3://b/p", so)
+        assert r.kind == "fsspec" and key in r.why, (so, r)
+    assert route_of("memory://x").kind == "fsspec"
+    assert route_of("/local/dir").kind == "fsspec"
+    assert route_of("file:///x").kind == "fsspec"
+    assert route_of("hf://datasets/x").kind == "fsspec"
+    assert route_of("s3://b", options=StoreOptions(client="fsspec")).kind == "fsspec"
+    with pytest.raises(ValueError, match=r"client='obstore'\) but obstore cannot serve it"):
+        route_of("s3://b", {"profile": "p"}, StoreOptions(client="obstore"))
+
+
+def test_botocore_profiles_go_to_fsspec_unless_keys_are_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """issue 22 item 1: obstore does not read ~/.aws; a profile-only setup stays on s3fs."""
+    monkeypatch.setenv("AWS_PROFILE", "dev")
+    assert route_of("s3://b").kind == "fsspec"
+    assert route_of("s3://b", {"key": "a", "secret": "b"}).kind == "obstore"
+    monkeypatch.delenv("AWS_PROFILE")
+    creds = tmp_path / "credentials"
+    creds.write_text("[default]\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    assert "credentials come from" in route_of("s3://b").why
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    assert route_of("s3://b").kind == "obstore"
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    creds.unlink()
+    assert route_of("s3://b").kind == "obstore"  # instance / web-identity credentials
+
+
+def test_gcs_azure_http_mapping(tmp_path: Any) -> None:
+    sa = tmp_path / "sa.json"
+    sa.write_text("{}")
+    assert route_of("gs://b/x", {"token": str(sa), "project": "p"}).config == {
+        "service_account": str(sa)
+    }
+    assert route_of("gs://b", {"token": "anon"}).config == {"skip_signature": True}
+    assert route_of("gs://b", {"token": "google_default"}).kind == "fsspec"
+    az = route_of("az://c/x", {"account_name": "acc", "account_key": "k", "sas_token": "s"})
+    assert az.config == {"account_name": "acc", "account_key": "k", "sas_key": "s"}
+    assert route_of("az://c", {"connection_string": "x"}).kind == "fsspec"
+    assert route_of("http://127.0.0.1:1/d").client["allow_http"] is True
+    assert route_of("https://h/d").client["allow_http"] is False
+    assert route_of("https://h/d", {"headers": {}}).kind == "fsspec"
+
+
+def test_store_options_are_validated_by_name() -> None:
+    with pytest.raises(ValueError, match="StoreOptions.part_bytes=1024 must be an integer >= "):
+        StoreOptions(part_bytes=1024)
+    with pytest.raises(ValueError, match="StoreOptions.client='boto'"):
+        StoreOptions(client="boto")
+    with pytest.raises(ValueError, match="StoreOptions.timeout=0"):
+        StoreOptions(timeout=0)
+
+
+def test_every_range_plan_covers_the_object_and_asks_one_byte_more() -> None:
+    for size in (1, 5, 7, 8, 9, 100):
+        p = parts(size, 4)
+        assert p[0][0] == 0 and p[-1][1] == size + 1
+        assert all(a[1] == b[0] for a, b in zip(p, p[1:], strict=False))
+
+
+def test_errors_survive_pickling_with_their_url() -> None:
+    e = pickle.loads(pickle.dumps(ObjectMismatch("s3://b/k", "shorter")))
+    assert (e.url, e.reason, str(e)) == ("s3://b/k", "shorter", "s3://b/k: shorter")
+    r = pickle.loads(pickle.dumps(RemoteStorageError("s3://b/k: down", url="s3://b/k")))
+    assert r.url == "s3://b/k" and str(r) == "s3://b/k: down"
+
+
+def test_a_bad_obstore_configuration_is_refused_naming_the_url() -> None:
+    with pytest.raises(ValueError, match="s3://b/x: cannot configure obstore"):
+        open_store("s3://b/x", {"client_kwargs": {"region_name": 5}})
