@@ -165,7 +165,7 @@ def test_drill_multi_rank_passes_with_sample_ids_compared(data, tmp_path, capsys
             "drill",
             "--multi-rank",
             "--faults",
-            "kill,world-size",
+            "world-size",  # a SIGKILL on 2 ranks: test_sigkill_of_each_process_of_rank_1
             "--dir",
             out,
             "--timeout",
@@ -180,7 +180,7 @@ def test_drill_multi_rank_passes_with_sample_ids_compared(data, tmp_path, capsys
     text = capsys.readouterr().out
     assert rc == 0, text[-4000:]
     report = json.load(open(os.path.join(out, "drill.json")))
-    assert [f["verdict"] for f in report["faults"]] == ["PASS", "PASS"], text
+    assert [f["verdict"] for f in report["faults"]] == ["PASS"], text
     for fault in report["faults"]:
         detail = {c["name"]: c for c in fault["checks"]}["trajectory"]["detail"]
         assert "sample ids" in detail, text
