@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(BIN)/mypy src
 
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 tests
 
 # The quick loop while editing: unit tests without the slow ones (fuzzers, end-to-end runs).
 unit: $(STAMP)
