@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp_mp
-from unbroken.elastic._coord import free_port
 
 from ckptkit import flip
+from unbroken.elastic.rendezvous import free_port
 
 pytestmark = pytest.mark.slow
 
