@@ -182,7 +182,8 @@ def test_unknown_verb_and_missing_arguments_are_usage_errors(capsys):
             ["data", "pack", "{bad_jsonl}", "{out}/p", "--no-progress"],
             "bad.jsonl:2: not a JSON line",
         ),
-        (["data", "index", "{junk}"], "not a directory"),
+        # a file is a flat token file since issue 21 (data index FILE.bin): refused by its size
+        (["data", "index", "{junk}"], "is not a whole number of uint16 tokens"),
         (["run", "--run-dir", "{out}/r", "--", "{missing}"], "does-not-exist"),
     ],
 )
