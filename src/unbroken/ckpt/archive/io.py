@@ -7,14 +7,12 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest, ManifestError
 
-__all__ = ["ArchiveError", "Damaged", "LocalSnapshot", "SourceFile", "parse_manifest", "run_all"]
+__all__ = ["ArchiveError", "Damaged", "LocalSnapshot", "SourceFile", "parse_manifest"]
 
 log = logging.getLogger(__name__)
 
@@ -128,19 +126,3 @@ def parse_manifest(raw: bytes, step: int, url: str, where: str) -> CheckpointMan
         return CheckpointManifest.from_json(raw, step=step, where=where)
     except ManifestError as e:
         raise ArchiveError(url, where, str(e), damaged=True) from e
-
-
-def run_all(threads: int, name: str, tasks: Sequence[Callable[[], Any]]) -> None:
-    """Run ``tasks`` on a pool; on the first failure cancel what has not started and raise it
-    (a doomed transfer should not wait for every other file's retries)."""
-    if not tasks:
-        return
-    with ThreadPoolExecutor(min(threads, len(tasks)), thread_name_prefix=name) as pool:
-        futs = [pool.submit(t) for t in tasks]
-        try:
-            for f in futs:
-                f.result()
-        except BaseException:
-            for f in futs:
-                f.cancel()
-            raise

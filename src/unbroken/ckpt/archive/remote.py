@@ -39,7 +39,6 @@ from unbroken.ckpt.archive.io import (
     LocalSnapshot,
     SourceFile,
     parse_manifest,
-    run_all,
 )
 from unbroken.ckpt.bounds import MAX_MANIFEST
 from unbroken.ckpt.config import ArchiveConfig, configured
@@ -52,6 +51,7 @@ from unbroken.common.fs import (
     is_local_fs,
 )
 from unbroken.common.objstore import StoreOptions, open_store
+from unbroken.common.objstore.base import run_parallel
 from unbroken.common.progress import progress_bar
 
 __all__ = [
@@ -216,7 +216,7 @@ class Archive:
             return
         t0 = time.perf_counter()
         tasks = [partial(self._put_retrying, s, prefix) for s in snap.sources]
-        run_all(self.config.threads, "unbroken-upload", tasks)
+        run_parallel(tasks, self.config.threads, "unbroken-upload")
         # Nothing skipped: every listed file must be there with its size before the commit.
         want = {s.name: s.size for s in snap.sources}
         got = self._retry(prefix, "listing", lambda: self._sizes(prefix))
@@ -324,7 +324,7 @@ class Archive:
 
         total = sum(f.size for f in files.values())
         with progress_bar(f"download step {step}", total=total, enabled=progress) as bar:
-            run_all(self.config.threads, "unbroken-download", [partial(get, n) for n in files])
+            run_parallel([partial(get, n) for n in files], self.config.threads, "unbroken-download")
         atomic_write_bytes(os.path.join(dest_dir, MANIFEST), raw)  # as validated, byte for byte
         fsync_dir(dest_dir)
         dt = time.perf_counter() - t0
