@@ -124,6 +124,32 @@ def dir_id(fingerprint: str) -> int:
     return int(np.array([int(fingerprint[:16], 16)], dtype=np.uint64).view(np.int64)[0])
 
 
+class _ProcessLock:
+    """One ``.lock`` descriptor and one thread lock per (process, cache directory), shared by
+    every object of this process that opens the cache: ``flock`` locks belong to an open file
+    description, so two descriptors of one process on the same ``.lock`` exclude each other,
+    and one object waiting for another object's lock of the same process never ends."""
+
+    def __init__(self, path: str) -> None:
+        self.pid = os.getpid()
+        self.rlock = threading.RLock()
+        self.fd = open_fd(path)
+        self.depth = 0  # nested holds by the thread that has the rlock: flock once
+
+
+_PROCESS_LOCKS: dict[str, _ProcessLock] = {}
+_PROCESS_LOCKS_GUARD = threading.Lock()
+
+
+def _process_lock(path: str) -> _ProcessLock:
+    key = os.path.abspath(path)  # not realpath: a symlink planted at .lock must be refused
+    with _PROCESS_LOCKS_GUARD:
+        pl = _PROCESS_LOCKS.get(key)
+        if pl is None or pl.pid != os.getpid():  # first use here, or after a fork
+            pl = _PROCESS_LOCKS[key] = _ProcessLock(key)
+        return pl
+
+
 class SharedIndex:
     """``<cache_dir>/.index`` read and written under ``<cache_dir>/.lock`` (see the module
     docstring); ``rebuild()`` makes the records when it is missing or damaged."""
@@ -133,20 +159,16 @@ class SharedIndex:
         self.path = os.path.join(cache_dir, ".index")
         self.timeout = timeout
         self._rebuild = rebuild
-        self._pid = -1  # per process (rebuilt after a fork): the locks and descriptors below
-        self._lock = threading.RLock()
-        self._lock_fd = -1
+        self._pid = -1  # per process (rebuilt after a fork): the descriptor and stamps below
         self._gen_fd = -1
         self._stamps: dict[tuple[int, int], int] = {}
         self._stamps_gen = -1
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pid": -1, "_lock": None, "_stamps": {}}
+        return {**self.__dict__, "_pid": -1, "_stamps": {}}
 
     def _here(self) -> None:
         if self._pid != os.getpid():  # first use in this process
-            self._lock = threading.RLock()  # threads of this process around the .lock flock
-            self._lock_fd = open_fd(os.path.join(self.cache_dir, ".lock"))
             self._gen_fd, self._stamps, self._stamps_gen = -1, {}, -1
             self._pid = os.getpid()
 
@@ -155,22 +177,34 @@ class SharedIndex:
         """(generation, records) under the node-wide lock; write them back with
         :meth:`write` inside the block."""
         self._here()
-        with self._lock:
-            deadline = time.monotonic() + self.timeout
-            nap = 0.0005
-            while not try_flock(self._lock_fd, fcntl.LOCK_EX):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"{self.cache_dir}/.lock: held by another process for more than "
-                        f"{self.timeout:g}s (a reader stopped with SIGSTOP?); the cache "
-                        "cannot be updated"
-                    )
-                time.sleep(nap)
-                nap = min(nap * 2, 0.02)
+        pl = _process_lock(os.path.join(self.cache_dir, ".lock"))
+        deadline = time.monotonic() + self.timeout
+        if not pl.rlock.acquire(timeout=self.timeout):
+            raise RuntimeError(
+                f"{self.cache_dir}/.lock: held by another thread of this process for more "
+                f"than {self.timeout:g}s; the cache cannot be updated"
+            )
+        try:
+            if pl.depth == 0:
+                nap = 0.0005
+                while not try_flock(pl.fd, fcntl.LOCK_EX):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"{self.cache_dir}/.lock: held by another process for more than "
+                            f"{self.timeout:g}s (a reader stopped with SIGSTOP?); the cache "
+                            "cannot be updated"
+                        )
+                    time.sleep(nap)
+                    nap = min(nap * 2, 0.02)
+            pl.depth += 1
             try:
                 yield self._read()
             finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                pl.depth -= 1
+                if pl.depth == 0:
+                    fcntl.flock(pl.fd, fcntl.LOCK_UN)
+        finally:
+            pl.rlock.release()
 
     def _read(self) -> tuple[int, np.ndarray]:
         try:
