@@ -48,7 +48,7 @@ import torch
 
 from unbroken.ckpt import lock
 from unbroken.ckpt.collectives import Comm, is_dist
-from unbroken.ckpt.config import ArchiveConfig, CheckpointConfig, configured
+from unbroken.ckpt.config import ArchiveConfig, CheckpointConfig
 from unbroken.ckpt.load import Loader, refusal
 from unbroken.ckpt.memtier import MemoryTier, default_dir
 from unbroken.ckpt.save import Job, Saver, encode
@@ -58,6 +58,7 @@ from unbroken.ckpt.state import TrainState
 from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint, RestoreRefused, Store
 from unbroken.ckpt.verify import load_verified
 from unbroken.common.audit import state_audit
+from unbroken.common.config import configure
 from unbroken.common.text import printable
 
 __all__ = ["Checkpointer"]
@@ -100,7 +101,7 @@ class Checkpointer:
             raise TypeError(
                 f"state must be an unbroken.ckpt.TrainState, got {type(state).__qualname__}"
             )
-        self.config = configured(CheckpointConfig, config, overrides, owner="Checkpointer")
+        self.config = configure(CheckpointConfig, config, overrides, owner="Checkpointer")
         self.store = Store(root)
         self.state = state
         # Checkpoint collectives get their own group: a background save must never

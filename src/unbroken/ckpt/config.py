@@ -13,7 +13,6 @@ here, once, with the option, the value and the fix::
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,29 +22,9 @@ from unbroken.common.config import check_count, check_flag, check_seconds
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-__all__ = ["ArchiveConfig", "CheckpointConfig", "configured"]
+__all__ = ["ArchiveConfig", "CheckpointConfig"]
 
 C = TypeVar("C", bound="DataclassInstance")
-
-
-def configured(cls: type[C], config: C | None, overrides: Mapping[str, Any], *, owner: str) -> C:
-    """``config`` (default ``cls()``) with the fields named in ``overrides`` changed
-    (``dataclasses.replace``: validated again). A keyword that names no field is a
-    ``TypeError`` that lists the fields."""
-    if config is None:
-        config = cls()
-    elif not isinstance(config, cls):
-        raise TypeError(
-            f"{owner}(config=...) takes a {cls.__name__}, got {type(config).__qualname__}"
-        )
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(overrides) - set(names))
-    if unknown:
-        raise TypeError(
-            f"{owner}() got unexpected keyword argument(s) {', '.join(unknown)}; its options "
-            f"are the fields of {cls.__name__}: {', '.join(names)}"
-        )
-    return dataclasses.replace(config, **overrides) if overrides else config
 
 
 @dataclass(frozen=True)

@@ -23,36 +23,9 @@ __all__ = [
     "check_flag",
     "check_seconds",
     "parse_size",
-    "resolve",
 ]
 
 C = TypeVar("C", bound="DataclassInstance")
-
-
-def resolve(cls: type[C], config: C | None, keywords: Mapping[str, Any], *, owner: str) -> C:
-    """The config ``owner`` runs with: ``cls(**keywords)``, or ``config`` when one is given.
-
-    ``config=`` and keywords do not mix: with a config, a keyword that differs from the
-    dataclass default is refused by name (one left at its default counts as not given).
-    """
-    if config is None:
-        return cls(**keywords)
-    if not isinstance(config, cls):
-        raise TypeError(
-            f"{owner}(config=...) takes a {cls.__name__}, got {type(config).__qualname__}"
-        )
-    defaults = {
-        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-        for f in dataclasses.fields(cls)
-    }
-    given = sorted(k for k, v in keywords.items() if k not in defaults or v != defaults[k])
-    if given:
-        raise ValueError(
-            f"{owner}: pass options either in config= or as keywords, not both (got config= "
-            f"and {', '.join(f'{k}={keywords[k]!r}' for k in given)}); set them in the config "
-            f"with dataclasses.replace(config, {given[0]}=...)"
-        )
-    return config
 
 
 def configure(cls: type[C], config: C | None, overrides: Mapping[str, Any], *, owner: str) -> C:

@@ -41,9 +41,10 @@ from unbroken.ckpt.archive.io import (
     parse_manifest,
 )
 from unbroken.ckpt.bounds import MAX_MANIFEST
-from unbroken.ckpt.config import ArchiveConfig, configured
+from unbroken.ckpt.config import ArchiveConfig
 from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest, FileEntry
 from unbroken.ckpt.store import Store
+from unbroken.common.config import configure
 from unbroken.common.errors import ObjectMismatch
 from unbroken.common.fs import (
     atomic_write_bytes,
@@ -88,7 +89,7 @@ class Archive:
 
     def __init__(self, url: str | ArchiveConfig, **overrides: Any) -> None:
         base = url if isinstance(url, ArchiveConfig) else ArchiveConfig(url)
-        cfg = configured(ArchiveConfig, base, overrides, owner="Archive")
+        cfg = configure(ArchiveConfig, base, overrides, owner="Archive")
         self.config = cfg
         self.url = cfg.url.rstrip("/")
         try:

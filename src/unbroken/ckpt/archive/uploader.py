@@ -14,7 +14,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from unbroken.ckpt.archive.io import LocalSnapshot
-from unbroken.ckpt.config import ArchiveConfig, configured
+from unbroken.ckpt.config import ArchiveConfig
+from unbroken.common.config import configure
 
 if TYPE_CHECKING:
     from unbroken.ckpt.archive.remote import Archive
@@ -38,7 +39,7 @@ class BackgroundUploader:
     """
 
     def __init__(self, archive: Archive, **overrides: Any) -> None:
-        self.config = configured(
+        self.config = configure(
             ArchiveConfig, archive.config, overrides, owner="BackgroundUploader"
         )
         self.archive = archive
