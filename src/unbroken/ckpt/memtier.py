@@ -58,7 +58,9 @@ from unbroken.ckpt.save import Job
 from unbroken.ckpt.schema import check_state
 from unbroken.ckpt.state import TrainState
 from unbroken.ckpt.verify import Verified
+from unbroken.common import memdir
 from unbroken.common.fs import PrivateDirError, hasher, open_private, private_dir
+from unbroken.common.memdir import ENV
 
 __all__ = [
     "ENV",
@@ -73,8 +75,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ENV = "UNBROKEN_MEMORY_TIER"
-"""Environment variable naming the job's memory-tier directory (set by ``unbroken run``)."""
 
 MAGIC = b"UBSLOT\r\n"
 VERSION = 1
@@ -109,8 +109,7 @@ def default_dir(root: str) -> str:
     env = os.environ.get(ENV)
     if env:
         return env
-    job = xxhash.xxh3_64_hexdigest(os.path.realpath(root).encode())
-    return os.path.join("/dev/shm", f"unbroken-{os.geteuid()}", job)
+    return memdir.job_dir(os.path.realpath(root))
 
 
 @dataclass
@@ -186,10 +185,7 @@ class SlotStore:
             raise ValueError(f"rank={rank!r} must be a non-negative integer")
         self.directory = directory
         self.rank = rank
-        parent = os.path.dirname(os.path.abspath(directory))
-        if os.path.basename(parent).startswith("unbroken-"):  # the default layout's user dir
-            private_dir(parent, purpose="memory-tier directory")
-        private_dir(directory, purpose="memory-tier directory")
+        memdir.create(directory)
         self.rank_dir = private_dir(
             os.path.join(directory, f"rank-{rank}"), purpose="memory-tier rank directory"
         )

@@ -8,7 +8,8 @@ phases (``unbroken.elastic.recovery``) are computed from it, so it lives in the 
 
 Event schema (common keys ``t`` = Unix time, ``event``, ``attempt``, ``pid``, ``rank``)::
 
-    start         supervisor started (config)
+    start         supervisor started (config; memory_tier: the job's memory-tier directory
+                  on this node, created by the supervisor, removed when the job ends)
     preflight     ok, seconds, checks: [{name, ok, detail}]
     standby       attempt, seconds, preload, failed, fork_server: a pre-warmed agent for the
                   attempt finished its imports (``seconds``: what a restart no longer pays)

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from unbroken.common import events
+from unbroken.common import events, memdir
 from unbroken.common.events import load_events
 from unbroken.common.fs import atomic_write_bytes, private_dir
 from unbroken.elastic import faults, heartbeat, recovery
@@ -196,6 +196,7 @@ class Supervisor:
         self._failures: list[tuple[int, faults.Evidence, Classification]] = []
         self._preflight_ok_at = float("-inf")
         self._standby: Standby | None = None
+        self._memory: str | None = None  # the memory tier's directory, when this agent owns it
 
     # --- bookkeeping ---------------------------------------------------------------------
 
@@ -682,7 +683,9 @@ class Supervisor:
             default=-1,
         )
         code = faults.EXIT_ERROR
+        env_before = os.environ.get(memdir.ENV)
         try:
+            tier = self._own_memory_tier()
             r = self.cfg.rdzv
             host, _, port = r.endpoint.rpartition(":")
             self._coord = Coordinator(
@@ -701,6 +704,7 @@ class Supervisor:
                 command=list(self.cfg.command),
                 nnodes=r.nnodes,
                 nproc_per_node=self.cfg.nproc_per_node,
+                memory_tier=tier,
             )
             code = self._loop(self._coord, first)
         except RuntimeError as e:
@@ -715,11 +719,42 @@ class Supervisor:
                 self._standby = None
             for s, h in old.items():
                 signal.signal(s, h)
+            self._drop_memory_tier(env_before)
             self._event("finish" if code == 0 else "stop", exit_code=code)
             self._finish()
             if self._coord is not None:
                 self._release_store(self._coord, code)
         return code
+
+    def _own_memory_tier(self) -> str | None:
+        """Create the job's private memory-tier directory on this node and name it to the
+        workers (every process started from here inherits the environment); a crashed
+        worker's slots wait there for its successor (issue 25). A directory the user named
+        (``$UNBROKEN_MEMORY_TIER``) is used as given and never removed. Returns the path."""
+        given = os.environ.get(memdir.ENV)
+        if given:
+            return given
+        path = memdir.job_dir(f"unbroken run {self.run_dir} {self.cfg.rdzv.run_id}")
+        try:
+            memdir.create(path)
+        except (OSError, memdir.PrivateDirError) as e:  # no /dev/shm: the tier picks its own
+            log.warning("no memory-tier directory for the workers (%s)", e)
+            return None
+        self._memory = path
+        os.environ[memdir.ENV] = path
+        return path
+
+    def _drop_memory_tier(self, env_before: str | None) -> None:
+        """The job ended (done or stopped): its memory tier goes; the disk tier stays."""
+        if self._memory is None:
+            return
+        if env_before is None:
+            os.environ.pop(memdir.ENV, None)
+        try:
+            memdir.remove(self._memory)
+        except OSError as e:
+            log.warning("memory tier %s not removed: %s", self._memory, e)
+        self._memory = None
 
     def _release_store(self, coord: Coordinator, code: int) -> None:
         try:
