@@ -215,3 +215,81 @@ def test_a_live_publisher_keeps_a_restore_off_its_slots(tmp_path) -> None:
     assert ck2.restore() == 5 and ck2.restored_tier == "disk"
     ck2.close()
     ck.close()
+
+
+def _newest_and_older(tier: str) -> tuple[str, str]:
+    slots = SlotStore(tier, rank=0)
+    snap, _ = slots.newest()
+    assert snap is not None
+    newest = snap.path
+    del snap
+    return newest, next(p for p in (slots.slot_path(0), slots.slot_path(1)) if p != newest)
+
+
+@pytest.mark.parametrize(
+    "case, want_step, want_tier, says",
+    [
+        # the newest slot's payload damaged: the older slot, and the line says why
+        ("payload", 6, "memory", ["memory step 7 is damaged", "checksum", "disk's newest: step 5"]),
+        # the newest slot's header damaged: its step is unknown, the line still names it
+        ("header", 6, "memory", ["slot-", "is damaged (bad-header"]),
+        # both slots gone (a node replaced, a tier never written): disk, "missing"
+        ("gone", 5, "disk", ["memory tier not used", "missing"]),
+        # both damaged: disk, each slot named damaged
+        ("both", 5, "disk", ["memory tier not used", "is damaged", "checksum"]),
+    ],
+)
+def test_one_line_names_tier_step_and_why_a_newer_tier_was_skipped(
+    tmp_path, caplog, case, want_step, want_tier, says
+) -> None:
+    """issue 25 item 2: one choice, made visibly: every restore prints ONE line naming the
+    tier, the step, and why a newer tier was skipped (missing, older, damaged)."""
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    *_, ck = _run(root, tier, 7)  # memory: steps 6 and 7, disk: step 5
+    _crash(ck)
+    newest, older = _newest_and_older(tier)
+    if case == "payload":
+        flip(newest, os.path.getsize(newest) - 11)
+    elif case == "header":
+        flip(newest, 40)  # inside the fixed header fields
+    elif case == "gone":
+        os.unlink(newest)
+        os.unlink(older)
+    else:
+        flip(newest, os.path.getsize(newest) - 11)
+        flip(older, os.path.getsize(older) - 11)
+    *_, ck2 = _ckpt(root, tier, seed=1)
+    with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
+        assert ck2.restore() == want_step
+    assert ck2.restored_tier == want_tier
+    lines = _restored_lines(caplog)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"resumed from step {want_step},"), lines
+    assert f"from the {want_tier} tier" in lines[0], lines
+    for s in says:
+        assert s in lines[0], (s, lines[0])
+    ck2.close()
+
+
+def test_disk_steps_skipped_for_damage_are_named_in_the_line(tmp_path, caplog) -> None:
+    """issue 25 item 2: the memory tier older than disk and the newest disk step damaged:
+    the older disk step is restored and the one line names both skips (memory older, disk
+    step damaged)."""
+    from ckptkit import data_files, step_dir
+
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    st, m, opt, ck = _run(root, tier, 9)  # disk 5, memory 8 and 9
+    assert ck._memory is not None
+    ck._memory.disabled = "test: stop publishing"
+    train(st, m, opt, 1)
+    ck.maybe_save()  # step 10: the disk tier only
+    ck.wait()
+    _crash(ck)
+    victim = os.path.join(step_dir(root, 10), data_files(step_dir(root, 10))[0])
+    flip(victim, os.path.getsize(victim) // 2)
+    *_, ck2 = _ckpt(root, tier, seed=1)
+    with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
+        assert ck2.restore() == 9
+    (line,) = _restored_lines(caplog)
+    assert "from the memory tier" in line and "disk step 10 is damaged" in line, line
+    ck2.close()

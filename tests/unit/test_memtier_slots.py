@@ -383,3 +383,18 @@ def test_bfloat16_and_empty_tensors_round_trip(tier: str) -> None:
     snap, bad = store.newest()
     assert snap is not None, bad
     assert all(torch.equal(snap.tensors[k], t) for k, t in tensors.items())
+
+
+def test_a_shorter_meta_over_a_longer_one_still_verifies(tier: str) -> None:
+    """issue 25 item 2 (found by the one-line test): a slot rewritten with a shorter header
+    meta than its last one must leave no stale byte in the header area (which a reader
+    refuses as damage): the whole area is rewritten."""
+    st = _state()
+    store = SlotStore(tier, rank=0)
+    sd, rng, tree, live = encode(st)
+    enc = codec.encode(rng, None)
+    store.publish(1, tree, enc, live, {"pad": "x" * 500})
+    store.publish(2, tree, enc, live, {"pad": "x" * 500})
+    store.publish(3, tree, enc, live, {"pad": "x"})  # into slot 0, over step 1's long meta
+    snap, bad = store.newest()
+    assert snap is not None and snap.step == 3 and not bad, bad

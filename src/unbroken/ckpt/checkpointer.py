@@ -428,21 +428,39 @@ class Checkpointer:
         tried = _Tried()
         candidates = [step] if step is not None else sorted(self.store.candidates(), reverse=True)
         candidates = self._comm.broadcast(candidates)
-        if self._memory is not None and step is None:
-            disk = next(iter(candidates), None)
-            got, tried.memory = self._memory.restore(self._loader, disk)
+        memory = self._memory if step is None else None
+        if memory is not None:
+            got = self._from_memory(memory, candidates, tried)
             if got is not None:
-                newest = "no disk step" if disk is None else f"disk's newest: step {disk}"
-                note = "; ".join(filter(None, [newest, tried.memory]))
-                return self._restored(got, t0, tier="memory", skipped=note)
+                return self._restored(
+                    got, t0, tried.refused, tier="memory", skipped=tried.line("memory")
+                )
         for s in candidates:
+            if memory is not None and memory.older is not None and memory.older >= s:
+                # every newer disk step failed: the memory step skipped as older is newest now
+                got = self._from_memory(memory, [s], tried)
+                if got is not None:
+                    return self._restored(
+                        got, t0, tried.refused, tier="memory", skipped=tried.line("memory")
+                    )
             if self._try(s, tried, requested=step is not None):
-                return self._restored(s, t0, tried.refused, skipped=tried.memory)
+                return self._restored(s, t0, tried.refused, skipped=tried.line())
         got = self._from_archive(tried)
         if got is not None:
-            return self._restored(got, t0, tried.refused, tier="archive", skipped=tried.memory)
+            return self._restored(got, t0, tried.refused, tier="archive", skipped=tried.line())
         self._nothing_restored(tried)
         return None
+
+    def _from_memory(self, memory: MemoryTier, disk: Sequence[int], tried: _Tried) -> int | None:
+        """The memory tier's newest step every rank holds, when not older than ``disk``'s
+        newest (C-TIERS); what it skipped goes to ``tried``."""
+        newest = next(iter(disk), None)
+        got, tried.memory = memory.restore(self._loader, newest)
+        if got is not None and not tried.skipped:
+            tried.skipped.append(
+                "no disk step" if newest is None else f"disk's newest: step {newest}"
+            )
+        return got
 
     def _try(self, s: int, tried: _Tried, *, requested: bool = False, where: str = "") -> bool:
         """Load step ``s`` (:meth:`.Loader.try_load`); True when applied. A step asked
@@ -451,6 +469,8 @@ class Checkpointer:
         if why is None:
             return True
         tried.texts.append(f"step {s}{where}: {why.text}")
+        what = "refused by the live state" if why.refused else "damaged"
+        tried.skipped.append(f"disk step {s}{where} is {what}: {why.text[:200]}")
         if why.refused:
             tried.refused.append((s, why.text))
         if requested and why.refused:
@@ -525,11 +545,7 @@ class Checkpointer:
                 if isinstance(created, float | int)
                 else "an unknown time"
             )
-            why = (
-                f"; memory tier not used: {skipped}"
-                if skipped and tier != "memory"
-                else (f"; {skipped}" if skipped else "")
-            )
+            why = f"; {skipped}" if skipped else ""
             say(
                 log, logging.INFO, "resumed from step %d, saved at %s, in %.2f s, from the %s tier%s",
                 s, when, dt, tier, printable(why), quiet=self.config.quiet,
@@ -571,6 +587,14 @@ class _Tried:
     texts: list[str] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
     memory: str = ""  # why the memory tier was not used (C-TIERS), when it is on
+    skipped: list[str] = field(default_factory=list)  # newer copies skipped, and why
+
+    def line(self, tier: str = "disk") -> str:
+        """Why newer copies were skipped, for the one restore line (C-TIERS)."""
+        if tier == "memory":
+            return "; ".join([*self.skipped, *([f"skipped: {self.memory}"] if self.memory else [])])
+        memory = [f"memory tier not used: {self.memory}"] if self.memory else []
+        return "; ".join([*self.skipped, *memory])
 
 
 class _WriterLock:

@@ -40,6 +40,7 @@ import math
 import mmap
 import os
 import struct
+import time
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -153,6 +154,7 @@ def _pad(n: int) -> int:
 
 _IOV_MAX = 1024  # buffers per pwritev call (Linux allows 1024)
 _ZEROS = memoryview(bytes(_ALIGN))
+_HEADER_ZEROS = memoryview(bytes(HEADER_BYTES))
 
 
 def _pwritev_all(fd: int, bufs: list[memoryview | bytes], offset: int) -> int:
@@ -256,7 +258,9 @@ class SlotStore:
         collections.deque(map(h.update, parts), maxlen=0)  # hash without a Python loop
         _pwritev_all(fd, parts, HEADER_BYTES)
         gen = self._generation + 1
-        _pwritev_all(fd, [_pack(step, gen, end, h.digest(), meta_raw)], 0)
+        head = _pack(step, gen, end, h.digest(), meta_raw)
+        # the whole header area: a shorter meta than the last one leaves no stale byte
+        _pwritev_all(fd, [head, _HEADER_ZEROS[len(head) :]], 0)
         self._newest, self._generation = i, gen
         return path
 
@@ -304,14 +308,23 @@ class SlotStore:
 
     def head(self, i: int) -> _Head | None:
         """Slot ``i``'s header when it verifies (the payload is not read), else None."""
+        got = self.check_head(i)
+        return got if isinstance(got, _Head) else None
+
+    def check_head(self, i: int) -> _Head | SlotDamaged | None:
+        """Slot ``i``'s header when it verifies, why not when it is there and does not,
+        None when there is no slot ``i``."""
+        path = self.slot_path(i)
         try:
-            fd = open_private(self.slot_path(i), os.O_RDONLY | os.O_NONBLOCK)
-        except (OSError, PrivateDirError):
+            fd = open_private(path, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
             return None
+        except (OSError, PrivateDirError) as e:
+            return SlotDamaged(path, "unreadable", str(e))
         try:
-            return _read_head(fd, self.slot_path(i), os.fstat(fd).st_size)
-        except SlotDamaged:
-            return None
+            return _read_head(fd, path, os.fstat(fd).st_size)
+        except SlotDamaged as e:
+            return e
         finally:
             os.close(fd)
 
@@ -528,6 +541,7 @@ class MemoryTier:
         self.published: int | None = None  # newest step this process published
         self.disabled: str | None = None  # why publishing stopped (once, logged)
         self.inline: bool | None = None  # publish in the loop (a small state); None: not known yet
+        self.older: int | None = None  # the last restore's newest common step, skipped as older
 
     def _meta(self, job: Job, state: TrainState) -> dict[str, Any]:
         return {
@@ -536,6 +550,7 @@ class MemoryTier:
             "components": sorted(state.components),
             "layouts": schema.describe(state.components, job.sd["components"]),
             "generators": schema.generators(state),
+            "created": time.time(),
         }
 
     def publish(self, job: Job, state: TrainState) -> None:
@@ -553,31 +568,46 @@ class MemoryTier:
         self.store.publish(job.step, job.tree, job.rng, job.tensors, self._meta(job, state))
         self.published = job.step
 
-    def _mine(self) -> dict[int, int]:
+    def _mine(self) -> tuple[dict[int, int], list[str]]:
         """step -> slot, for the slots whose header verifies and that are this job's (the
-        newer generation when both hold one step)."""
+        newer generation when both hold one step); and why each other slot that is there
+        was not counted (damaged header, another job's)."""
         best: dict[int, tuple[int, int]] = {}
+        why: list[str] = []
         me = {"root": self.root, "world": self.comm.world, "rank": self.comm.rank}
         for i in range(SLOTS):
-            h = self.store.head(i)
-            if h is None or any(h.meta.get(k) != v for k, v in me.items()):
+            h = self.store.check_head(i)
+            if isinstance(h, SlotDamaged):
+                if h.reason != "torn":  # a publish cut short is no damage: the other slot is
+                    why.append(
+                        f"rank {self.comm.rank} slot-{i} is damaged ({h.reason}: {h.detail})"
+                    )
+                continue
+            if h is None:
+                continue
+            other = [k for k, v in me.items() if h.meta.get(k) != v]
+            if other:
+                why.append(f"rank {self.comm.rank} slot-{i} is another job's ({other[0]} differs)")
                 continue
             if h.step not in best or h.generation > best[h.step][0]:
                 best[h.step] = (h.generation, i)
-        return {s: i for s, (_, i) in best.items()}
+        return {s: i for s, (_, i) in best.items()}, why
 
     def restore(self, loader: Loader, disk_newest: int | None) -> tuple[int | None, str]:
         """Apply the newest step every rank holds in memory, when it is not older than
         ``disk_newest``. Returns (the step applied or None, why a newer copy was skipped
         or why memory was not used). Collective."""
-        notes: list[str] = []
+        self.older = None
+        local: list[str] = []
         try:  # a live publisher (a worker not yet stopped) could rewrite a slot under us
             self.store._take_lock()
-            mine = self._mine()
+            mine, local = self._mine()
         except TierBusy as e:
             mine = {}
-            notes.append(str(e))
-        held = self.comm.gather(sorted(mine))
+            local.append(str(e))
+        gathered = self.comm.gather((sorted(mine), local))
+        held = [h for h, _ in gathered]
+        notes = [n for _, ns in gathered for n in ns][:8]  # bounded: one line for a big job
         common = set(held[0]).intersection(*held[1:]) if held else set()
         newest_any = max((s for h in held for s in h), default=None)
         if newest_any is not None and newest_any not in common:
@@ -586,13 +616,14 @@ class MemoryTier:
         for s in sorted(common, reverse=True):
             if disk_newest is not None and s < disk_newest:
                 notes.append(f"memory step {s} is older than disk step {disk_newest}")
+                self.older = s
                 break
             why = self._try(loader, s, mine[s])
             if why is None:
                 return s, "; ".join(notes)
-            notes.append(f"memory step {s}: {why}")
+            notes.append(f"memory step {s} is damaged: {why}")
         if newest_any is None:
-            notes.append("the memory tier holds no step of this job")
+            notes.append("the memory tier is missing: it holds no step of this job")
         return None, "; ".join(notes)
 
     def _try(self, loader: Loader, s: int, slot: int) -> str | None:
@@ -649,6 +680,7 @@ def _as_verified(snap: MemorySnapshot, world: int) -> Verified:
         files={},
         tensors=tensors,
         counters=dict(tree.get("counters", {})),
+        created=created if isinstance(created := snap.meta.get("created"), float) else None,
     )
     needed = frozenset(codec.tensor_keys(snap.tree))
     return Verified(snap.step, manifest, snap.tree, snap.tensors, snap.rng, needed)
