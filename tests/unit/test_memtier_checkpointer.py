@@ -46,6 +46,20 @@ def _crash(ck: Checkpointer) -> None:
         ck._pool = None
 
 
+def _disk_step_after_memory(root: str, tier: str, steps: int) -> Checkpointer:
+    """Train ``steps`` steps with both tiers, then one more step saved to disk only (a
+    multiple of 5), then crash: the memory tier is older than the disk tier. The crashed
+    checkpointer is returned: dropped, its finalizer would tidy the slots up."""
+    st, m, opt, ck = _run(root, tier, steps)
+    assert ck._memory is not None
+    ck._memory.disabled = "test: stop publishing"
+    train(st, m, opt, 1)
+    ck.maybe_save()  # the disk tier only
+    ck.wait()
+    _crash(ck)
+    return ck
+
+
 def _restored_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "resumed from step" in r.getMessage()]
 
@@ -131,19 +145,14 @@ def test_damaged_slots_fall_back_to_the_older_slot_then_disk(tmp_path, caplog) -
 def test_memory_older_than_disk_is_skipped(tmp_path, caplog) -> None:
     """A slot of an older step than the disk's newest is not used, and the line says so."""
     root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
-    st, m, opt, ck = _run(root, tier, 4)
-    assert ck._memory is not None
-    ck._memory.disabled = "test: stop publishing"
-    train(st, m, opt, 1)
-    ck.maybe_save()  # step 5: the disk tier only
-    ck.wait()
-    _crash(ck)
+    crashed = _disk_step_after_memory(root, tier, 4)  # memory 3 and 4, disk 5
     *_, ck2 = _ckpt(root, tier, seed=1)
     with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
         assert ck2.restore() == 5
     line = _restored_lines(caplog)[0]
     assert "disk tier" in line and "memory step 4 is older than disk step 5" in line
     ck2.close()
+    del crashed
 
 
 def test_slots_of_another_root_are_never_used(tmp_path) -> None:
@@ -278,13 +287,7 @@ def test_disk_steps_skipped_for_damage_are_named_in_the_line(tmp_path, caplog) -
     from ckptkit import data_files, step_dir
 
     root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
-    st, m, opt, ck = _run(root, tier, 9)  # disk 5, memory 8 and 9
-    assert ck._memory is not None
-    ck._memory.disabled = "test: stop publishing"
-    train(st, m, opt, 1)
-    ck.maybe_save()  # step 10: the disk tier only
-    ck.wait()
-    _crash(ck)
+    crashed = _disk_step_after_memory(root, tier, 9)  # disk 5 and 10, memory 8 and 9
     victim = os.path.join(step_dir(root, 10), data_files(step_dir(root, 10))[0])
     flip(victim, os.path.getsize(victim) // 2)
     *_, ck2 = _ckpt(root, tier, seed=1)
@@ -293,3 +296,4 @@ def test_disk_steps_skipped_for_damage_are_named_in_the_line(tmp_path, caplog) -
     (line,) = _restored_lines(caplog)
     assert "from the memory tier" in line and "disk step 10 is damaged" in line, line
     ck2.close()
+    del crashed
