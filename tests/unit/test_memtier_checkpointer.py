@@ -297,3 +297,22 @@ def test_disk_steps_skipped_for_damage_are_named_in_the_line(tmp_path, caplog) -
     assert "from the memory tier" in line and "disk step 10 is damaged" in line, line
     ck2.close()
     del crashed
+
+
+def test_disk_saves_record_the_memory_tiers_cost_for_the_planner(tmp_path, monkeypatch) -> None:
+    """issue 25 item 4: under `unbroken run` each disk save's `saved` event carries the
+    memory tier's mean publish stall since the last save, K and the bytes its slots hold
+    (what `unbroken plan` reads)."""
+    from unbroken.common import events
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    monkeypatch.setenv(events.ENV_RUN_DIR, str(run))
+    monkeypatch.setenv(events.ENV_ATTEMPT, "0")
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    *_, ck = _run(root, tier, 7)
+    ck.close()
+    (saved,) = events.load_events(str(run))
+    assert saved["event"] == "saved" and saved["step"] == 5
+    assert 0 < saved["memory_seconds"] < 5 and saved["memory_every"] == 1
+    assert saved["memory_bytes"] > 0

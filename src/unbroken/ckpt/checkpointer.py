@@ -124,6 +124,8 @@ class Checkpointer:
             if self._memory is not None
             else None
         )
+        self._memory_stalls: list[float] = []  # loop stall of each publish since the last save
+        self._memory_note: dict[str, Any] = {}
         self._snap = Snapshotter()
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="unbroken-ckpt")
@@ -226,6 +228,7 @@ class Checkpointer:
             self._same_or_refuse(step)
             return self.store.step_dir(step)
         self._lock.take(self)
+        self._memory_note = self._memory_cost()
         job = self._saver.snapshot(step, self._snap if self._pool is not None else None)
         self.last_blocked_seconds = job.blocked
         if self._pool is None:
@@ -267,6 +270,19 @@ class Checkpointer:
         else:
             self._to_memory(memory, job)
         self.last_blocked_seconds = time.perf_counter() - t0
+        self._memory_stalls.append(self.last_blocked_seconds)
+
+    def _memory_cost(self) -> dict[str, Any]:
+        """For the next ``saved`` event: the memory tier's mean publish stall since the last
+        disk save, K and the bytes its slots hold (``unbroken plan`` reads them)."""
+        stalls, self._memory_stalls = self._memory_stalls, []
+        if self._memory is None or not stalls:
+            return {}
+        return {
+            "memory_seconds": round(sum(stalls) / len(stalls), 6),
+            "memory_every": self.config.memory_every_steps,
+            "memory_bytes": self._memory.store.nbytes(),
+        }
 
     def _to_memory(self, memory: MemoryTier, job: Job) -> str:
         """Publish ``job`` into the memory tier; a failure there (tmpfs full) turns the
@@ -329,7 +345,10 @@ class Checkpointer:
         )  # fmt: skip
         # "seconds" is what the save cost the training loop (Young/Daly's C).
         cost = job.blocked if self._pool is not None else dt
-        _mark("saved", step=job.step, seconds=round(cost, 4), write_seconds=round(dt, 4))
+        _mark(
+            "saved", step=job.step, seconds=round(cost, 4), write_seconds=round(dt, 4),
+            **self._memory_note,
+        )  # fmt: skip
         gone = self.store.prune(self.config.keep_last, self.config.keep_every, protect=[job.step])
         if gone:
             log.info("retention removed steps %s", gone)

@@ -38,6 +38,25 @@ def _tensor_inline(t: torch.Tensor) -> dict[str, Any]:
     }
 
 
+_PLAIN = frozenset({type(None), bool, int, float, str})
+
+
+def _plain(items: list[Any] | tuple[Any, ...]) -> bool:
+    """Every item is a plain scalar, encoded as itself: the sequence needs no walk (the
+    python RNG's 625 ints, an optimizer's parameter ids; issue 25 item 3)."""
+    return all(type(v) in _PLAIN for v in items)
+
+
+_KEYS: dict[tuple[str, ...], str] = {}  # path -> tensor key: a save repeats the same paths
+
+
+def _key(path: tuple[str, ...]) -> str:
+    if len(_KEYS) > 1 << 16:  # bounded: states with many distinct paths still encode
+        _KEYS.clear()
+    key = _KEYS[path] = "/".join(p.replace("/", "%2F") for p in path)
+    return key
+
+
 def encode(
     obj: Any,
     tensors: dict[str, torch.Tensor] | None,
@@ -49,7 +68,7 @@ def encode(
     if isinstance(obj, torch.Tensor):
         if tensors is None:
             return _tensor_inline(obj)
-        key = "/".join(p.replace("/", "%2F") for p in path)
+        key = _KEYS.get(path) or _key(path)
         if key in tensors:
             raise ValueError(f"two tensors map to checkpoint key {key!r}; rename one state key")
         tensors[key] = obj
@@ -66,12 +85,18 @@ def encode(
     if isinstance(obj, torch.Size):
         return {_TAG: "size", "items": list(obj)}
     if isinstance(obj, tuple):
-        return {
-            _TAG: "tuple",
-            "items": [encode(v, tensors, (*path, str(i))) for i, v in enumerate(obj)],
-        }
+        items = (
+            list(obj)
+            if _plain(obj)
+            else [encode(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
+        )
+        return {_TAG: "tuple", "items": items}
     if isinstance(obj, list):
-        return [encode(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
+        return (
+            list(obj)
+            if _plain(obj)
+            else [encode(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
+        )
     if isinstance(obj, bytes | bytearray):
         return {_TAG: "bytes", "b64": _b64(bytes(obj))}
     if isinstance(obj, torch.dtype):
