@@ -457,7 +457,8 @@ def _add_drill_plan(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="K,K",
         help="kill, kill-in-save, hang, corrupt, storage, agent-loss, world-size "
-        "(default: all that apply)",
+        "(default: all that apply); by name only, for a script with a memory tier: "
+        "kill-memory, memory-damage",
     )
     p.add_argument(
         "--seed",

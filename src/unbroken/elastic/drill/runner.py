@@ -35,6 +35,10 @@ storage        the checkpoint directory is replaced by a file (unwritable even f
 agent-loss     (2 nodes, ``--nnodes 1:2``) SIGKILL of one node's torchrun agent
 world-size     (2 nodes) a whole node is lost (supervisor, agent, worker): the job goes
                on with 1 rank instead of 2
+kill-memory    (by name; the script publishes to the memory tier) SIGKILL of a worker: the
+               restart must restore from the memory tier, losing at most K steps
+memory-damage  (by name) the newest memory slot is bit-flipped while the job is frozen,
+               then SIGKILL: the restart must fall back to the older slot, or to disk
 =============  =========================================================================
 
 What the training script must do (the README's "What unbroken drill needs from your
@@ -93,8 +97,10 @@ from unbroken.elastic.drill.judge import (
     unplanned_failures,
 )
 from unbroken.elastic.drill.plan import (
+    ALL_KINDS,
     ELASTIC_KINDS,
     FAULT_KINDS,
+    MEMORY_KINDS,
     SINGLE_KINDS,
     FaultSpec,
     Injection,
@@ -183,11 +189,9 @@ class DrillConfig:
                 "several times and must tell each run where to write; put {dir} where the "
                 "script takes its output directory, e.g. `-- train.py --out {dir}`"
             )
-        unknown = sorted(set(self.faults or ()) - set(FAULT_KINDS))
+        unknown = sorted(set(self.faults or ()) - set(ALL_KINDS))
         if unknown:
-            raise ValueError(
-                f"unknown fault kind(s) {unknown}; choose from {', '.join(FAULT_KINDS)}"
-            )
+            raise ValueError(f"unknown fault kind(s) {unknown}; choose from {', '.join(ALL_KINDS)}")
         if self.faults is not None and not self.faults:
             raise ValueError("faults is empty; pass at least one kind or None for all")
         need = sorted(set(self.faults or ()) & set(ELASTIC_KINDS))
@@ -211,7 +215,7 @@ class DrillConfig:
     @property
     def kinds(self) -> tuple[str, ...]:
         if self.faults is not None:
-            return tuple(k for k in FAULT_KINDS if k in self.faults)
+            return tuple(k for k in ALL_KINDS if k in self.faults)
         return FAULT_KINDS if self.multi_rank else SINGLE_KINDS
 
 
@@ -515,7 +519,7 @@ def run_drill(cfg: DrillConfig, *, token: str | None = None) -> DrillReport:
     runs: list[_Run] = []
     notes: list[str] = []
     try:
-        if any(k in SINGLE_KINDS for k in kinds):
+        if any(k in SINGLE_KINDS + MEMORY_KINDS for k in kinds):
             if cfg.reference:
                 refs[1] = os.path.abspath(cfg.reference)
                 log.info("drill: reusing the reference run in %s", refs[1])
