@@ -12,6 +12,7 @@ Tagged values are JSON objects with the reserved key ``"__ub__"``.
 from __future__ import annotations
 
 import base64
+import operator
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -39,12 +40,14 @@ def _tensor_inline(t: torch.Tensor) -> dict[str, Any]:
 
 
 _PLAIN = frozenset({type(None), bool, int, float, str})
+_STR = frozenset({str})
+_tagged = operator.methodcaller("startswith", _TAG)
 
 
 def _plain(items: list[Any] | tuple[Any, ...]) -> bool:
     """Every item is a plain scalar, encoded as itself: the sequence needs no walk (the
     python RNG's 625 ints, an optimizer's parameter ids; issue 25 item 3)."""
-    return all(type(v) in _PLAIN for v in items)
+    return set(map(type, items)) <= _PLAIN  # C loops: the RNG's 625 ints in microseconds
 
 
 _KEYS: dict[tuple[str, ...], str] = {}  # path -> tensor key: a save repeats the same paths
@@ -74,7 +77,8 @@ def encode(
         tensors[key] = obj
         return {_TAG: "tensor", "key": key}
     if isinstance(obj, Mapping):
-        if all(isinstance(k, str) and not k.startswith(_TAG) for k in obj):
+        keys_str = set(map(type, obj)) <= _STR or all(isinstance(k, str) for k in obj)
+        if keys_str and not any(map(_tagged, obj)):
             return {k: encode(v, tensors, (*path, k)) for k, v in obj.items()}
         return {
             _TAG: "dict",
