@@ -21,7 +21,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
-	$(BIN)/mypy src
+	$(BIN)/mypy src tests
 
 test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 tests

@@ -305,7 +305,7 @@ def test_tensorboard_writer_is_a_sink_or_none(tmp_path: Any) -> None:
     except ImportError:
         assert w is None  # tensorboard not installed: no sink, no error
         return
-    assert hasattr(w, "add_scalar")
+    assert w is not None and hasattr(w, "add_scalar")
     StepTimer(sinks=[w])  # accepted as a sink
     w.close()
 

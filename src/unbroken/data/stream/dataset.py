@@ -69,7 +69,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import context as mp_context
 from typing import Any
@@ -405,7 +405,7 @@ class StreamingDataset(IterableDataset):
         worker_id: int = 0,
         num_workers: int = 1,
         first: int = 0,
-    ) -> Iterator[Any]:
+    ) -> Generator[Any, None, None]:
         """Batches ``first + worker_id, first + worker_id + num_workers, ...`` of this rank's
         run (``first``: batches made elsewhere, e.g. by the loader while its workers start)."""
         if not 0 <= worker_id < num_workers:
