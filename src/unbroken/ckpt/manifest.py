@@ -1,41 +1,19 @@
 """``manifest.json``: the one typed description of a committed checkpoint, validated once.
 
-On disk (written last by the commit, so a step directory counts only once it is complete)::
+Written last by the commit, so a step directory counts only once it is complete
+(C-ATOMIC). :class:`CheckpointManifest` holds the files with their sizes and checksums,
+every tensor with its chunks and statistics, the counters, the ranks' state files and the
+manifest's own checksum (version 2; version 1 is still read). The tensor-key grammar
+(``components/...``, ``rank<r>/...``) is defined here.
 
-    {
-      "format": "unbroken-checkpoint", "version": 2, "step": 500,
-      "created": 1718000000.0, "world_size": 2,
-      "ranks": {"0": {"state": "state-rank0.json"}, "1": {"state": "state-rank1.json"}},
-      "unbroken_version": "0.1.0", "torch_version": "2.13.0", "checksum_algo": "xxh3_128",
-      "files": {"__0_0.distcp": {"size": 2600, "checksum": "<32 hex digits>"},
-                ".metadata": {...}, "state-rank0.json": {...}},
-      "tensors": {
-        "components/model/0.weight": {
-          "dtype": "float32", "shape": [32, 16], "sharded": false,
-          "stats": {"sum": 1.5, "norm": 4.2},          # null for sharded tensors
-          "chunks": [{"offsets": [0, 0], "sizes": [32, 16],
-                      "file": "__0_0.distcp", "offset": 0, "length": 2600}]}},
-      "counters": {"step": 500, "samples": 16000, "tokens": 0, "micro_step": 0},
-      "data_state": {...} | null,                       # the loader's state, for humans
-      "save_seconds": 1.2, "blocked_seconds": 0.2,
-      "manifest_checksum": "<xxh3-128 of the canonical JSON of every other field>"
-    }
+Every file of a checkpoint is untrusted input, so :meth:`CheckpointManifest.from_json`
+checks everything before any other file is opened (types, dtypes, shapes, chunks covering
+each tensor exactly once inside their file, plain file names, the self-checksum), and
+parsing is bounded (:mod:`unbroken.ckpt.bounds`, T-BOUNDED); :meth:`check_files` then
+checks that every listed file is a regular file of its recorded size (C-VERIFIED).
 
-Every file of a checkpoint is untrusted input (bit rot, truncation, a crafted copy), so
-:meth:`CheckpointManifest.from_json` checks everything before any other file is opened:
-types, dtypes from a fixed set, shapes, chunks inside their tensor and covering it exactly
-once (an overlap or a gap is damage), byte ranges inside their file's recorded size and
-never shared by two chunks, no chunk shorter than its elements' bytes (so the tensors a
-restore allocates are bounded by the data files), rank state files listed (``world_size``
-is counted against them, never enumerated), every file name a plain name inside the step
-directory (no ``/``, no ``..``, not absolute), the step number, and (version 2) the
-manifest's own checksum, so a flipped bit in any field is caught even when the JSON still
-parses. Parsing is bounded too (:mod:`unbroken.ckpt.bounds`): a manifest above 256 MiB,
-or one whose JSON could cost more memory than its checkpoint's files justify, is refused
-unparsed. :meth:`CheckpointManifest.check_files` then checks the directory:
-every listed file a regular file (not a symlink) of its recorded size.
-
-Version 1 (written before chunk sizes and the self-checksum) is still read.
+The format on disk and the full list of checks: ARCHITECTURE.md, "Design notes" > ckpt >
+manifest.json.
 """
 
 from __future__ import annotations
