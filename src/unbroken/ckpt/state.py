@@ -1,31 +1,23 @@
-"""``TrainState``: the one bundle a run must restore to continue on the same trajectory.
+"""``TrainState``: the one bundle a run must restore to continue on the same trajectory
+(C-COMPLETE).
 
-State dict schema (what a checkpoint holds)::
+It holds the counters (``step``, ``samples``, ``tokens``, ``micro_step``), the components
+(model, optimizer, scheduler, ema, scaler, loader, metrics, plain ``values`` and
+``extra.<name>`` objects) and every RNG stream of the rank. Each component is
+``replicated`` or ``per_rank`` (:mod:`unbroken.ckpt.per_rank`, C-PER-RANK).
 
-    {
-      "counters": {"step", "samples", "tokens", "micro_step"},
-      "components": {"model": ..., "optimizer": ..., "scheduler": ..., "ema": ...,
-                     "scaler": ..., "loader": ..., "metrics": ..., "values": {name: scalar},
-                     "extra.<name>": ...},
-      "rng": {python, numpy, numpy_generators, torch, cuda}      # per rank
-    }
+What a caller must know:
 
-Each component is declared ``replicated`` (the same on every rank: model, optimizer,
-scheduler, ema, scaler, loader, metrics, values) or ``per_rank`` (extras, unless declared otherwise);
-whatever actually differs between ranks is saved per rank and restored to the same rank,
-and a world-size change follows the rule in :mod:`unbroken.ckpt.per_rank`.
+* wrapped models are unwrapped (``DistributedDataParallel.module``, ``torch.compile``'s
+  ``_orig_mod``): hand ``TrainState`` the model you train; a checkpoint's keys never depend
+  on the wrapper;
+* a sharded model (FSDP2, tensor parallel: DTensor parameters) and its optimizer go through
+  DCP's ``get_/set_model_state_dict`` and ``get_/set_optimizer_state_dict``: re-shardable
+  on any world size (C-RESHARD);
+* saving is allowed only at an optimizer-step boundary: while ``micro_step != 0``
+  :meth:`TrainState.check_saveable` refuses with a clear error.
 
-Wrapped models are unwrapped (``DistributedDataParallel.module``, ``torch.compile``'s
-``_orig_mod``), so a checkpoint's keys never depend on the wrapper: hand ``TrainState``
-the model you train. A sharded model (FSDP2 ``fully_shard``, tensor parallel: DTensor
-parameters) and its optimizer go through DCP's ``get_model_state_dict`` /
-``get_optimizer_state_dict`` (and the ``set_`` pair): parameter-name keys, re-shardable on
-any world size, and an optimizer that has not stepped yet can be restored into.
-
-Saving is allowed only at an optimizer-step boundary (DESIGN C-COMPLETE): while
-``micro_step != 0`` the gradients of an unfinished accumulation cycle live only in
-``.grad`` buffers, and :meth:`TrainState.check_saveable` refuses with a clear error rather
-than silently dropping them. The counter is still saved so a resumed run knows where it is.
+The state-dict schema: ARCHITECTURE.md, "Design notes" > ckpt > the state of a rank.
 """
 
 from __future__ import annotations
