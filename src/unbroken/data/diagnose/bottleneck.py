@@ -1,25 +1,18 @@
 """Bottleneck report: which stage of the input pipeline limits, and what to do about it.
 
-Stages, in the order a sample meets them::
-
-    network                                        (remote datasets: the node's downloads)
-    -> shard read -> decode/transform -> collate   (inside each DataLoader worker)
-    -> worker transport -> pin                     (in the training process)
-    -> h2d                                         (copy engine)
-
-Worker stages run one after another inside a worker, so a worker delivers
-``1 / sum(1 / rate_i)`` samples/s and ``num_workers`` workers (at most one per core) deliver
-that many times more. Network, transport, pin and H2D each run on their own threads, process
-or engine, so the pipeline delivers the minimum of the worker group and those four. For a
-remote dataset the report also suggests the prefetch depth (shards fetched ahead): enough
-downloads in flight to cover one shard's download time at the pipeline's rate, and never
-less than a shuffle window's shards. :func:`analyse` compares
-that with the consumer's rate (the model: measured from a step timeline, or
-``--consume-rate``), names the stage that limits, and suggests ``num_workers`` and
-``prefetch_factor``. The stages are measured by :mod:`unbroken.data.diagnose.bench`.
+Stages, in the order a sample meets them: network (remote datasets) -> shard read ->
+decode/transform -> collate (inside each DataLoader worker) -> worker transport -> pin
+(in the training process) -> h2d (copy engine). They are measured by
+:mod:`unbroken.data.diagnose.bench`; :func:`analyse` compares what the pipeline delivers with
+the consumer's rate (measured from a step timeline, or ``--consume-rate``), names the stage
+that limits, and suggests ``num_workers``, ``prefetch_factor`` and, for a remote dataset,
+the prefetch depth.
 
 ``data_bench.json`` (written by ``unbroken data bench --out RUN_DIR``) is
 :meth:`BottleneckReport.to_json`; ``unbroken data report`` plots it.
+
+The pipeline's rate model and the prefetch-depth rule: ARCHITECTURE.md, "Design notes" >
+data > the bottleneck report.
 """
 
 from __future__ import annotations

@@ -1,29 +1,19 @@
 """Token shards: flat uint16/uint32 token arrays + a document-offset index, memory-mapped.
 
-On disk, per shard (the nanoGPT/Megatron idea; ``np.memmap(bin, dtype)`` reads the tokens)::
+Per shard, ``tokens-NNNNNN.bin`` holds the raw little-endian token ids, every document
+followed by EOS (``np.memmap(bin, dtype)`` reads them), and ``tokens-NNNNNN.bin.idx`` the
+document offsets, the checksum of the ``.bin`` and one xxh3_64 per block of ``B`` tokens.
+Every block is verified the first time a reader touches it (T-NO-WRONG-BYTE); a damaged one
+is a :class:`~unbroken.data.tar.reader.CorruptSampleError` naming the shard and the block.
+Format 1 (no block hashes) still reads, unverified, with one warning.
 
-    tokens-000000.bin      raw little-endian token ids, every document followed by EOS
-    tokens-000000.bin.idx  header (80 bytes): magic b"UBTOK\\x02\\x00\\x00", itemsize (u64),
-                           num_documents N (u64), num_tokens T (u64), eos_id (i64),
-                           checksum of the .bin (32 ASCII hex, xxh3_128),
-                           block_tokens B (u64)
-                           offsets[N+1] (u64): document d is tokens[off[d]:off[d+1]-1],
-                           its EOS is tokens[off[d+1]-1]; off[N] == T
-                           block_hash[ceil(T/B)] (u64): xxh3_64 of the bytes of tokens
-                           [b*B : (b+1)*B]
-                           index_hash (u64): xxh3_64 of every byte above
+A shard holds whole documents only. Sequence ``i`` at length ``L`` is
+``tokens[i*L : i*L + L + 1]`` (inputs ``x = s[:-1]``, targets ``y = s[1:]``): windows cross
+document boundaries (the EOS tells the model), and the last partial window of a shard
+(fewer than ``L + 1`` tokens) is not a sequence, so at most ``L`` tokens per shard go
+unused.
 
-Every block of ``B`` tokens (64 Ki by default: 128 or 256 KiB) is verified against its hash
-the first time a reader touches it (T-NO-WRONG-BYTE); a damaged block is a
-:class:`~unbroken.data.tar.reader.CorruptSampleError` naming the shard and the block. Format 1
-(magic ``...\\x01...``, a 72-byte header without ``B``, no block hashes, no index hash) still
-reads, unverified, with one warning.
-
-A shard holds whole documents only. Sequences for language-model training are cut from a
-shard's token stream as consecutive non-overlapping windows: sequence ``i`` at length ``L``
-is ``tokens[i*L : i*L + L + 1]`` (inputs ``x = s[:-1]``, targets ``y = s[1:]``), so windows
-cross document boundaries (the EOS tells the model) and the *last partial window* of a shard,
-fewer than ``L + 1`` tokens, is not a sequence: at most ``L`` tokens per shard go unused.
+The index format: ARCHITECTURE.md, "Design notes" > data > shard formats.
 """
 
 from __future__ import annotations
