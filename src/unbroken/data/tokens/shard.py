@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -114,6 +114,49 @@ def encode_index(
         )
     )
     return body + xxhash.xxh3_64_intdigest(body).to_bytes(_HASH, "little")
+
+
+class _Header(NamedTuple):
+    hashed: bool  # format 2: block hashes and the index's own hash
+    size: int  # bytes of the header
+    itemsize: int
+    docs: int
+    tokens: int
+    eos_id: int
+    checksum: str  # of the .bin
+    block: int  # tokens per hashed block (0: format 1)
+    blocks: int
+
+
+def _parse_header(raw: bytes, index_path: str, fix: str) -> _Header:
+    """The header of a token index, once the index has been checked whole: its magic, its
+    own hash (format 2), known sizes, and a length that matches what the header says."""
+    magic = raw[:8]
+    hashed = magic == _MAGIC
+    head = _HEADER if hashed else _HEADER_V1
+    if len(raw) < head.size or magic not in (_MAGIC, _MAGIC_V1):
+        raise ShardError(f"{index_path}: not an unbroken token index; {fix}")
+    if hashed and xxhash.xxh3_64_intdigest(memoryview(raw)[:-_HASH]) != int.from_bytes(
+        raw[-_HASH:], "little"
+    ):
+        raise ShardError(
+            f"{index_path}: index checksum does not match its content (damaged or truncated); {fix}"
+        )
+    fields = head.unpack_from(raw)
+    _, itemsize, n_docs, n_tokens, eos, chk = fields[:6]
+    block = int(fields[6]) if hashed else 0
+    if itemsize not in _DTYPES or (hashed and block < 1):
+        raise ShardError(f"{index_path}: unknown token size or block size; {fix}")
+    n_blocks = -(-n_tokens // block) if hashed else 0
+    want_idx = head.size + 8 * (n_docs + 1) + (8 * n_blocks + _HASH if hashed else 0)
+    if len(raw) != want_idx:
+        raise ShardError(
+            f"{index_path}: {len(raw)} bytes, header says {want_idx} (truncated); {fix}"
+        )
+    checksum = chk.decode("ascii", "replace")
+    return _Header(
+        hashed, head.size, itemsize, n_docs, n_tokens, int(eos), checksum, block, n_blocks
+    )
 
 
 class TokenShardWriter(IndexedFileWriter):
@@ -282,32 +325,11 @@ class TokenShard:
             raise FileNotFoundError(
                 f"{self.index_path}: token index missing next to {path}; {fix}"
             ) from None
-        magic = raw[:8]
-        hashed = magic == _MAGIC
-        head = _HEADER if hashed else _HEADER_V1
-        if len(raw) < head.size or magic not in (_MAGIC, _MAGIC_V1):
-            raise ShardError(f"{self.index_path}: not an unbroken token index; {fix}")
-        if hashed and xxhash.xxh3_64_intdigest(memoryview(raw)[:-_HASH]) != int.from_bytes(
-            raw[-_HASH:], "little"
-        ):
-            raise ShardError(
-                f"{self.index_path}: index checksum does not match its content (damaged or "
-                f"truncated); {fix}"
-            )
-        fields = head.unpack_from(raw)
-        _, itemsize, n_docs, n_tokens, eos, chk = fields[:6]
-        block = int(fields[6]) if hashed else 0
-        if itemsize not in _DTYPES or (hashed and block < 1):
-            raise ShardError(f"{self.index_path}: unknown token size or block size; {fix}")
+        h = _parse_header(raw, self.index_path, fix)
+        hashed, itemsize, n_docs, n_tokens, block = h.hashed, h.itemsize, h.docs, h.tokens, h.block
         self.dtype = _DTYPES[itemsize]
-        self.eos_id = int(eos)
-        self.checksum = chk.decode("ascii", "replace")
-        n_blocks = -(-n_tokens // block) if hashed else 0
-        want_idx = head.size + 8 * (n_docs + 1) + (8 * n_blocks + _HASH if hashed else 0)
-        if len(raw) != want_idx:
-            raise ShardError(
-                f"{self.index_path}: {len(raw)} bytes, header says {want_idx} (truncated); {fix}"
-            )
+        self.eos_id = h.eos_id
+        self.checksum = h.checksum
         try:
             bin_size = os.path.getsize(path)
         except FileNotFoundError:
@@ -317,7 +339,7 @@ class TokenShard:
                 f"{path}: {bin_size} bytes but its index describes {n_tokens} tokens of "
                 f"{itemsize} bytes; the shard is truncated or the index is stale - re-copy"
             )
-        self.offsets = np.frombuffer(raw, dtype="<u8", count=n_docs + 1, offset=head.size)
+        self.offsets = np.frombuffer(raw, dtype="<u8", count=n_docs + 1, offset=h.size)
         off = self.offsets
         if int(off[0]) != 0 or int(off[-1]) != n_tokens or bool((off[1:] < off[:-1]).any()):
             raise ShardError(
@@ -334,10 +356,10 @@ class TokenShard:
         self._state = bytearray()  # per block: _UNCHECKED, _GOOD or _BAD
         self._unchecked = 0
         if verify and hashed:
-            pos = head.size + 8 * (n_docs + 1)
-            self._block_hash = np.frombuffer(raw, "<u8", count=n_blocks, offset=pos).tolist()
-            self._state = bytearray(n_blocks)
-            self._unchecked = n_blocks
+            pos = h.size + 8 * (n_docs + 1)
+            self._block_hash = np.frombuffer(raw, "<u8", count=h.blocks, offset=pos).tolist()
+            self._state = bytearray(h.blocks)
+            self._unchecked = h.blocks
         elif verify:
             warn_unverified(dataset or path, self.index_path)
         self._any_bad = False
