@@ -245,6 +245,44 @@ def _with_plain(values: Mapping[str, Any] | None, plain: dict[str, Any]) -> Any:
     return {**(values or {}), **plain} if plain else values
 
 
+def _check_components(comps: Mapping[str, Any], numpy_generators: Mapping[str, Any]) -> None:
+    for name, obj in comps.items():
+        if not isinstance(obj, Stateful):
+            raise TypeError(
+                f"TrainState component {name!r} is a {type(obj).__qualname__}, which has no "
+                "state_dict()/load_state_dict(); wrap it in an object that has both, or "
+                "keep it out of the checkpoint"
+            )
+    for name, g in numpy_generators.items():
+        if not isinstance(g, np.random.Generator):
+            raise TypeError(
+                f"numpy_generators[{name!r}] is a {type(g).__qualname__}; pass "
+                "np.random.Generator objects (np.random.default_rng(seed))"
+            )
+
+
+def _sharing(
+    comps: Mapping[str, Any], replicated: list[str], per_rank: list[str]
+) -> dict[str, str]:
+    """Each component's sharing (C-PER-RANK): extras per rank, the others replicated, unless
+    ``replicated=``/``per_rank=`` declare otherwise."""
+    sharing = {n: "per_rank" if n.startswith("extra.") else "replicated" for n in comps}
+    for arg, names in (("replicated", replicated), ("per_rank", per_rank)):
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"{arg}= takes a list of component names, got {names!r}")
+        unknown = sorted(set(names) - set(comps))
+        if unknown:
+            raise ValueError(
+                f"{arg}={unknown}: no such component; this TrainState has {sorted(comps)}"
+            )
+    both = sorted(set(replicated) & set(per_rank))
+    if both:
+        raise ValueError(f"{both} declared both replicated and per_rank; pick one")
+    sharing.update({n: "replicated" for n in replicated})
+    sharing.update({n: "per_rank" for n in per_rank})
+    return sharing
+
+
 class TrainState:
     """Everything a run must restore: weights, optimizer, data position, RNG and the rest.
 
@@ -321,35 +359,9 @@ class TrainState:
             if synced:
                 self.synced_buffers[name] = synced
         _through_dcp(comps)
-        for name, obj in comps.items():
-            if not isinstance(obj, Stateful):
-                raise TypeError(
-                    f"TrainState component {name!r} is a {type(obj).__qualname__}, which has no "
-                    "state_dict()/load_state_dict(); wrap it in an object that has both, or "
-                    "keep it out of the checkpoint"
-                )
-        for name, g in (numpy_generators or {}).items():
-            if not isinstance(g, np.random.Generator):
-                raise TypeError(
-                    f"numpy_generators[{name!r}] is a {type(g).__qualname__}; pass "
-                    "np.random.Generator objects (np.random.default_rng(seed))"
-                )
+        _check_components(comps, numpy_generators or {})
         self.components = comps
-        self.sharing = {n: "per_rank" if n.startswith("extra.") else "replicated" for n in comps}
-        replicated, per_rank = list(replicated), list(per_rank)
-        for arg, names in (("replicated", replicated), ("per_rank", per_rank)):
-            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-                raise TypeError(f"{arg}= takes a list of component names, got {names!r}")
-            unknown = sorted(set(names) - set(comps))
-            if unknown:
-                raise ValueError(
-                    f"{arg}={unknown}: no such component; this TrainState has {sorted(comps)}"
-                )
-        both = sorted(set(replicated) & set(per_rank))
-        if both:
-            raise ValueError(f"{both} declared both replicated and per_rank; pick one")
-        self.sharing.update({n: "replicated" for n in replicated})
-        self.sharing.update({n: "per_rank" for n in per_rank})
+        self.sharing = _sharing(comps, list(replicated), list(per_rank))
         if per_rank_on_resize not in _ON_RESIZE:
             raise ValueError(
                 f"per_rank_on_resize={per_rank_on_resize!r}; pass one of {list(_ON_RESIZE)}"
