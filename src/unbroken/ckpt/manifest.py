@@ -284,22 +284,7 @@ class CheckpointManifest:
     @classmethod
     def from_dict(cls, d: Any, *, step: int | None, where: str) -> CheckpointManifest:
         v = _Checker(where)
-        v.require(
-            isinstance(d, dict) and d.get("format") == FORMAT,
-            "is not an unbroken checkpoint manifest",
-        )
-        version = d.get("version")
-        v.require(
-            type(version) is int and version in READABLE_VERSIONS,
-            f"has format version {version!r}; this unbroken reads versions "
-            f"{list(READABLE_VERSIONS)} (upgrade unbroken)",
-        )
-        if version >= 2:
-            got = d.get(_CHECKSUM_KEY)
-            v.require(
-                isinstance(got, str) and got == manifest_digest(d),
-                "does not match its own checksum (a changed or flipped field)",
-            )
+        version = v.header(d)
         mstep = v.int_(d.get("step"), "step")
         v.require(step is None or mstep == step, f"says step {mstep}, its directory says {step}")
         world = v.int_(d.get("world_size"), "world_size", lo=1)
@@ -307,32 +292,8 @@ class CheckpointManifest:
             d.get("checksum_algo", CHECKSUM_ALGO) == CHECKSUM_ALGO,
             f"checksum_algo is not {CHECKSUM_ALGO}",
         )
-
-        files: dict[str, FileEntry] = {}
-        for name, f in v.dict_(d.get("files"), "files").items():
-            v.name(name, "files")
-            f = v.dict_(f, f"files[{name!r}]")
-            files[name] = FileEntry(
-                v.int_(f.get("size"), f"files[{name!r}].size"),
-                v.hex32(f.get("checksum"), f"files[{name!r}].checksum"),
-            )
-        v.require(METADATA in files, f"does not list {METADATA}")
-
-        ranks: dict[int, str] = {}
-        for r, e in v.dict_(d.get("ranks"), "ranks").items():
-            v.require(r.isdigit() and str(int(r)) == r, f"ranks has a non-rank key {r!r}")
-            state = v.dict_(e, f"ranks[{r!r}]").get("state")
-            v.require(
-                isinstance(state, str) and state in files,
-                f"ranks[{r!r}].state {state!r} is not a listed file",
-            )
-            ranks[int(r)] = str(state)
-        # counted, never enumerated: world_size may claim anything
-        v.require(
-            len(ranks) == world and (not ranks or max(ranks) == world - 1),
-            f"lists state files for {len(ranks)} rank(s), world_size is {world}",
-        )
-
+        files = v.files(d.get("files"))
+        ranks = v.ranks(d.get("ranks"), files, world)
         data_names = set(files) - set(ranks.values()) - {METADATA}
         tensors = {
             k: v.tensor(k, t, files, data_names, version, world)
@@ -391,6 +352,56 @@ class _Checker:
     def require(self, ok: bool, what: str) -> None:
         if not ok:
             raise ManifestError(self.where, what)
+
+    def header(self, d: Any) -> int:
+        """The manifest's format, readable version (returned) and own checksum (version 2)."""
+        self.require(
+            isinstance(d, dict) and d.get("format") == FORMAT,
+            "is not an unbroken checkpoint manifest",
+        )
+        version = d.get("version")
+        self.require(
+            type(version) is int and version in READABLE_VERSIONS,
+            f"has format version {version!r}; this unbroken reads versions "
+            f"{list(READABLE_VERSIONS)} (upgrade unbroken)",
+        )
+        if version >= 2:
+            got = d.get(_CHECKSUM_KEY)
+            self.require(
+                isinstance(got, str) and got == manifest_digest(d),
+                "does not match its own checksum (a changed or flipped field)",
+            )
+        return int(version)
+
+    def files(self, x: Any) -> dict[str, FileEntry]:
+        files: dict[str, FileEntry] = {}
+        for name, f in self.dict_(x, "files").items():
+            self.name(name, "files")
+            f = self.dict_(f, f"files[{name!r}]")
+            files[name] = FileEntry(
+                self.int_(f.get("size"), f"files[{name!r}].size"),
+                self.hex32(f.get("checksum"), f"files[{name!r}].checksum"),
+            )
+        self.require(METADATA in files, f"does not list {METADATA}")
+        return files
+
+    def ranks(self, x: Any, files: Mapping[str, FileEntry], world: int) -> dict[int, str]:
+        """rank -> its state file, one per rank of ``world``."""
+        ranks: dict[int, str] = {}
+        for r, e in self.dict_(x, "ranks").items():
+            self.require(r.isdigit() and str(int(r)) == r, f"ranks has a non-rank key {r!r}")
+            state = self.dict_(e, f"ranks[{r!r}]").get("state")
+            self.require(
+                isinstance(state, str) and state in files,
+                f"ranks[{r!r}].state {state!r} is not a listed file",
+            )
+            ranks[int(r)] = str(state)
+        # counted, never enumerated: world_size may claim anything
+        self.require(
+            len(ranks) == world and (not ranks or max(ranks) == world - 1),
+            f"lists state files for {len(ranks)} rank(s), world_size is {world}",
+        )
+        return ranks
 
     def int_(self, x: Any, what: str, lo: int | None = 0) -> int:
         self.require(
