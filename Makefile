@@ -21,7 +21,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
-	$(BIN)/mypy src
+	$(BIN)/mypy src tests
 
 # Two test processes by default (CI has 2 cores); each file stays on one of them, so a module's
 # shared fixtures (a reference run, a moto server) are built once. TEST_WORKERS=0: one process.

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -76,6 +76,7 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         out: dict[str, Any] = {}
+        step: int | None
         for root in job["roots"]:
             st, model, opt, sharded, loader, full, mesh = _build(job["data"], world)
             ck = Checkpointer(root, st, keep_last=None)
@@ -241,7 +242,7 @@ def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
 
         def full_optim(model: torch.nn.Module, o: torch.optim.Optimizer) -> dict[str, Any]:
             opts = StateDictOptions(full_state_dict=True)
-            return get_optimizer_state_dict(model, o, options=opts)["state"]
+            return cast(dict[str, Any], get_optimizer_state_dict(model, o, options=opts))["state"]
 
         st = TrainState(extras={"app": ModelAndOptim()})
         ck = Checkpointer(job["root"], st)

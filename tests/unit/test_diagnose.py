@@ -189,17 +189,20 @@ def test_timeline_file_round_trip(tmp_path: Any, clock: FakeClock) -> None:
 
 
 def test_overhead_per_step_is_under_one_percent_of_a_1ms_step() -> None:
+    """The cost is counted in this thread's CPU time, not wall time: on a loaded box the
+    wall clock also counts the time other processes held the core (issue 24 item 10: it
+    failed at 10.1 us/step with the load at 10 on 2 cores)."""
     n = 100_000
     data = range(n)
-    t0 = time.perf_counter_ns()
+    t0 = time.thread_time_ns()
     for _ in data:
         pass
-    bare = time.perf_counter_ns() - t0
+    bare = time.thread_time_ns() - t0
     timer = StepTimer(window=1000, log_every=100)
-    t0 = time.perf_counter_ns()
+    t0 = time.thread_time_ns()
     for _ in timer.wrap(data):
         pass
-    wrapped = time.perf_counter_ns() - t0
+    wrapped = time.thread_time_ns() - t0
     per_step_us = (wrapped - bare) / n / 1e3
     print(f"StepTimer overhead: {per_step_us:.2f} us/step")
     # < 1% of a 1 ms step; real training steps are 10-1000 ms
@@ -305,7 +308,7 @@ def test_tensorboard_writer_is_a_sink_or_none(tmp_path: Any) -> None:
     except ImportError:
         assert w is None  # tensorboard not installed: no sink, no error
         return
-    assert hasattr(w, "add_scalar")
+    assert w is not None and hasattr(w, "add_scalar")
     StepTimer(sinks=[w])  # accepted as a sink
     w.close()
 
