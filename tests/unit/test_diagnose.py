@@ -267,7 +267,9 @@ def test_no_sawtooth_on_flat_uniformly_slow_or_random_spikes() -> None:
 
 
 class SleepyWorkers(IterableDataset):
-    """Each worker needs ``batch_ms`` per batch (sleep: no CPU used)."""
+    """Each worker needs ``batch_ms`` per batch (sleep: no CPU used). Its batches are ready
+    on the ticks of one wall clock (multiples of ``batch_ms``), so workers that a loaded box
+    started at different times still deliver in step, as workers started together do."""
 
     def __init__(self, n: int, batch_ms: float) -> None:
         super().__init__()
@@ -276,28 +278,30 @@ class SleepyWorkers(IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        period = self.batch_ms / 1e3
         for i in range(wid, self.n, nw):
-            time.sleep(self.batch_ms / 1e3)
+            time.sleep(period - time.time() % period)
             yield torch.tensor([i])
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_real_dataloader_sawtooth_is_detected_with_period_num_workers() -> None:
-    # 4 workers x 80 ms per batch, the loop eats a batch in 8 ms: 4 batches arrive together,
-    # are eaten in ~32 ms, then the loop waits ~48 ms for the next round.
+    # 4 workers x 200 ms per batch, the loop eats a batch in 20 ms: 4 batches arrive together,
+    # are eaten in ~80 ms, then the loop waits ~120 ms for the next round. (The sleeps are the
+    # workload, not waits; at 80/8 ms a loaded box's scheduling jitter blurred the pattern.)
     workers = 4
     loader = DataLoader(
-        SleepyWorkers(72, 80.0), batch_size=None, num_workers=workers, prefetch_factor=2
+        SleepyWorkers(72, 200.0), batch_size=None, num_workers=workers, prefetch_factor=2
     )
     timer = StepTimer(log_every=0, num_workers=workers)
     for _ in timer.wrap(DevicePrefetcher(loader)):
-        time.sleep(0.008)
+        time.sleep(0.020)
     wait, comp, *_ = timer._ordered(timer.steps)
     st = detect_sawtooth(wait, comp)
     assert st is not None, wait.round(1).tolist()
     assert st.period == workers
-    assert 20.0 < st.wait_per_cycle_ms < 80.0
+    assert 50.0 < st.wait_per_cycle_ms < 200.0
     assert timer.summary().stall_pct > 30.0
 
 
