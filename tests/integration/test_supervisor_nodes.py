@@ -106,9 +106,10 @@ def test_agent_killed_on_one_node_both_rejoin(tmp_path):
         assert a.wait(120) == 0, a.output()[-4000:]
         assert b.wait(30) == 0, b.output()[-4000:]
 
-    (fb,) = b.events("failure")
+    fbs, fas = b.events("failure"), a.events("failure")
+    assert len(fbs) == 1 and len(fas) == 1, (fbs, fas)  # one fault, one failure on each node
+    (fb,), (fa,) = fbs, fas
     assert (fb["kind"], fb["fault"]) == ("agent_lost", "node_lost"), fb
-    (fa,) = a.events("failure")
     assert fa["fault"] == "process" and fa["rule"] in ("peer_lost", "peer"), fa
     assert fa["gen"] == fb["gen"] == 0
     assert {e["gen"] for e in a.events("launch")} == {0, 1}

@@ -4,33 +4,19 @@ torchrun starts the launcher (:mod:`.worker`) per rank (``--no-python``); each l
 the fork server, over the abstract Unix socket named in ``UNBROKEN_ZYGOTE``, for a worker.
 The server (single-threaded: it never started a thread, a CUDA context or a process group)
 forks one, which takes the launcher's argv, environment, working directory and stdio, starts
-its own session and runs the script as ``__main__`` (``runpy``). The server reports the
-worker's pid and, when it ends, its wait status to the launcher. Before serving it imports
-the ``preload`` modules (what the workers need) and appends a ``standby`` event
-(``seconds``: the import time a restart no longer pays).
+its own session and runs the script as ``__main__`` (``runpy``); the server reports the
+worker's pid and, when it ends, its wait status. Before serving it imports the ``preload``
+modules and appends a ``standby`` event.
 
-Who talks to whom. An abstract name is visible to every process of the network namespace
-(another container of the pod, a ``--network=host`` sidecar), so the name is no secret and
-the socket's permissions protect nothing. Instead ``UNBROKEN_ZYGOTE`` is ``NAME PID KEY``:
-the server serves only a peer of this uid (``SO_PEERCRED``) whose request carries KEY, 256
-random bits that exist only in this attempt's environment (another user, or a process of
-another pid namespace, cannot read ``/proc/<pid>/environ`` of ours); the launcher sends
-nothing to a listener that is not PID of this uid (an impostor that took a free name gets
-neither the environment nor the stdio), and signals only a worker it proved is the server's
-child (a pidfd). Why not a socket file in a 0700 directory: the run directory may sit on a
-shared file system where ``bind`` of a socket fails or a 108-byte path limit bites; the key
-needs no file system and leaves nothing behind. Every request is parsed inside one ``try``
-(bounded: 8 MiB, 5 s); a bad one is logged to ``zygote.log`` and refused with one generic
-line, and the server serves on.
+Who may talk to it (T-SHARED-NODE): ``UNBROKEN_ZYGOTE`` is ``NAME PID KEY``; the server
+serves only a peer of this uid (``SO_PEERCRED``) whose request carries KEY, and every
+request is parsed bounded (8 MiB, 5 s) inside one ``try``: a bad one is logged to
+``zygote.log``, refused with one generic line, and the server serves on. A forked worker
+starts as a fresh interpreter would (RNGs, ``OMP_NUM_THREADS``); any failure to pre-warm
+falls back to a fresh ``python -u SCRIPT``.
 
-The server calls ``gc.freeze()`` before each fork (CPython's advice for fork servers), so the
-pages of the preloaded modules stay shared. A forked worker starts as a fresh interpreter
-would: torch's default generator holds the state it had right after ``import torch``; ``random`` (by CPython) and numpy's global
-generator (here) are reseeded from the OS; ``OMP_NUM_THREADS`` of the worker's environment is
-applied. Any failure to pre-warm falls back to the plain path: no standby -> a fresh
-``python -m torch.distributed.run``; no fork server (it crashed, or a preloaded module
-initialised CUDA, after which a fork could not use the GPU) -> the launcher starts a fresh
-``python -u SCRIPT``.
+Why a key and not a socket file, and what a forked worker inherits: ARCHITECTURE.md,
+"Design notes" > elastic > the standby agent and the fork server.
 """
 
 from __future__ import annotations
