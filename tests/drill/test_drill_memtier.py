@@ -36,6 +36,7 @@ def test_memory_tier_faults_recover_bit_identical(tmp_path, drill_steps, token):
         assert {c.name: c.ok for c in f.checks}["tier"], f.checks
     kill = by_kind["kill-memory"]
     assert kill.injection.facts["tier"] == "memory"
+    assert kill.injection.step is not None and kill.restored is not None
     assert 0 <= kill.injection.step - kill.restored <= 1  # K = 1
     damage = by_kind["memory-damage"]
     facts = damage.injection.facts
