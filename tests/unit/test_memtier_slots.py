@@ -451,5 +451,15 @@ def test_encode_fast_path_is_the_same_encoding() -> None:
     assert tree["c"][0]["__ub__"] == "npscalar" and tree["d"] == [
         {"__ub__": "tensor", "key": "d/0"}
     ]
+    # a mapping of plain tensors (a module's state dict) is one loop: the same references
+    flat = {"w": torch.ones(1), "a/b": torch.zeros(2)}
+    got: dict[str, torch.Tensor] = {}
+    assert codec.encode({"m": flat}, got) == {
+        "m": {
+            "w": {"__ub__": "tensor", "key": "m/w"},
+            "a/b": {"__ub__": "tensor", "key": "m/a%2Fb"},
+        }
+    }
+    assert got["m/w"] is flat["w"] and got["m/a%2Fb"] is flat["a/b"]
     back = codec.decode(json.loads(json.dumps(tree)), tensors)
     assert back["a"] == obj["a"] and back["b"] == (1, 2) and type(back["c"][0]) is np.float32

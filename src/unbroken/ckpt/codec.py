@@ -60,6 +60,21 @@ def _key(path: tuple[str, ...]) -> str:
     return key
 
 
+def _tensor_refs(
+    obj: Mapping[str, torch.Tensor], tensors: dict[str, torch.Tensor], path: tuple[str, ...]
+) -> dict[str, Any]:
+    """:func:`encode` of a str-keyed mapping of plain tensors, without a call per tensor."""
+    out: dict[str, Any] = {}
+    for k, t in obj.items():
+        sub = (*path, k)
+        key = _KEYS.get(sub) or _key(sub)
+        if key in tensors:
+            raise ValueError(f"two tensors map to checkpoint key {key!r}; rename one state key")
+        tensors[key] = t
+        out[k] = {_TAG: "tensor", "key": key}
+    return out
+
+
 def encode(
     obj: Any,
     tensors: dict[str, torch.Tensor] | None,
@@ -79,6 +94,8 @@ def encode(
     if isinstance(obj, Mapping):
         keys_str = set(map(type, obj)) <= _STR or all(isinstance(k, str) for k in obj)
         if keys_str and not any(map(_tagged, obj)):
+            if tensors is not None and all(type(v) is torch.Tensor for v in obj.values()):
+                return _tensor_refs(obj, tensors, path)  # a module's state dict: one loop
             return {k: encode(v, tensors, (*path, k)) for k, v in obj.items()}
         return {
             _TAG: "dict",
