@@ -75,6 +75,22 @@ def _tensor_refs(
     return out
 
 
+def _encode_mapping(
+    obj: Mapping[Any, Any], tensors: dict[str, torch.Tensor] | None, path: tuple[str, ...]
+) -> Any:
+    keys_str = set(map(type, obj)) <= _STR or all(isinstance(k, str) for k in obj)
+    if keys_str and not any(map(_tagged, obj)):
+        if tensors is not None and all(type(v) is torch.Tensor for v in obj.values()):
+            return _tensor_refs(obj, tensors, path)  # a module's state dict: one loop
+        return {k: encode(v, tensors, (*path, k)) for k, v in obj.items()}
+    return {
+        _TAG: "dict",
+        "items": [
+            [encode(k, None, path), encode(v, tensors, (*path, str(k)))] for k, v in obj.items()
+        ],
+    }
+
+
 def encode(
     obj: Any,
     tensors: dict[str, torch.Tensor] | None,
@@ -92,17 +108,7 @@ def encode(
         tensors[key] = obj
         return {_TAG: "tensor", "key": key}
     if isinstance(obj, Mapping):
-        keys_str = set(map(type, obj)) <= _STR or all(isinstance(k, str) for k in obj)
-        if keys_str and not any(map(_tagged, obj)):
-            if tensors is not None and all(type(v) is torch.Tensor for v in obj.values()):
-                return _tensor_refs(obj, tensors, path)  # a module's state dict: one loop
-            return {k: encode(v, tensors, (*path, k)) for k, v in obj.items()}
-        return {
-            _TAG: "dict",
-            "items": [
-                [encode(k, None, path), encode(v, tensors, (*path, str(k)))] for k, v in obj.items()
-            ],
-        }
+        return _encode_mapping(obj, tensors, path)
     if isinstance(obj, torch.Size):
         return {_TAG: "size", "items": list(obj)}
     if isinstance(obj, tuple):
