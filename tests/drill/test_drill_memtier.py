@@ -36,8 +36,8 @@ def test_memory_tier_faults_recover_bit_identical(tmp_path, drill_steps, token):
         assert {c.name: c.ok for c in f.checks}["tier"], f.checks
     kill = by_kind["kill-memory"]
     assert kill.injection.facts["tier"] == "memory"
-    assert kill.injection.step is not None and kill.restored is not None
-    assert 0 <= kill.injection.step - kill.restored <= 1  # K = 1
+    assert kill.recovery is not None and kill.recovery["tier"] == "memory"
+    assert 0 <= kill.recovery["steps_lost"] <= 1  # K = 1, the recovery record's own count
     damage = by_kind["memory-damage"]
     facts = damage.injection.facts
     # the damaged step is never restored from memory: the older slot, or disk when the

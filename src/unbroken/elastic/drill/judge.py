@@ -319,11 +319,14 @@ def _tier_used(inj: Injection, seen: _Seen) -> Check:
     attempt = int(seen.fail["attempt"]) + 1
     loaded = [e for e in seen.events if e["event"] == "loaded" and e.get("attempt") == attempt]
     tiers = sorted({str(e.get("tier")) for e in loaded}) or ["none"]
-    lost = None if seen.restored is None or inj.step is None else inj.step - seen.restored
+    # the step the worker reached, as the supervisor saw it (its last beat): the injector's
+    # beat can be a step behind the kill
+    reached = seen.fail.get("step")
+    lost = None if seen.restored is None or type(reached) is not int else reached - seen.restored
     ok = bool(loaded) and tiers == [f["tier"]] and seen.restored == inj.expected_restore
     ok = ok and all(e["t"] >= t0 for e in loaded)
     if f["tier"] == "memory":
-        ok = ok and lost is not None and lost <= f["memory_every"]
+        ok = ok and lost is not None and 0 <= lost <= f["memory_every"]
     damaged = f"slot of step {f['damaged_step']} damaged; " if "damaged_step" in f else ""
     return Check(
         "tier",
