@@ -72,6 +72,7 @@ INNER = {
                 "unbroken.ckpt.say",
                 "unbroken.ckpt.schema",
                 "unbroken.ckpt.state",
+                "unbroken.ckpt.stats",
             )
         ],
         [
