@@ -499,12 +499,17 @@ def _tentative_start(mm: mmap.mmap, c: Chunk, t: TensorEntry) -> int | None:
 
 
 def _read_verified(
-    directory: str, name: str, want: FileEntry, m: CheckpointManifest, items: list[Any]
+    directory: str,
+    name: str,
+    want: FileEntry,
+    m: CheckpointManifest,
+    items: list[Any],
+    with_stats: bool = True,
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float] | None]]:
     """Read, checksum and locate the chunks ``items`` (``(key, chunk)``) of data file
-    ``name``: every chunk as a read-only view, and the :data:`~unbroken.ckpt.stats.
-    STATS_ALGO` statistics of the whole tensors among them, computed in the checksum pass
-    (for a manifest of that algorithm). Raises :class:`ChecksumError`."""
+    ``name``: every chunk as a read-only view, and (``with_stats``) the :data:`~unbroken.
+    ckpt.stats.STATS_ALGO` statistics of the whole tensors among them, computed in the
+    checksum pass (for a manifest of that algorithm). Raises :class:`ChecksumError`."""
     path = os.path.join(directory, name)
     fd = _open(directory, name, want)
     try:
@@ -515,7 +520,8 @@ def _read_verified(
                 t = m.tensors[k]
                 start = _tentative_start(mm, c, t)
                 if start is not None:
-                    whole = m.stats_algo == STATS_ALGO and t.stats is not None and not t.sharded
+                    whole = with_stats and m.stats_algo == STATS_ALGO and t.stats is not None
+                    whole = whole and not t.sharded
                     located[k] = (start, Stats(t.torch_dtype) if whole else None)
         segments, end = [], 0
         for k, (start, acc) in sorted(located.items(), key=lambda kv: kv[1][0]):
@@ -847,7 +853,7 @@ def verify_files(directory: str, m: CheckpointManifest, names: Iterable[str]) ->
     :func:`fill` will read). Ranks of a job split a sharded checkpoint's files this way."""
     groups = _by_file(m, names)
     _per_file(
-        lambda name: _read_verified(directory, name, m.files[name], m, groups[name]),
+        lambda name: _read_verified(directory, name, m.files[name], m, groups[name], False),
         m,
         list(groups),
     )
