@@ -16,6 +16,7 @@ values beyond the byte checksum (C-VERIFIED). The manifest names the algorithm
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -78,7 +79,9 @@ class Stats:
             return (np.frombuffer(data, np.uint16).astype(np.uint32) << 16).view(np.float32)
         kind = _NUMPY.get(self.dtype)
         if kind is None:  # float8: numpy has no such type
-            return torch.frombuffer(data, dtype=self.dtype).to(torch.float32).numpy()
+            with warnings.catch_warnings():  # read only, as the mapped file is
+                warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                return torch.frombuffer(data, dtype=self.dtype).to(torch.float32).numpy()
         x: np.ndarray = np.frombuffer(data, kind)
         if not x.flags.aligned:  # numpy's generic loops are ~20x slower than BLAS on these
             x = x.copy()
