@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from unbroken.ckpt.bounds import MAX_MANIFEST, Budget, TooCostly, load_json
+from unbroken.ckpt.stats import LEGACY_STATS_ALGO, STATS_ALGO, STATS_ALGOS
 from unbroken.common.fs import CHECKSUM_ALGO, checksum_bytes
 
 __all__ = [
@@ -69,7 +70,7 @@ _CHECKSUM_KEY = "manifest_checksum"
 _KNOWN = frozenset(
     {
         "format", "version", "step", "created", "world_size", "ranks", "unbroken_version",
-        "torch_version", "checksum_algo", "files", "tensors", "counters", "data_state",
+        "torch_version", "checksum_algo", "stats_algo", "files", "tensors", "counters", "data_state",
         "save_seconds", "blocked_seconds", _CHECKSUM_KEY,
     }
 )  # fmt: skip
@@ -212,6 +213,9 @@ class CheckpointManifest:
     save_seconds: float | None = None
     blocked_seconds: float | None = None
     version: int = FORMAT_VERSION
+    stats_algo: str = STATS_ALGO
+    """How the tensors' ``stats`` were computed (:mod:`unbroken.ckpt.stats`); manifests
+    written before it was recorded say nothing and mean ``torch-v1``."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Fields this version does not know (a later minor addition), kept as read."""
 
@@ -241,6 +245,7 @@ class CheckpointManifest:
             "unbroken_version": self.unbroken_version,
             "torch_version": self.torch_version,
             "checksum_algo": CHECKSUM_ALGO,
+            "stats_algo": self.stats_algo,
             "files": {
                 n: {"size": f.size, "checksum": f.checksum} for n, f in sorted(self.files.items())
             },
@@ -292,6 +297,12 @@ class CheckpointManifest:
             d.get("checksum_algo", CHECKSUM_ALGO) == CHECKSUM_ALGO,
             f"checksum_algo is not {CHECKSUM_ALGO}",
         )
+        stats_algo = d.get("stats_algo", LEGACY_STATS_ALGO)
+        v.require(
+            stats_algo in STATS_ALGOS,
+            f"stats_algo={stats_algo!r} is not one of {list(STATS_ALGOS)} (upgrade unbroken)",
+        )
+
         files = v.files(d.get("files"))
         ranks = v.ranks(d.get("ranks"), files, world)
         data_names = set(files) - set(ranks.values()) - {METADATA}
@@ -319,6 +330,7 @@ class CheckpointManifest:
             save_seconds=v.num(d.get("save_seconds"), "save_seconds", optional=True),
             blocked_seconds=v.num(d.get("blocked_seconds"), "blocked_seconds", optional=True),
             version=version,
+            stats_algo=stats_algo,
             extra={k: x for k, x in d.items() if k not in _KNOWN},
         )
 
