@@ -71,6 +71,7 @@ def test_checkpoints_with_the_older_statistics_still_restore(tmp_path) -> None:
 
     def edit(m: dict[str, Any]) -> None:
         del m["stats_algo"]
+        m["version"] = 2  # as written before issue 23
         m["tensors"][key]["stats"] = tensor_stats(flat[key], LEGACY_STATS_ALGO)
 
     edit_manifest(d, edit)
@@ -88,6 +89,7 @@ def test_older_statistics_that_do_not_match_are_still_damage(tmp_path, caplog) -
 
     def edit(m: dict[str, Any]) -> None:
         del m["stats_algo"]
+        m["version"] = 2  # as written before issue 23
         m["tensors"][key]["stats"] = tensor_stats(t * 2, LEGACY_STATS_ALGO)
 
     edit_manifest(d, edit)
@@ -103,6 +105,23 @@ def test_an_unknown_statistics_algorithm_is_damage(tmp_path) -> None:
     _save(str(tmp_path), t * 0, step=1)
     d = _save(str(tmp_path), t, step=2)
     edit_manifest(d, lambda m: m.__setitem__("stats_algo", "sum-of-cubes"))
+    got, blob = _restore(str(tmp_path), torch.ones_like(t))
+    assert got == 1 and torch.equal(blob.t, t * 0)
+    assert (tmp_path / "corrupt-step-00000002-bad-manifest").is_dir()
+
+
+@pytest.mark.parametrize("edit", ["missing", "null"])
+def test_a_version_3_manifest_must_name_its_statistics(tmp_path, edit: str) -> None:
+    """issue 23 item 3: format version 3 records ``stats_algo``; one without it is not
+    taken for an older manifest (whose statistics were always torch-v1)."""
+    t = _big(1 << 10)
+    _save(str(tmp_path), t * 0, step=1)
+    d = _save(str(tmp_path), t, step=2)
+    assert read_manifest(d)["version"] == 3
+    if edit == "missing":
+        edit_manifest(d, lambda m: m.pop("stats_algo"))
+    else:
+        edit_manifest(d, lambda m: m.__setitem__("stats_algo", None))
     got, blob = _restore(str(tmp_path), torch.ones_like(t))
     assert got == 1 and torch.equal(blob.t, t * 0)
     assert (tmp_path / "corrupt-step-00000002-bad-manifest").is_dir()

@@ -54,8 +54,9 @@ __all__ = [
 ]
 
 FORMAT = "unbroken-checkpoint"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""3: ``stats_algo`` recorded (issue 23); 2: the manifest's own checksum; 1: neither."""
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 METADATA = ".metadata"  # DCP's own metadata (a pickle): checked, never unpickled by us
 DTYPES = (
@@ -297,7 +298,8 @@ class CheckpointManifest:
             d.get("checksum_algo", CHECKSUM_ALGO) == CHECKSUM_ALGO,
             f"checksum_algo is not {CHECKSUM_ALGO}",
         )
-        stats_algo = d.get("stats_algo", LEGACY_STATS_ALGO)
+        # Before version 3 the statistics were always torch-v1 (and not named).
+        stats_algo = d.get("stats_algo") if version >= 3 else LEGACY_STATS_ALGO
         v.require(
             stats_algo in STATS_ALGOS,
             f"stats_algo={stats_algo!r} is not one of {list(STATS_ALGOS)} (upgrade unbroken)",
