@@ -58,7 +58,12 @@ def test_manifest_records_checksums_and_stats(tmp_path) -> None:
     st, m, opt = _state()
     Checkpointer(str(tmp_path), st).save(7)
     man = json.loads((tmp_path / "step-00000007" / "manifest.json").read_text())
-    assert man["step"] == 7 and man["version"] == 2 and man["torch_version"] == torch.__version__
+    assert (
+        man["step"] == 7
+        and man["version"] == 3
+        and man["stats_algo"] == "chunked-f64"
+        and man["torch_version"] == torch.__version__
+    )
     for name, f in man["files"].items():
         assert (
             os.path.getsize(tmp_path / "step-00000007" / name) == f["size"]

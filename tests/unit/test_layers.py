@@ -74,6 +74,7 @@ INNER: dict[str, Table] = {
                 "unbroken.ckpt.say",
                 "unbroken.ckpt.schema",
                 "unbroken.ckpt.state",
+                "unbroken.ckpt.stats",
             )
         ],
         [

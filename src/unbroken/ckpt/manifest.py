@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from unbroken.ckpt.bounds import MAX_MANIFEST, Budget, TooCostly, load_json
+from unbroken.ckpt.stats import LEGACY_STATS_ALGO, STATS_ALGO, STATS_ALGOS
 from unbroken.common.fs import CHECKSUM_ALGO, checksum_bytes
 
 __all__ = [
@@ -53,8 +54,9 @@ __all__ = [
 ]
 
 FORMAT = "unbroken-checkpoint"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""3: ``stats_algo`` recorded (issue 23); 2: the manifest's own checksum; 1: neither."""
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 METADATA = ".metadata"  # DCP's own metadata (a pickle): checked, never unpickled by us
 DTYPES = (
@@ -69,7 +71,7 @@ _CHECKSUM_KEY = "manifest_checksum"
 _KNOWN = frozenset(
     {
         "format", "version", "step", "created", "world_size", "ranks", "unbroken_version",
-        "torch_version", "checksum_algo", "files", "tensors", "counters", "data_state",
+        "torch_version", "checksum_algo", "stats_algo", "files", "tensors", "counters", "data_state",
         "save_seconds", "blocked_seconds", _CHECKSUM_KEY,
     }
 )  # fmt: skip
@@ -212,6 +214,9 @@ class CheckpointManifest:
     save_seconds: float | None = None
     blocked_seconds: float | None = None
     version: int = FORMAT_VERSION
+    stats_algo: str = STATS_ALGO
+    """How the tensors' ``stats`` were computed (:mod:`unbroken.ckpt.stats`); manifests
+    written before it was recorded say nothing and mean ``torch-v1``."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Fields this version does not know (a later minor addition), kept as read."""
 
@@ -241,6 +246,7 @@ class CheckpointManifest:
             "unbroken_version": self.unbroken_version,
             "torch_version": self.torch_version,
             "checksum_algo": CHECKSUM_ALGO,
+            "stats_algo": self.stats_algo,
             "files": {
                 n: {"size": f.size, "checksum": f.checksum} for n, f in sorted(self.files.items())
             },
@@ -292,6 +298,13 @@ class CheckpointManifest:
             d.get("checksum_algo", CHECKSUM_ALGO) == CHECKSUM_ALGO,
             f"checksum_algo is not {CHECKSUM_ALGO}",
         )
+        # Before version 3 the statistics were always torch-v1 (and not named).
+        stats_algo = d.get("stats_algo") if version >= 3 else LEGACY_STATS_ALGO
+        v.require(
+            stats_algo in STATS_ALGOS,
+            f"stats_algo={stats_algo!r} is not one of {list(STATS_ALGOS)} (upgrade unbroken)",
+        )
+
         files = v.files(d.get("files"))
         ranks = v.ranks(d.get("ranks"), files, world)
         data_names = set(files) - set(ranks.values()) - {METADATA}
@@ -319,6 +332,7 @@ class CheckpointManifest:
             save_seconds=v.num(d.get("save_seconds"), "save_seconds", optional=True),
             blocked_seconds=v.num(d.get("blocked_seconds"), "blocked_seconds", optional=True),
             version=version,
+            stats_algo=stats_algo,
             extra={k: x for k, x in d.items() if k not in _KNOWN},
         )
 

@@ -183,6 +183,7 @@ class Supervisor:
         self._signal: int | None = None
         self._attempt: Attempt | None = None
         self._max_step = -1
+        self._t_start = time.time()  # events from here on are this run's (a rerun appends)
         self._coord: Coordinator | None = None
         self._failures: list[tuple[int, faults.Evidence, Classification]] = []
         self._preflight_ok_at = float("-inf")
@@ -230,6 +231,9 @@ class Supervisor:
             p.gpu_min_free_fraction,
             p.timeout,
             p.node or self.node,
+            saved=any(
+                e["event"] == "saved" and e["t"] >= self._t_start for e in load_events(self.run_dir)
+            ),
         )
 
     def _preflight(self, coord: Coordinator, *, wait: bool) -> tuple[bool, list[CheckResult]]:

@@ -39,7 +39,7 @@ from typing import Any
 
 from unbroken.elastic.launch.worker import ENV_ZYGOTE, FORKSERVER_TITLE, set_title
 
-__all__ = ["attempt_event", "pdeathsig", "start_server"]
+__all__ = ["attempt_event", "fork_holding_signals", "pdeathsig", "release_signals", "start_server"]
 
 
 _PR_SET_PDEATHSIG = 1
@@ -67,6 +67,31 @@ def attempt_event(name: str, **fields: Any) -> None:
         }
         rec.update(fields)
         events.append_event(run_dir, rec)
+
+
+_HELD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The stop signals the server ignores and a worker must not: held across the fork."""
+
+
+def fork_holding_signals() -> int:
+    """``os.fork()`` with the stop signals blocked around it. The launcher learns the
+    worker's pid (and may forward a SIGTERM) before the child has reset what the server
+    ignores; Linux keeps a *blocked* signal pending even while it is ignored, so the child
+    holds it until :func:`release_signals` instead of losing it."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    pid = os.fork()
+    if pid != 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)  # the server: discarded, ignored
+    return pid
+
+
+def release_signals() -> None:
+    """In a forked worker: the stop signals as a fresh interpreter has them, then unblocked
+    (one sent since the fork is delivered now: SIGTERM kills, SIGINT raises)."""
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
 
 
 def _preload(names: list[str], stop: Any = None) -> dict[str, str]:
@@ -384,7 +409,7 @@ class _Zygote:
         # (and the final one at its exit) then never touch those pages, which would copy
         # them all (measured: a worker's exit took 3.7 s instead of 0.6 s on a busy box).
         gc.freeze()
-        pid = os.fork()
+        pid = fork_holding_signals()
         if pid == 0:
             try:
                 self._become_worker(conn, fds)
@@ -402,9 +427,7 @@ class _Zygote:
 
     def _become_worker(self, conn: socket.socket, fds: list[int]) -> None:
         signal.set_wakeup_fd(-1)
-        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
-            signal.signal(s, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for c in (self.listener, conn, *self.conns.values()):
             c.close()
         for fd in (self.wake_r, self.wake_w, self.agent_fd):
@@ -418,6 +441,7 @@ class _Zygote:
             os.dup2(fd, i)
             if fd > 2:
                 os.close(fd)
+        release_signals()  # last: a stop signal held since the fork acts now, by default
 
 
 def _run_worker(req: dict[str, Any], rng: Any) -> None:
