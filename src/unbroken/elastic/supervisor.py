@@ -196,6 +196,8 @@ class Supervisor:
         self._failures: list[tuple[int, faults.Evidence, Classification]] = []
         self._preflight_ok_at = float("-inf")
         self._standby: Standby | None = None
+        self._kept: Standby | None = None
+        """The last attempt's agent, kept for the next one (see ``_agent_for``)."""
 
     # --- bookkeeping ---------------------------------------------------------------------
 
@@ -320,13 +322,32 @@ class Supervisor:
             fork_server=self.cfg.prewarm,
         )
 
-    def _launch(self, coord: Coordinator, number: int, gen: int) -> Attempt:
-        target = self._max_step if self._failures and self._max_step >= 0 else None
+    def _agent_for(self, number: int) -> Standby | None:
+        """The agent for attempt ``number``: the standby if its imports are done, else the
+        last attempt's agent if it was kept (issue 23: warm, only the workers restart; a
+        standby still importing would put its imports on the restart's path), else the
+        standby as it is, else a cold one (None with ``standby=False``: a fresh torchrun)."""
         sb, self._standby = self._standby, None
-        if self.cfg.standby and (sb is None or sb.number != number or not sb.alive()):
+        kept, self._kept = self._kept, None
+        if sb is not None and (sb.number != number or not sb.alive()):
+            sb.close()
+            sb = None
+        if kept is not None and sb is not None and sb.ready():
+            kept.close()  # a fresh agent: nothing of the failed one carries over
+            kept = None
+        if kept is not None and kept.reuse(number):
             if sb is not None:
                 sb.close()
+            return kept
+        if kept is not None:
+            kept.close()
+        if sb is None and self.cfg.standby:
             sb = self._new_standby(number)  # cold: the workers are still forked from it
+        return sb
+
+    def _launch(self, coord: Coordinator, number: int, gen: int) -> Attempt:
+        target = self._max_step if self._failures and self._max_step >= 0 else None
+        sb = self._agent_for(number)
         att = Attempt(
             number=number,
             gen=gen,
@@ -346,6 +367,7 @@ class Supervisor:
             argv=att.argv,
             agent_pid=att.proc.pid,
             prewarmed=att.prewarmed,
+            kept=att.kept,
         )
         log.info("attempt %d (generation %d) started: %s", number, gen, " ".join(att.argv))
         return att
@@ -710,9 +732,10 @@ class Supervisor:
             if self._attempt is not None:
                 self._attempt.close()
                 heartbeat.remove_empty_dumps(self.run_dir, self._attempt.number)
-            if self._standby is not None:
-                self._standby.close()
-                self._standby = None
+            for sb in (self._standby, self._kept):
+                if sb is not None:
+                    sb.close()
+            self._standby = self._kept = None
             for s, h in old.items():
                 signal.signal(s, h)
             self._event("finish" if code == 0 else "stop", exit_code=code)
@@ -739,6 +762,8 @@ class Supervisor:
         while True:
             att = self._launch(coord, number, gen)
             out = self._monitor(att, coord)
+            if out.kind == "exit":  # a rank failed, the agent did not: keep it
+                self._kept = att.release(forked=self.cfg.prewarm)
             att.close()
             heartbeat.remove_empty_dumps(self.run_dir, att.number)
             if out.kind == "success":
