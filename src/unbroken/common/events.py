@@ -12,7 +12,9 @@ Event schema (common keys ``t`` = Unix time, ``event``, ``attempt``, ``pid``, ``
     preflight     ok, seconds, checks: [{name, ok, detail}]
     standby       attempt, seconds, preload, failed, fork_server: a pre-warmed agent for the
                   attempt finished its imports (``seconds``: what a restart no longer pays)
-    launch        attempt, gen, agent_pid, prewarmed: a torchrun agent was started
+    launch        attempt, gen, agent_pid, prewarmed, kept: a torchrun agent was started
+                  (kept: the last attempt's agent, only the workers restarted)
+    agent_idle    attempt, rc: a kept-alive agent's torchrun returned (its workers failed)
     workers_up    attempt, pids: the first worker processes of the attempt exist
     worker_exit   attempt, rank, local_rank, worker_pid, exitcode (negative: signal; null:
                   unknown), stopped (asked to stop first), via (zygote|spawn): one rank

@@ -18,7 +18,9 @@ a dead peer, so nothing is gained by waiting for them; ``peer_failed()`` tells t
 handlers to skip a hopeless save), restarts at once when the failed attempt made progress,
 and hands the restart to a standby agent that imported torch while the job was training and
 forks the new workers from there (``launch.standby``; ``prewarm=False`` starts fresh
-worker interpreters from a standby agent, ``standby=False`` a fresh torchrun too).
+worker interpreters from a standby agent, ``standby=False`` a fresh torchrun too). When a
+rank failed before that standby is ready, the failed attempt's agent is kept and restarts
+only the workers (``_agent_for``), so no restart waits on a standby's imports.
 
 Exit codes: see :mod:`unbroken.elastic.faults` (``EXIT_*``): 0 finished, 1 supervisor error,
 2 usage, 3 same failure twice (deterministic bug), 4 restart budget used up, 5 no progress,
@@ -322,32 +324,33 @@ class Supervisor:
             fork_server=self.cfg.prewarm,
         )
 
-    def _agent_for(self, number: int) -> Standby | None:
-        """The agent for attempt ``number``: the standby if its imports are done, else the
-        last attempt's agent if it was kept (issue 23: warm, only the workers restart; a
-        standby still importing would put its imports on the restart's path), else the
-        standby as it is, else a cold one (None with ``standby=False``: a fresh torchrun)."""
+    def _agent_for(self, number: int) -> tuple[Standby | None, list[Standby]]:
+        """The agent for attempt ``number`` and the ones not taken (closed once the attempt
+        is launched: their teardown stays off the restart's path). The standby if its
+        imports are done; else the last attempt's agent if it was kept (issue 23: warm, only
+        the workers restart; a standby still importing would put its imports on the
+        restart's path); else the standby as it is; else a cold one (None with
+        ``standby=False``: a fresh torchrun)."""
         sb, self._standby = self._standby, None
         kept, self._kept = self._kept, None
+        drop: list[Standby] = []
         if sb is not None and (sb.number != number or not sb.alive()):
-            sb.close()
+            drop.append(sb)
             sb = None
         if kept is not None and sb is not None and sb.ready():
-            kept.close()  # a fresh agent: nothing of the failed one carries over
+            drop.append(kept)  # a fresh agent: nothing of the failed one carries over
             kept = None
         if kept is not None and kept.reuse(number):
-            if sb is not None:
-                sb.close()
-            return kept
+            return kept, [*drop, *([sb] if sb is not None else [])]
         if kept is not None:
-            kept.close()
+            drop.append(kept)
         if sb is None and self.cfg.standby:
             sb = self._new_standby(number)  # cold: the workers are still forked from it
-        return sb
+        return sb, drop
 
     def _launch(self, coord: Coordinator, number: int, gen: int) -> Attempt:
         target = self._max_step if self._failures and self._max_step >= 0 else None
-        sb = self._agent_for(number)
+        sb, drop = self._agent_for(number)
         att = Attempt(
             number=number,
             gen=gen,
@@ -359,6 +362,8 @@ class Supervisor:
             standby=sb,
         )
         self._attempt = att
+        for other in drop:
+            other.close()
         self._event(
             "launch",
             attempt=number,

@@ -1,9 +1,13 @@
 """One attempt: a torchrun agent (the elastic agent) and everything it starts.
 
 torchrun runs with ``--max-restarts 0``: the supervisor owns restarts, so that every failure
-passes through classification, backoff and pre-flight, and so that a restart is a fresh agent
-process (a wedged agent or stale in-process state cannot carry over). Membership changes
-(a spare joining) are still handled inside torchrun, which does not count them as restarts.
+passes through classification, backoff and pre-flight. A restart takes a fresh agent
+process when one is ready (a standby: nothing of the failed agent carries over); when a
+rank failed and none is ready yet, the failed attempt's agent is kept (:meth:`Attempt.release`:
+its workers are killed, torchrun's ``main`` returns into the standby's order loop) and only
+the workers restart, as in torchrun's own in-agent restart (issue 23: no restart waits for
+a standby still importing). Membership changes (a spare joining) are still handled inside
+torchrun, which does not count them as restarts.
 
 The agent is either a pre-warmed :class:`~.standby.Standby` (torch already imported, with a
 fork server for the workers, see :mod:`.forkserver`) or, as the fallback, a fresh
@@ -381,7 +385,8 @@ class Attempt:
         sb = self._standby
         if sb is None or self.proc.poll() is not None or (forked and not self._helpers()):
             return None
-        self.kill_workers()
+        if not self.killed_by_us:
+            self.kill_workers()
         self._released = True
         return sb
 
@@ -395,9 +400,10 @@ class Attempt:
     def close(self) -> None:
         """Make sure nothing of this attempt runs any more, then release the log file (a
         released agent and its fork server stay: the next attempt has them)."""
-        if self._released:
-            self.kill_workers()
-        elif self.proc.poll() is None or kill_matching(ENV_TOKEN, self.token, timeout=0.0):
+        # A released agent's workers were killed when it was released.
+        if not self._released and (
+            self.proc.poll() is None or kill_matching(ENV_TOKEN, self.token, timeout=0.0)
+        ):
             self.kill()
         self._read_exits()
         self._watch.close()

@@ -14,6 +14,11 @@ benchmarks/RESULTS.md). The supervisor therefore keeps the *next* attempt's agen
 2. On a restart the supervisor writes one JSON line ``{"argv": [torchrun args], "env":
    {...}}`` (:meth:`Standby.go`); the standby runs torchrun's ``main`` in-process: it is
    the attempt's agent, and its workers are forked by the server.
+3. When torchrun's ``main`` ends because the workers failed, the agent appends
+   ``agent_idle`` and waits for the next order on the same pipe: the supervisor may keep
+   it for the next attempt (:meth:`Standby.reuse`) when no fresh standby is ready yet, so
+   a failure soon after a start or a restart restarts only the workers, forked from the
+   warm fork server (issue 23). Any other end of torchrun ends the process as before.
 
 With ``unbroken run --no-prewarm`` the standby is *bare* (``--bare``): the agent is started
 ahead all the same, but it starts no fork server, so the workers start as fresh interpreters.
