@@ -110,8 +110,8 @@ def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
 def test_survivor_stuck_after_its_peer_died_is_killed_after_the_grace(tmp_path):
     """The rank left alive cannot finish its collective and ignores SIGTERM (like a rank
     stuck in a save it can never finish): it costs --stop-grace, not torchrun's 30 s
-    shutdown timeout. A fresh torchrun and fresh interpreters (--no-standby, before issue 23
-    --no-prewarm): the fallback path."""
+    shutdown timeout. Fresh interpreters and nothing held ahead (--no-standby, before issue
+    23 --no-prewarm); since issue 23 the running agent is kept and restarts the workers."""
     steps = 30
     with h.jobs() as start:
         job = start(
@@ -132,7 +132,39 @@ def test_survivor_stuck_after_its_peer_died_is_killed_after_the_grace(tmp_path):
     assert (f["rule"], f["fault"]) == ("killed", "process"), f
     exits = job.events("worker_exit")
     assert {e["via"] for e in exits} == {"spawn"}, exits
-    assert [e["prewarmed"] for e in job.events("launch")] == [None, None]
+    assert [e["kept"] for e in job.events("launch")] == [False, True]
+    _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=2)
+    _assert_nothing_left(job)
+
+
+def test_no_standby_holds_nothing_and_restarts_the_workers_in_the_running_agent(tmp_path):
+    """issue 23 (cold path): --no-standby holds no process for the next attempt while the
+    job trains, and a rank's failure costs what torchrun's own restart costs: the running
+    agent (torch imported) is kept and starts fresh worker interpreters, instead of a
+    fresh torchrun that imports torch again before it rendezvouses."""
+    stop = tmp_path / "stop"
+    with h.jobs() as start:
+        job = start(
+            str(tmp_path / "run"),
+            ["--nproc-per-node", "2", "--no-standby"],
+            _script_args(tmp_path, 10_000, save_every=5, stop_file=stop),
+        )
+        beats = h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=2), 90, "step 8", job)
+        assert not h.pids_of(job, attempt=1)  # nothing held for the next attempt
+        os.kill(beats[1].pid, signal.SIGKILL)
+        back = max(b.step for b in beats) + 2
+        h.wait_until(lambda: h.live_beats(job, 1, back, ranks=2), 90, "the restarted ranks", job)
+        stop.write_text("")
+        assert job.wait(120) == 0, job.output()[-3000:]
+
+    first, second = job.events("launch")
+    assert (first["kept"], second["kept"]) == (False, True), (first, second)
+    assert second["agent_pid"] == first["agent_pid"], (first, second)
+    # the attempt's own agent said it was up; nothing was ever started ahead
+    assert [e["attempt"] for e in job.events("standby")] == [0], job.events("standby")
+    exits = job.events("worker_exit")
+    assert {e["via"] for e in exits} == {"spawn"}, exits
+    steps = h.metric_steps(str(tmp_path / "metrics.jsonl"))[-1]
     _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=2)
     _assert_nothing_left(job)
 

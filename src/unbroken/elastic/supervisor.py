@@ -18,9 +18,10 @@ a dead peer, so nothing is gained by waiting for them; ``peer_failed()`` tells t
 handlers to skip a hopeless save), restarts at once when the failed attempt made progress,
 and hands the restart to a standby agent that imported torch while the job was training and
 forks the new workers from there (``launch.standby``; ``prewarm=False`` starts fresh
-worker interpreters from a standby agent, ``standby=False`` a fresh torchrun too). When a
-rank failed before that standby is ready, the failed attempt's agent is kept and restarts
-only the workers (``_agent_for``), so no restart waits on a standby's imports.
+worker interpreters from a standby agent; ``standby=False`` holds nothing ahead and starts
+fresh interpreters). When a rank failed and no standby is ready, the failed attempt's agent
+is kept and restarts only the workers (``_agent_for``), as torchrun's own restart does: no
+restart waits on a standby's imports or imports torch for a fresh agent.
 
 Exit codes: see :mod:`unbroken.elastic.faults` (``EXIT_*``): 0 finished, 1 supervisor error,
 2 usage, 3 same failure twice (deterministic bug), 4 restart budget used up, 5 no progress,
@@ -125,8 +126,9 @@ class RunConfig:
     (see ``launch.standby``); False starts every worker as a fresh interpreter."""
     standby: bool = True
     """Keep the next attempt's torchrun agent started ahead, torch imported (with
-    ``prewarm``: and its fork server); False starts a fresh torchrun per attempt and holds
-    nothing while the job trains (the slowest restart, no memory held)."""
+    ``prewarm``: and its fork server). False holds nothing ahead while the job trains (no
+    memory, no CPU) and starts fresh worker interpreters: a rank's failure restarts them in
+    the running agent (as torchrun does), the loss of the agent costs a fresh one."""
     preload: tuple[str, ...] = DEFAULT_PRELOAD
     """Modules the pre-warmed agent imports before forking workers (add your heavy imports:
     they are then free at every restart). A module that fails to import is skipped."""
@@ -321,7 +323,7 @@ class Supervisor:
             nproc=self.cfg.nproc_per_node,
             preload=self.cfg.preload,
             echo=self.cfg.echo,
-            fork_server=self.cfg.prewarm,
+            fork_server=self.cfg.prewarm and self.cfg.standby,
         )
 
     def _agent_for(self, number: int) -> tuple[Standby | None, list[Standby]]:
@@ -329,8 +331,8 @@ class Supervisor:
         is launched: their teardown stays off the restart's path). The standby if its
         imports are done; else the last attempt's agent if it was kept (issue 23: warm, only
         the workers restart; a standby still importing would put its imports on the
-        restart's path); else the standby as it is; else a cold one (None with
-        ``standby=False``: a fresh torchrun)."""
+        restart's path); else the standby as it is; else a cold one (with
+        ``standby=False``: the attempt's own agent, bare, that is kept the same way)."""
         sb, self._standby = self._standby, None
         kept, self._kept = self._kept, None
         drop: list[Standby] = []
@@ -344,8 +346,8 @@ class Supervisor:
             return kept, [*drop, *([sb] if sb is not None else [])]
         if kept is not None:
             drop.append(kept)
-        if sb is None and self.cfg.standby:
-            sb = self._new_standby(number)  # cold: the workers are still forked from it
+        if sb is None:  # cold (standby=False: the attempt's own agent, kept on a rank's failure)
+            sb = self._new_standby(number)
         return sb, drop
 
     def _launch(self, coord: Coordinator, number: int, gen: int) -> Attempt:
@@ -768,7 +770,7 @@ class Supervisor:
             att = self._launch(coord, number, gen)
             out = self._monitor(att, coord)
             if out.kind == "exit":  # a rank failed, the agent did not: keep it
-                self._kept = att.release(forked=self.cfg.prewarm)
+                self._kept = att.release()
             att.close()
             heartbeat.remove_empty_dumps(self.run_dir, att.number)
             if out.kind == "success":

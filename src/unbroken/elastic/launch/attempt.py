@@ -378,12 +378,12 @@ class Attempt:
             ENV_TOKEN, self.token, timeout=10.0, exclude={self.proc.pid, *self._helpers()}
         )
 
-    def release(self, forked: bool) -> Standby | None:
+    def release(self) -> Standby | None:
         """The agent, to be kept for the next attempt (issue 23: only the workers restart):
-        when it came from a standby, lives, and (``forked``: workers come from its fork
-        server) still has its fork server. Then :meth:`close` leaves it running."""
+        when it came from a standby, lives, and still has its fork server if it had one.
+        Then :meth:`close` leaves it running."""
         sb = self._standby
-        if sb is None or self.proc.poll() is not None or (forked and not self._helpers()):
+        if sb is None or self.proc.poll() is not None or (sb.fork_server and not self._helpers()):
             return None
         if not self.killed_by_us:
             self.kill_workers()

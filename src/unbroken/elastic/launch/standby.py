@@ -82,6 +82,8 @@ class Standby:
         self.t_start = time.time()
         self.kept = False
         """The agent of an earlier attempt, kept for this one (see :meth:`reuse`)."""
+        self.fork_server = fork_server
+        """Its workers are forked by its fork server (False: a bare standby)."""
         self.argv = [sys.executable, "-m", __name__, *([BARE] if not fork_server else preload)]
         self.agent = Agent(
             number,
