@@ -14,8 +14,8 @@ Rows, each against torchrun's own restart at the same moment, same run: (a) `unb
 standby ready; (b) `unbroken run --no-prewarm` (a bare standby agent, fresh worker
 interpreters); (c) `unbroken run`, a failure before the standby is ready (the failed
 attempt's agent is kept and restarts only the workers; column "kept": how many runs did);
-(d) `unbroken run --no-standby` (nothing held while training: a fresh torchrun and fresh
-workers). The anchor is ``torchrun --standalone --max-restarts 1`` (restarts the
+(d) `unbroken run --no-standby` (nothing held while training, fresh workers; since issue
+23 the running agent is kept and restarts them, as torchrun does). The anchor is ``torchrun --standalone --max-restarts 1`` (restarts the
 worker group inside the running agent) with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without
 it the restarted group usually fails to connect, see RESULTS.md; ``--plain-torchrun`` adds
 that row too). The anchor runs get UNBROKEN_RUN_DIR set by hand so the same script writes
