@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 import pytest
 import torch
@@ -65,7 +66,9 @@ def test_manifest_records_checksums_and_stats(tmp_path) -> None:
         )
     w = man["tensors"]["components/model/0.weight"]
     assert w["shape"] == [32, 16] and w["dtype"] == "float32"
-    assert w["stats"]["sum"] == pytest.approx(float(m[0].weight.sum()), rel=1e-5)
+    assert w["stats"]["sum"] == pytest.approx(
+        float(cast(torch.nn.Linear, m[0]).weight.sum()), rel=1e-5
+    )
 
 
 def test_retention_keep_last_and_keep_every_ignores_foreign_files(tmp_path) -> None:
@@ -105,7 +108,7 @@ def _data_file(d: str) -> str:
     return os.path.join(d, sorted(n for n in os.listdir(d) if n.endswith(".distcp"))[0])
 
 
-DAMAGE: dict[str, tuple[str, Callable[[str], None]]] = {
+DAMAGE: dict[str, tuple[str, Callable[[str], object]]] = {
     "bitflip-tensor-file": ("checksum", lambda d: _flip(_data_file(d))),
     "truncated-tensor-file": ("size", lambda d: _truncate(_data_file(d))),
     "missing-tensor-file": ("missing-file", lambda d: os.unlink(_data_file(d))),

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import cast
 
 import pytest
 
 from ckptkit import can_mount, flip, identical, small_state, snapshot, tmpfs, train
 from unbroken.ckpt import Checkpointer, TrainState
-from unbroken.ckpt.memtier import SlotStore
+from unbroken.ckpt.memtier import MemoryTier, SlotStore
 
 
 def _ckpt(root: str, tier: str, seed: int = 0, **kw):
@@ -199,7 +200,7 @@ def test_full_tmpfs_turns_the_tier_off_and_training_goes_on(tmp_path, caplog) ->
         assert len(warned) == 1 and "No space left" in warned[0], warned
         assert ck.latest() == 4
         ck._lock.release()
-        ck._memory.store.close()
+        cast(MemoryTier, ck._memory).store.close()
         ck2 = Checkpointer(root, st, memory_every_steps=1, memory_dir=f"{shm}/job")
         assert ck2.restore() == 4 and ck2.restored_tier == "disk"
         ck2.close()

@@ -15,13 +15,21 @@ import random
 import resource
 import stat
 import struct
+from typing import cast
 
 import pytest
 import torch
 
 from ckptkit import flip, small_state, train
 from unbroken.ckpt import TrainState, codec, schema
-from unbroken.ckpt.memtier import HEADER_BYTES, SlotStore, TierBusy, _pack, default_dir
+from unbroken.ckpt.memtier import (
+    HEADER_BYTES,
+    MemorySnapshot,
+    SlotStore,
+    TierBusy,
+    _pack,
+    default_dir,
+)
 from unbroken.ckpt.save import encode
 from unbroken.common.fs import PrivateDirError
 
@@ -120,7 +128,7 @@ def test_truncated_or_grown_slot_is_torn(tier: str) -> None:
     snap, bad = SlotStore(tier, rank=0).newest()
     assert snap is not None and snap.step == 1 and bad[0].reason == "torn"
     os.truncate(p, 100)  # shorter than the header
-    assert SlotStore(tier, rank=0).newest()[0].step == 1
+    assert cast(MemorySnapshot, SlotStore(tier, rank=0).newest()[0]).step == 1
 
 
 def test_after_a_fallback_the_next_publish_keeps_the_good_slot(tier: str) -> None:

@@ -11,22 +11,14 @@ Typical loop::
         ckpt.maybe_save()                # at optimizer-step boundaries only
     ckpt.close()                         # waits for the last background save
 
-Multi-rank jobs call the same methods on every rank at the same step (they are collective).
-Every rank writes its own DCP files; rank 0 commits once all ranks' data is durable.
-Restore is collective too: ranks agree on the newest checkpoint that verifies everywhere.
-Whatever differs between ranks is saved per rank and restored to the same rank
-(:mod:`.per_rank`).
+Multi-rank jobs call the same methods on every rank at the same step (they are collective;
+ranks agree on the newest checkpoint that verifies everywhere). One writer per root
+(C-ONE-WRITER): the first ``restore()`` or ``save()`` takes the root's lock, ``close()``
+releases it; ``list``/``latest``/``verify`` never take it. ``save()`` blocks only for the
+copy into reusable host buffers (C-ASYNC); at most one save is in flight, and a background
+error is raised by the next call (``save``/``maybe_save``/``wait``/``close``).
 
-One writer per root (C-ONE-WRITER, :mod:`.lock`): the first ``restore()`` or ``save()``
-takes the root's lock (rank 0 holds it for the job) and ``close()`` releases it; a second
-run on the same root is refused with the holder named. ``list``/``latest``/``verify``
-never take it.
-
-Async saves (C-ASYNC): ``save()`` blocks only while tensors are copied into reusable host
-buffers (pinned when on CUDA); a background thread writes and commits with the same
-protocol. At most one save is in flight; a background error is raised by the next call
-(``save``/``maybe_save``/``wait``/``close``). Checkpoint collectives run on a dedicated gloo
-group so they never interleave with the training loop's collectives.
+How a save commits and a restore falls back: ARCHITECTURE.md, "Lifeline 2".
 """
 
 from __future__ import annotations

@@ -2,30 +2,21 @@
 (issue 25, C-TIERS; design in ARCHITECTURE.md "The memory tier").
 
 Each rank owns two slot files in a private directory on tmpfs
-(``/dev/shm/unbroken-<uid>/<job>/rank-<r>/slot-{0,1}``). A slot is::
+(``/dev/shm/unbroken-<uid>/<job>/rank-<r>/slot-{0,1}``). :class:`SlotStore` publishes into
+the slot that does *not* hold the newest complete step, header last
+(:meth:`SlotStore.publish`), and :meth:`SlotStore.newest` returns the verified slot of
+highest generation: the slot in flight never hides the last complete one, and a torn or
+damaged slot falls back to the other, then to none. :class:`MemoryTier` is the
+Checkpointer's side.
 
-    [header: _HEAD struct + meta JSON, padded to HEADER_BYTES][payload]
-    payload = [u64 n][n bytes of JSON: state tree, rng, tensor key table][pad][tensors]
+Every byte of a slot is untrusted (T-BOUNDED, T-FALL-BACK): any failure is a
+:class:`SlotDamaged` reason, never an exception out of :meth:`newest`. The directory is
+private (T-SHARED-NODE): owned by this user, not writable by group or others, no symlink;
+slots opened with ``O_NOFOLLOW``, mode 0600; one live publisher per rank directory
+(``flock``).
 
-(each tensor's bytes at the next 64-byte boundary, in the key table's order)
-
-The state tree and RNG are the disk tier's codec encoding (:mod:`.codec`: JSON, no
-pickle); the tensors are raw bytes placed by the key table, each 64-byte aligned.
-:meth:`SlotStore.publish` writes into the slot that does *not* hold the newest complete
-step: its header is zeroed first, then the payload, then the header last (generation,
-step, payload length, xxh3-128 of the payload, header checksum). :meth:`SlotStore.newest`
-returns the verified slot of highest generation: the slot in flight never hides the last
-complete one, and a torn or damaged slot falls back to the other, then to none.
-
-Every byte of a slot is untrusted (T-BOUNDED, T-FALL-BACK): lengths are checked against
-the file's size before anything is read, the JSON is charged to a budget of the payload's
-size (:mod:`.bounds`), dtypes come from the manifest's fixed list, shapes and offsets must
-match the bytes, the state is checked as a disk restore would (:func:`.schema.check_state`).
-Any failure is a :class:`SlotDamaged` reason, never an exception out of :meth:`newest`.
-
-The directory is private (T-SHARED-NODE, :func:`~unbroken.common.fs.private_dir`): owned
-by this user, not writable by group or others, no symlink; slots are opened with
-``O_NOFOLLOW`` and mode 0600; one live publisher per rank directory (``flock``).
+The slot format and the checks on reading it: ARCHITECTURE.md, "The memory tier" > the
+slot format.
 """
 
 from __future__ import annotations

@@ -2,31 +2,19 @@
 
 One supervisor runs per node. Each attempt is a child ``torchrun`` (elastic agent, c10d
 rendezvous, ``--nnodes MIN:MAX``, ``--max-restarts 0``, see ``launch.attempt``) on a
-rendezvous store the supervisor hosts or joins (see ``rendezvous``). Around it the supervisor adds:
+rendezvous store the supervisor hosts or joins (see ``rendezvous``). Around it the
+supervisor adds pre-flight before every start (``preflight``), a hang watchdog with stack
+dumps (``heartbeat``), classification of every failure and a restart policy (``faults``,
+E-CLASSIFY), and the four recovery phases of each failure in ``RUN_DIR/events.jsonl``, a
+per-failure ``RUN_DIR/recovery.jsonl`` and a summary table (``recovery``, E-MEASURED).
 
-1. pre-flight before the first start and before every restart (``preflight``);
-2. a hang watchdog over the workers' progress beats, with Python stack dumps before the kill
-   (``heartbeat``);
-3. classification of every failure and a restart policy (``faults``);
-4. the four recovery phases of each failure in ``RUN_DIR/events.jsonl``, a per-failure
-   ``RUN_DIR/recovery.jsonl`` and a summary table at the end (``recovery``).
-
-Recovery is fast by construction: the supervisor learns within milliseconds that a rank
-failed (each rank's launcher reports its exit; pidfds wake the watch loop), stops the ranks
-that outlived it after ``stop_grace`` seconds at most (they cannot finish a collective with
-a dead peer, so nothing is gained by waiting for them; ``peer_failed()`` tells their SIGTERM
-handlers to skip a hopeless save), restarts at once when the failed attempt made progress,
-and hands the restart to a standby agent that imported torch while the job was training and
-forks the new workers from there (``launch.standby``; ``prewarm=False`` starts fresh
-worker interpreters from a standby agent; ``standby=False`` holds nothing ahead and starts
-fresh interpreters). When a rank failed and no standby is ready, the failed attempt's agent
-is kept and restarts only the workers (``_agent_for``), as torchrun's own restart does: no
-restart waits on a standby's imports or imports torch for a fresh agent.
-
-Exit codes: see :mod:`unbroken.elastic.faults` (``EXIT_*``): 0 finished, 1 supervisor error,
+Exit codes (:mod:`unbroken.elastic.faults`, ``EXIT_*``): 0 finished, 1 supervisor error,
 2 usage, 3 same failure twice (deterministic bug), 4 restart budget used up, 5 no progress,
 6 pre-flight never healthy, 7 preempted (SIGTERM/SIGINT; the job was asked to save), 8 the
 checkpoint refused the job's configuration at restore (a configuration fault: not retried).
+
+Why recovery is fast (launcher exit reports, pidfds, ``stop_grace``, the standby agent):
+ARCHITECTURE.md, "Design notes" > elastic > the supervisor.
 """
 
 from __future__ import annotations

@@ -4,64 +4,17 @@ prove that the resumed run is the run that was never interrupted.
     unbroken drill [options] -- train.py --out {dir} ...      # your script
     unbroken drill --example                                  # the demo model
 
-1. **Reference**: the command runs once without faults (``torchrun --standalone``) with
-   ``{dir}`` = ``DRILL/reference-w1`` (and once on 2 ranks for the two-node faults).
-2. **Drilled runs**: the same command under ``unbroken run`` (the supervisor, tight
-   timeouts), while the drill injects a seeded schedule of faults, one after the other, each
-   once the job has recovered from the previous one and reached the fault's step.
-3. **Comparison** (:mod:`drill_report`): final model/optimizer/scheduler/EMA/loader state
-   (exact), loss curve (exact on CPU), data order (every sample id, in order: none missing,
-   none twice), metric log (no duplicated step), and per fault the supervisor's verdict, the
-   four recovery phases, whether ``restore()`` brought back exactly what each rank saved, and
-   the steps its recovery produced (its restored step to the next fault's) against the
-   reference. ``drill.txt``, ``drill.json`` and ``timeline.png`` land in DRILL.
+:func:`run_drill` runs the command once without faults (the reference, in
+``DRILL/reference-w1``, and on 2 ranks when a two-node fault is planned), then under
+``unbroken run`` while a seeded schedule of faults (:mod:`.plan`: kill, kill-in-save, hang,
+corrupt, storage, agent-loss, world-size) is injected one at a time (:mod:`.inject`), and
+judges every fault and the end state against the reference (:mod:`.judge`, C-IDENTICAL,
+E-MEASURED); ``drill.txt``, ``drill.json`` and ``timeline.png`` land in DRILL. Every run it
+starts has ``UNBROKEN_STATE_AUDIT`` set (:mod:`unbroken.common.audit`).
 
-Every run the drill starts has ``UNBROKEN_STATE_AUDIT`` set to ``<its {dir}>.audit``: there
-the script's :class:`~unbroken.ckpt.Checkpointer` records fingerprints of each rank's state at
-every save, after every restore and one step later (:mod:`unbroken.common.audit`); the diagnosis
-names the component that was not restored from them.
-
-Fault kinds (``faults``; default: all that apply):
-
-=============  =========================================================================
-kill           SIGKILL of a worker at a seeded step
-kill-in-save   SIGKILL of rank 0 while it writes a checkpoint (frozen with SIGSTOP the
-               moment its ``.tmp-step-*`` directory appears, checked unfinished, killed)
-hang           SIGSTOP of a worker: only the hang watchdog can notice
-corrupt        the newest checkpoint is damaged on disk (bit flip or truncation of a data
-               file) while the job is frozen, then SIGKILL: the restart must fall back
-storage        the checkpoint directory is replaced by a file (unwritable even for root)
-               until the supervisor has waited in pre-flight twice, then put back
-agent-loss     (2 nodes, ``--nnodes 1:2``) SIGKILL of one node's torchrun agent
-world-size     (2 nodes) a whole node is lost (supervisor, agent, worker): the job goes
-               on with 1 rank instead of 2
-=============  =========================================================================
-
-What the training script must do (the README's "What unbroken drill needs from your
-script"): write under ``{dir}`` (the drill substitutes a directory per run); checkpoint with
-:class:`unbroken.ckpt.Checkpointer` into ``{dir}/ckpt``, resume from it when started again
-with the same arguments, and save a final checkpoint at the last step; log every step's
-``loss`` and, to have the data order compared, ``ids`` (the sample ids it consumed:
-``loader.forever().take_ids()`` lists every rank's, or ``StreamingDataset(with_ids=True)``
-hands them out and :func:`unbroken.common.metrics.global_ids` gathers them over ranks; without them the loader's position is still compared as part of
-the final state) to ``{dir}/metrics.jsonl`` with :class:`unbroken.common.metrics.MetricLog` (also
-``world_size`` in multi-rank jobs); call :func:`unbroken.elastic.beat` every step; be
-deterministic (seeds, ``torch.use_deterministic_algorithms``). For ``agent-loss`` and
-``world-size`` (``multi_rank=True``) it must train data-parallel under torchrun on any world
-size with a sample order that does not depend on it (the demo and ``StatefulLoader`` do).
-
-After a world-size change the floats cannot be bit-identical to the reference: the gradient
-all-reduce sums over another number of ranks, so it rounds differently. Compared exactly
-there instead: every sample id in order, the loss curve up to the change, and every
-non-float-tensor leaf of the final state (counters, data position, optimizer and scheduler
-hyperparameters and schedules); plus that the job finished on the remaining node.
-
-Layout of the drill directory::
-
-    reference-w1/  reference-w2/      {dir} of the reference runs (+ .log, .audit)
-    single/job/    single/node-A/      {dir} of the one-node run (+ .audit); its supervisor's
-    elastic/job/   elastic/node-A/ elastic/node-B/                              run dir
-    drill.txt  drill.json  timeline.png
+What the script must do: README, "What unbroken drill needs from your script". The fault
+kinds, what is compared (and how after a world-size change) and the drill directory's
+layout: ARCHITECTURE.md, "Design notes" > elastic > the drill.
 """
 
 from __future__ import annotations
