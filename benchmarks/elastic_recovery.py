@@ -12,8 +12,10 @@ steps), same kill (rank 1 SIGKILLed), at two moments (issue 23: the cold path be
 
 Rows, each against torchrun's own restart at the same moment, same run: (a) `unbroken run`,
 standby ready; (b) `unbroken run --no-prewarm` (a bare standby agent, fresh worker
-interpreters); (c) `unbroken run`, a failure before the standby is ready; (d) `unbroken run
---no-standby` (nothing held while training: a fresh torchrun and fresh workers). The anchor is ``torchrun --standalone --max-restarts 1`` (restarts the
+interpreters); (c) `unbroken run`, a failure before the standby is ready (the failed
+attempt's agent is kept and restarts only the workers; column "kept": how many runs did);
+(d) `unbroken run --no-standby` (nothing held while training, fresh workers; since issue
+23 the running agent is kept and restarts them, as torchrun does). The anchor is ``torchrun --standalone --max-restarts 1`` (restarts the
 worker group inside the running agent) with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (without
 it the restarted group usually fails to connect, see RESULTS.md; ``--plain-torchrun`` adds
 that row too). The anchor runs get UNBROKEN_RUN_DIR set by hand so the same script writes
@@ -268,6 +270,8 @@ def _phases(
     if mode[0] == "unbroken":
         (fail,) = [e for e in ev if e["event"] == "failure"]
         t_detect = float(fail["t_detect"])
+        relaunch = [e for e in ev if e["event"] == "launch" and e.get("attempt") == 1]
+        out["kept"] = float(bool(relaunch and relaunch[0].get("kept")))
         stop = [e for e in ev if e["event"] == "stop_group"]
         if stop:
             out["stop"] = float(stop[0]["seconds"])
@@ -336,17 +340,19 @@ def report(res: dict[str, list[dict[str, float]]], failed: dict[str, list[str]])
     }
     print("\nSIGKILL of 1 of 2 gloo workers; medians (s) over the runs that recovered")
     print(
-        "| mode | kill | recovered | standby ready at the kill | "
+        "| mode | kill | recovered | standby ready at the kill | kept agent | "
         + " | ".join(PHASES)
         + " | vs torchrun, same kill |"
     )
-    print("|---|---|---|---|" + "---|" * len(PHASES) + "---|")
+    print("|---|---|---|---|---|" + "---|" * len(PHASES) + "---|")
     ratios: dict[str, float] = {}
     for name, xs in res.items():
         moment = MODES[name][1] if name in MODES else "late"
         n = f"{len(xs)}/{len(xs) + len(failed[name])}"
         ready = [x["standby_ready_at_kill"] for x in xs if "standby_ready_at_kill" in x]
         rd = f"{int(sum(ready))}/{len(ready)}" if ready else "-"
+        kept = [x["kept"] for x in xs if "kept" in x]
+        rd += f" | {int(sum(kept))}/{len(kept)}" if kept else " | -"
         if not xs:
             print(f"| {name} | {moment} | {n} | {rd} |" + " |" * (len(PHASES) + 1))
             continue

@@ -110,8 +110,8 @@ def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
 def test_survivor_stuck_after_its_peer_died_is_killed_after_the_grace(tmp_path):
     """The rank left alive cannot finish its collective and ignores SIGTERM (like a rank
     stuck in a save it can never finish): it costs --stop-grace, not torchrun's 30 s
-    shutdown timeout. A fresh torchrun and fresh interpreters (--no-standby, before issue 23
-    --no-prewarm): the fallback path."""
+    shutdown timeout. Fresh interpreters and nothing held ahead (--no-standby, before issue
+    23 --no-prewarm); since issue 23 the running agent is kept and restarts the workers."""
     steps = 30
     with h.jobs() as start:
         job = start(
@@ -132,7 +132,39 @@ def test_survivor_stuck_after_its_peer_died_is_killed_after_the_grace(tmp_path):
     assert (f["rule"], f["fault"]) == ("killed", "process"), f
     exits = job.events("worker_exit")
     assert {e["via"] for e in exits} == {"spawn"}, exits
-    assert [e["prewarmed"] for e in job.events("launch")] == [None, None]
+    assert [e["kept"] for e in job.events("launch")] == [False, True]
+    _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=2)
+    _assert_nothing_left(job)
+
+
+def test_no_standby_holds_nothing_and_restarts_the_workers_in_the_running_agent(tmp_path):
+    """issue 23 (cold path): --no-standby holds no process for the next attempt while the
+    job trains, and a rank's failure costs what torchrun's own restart costs: the running
+    agent (torch imported) is kept and starts fresh worker interpreters, instead of a
+    fresh torchrun that imports torch again before it rendezvouses."""
+    stop = tmp_path / "stop"
+    with h.jobs() as start:
+        job = start(
+            str(tmp_path / "run"),
+            ["--nproc-per-node", "2", "--no-standby"],
+            _script_args(tmp_path, 10_000, save_every=5, stop_file=stop),
+        )
+        beats = h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=2), 90, "step 8", job)
+        assert not h.pids_of(job, attempt=1)  # nothing held for the next attempt
+        os.kill(beats[1].pid, signal.SIGKILL)
+        back = max(b.step for b in beats) + 2
+        h.wait_until(lambda: h.live_beats(job, 1, back, ranks=2), 90, "the restarted ranks", job)
+        stop.write_text("")
+        assert job.wait(120) == 0, job.output()[-3000:]
+
+    first, second = job.events("launch")
+    assert (first["kept"], second["kept"]) == (False, True), (first, second)
+    assert second["agent_pid"] == first["agent_pid"], (first, second)
+    # the attempt's own agent said it was up; nothing was ever started ahead
+    assert [e["attempt"] for e in job.events("standby")] == [0], job.events("standby")
+    exits = job.events("worker_exit")
+    assert {e["via"] for e in exits} == {"spawn"}, exits
+    steps = h.metric_steps(str(tmp_path / "metrics.jsonl"))[-1]
     _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=2)
     _assert_nothing_left(job)
 
@@ -166,6 +198,60 @@ def test_no_prewarm_restarts_from_a_bare_standby_agent_with_fresh_workers(tmp_pa
     assert {e["via"] for e in exits} == {"spawn"}, exits
     (f,) = job.events("failure")
     assert (f["fault"], f["action"]) == ("process", "restart"), f
+    steps = h.metric_steps(str(tmp_path / "metrics.jsonl"))[-1]
+    _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=2)
+    _assert_nothing_left(job)
+
+
+_SLOW_PRELOAD = """
+import os, time
+# A preload that never finishes in a standby (attempt >= 1) until the test opens the gate:
+# the next attempt's standby stays 'not ready' for as long as the test wants.
+if os.environ.get("UNBROKEN_ATTEMPT", "0") != "0":
+    gate, deadline = os.environ["UB_TEST_GATE"], time.monotonic() + 300
+    while not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+def test_failure_before_the_standby_is_ready_restarts_the_workers_in_the_kept_agent(
+    tmp_path, monkeypatch
+):
+    """issue 23 (cold path): a rank dies while the next attempt's standby is still importing.
+    The restart neither waits for that standby nor starts a cold agent: the failed attempt's
+    agent (torch imported, its fork server warm) is kept and restarts only the workers, forked
+    as before. The unready standby is dismissed; the job ends bit-identical, nothing left."""
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    (mods / "ub_slow_preload.py").write_text(_SLOW_PRELOAD)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(mods), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("UB_TEST_GATE", str(tmp_path / "gate"))
+    stop = tmp_path / "stop"
+    with h.jobs() as start:
+        job = start(
+            str(tmp_path / "run"),
+            ["--nproc-per-node", "2", "--preload", "ub_slow_preload"],
+            _script_args(tmp_path, 10_000, save_every=5, stop_file=stop),
+        )
+        h.wait_until(lambda: h.pids_of(job, attempt=1), 90, "the standby of attempt 1", job)
+        beats = h.wait_until(lambda: h.live_beats(job, 0, 6, ranks=2), 90, "step 6", job)
+        assert not [e for e in job.events("standby") if e["attempt"] == 1]  # not ready
+        os.kill(beats[1].pid, signal.SIGKILL)
+        back = max(b.step for b in beats) + 2
+        h.wait_until(lambda: h.live_beats(job, 1, back, ranks=2), 90, "the restarted ranks", job)
+        stop.write_text("")
+        assert job.wait(120) == 0, job.output()[-3000:]
+        (tmp_path / "gate").write_text("")
+
+    (f,) = job.events("failure")
+    assert (f["fault"], f["action"]) == ("process", "restart"), f
+    first, second = job.events("launch")
+    assert (first["kept"], second["kept"]) == (False, True), (first, second)
+    assert second["agent_pid"] == first["agent_pid"], (first, second)
+    assert second["prewarmed"] is not None, second
+    exits = [e for e in job.events("worker_exit") if e["attempt"] == 1]
+    assert len(exits) == 2 and {e["via"] for e in exits} == {"zygote"}, exits
+    assert not [e for e in job.events("standby") if e["attempt"] == 1]  # never used
     steps = h.metric_steps(str(tmp_path / "metrics.jsonl"))[-1]
     _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=2)
     _assert_nothing_left(job)

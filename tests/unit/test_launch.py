@@ -35,7 +35,7 @@ AGENT = textwrap.dedent("""
     import os, sys
     from unbroken.elastic.launch.forkserver import start_server
     name, key = "unbroken-test-" + os.urandom(6).hex(), os.urandom(32).hex()
-    pid = start_server(name, key, sys.argv[1], [], 0.0, None)
+    pid = start_server(name, key, sys.argv[1], sys.argv[2:], 0.0, None)
     print(name, pid, key, flush=True)
     sys.stdin.read()
 """)
@@ -213,6 +213,56 @@ def test_a_dead_fork_server_takes_its_workers_along(tmp_path, agent):
     _gone(worker)
     (e,) = r.exits()
     assert e["exitcode"] is None and "fork server" in r.err.read_text()
+
+
+def test_preloads_skipped_for_a_waiting_launcher_are_imported_when_idle(tmp_path):
+    """issue 23: a launcher waiting while the server imports is served at once (the
+    preloads not yet imported are skipped) and the server imports them later, while idle:
+    an agent kept for the next attempt then forks its workers with them imported."""
+    mods, gate, marker = tmp_path / "mods", tmp_path / "gate", tmp_path / "late-imported"
+    mods.mkdir()
+    (mods / "ub_gate_mod.py").write_text(
+        f"import os, time\nwhile not os.path.exists({str(gate)!r}):\n    time.sleep(0.01)\n"
+    )
+    (mods / "ub_late_mod.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (tmp_path / "has.py").write_text("import sys\nprint('ub_late_mod' in sys.modules)\n")
+    env = dict(os.environ, PYTHONPATH=str(mods), **{events.ENV_RUN_DIR: str(tmp_path)})
+    p = subprocess.Popen(
+        [sys.executable, "-c", AGENT, str(tmp_path / "zygote.log"), "ub_gate_mod", "ub_late_mod"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert p.stdout is not None
+        name, zpid, key = p.stdout.readline().decode().split()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(20)
+            s.connect("\0" + name)  # waits in the backlog while ub_gate_mod imports
+            s.sendall(struct.pack("!I", 4) + b"junk")
+            gate.write_text("")
+            assert b"refused" in s.makefile("rb").readline()  # served (refused) at once
+        (ready,) = [e for e in events.load_events(str(tmp_path)) if e["event"] == "standby"]
+        # skipped for the waiting connection (ub_gate_mod too, if it came before that import)
+        assert ready["failed"]["<skipped>"].endswith("ub_late_mod"), ready
+        deadline = time.monotonic() + 20
+        while not marker.exists():  # imported once the server was idle
+            assert time.monotonic() < deadline, "the skipped preload was never imported"
+            time.sleep(0.05)
+        out = subprocess.run(
+            [sys.executable, "-S", LAUNCHER, str(tmp_path / "has.py")],
+            env=dict(env, UNBROKEN_ZYGOTE=_zygote_env(name, int(zpid), key)),
+            capture_output=True,
+            timeout=30,
+            check=True,
+        )
+        assert out.stdout.decode().strip() == "True", out
+        (e,) = [e for e in events.load_events(str(tmp_path)) if e["event"] == "worker_exit"]
+        assert e["via"] == "zygote", e
+    finally:
+        assert p.stdin is not None
+        p.stdin.close()
+        p.wait(10)
 
 
 @pytest.mark.parametrize("zygote", [None, "unbroken-test-nobody-listens 1 " + "0" * 64])

@@ -158,9 +158,10 @@ RUN_FLAGS: tuple[ConfigFlag, ...] = (
         ("--no-standby",),
         RunConfig,
         "standby",
-        "start a fresh torchrun and fresh workers per attempt: nothing is held while the job "
-        "trains (the standby costs a few hundred MB and a few CPU-seconds per attempt), the "
-        "slowest restart",
+        "hold nothing for the next attempt while the job trains (the standby costs a few "
+        "hundred MB and a few CPU-seconds per attempt); workers start as fresh interpreters, "
+        "restarted in the running agent after a rank's failure, and a lost agent costs a "
+        "fresh one",
         action="store_false",
     ),
     F(("-q", "--quiet"), RunConfig, "echo", "do not echo the job's output", action="store_false"),

@@ -10,8 +10,8 @@ The run directory is private to the job's user (:func:`unbroken.common.fs.privat
 T-SHARED-NODE): files 0600 (:data:`FILE_MODE`), directories 0700
 (:func:`private_subdir`), every fixed name opened without following a symlink.
 
-The event schema (start, preflight, standby, launch, workers_up, worker_exit, stop_group,
-loaded, restore_refused, saved, caught_up, failure, hang, stop, finish):
+The event schema (start, preflight, standby, launch, agent_idle, workers_up, worker_exit,
+stop_group, loaded, restore_refused, saved, caught_up, failure, hang, stop, finish):
 ARCHITECTURE.md, "Design notes" > common > the event log.
 """
 

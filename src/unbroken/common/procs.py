@@ -15,7 +15,7 @@ import os
 import select
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 __all__ = [
     "PidWatch",
@@ -153,8 +153,16 @@ def pids_with_env(key: str, value: str) -> list[int]:
     return found
 
 
-def kill_matching(key: str, value: str, *, timeout: float = 5.0, sig: int = signal.SIGKILL) -> int:
-    """Send ``sig`` to every process carrying ``key=value`` until none is left.
+def kill_matching(
+    key: str,
+    value: str,
+    *,
+    timeout: float = 5.0,
+    sig: int = signal.SIGKILL,
+    exclude: Collection[int] = (),
+) -> int:
+    """Send ``sig`` to every process carrying ``key=value`` (but the pids in ``exclude``)
+    until none is left.
 
     Loops because a dying parent may still spawn. Returns how many distinct processes were
     signalled; logs a warning naming the survivors if any remain after ``timeout`` (a process
@@ -163,7 +171,7 @@ def kill_matching(key: str, value: str, *, timeout: float = 5.0, sig: int = sign
     signalled: set[int] = set()
     deadline = time.monotonic() + timeout
     while True:
-        pids = pids_with_env(key, value)
+        pids = [p for p in pids_with_env(key, value) if p not in exclude]
         if not pids:
             return len(signalled)
         for pid in pids:

@@ -114,8 +114,9 @@ class RunConfig:
     (see ``launch.standby``); False starts every worker as a fresh interpreter."""
     standby: bool = True
     """Keep the next attempt's torchrun agent started ahead, torch imported (with
-    ``prewarm``: and its fork server); False starts a fresh torchrun per attempt and holds
-    nothing while the job trains (the slowest restart, no memory held)."""
+    ``prewarm``: and its fork server). False holds nothing ahead while the job trains (no
+    memory, no CPU) and starts fresh worker interpreters: a rank's failure restarts them in
+    the running agent (as torchrun does), the loss of the agent costs a fresh one."""
     preload: tuple[str, ...] = DEFAULT_PRELOAD
     """Modules the pre-warmed agent imports before forking workers (add your heavy imports:
     they are then free at every restart). A module that fails to import is skipped."""
@@ -189,6 +190,8 @@ class Supervisor:
         self._preflight_ok_at = float("-inf")
         self._standby: Standby | None = None
         self._memory: str | None = None  # the memory tier's directory, when this agent owns it
+        self._kept: Standby | None = None
+        """The last attempt's agent, kept for the next one (see ``_agent_for``)."""
 
     # --- bookkeeping ---------------------------------------------------------------------
 
@@ -313,16 +316,36 @@ class Supervisor:
             nproc=self.cfg.nproc_per_node,
             preload=self.cfg.preload,
             echo=self.cfg.echo,
-            fork_server=self.cfg.prewarm,
+            fork_server=self.cfg.prewarm and self.cfg.standby,
         )
+
+    def _agent_for(self, number: int) -> tuple[Standby | None, list[Standby]]:
+        """The agent for attempt ``number`` and the ones not taken (closed once the attempt
+        is launched: their teardown stays off the restart's path). The standby if its
+        imports are done; else the last attempt's agent if it was kept (issue 23: warm, only
+        the workers restart; a standby still importing would put its imports on the
+        restart's path); else the standby as it is; else a cold one (with
+        ``standby=False``: the attempt's own agent, bare, that is kept the same way)."""
+        sb, self._standby = self._standby, None
+        kept, self._kept = self._kept, None
+        drop: list[Standby] = []
+        if sb is not None and (sb.number != number or not sb.alive()):
+            drop.append(sb)
+            sb = None
+        if kept is not None and sb is not None and sb.ready():
+            drop.append(kept)  # a fresh agent: nothing of the failed one carries over
+            kept = None
+        if kept is not None and kept.reuse(number):
+            return kept, [*drop, *([sb] if sb is not None else [])]
+        if kept is not None:
+            drop.append(kept)
+        if sb is None:  # cold (standby=False: the attempt's own agent, kept on a rank's failure)
+            sb = self._new_standby(number)
+        return sb, drop
 
     def _launch(self, coord: Coordinator, number: int, gen: int) -> Attempt:
         target = self._max_step if self._failures and self._max_step >= 0 else None
-        sb, self._standby = self._standby, None
-        if self.cfg.standby and (sb is None or sb.number != number or not sb.alive()):
-            if sb is not None:
-                sb.close()
-            sb = self._new_standby(number)  # cold: the workers are still forked from it
+        sb, drop = self._agent_for(number)
         att = Attempt(
             number=number,
             gen=gen,
@@ -334,6 +357,8 @@ class Supervisor:
             standby=sb,
         )
         self._attempt = att
+        for other in drop:
+            other.close()
         self._event(
             "launch",
             attempt=number,
@@ -342,6 +367,7 @@ class Supervisor:
             argv=att.argv,
             agent_pid=att.proc.pid,
             prewarmed=att.prewarmed,
+            kept=att.kept,
         )
         log.info("attempt %d (generation %d) started: %s", number, gen, " ".join(att.argv))
         return att
@@ -709,9 +735,10 @@ class Supervisor:
             if self._attempt is not None:
                 self._attempt.close()
                 heartbeat.remove_empty_dumps(self.run_dir, self._attempt.number)
-            if self._standby is not None:
-                self._standby.close()
-                self._standby = None
+            for sb in (self._standby, self._kept):
+                if sb is not None:
+                    sb.close()
+            self._standby = self._kept = None
             for s, h in old.items():
                 signal.signal(s, h)
             self._drop_memory_tier(env_before)
@@ -769,6 +796,8 @@ class Supervisor:
         while True:
             att = self._launch(coord, number, gen)
             out = self._monitor(att, coord)
+            if out.kind == "exit":  # a rank failed, the agent did not: keep it
+                self._kept = att.release()
             att.close()
             heartbeat.remove_empty_dumps(self.run_dir, att.number)
             if out.kind == "success":

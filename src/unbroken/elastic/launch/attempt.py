@@ -1,9 +1,13 @@
 """One attempt: a torchrun agent (the elastic agent) and everything it starts.
 
 torchrun runs with ``--max-restarts 0``: the supervisor owns restarts, so that every failure
-passes through classification, backoff and pre-flight, and so that a restart is a fresh agent
-process (a wedged agent or stale in-process state cannot carry over). Membership changes
-(a spare joining) are still handled inside torchrun, which does not count them as restarts.
+passes through classification, backoff and pre-flight. A restart takes a fresh agent
+process when one is ready (a standby: nothing of the failed agent carries over); when a
+rank failed and none is ready yet, the failed attempt's agent is kept (:meth:`Attempt.release`:
+its workers are killed, torchrun's ``main`` returns into the standby's order loop) and only
+the workers restart, as in torchrun's own in-agent restart (issue 23: no restart waits for
+a standby still importing). Membership changes (a spare joining) are still handled inside
+torchrun, which does not count them as restarts.
 
 The agent is either a pre-warmed :class:`~.standby.Standby` (torch already imported, with a
 fork server for the workers, see :mod:`.forkserver`) or, as the fallback, a fresh
@@ -31,7 +35,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from unbroken.common import events
 from unbroken.common.fs import atomic_write_bytes, open_private
@@ -45,7 +49,7 @@ from unbroken.common.procs import (
     signal_if_tagged,
 )
 from unbroken.elastic.faults import WorkerExit
-from unbroken.elastic.launch.worker import ENV_ZYGOTE, LAUNCHER_TITLE
+from unbroken.elastic.launch.worker import ENV_ZYGOTE, FORKSERVER_TITLE, LAUNCHER_TITLE
 
 if TYPE_CHECKING:
     from unbroken.elastic.launch.standby import Standby
@@ -120,11 +124,11 @@ class Agent:
         echo: bool,
         stdin: int,
     ) -> None:
-        self.dir = events.private_subdir(run_dir, "attempts", str(number))
+        self.run_dir = run_dir
         self._tail: collections.deque[str] = collections.deque(maxlen=600)
         self._echo = echo
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-        self._log = os.fdopen(open_private(os.path.join(self.dir, "torchrun.log"), flags), "ab")
+        self._lock = threading.Lock()
+        self.dir, self._log = self._open_log(number)
         self.proc = subprocess.Popen(
             argv,
             env=env,
@@ -136,27 +140,43 @@ class Agent:
         self._reader = threading.Thread(target=self._pump, daemon=True, name=f"agent-{number}")
         self._reader.start()
 
+    def _open_log(self, number: int) -> tuple[str, BinaryIO]:
+        d = events.private_subdir(self.run_dir, "attempts", str(number))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        return d, os.fdopen(open_private(os.path.join(d, "torchrun.log"), flags), "ab")
+
+    def switch(self, number: int) -> None:
+        """From now on the console belongs to attempt ``number`` (a kept agent)."""
+        d, log_file = self._open_log(number)
+        with self._lock:
+            old, self.dir, self._log = self._log, d, log_file
+            self._tail.clear()
+        old.close()
+
     def _pump(self) -> None:
         out = self.proc.stdout
         if out is None:
             return
         for raw in iter(out.readline, b""):
-            self._log.write(raw)
-            self._log.flush()
             line = raw.decode("utf-8", "replace")
-            self._tail.append(line)
+            with self._lock:
+                self._log.write(raw)
+                self._log.flush()
+                self._tail.append(line)
             if self._echo:
                 with contextlib.suppress(OSError, ValueError):
                     sys.stdout.write(line)
                     sys.stdout.flush()
 
     def console(self) -> str:
-        self._reader.join(timeout=2.0)
-        return "".join(self._tail)
+        if self.proc.poll() is not None:  # a live (kept) agent's console has no end yet
+            self._reader.join(timeout=2.0)
+        with self._lock:
+            return "".join(self._tail)
 
     def close(self) -> None:
         self._reader.join(timeout=2.0)
-        with contextlib.suppress(OSError):
+        with self._lock, contextlib.suppress(OSError):
             self._log.close()
 
 
@@ -193,15 +213,26 @@ class Attempt:
         self._launchers: dict[int, int | None] = {}  # launcher pid -> its rank
         self._watch = PidWatch()
         self.killed_by_us = False
+        self._idle = False
         targv = ["--log-dir", self.log_dir, *torchrun_argv]
-        extra = {} if catchup_step is None else {events.ENV_CATCHUP: str(catchup_step)}
+        # A kept agent carries the last attempt's values: every order sets both.
+        extra = {
+            events.ENV_ATTEMPT: str(number),
+            events.ENV_CATCHUP: "" if catchup_step is None else str(catchup_step),
+        }
         self.prewarmed: float | None = None
         """Seconds the standby had been warming up when it took over (None: fresh agent)."""
+        self.kept = False
+        """The agent is the last attempt's, kept: only the workers were restarted."""
+        self._standby: Standby | None = None
+        """The standby this attempt's agent came from (it can take another order)."""
+        self._released = False
         self.t_launch = time.time()
         if standby is not None and standby.number == number and standby.go(targv, extra):
             self.token, self._agent = standby.token, standby.agent
             self.argv = [*standby.argv, "<stdin>", *targv]
             self.prewarmed = self.t_launch - standby.t_start
+            self.kept, self._standby = standby.kept, standby
         else:
             if standby is not None:
                 standby.close()
@@ -217,7 +248,11 @@ class Attempt:
         return self._agent.console()
 
     def poll(self) -> int | None:
-        return self.proc.poll()
+        """The agent's exit code; 1 once a kept-alive agent said its workers failed."""
+        rc = self.proc.poll()
+        if rc is None and self._idle:
+            return 1
+        return rc
 
     def worker_pids(self) -> list[int]:
         """The live launchers, i.e. torchrun's worker processes (one per local rank)."""
@@ -235,8 +270,12 @@ class Attempt:
 
     def _read_exits(self) -> None:
         for e in self._events.read():
-            if e.get("event") == "worker_exit" and e.get("attempt") == self.number:
+            if e.get("attempt") != self.number:
+                continue
+            if e.get("event") == "worker_exit":
                 self.exits.append(WorkerExit.from_event(e))
+            elif e.get("event") == "agent_idle" and e.get("pid") == self.proc.pid:
+                self._idle = True  # torchrun returned: its workers failed
 
     def failure(self) -> WorkerExit | None:
         """The first rank that failed (not stopped, not a clean or preemption exit), or a
@@ -307,7 +346,10 @@ class Attempt:
             self._watch.wait(alive, min(left, 0.5))
         killed = sorted({ranks[p] for p in alive})
         exited = sorted({ranks[p] for p in targets} - set(killed))
-        self.kill()
+        if self._standby is not None and self.proc.poll() is None:
+            self.kill_workers()  # the agent may be kept for the next attempt (release)
+        else:
+            self.kill()
         return exited, killed, time.monotonic() - t0
 
     def terminate(self, grace: float) -> int | None:
@@ -319,6 +361,35 @@ class Attempt:
         except subprocess.TimeoutExpired:
             return None
 
+    def _helpers(self) -> list[int]:
+        """The agent's children that are not launchers: its fork server."""
+        agent = cmdline(self.proc.pid)
+        out = []
+        for pid in children_of(self.proc.pid):
+            argv = cmdline(pid)
+            if argv[:1] and argv[0].startswith(FORKSERVER_TITLE) or (argv and argv == agent):
+                out.append(pid)
+        return out
+
+    def kill_workers(self) -> None:
+        """SIGKILL every process of this attempt but the agent and its fork server."""
+        self.killed_by_us = True
+        kill_matching(
+            ENV_TOKEN, self.token, timeout=10.0, exclude={self.proc.pid, *self._helpers()}
+        )
+
+    def release(self) -> Standby | None:
+        """The agent, to be kept for the next attempt (issue 23: only the workers restart):
+        when it came from a standby, lives, and still has its fork server if it had one.
+        Then :meth:`close` leaves it running."""
+        sb = self._standby
+        if sb is None or self.proc.poll() is not None or (sb.fork_server and not self._helpers()):
+            return None
+        if not self.killed_by_us:
+            self.kill_workers()
+        self._released = True
+        return sb
+
     def kill(self) -> None:
         """SIGKILL the agent and every process that inherited this attempt's token."""
         self.killed_by_us = True
@@ -327,9 +398,14 @@ class Attempt:
             log.debug("attempt %d: killed %d processes", self.number, n)
 
     def close(self) -> None:
-        """Make sure nothing of this attempt runs any more, then release the log file."""
-        if self.proc.poll() is None or kill_matching(ENV_TOKEN, self.token, timeout=0.0):
+        """Make sure nothing of this attempt runs any more, then release the log file (a
+        released agent and its fork server stay: the next attempt has them)."""
+        # A released agent's workers were killed when it was released.
+        if not self._released and (
+            self.proc.poll() is None or kill_matching(ENV_TOKEN, self.token, timeout=0.0)
+        ):
             self.kill()
         self._read_exits()
         self._watch.close()
-        self._agent.close()
+        if not self._released:
+            self._agent.close()

@@ -235,6 +235,8 @@ class _Zygote:
         self.me = os.getpid()
         self.key = key.encode()
         self.refused: str | None = None
+        self._pending: list[str] = []
+        """Preloads skipped because launchers were waiting (imported later, when idle)."""
         self._preload = (preload, t0)
         self.interp_env = {k: v for k, v in os.environ.items() if k.startswith("PYTHON")}
         self.conns: dict[int, socket.socket] = {}  # worker pid -> its launcher's connection
@@ -281,9 +283,9 @@ class _Zygote:
             return bool(select.select([self.listener], [], [], 0)[0])
 
         failed = _preload(names, asked)
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
-            self.refused = "a preloaded module initialised CUDA, which a fork cannot use"
+        skipped = failed.get("<skipped>")
+        self._pending = skipped.split(", ") if skipped else []
+        self._check_cuda()
         attempt_event(
             "standby",
             seconds=round(time.perf_counter() - t0, 3),
@@ -291,6 +293,21 @@ class _Zygote:
             failed=failed,
             fork_server=self.refused is None,
         )
+
+    def _check_cuda(self) -> None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            self.refused = "a preloaded module initialised CUDA, which a fork cannot use"
+
+    def _preload_one(self) -> None:
+        """Import the next preload skipped for a waiting launcher, while idle: the agent may
+        be kept for the next attempt (issue 23), whose workers then fork with it imported."""
+        if self._pending:
+            failed = _preload(self._pending[:1])
+            self._pending = self._pending[1:]
+            if failed:
+                print(f"fork server: preload failed: {failed}", flush=True)
+            self._check_cuda()
 
     def _agent_alive(self) -> bool:
         return os.getppid() == self.agent
@@ -310,6 +327,8 @@ class _Zygote:
             if self.agent_fd is not None and self._agent_alive():
                 fds.append(self.agent_fd)
             ready, _, _ = select.select(fds, [], [], 1.0)
+            if not ready:
+                self._preload_one()
             for r in ready:
                 if r is self.listener:
                     work = self._accept()

@@ -7,7 +7,10 @@ benchmarks/RESULTS.md). The supervisor therefore keeps the *next* attempt's agen
 the fork server (:mod:`.forkserver`, which imports the workers' ``preload`` modules), and
 waits on stdin. On a restart the supervisor writes one JSON line ``{"argv": [torchrun
 args], "env": {...}}`` (:meth:`Standby.go`) and the standby runs torchrun's ``main``
-in-process: it is the attempt's agent, and its workers are forked by the server.
+in-process: it is the attempt's agent, and its workers are forked by the server. When
+torchrun's ``main`` ends because the workers failed, the agent appends ``agent_idle`` and
+waits for the next order: the supervisor keeps it for the next attempt when no fresh
+standby is ready (:meth:`Standby.reuse`; issue 23: only the workers restart).
 
 With ``unbroken run --no-prewarm`` the standby is *bare* (``--bare``): the agent is started
 ahead all the same, but without a fork server. Any failure to pre-warm falls back to the
@@ -24,9 +27,11 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from unbroken.common import events
 from unbroken.elastic.launch.attempt import Agent, attempt_env, kill_attempt
 from unbroken.elastic.launch.forkserver import attempt_event, pdeathsig, start_server
 from unbroken.elastic.launch.worker import ENV_ZYGOTE
@@ -65,6 +70,10 @@ class Standby:
         self.run_dir = run_dir
         self.token = uuid.uuid4().hex
         self.t_start = time.time()
+        self.kept = False
+        """The agent of an earlier attempt, kept for this one (see :meth:`reuse`)."""
+        self.fork_server = fork_server
+        """Its workers are forked by its fork server (False: a bare standby)."""
         self.argv = [sys.executable, "-m", __name__, *([BARE] if not fork_server else preload)]
         self.agent = Agent(
             number,
@@ -78,18 +87,43 @@ class Standby:
     def alive(self) -> bool:
         return self.agent.proc.poll() is None
 
+    def ready(self) -> bool:
+        """Its imports are done (its ``standby`` event is in the run's log)."""
+        return any(
+            e["event"] == "standby" and e.get("attempt") == self.number
+            for e in events.load_events(self.run_dir)
+        )
+
     def go(self, torchrun_argv: list[str], env: dict[str, str]) -> bool:
         """Turn the standby into the running agent; False if it cannot take the order."""
-        req = {"argv": torchrun_argv, "env": env, "log": os.path.join(self.agent.dir, "zygote.log")}
+        req = {"argv": torchrun_argv, "env": env}
         pipe = self.agent.proc.stdin
         if pipe is None or not self.alive():
             return False
         try:
             pipe.write(json.dumps(req).encode() + b"\n")
-            pipe.close()
+            pipe.flush()  # kept open: the agent may serve the next attempt (reuse)
         except OSError:
             return False
         return True
+
+    def reuse(self, number: int, timeout: float = 5.0) -> bool:
+        """Make the agent of a failed attempt (its workers stopped) attempt ``number``'s:
+        True once it said it is idle (``agent_idle``: torchrun returned, ready for the next
+        order) within ``timeout`` seconds; False for an agent that is gone or wedged."""
+        pid, deadline = self.agent.proc.pid, time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            if any(
+                e["event"] == "agent_idle"
+                and e.get("pid") == pid
+                and e.get("attempt") == self.number
+                for e in events.load_events(self.run_dir)
+            ):
+                self.number, self.kept = number, True
+                self.agent.switch(number)
+                return True
+            time.sleep(0.02)
+        return False
 
     def close(self) -> None:
         """Dismiss an unused standby (nothing of it survives; it is reaped)."""
@@ -101,7 +135,9 @@ class Standby:
 
 
 def main(argv: list[str]) -> None:
-    """The standby process: import, fork the server, wait for the go order, be the agent."""
+    """The standby process: import, fork the server, wait for a go order, be the agent;
+    when torchrun returns, say so (``agent_idle``) and wait for the next order (a kept
+    agent, see :meth:`Standby.go`)."""
     pdeathsig(signal.SIGKILL)  # a standby dies with its supervisor
     preload = [m for m in argv if m.strip()]  # not the TITLE_ROOM
     bare = preload[:1] == [BARE]
@@ -125,19 +161,40 @@ def main(argv: list[str]) -> None:
     server = None if bare else start_server(name, key, log, preload, t0, rng)
     if bare:  # ready: what the fork server says when it has imported its preloads
         attempt_event("standby", seconds=round(time.perf_counter() - t0, 3), fork_server=False)
-    line = sys.stdin.readline()
-    if not line:
-        os._exit(0)  # the supervisor no longer needs this attempt (the server follows)
-    pdeathsig(0)  # from here on this is a torchrun agent and lives like one
-    req = json.loads(line)
-    os.environ.update(req["env"])
-    if server is not None:
-        os.environ[ENV_ZYGOTE] = f"{name} {server} {key}"
+    # Orders come on the pipe that is stdin now; the workers get /dev/null as stdin.
+    orders = os.fdopen(os.dup(0), "rb")
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    sys.argv = ["torchrun", *req["argv"]]
-    torchrun(req["argv"])
+    while True:
+        line = orders.readline()
+        if not line:
+            os._exit(0)  # the supervisor no longer needs this agent (the server follows)
+        pdeathsig(0)  # from here on this is a torchrun agent and lives like one
+        req = json.loads(line)
+        os.environ.update(req["env"])
+        if server is not None:
+            os.environ[ENV_ZYGOTE] = f"{name} {server} {key}"
+        sys.argv = ["torchrun", *req["argv"]]
+        if not _workers_failed(torchrun, req["argv"]):
+            return  # done: exit as `python -m torch.distributed.run` does
+        pdeathsig(signal.SIGKILL)  # idle again: nothing to do without the supervisor
+        attempt_event("agent_idle", rc=1)
+
+
+def _workers_failed(torchrun: Callable[[list[str]], None], argv: list[str]) -> bool:
+    """Run torchrun's ``main``: True when it ended because its workers failed (its summary
+    printed as the interpreter prints it at exit); then this agent may serve the next
+    attempt. Anything else (a signal, a rendezvous error) ends the process as before."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        torchrun(argv)
+    except ChildFailedError:
+        traceback.print_exc()
+        sys.stderr.flush()
+        return True
+    return False
 
 
 if __name__ == "__main__":
