@@ -9,8 +9,9 @@ once by ``Checkpointer`` under ``--root`` and kept) and one moto S3 server in it
 * ``unbroken.upload``: ``Archive("s3://...").upload(step_dir, step)``: the committed files,
   each hashed (xxh3-128) against the manifest while read, multipart PUTs of 8 MiB parts
   through the object-store layer (obstore), manifest last;
-* ``unbroken.download``: ``Archive.download(step, dir)``: parallel ranged GETs per file,
-  hashed in order, fsynced, renamed into place on a match;
+* ``unbroken.download``: ``Archive.download(step, dir)``: each file in at most its share
+  of ``threads`` streamed ranged GETs (here: 4 files, 2 ranges each for the two 1 GiB
+  shards), every byte hashed in order, fsynced, renamed into place on a match;
 * ``s3torchconnector.save``: ``torch.distributed.checkpoint.save(state_dict,
   storage_writer=S3StorageWriter(region, "s3://...", thread_count=8))`` of the same tensors;
 * ``s3torchconnector.load``: ``dcp.load`` of them back through ``S3StorageReader`` into
@@ -120,7 +121,7 @@ def ops(
         return total
 
     def save() -> int:
-        w = S3StorageWriter("us-east-1", dcp_url, thread_count=arch.threads)
+        w = S3StorageWriter("us-east-1", dcp_url, thread_count=arch.config.threads)
         w.fs._client = crt_client(endpoint)
         dcp.save({"model": tensors}, storage_writer=w)
         return total

@@ -122,9 +122,11 @@ class FsspecStore(ObjectStore):
             raise PastEnd(f"{path}: no byte at {start}")
         return data
 
-    def _get_into(self, key: str, fd: int, size: int, tick: Callable[[int], None]) -> str:
+    def _get_into(
+        self, key: str, fd: int, size: int, tick: Callable[[int], None], streams: int
+    ) -> str:
         if not self.local:
-            return super()._get_into(key, fd, size, tick)
+            return super()._get_into(key, fd, size, tick, streams)
         return self._copy_local(key, fd, size, tick)
 
     def _copy_local(self, key: str, fd: int, size: int, tick: Callable[[int], None]) -> str:
