@@ -910,10 +910,20 @@ def test_sigkill_mid_download_then_resume(endpoint: str, tmp_path: Any) -> None:
             {**base, "endpoint": proxy.endpoint, "out": str(tmp_path / "a.jsonl")},
             str(tmp_path / "a.json"),
         )
+
+        def shard_get() -> bool:
+            return any(r[0] == "GET" and "shard-" in r[1] for r in proxy.requests)
+
         try:
-            _wait(lambda: bool(_temps(cache)) or p.poll() is not None, 120, "a download")
+            # the temporary file is made just before its GET is sent: wait for both (the
+            # proxy sees the request a moment after the file appears)
+            _wait(
+                lambda: (bool(_temps(cache)) and shard_get()) or p.poll() is not None,
+                120,
+                "a download",
+            )
             assert p.poll() is None, p.stderr.read().decode()[-3000:] if p.stderr else ""
-            assert any(r[0] == "GET" and "shard-" in r[1] for r in proxy.requests)
+            assert shard_get()
         finally:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=30)
