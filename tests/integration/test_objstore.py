@@ -635,3 +635,33 @@ def test_many_files_at_once_up_and_down_and_one_bad_file_fails_the_batch(
         store.get_files([(k, str(again / os.path.basename(d)), n, c) for k, d, n, c in specs])
     assert not any(is_temp_name(n) for n in os.listdir(again))
     assert not os.path.exists(again / "f3")
+
+
+def test_a_local_store_creates_its_directories_private(tmp_path: Any) -> None:
+    """issue 22 round 2 (noticed in round 1): a ``file://`` store (an archive on a local or
+    shared filesystem) creates every directory it needs 0700, whatever the umask: nobody
+    else on the node may list, plant or replace a checkpoint's files in it."""
+    data = os.urandom(6 * MiB)  # above part_bytes: the streamed (multipart) path
+    old = os.umask(0o002)
+    try:
+        store = open_store(f"file://{tmp_path}/arch/run", None, OPTS)
+        assert store.kind == "fsspec"
+        store.put_bytes("step-1/manifest.json", b"{}")
+        store.put_file(
+            "step-2/a/b.distcp",
+            _local(tmp_path, data),
+            size=len(data),
+            checksum=checksum_bytes(data),
+        )
+    finally:
+        os.umask(old)
+    for d in ("arch", "arch/run", "arch/run/step-1", "arch/run/step-2", "arch/run/step-2/a"):
+        mode = os.stat(tmp_path / d).st_mode & 0o777
+        assert mode == 0o700, (d, oct(mode))
+    assert (tmp_path / "arch/run/step-2/a/b.distcp").read_bytes() == data
+
+
+def _local(tmp_path: Any, data: bytes) -> str:
+    p = tmp_path / "src.bin"
+    p.write_bytes(data)
+    return str(p)
