@@ -8,6 +8,7 @@ signatures), so nothing here trusts the client under test to verify itself.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -665,3 +666,50 @@ def _local(tmp_path: Any, data: bytes) -> str:
     p = tmp_path / "src.bin"
     p.write_bytes(data)
     return str(p)
+
+
+@pytest.mark.parametrize("route", ["http", "s3-fsspec"])
+def test_throttling_and_a_truncated_body_are_retried_on_every_route(
+    endpoint: str, bucket: str, tmp_path: Any, route: str
+) -> None:
+    """issue 22 "How to show it" (every scheme's error path): besides S3 on obstore (the
+    tests above), an ``http://`` URL (obstore's HTTP store) and S3 through fsspec (s3fs):
+    503 throttling and a body cut short are answered with retries (the proxy counts them),
+    a store that keeps refusing is a RemoteStorageError naming the URL, no file left."""
+    data = os.urandom(3 * MiB + 11)
+    digest = checksum_bytes(data)
+    out = tmp_path / "out"
+    out.mkdir()
+    with contextlib.ExitStack() as stack:
+        if route == "http":
+            (tmp_path / "www" / "ds").mkdir(parents=True)
+            (tmp_path / "www" / "ds" / "obj").write_bytes(data)
+            upstream = stack.enter_context(RangeHTTPServer(str(tmp_path / "www"))).url
+        else:
+            _plant(endpoint, bucket, "obj", data)
+            upstream = endpoint
+        proxy = stack.enter_context(FaultProxy(upstream))
+        if route == "http":
+            url, so, opts = f"{proxy.endpoint}/ds", None, OPTS
+        else:
+            url = f"s3://{bucket}/ds"
+            so = {
+                "client_kwargs": {"endpoint_url": proxy.endpoint},
+                "config_kwargs": {"retries": {"max_attempts": 1}},  # our retries, not botocore's
+                "skip_instance_cache": True,
+            }
+            opts = StoreOptions(**{**OPTS.__dict__, "client": "fsspec"})
+        store = open_store(url, so, opts)
+        assert store.kind == ("obstore" if route == "http" else "fsspec")
+        for i, fault in enumerate((Fault("503", 2), Fault("truncate", 1))):
+            proxy.faults.append(fault)
+            n0 = len(_gets(proxy))
+            store.get_file("obj", str(out / f"ok{i}"), size=len(data), checksum=digest)
+            assert (out / f"ok{i}").read_bytes() == data
+            assert fault.hits == fault.times and len(_gets(proxy)) - n0 > fault.times
+        proxy.faults.append(Fault("503", 1000))
+        with pytest.raises(
+            RemoteStorageError, match=f"{url}/obj: .*(503|reduce your request rate)"
+        ):
+            store.get_file("obj", str(out / "bad"), size=len(data), checksum=digest)
+    assert sorted(os.listdir(out)) == ["ok0", "ok1"]
