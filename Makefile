@@ -21,10 +21,13 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
-	$(BIN)/mypy src
+	$(BIN)/mypy src tests
 
+# Two test processes by default (CI has 2 cores); each file stays on one of them, so a module's
+# shared fixtures (a reference run, a moto server) are built once. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
 
 # The quick loop while editing: unit tests without the slow ones (fuzzers, end-to-end runs).
 unit: $(STAMP)

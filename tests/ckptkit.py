@@ -60,7 +60,7 @@ def tmpfs(path: str, size: str = "16m") -> Iterator[str]:
 
 def small_state(
     seed: int = 0, **kw: Any
-) -> tuple[TrainState, torch.nn.Module, torch.optim.Optimizer]:
+) -> tuple[TrainState, torch.nn.Sequential, torch.optim.Optimizer]:
     """Model, AdamW, StepLR (and whatever further ``TrainState`` arguments ``kw`` holds)."""
     torch.manual_seed(seed)
     m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
@@ -175,7 +175,7 @@ def build_ranked_root(root: str) -> dict[int, dict[str, Any]]:
             p.kill()
         raise RuntimeError(f"2-rank save failed: exit codes {codes}")
     with open(want, "rb") as f:
-        return pickle.load(f)  # type: ignore[no-any-return]  # our own file, just written
+        return pickle.load(f)  # our own file, just written
 
 
 def step_dir(root: str, step: int) -> str:
@@ -253,7 +253,7 @@ def assert_same_run(reference: str, d: str) -> None:
 def read_state(d: str, name: str = "state-rank0.json") -> dict[str, Any]:
     """A rank's state file as JSON: ``{"state": <encoded tree>, "rng": <encoded RNG>}``."""
     with open(os.path.join(d, name), "rb") as f:
-        return json.loads(f.read())  # type: ignore[no-any-return]
+        return json.loads(f.read())
 
 
 def edit_state(
@@ -275,7 +275,6 @@ def root_bytes(root: str) -> int:
 
 _PEAK_CHILD = r"""
 import json, os, sys
-sys.path.insert(0, sys.argv[3])
 import torch
 torch.set_num_threads(1)
 from ckptkit import small_state
@@ -311,16 +310,18 @@ def peak_rss(root: str, modes: str = "verify,restore", timeout: float = 300) -> 
     measured in a fresh Python process (``/proc/self/clear_refs`` resets the peak)."""
     import sys
 
-    here = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(os.path.abspath(__file__))  # ckptkit, for the child's import
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(
-        [sys.executable, "-c", _PEAK_CHILD, root, modes, here],
+        [sys.executable, "-c", _PEAK_CHILD, root, modes],
+        env={**os.environ, "PYTHONPATH": path},
         capture_output=True,
         text=True,
         timeout=timeout,
     )
     if proc.returncode != 0:
         raise RuntimeError(f"peak_rss child exited {proc.returncode}: {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def copy_root(src: str, dst: str) -> None:

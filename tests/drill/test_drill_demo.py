@@ -47,7 +47,7 @@ def test_every_fault_kind_passes_on_the_demo(tmp_path, demo_reference, drill_ste
     print(table)
     assert report.passed, table
     assert sorted(f.injection.spec.kind for f in report.faults) == sorted(FAULT_KINDS)
-    by_kind = {f.injection.spec.kind: f for f in report.faults}
+    by_kind: dict[str, Any] = {f.injection.spec.kind: f for f in report.faults}
     for kind, f in by_kind.items():
         rec = f.recovery
         assert rec is not None and all(

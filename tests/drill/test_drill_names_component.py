@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import cast
 
 import pytest
 
@@ -31,7 +32,7 @@ def test_a_forgotten_hidden_state_is_named_and_later_faults_are_not_checked(tmp_
     first, second = sorted(report.faults, key=lambda f: f.injection.t or 0.0)
     checks = {c.name: c for c in first.checks}
     assert all(checks[n].ok for n in ("injected", "detected", "recovered", "resumed")), table
-    r = first.restored
+    r = cast(int, first.restored)
     assert not checks["restore"].ok and checks["restore"].detail == (
         f"restore() did not bring back what was saved at step {r}: on rank 0, extra.hidden (h) "
         "not as saved"

@@ -134,6 +134,7 @@ def test_archive_lose_local_disk_restore_bit_identical(
     root = str(tmp_path / "ckpt")
     snaps = _two_steps(root)
     arch = _archive(endpoint, bucket)
+    step: int | None
     for step in (2, 4):
         arch.upload(os.path.join(root, f"step-{step:08d}"), step)
     arch.upload(os.path.join(root, "step-00000004"), 4)  # already there: a no-op
@@ -158,6 +159,7 @@ def test_corrupted_remote_object_is_detected_and_older_step_used(
     root = str(tmp_path / "ckpt")
     snaps = _two_steps(root)
     arch = _archive(endpoint, bucket)
+    step: int | None
     for step in (2, 4):
         arch.upload(os.path.join(root, f"step-{step:08d}"), step)
     victim = sorted(n for n in s3.ls(f"{bucket}/run1/step-00000004") if n.endswith(".distcp"))[0]

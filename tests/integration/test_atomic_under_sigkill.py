@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import time
+from typing import cast
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def test_sigkill_at_random_instants_never_tears(tmp_path, async_save: bool) -> N
         p = ctx.Process(target=_saver, args=(root, last, async_save))
         p.start()
         time.sleep(rnd.uniform(0.0, 3 * save_s))
-        os.kill(p.pid, signal.SIGKILL)
+        os.kill(cast(int, p.pid), signal.SIGKILL)
         p.join()
         kills += 1
         c = _Counter()

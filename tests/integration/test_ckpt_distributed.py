@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -76,6 +76,7 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         out: dict[str, Any] = {}
+        step: int | None
         for root in job["roots"]:
             st, model, opt, sharded, loader, full, mesh = _build(job["data"], world)
             ck = Checkpointer(root, st, keep_last=None)
@@ -141,29 +142,41 @@ def dataset(tmp_path_factory) -> str:
     return root
 
 
-def test_reshard_matrix_save_1_2_4_load_1_2_3_4(tmp_path, dataset: str) -> None:
-    out = str(tmp_path / "out")
+@pytest.fixture(scope="module")
+def saved_on_1_2_4(tmp_path_factory, dataset: str) -> tuple[str, dict[int, str]]:
+    """The same job saved on world sizes 1, 2 and 4: (the savers' output dir, root per size)."""
+    base = tmp_path_factory.mktemp("reshard")
+    out = str(base / "out")
     os.makedirs(out)
-    roots = {w: str(tmp_path / f"saved-on-{w}") for w in (1, 2, 4)}
+    roots = {w: str(base / f"saved-on-{w}") for w in (1, 2, 4)}
     for w, root in roots.items():
         _run(w, {"mode": "save", "roots": [root], "data": dataset, "steps": 2, "out": out})
-    for w2 in (1, 2, 3, 4):
-        _run(w2, {"mode": "load", "roots": list(roots.values()), "data": dataset, "out": out})
-        loads = _results(out, "load", w2)
-        for w, root in roots.items():
-            saves = _results(out, "save", w)
-            before = [k for r in saves for k in r[root]["keys"]]
-            after = [k for r in loads for k in r[root]["keys"]]
-            tag = f"saved on {w}, loaded on {w2}"
-            assert all(r[root]["step"] == 2 for r in loads), tag
-            assert all(r[root]["model"] and r[root]["shard"] and r[root]["opt"] for r in loads), tag
-            assert len(before) == 2 * w * BATCH, tag
-            seen = before + after
-            assert len(seen) == len(set(seen)), f"{tag}: duplicated samples"
-            missing = set(f"s{i:04d}" for i in range(N_SAMPLES)) - set(seen)
-            assert len(missing) < w2 * BATCH, (
-                f"{tag}: missing {sorted(missing)}"
-            )  # only the dropped tail
+    return out, roots
+
+
+@pytest.mark.parametrize("w2", [1, 2, 3, 4])
+def test_reshard_matrix_save_1_2_4_load_1_2_3_4(
+    tmp_path, dataset: str, saved_on_1_2_4: tuple[str, dict[int, str]], w2: int
+) -> None:
+    saved, roots = saved_on_1_2_4
+    out = str(tmp_path / "out")
+    os.makedirs(out)
+    _run(w2, {"mode": "load", "roots": list(roots.values()), "data": dataset, "out": out})
+    loads = _results(out, "load", w2)
+    for w, root in roots.items():
+        saves = _results(saved, "save", w)
+        before = [k for r in saves for k in r[root]["keys"]]
+        after = [k for r in loads for k in r[root]["keys"]]
+        tag = f"saved on {w}, loaded on {w2}"
+        assert all(r[root]["step"] == 2 for r in loads), tag
+        assert all(r[root]["model"] and r[root]["shard"] and r[root]["opt"] for r in loads), tag
+        assert len(before) == 2 * w * BATCH, tag
+        seen = before + after
+        assert len(seen) == len(set(seen)), f"{tag}: duplicated samples"
+        missing = set(f"s{i:04d}" for i in range(N_SAMPLES)) - set(seen)
+        assert len(missing) < w2 * BATCH, (
+            f"{tag}: missing {sorted(missing)}"
+        )  # only the dropped tail
 
 
 def test_corrupt_file_of_one_rank_makes_all_ranks_fall_back(tmp_path, dataset: str) -> None:
@@ -229,7 +242,7 @@ def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
 
         def full_optim(model: torch.nn.Module, o: torch.optim.Optimizer) -> dict[str, Any]:
             opts = StateDictOptions(full_state_dict=True)
-            return get_optimizer_state_dict(model, o, options=opts)["state"]
+            return cast(dict[str, Any], get_optimizer_state_dict(model, o, options=opts))["state"]
 
         st = TrainState(extras={"app": ModelAndOptim()})
         ck = Checkpointer(job["root"], st)

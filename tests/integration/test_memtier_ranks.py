@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
     mine = _PerRank(-1.0)
     st = TrainState(model=model, optimizer=opt, extras={"mine": mine}, seed=1)
     ck = Checkpointer(job["root"], st, every_steps=5, memory_every_steps=1, memory_dir=job["tier"])
-    out: dict[str, Any] = {}
+    out: dict[Any, Any] = {}
     if job["mode"] == "train":
         assert ck.restore() is None
         for step in range(1, 8):

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -160,7 +161,7 @@ def test_tokenize_resumes_after_sigkill(tmp_path: str) -> None:
     src = _corpus(os.path.join(tmp_path, "c.jsonl"), 3000)
     out, ref = os.path.join(tmp_path, "out"), os.path.join(tmp_path, "ref")
     tok = os.path.join(tmp_path, "tok.json")
-    kw = dict(tokenizer=tok, seq_len=32, shard_size=12_000, progress=False)
+    kw: dict[str, Any] = dict(tokenizer=tok, seq_len=32, shard_size=12_000, progress=False)
     tokenize(src, ref, train_bpe_vocab=400, workers=1, **kw)  # also trains tok.json
     call = f"tokens.tokenizer.tokenize({src!r}, {out!r}, workers=2, **{kw!r})"
     _kill_when(

@@ -63,7 +63,7 @@ def test_checkpointer_skips_the_sigterm_save_when_a_peer_died(tmp_path, peer_dea
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
-    assert p.stdout is not None
+    assert p.stdout is not None and p.stderr is not None
     assert p.stdout.readline() == b"ready\n"
     p.send_signal(signal.SIGTERM)
     assert p.wait(60) == 143

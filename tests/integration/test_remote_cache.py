@@ -258,16 +258,16 @@ def test_two_ranks_two_workers_bounded_cache_kill_and_resume(
     for r in range(world):
         ref = StreamingDataset(local_ds, seed=SEED, shuffle_window=WINDOW, rank=r, world_size=world)
         got = _lines(first[r]) + _lines(second[r])
-        for e in range(epochs):
-            want = [[s["__key__"] for s in b] for b in ref.iter_batches(e, 0, BATCH)]
-            assert [x["keys"] for x in got if x["epoch"] == e] == want, (r, e)
+        for epoch in range(epochs):
+            want = [[s["__key__"] for s in b] for b in ref.iter_batches(epoch, 0, BATCH)]
+            assert [x["keys"] for x in got if x["epoch"] == epoch] == want, (r, epoch)
     # every sample exactly once per epoch over both ranks
-    for e in range(epochs):
+    for epoch in range(epochs):
         keys = [
             k
             for r in range(world)
             for x in _lines(first[r]) + _lines(second[r])
-            if x["epoch"] == e
+            if x["epoch"] == epoch
             for k in x["keys"]
         ]
         assert sorted(keys) == [f"k{i:05d}" for i in range(N)]
@@ -685,7 +685,7 @@ def test_the_cache_directory_is_private_and_its_fixed_names_are_never_followed(
     and 0600 files."""
     _upload(endpoint, local_ds, "data", "priv")
     m = DatasetManifest.load(local_ds)
-    kw = {"seed": 0, "shuffle_window": WINDOW, "rank": 0, "world_size": 1}
+    kw: dict[str, Any] = {"seed": 0, "shuffle_window": WINDOW, "rank": 0, "world_size": 1}
     url = "s3://data/priv"
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -763,7 +763,13 @@ def test_a_forged_shard_in_the_cache_is_never_served(endpoint: str, tmp_path: An
     shutil.copy(str(tmp_path / "forged.tar.idx"), str(local / m.shards[1].index))
     for name in (m.shards[0].name, m.shards[0].index):  # a genuine unit found there
         shutil.copy(os.path.join(src, name), str(local / name))
-    kw = {"seed": 0, "shuffle": False, "rank": 0, "world_size": 1, "cache": _cache(endpoint, cache)}
+    kw: dict[str, Any] = {
+        "seed": 0,
+        "shuffle": False,
+        "rank": 0,
+        "world_size": 1,
+        "cache": _cache(endpoint, cache),
+    }
     assert _read_all(StreamingDataset("s3://data/forged", **kw)) == want
     assert checksum_file(str(local / m.shards[1].name))[1] == m.shards[1].checksum
     fetched = {e["shard"] for e in read_events(str(cache)) if e["ev"] == "download"}
@@ -839,7 +845,7 @@ def test_every_byte_the_cache_writes_counts_against_its_limit(endpoint: str, tmp
     assert len(m.shards) >= 100
     _upload(endpoint, src, "data", "small")
     cache = str(tmp_path / "c")
-    kw = {"seed": 3, "shuffle_window": 12, "rank": 0, "world_size": 1}
+    kw: dict[str, Any] = {"seed": 3, "shuffle_window": 12, "rank": 0, "world_size": 1}
     probe = StreamingDataset("s3://data/small", cache=_cache(endpoint, cache), **kw)
     assert probe.cache is not None
     limit = probe.cache.min_limit()[0]
@@ -910,20 +916,15 @@ def test_sigkill_mid_download_then_resume(endpoint: str, tmp_path: Any) -> None:
             {**base, "endpoint": proxy.endpoint, "out": str(tmp_path / "a.jsonl")},
             str(tmp_path / "a.json"),
         )
-
-        def shard_get() -> bool:
-            return any(r[0] == "GET" and "shard-" in r[1] for r in proxy.requests)
-
         try:
-            # the temporary file is made just before its GET is sent: wait for both (the
-            # proxy sees the request a moment after the file appears)
-            _wait(
-                lambda: (bool(_temps(cache)) and shard_get()) or p.poll() is not None,
-                120,
-                "a download",
-            )
+            # Both sides of the transfer, not either: the temporary can exist a moment before
+            # the proxy records the GET (seen on a loaded box).
+            def in_flight() -> bool:
+                shard_get = any(r[0] == "GET" and "shard-" in r[1] for r in proxy.requests)
+                return shard_get and any(".tmp-shard-" in t for t in _temps(cache))
+
+            _wait(lambda: in_flight() or p.poll() is not None, 120, "a download")
             assert p.poll() is None, p.stderr.read().decode()[-3000:] if p.stderr else ""
-            assert shard_get()
         finally:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=30)

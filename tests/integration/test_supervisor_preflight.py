@@ -36,6 +36,21 @@ def test_ckpt_dir_probe_ok_then_broken_by_a_file(tmp_path):
     assert not r.ok and "FileExistsError" in r.detail
 
 
+def test_a_vanished_ckpt_dir_of_a_run_that_saved_is_an_outage_not_a_fresh_start(tmp_path):
+    """Once the run has saved, a missing checkpoint directory (storage not mounted, or moved
+    back a moment later: the drill's storage fault lost this race, the probe made an empty
+    one and the job silently started again from step 0) fails the check and is not made;
+    before the first save the directory is created as before."""
+    d = tmp_path / "ckpt"
+    r = _check(PreflightConfig(ckpt_dir=str(d), node="n1", saved=True), "ckpt_dir")
+    assert not r.ok and not d.exists(), r
+    assert str(d) in r.detail and "saved" in r.detail and "step 0" in r.detail, r.detail
+    r = _check(PreflightConfig(ckpt_dir=str(d), node="n1"), "ckpt_dir")
+    assert r.ok and d.is_dir()
+    r = _check(PreflightConfig(ckpt_dir=str(d), node="n1", saved=True), "ckpt_dir")
+    assert r.ok, r  # present: the probe runs as before
+
+
 def test_hung_probe_is_cut_off_by_its_timeout(tmp_path):
     d = tmp_path / "ckpt"
     d.mkdir()

@@ -43,7 +43,7 @@ def test_malformed_store_values_neither_crash_nor_finish_the_run(tmp_path):
         stranger = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
         stranger.set("unbroken/unbroken/stop", "0 finished, says a stranger")
         stranger.set("unbroken/unbroken/gen", "not a number")
-        stranger.append("unbroken/unbroken/nodes", b"\xff\xfe\n")
+        stranger.append("unbroken/unbroken/nodes", b"\xff\xfe\n")  # type: ignore[attr-defined]
         assert job.wait(120) == 0, job.output()[-3000:]
     assert _steps_done(tmp_path) == list(range(1, steps + 1)), "the job did not run to its end"
     assert not job.events("failure") and not job.events("stop")

@@ -71,6 +71,7 @@ def test_smoke_run_reports_ceilings_anchors_and_the_regression_row(tmp_path) -> 
     assert len(res["rounds"]) == 3
     want = {"ub_save", f"dcp_save_t{t}", "dcp_save", "ceil_write_1", "ub_cold", "ub_warm"}
     want |= {"dcp_load_cold", "dcp_load_warm", "ceil_read_1_cold"}
+    want |= {"ceil_write_1_wb"}  # the ceiling gets unbroken's early write-back too (issue 23)
     assert all(want <= set(r) for r in res["rounds"])
     orders = res["orders"]
     assert orders[0] != orders[1] != orders[2]  # rotated, each round

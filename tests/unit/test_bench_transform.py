@@ -28,7 +28,7 @@ def test_bench_times_a_transform_from_a_training_script(tmp_path, stream_data, c
     script.write_text(SCRIPT)
     try:
         fn = resolve_transform(f"{script}:decode")
-        assert fn({"bin": b"\x01\x02"}) == 3.0
+        assert fn is not None and fn({"bin": b"\x01\x02"}) == 3.0
         rc = main(
             [
                 "data",

@@ -11,6 +11,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 import pytest
 import torch
@@ -57,7 +58,12 @@ def test_manifest_records_checksums_and_stats(tmp_path) -> None:
     st, m, opt = _state()
     Checkpointer(str(tmp_path), st).save(7)
     man = json.loads((tmp_path / "step-00000007" / "manifest.json").read_text())
-    assert man["step"] == 7 and man["version"] == 2 and man["torch_version"] == torch.__version__
+    assert (
+        man["step"] == 7
+        and man["version"] == 3
+        and man["stats_algo"] == "chunked-f64"
+        and man["torch_version"] == torch.__version__
+    )
     for name, f in man["files"].items():
         assert (
             os.path.getsize(tmp_path / "step-00000007" / name) == f["size"]
@@ -65,7 +71,9 @@ def test_manifest_records_checksums_and_stats(tmp_path) -> None:
         )
     w = man["tensors"]["components/model/0.weight"]
     assert w["shape"] == [32, 16] and w["dtype"] == "float32"
-    assert w["stats"]["sum"] == pytest.approx(float(m[0].weight.sum()), rel=1e-5)
+    assert w["stats"]["sum"] == pytest.approx(
+        float(cast(torch.nn.Linear, m[0]).weight.sum()), rel=1e-5
+    )
 
 
 def test_retention_keep_last_and_keep_every_ignores_foreign_files(tmp_path) -> None:
@@ -105,7 +113,7 @@ def _data_file(d: str) -> str:
     return os.path.join(d, sorted(n for n in os.listdir(d) if n.endswith(".distcp"))[0])
 
 
-DAMAGE: dict[str, tuple[str, Callable[[str], None]]] = {
+DAMAGE: dict[str, tuple[str, Callable[[str], object]]] = {
     "bitflip-tensor-file": ("checksum", lambda d: _flip(_data_file(d))),
     "truncated-tensor-file": ("size", lambda d: _truncate(_data_file(d))),
     "missing-tensor-file": ("missing-file", lambda d: os.unlink(_data_file(d))),

@@ -206,6 +206,7 @@ def _run(tmp_path, root: str, quiet: bool = False) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.slow  # issue 24 item 10: out of `make unit`, still in `make test`
 def test_every_restore_and_fall_back_prints_one_line_without_logging_configured(
     tmp_path,
 ) -> None:

@@ -102,7 +102,7 @@ def test_writer_lock_is_shared_in_a_process_and_knows_its_temp_dirs(tmp_path) ->
         lock.acquire(str(tmp_path / "f"))
 
 
-def _holder(root: str, ready: mp.synchronize.Event) -> None:  # type: ignore[name-defined]
+def _holder(root: str, ready: mp.synchronize.Event) -> None:
     lock.acquire(root)
     child = mp.get_context("fork").Process(target=signal.pause)  # e.g. a DataLoader worker
     child.start()
@@ -118,6 +118,7 @@ def test_a_forked_child_does_not_keep_a_killed_writers_lock(tmp_path) -> None:
     ready = ctx.Event()
     p = ctx.Process(target=_holder, args=(root, ready))
     p.start()
+    assert p.pid is not None
     assert ready.wait(60)
     child = int(open(os.path.join(root, "child.pid")).read())
     try:
@@ -143,7 +144,7 @@ def _let_go_on_cue(fd: int, cue: int) -> None:
     signal.pause()
 
 
-def _holder_with_a_slow_child(root: str, ready: mp.synchronize.Event, cue: int) -> None:  # type: ignore[name-defined]
+def _holder_with_a_slow_child(root: str, ready: mp.synchronize.Event, cue: int) -> None:
     lock.acquire(root)
     # A forked child that has not run yet still holds the open file the lock belongs to.
     # Stand in for it, deterministically: a copy the fork hook does not know about, which
@@ -167,6 +168,7 @@ def test_a_killed_writers_slow_child_delays_its_successor_but_never_lets_it_in_e
     ready = ctx.Event()
     p = ctx.Process(target=_holder_with_a_slow_child, args=(root, ready, cue_r))
     p.start()
+    assert p.pid is not None
     assert ready.wait(60)
     child = int(open(os.path.join(root, "child.pid")).read())
     try:

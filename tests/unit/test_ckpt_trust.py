@@ -179,8 +179,8 @@ def test_verify_checks_every_ranks_state_file(root) -> None:
     check it too, or it would pass a checkpoint that restore refuses."""
     r, _ = root
     d = step_dir(r, 4)
-    with open(os.path.join(d, "state-rank0.json"), "rb") as f:
-        state = f.read()
+    with open(os.path.join(d, "state-rank0.json"), "rb") as src:
+        state = src.read()
     replace_file(d, "state-rank1.json", state)  # as a 2-rank save leaves it
 
     def two_ranks(m: dict[str, Any]) -> None:

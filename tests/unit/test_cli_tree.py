@@ -8,6 +8,8 @@ import argparse
 import errno
 import inspect
 import shlex
+from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 
@@ -137,12 +139,14 @@ def test_each_flag_sets_its_own_field(cmd, flags) -> None:
         "--gpu-min-free": 0.5,
     }
     acts = _actions(cmd)
+    want: Any
     for f in flags:
         flag, d = f.flags[-1], f.default
         if f.action is not None:
             argv, want = [flag], not d
         else:
-            want = given[flag] if flag in given else acts[flag].type(2 * (d or 1))
+            convert = cast(Callable[[Any], Any], acts[flag].type)
+            want = given[flag] if flag in given else convert(2 * (d or 1))
             argv = [flag, str(want)]
         if flag == "--nnodes":
             argv += ["--rdzv-endpoint", "h:29500"]

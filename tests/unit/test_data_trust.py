@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,7 +39,7 @@ def _flip(path: str, offset: int, bit: int = 0) -> None:
         f.write(bytes([b ^ (1 << bit)]))
 
 
-def _all(ds: StreamingDataset) -> list[object]:
+def _all(ds: StreamingDataset) -> list[dict[str, Any]]:
     return ds.read(0, np.arange(ds.epoch_length))
 
 

@@ -8,6 +8,7 @@ import random
 import shutil
 import time
 from collections import Counter
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -125,6 +126,11 @@ def _augment(sample: dict) -> tuple[str, float, float, float]:
     return sample["__key__"], random.random(), float(np.random.rand()), float(torch.rand(()))
 
 
+def _numpy_key() -> np.ndarray:
+    """numpy's global RNG key: get_state() returns the legacy tuple (its stub says a dict)."""
+    return cast("tuple[Any, ...]", np.random.get_state())[1]
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_loader_leaves_the_global_rngs_alone(stream_data, workers):
     """A resumed run opens one DataLoader iterator more than the uninterrupted run (at the
@@ -136,14 +142,14 @@ def test_loader_leaves_the_global_rngs_alone(stream_data, workers):
     torch.manual_seed(123)
     random.seed(5)
     np.random.seed(6)
-    before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    before = (torch.get_rng_state(), random.getstate(), _numpy_key().copy())
     it = iter(ld)
     next(it)
     it.close()  # type: ignore[attr-defined]
     next(iter(ld))  # a second iterator, as after a resume
     assert torch.equal(torch.get_rng_state(), before[0])
     assert random.getstate() == before[1]
-    assert np.array_equal(np.random.get_state()[1], before[2])
+    assert np.array_equal(_numpy_key(), before[2])
 
 
 def test_random_augmentations_resume_exactly_for_any_worker_count(stream_data):
@@ -174,7 +180,7 @@ def test_random_augmentations_resume_exactly_for_any_worker_count(stream_data):
 
 def test_resume_reads_only_the_samples_it_yields(stream_data):
     """O(1) resume: no replay - the first batch after resume at 10% or 90% reads one batch."""
-    reads = Counter()
+    reads: Counter[str] = Counter()
 
     def counting(sample):
         reads["n"] += 1
@@ -344,6 +350,7 @@ def test_token_batches_are_long_tensors_like_default_collate(stream_data):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow  # issue 24 item 10: out of `make unit`, still in `make test`
 def test_dataset_over_a_synthetic_hundred_million_sample_manifest_is_lazy(tmp_path):
     """10^4 shards x 10^4 samples, no shard files: building the dataset and looking up a
     batch at 90% of an epoch touches only shard tables and one window."""

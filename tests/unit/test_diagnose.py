@@ -189,17 +189,20 @@ def test_timeline_file_round_trip(tmp_path: Any, clock: FakeClock) -> None:
 
 
 def test_overhead_per_step_is_under_one_percent_of_a_1ms_step() -> None:
+    """The cost is counted in this thread's CPU time, not wall time: on a loaded box the
+    wall clock also counts the time other processes held the core (issue 24 item 10: it
+    failed at 10.1 us/step with the load at 10 on 2 cores)."""
     n = 100_000
     data = range(n)
-    t0 = time.perf_counter_ns()
+    t0 = time.thread_time_ns()
     for _ in data:
         pass
-    bare = time.perf_counter_ns() - t0
+    bare = time.thread_time_ns() - t0
     timer = StepTimer(window=1000, log_every=100)
-    t0 = time.perf_counter_ns()
+    t0 = time.thread_time_ns()
     for _ in timer.wrap(data):
         pass
-    wrapped = time.perf_counter_ns() - t0
+    wrapped = time.thread_time_ns() - t0
     per_step_us = (wrapped - bare) / n / 1e3
     print(f"StepTimer overhead: {per_step_us:.2f} us/step")
     # < 1% of a 1 ms step; real training steps are 10-1000 ms
@@ -264,7 +267,9 @@ def test_no_sawtooth_on_flat_uniformly_slow_or_random_spikes() -> None:
 
 
 class SleepyWorkers(IterableDataset):
-    """Each worker needs ``batch_ms`` per batch (sleep: no CPU used)."""
+    """Each worker needs ``batch_ms`` per batch (sleep: no CPU used). Its batches are ready
+    on the ticks of one wall clock (multiples of ``batch_ms``), so workers that a loaded box
+    started at different times still deliver in step, as workers started together do."""
 
     def __init__(self, n: int, batch_ms: float) -> None:
         super().__init__()
@@ -273,28 +278,30 @@ class SleepyWorkers(IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         wid, nw = (info.id, info.num_workers) if info else (0, 1)
+        period = self.batch_ms / 1e3
         for i in range(wid, self.n, nw):
-            time.sleep(self.batch_ms / 1e3)
+            time.sleep(period - time.time() % period)
             yield torch.tensor([i])
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.filterwarnings("ignore:This DataLoader will create")
 def test_real_dataloader_sawtooth_is_detected_with_period_num_workers() -> None:
-    # 4 workers x 80 ms per batch, the loop eats a batch in 8 ms: 4 batches arrive together,
-    # are eaten in ~32 ms, then the loop waits ~48 ms for the next round.
+    # 4 workers x 200 ms per batch, the loop eats a batch in 20 ms: 4 batches arrive together,
+    # are eaten in ~80 ms, then the loop waits ~120 ms for the next round. (The sleeps are the
+    # workload, not waits; at 80/8 ms a loaded box's scheduling jitter blurred the pattern.)
     workers = 4
     loader = DataLoader(
-        SleepyWorkers(72, 80.0), batch_size=None, num_workers=workers, prefetch_factor=2
+        SleepyWorkers(72, 200.0), batch_size=None, num_workers=workers, prefetch_factor=2
     )
     timer = StepTimer(log_every=0, num_workers=workers)
     for _ in timer.wrap(DevicePrefetcher(loader)):
-        time.sleep(0.008)
+        time.sleep(0.020)
     wait, comp, *_ = timer._ordered(timer.steps)
     st = detect_sawtooth(wait, comp)
     assert st is not None, wait.round(1).tolist()
     assert st.period == workers
-    assert 20.0 < st.wait_per_cycle_ms < 80.0
+    assert 50.0 < st.wait_per_cycle_ms < 200.0
     assert timer.summary().stall_pct > 30.0
 
 
@@ -305,7 +312,7 @@ def test_tensorboard_writer_is_a_sink_or_none(tmp_path: Any) -> None:
     except ImportError:
         assert w is None  # tensorboard not installed: no sink, no error
         return
-    assert hasattr(w, "add_scalar")
+    assert w is not None and hasattr(w, "add_scalar")
     StepTimer(sinks=[w])  # accepted as a sink
     w.close()
 

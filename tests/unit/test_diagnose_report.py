@@ -25,6 +25,7 @@ def write_sawtooth_run(run: str, steps: int = 240, workers: int = 4) -> None:
     timer.close()
 
 
+@pytest.mark.slow  # issue 24 item 10: out of `make unit`, still in `make test`
 def test_bench_then_report_writes_json_png_and_names_things(
     stream_data: Any, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

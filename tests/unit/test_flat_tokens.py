@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from typing import Any
 
 import numpy as np
 import pytest
@@ -241,7 +242,12 @@ def test_xy_batches_are_contiguous_inputs_and_targets(tmp_path) -> None:
     workers, with ids."""
     path = _flat(tmp_path)
     index_flat(path, vocab_size=65_536)
-    for kw in ({}, {"num_workers": 2}, {"num_workers": 2, "shm_transport": False}):
+    kws: tuple[dict[str, Any], ...] = (
+        {},
+        {"num_workers": 2},
+        {"num_workers": 2, "shm_transport": False},
+    )
+    for kw in kws:
         ds = StreamingDataset(path, seq_len=16, windows="random", seed=1)
         rows = next(iter(StatefulLoader(ds, batch_size=3, **kw)))
         x, y = next(iter(StatefulLoader(ds, batch_size=3, xy=True, **kw)))

@@ -15,6 +15,7 @@ import torch
 
 from unbroken.data import DevicePrefetcher, StatefulLoader, StreamingDataset
 from unbroken.data.feed.prefetch import _HostCopier
+from unbroken.data.stream.loader import Endless
 from unbroken.data.tokens.flat import index_flat
 
 
@@ -38,7 +39,7 @@ def _loader(path: str, held: int, **kw) -> StatefulLoader:
 def _wrap(loader: StatefulLoader, how: str):
     """(what is saved, what the loop draws from): the loader's endless view, or a
     DevicePrefetcher over it (which is Stateful through it)."""
-    it = loader.forever()
+    it: Endless | DevicePrefetcher = loader.forever()
     if how == "prefetch-queue":  # the queued path (as on CUDA), on the CPU
         it = DevicePrefetcher(it, depth=2, _copier=_HostCopier(None))
     elif how == "prefetch-passthrough":

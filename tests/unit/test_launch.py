@@ -471,3 +471,32 @@ def test_the_launcher_signals_only_a_worker_it_can_prove(tmp_path, victim):
     finally:
         imp.close()
     assert is_alive(victim), "the launcher SIGKILLed a pid it could not prove was its worker"
+
+
+def test_a_stop_signal_sent_before_a_forked_worker_resets_its_handlers_is_not_lost(tmp_path):
+    """A forked worker's pid reaches its launcher before the worker has reset the stop
+    signals the fork server ignores; a SIGTERM forwarded in that window (torchrun stopping
+    workers that are still starting, seen on a loaded box: the worker then trained 30 s on
+    until SIGKILL, and its save-on-SIGTERM never ran) must kill it, as it kills a fresh
+    ``python SCRIPT`` that has not installed a handler yet. Here the child sends itself the
+    signal at the earliest point, before the reset, as a launcher could."""
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        from unbroken.elastic.launch.forkserver import fork_holding_signals, release_signals
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # what the fork server does
+        pid = fork_holding_signals()
+        if pid == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # lands before the reset
+            release_signals()
+            time.sleep(5)
+            os._exit(0)  # the signal was lost
+        _, status = os.waitpid(pid, 0)
+        print(os.WTERMSIG(status) if os.WIFSIGNALED(status) else -os.WEXITSTATUS(status))
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGTERM)  # the server itself still ignores it
+        print("server alive")
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+    ).stdout.split()
+    assert out == [str(int(signal.SIGTERM)), "server", "alive"], out

@@ -18,14 +18,16 @@ SRC = pathlib.Path(__file__).resolve().parents[2] / "src"
 
 # Each table lists layers from the bottom up; a layer holds groups, a group is a tuple of
 # package prefixes whose modules may import each other freely. Longest prefix wins.
-TOP = [
+Table = list[list[tuple[str, ...]]]
+
+TOP: Table = [
     [("unbroken.common", "unbroken")],  # the root package: __version__ and lazy names only
     [("unbroken.data",), ("unbroken.ckpt",)],
     [("unbroken.elastic",)],
     [("unbroken.demo",)],
     [("unbroken.cli",)],
 ]
-INNER = {
+INNER: dict[str, Table] = {
     "unbroken.data": [
         [("unbroken.data.manifest",)],
         [("unbroken.data.tar",)],
@@ -72,6 +74,7 @@ INNER = {
                 "unbroken.ckpt.say",
                 "unbroken.ckpt.schema",
                 "unbroken.ckpt.state",
+                "unbroken.ckpt.stats",
             )
         ],
         [
@@ -117,8 +120,6 @@ INNER = {
         [("unbroken.elastic.drill",)],
     ],
 }
-
-Table = list[list[tuple[str, ...]]]
 
 
 def _place(table: Table, mod: str) -> tuple[int, int, str]:
@@ -303,3 +304,38 @@ def test_the_cycle_rule_itself() -> None:
         "unbroken.ckpt.per_rank",
         "unbroken.ckpt.manifest",
     ]
+
+
+# --- lazy names: the type checker sees them (issue 24 item 10) --------------------------------
+
+
+def _lazy_table(tree: ast.Module) -> dict[str, str]:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets
+        ):
+            return dict(ast.literal_eval(node.value))
+    raise LookupError("no _LAZY table")
+
+
+def _type_checking_imports(tree: ast.Module) -> dict[str, str]:
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            for imp in node.body:
+                if isinstance(imp, ast.ImportFrom) and imp.module:
+                    out.update({a.asname or a.name: imp.module for a in imp.names})
+    return out
+
+
+@pytest.mark.parametrize("package", ["unbroken.data"])
+def test_every_lazy_name_is_imported_for_the_type_checker(package: str) -> None:
+    """issue 24 item 10: a name a package resolves lazily (``__getattr__``) is also imported
+    under ``if TYPE_CHECKING:`` from the module it resolves to, or mypy types it ``object``
+    in every caller (``from unbroken.data import StatefulLoader``). The root package is left
+    out: importing ``unbroken.ckpt`` from it would run upward."""
+    path = SRC.joinpath(*package.split("."), "__init__.py")
+    tree = ast.parse(path.read_text(), str(path))
+    lazy = _lazy_table(tree)
+    assert lazy  # the walk found the table
+    assert _type_checking_imports(tree) == lazy

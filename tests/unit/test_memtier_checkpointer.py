@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import cast
 
 import pytest
 
 from ckptkit import can_mount, flip, identical, small_state, snapshot, tmpfs, train
 from unbroken.ckpt import Checkpointer, TrainState
-from unbroken.ckpt.memtier import SlotStore
+from unbroken.ckpt.memtier import MemoryTier, SlotStore
 
 
 def _ckpt(root: str, tier: str, seed: int = 0, **kw):
@@ -44,6 +45,20 @@ def _crash(ck: Checkpointer) -> None:
     if ck._pool is not None:
         ck._pool.shutdown(wait=True)
         ck._pool = None
+
+
+def _disk_step_after_memory(root: str, tier: str, steps: int) -> Checkpointer:
+    """Train ``steps`` steps with both tiers, then one more step saved to disk only (a
+    multiple of 5), then crash: the memory tier is older than the disk tier. The crashed
+    checkpointer is returned: dropped, its finalizer would tidy the slots up."""
+    st, m, opt, ck = _run(root, tier, steps)
+    assert ck._memory is not None
+    ck._memory.disabled = "test: stop publishing"
+    train(st, m, opt, 1)
+    ck.maybe_save()  # the disk tier only
+    ck.wait()
+    _crash(ck)
+    return ck
 
 
 def _restored_lines(caplog) -> list[str]:
@@ -131,19 +146,14 @@ def test_damaged_slots_fall_back_to_the_older_slot_then_disk(tmp_path, caplog) -
 def test_memory_older_than_disk_is_skipped(tmp_path, caplog) -> None:
     """A slot of an older step than the disk's newest is not used, and the line says so."""
     root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
-    st, m, opt, ck = _run(root, tier, 4)
-    assert ck._memory is not None
-    ck._memory.disabled = "test: stop publishing"
-    train(st, m, opt, 1)
-    ck.maybe_save()  # step 5: the disk tier only
-    ck.wait()
-    _crash(ck)
+    crashed = _disk_step_after_memory(root, tier, 4)  # memory 3 and 4, disk 5
     *_, ck2 = _ckpt(root, tier, seed=1)
     with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
         assert ck2.restore() == 5
     line = _restored_lines(caplog)[0]
     assert "disk tier" in line and "memory step 4 is older than disk step 5" in line
     ck2.close()
+    del crashed
 
 
 def test_slots_of_another_root_are_never_used(tmp_path) -> None:
@@ -199,7 +209,7 @@ def test_full_tmpfs_turns_the_tier_off_and_training_goes_on(tmp_path, caplog) ->
         assert len(warned) == 1 and "No space left" in warned[0], warned
         assert ck.latest() == 4
         ck._lock.release()
-        ck._memory.store.close()
+        cast(MemoryTier, ck._memory).store.close()
         ck2 = Checkpointer(root, st, memory_every_steps=1, memory_dir=f"{shm}/job")
         assert ck2.restore() == 4 and ck2.restored_tier == "disk"
         ck2.close()
@@ -215,3 +225,95 @@ def test_a_live_publisher_keeps_a_restore_off_its_slots(tmp_path) -> None:
     assert ck2.restore() == 5 and ck2.restored_tier == "disk"
     ck2.close()
     ck.close()
+
+
+def _newest_and_older(tier: str) -> tuple[str, str]:
+    slots = SlotStore(tier, rank=0)
+    snap, _ = slots.newest()
+    assert snap is not None
+    newest = snap.path
+    del snap
+    return newest, next(p for p in (slots.slot_path(0), slots.slot_path(1)) if p != newest)
+
+
+@pytest.mark.parametrize(
+    "case, want_step, want_tier, says",
+    [
+        # the newest slot's payload damaged: the older slot, and the line says why
+        ("payload", 6, "memory", ["memory step 7 is damaged", "checksum", "disk's newest: step 5"]),
+        # the newest slot's header damaged: its step is unknown, the line still names it
+        ("header", 6, "memory", ["slot-", "is damaged (bad-header"]),
+        # both slots gone (a node replaced, a tier never written): disk, "missing"
+        ("gone", 5, "disk", ["memory tier not used", "missing"]),
+        # both damaged: disk, each slot named damaged
+        ("both", 5, "disk", ["memory tier not used", "is damaged", "checksum"]),
+    ],
+)
+def test_one_line_names_tier_step_and_why_a_newer_tier_was_skipped(
+    tmp_path, caplog, case, want_step, want_tier, says
+) -> None:
+    """issue 25 item 2: one choice, made visibly: every restore prints ONE line naming the
+    tier, the step, and why a newer tier was skipped (missing, older, damaged)."""
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    *_, ck = _run(root, tier, 7)  # memory: steps 6 and 7, disk: step 5
+    _crash(ck)
+    newest, older = _newest_and_older(tier)
+    if case == "payload":
+        flip(newest, os.path.getsize(newest) - 11)
+    elif case == "header":
+        flip(newest, 40)  # inside the fixed header fields
+    elif case == "gone":
+        os.unlink(newest)
+        os.unlink(older)
+    else:
+        flip(newest, os.path.getsize(newest) - 11)
+        flip(older, os.path.getsize(older) - 11)
+    *_, ck2 = _ckpt(root, tier, seed=1)
+    with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
+        assert ck2.restore() == want_step
+    assert ck2.restored_tier == want_tier
+    lines = _restored_lines(caplog)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"resumed from step {want_step},"), lines
+    assert f"from the {want_tier} tier" in lines[0], lines
+    for s in says:
+        assert s in lines[0], (s, lines[0])
+    ck2.close()
+
+
+def test_disk_steps_skipped_for_damage_are_named_in_the_line(tmp_path, caplog) -> None:
+    """issue 25 item 2: the memory tier older than disk and the newest disk step damaged:
+    the older disk step is restored and the one line names both skips (memory older, disk
+    step damaged)."""
+    from ckptkit import data_files, step_dir
+
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    crashed = _disk_step_after_memory(root, tier, 9)  # disk 5 and 10, memory 8 and 9
+    victim = os.path.join(step_dir(root, 10), data_files(step_dir(root, 10))[0])
+    flip(victim, os.path.getsize(victim) // 2)
+    *_, ck2 = _ckpt(root, tier, seed=1)
+    with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
+        assert ck2.restore() == 9
+    (line,) = _restored_lines(caplog)
+    assert "from the memory tier" in line and "disk step 10 is damaged" in line, line
+    ck2.close()
+    del crashed
+
+
+def test_disk_saves_record_the_memory_tiers_cost_for_the_planner(tmp_path, monkeypatch) -> None:
+    """issue 25 item 4: under `unbroken run` each disk save's `saved` event carries the
+    memory tier's mean publish stall since the last save, K and the bytes its slots hold
+    (what `unbroken plan` reads)."""
+    from unbroken.common import events
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    monkeypatch.setenv(events.ENV_RUN_DIR, str(run))
+    monkeypatch.setenv(events.ENV_ATTEMPT, "0")
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    *_, ck = _run(root, tier, 7)
+    ck.close()
+    (saved,) = events.load_events(str(run))
+    assert saved["event"] == "saved" and saved["step"] == 5
+    assert 0 < saved["memory_seconds"] < 5 and saved["memory_every"] == 1
+    assert saved["memory_bytes"] > 0

@@ -15,13 +15,21 @@ import random
 import resource
 import stat
 import struct
+from typing import cast
 
 import pytest
 import torch
 
 from ckptkit import flip, small_state, train
 from unbroken.ckpt import TrainState, codec, schema
-from unbroken.ckpt.memtier import HEADER_BYTES, SlotStore, TierBusy, _pack, default_dir
+from unbroken.ckpt.memtier import (
+    HEADER_BYTES,
+    MemorySnapshot,
+    SlotStore,
+    TierBusy,
+    _pack,
+    default_dir,
+)
 from unbroken.ckpt.save import encode
 from unbroken.common.fs import PrivateDirError
 
@@ -120,7 +128,7 @@ def test_truncated_or_grown_slot_is_torn(tier: str) -> None:
     snap, bad = SlotStore(tier, rank=0).newest()
     assert snap is not None and snap.step == 1 and bad[0].reason == "torn"
     os.truncate(p, 100)  # shorter than the header
-    assert SlotStore(tier, rank=0).newest()[0].step == 1
+    assert cast(MemorySnapshot, SlotStore(tier, rank=0).newest()[0]).step == 1
 
 
 def test_after_a_fallback_the_next_publish_keeps_the_good_slot(tier: str) -> None:
@@ -383,3 +391,75 @@ def test_bfloat16_and_empty_tensors_round_trip(tier: str) -> None:
     snap, bad = store.newest()
     assert snap is not None, bad
     assert all(torch.equal(snap.tensors[k], t) for k, t in tensors.items())
+
+
+def test_a_shorter_meta_over_a_longer_one_still_verifies(tier: str) -> None:
+    """issue 25 item 2 (found by the one-line test): a slot rewritten with a shorter header
+    meta than its last one must leave no stale byte in the header area (which a reader
+    refuses as damage): the whole area is rewritten."""
+    st = _state()
+    store = SlotStore(tier, rank=0)
+    sd, rng, tree, live = encode(st)
+    enc = codec.encode(rng, None)
+    store.publish(1, tree, enc, live, {"pad": "x" * 500})
+    store.publish(2, tree, enc, live, {"pad": "x" * 500})
+    store.publish(3, tree, enc, live, {"pad": "x"})  # into slot 0, over step 1's long meta
+    snap, bad = store.newest()
+    assert snap is not None and snap.step == 3 and not bad, bad
+
+
+def test_reused_json_parts_never_change_a_value(tier: str) -> None:
+    """issue 25 item 3: the publish reuses the JSON of parts that did not change; a value
+    that compares equal but is another JSON value (1 == True == 1.0, 0.0 == -0.0) is
+    encoded afresh, and a changed RNG stream too: what a slot reads back is what was
+    published, publish after publish."""
+    st = _state()
+    store = SlotStore(tier, rank=0)
+    sd, rng, tree, live = encode(st)
+    enc = codec.encode(rng, None)
+    seen = []
+    for step, v in enumerate([1, True, 1.0, 0.0, -0.0, [1, 2], [True, 2]], start=1):
+        t = {**tree, "components": {**tree["components"], "x": {"v": v, "refs": "same"}}}
+        py = random.Random(step).getstate()  # a stream that moved
+        r = {**enc, "python": codec.encode(py, None)}
+        store.publish(step, t, r, live)
+        snap, bad = store.newest()
+        assert snap is not None and snap.step == step, bad
+        got = snap.tree["components"]["x"]["v"]
+        assert json.dumps(got) == json.dumps(v), (step, got, v)
+        assert snap.rng["python"] == py
+        seen.append(got)
+        del snap
+    assert [type(x) for x in seen] == [int, bool, float, float, float, list, list]
+
+
+def test_encode_fast_path_is_the_same_encoding() -> None:
+    """issue 25 item 3: a list or tuple of plain scalars is encoded without a walk, to the
+    same JSON as before; anything else in it (a tensor, a numpy scalar) takes the walk."""
+    import numpy as np
+
+    tensors: dict[str, torch.Tensor] = {}
+    obj = {
+        "a": [1, 2.5, "x", None, True],
+        "b": (1, 2),
+        "c": [np.float32(1.5), 2],
+        "d": [torch.ones(2)],
+    }
+    tree = codec.encode(obj, tensors)
+    assert tree["a"] == [1, 2.5, "x", None, True] and tree["a"] is not obj["a"]
+    assert tree["b"] == {"__ub__": "tuple", "items": [1, 2]}
+    assert tree["c"][0]["__ub__"] == "npscalar" and tree["d"] == [
+        {"__ub__": "tensor", "key": "d/0"}
+    ]
+    # a mapping of plain tensors (a module's state dict) is one loop: the same references
+    flat = {"w": torch.ones(1), "a/b": torch.zeros(2)}
+    got: dict[str, torch.Tensor] = {}
+    assert codec.encode({"m": flat}, got) == {
+        "m": {
+            "w": {"__ub__": "tensor", "key": "m/w"},
+            "a/b": {"__ub__": "tensor", "key": "m/a%2Fb"},
+        }
+    }
+    assert got["m/w"] is flat["w"] and got["m/a%2Fb"] is flat["a/b"]
+    back = codec.decode(json.loads(json.dumps(tree)), tensors)
+    assert back["a"] == obj["a"] and back["b"] == (1, 2) and type(back["c"][0]) is np.float32

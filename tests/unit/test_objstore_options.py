@@ -70,12 +70,13 @@ def test_s3fs_keys_map_to_obstore_config() -> None:
 
 def test_options_obstore_lacks_send_the_url_to_fsspec_and_say_which() -> None:
     """issue 22 item 1: what users already pass keeps working: an unknown key -> fsspec."""
-    for so, key in [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"profile": "dev"}, "profile"),
         ({"s3_additional_kwargs": {"ServerSideEncryption": "AES256"}}, "s3_additional_kwargs"),
         ({"client_kwargs": {"verify": False}}, "client_kwargs.verify"),
         ({"config_kwargs": {"signature_version": "s3v4"}}, "config_kwargs.signature_version"),
-    ]:
+    ]
+    for so, key in cases:
         r = route_of("s3://b/p", so)
         assert r.kind == "fsspec" and key in r.why, (so, r)
     assert route_of("memory://x").kind == "fsspec"

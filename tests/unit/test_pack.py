@@ -6,6 +6,7 @@ import errno
 import json
 import os
 import subprocess
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ def _tree(root: str, n: int = 40, seed: int = 0) -> dict[str, dict[str, bytes]]:
     return want
 
 
-def _read(root: str) -> list[dict[str, object]]:
+def _read(root: str) -> list[dict[str, Any]]:
     m = DatasetManifest.load(root)
     return [s for i in range(len(m.shards)) for s in ShardReader(m.shard_path(root, i))]
 

@@ -165,3 +165,77 @@ def test_plan_says_why_it_cannot_measure(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "cannot plan without --mtbf" in err and "holds no failure" in err
     assert "no checkpoint save" not in err  # C was given
+
+
+def test_two_tiers_optimum_and_what_it_buys():
+    """issue 25 item 4: with a cheap memory tier covering a fraction f of the failures, the
+    planner suggests K (memory) and N (disk) in steps from the first-order two-level optimum
+    T_m = sqrt(2 c_m M / f), T_d = sqrt(2 C M / (1 - f)), and the goodput beats disk alone."""
+    p = planner.memory_plan(
+        memory_cost=0.002, disk_cost=2.0, mtbf=6 * HOUR, step_time=1.0, memory_fraction=0.9
+    )
+    t_m = (2 * 0.002 * 6 * HOUR / 0.9) ** 0.5  # 9.8 s
+    t_d = (2 * 2.0 * 6 * HOUR / 0.1) ** 0.5  # 929 s
+    assert p.every_k == round(t_m) and p.every_n % p.every_k == 0
+    assert abs(p.every_n - t_d) <= p.every_k
+    assert p.goodput > p.goodput_disk_only
+    text = planner.format_memory_plan(p)
+    assert f"memory every K = {p.every_k} steps" in text and f"disk every N = {p.every_n}" in text
+    # a memory publish costing more than a step's worth of waste: K grows, never below 1
+    slow = planner.memory_plan(
+        memory_cost=5.0, disk_cost=10.0, mtbf=HOUR, step_time=0.01, memory_fraction=0.5
+    )
+    assert slow.every_k >= 1 and slow.every_n >= slow.every_k
+    with pytest.raises(ValueError, match="memory_fraction"):
+        planner.memory_plan(
+            memory_cost=0.01, disk_cost=1.0, mtbf=HOUR, step_time=1.0, memory_fraction=1.0
+        )
+
+
+def test_plan_measures_the_memory_tier_from_the_run(tmp_path, capsys):
+    """issue 25 item 4: `unbroken plan --run-dir` takes the memory tier's measured cost
+    (the Checkpointer's `saved` events carry the mean publish stall), the step time (saved
+    events' steps and times) and the share of failures restored from memory (the restore's
+    tier), and prints K and N."""
+    ev = [
+        {"t": 0.0, "event": "start"},
+        {"t": 1.0, "event": "workers_up", "attempt": 0},
+        *(
+            {
+                "t": 10.0 * k,
+                "event": "saved",
+                "rank": 0,
+                "step": 100 * k,
+                "seconds": 0.5,
+                "memory_seconds": 0.001,
+                "memory_every": 1,
+                "memory_bytes": 3 << 20,
+            }
+            for k in range(1, 6)
+        ),  # fmt: skip
+        {
+            "t": 55.0,
+            "event": "failure",
+            "attempt": 0,
+            "t_fail": 54.0,
+            "t_detect": 55.0,
+            "step": 530,
+        },
+        {"t": 58.0, "event": "workers_up", "attempt": 1},
+        {"t": 60.0, "event": "loaded", "attempt": 1, "rank": 0, "step": 530, "tier": "memory"},
+        {"t": 100.0, "event": "finish"},
+    ]
+    est = planner.estimate_memory(ev)
+    assert est["memory_cost"] == 0.001 and est["step_time"] == pytest.approx(0.1)
+    assert est["memory_fraction"] == 1.0 and est["memory_bytes"] == 3 << 20
+    assert cli.main(["plan", "--run-dir", _run_dir(tmp_path, ev), "--memory-fraction", "0.9"]) == 0
+    out = capsys.readouterr().out
+    assert "memory tier: cost c_m = 1 ms per publish" in out and "memory every K =" in out
+    assert "3.0 MiB" in out  # what the tier holds per rank
+    # without a memory tier in the run, nothing about it unless the cost is given
+    plain = [e for e in ev if e["event"] != "saved"] + [
+        {"t": 10.0 * k, "event": "saved", "rank": 0, "step": 100 * k, "seconds": 0.5}
+        for k in range(1, 6)
+    ]
+    assert cli.main(["plan", "--run-dir", _run_dir(tmp_path, plain)]) == 0
+    assert "memory tier" not in capsys.readouterr().out

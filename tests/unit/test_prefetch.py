@@ -116,7 +116,7 @@ def test_map_tensors_rebuilds_every_container_type() -> None:
     assert type(out["od"]) is collections.OrderedDict
     assert torch.equal(out["a"], torch.full((2,), 4))
     # defaultdict cannot be rebuilt from a dict: it degrades to a plain dict, values mapped
-    dd = collections.defaultdict(list, {"t": torch.zeros(1)})
+    dd: collections.defaultdict[str, Any] = collections.defaultdict(list, {"t": torch.zeros(1)})
     assert map_tensors(lambda t: t + 1, dd) == {"t": torch.ones(1)}
     assert torch.equal(b["a"], torch.full((2,), 3))  # input untouched
 

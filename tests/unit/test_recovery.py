@@ -55,6 +55,22 @@ def test_phases_from_events():
     assert r.catch_up == 0.0  # the checkpoint held the failure step: nothing to redo
 
 
+def test_recovery_record_names_the_tier_and_the_steps_lost():
+    """issue 25 item 1: the recovery record gets the tier the restart restored from and the
+    steps lost (the step reached before the failure less the step restored)."""
+    ev = _run(failure_step=12, loaded_step=11)
+    for e in ev:
+        if e["event"] == "loaded" and e["attempt"] == 1:
+            e["tier"] = "memory"
+    (r,) = recovery.phases(ev)
+    assert (r.tier, r.steps_lost) == ("memory", 1)
+    assert r.to_json()["tier"] == "memory" and r.to_json()["steps_lost"] == 1
+    text = recovery.format_summary(recovery.summarize(ev))
+    assert "tier" in text and "memory" in text and "lost" in text
+    (r,) = recovery.phases(_run())  # no tier named (a job's own "loaded"): unknown
+    assert (r.tier, r.steps_lost) == (None, 2)
+
+
 def test_summary_goodput_and_trend():
     s = recovery.summarize(_run())
     assert s.wall == 50.0 and s.lost == pytest.approx(4.0 + 9.0)

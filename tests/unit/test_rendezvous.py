@@ -65,7 +65,7 @@ def test_malformed_values_are_logged_and_ignored(caplog):
         assert coord.get_stop() is None, bad
     s.set(k + "stop", "3 the same failure twice \x1b[2J")
     assert coord.get_stop() == (3, "the same failure twice \\x1b[2J")  # printable
-    s.set(k + "nodes", b"a\n\xff\xfe\nb\n")
+    s.set(k + "nodes", b"a\n\xff\xfe\nb\n")  # type: ignore[arg-type]  # bytes: not UTF-8
     s.set(k + "alive/b", "not a time")
     assert coord.peers() == {}
     s.set(k + "alive/b", "nan")

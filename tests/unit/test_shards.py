@@ -8,6 +8,7 @@ import json
 import os
 import random
 import tarfile
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ from unbroken.data.tar.reader import (
 from unbroken.data.tar.writer import TarShardWriter, tar_header
 
 
-def _samples(n: int, seed: int = 0) -> list[dict[str, object]]:
+def _samples(n: int, seed: int = 0) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
     return [
         {
@@ -73,7 +74,7 @@ def test_whole_shard_is_byte_equal_to_tarfile_output(tmp_path: str) -> None:
                 if ext in s:
                     ti = tarfile.TarInfo(f"{s['__key__']}.{ext}")
                     ti.size, ti.mode, ti.mtime, ti.uname, ti.gname = len(s[ext]), 0o644, 0, "", ""
-                    tf.addfile(ti, io.BytesIO(s[ext]))  # type: ignore[arg-type]
+                    tf.addfile(ti, io.BytesIO(s[ext]))
     assert open(ours, "rb").read() == ref.getvalue()
 
 

@@ -4,6 +4,7 @@ and mixed sample layouts, and the numpy-backed shard index."""
 from __future__ import annotations
 
 import os
+from typing import cast
 
 import numpy as np
 import pytest
@@ -74,7 +75,7 @@ def test_index_loads_as_numpy_and_round_trips(tmp_path):
         np.diff(idx.member_start).tolist(),
         [idx.ext(j).encode() for j in range(len(idx.data_offset))],
         idx.data_offset.tolist(),
-        idx.data_size.tolist(),
+        cast(np.ndarray, idx.data_size).tolist(),
         idx.tar_bytes,
         idx.tar_checksum,
         idx.member_hash,

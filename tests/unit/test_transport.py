@@ -175,7 +175,7 @@ def test_default_collate_stacks_into_the_slot_and_the_batch_arrives_without_a_co
 def test_a_slot_is_reused_only_after_every_view_of_its_batch_is_gone(ring):
     sender, receiver = ring
 
-    def send(v: float) -> dict[str, torch.Tensor]:
+    def send(v: float) -> torch.Tensor:
         b = {"x": torch.full((64, 256), v), "y": torch.tensor([v])}
         return receiver.unpack(
             _cross(sender.collate([b["x"][i] for i in range(64)], default_collate))
@@ -407,6 +407,7 @@ def test_token_batches_arrive_as_tensors_in_the_ring(stream_data, monkeypatch):
     assert sum(tickets) == len(got) - 1  # the workers' batches (0 is made here), no pipe
 
 
+@pytest.mark.slow  # issue 24 item 10: out of `make unit`, still in `make test`
 def test_spawned_workers_send_their_ring_fd_once(stream_data):
     ds = StreamingDataset(stream_data("tar"), seed=7, transform=decode)
     ref = StatefulLoader(ds, batch_size=32, shm_transport=False)

@@ -11,22 +11,14 @@ Typical loop::
         ckpt.maybe_save()                # at optimizer-step boundaries only
     ckpt.close()                         # waits for the last background save
 
-Multi-rank jobs call the same methods on every rank at the same step (they are collective).
-Every rank writes its own DCP files; rank 0 commits once all ranks' data is durable.
-Restore is collective too: ranks agree on the newest checkpoint that verifies everywhere.
-Whatever differs between ranks is saved per rank and restored to the same rank
-(:mod:`.per_rank`).
+Multi-rank jobs call the same methods on every rank at the same step (they are collective;
+ranks agree on the newest checkpoint that verifies everywhere). One writer per root
+(C-ONE-WRITER): the first ``restore()`` or ``save()`` takes the root's lock, ``close()``
+releases it; ``list``/``latest``/``verify`` never take it. ``save()`` blocks only for the
+copy into reusable host buffers (C-ASYNC); at most one save is in flight, and a background
+error is raised by the next call (``save``/``maybe_save``/``wait``/``close``).
 
-One writer per root (C-ONE-WRITER, :mod:`.lock`): the first ``restore()`` or ``save()``
-takes the root's lock (rank 0 holds it for the job) and ``close()`` releases it; a second
-run on the same root is refused with the holder named. ``list``/``latest``/``verify``
-never take it.
-
-Async saves (C-ASYNC): ``save()`` blocks only while tensors are copied into reusable host
-buffers (pinned when on CUDA); a background thread writes and commits with the same
-protocol. At most one save is in flight; a background error is raised by the next call
-(``save``/``maybe_save``/``wait``/``close``). Checkpoint collectives run on a dedicated gloo
-group so they never interleave with the training loop's collectives.
+How a save commits and a restore falls back: ARCHITECTURE.md, "Lifeline 2".
 """
 
 from __future__ import annotations
@@ -124,6 +116,8 @@ class Checkpointer:
             if self._memory is not None
             else None
         )
+        self._memory_stalls: list[float] = []  # loop stall of each publish since the last save
+        self._memory_note: dict[str, Any] = {}
         self._snap = Snapshotter()
         self._pool = (
             ThreadPoolExecutor(1, thread_name_prefix="unbroken-ckpt")
@@ -226,6 +220,7 @@ class Checkpointer:
             self._same_or_refuse(step)
             return self.store.step_dir(step)
         self._lock.take(self)
+        self._memory_note = self._memory_cost()
         job = self._saver.snapshot(step, self._snap if self._pool is not None else None)
         self.last_blocked_seconds = job.blocked
         if self._pool is None:
@@ -267,6 +262,19 @@ class Checkpointer:
         else:
             self._to_memory(memory, job)
         self.last_blocked_seconds = time.perf_counter() - t0
+        self._memory_stalls.append(self.last_blocked_seconds)
+
+    def _memory_cost(self) -> dict[str, Any]:
+        """For the next ``saved`` event: the memory tier's mean publish stall since the last
+        disk save, K and the bytes its slots hold (``unbroken plan`` reads them)."""
+        stalls, self._memory_stalls = self._memory_stalls, []
+        if self._memory is None or not stalls:
+            return {}
+        return {
+            "memory_seconds": round(sum(stalls) / len(stalls), 6),
+            "memory_every": self.config.memory_every_steps,
+            "memory_bytes": self._memory.store.nbytes(),
+        }
 
     def _to_memory(self, memory: MemoryTier, job: Job) -> str:
         """Publish ``job`` into the memory tier; a failure there (tmpfs full) turns the
@@ -329,7 +337,10 @@ class Checkpointer:
         )  # fmt: skip
         # "seconds" is what the save cost the training loop (Young/Daly's C).
         cost = job.blocked if self._pool is not None else dt
-        _mark("saved", step=job.step, seconds=round(cost, 4), write_seconds=round(dt, 4))
+        _mark(
+            "saved", step=job.step, seconds=round(cost, 4), write_seconds=round(dt, 4),
+            **self._memory_note,
+        )  # fmt: skip
         gone = self.store.prune(self.config.keep_last, self.config.keep_every, protect=[job.step])
         if gone:
             log.info("retention removed steps %s", gone)
@@ -428,21 +439,39 @@ class Checkpointer:
         tried = _Tried()
         candidates = [step] if step is not None else sorted(self.store.candidates(), reverse=True)
         candidates = self._comm.broadcast(candidates)
-        if self._memory is not None and step is None:
-            disk = next(iter(candidates), None)
-            got, tried.memory = self._memory.restore(self._loader, disk)
+        memory = self._memory if step is None else None
+        if memory is not None:
+            got = self._from_memory(memory, candidates, tried)
             if got is not None:
-                newest = "no disk step" if disk is None else f"disk's newest: step {disk}"
-                note = "; ".join(filter(None, [newest, tried.memory]))
-                return self._restored(got, t0, tier="memory", skipped=note)
+                return self._restored(
+                    got, t0, tried.refused, tier="memory", skipped=tried.line("memory")
+                )
         for s in candidates:
+            if memory is not None and memory.older is not None and memory.older >= s:
+                # every newer disk step failed: the memory step skipped as older is newest now
+                got = self._from_memory(memory, [s], tried)
+                if got is not None:
+                    return self._restored(
+                        got, t0, tried.refused, tier="memory", skipped=tried.line("memory")
+                    )
             if self._try(s, tried, requested=step is not None):
-                return self._restored(s, t0, tried.refused, skipped=tried.memory)
+                return self._restored(s, t0, tried.refused, skipped=tried.line())
         got = self._from_archive(tried)
         if got is not None:
-            return self._restored(got, t0, tried.refused, tier="archive", skipped=tried.memory)
+            return self._restored(got, t0, tried.refused, tier="archive", skipped=tried.line())
         self._nothing_restored(tried)
         return None
+
+    def _from_memory(self, memory: MemoryTier, disk: Sequence[int], tried: _Tried) -> int | None:
+        """The memory tier's newest step every rank holds, when not older than ``disk``'s
+        newest (C-TIERS); what it skipped goes to ``tried``."""
+        newest = next(iter(disk), None)
+        got, tried.memory = memory.restore(self._loader, newest)
+        if got is not None and not tried.skipped:
+            tried.skipped.append(
+                "no disk step" if newest is None else f"disk's newest: step {newest}"
+            )
+        return got
 
     def _try(self, s: int, tried: _Tried, *, requested: bool = False, where: str = "") -> bool:
         """Load step ``s`` (:meth:`.Loader.try_load`); True when applied. A step asked
@@ -451,6 +480,8 @@ class Checkpointer:
         if why is None:
             return True
         tried.texts.append(f"step {s}{where}: {why.text}")
+        what = "refused by the live state" if why.refused else "damaged"
+        tried.skipped.append(f"disk step {s}{where} is {what}: {why.text[:200]}")
         if why.refused:
             tried.refused.append((s, why.text))
         if requested and why.refused:
@@ -525,11 +556,7 @@ class Checkpointer:
                 if isinstance(created, float | int)
                 else "an unknown time"
             )
-            why = (
-                f"; memory tier not used: {skipped}"
-                if skipped and tier != "memory"
-                else (f"; {skipped}" if skipped else "")
-            )
+            why = f"; {skipped}" if skipped else ""
             say(
                 log, logging.INFO, "resumed from step %d, saved at %s, in %.2f s, from the %s tier%s",
                 s, when, dt, tier, printable(why), quiet=self.config.quiet,
@@ -571,6 +598,14 @@ class _Tried:
     texts: list[str] = field(default_factory=list)
     refused: list[tuple[int, str]] = field(default_factory=list)
     memory: str = ""  # why the memory tier was not used (C-TIERS), when it is on
+    skipped: list[str] = field(default_factory=list)  # newer copies skipped, and why
+
+    def line(self, tier: str = "disk") -> str:
+        """Why newer copies were skipped, for the one restore line (C-TIERS)."""
+        if tier == "memory":
+            return "; ".join([*self.skipped, *([f"skipped: {self.memory}"] if self.memory else [])])
+        memory = [f"memory tier not used: {self.memory}"] if self.memory else []
+        return "; ".join([*self.skipped, *memory])
 
 
 class _WriterLock:

@@ -12,6 +12,7 @@ Tagged values are JSON objects with the reserved key ``"__ub__"``.
 from __future__ import annotations
 
 import base64
+import operator
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -38,6 +39,58 @@ def _tensor_inline(t: torch.Tensor) -> dict[str, Any]:
     }
 
 
+_PLAIN = frozenset({type(None), bool, int, float, str})
+_STR = frozenset({str})
+_tagged = operator.methodcaller("startswith", _TAG)
+
+
+def _plain(items: list[Any] | tuple[Any, ...]) -> bool:
+    """Every item is a plain scalar, encoded as itself: the sequence needs no walk (the
+    python RNG's 625 ints, an optimizer's parameter ids; issue 25 item 3)."""
+    return set(map(type, items)) <= _PLAIN  # C loops: the RNG's 625 ints in microseconds
+
+
+_KEYS: dict[tuple[str, ...], str] = {}  # path -> tensor key: a save repeats the same paths
+
+
+def _key(path: tuple[str, ...]) -> str:
+    if len(_KEYS) > 1 << 16:  # bounded: states with many distinct paths still encode
+        _KEYS.clear()
+    key = _KEYS[path] = "/".join(p.replace("/", "%2F") for p in path)
+    return key
+
+
+def _tensor_refs(
+    obj: Mapping[str, torch.Tensor], tensors: dict[str, torch.Tensor], path: tuple[str, ...]
+) -> dict[str, Any]:
+    """:func:`encode` of a str-keyed mapping of plain tensors, without a call per tensor."""
+    out: dict[str, Any] = {}
+    for k, t in obj.items():
+        sub = (*path, k)
+        key = _KEYS.get(sub) or _key(sub)
+        if key in tensors:
+            raise ValueError(f"two tensors map to checkpoint key {key!r}; rename one state key")
+        tensors[key] = t
+        out[k] = {_TAG: "tensor", "key": key}
+    return out
+
+
+def _encode_mapping(
+    obj: Mapping[Any, Any], tensors: dict[str, torch.Tensor] | None, path: tuple[str, ...]
+) -> Any:
+    keys_str = set(map(type, obj)) <= _STR or all(isinstance(k, str) for k in obj)
+    if keys_str and not any(map(_tagged, obj)):
+        if tensors is not None and all(type(v) is torch.Tensor for v in obj.values()):
+            return _tensor_refs(obj, tensors, path)  # a module's state dict: one loop
+        return {k: encode(v, tensors, (*path, k)) for k, v in obj.items()}
+    return {
+        _TAG: "dict",
+        "items": [
+            [encode(k, None, path), encode(v, tensors, (*path, str(k)))] for k, v in obj.items()
+        ],
+    }
+
+
 def encode(
     obj: Any,
     tensors: dict[str, torch.Tensor] | None,
@@ -49,29 +102,28 @@ def encode(
     if isinstance(obj, torch.Tensor):
         if tensors is None:
             return _tensor_inline(obj)
-        key = "/".join(p.replace("/", "%2F") for p in path)
+        key = _KEYS.get(path) or _key(path)
         if key in tensors:
             raise ValueError(f"two tensors map to checkpoint key {key!r}; rename one state key")
         tensors[key] = obj
         return {_TAG: "tensor", "key": key}
     if isinstance(obj, Mapping):
-        if all(isinstance(k, str) and not k.startswith(_TAG) for k in obj):
-            return {k: encode(v, tensors, (*path, k)) for k, v in obj.items()}
-        return {
-            _TAG: "dict",
-            "items": [
-                [encode(k, None, path), encode(v, tensors, (*path, str(k)))] for k, v in obj.items()
-            ],
-        }
+        return _encode_mapping(obj, tensors, path)
     if isinstance(obj, torch.Size):
         return {_TAG: "size", "items": list(obj)}
     if isinstance(obj, tuple):
-        return {
-            _TAG: "tuple",
-            "items": [encode(v, tensors, (*path, str(i))) for i, v in enumerate(obj)],
-        }
+        items = (
+            list(obj)
+            if _plain(obj)
+            else [encode(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
+        )
+        return {_TAG: "tuple", "items": items}
     if isinstance(obj, list):
-        return [encode(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
+        return (
+            list(obj)
+            if _plain(obj)
+            else [encode(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
+        )
     if isinstance(obj, bytes | bytearray):
         return {_TAG: "bytes", "b64": _b64(bytes(obj))}
     if isinstance(obj, torch.dtype):

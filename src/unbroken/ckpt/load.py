@@ -3,28 +3,20 @@ against the live objects, rehearsed, applied; all or nothing (T-FALL-BACK, C-PER
 
 :meth:`Loader.try_load` runs one candidate step on every rank:
 
-1. **verify** (:func:`.verify.load_verified`, the same code as ``ckpt verify``): whatever
-   the files alone can tell (:mod:`.manifest`, :mod:`.schema`, :mod:`.bounds`). The ranks
-   agree; damage on any rank moves the step aside (:meth:`Loader.quarantine`).
-2. **fit** (:func:`fit_problems`): keys, shapes, dtypes, optimizer groups, module keys,
-   registered numpy generators and their kinds, and the world-size rule
-   (:func:`.per_rank.check_resize`). A checkpoint that does not fit is intact: it raises
-   :class:`.store.RestoreRefused` (a ``ValueError``) with the list, nothing moved aside,
-   nothing changed.
-3. **rehearsal** (:meth:`Plan.rehearse`): every component whose ``load_state_dict`` is not
-   torch's tensor loading (scheduler, scaler, loader, extras ...) is given its saved state
-   first. One without tensors in its state is applied for real, with a copy of its previous
-   state to roll back to; one with tensors is rehearsed on a deep copy (sharing the live
-   tensors, which the fill overwrites anyway). CUDA RNG states are set on scratch device
-   generators. A refusal on any rank: :meth:`Plan.undo` rolls back what was applied, and
-   the step is reported refused (the caller decides, once an older one applies, that it
-   was damage).
-4. **commit** (:meth:`Plan.commit`): the stored tensors are copied into the live ones,
-   then modules and optimizers load (all checked above), counters and RNG are set, and last
-   the components whose load has effects outside the process (``MetricLog`` truncates its
-   file), so they act only once everything else has been applied.
+1. **verify** (:func:`.verify.load_verified`, the same code as ``ckpt verify``); damage on
+   any rank moves the step aside (:meth:`Loader.quarantine`);
+2. **fit** (:func:`fit_problems`, with the world-size rule of :mod:`.per_rank`): a
+   checkpoint that does not fit is intact, and raises :class:`.store.RestoreRefused` (a
+   ``ValueError``) with the list; nothing moved aside, nothing changed;
+3. **rehearsal** (:meth:`Plan.rehearse`): every component whose ``load_state_dict`` is
+   not torch's tensor loading is given its saved state first; a refusal on any rank rolls
+   back what was applied (:meth:`Plan.undo`) and the step is reported refused;
+4. **commit** (:meth:`Plan.commit`): tensors, then modules and optimizers, counters and
+   RNG, and last the components whose load has effects outside the process.
 
-Which step to try, the archive and a fresh start are the :class:`Checkpointer`'s.
+Which step to try, the archive and a fresh start are the :class:`Checkpointer`'s. What
+each phase checks and why the commit runs in that order: ARCHITECTURE.md, "Design notes" >
+ckpt > restore.
 """
 
 from __future__ import annotations

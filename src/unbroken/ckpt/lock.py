@@ -1,37 +1,21 @@
-"""One writer per checkpoint root (DESIGN C-ONE-WRITER).
+"""One writer per checkpoint root (C-ONE-WRITER).
 
 The run that saves into a root holds an exclusive ``flock`` on ``<root>/.lock`` from its
 first ``Checkpointer.restore()`` or ``save()`` until ``close()``. The kernel drops the lock
 when the holder exits, however it dies (SIGKILL included), so a crashed run never blocks
-its successor; a second live writer is refused by :func:`acquire` with a message naming
-the holder. While held, the file describes the holder (JSON)::
+its successor; a second live writer is refused by :func:`acquire` (:class:`RootLocked`)
+with a message naming the holder (host, pid, run id, argv, recorded in the file while
+held). In one process the lock is shared: every ``Checkpointer`` of a root is the same
+writer (a :class:`Lease` count keeps it until the last one closes). Forked children drop
+their inherited copy as soon as they run.
 
-    {"host": "node-3", "pid": 4242, "run_id": "llama-g0", "started": 1718000000.0,
-     "argv": ["train.py", "--lr", "3e-4"]}
+Temp dirs: only the holder may judge a ``.tmp-step-*`` directory it did not create as
+debris; a process without the lock deletes nothing (:func:`writer_alive`). On a filesystem
+without ``flock`` one WARNING says the root is not protected and saving goes on.
 
-``run_id`` is torchrun's ``TORCHELASTIC_RUN_ID`` (``unbroken run`` sets it), else null. The
-holder deletes the file when it releases the lock, so a finished run leaves nothing behind;
-a killed one leaves a stale, unlocked file that the next writer simply locks again (a
-writer that locked a file another holder unlinked meanwhile sees the inode change and
-retries).
-
-Temp dirs: every ``.tmp-step-*`` directory is created by the holder of the root's lock
-(rank 0 of a collective save). So while this process holds the lock, a temp dir it did not
-create belongs to a writer that is gone and is debris; a process without the lock cannot
-tell and deletes nothing (:func:`writer_alive`).
-
-In one process the lock is shared: every ``Checkpointer`` of a root in the same process
-is the same writer (a lease count keeps the lock until the last one closes). Forked
-children (e.g. DataLoader workers) drop their inherited copy as soon as they run (an
-``flock`` belongs to the open file, which a fork shares), so they never keep a dead
-writer's lock alive for long. A writer killed between a fork and its child's first
-instructions leaves the lock held for that moment: a successor that finds the lock held
-while the recorded holder is no longer running on this host waits for the children (at
-most ``ORPHAN_WAIT_S``), never takes the lock while anyone holds it, and if they
-do not let go names the dead holder and how to find them. On a filesystem without
-``flock`` support (some FUSE or Lustre mounts) one WARNING says the root is not protected,
-and saving goes on without the lock; a root this process cannot write is restored without
-it (nothing there can be changed).
+The holder file, stale files, a writer killed between a fork and its child's first
+instructions (``ORPHAN_WAIT_S``) and read-only roots: ARCHITECTURE.md, "Design notes" >
+ckpt > the writer lock.
 """
 
 from __future__ import annotations

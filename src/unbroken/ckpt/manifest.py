@@ -1,41 +1,19 @@
 """``manifest.json``: the one typed description of a committed checkpoint, validated once.
 
-On disk (written last by the commit, so a step directory counts only once it is complete)::
+Written last by the commit, so a step directory counts only once it is complete
+(C-ATOMIC). :class:`CheckpointManifest` holds the files with their sizes and checksums,
+every tensor with its chunks and statistics, the counters, the ranks' state files and the
+manifest's own checksum (version 2; version 1 is still read). The tensor-key grammar
+(``components/...``, ``rank<r>/...``) is defined here.
 
-    {
-      "format": "unbroken-checkpoint", "version": 2, "step": 500,
-      "created": 1718000000.0, "world_size": 2,
-      "ranks": {"0": {"state": "state-rank0.json"}, "1": {"state": "state-rank1.json"}},
-      "unbroken_version": "0.1.0", "torch_version": "2.13.0", "checksum_algo": "xxh3_128",
-      "files": {"__0_0.distcp": {"size": 2600, "checksum": "<32 hex digits>"},
-                ".metadata": {...}, "state-rank0.json": {...}},
-      "tensors": {
-        "components/model/0.weight": {
-          "dtype": "float32", "shape": [32, 16], "sharded": false,
-          "stats": {"sum": 1.5, "norm": 4.2},          # null for sharded tensors
-          "chunks": [{"offsets": [0, 0], "sizes": [32, 16],
-                      "file": "__0_0.distcp", "offset": 0, "length": 2600}]}},
-      "counters": {"step": 500, "samples": 16000, "tokens": 0, "micro_step": 0},
-      "data_state": {...} | null,                       # the loader's state, for humans
-      "save_seconds": 1.2, "blocked_seconds": 0.2,
-      "manifest_checksum": "<xxh3-128 of the canonical JSON of every other field>"
-    }
+Every file of a checkpoint is untrusted input, so :meth:`CheckpointManifest.from_json`
+checks everything before any other file is opened (types, dtypes, shapes, chunks covering
+each tensor exactly once inside their file, plain file names, the self-checksum), and
+parsing is bounded (:mod:`unbroken.ckpt.bounds`, T-BOUNDED); :meth:`check_files` then
+checks that every listed file is a regular file of its recorded size (C-VERIFIED).
 
-Every file of a checkpoint is untrusted input (bit rot, truncation, a crafted copy), so
-:meth:`CheckpointManifest.from_json` checks everything before any other file is opened:
-types, dtypes from a fixed set, shapes, chunks inside their tensor and covering it exactly
-once (an overlap or a gap is damage), byte ranges inside their file's recorded size and
-never shared by two chunks, no chunk shorter than its elements' bytes (so the tensors a
-restore allocates are bounded by the data files), rank state files listed (``world_size``
-is counted against them, never enumerated), every file name a plain name inside the step
-directory (no ``/``, no ``..``, not absolute), the step number, and (version 2) the
-manifest's own checksum, so a flipped bit in any field is caught even when the JSON still
-parses. Parsing is bounded too (:mod:`unbroken.ckpt.bounds`): a manifest above 256 MiB,
-or one whose JSON could cost more memory than its checkpoint's files justify, is refused
-unparsed. :meth:`CheckpointManifest.check_files` then checks the directory:
-every listed file a regular file (not a symlink) of its recorded size.
-
-Version 1 (written before chunk sizes and the self-checksum) is still read.
+The format on disk and the full list of checks: ARCHITECTURE.md, "Design notes" > ckpt >
+manifest.json.
 """
 
 from __future__ import annotations
@@ -53,6 +31,7 @@ import numpy as np
 import torch
 
 from unbroken.ckpt.bounds import MAX_MANIFEST, Budget, TooCostly, load_json
+from unbroken.ckpt.stats import LEGACY_STATS_ALGO, STATS_ALGO, STATS_ALGOS
 from unbroken.common.fs import CHECKSUM_ALGO, checksum_bytes
 
 __all__ = [
@@ -75,8 +54,9 @@ __all__ = [
 ]
 
 FORMAT = "unbroken-checkpoint"
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""3: ``stats_algo`` recorded (issue 23); 2: the manifest's own checksum; 1: neither."""
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 METADATA = ".metadata"  # DCP's own metadata (a pickle): checked, never unpickled by us
 DTYPES = (
@@ -91,7 +71,7 @@ _CHECKSUM_KEY = "manifest_checksum"
 _KNOWN = frozenset(
     {
         "format", "version", "step", "created", "world_size", "ranks", "unbroken_version",
-        "torch_version", "checksum_algo", "files", "tensors", "counters", "data_state",
+        "torch_version", "checksum_algo", "stats_algo", "files", "tensors", "counters", "data_state",
         "save_seconds", "blocked_seconds", _CHECKSUM_KEY,
     }
 )  # fmt: skip
@@ -234,6 +214,9 @@ class CheckpointManifest:
     save_seconds: float | None = None
     blocked_seconds: float | None = None
     version: int = FORMAT_VERSION
+    stats_algo: str = STATS_ALGO
+    """How the tensors' ``stats`` were computed (:mod:`unbroken.ckpt.stats`); manifests
+    written before it was recorded say nothing and mean ``torch-v1``."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Fields this version does not know (a later minor addition), kept as read."""
 
@@ -263,6 +246,7 @@ class CheckpointManifest:
             "unbroken_version": self.unbroken_version,
             "torch_version": self.torch_version,
             "checksum_algo": CHECKSUM_ALGO,
+            "stats_algo": self.stats_algo,
             "files": {
                 n: {"size": f.size, "checksum": f.checksum} for n, f in sorted(self.files.items())
             },
@@ -306,22 +290,7 @@ class CheckpointManifest:
     @classmethod
     def from_dict(cls, d: Any, *, step: int | None, where: str) -> CheckpointManifest:
         v = _Checker(where)
-        v.require(
-            isinstance(d, dict) and d.get("format") == FORMAT,
-            "is not an unbroken checkpoint manifest",
-        )
-        version = d.get("version")
-        v.require(
-            type(version) is int and version in READABLE_VERSIONS,
-            f"has format version {version!r}; this unbroken reads versions "
-            f"{list(READABLE_VERSIONS)} (upgrade unbroken)",
-        )
-        if version >= 2:
-            got = d.get(_CHECKSUM_KEY)
-            v.require(
-                isinstance(got, str) and got == manifest_digest(d),
-                "does not match its own checksum (a changed or flipped field)",
-            )
+        version = v.header(d)
         mstep = v.int_(d.get("step"), "step")
         v.require(step is None or mstep == step, f"says step {mstep}, its directory says {step}")
         world = v.int_(d.get("world_size"), "world_size", lo=1)
@@ -329,32 +298,15 @@ class CheckpointManifest:
             d.get("checksum_algo", CHECKSUM_ALGO) == CHECKSUM_ALGO,
             f"checksum_algo is not {CHECKSUM_ALGO}",
         )
-
-        files: dict[str, FileEntry] = {}
-        for name, f in v.dict_(d.get("files"), "files").items():
-            v.name(name, "files")
-            f = v.dict_(f, f"files[{name!r}]")
-            files[name] = FileEntry(
-                v.int_(f.get("size"), f"files[{name!r}].size"),
-                v.hex32(f.get("checksum"), f"files[{name!r}].checksum"),
-            )
-        v.require(METADATA in files, f"does not list {METADATA}")
-
-        ranks: dict[int, str] = {}
-        for r, e in v.dict_(d.get("ranks"), "ranks").items():
-            v.require(r.isdigit() and str(int(r)) == r, f"ranks has a non-rank key {r!r}")
-            state = v.dict_(e, f"ranks[{r!r}]").get("state")
-            v.require(
-                isinstance(state, str) and state in files,
-                f"ranks[{r!r}].state {state!r} is not a listed file",
-            )
-            ranks[int(r)] = str(state)
-        # counted, never enumerated: world_size may claim anything
+        # Before version 3 the statistics were always torch-v1 (and not named).
+        stats_algo = d.get("stats_algo") if version >= 3 else LEGACY_STATS_ALGO
         v.require(
-            len(ranks) == world and (not ranks or max(ranks) == world - 1),
-            f"lists state files for {len(ranks)} rank(s), world_size is {world}",
+            stats_algo in STATS_ALGOS,
+            f"stats_algo={stats_algo!r} is not one of {list(STATS_ALGOS)} (upgrade unbroken)",
         )
 
+        files = v.files(d.get("files"))
+        ranks = v.ranks(d.get("ranks"), files, world)
         data_names = set(files) - set(ranks.values()) - {METADATA}
         tensors = {
             k: v.tensor(k, t, files, data_names, version, world)
@@ -380,6 +332,7 @@ class CheckpointManifest:
             save_seconds=v.num(d.get("save_seconds"), "save_seconds", optional=True),
             blocked_seconds=v.num(d.get("blocked_seconds"), "blocked_seconds", optional=True),
             version=version,
+            stats_algo=stats_algo,
             extra={k: x for k, x in d.items() if k not in _KNOWN},
         )
 
@@ -413,6 +366,56 @@ class _Checker:
     def require(self, ok: bool, what: str) -> None:
         if not ok:
             raise ManifestError(self.where, what)
+
+    def header(self, d: Any) -> int:
+        """The manifest's format, readable version (returned) and own checksum (version 2)."""
+        self.require(
+            isinstance(d, dict) and d.get("format") == FORMAT,
+            "is not an unbroken checkpoint manifest",
+        )
+        version = d.get("version")
+        self.require(
+            type(version) is int and version in READABLE_VERSIONS,
+            f"has format version {version!r}; this unbroken reads versions "
+            f"{list(READABLE_VERSIONS)} (upgrade unbroken)",
+        )
+        if version >= 2:
+            got = d.get(_CHECKSUM_KEY)
+            self.require(
+                isinstance(got, str) and got == manifest_digest(d),
+                "does not match its own checksum (a changed or flipped field)",
+            )
+        return int(version)
+
+    def files(self, x: Any) -> dict[str, FileEntry]:
+        files: dict[str, FileEntry] = {}
+        for name, f in self.dict_(x, "files").items():
+            self.name(name, "files")
+            f = self.dict_(f, f"files[{name!r}]")
+            files[name] = FileEntry(
+                self.int_(f.get("size"), f"files[{name!r}].size"),
+                self.hex32(f.get("checksum"), f"files[{name!r}].checksum"),
+            )
+        self.require(METADATA in files, f"does not list {METADATA}")
+        return files
+
+    def ranks(self, x: Any, files: Mapping[str, FileEntry], world: int) -> dict[int, str]:
+        """rank -> its state file, one per rank of ``world``."""
+        ranks: dict[int, str] = {}
+        for r, e in self.dict_(x, "ranks").items():
+            self.require(r.isdigit() and str(int(r)) == r, f"ranks has a non-rank key {r!r}")
+            state = self.dict_(e, f"ranks[{r!r}]").get("state")
+            self.require(
+                isinstance(state, str) and state in files,
+                f"ranks[{r!r}].state {state!r} is not a listed file",
+            )
+            ranks[int(r)] = str(state)
+        # counted, never enumerated: world_size may claim anything
+        self.require(
+            len(ranks) == world and (not ranks or max(ranks) == world - 1),
+            f"lists state files for {len(ranks)} rank(s), world_size is {world}",
+        )
+        return ranks
 
     def int_(self, x: Any, what: str, lo: int | None = 0) -> int:
         self.require(

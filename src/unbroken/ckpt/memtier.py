@@ -2,35 +2,25 @@
 (issue 25, C-TIERS; design in ARCHITECTURE.md "The memory tier").
 
 Each rank owns two slot files in a private directory on tmpfs
-(``/dev/shm/unbroken-<uid>/<job>/rank-<r>/slot-{0,1}``). A slot is::
+(``/dev/shm/unbroken-<uid>/<job>/rank-<r>/slot-{0,1}``). :class:`SlotStore` publishes into
+the slot that does *not* hold the newest complete step, header last
+(:meth:`SlotStore.publish`), and :meth:`SlotStore.newest` returns the verified slot of
+highest generation: the slot in flight never hides the last complete one, and a torn or
+damaged slot falls back to the other, then to none. :class:`MemoryTier` is the
+Checkpointer's side.
 
-    [header: _HEAD struct + meta JSON, padded to HEADER_BYTES][payload]
-    payload = [u64 n][n bytes of JSON: state tree, rng, tensor key table][pad][tensors]
+Every byte of a slot is untrusted (T-BOUNDED, T-FALL-BACK): any failure is a
+:class:`SlotDamaged` reason, never an exception out of :meth:`newest`. The directory is
+private (T-SHARED-NODE): owned by this user, not writable by group or others, no symlink;
+slots opened with ``O_NOFOLLOW``, mode 0600; one live publisher per rank directory
+(``flock``).
 
-(each tensor's bytes at the next 64-byte boundary, in the key table's order)
-
-The state tree and RNG are the disk tier's codec encoding (:mod:`.codec`: JSON, no
-pickle); the tensors are raw bytes placed by the key table, each 64-byte aligned.
-:meth:`SlotStore.publish` writes into the slot that does *not* hold the newest complete
-step: its header is zeroed first, then the payload, then the header last (generation,
-step, payload length, xxh3-128 of the payload, header checksum). :meth:`SlotStore.newest`
-returns the verified slot of highest generation: the slot in flight never hides the last
-complete one, and a torn or damaged slot falls back to the other, then to none.
-
-Every byte of a slot is untrusted (T-BOUNDED, T-FALL-BACK): lengths are checked against
-the file's size before anything is read, the JSON is charged to a budget of the payload's
-size (:mod:`.bounds`), dtypes come from the manifest's fixed list, shapes and offsets must
-match the bytes, the state is checked as a disk restore would (:func:`.schema.check_state`).
-Any failure is a :class:`SlotDamaged` reason, never an exception out of :meth:`newest`.
-
-The directory is private (T-SHARED-NODE, :func:`~unbroken.common.fs.private_dir`): owned
-by this user, not writable by group or others, no symlink; slots are opened with
-``O_NOFOLLOW`` and mode 0600; one live publisher per rank directory (``flock``).
+The slot format and the checks on reading it: ARCHITECTURE.md, "The memory tier" > the
+slot format.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import errno
 import fcntl
@@ -40,8 +30,9 @@ import math
 import mmap
 import os
 import struct
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +49,9 @@ from unbroken.ckpt.save import Job
 from unbroken.ckpt.schema import check_state
 from unbroken.ckpt.state import TrainState
 from unbroken.ckpt.verify import Verified
-from unbroken.common.fs import PrivateDirError, hasher, open_private, private_dir
+from unbroken.common import memdir
+from unbroken.common.fs import PrivateDirError, open_private, private_dir
+from unbroken.common.memdir import ENV
 
 __all__ = [
     "ENV",
@@ -73,8 +66,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-ENV = "UNBROKEN_MEMORY_TIER"
-"""Environment variable naming the job's memory-tier directory (set by ``unbroken run``)."""
 
 MAGIC = b"UBSLOT\r\n"
 VERSION = 1
@@ -109,8 +100,7 @@ def default_dir(root: str) -> str:
     env = os.environ.get(ENV)
     if env:
         return env
-    job = xxhash.xxh3_64_hexdigest(os.path.realpath(root).encode())
-    return os.path.join("/dev/shm", f"unbroken-{os.geteuid()}", job)
+    return memdir.job_dir(os.path.realpath(root))
 
 
 @dataclass
@@ -140,36 +130,131 @@ class _Head:
     meta: dict[str, Any]
 
 
-def _slot_bytes(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy."""
-    if t.numel() == 0:
-        return memoryview(b"")
-    arr: Any = t.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(arr).cast("B")
-
-
 def _pad(n: int) -> int:
     return -n % _ALIGN
 
 
-_IOV_MAX = 1024  # buffers per pwritev call (Linux allows 1024)
-_ZEROS = memoryview(bytes(_ALIGN))
+_HEADER_ZEROS = memoryview(bytes(HEADER_BYTES))
+_SPACES = b" " * 65536
 
 
-def _pwritev_all(fd: int, bufs: list[memoryview | bytes], offset: int) -> int:
-    """Write ``bufs`` in order at ``offset`` with few system calls (a small state is one
-    ``pwritev``); short writes are resumed. Returns the offset after the last byte."""
-    views = [memoryview(b).cast("B") for b in bufs if len(b)]
-    i = 0
-    while i < len(views):
-        n = os.pwritev(fd, views[i : i + _IOV_MAX], offset)
-        offset += n
-        while i < len(views) and n >= len(views[i]):
-            n -= len(views[i])
-            i += 1
-        if n:
-            views[i] = views[i][n:]
-    return offset
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def _number_free(obj: Any) -> bool:
+    """Only strings, None, lists and str-keyed dicts: ``==`` on such a tree is exact (it
+    is not for numbers: 1 == True == 1.0, 0.0 == -0.0)."""
+    if obj is None or type(obj) is str:
+        return True
+    if type(obj) is list:
+        return all(map(_number_free, obj))
+    if type(obj) is dict:
+        return all(type(k) is str for k in obj) and all(map(_number_free, obj.values()))
+    return False
+
+
+def _always(_value: Any) -> bool:
+    return True
+
+
+class _JsonParts:
+    """The JSON of a publish's parts that repeat from step to step, reused while equal
+    (issue 25 item 3): a component whose encoded tree holds no number (a model's tensor
+    references) and each RNG stream that did not move. A component holding numbers is
+    encoded afresh every time, so a reused byte is always the byte ``json.dumps`` writes.
+    RNG states are compared as captured: their types are fixed by the generators (ints,
+    strings, arrays as base64), and a stream that moved never compares equal."""
+
+    def __init__(self) -> None:
+        self._parts: dict[tuple[str, str], tuple[Any, bytes]] = {}
+
+    def _part(self, where: tuple[str, str], value: Any, exact: Callable[[Any], bool]) -> bytes:
+        """``value``'s JSON; kept for the next publish when ``exact(value)``: a later value
+        equal to a kept one is then the same JSON."""
+        hit = self._parts.get(where)
+        if hit is not None and hit[0] == value:
+            return hit[1]
+        raw = _dumps(value)
+        if exact(value):
+            self._parts[where] = (value, raw)
+        else:
+            self._parts.pop(where, None)
+        return raw
+
+    def tree(self, tree: Any) -> bytes:
+        comps = tree.get("components") if isinstance(tree, dict) else None
+        if not isinstance(comps, dict):
+            return _dumps(tree)
+        inner = b", ".join(
+            _dumps(k) + b": " + self._part(("c", k), v, _number_free) for k, v in comps.items()
+        )
+        rest = {k: v for k, v in tree.items() if k != "components"}
+        head = _dumps(rest)[:-1]  # the other keys, then the components
+        return head + (b", " if rest else b"") + b'"components": {' + inner + b"}}"
+
+    def rng(self, rng: Any) -> bytes:
+        if not isinstance(rng, dict) or not all(type(k) is str for k in rng):
+            return _dumps(rng)
+        inner = b", ".join(
+            _dumps(k) + b": " + self._part(("r", k), v, _always) for k, v in rng.items()
+        )
+        return b"{" + inner + b"}"
+
+
+class _Mapped:
+    """One slot file mapped for publishing, laid out for one key table: the JSON gets
+    ``room`` bytes (the blob padded with JSON whitespace, so a tree that grows a digit
+    keeps the layout), each tensor a typed view of the mapping at its 64-byte-aligned
+    place. A publish is then one ``_foreach_copy_`` into the views and one xxh3 pass over
+    the mapping: no per-tensor Python work, no intermediate buffer (issue 25 item 3)."""
+
+    def __init__(
+        self, fd: int, sig: tuple[tuple[str, torch.dtype, torch.Size], ...], blob: int
+    ) -> None:
+        self.sig = sig
+        self.room = blob + max(4096, blob // 2)
+        self.room += _pad(8 + self.room)  # the tensors start 64-byte aligned
+        offsets, end = [], 8 + self.room
+        for _k, dt, shape in sig:
+            n = math.prod(shape) * dt.itemsize
+            offsets.append((end, n, dt, shape))
+            end += n + _pad(n)
+        self.end = end
+        os.ftruncate(fd, 0)  # every byte the layout does not write (padding) is zero
+        os.ftruncate(fd, HEADER_BYTES + end)
+        os.posix_fallocate(fd, 0, HEADER_BYTES + end)  # tmpfs full: ENOSPC here, not SIGBUS
+        self.mm = mmap.mmap(fd, HEADER_BYTES + end, flags=mmap.MAP_SHARED)
+        self.views = [
+            torch.frombuffer(self.mm, dtype=torch.uint8, count=n, offset=HEADER_BYTES + off)
+            .view(dt)
+            .view(shape)
+            for off, n, dt, shape in offsets
+            if n
+        ]
+
+    def fill(self, blob: bytes, tensors: list[torch.Tensor]) -> bytes:
+        """Write the payload; returns its xxh3-128."""
+        mm, b = self.mm, HEADER_BYTES
+        mm[b : b + 8] = struct.pack("<Q", self.room)
+        mm[b + 8 : b + 8 + len(blob)] = blob
+        gap = self.room - len(blob)
+        while gap:  # JSON whitespace up to the room's end (stale bytes of a longer blob)
+            at = b + 8 + self.room - gap
+            n = min(gap, len(_SPACES))
+            mm[at : at + n] = _SPACES[:n]
+            gap -= n
+        with torch.no_grad():
+            torch._foreach_copy_(self.views, tensors)
+        with memoryview(mm) as whole:
+            return xxhash.xxh3_128_digest(whole[b:])
+
+    def close(self) -> None:
+        self.views.clear()  # the views export the mapping's buffer
+        try:
+            self.mm.close()
+        except BufferError:  # a view still referenced elsewhere: the mapping goes with it
+            pass
 
 
 class SlotStore:
@@ -186,15 +271,15 @@ class SlotStore:
             raise ValueError(f"rank={rank!r} must be a non-negative integer")
         self.directory = directory
         self.rank = rank
-        parent = os.path.dirname(os.path.abspath(directory))
-        if os.path.basename(parent).startswith("unbroken-"):  # the default layout's user dir
-            private_dir(parent, purpose="memory-tier directory")
-        private_dir(directory, purpose="memory-tier directory")
+        memdir.create(directory)
         self.rank_dir = private_dir(
             os.path.join(directory, f"rank-{rank}"), purpose="memory-tier rank directory"
         )
         self._lock_fd: int | None = None
         self._fds: dict[int, int] = {}  # slot -> fd, opened once by the publisher
+        self._maps: dict[int, _Mapped] = {}  # slot -> its mapping, while the layout holds
+        self._table: tuple[Any, bytes] | None = None  # the key table's JSON, per signature
+        self._json = _JsonParts()
         self._newest: int | None = None  # the slot holding the newest verified step
         self._generation = 0
 
@@ -241,28 +326,41 @@ class SlotStore:
         meta: Mapping[str, Any] | None = None,
     ) -> str:
         """Write one complete snapshot as ``step``: ``tree``/``rng`` are codec-encoded
-        (tensor references in ``tree`` name keys of ``tensors``); ``tensors`` are CPU
-        tensors (made contiguous here when they are not). Returns the slot's path."""
+        (tensor references in ``tree`` name keys of ``tensors``); ``tensors`` are tensors
+        of any layout and device (copied into the slot). Returns the slot's path."""
         if not isinstance(step, int) or not 0 <= step < _MAX_STEP:
             raise ValueError(f"step={step!r} must be a non-negative integer")
         self._take_lock()
         i = self._target()
-        path = self.slot_path(i)
         meta_raw = json.dumps({**(meta or {}), "rank": self.rank}).encode()
         if len(meta_raw) > _MAX_META:
             raise ValueError(f"memory-tier meta of {len(meta_raw)} bytes exceeds {_MAX_META}")
-        parts, end = self._layout(tree, rng, tensors)
         fd = self._open_slot(i)
-        _pwritev_all(fd, [bytes(_HEAD.size)], 0)  # invalidate first: a torn slot never verifies
-        if os.fstat(fd).st_size != HEADER_BYTES + end:
-            os.ftruncate(fd, HEADER_BYTES + end)
-        h = hasher()
-        collections.deque(map(h.update, parts), maxlen=0)  # hash without a Python loop
-        _pwritev_all(fd, parts, HEADER_BYTES)
+        os.pwrite(fd, bytes(_HEAD.size), 0)  # invalidate first: a torn slot never verifies
+        sig = tuple((k, t.dtype, t.shape) for k, t in tensors.items())
+        if self._table is None or self._table[0] != sig:
+            table = {
+                k: {"dtype": str(dt).removeprefix("torch."), "shape": list(shape)}
+                for k, dt, shape in sig
+            }
+            self._table = (sig, json.dumps(table).encode())
+        blob = b"".join(
+            (b'{"state": ', self._json.tree(tree), b', "rng": ', self._json.rng(rng),
+             b', "tensors": ', self._table[1], b"}")
+        )  # fmt: skip
+        m = self._maps.get(i)
+        if m is None or m.sig != sig or len(blob) > m.room:
+            if m is not None:
+                m.close()
+            m = self._maps[i] = _Mapped(fd, sig, len(blob))
+        digest = m.fill(blob, [t for t in tensors.values() if t.numel()])
         gen = self._generation + 1
-        _pwritev_all(fd, [_pack(step, gen, end, h.digest(), meta_raw)], 0)
+        head = _pack(step, gen, m.end, digest, meta_raw)
+        # the header last, in one system call (a SIGKILL cannot cut it in two), over the
+        # whole header area: a shorter meta than the last one leaves no stale byte
+        os.pwrite(fd, head + _HEADER_ZEROS[len(head) :], 0)
         self._newest, self._generation = i, gen
-        return path
+        return self.slot_path(i)
 
     def _open_slot(self, i: int) -> int:
         if i in self._fds:
@@ -278,44 +376,27 @@ class SlotStore:
                 ) from None
             raise
 
-    @staticmethod
-    def _layout(
-        tree: Any, rng: Any, tensors: Mapping[str, torch.Tensor]
-    ) -> tuple[list[memoryview | bytes], int]:
-        """The payload as buffers in order (no joining copy) and its length. The tensors
-        follow the key table in its order, each at the next 64-byte boundary: offsets are
-        implied by the table, never stored (one less field to trust, one JSON encode)."""
-        flat = {k: t.detach().contiguous() for k, t in tensors.items()}  # no copy when already
-        table = {
-            k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-            for k, t in flat.items()
-        }
-        blob = json.dumps({"state": tree, "rng": rng, "tensors": table}).encode()
-        head = struct.pack("<Q", len(blob)) + blob
-        head += bytes(_pad(len(head)))
-        parts: list[memoryview | bytes] = [head]
-        end = len(head)
-        for t in flat.values():
-            raw = _slot_bytes(t)
-            parts.append(raw)
-            end += len(raw)
-            if _pad(len(raw)):
-                parts.append(_ZEROS[: _pad(len(raw))])
-                end += _pad(len(raw))
-        return parts, end
-
     # --- reading ----------------------------------------------------------------------------
 
     def head(self, i: int) -> _Head | None:
         """Slot ``i``'s header when it verifies (the payload is not read), else None."""
+        got = self.check_head(i)
+        return got if isinstance(got, _Head) else None
+
+    def check_head(self, i: int) -> _Head | SlotDamaged | None:
+        """Slot ``i``'s header when it verifies, why not when it is there and does not,
+        None when there is no slot ``i``."""
+        path = self.slot_path(i)
         try:
-            fd = open_private(self.slot_path(i), os.O_RDONLY | os.O_NONBLOCK)
-        except (OSError, PrivateDirError):
+            fd = open_private(path, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
             return None
+        except (OSError, PrivateDirError) as e:
+            return SlotDamaged(path, "unreadable", str(e))
         try:
-            return _read_head(fd, self.slot_path(i), os.fstat(fd).st_size)
-        except SlotDamaged:
-            return None
+            return _read_head(fd, path, os.fstat(fd).st_size)
+        except SlotDamaged as e:
+            return e
         finally:
             os.close(fd)
 
@@ -356,7 +437,14 @@ class SlotStore:
             self._generation = max(self._generation, good[0].generation)
         return (good[0] if good else None), bad
 
+    def nbytes(self) -> int:
+        """Bytes this rank's slots hold (what the tier costs in node memory)."""
+        return sum(os.fstat(fd).st_size for fd in self._fds.values())
+
     def close(self) -> None:
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -532,6 +620,7 @@ class MemoryTier:
         self.published: int | None = None  # newest step this process published
         self.disabled: str | None = None  # why publishing stopped (once, logged)
         self.inline: bool | None = None  # publish in the loop (a small state); None: not known yet
+        self.older: int | None = None  # the last restore's newest common step, skipped as older
 
     def _meta(self, job: Job, state: TrainState) -> dict[str, Any]:
         return {
@@ -540,6 +629,7 @@ class MemoryTier:
             "components": sorted(state.components),
             "layouts": schema.describe(state.components, job.sd["components"]),
             "generators": schema.generators(state),
+            "created": time.time(),
         }
 
     def publish(self, job: Job, state: TrainState) -> None:
@@ -557,31 +647,46 @@ class MemoryTier:
         self.store.publish(job.step, job.tree, job.rng, job.tensors, self._meta(job, state))
         self.published = job.step
 
-    def _mine(self) -> dict[int, int]:
+    def _mine(self) -> tuple[dict[int, int], list[str]]:
         """step -> slot, for the slots whose header verifies and that are this job's (the
-        newer generation when both hold one step)."""
+        newer generation when both hold one step); and why each other slot that is there
+        was not counted (damaged header, another job's)."""
         best: dict[int, tuple[int, int]] = {}
+        why: list[str] = []
         me = {"root": self.root, "world": self.comm.world, "rank": self.comm.rank}
         for i in range(SLOTS):
-            h = self.store.head(i)
-            if h is None or any(h.meta.get(k) != v for k, v in me.items()):
+            h = self.store.check_head(i)
+            if isinstance(h, SlotDamaged):
+                if h.reason != "torn":  # a publish cut short is no damage: the other slot is
+                    why.append(
+                        f"rank {self.comm.rank} slot-{i} is damaged ({h.reason}: {h.detail})"
+                    )
+                continue
+            if h is None:
+                continue
+            other = [k for k, v in me.items() if h.meta.get(k) != v]
+            if other:
+                why.append(f"rank {self.comm.rank} slot-{i} is another job's ({other[0]} differs)")
                 continue
             if h.step not in best or h.generation > best[h.step][0]:
                 best[h.step] = (h.generation, i)
-        return {s: i for s, (_, i) in best.items()}
+        return {s: i for s, (_, i) in best.items()}, why
 
     def restore(self, loader: Loader, disk_newest: int | None) -> tuple[int | None, str]:
         """Apply the newest step every rank holds in memory, when it is not older than
         ``disk_newest``. Returns (the step applied or None, why a newer copy was skipped
         or why memory was not used). Collective."""
-        notes: list[str] = []
+        self.older = None
+        local: list[str] = []
         try:  # a live publisher (a worker not yet stopped) could rewrite a slot under us
             self.store._take_lock()
-            mine = self._mine()
+            mine, local = self._mine()
         except TierBusy as e:
             mine = {}
-            notes.append(str(e))
-        held = self.comm.gather(sorted(mine))
+            local.append(str(e))
+        gathered = self.comm.gather((sorted(mine), local))
+        held = [h for h, _ in gathered]
+        notes = [n for _, ns in gathered for n in ns][:8]  # bounded: one line for a big job
         common = set(held[0]).intersection(*held[1:]) if held else set()
         newest_any = max((s for h in held for s in h), default=None)
         if newest_any is not None and newest_any not in common:
@@ -590,13 +695,14 @@ class MemoryTier:
         for s in sorted(common, reverse=True):
             if disk_newest is not None and s < disk_newest:
                 notes.append(f"memory step {s} is older than disk step {disk_newest}")
+                self.older = s
                 break
             why = self._try(loader, s, mine[s])
             if why is None:
                 return s, "; ".join(notes)
-            notes.append(f"memory step {s}: {why}")
+            notes.append(f"memory step {s} is damaged: {why}")
         if newest_any is None:
-            notes.append("the memory tier holds no step of this job")
+            notes.append("the memory tier is missing: it holds no step of this job")
         return None, "; ".join(notes)
 
     def _try(self, loader: Loader, s: int, slot: int) -> str | None:
@@ -653,6 +759,7 @@ def _as_verified(snap: MemorySnapshot, world: int) -> Verified:
         files={},
         tensors=tensors,
         counters=dict(tree.get("counters", {})),
+        created=created if isinstance(created := snap.meta.get("created"), float) else None,
     )
     needed = frozenset(codec.tensor_keys(snap.tree))
     return Verified(snap.step, manifest, snap.tree, snap.tensors, snap.rng, needed)

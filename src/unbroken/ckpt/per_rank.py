@@ -1,41 +1,19 @@
-"""Per-rank state (DESIGN C-PER-RANK): whatever differs between ranks is saved per rank.
+"""Per-rank state (C-PER-RANK): whatever differs between ranks is saved per rank.
 
 Every :class:`~unbroken.ckpt.TrainState` component is declared ``replicated`` (model,
 optimizer, scheduler, ema, scaler, loader, metrics by default) or ``per_rank`` (extras by
-default: an LSTM's hidden state, a per-rank buffer); ``TrainState(replicated=[...],
-per_rank=[...])`` overrides either way.
+default); ``TrainState(replicated=[...], per_rank=[...])`` overrides either way.
 
-At every save of a multi-rank job each rank fingerprints its plain tensors (xxh3-128 of
-the bytes; DTensors are sharded by construction and skipped) and the non-tensor state of its
-per-rank components, and one all-gather compares them:
+:func:`split` (at save) finds, with one all-gather of fingerprints, the tensors and
+components that differ between ranks: a tensor that differs is saved by every rank under
+``rank<r>/<key>`` and restored to the same rank; a *replicated* component that differs is
+reported by name (WARNING; INFO for buffers DDP re-broadcasts). :func:`check_resize`
+applies the world-size rule at restore: rank ``r`` reads rank ``r``'s state if ``r < W``,
+else rank 0's; RNG re-derived from ``(seed, rank, step)``; a ``per_rank`` component that
+differed is refused by name unless ``TrainState(per_rank_on_resize="skip")``.
 
-* a tensor equal on every rank is saved once (DCP de-duplicates it), as before;
-* a tensor that differs is saved by every rank, under ``rank<r>/<key>``, and each rank's
-  state file refers to its own copy: every rank restores exactly what it saved;
-* a *replicated* component whose tensors differ is reported by name (one WARNING per
-  component per ``Checkpointer``; INFO when only buffers that DDP re-broadcasts from rank 0
-  at each forward differ, such as BatchNorm statistics). Nothing is lost either way: the
-  save keeps every rank's copy.
-
-Non-tensor state is per rank by construction (every rank writes ``state-rank<r>.json``).
-
-World-size change (saved on W ranks, restored on W' != W), the documented rule:
-
-* rank ``r`` reads rank ``r``'s state if ``r < W``, else rank 0's; replicated state is the
-  same everywhere, or was reported at save (then this is said again, by name);
-* RNG is re-derived from ``(seed, rank, step)`` (:func:`unbroken.ckpt.rng.derive`);
-* a ``per_rank`` component that differed between the saving ranks is refused by name
-  (its copies cannot be mapped to other ranks); ``TrainState(per_rank_on_resize="skip")``
-  instead leaves it as constructed (each rank starts it fresh), with one WARNING naming it.
-  One saved by a single rank is copied to every rank, with one WARNING naming it (declare
-  it ``replicated`` if that is what it is).
-
-Manifest fields (added to the checkpoint manifest)::
-
-    "components": {"<name>": {"sharing": "replicated" | "per_rank",
-                              "differs": bool,          # between the saving ranks
-                              "differing": [<key>, ...]}}  # tensor keys, "<non-tensor state>"
-    "tensors": {"rank1/components/extra.hidden/h": {..., "rank": 1}, ...}
+The full rule, and the manifest fields this module adds (``components``, ``rank``):
+ARCHITECTURE.md, "Design notes" > ckpt > per-rank state.
 """
 
 from __future__ import annotations

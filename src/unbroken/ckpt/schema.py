@@ -4,30 +4,16 @@ A state file that decodes is not yet one that can be applied: an RNG tensor of a
 size, a counter that is text, a PCG64 state where numpy's global MT19937 belongs, an
 optimizer whose parameter ids do not match its groups all decode, then make
 ``load_state_dict`` raise halfway through a restore. :func:`check_state` finds them first,
-the same way in ``restore()`` and in ``ckpt verify`` (which has no live objects):
+the same way in ``restore()`` and in ``ckpt verify`` (which has no live objects): the
+counters, every RNG stream (set on a scratch generator of its own kind), the tensor
+references (exactly this rank's), the components, and the fields of the state layouts the
+manifest records (torch optimizers, modules, LR schedulers, ``GradScaler``,
+``MetricLog``, the loader, plain ``values``). Anything else a component's own
+``load_state_dict`` may refuse is found by restore's rehearsal against the live object
+(:mod:`unbroken.ckpt.load`).
 
-* counters: the four integers, non-negative, ``micro_step`` 0 (saves happen only at an
-  optimizer-step boundary);
-* RNG: the numpy generators the manifest records (``"generators"``: name -> kind), and
-  every stream set on a scratch generator of its own kind (python ``random``,
-  numpy's legacy ``RandomState`` (MT19937 only), ``np.random.<BitGenerator>`` by its
-  recorded name, ``torch.Generator``), so a restore can only apply states that were
-  accepted already; CUDA states are byte tensors (checked on the device at restore);
-* tensor references: exactly the stored tensors this rank saved, shared ones and its own
-  ``rank<r>/`` copies (the manifest's list); no more, no fewer;
-* components: the names the manifest lists; and for the state layouts it records
-  (``"layouts"``: ``{name: {"type", "kind", "param_groups"}}``, ``kind`` set at save only
-  for types whose ``state_dict`` is torch's or unbroken's own) the fields their
-  ``load_state_dict`` and next ``step()`` rely on: torch optimizers (parameter ids
-  ``0..N-1`` over groups of the recorded sizes, state only for those, hyperparameters of
-  the right kind and sign), modules (the non-tensor entries recorded), torch LR
-  schedulers, ``GradScaler`` (every field when it was enabled), ``MetricLog``, the data
-  loader's position and the loop's plain ``values`` (bounded JSON scalars). Fields are checked where present: another torch version may add or
-  drop some.
-
-Anything else a component's own ``load_state_dict`` may refuse is found by restore's
-rehearsal against the live object (:mod:`unbroken.ckpt.load`), which ``ckpt verify``
-cannot run.
+The rules per kind of state: ARCHITECTURE.md, "Design notes" > ckpt > what a state file
+may hold.
 """
 
 from __future__ import annotations

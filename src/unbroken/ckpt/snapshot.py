@@ -1,4 +1,4 @@
-"""Reusable host buffers for asynchronous saves (DESIGN C-ASYNC).
+"""Reusable host buffers for asynchronous saves (C-ASYNC).
 
 The training loop blocks only while live tensors are copied into these buffers. They are
 allocated once (pinned when CUDA is in use, so device-to-host copies run at full speed)

@@ -1,31 +1,23 @@
-"""``TrainState``: the one bundle a run must restore to continue on the same trajectory.
+"""``TrainState``: the one bundle a run must restore to continue on the same trajectory
+(C-COMPLETE).
 
-State dict schema (what a checkpoint holds)::
+It holds the counters (``step``, ``samples``, ``tokens``, ``micro_step``), the components
+(model, optimizer, scheduler, ema, scaler, loader, metrics, plain ``values`` and
+``extra.<name>`` objects) and every RNG stream of the rank. Each component is
+``replicated`` or ``per_rank`` (:mod:`unbroken.ckpt.per_rank`, C-PER-RANK).
 
-    {
-      "counters": {"step", "samples", "tokens", "micro_step"},
-      "components": {"model": ..., "optimizer": ..., "scheduler": ..., "ema": ...,
-                     "scaler": ..., "loader": ..., "metrics": ..., "values": {name: scalar},
-                     "extra.<name>": ...},
-      "rng": {python, numpy, numpy_generators, torch, cuda}      # per rank
-    }
+What a caller must know:
 
-Each component is declared ``replicated`` (the same on every rank: model, optimizer,
-scheduler, ema, scaler, loader, metrics, values) or ``per_rank`` (extras, unless declared otherwise);
-whatever actually differs between ranks is saved per rank and restored to the same rank,
-and a world-size change follows the rule in :mod:`unbroken.ckpt.per_rank`.
+* wrapped models are unwrapped (``DistributedDataParallel.module``, ``torch.compile``'s
+  ``_orig_mod``): hand ``TrainState`` the model you train; a checkpoint's keys never depend
+  on the wrapper;
+* a sharded model (FSDP2, tensor parallel: DTensor parameters) and its optimizer go through
+  DCP's ``get_/set_model_state_dict`` and ``get_/set_optimizer_state_dict``: re-shardable
+  on any world size (C-RESHARD);
+* saving is allowed only at an optimizer-step boundary: while ``micro_step != 0``
+  :meth:`TrainState.check_saveable` refuses with a clear error.
 
-Wrapped models are unwrapped (``DistributedDataParallel.module``, ``torch.compile``'s
-``_orig_mod``), so a checkpoint's keys never depend on the wrapper: hand ``TrainState``
-the model you train. A sharded model (FSDP2 ``fully_shard``, tensor parallel: DTensor
-parameters) and its optimizer go through DCP's ``get_model_state_dict`` /
-``get_optimizer_state_dict`` (and the ``set_`` pair): parameter-name keys, re-shardable on
-any world size, and an optimizer that has not stepped yet can be restored into.
-
-Saving is allowed only at an optimizer-step boundary (DESIGN C-COMPLETE): while
-``micro_step != 0`` the gradients of an unfinished accumulation cycle live only in
-``.grad`` buffers, and :meth:`TrainState.check_saveable` refuses with a clear error rather
-than silently dropping them. The counter is still saved so a resumed run knows where it is.
+The state-dict schema: ARCHITECTURE.md, "Design notes" > ckpt > the state of a rank.
 """
 
 from __future__ import annotations
@@ -253,6 +245,44 @@ def _with_plain(values: Mapping[str, Any] | None, plain: dict[str, Any]) -> Any:
     return {**(values or {}), **plain} if plain else values
 
 
+def _check_components(comps: Mapping[str, Any], numpy_generators: Mapping[str, Any]) -> None:
+    for name, obj in comps.items():
+        if not isinstance(obj, Stateful):
+            raise TypeError(
+                f"TrainState component {name!r} is a {type(obj).__qualname__}, which has no "
+                "state_dict()/load_state_dict(); wrap it in an object that has both, or "
+                "keep it out of the checkpoint"
+            )
+    for name, g in numpy_generators.items():
+        if not isinstance(g, np.random.Generator):
+            raise TypeError(
+                f"numpy_generators[{name!r}] is a {type(g).__qualname__}; pass "
+                "np.random.Generator objects (np.random.default_rng(seed))"
+            )
+
+
+def _sharing(
+    comps: Mapping[str, Any], replicated: list[str], per_rank: list[str]
+) -> dict[str, str]:
+    """Each component's sharing (C-PER-RANK): extras per rank, the others replicated, unless
+    ``replicated=``/``per_rank=`` declare otherwise."""
+    sharing = {n: "per_rank" if n.startswith("extra.") else "replicated" for n in comps}
+    for arg, names in (("replicated", replicated), ("per_rank", per_rank)):
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"{arg}= takes a list of component names, got {names!r}")
+        unknown = sorted(set(names) - set(comps))
+        if unknown:
+            raise ValueError(
+                f"{arg}={unknown}: no such component; this TrainState has {sorted(comps)}"
+            )
+    both = sorted(set(replicated) & set(per_rank))
+    if both:
+        raise ValueError(f"{both} declared both replicated and per_rank; pick one")
+    sharing.update({n: "replicated" for n in replicated})
+    sharing.update({n: "per_rank" for n in per_rank})
+    return sharing
+
+
 class TrainState:
     """Everything a run must restore: weights, optimizer, data position, RNG and the rest.
 
@@ -329,35 +359,9 @@ class TrainState:
             if synced:
                 self.synced_buffers[name] = synced
         _through_dcp(comps)
-        for name, obj in comps.items():
-            if not isinstance(obj, Stateful):
-                raise TypeError(
-                    f"TrainState component {name!r} is a {type(obj).__qualname__}, which has no "
-                    "state_dict()/load_state_dict(); wrap it in an object that has both, or "
-                    "keep it out of the checkpoint"
-                )
-        for name, g in (numpy_generators or {}).items():
-            if not isinstance(g, np.random.Generator):
-                raise TypeError(
-                    f"numpy_generators[{name!r}] is a {type(g).__qualname__}; pass "
-                    "np.random.Generator objects (np.random.default_rng(seed))"
-                )
+        _check_components(comps, numpy_generators or {})
         self.components = comps
-        self.sharing = {n: "per_rank" if n.startswith("extra.") else "replicated" for n in comps}
-        replicated, per_rank = list(replicated), list(per_rank)
-        for arg, names in (("replicated", replicated), ("per_rank", per_rank)):
-            if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-                raise TypeError(f"{arg}= takes a list of component names, got {names!r}")
-            unknown = sorted(set(names) - set(comps))
-            if unknown:
-                raise ValueError(
-                    f"{arg}={unknown}: no such component; this TrainState has {sorted(comps)}"
-                )
-        both = sorted(set(replicated) & set(per_rank))
-        if both:
-            raise ValueError(f"{both} declared both replicated and per_rank; pick one")
-        self.sharing.update({n: "replicated" for n in replicated})
-        self.sharing.update({n: "per_rank" for n in per_rank})
+        self.sharing = _sharing(comps, list(replicated), list(per_rank))
         if per_rank_on_resize not in _ON_RESIZE:
             raise ValueError(
                 f"per_rank_on_resize={per_rank_on_resize!r}; pass one of {list(_ON_RESIZE)}"

@@ -2,13 +2,8 @@
 
 One module per command group registers its commands (``data``, ``ckpt``, ``elastic`` for
 run/preflight/report/plan/drill, ``demo``); handlers import the library lazily so
-``unbroken --help`` stays fast. The tree::
-
-    unbroken data pack|index|tokenize|stage|inspect|bench|report
-    unbroken ckpt ls|inspect|verify|export
-    unbroken run|preflight|report|plan|drill
-    unbroken demo
-    unbroken --version
+``unbroken --help`` stays fast. The command tree is in ARCHITECTURE.md ("Design notes" >
+cli).
 
 Exit codes (every command):
   0  success
@@ -21,8 +16,7 @@ Exit codes (every command):
   unbroken run adds 3 same failure twice, 4 restart budget used up, 5 no progress,
   6 pre-flight never healthy, 7 preempted (rerun the same command to resume).
 An error is one line on stderr (``unbroken: error: ...``), never a traceback (``--verbose``
-adds the traceback of an unexpected one). The old top-level spellings ``unbroken pack``,
-``index``, ``tokenize``, ``stage`` still work for one release, with a deprecation line.
+adds the traceback of an unexpected one).
 """
 
 from __future__ import annotations

@@ -331,7 +331,12 @@ def _plan(a: argparse.Namespace) -> int:
     from unbroken.elastic import planner
 
     given = {k: getattr(a, k) for k in ("ckpt_cost", "mtbf", "restart_cost", "current")}
-    print(planner.format_plan(planner.plan_from_run(a.run_dir, given)))
+    disk = planner.plan_from_run(a.run_dir, given)
+    print(planner.format_plan(disk))
+    mem_given = {k: getattr(a, k) for k in ("memory_cost", "step_time", "memory_fraction")}
+    mem = planner.memory_plan_from_run(a.run_dir, mem_given, disk)
+    if mem is not None:
+        print(planner.format_memory_plan(mem))
     return 0
 
 
@@ -348,6 +353,15 @@ def _add_plan(sub: Sub) -> None:
     p.add_argument("--mtbf", type=float, default=None, help="M: mean time between failures, s")
     p.add_argument("--restart-cost", type=float, default=None, help="R: seconds per recovery")
     p.add_argument("--current", type=float, default=None, help="current interval, seconds")
+    p.add_argument(
+        "--memory-cost", type=float, default=None,
+        help="c_m: seconds one memory-tier publish costs the loop (suggests K and N)",
+    )  # fmt: skip
+    p.add_argument("--step-time", type=float, default=None, help="seconds per training step")
+    p.add_argument(
+        "--memory-fraction", type=float, default=None,
+        help="share of failures the memory tier covers (they keep their node), 0..1",
+    )  # fmt: skip
 
 
 # --- drill ----------------------------------------------------------------------------------
@@ -443,7 +457,8 @@ def _add_drill_plan(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="K,K",
         help="kill, kill-in-save, hang, corrupt, storage, agent-loss, world-size "
-        "(default: all that apply)",
+        "(default: all that apply); by name only, for a script with a memory tier: "
+        "kill-memory, memory-damage",
     )
     p.add_argument(
         "--seed",

@@ -4,24 +4,16 @@ right after it restored one, and one step later.
 Off unless ``UNBROKEN_STATE_AUDIT=<dir>`` is set (the drill sets it for the runs it starts);
 then :class:`unbroken.ckpt.Checkpointer` calls :meth:`StateAudit.saved` at each snapshot,
 :meth:`StateAudit.restored` after each restore and :meth:`StateAudit.step` at each
-``maybe_save()``. With the variable unset every call is a no-op.
+``maybe_save()``. With the variable unset every call is a no-op. :func:`read_audit` reads
+the records back.
 
-One JSONL file per rank, ``<dir>/rank-<R>.jsonl``, appended by every attempt of the run::
+Comparing ``restored`` with the same rank's ``saved`` finds state that a restore did not
+bring back; comparing ``step`` records of two runs finds state that was changed after the
+restore (:mod:`unbroken.elastic.drill.judge`). Cost: every tensor of the state is hashed
+(copied to the CPU first) at each save and once after each restore: fine for a drill, not
+meant for production runs.
 
-    {"event": "saved" | "restored" | "step", "step": N, "rank": R, "world": W, "pid": P,
-     "t": unix seconds, "leaves": {"model/fc.weight": "f:<xxh3-64 hex>", "rng/torch": "d:..."}}
-
-``saved``: the state the checkpoint of step N holds, as this rank handed it over (before any
-de-duplication across ranks). ``restored``: the live state right after ``restore()`` applied
-step N. ``step``: the live state at the first ``maybe_save()`` after a save or a restore, i.e.
-one training step later (N = that step). Leaves are named ``<component>/<key path>`` as in a
-checkpoint (``model``, ``optimizer``, ``extra.<name>``, ``loader``, ...), plus ``counters/...``
-and ``rng/...``. Comparing ``restored`` with the same rank's ``saved`` finds state that a
-restore did not bring back; comparing ``step`` records of two runs finds state that was
-changed after the restore (see :mod:`unbroken.elastic.drill.report`).
-
-Cost: every tensor of the state is hashed (copied to the CPU first) at each save and once
-after each restore: fine for a drill, not meant for production runs.
+The record format: ARCHITECTURE.md, "Design notes" > common > the state audit.
 """
 
 from __future__ import annotations

@@ -1,40 +1,18 @@
 """The run's event log: one JSON object per line in ``RUN_DIR/events.jsonl``.
 
 Every process of a supervised run appends to it (``O_APPEND``, one ``write`` per line, so
-lines from several processes never interleave on a local file system). The supervisor writes
-its own events; workers call :func:`mark`, e.g. the checkpointer's
-``mark("loaded", step=s, seconds=x)``. Both lifelines write here and the supervisor's recovery
-phases (``unbroken.elastic.recovery``) are computed from it, so it lives in the neutral layer.
+lines from several processes never interleave on a local file system): the supervisor its
+own events, workers through :func:`mark` (e.g. ``mark("loaded", step=s, seconds=x)``).
+The recovery phases (:mod:`unbroken.elastic.recovery`, E-MEASURED) are computed from it,
+so both lifelines write here and it lives in the neutral layer.
 
-Event schema (common keys ``t`` = Unix time, ``event``, ``attempt``, ``pid``, ``rank``)::
+The run directory is private to the job's user (:func:`unbroken.common.fs.private_dir`,
+T-SHARED-NODE): files 0600 (:data:`FILE_MODE`), directories 0700
+(:func:`private_subdir`), every fixed name opened without following a symlink.
 
-    start         supervisor started (config)
-    preflight     ok, seconds, checks: [{name, ok, detail}]
-    standby       attempt, seconds, preload, failed, fork_server: a pre-warmed agent for the
-                  attempt finished its imports (``seconds``: what a restart no longer pays)
-    launch        attempt, gen, agent_pid, prewarmed: a torchrun agent was started
-    workers_up    attempt, pids: the first worker processes of the attempt exist
-    worker_exit   attempt, rank, local_rank, worker_pid, exitcode (negative: signal; null:
-                  unknown), stopped (asked to stop first), via (zygote|spawn): one rank
-                  ended (written by its launcher, see ``elastic.launch.worker``)
-    stop_group    attempt, reason, grace, seconds, exited, killed: a rank failed, so the
-                  supervisor stopped the others (``exited`` ranks left within ``grace``
-                  seconds, ``killed`` ones were SIGKILLed) and relaunches
-    loaded        step, seconds, tier: a rank restored a checkpoint (from the Checkpointer;
-                  tier: memory, disk or archive)
-    restore_refused  step, reason: a rank's restore was refused by the live state
-                  (``unbroken.ckpt.RestoreRefused``: deterministic, a configuration fault)
-    saved         step, seconds: a rank committed a checkpoint (optional)
-    caught_up     step: local rank 0's beats reached the step reached before the last failure
-    failure       attempt, t_fail, t_detect, kind, fault, action, reason, step, exit_code
-    hang          attempt, ranks, stacks (dump files), t_detect
-    stop          exit_code, reason
-    finish        exit_code
-
-The run directory is private to the job's user (:func:`unbroken.common.fs.private_dir`:
-0700, refused when another user owns it or may write in it): the log records argv and
-tracebacks. Every fixed name in it is opened without following a symlink, files are
-created 0600 (:data:`FILE_MODE`) and directories 0700 (:func:`private_subdir`).
+The event schema (start, preflight, standby, launch, workers_up, worker_exit, stop_group,
+loaded, restore_refused, saved, caught_up, failure, hang, stop, finish):
+ARCHITECTURE.md, "Design notes" > common > the event log.
 """
 
 from __future__ import annotations

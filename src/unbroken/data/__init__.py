@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 # the formats' readers: light (numpy only)
 from unbroken.common.lazy import lazy_getattr
 from unbroken.data.manifest import DatasetManifest, ManifestError, ShardInfo
@@ -30,6 +32,18 @@ _LAZY = {
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
+
+if TYPE_CHECKING:  # the type checker sees what __getattr__ resolves at run time
+    from unbroken.data.diagnose.timer import StepTimer
+    from unbroken.data.feed.prefetch import DevicePrefetcher
+    from unbroken.data.prepare.pack import index_directory, pack
+    from unbroken.data.prepare.stage import stage
+    from unbroken.data.stream.config import CacheConfig, DatasetConfig, LoaderConfig
+    from unbroken.data.stream.dataset import Source, StreamingDataset
+    from unbroken.data.stream.loader import StatefulLoader
+    from unbroken.data.stream.order import EpochOrder
+    from unbroken.data.tokens.flat import index_flat, read_vocab_size
+    from unbroken.data.tokens.tokenizer import tokenize
 
 
 __all__ = [

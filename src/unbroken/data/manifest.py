@@ -1,40 +1,19 @@
 """`dataset.json`: the manifest of a packed (tar) or tokenized (tokens) dataset.
 
-On disk (written atomically, last, so a dataset is visible only when complete)::
+Written atomically, last, so a dataset is visible only when complete. It lists the
+shards (name, samples, bytes, checksums of the shard and of its index) and, for tokens,
+``dtype``, ``eos_id``, ``seq_len`` and ``vocab_size``; a tokens *sample* is one sequence
+of ``seq_len + 1`` tokens when ``seq_len`` is set, else one document.
 
-    {
-      "format": "unbroken-dataset", "version": 2,
-      "kind": "tar" | "tokens",
-      "fingerprint": "<xxh3_128 hex>",
-      "num_samples": 123,
-      "shards": [
-        {"name": "shard-000000.tar", "samples": 61, "bytes": 268435456,
-         "checksum": "<xxh3_128 hex>", "index": "shard-000000.tar.idx",
-         "index_bytes": 4096, "index_checksum": "<xxh3_128 hex>"},
-        ...
-      ],
-      # kind == "tokens" only:
-      "dtype": "uint16" | "uint32", "eos_id": 0, "seq_len": 1024 | null,
-      "vocab_size": 8192
-    }
+``dataset.json`` is the one root of trust of a dataset (T-NO-WRONG-BYTE): its fingerprint
+(:func:`fingerprint`) covers every field but ``extra``, so anything that changes what a
+sample is changes the fingerprint and a saved loader state is refused (D-FINGERPRINT).
+Version 1 is still read (its fingerprint is checked by the old formula, then
+recomputed). A manifest larger than :data:`MAX_MANIFEST_BYTES` is refused unread
+(T-BOUNDED).
 
-For a tokens dataset a *sample* is one sequence of ``seq_len + 1`` tokens when ``seq_len`` is
-set (so ``ShardInfo.samples`` counts sequences), else one document.
-
-``dataset.json`` is the one root of trust of a dataset: its fingerprint covers every field
-above but ``extra`` (kind, token fields, and each shard's name, sample count, sizes and the
-checksums of the shard *and* its index, in order), every index is checked against the
-checksum recorded here when it is opened, every member against the checksum its index records,
-and every staged or cached copy against the checksums here before first use. Anything that
-changes what a sample is changes the fingerprint (see :func:`fingerprint`).
-
-Version 1 (before issue 20) fingerprinted only the shards' names, sample counts and shard
-checksums. Such a file is still read: its stored fingerprint must match that old formula (an
-edit is refused as before) and its fingerprint is then recomputed over every field, the same
-value this version writes for the same files. Its order changes with it, so a loader state
-saved on the old fingerprint is refused (D-FINGERPRINT) with a message that names the upgrade.
-
-A manifest larger than :data:`MAX_MANIFEST_BYTES` is refused unread (T-BOUNDED).
+The format on disk and the version-1 upgrade: ARCHITECTURE.md, "Design notes" > data >
+dataset.json.
 """
 
 from __future__ import annotations

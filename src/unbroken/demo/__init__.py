@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 from unbroken.ckpt.compare import compare_runs
 from unbroken.common.metrics import read_metrics
@@ -114,18 +115,32 @@ def run_demo(work_dir: str, *, steps: int = 200, seed: int = 0) -> int:
         f"[0/3] packed the corpus into {len(shards)} tar shards + index in {data_dir} "
         f"({time.perf_counter() - t0:.1f} s)"
     )
-    data = ["--data", data_dir]
+    if not _train_and_kill(ref_dir, run_dir, steps, seed, ["--data", data_dir], kill_at):
+        return 1
+    print("[3/3] comparing final state, loss curve and data order ...")
+    res = compare_runs(ref_dir, run_dir)
+    print(render_table(_rows(res, _timings(os.path.join(run_dir, "train.log"))), indent="  "))
+    verdict = "BIT-IDENTICAL" if res["identical"] else "NOT identical"
+    print(f"result: resumed run is {verdict} to the uninterrupted run (killed at step {kill_at})")
+    return 0 if res["identical"] else 1
+
+
+def _train_and_kill(
+    ref_dir: str, run_dir: str, steps: int, seed: int, data: list[str], kill_at: int
+) -> bool:
+    """The reference run, the same run SIGKILLed at ``kill_at``, then resumed; False (after
+    saying why) when a run did not end as it should."""
     print(f"[1/3] reference run (no faults) in {ref_dir} ...", flush=True)
     rc, t_ref = run_training(ref_dir, steps, seed, data)
     if rc != 0:
         print(f"reference run failed (exit {rc}); see {ref_dir}/train.log")
-        return 1
+        return False
     print(f"      done in {t_ref:.1f} s")
     print(f"[2/3] same run, SIGKILL at step {kill_at} ...", flush=True)
     rc, t_kill = run_training(run_dir, steps, seed, data, kill_at=kill_at)
     if rc != -signal.SIGKILL:
         print(f"expected the run to die of SIGKILL, it exited {rc}; see {run_dir}/train.log")
-        return 1
+        return False
     print(
         f"      killed (exit {rc}) after {t_kill:.1f} s; relaunching on the same directory ...",
         flush=True,
@@ -133,11 +148,13 @@ def run_demo(work_dir: str, *, steps: int = 200, seed: int = 0) -> int:
     rc, t_res = run_training(run_dir, steps, seed, data)
     if rc != 0:
         print(f"resumed run failed (exit {rc}); see {run_dir}/train.log")
-        return 1
+        return False
     print(f"      resumed and finished in {t_res:.1f} s")
-    print("[3/3] comparing final state, loss curve and data order ...")
-    res = compare_runs(ref_dir, run_dir)
-    timings = _timings(os.path.join(run_dir, "train.log"))
+    return True
+
+
+def _rows(res: dict[str, Any], timings: dict[str, str]) -> list[tuple[str, str]]:
+    """The comparison's table: one row per part of the state, then the timings."""
     rows = [
         (p, "identical" if not res[p] else f"DIFFERS ({len(res[p])} entries, e.g. {res[p][0]})")
         for p in ("model", "optimizer", "scheduler", "ema", "loader")
@@ -168,10 +185,7 @@ def run_demo(work_dir: str, *, steps: int = 200, seed: int = 0) -> int:
     )
     rows.append(("save time", timings.get("save", "n/a")))
     rows.append(("restore time", timings.get("restore", "n/a")))
-    print(render_table(rows, indent="  "))
-    verdict = "BIT-IDENTICAL" if res["identical"] else "NOT identical"
-    print(f"result: resumed run is {verdict} to the uninterrupted run (killed at step {kill_at})")
-    return 0 if res["identical"] else 1
+    return rows
 
 
 def _timings(log_path: str) -> dict[str, str]:

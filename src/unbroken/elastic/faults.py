@@ -1,36 +1,25 @@
 """Classify a failed attempt and decide what to do about it (E-CLASSIFY), plus the restart
 policy (budget, exponential backoff, no-progress guard, deterministic-bug stop).
 
-Evidence comes from each rank's launcher (``worker_exit`` events: exit code or signal, and
-whether it had been told to stop, see ``launch.worker``), from torchrun (its failure summary, when
-it got to print one), the ``@record`` error files (``TORCHELASTIC_ERROR_FILE``: message +
-Python call stack) and the tail of each rank's stderr. Failures that merely follow another one
-(ranks stopped by the agent or the supervisor, "Connection closed by peer" from a collective
-whose partner died) are *collateral*; the first non-collateral failure is the primary one and
-is what gets classified. A rank that died of a signal is classified by the signal and by text
-that can explain a signal (CUDA, OOM, storage), never by an exception message or a peer error
-found earlier in its stderr: those did not kill it.
+:func:`classify` takes the :class:`Evidence` of an attempt (the launchers' ``worker_exit``
+events, torchrun's failure summary, the ``@record`` error files, the tail of each rank's
+stderr), finds the primary (non-collateral) failure and matches it against one ordered
+table, :data:`DEFAULT_RULES` (the first match wins; extend it with ``rules=[Rule(...),
+*DEFAULT_RULES]`` or ``unbroken run --fault-rule storage=REGEX``). Fault -> action:
 
-The patterns live in one ordered table, :data:`DEFAULT_RULES`; the first match wins. Users
-extend it by passing ``rules=[Rule(...), *DEFAULT_RULES]`` (or ``unbroken run --fault-rule
-storage=REGEX``).
+* ``process`` -> restart: CUDA error, OOM, collective timeout, segfault, SIGKILL, hang, any
+  other exception (first time);
+* ``node_lost`` -> wait_for_nodes: agent gone or rendezvous failed (spares, or shrink
+  within MIN);
+* ``storage`` -> preflight: EIO, ENOSPC, stale handle, read-only, a hung probe, a remote
+  dataset's store unreachable; pre-flight until healthy, then restart;
+* ``deterministic`` -> stop: the same failure at the same step twice;
+* ``configuration`` -> stop: a refusal at restore (``RestoreRefused``);
+* ``preemption`` -> exit: SIGTERM, the job was asked to save.
 
-======================  ==================  ==============================================
-fault                   action              meaning
-======================  ==================  ==============================================
-process                 restart             CUDA error, OOM, collective timeout, segfault,
-                                            SIGKILL, hang, any other exception (first time)
-node_lost               wait_for_nodes      agent gone / rendezvous failed: relaunch and let
-                                            the rendezvous use spares or shrink within MIN
-storage                 preflight           EIO, ENOSPC, stale handle, read-only, hung
-                                            probe, a remote dataset's store unreachable:
-                                            pre-flight until healthy, then restart
-deterministic           stop                the same failure at the same step twice
-configuration           stop                a refusal at restore (``RestoreRefused``: a
-                                            resize of per-rank state, a shape mismatch):
-                                            the same job refuses again, so stop at once
-preemption              exit                SIGTERM: the job was asked to save; exit cleanly
-======================  ==================  ==============================================
+The supervisor's exit codes are the ``EXIT_*`` constants. What counts as collateral, and
+why a signal death is never explained by an earlier message: ARCHITECTURE.md, "Design
+notes" > elastic > classifying failures.
 """
 
 from __future__ import annotations

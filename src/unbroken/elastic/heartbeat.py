@@ -1,27 +1,21 @@
 """Progress beacons from the training loop, and the hang watchdog that reads them.
 
 :func:`beat` costs well under a microsecond of Python work and no system call: each process
-owns one 64-byte file mapped into memory (``MAP_SHARED``), and a beat is one ``pack_into``
-into that mapping. The page cache makes the bytes visible to the supervisor at once, and
-they survive the process being SIGKILLed. Beacon file layout (little endian)::
-
-    offset 0   header  magic "UBHB", version u32, pid i64, rank i64, attempt i64
-    offset 32  body    seq u64, step i64, time f64 (Unix seconds), seq u64 (again)
-
-A reader accepts the body when both ``seq`` copies agree (a torn read is retried);
-``seq == 0`` means "installed, no beat yet". Files live in
-``RUN_DIR/beats/a<attempt>/r<rank>-p<pid>.beat``.
+owns one 64-byte file mapped into memory (``MAP_SHARED``) in
+``RUN_DIR/beats/a<attempt>/r<rank>-p<pid>.beat``, and a beat is one ``pack_into``. The page
+cache makes the bytes visible to the supervisor at once (:func:`read_beats`,
+:func:`stalled`), and they survive the process being SIGKILLed.
 
 The first beat (or :func:`install`) also registers :mod:`faulthandler` on
-:data:`DUMP_SIGNAL`, writing every thread's Python stack to
-``RUN_DIR/stacks/a<attempt>-r<rank>-p<pid>.txt`` when the supervisor asks before killing a
-hung worker group. Every worker opens its dump file up front (the signal handler can only
-write to an open descriptor); the supervisor deletes the ones left empty when the attempt
-ends (:func:`remove_empty_dumps`).
+:data:`DUMP_SIGNAL`, which writes every thread's Python stack to
+``RUN_DIR/stacks/a<attempt>-r<rank>-p<pid>.txt`` when the supervisor asks
+(:func:`request_stack_dumps`) before killing a hung worker group.
 
-Both directories are 0700 and both files 0600, opened without following symlinks. A beacon's
-pid is only a claim: the supervisor signals it only when that process carries the attempt's
-token (:func:`request_stack_dumps`), so a planted beacon cannot aim a signal anywhere.
+Both directories are 0700 and both files 0600, opened without following symlinks
+(T-SHARED-NODE). A beacon's pid is only a claim: the supervisor signals it only when that
+process carries the attempt's token, so a planted beacon cannot aim a signal anywhere.
+
+The beacon layout: ARCHITECTURE.md, "Design notes" > elastic > heartbeats.
 """
 
 from __future__ import annotations

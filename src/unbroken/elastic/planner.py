@@ -12,6 +12,13 @@ With checkpoint cost ``C`` (seconds the job is blocked per save), mean time betw
 Check values (Daly's paper, ``C`` = 5 min): ``T`` = 117, 57 and 9.1 min for ``M`` = 24 h, 6 h
 and 15 min.
 
+Two tiers (issue 25): a memory tier costing ``c_m`` per publish covers a fraction ``f`` of
+the failures (a process crash keeps its node's memory; a node loss needs the disk tier,
+or a peer replica), the disk tier costing ``C`` covers the rest. First-order waste per
+second ``c_m / T_m + C / T_d + (R + f T_m / 2 + (1 - f) T_d / 2) / M`` is least at
+``T_m = sqrt(2 c_m M / f)`` and ``T_d = sqrt(2 C M / (1 - f))``: K and N are those
+intervals in steps (:func:`memory_plan`).
+
 ``M`` measured from one run is only as good as the failures it saw: with ``k`` failures in
 ``T`` seconds, the 90% confidence interval of an exponential MTBF is
 ``[2T / chi2(0.95; 2k+2), 2T / chi2(0.05; 2k)]`` (time-terminated observation) — for one
@@ -34,11 +41,16 @@ from unbroken.elastic.recovery import phases
 __all__ = [
     "MIN_FAILURES",
     "MIN_WINDOW",
+    "MemoryPlan",
     "Plan",
     "daly_interval",
     "estimate_from_events",
+    "estimate_memory",
     "expected_goodput",
+    "format_memory_plan",
     "format_plan",
+    "memory_plan",
+    "memory_plan_from_run",
     "mtbf_interval",
     "plan",
     "plan_from_run",
@@ -293,3 +305,144 @@ def format_plan(p: Plan) -> str:
     if warn:
         lines.append(warn)
     return "\n".join(lines)
+
+
+# --- two tiers: memory every K steps, disk every N (issue 25) ---------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    memory_cost: float
+    disk_cost: float
+    mtbf: float
+    step_time: float
+    memory_fraction: float
+    restart_cost: float
+    every_k: int
+    """Publish to the memory tier every K steps."""
+    every_n: int
+    """Save to the disk tier every N steps (a multiple of K)."""
+    goodput: float
+    """First-order goodput with both tiers at K and N."""
+    goodput_disk_only: float
+    """First-order goodput with the disk tier alone at Young's interval."""
+    memory_bytes: int | None = None
+    """What the memory tier holds per rank (two slots), when measured."""
+
+
+def _waste(c_m: float, t_m: float, c: float, t_d: float, f: float, m: float, r: float) -> float:
+    return c_m / t_m + c / t_d + (r + f * t_m / 2 + (1 - f) * t_d / 2) / m
+
+
+def memory_plan(
+    *,
+    memory_cost: float,
+    disk_cost: float,
+    mtbf: float,
+    step_time: float,
+    memory_fraction: float,
+    restart_cost: float = 0.0,
+    memory_bytes: int | None = None,
+) -> MemoryPlan:
+    """K and N (steps) from the first-order two-level optimum (module doc), and the
+    goodput they buy against the disk tier alone."""
+    _check(disk_cost, mtbf)
+    f = memory_fraction
+    if not (memory_cost > 0 and step_time > 0 and 0 <= f < 1 and restart_cost >= 0):
+        raise ValueError(
+            f"memory_cost={memory_cost} s and step_time={step_time} s must be > 0, "
+            f"memory_fraction={f} in [0, 1) (the disk tier must cover some failures) and "
+            f"restart_cost={restart_cost} s >= 0"
+        )
+    t_m = math.sqrt(2 * memory_cost * mtbf / f) if f > 0 else math.inf
+    t_d = math.sqrt(2 * disk_cost * mtbf / (1 - f))
+    n_raw = max(1, round(t_d / step_time))
+    k = max(1, min(round(t_m / step_time), n_raw)) if math.isfinite(t_m) else n_raw
+    n = max(k, round(n_raw / k) * k)
+    r = restart_cost
+    two = _waste(memory_cost, k * step_time, disk_cost, n * step_time, f, mtbf, r)
+    if k == n:  # the memory tier adds nothing a disk save does not already give
+        two = _waste(0.0, 1.0, disk_cost, n * step_time, 0.0, mtbf, r)
+    young = math.sqrt(2 * disk_cost * mtbf)
+    one = _waste(0.0, 1.0, disk_cost, young, 0.0, mtbf, r)
+    return MemoryPlan(
+        memory_cost, disk_cost, mtbf, step_time, f, r, k, n,
+        max(0.0, 1 - two), max(0.0, 1 - one), memory_bytes,
+    )  # fmt: skip
+
+
+def estimate_memory(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The memory tier as a run's ``events.jsonl`` saw it: ``memory_cost`` (mean loop stall
+    of a publish, from the ``saved`` events' ``memory_seconds``), ``memory_bytes`` (the
+    slots of one rank), ``step_time`` (seconds per step between ``saved`` events of one
+    rank) and ``memory_fraction`` (the share of restarts restored from memory; None when
+    no restart was seen). A value the log cannot provide is None."""
+    saved = [e for e in events if e["event"] == "saved" and isinstance(e.get("step"), int)]
+    costs = [float(e["memory_seconds"]) for e in saved if e.get("memory_seconds") is not None]
+    sizes = [int(e["memory_bytes"]) for e in saved if isinstance(e.get("memory_bytes"), int)]
+    rank = min((e.get("rank") or 0 for e in saved), default=0)
+    mine = sorted((e["step"], e["t"]) for e in saved if (e.get("rank") or 0) == rank)
+    rates = [
+        (t2 - t1) / (s2 - s1)
+        for (s1, t1), (s2, t2) in zip(mine, mine[1:], strict=False)
+        if s2 > s1 and t2 > t1
+    ]
+    tiers = [r.tier for r in phases(events) if r.tier is not None]
+    return {
+        "memory_cost": statistics.fmean(costs) if costs else None,
+        "memory_bytes": max(sizes) if sizes else None,
+        "step_time": statistics.median(rates) if rates else None,
+        "memory_fraction": tiers.count("memory") / len(tiers) if tiers else None,
+    }
+
+
+def _bytes(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+def format_memory_plan(p: MemoryPlan) -> str:
+    held = f"; it holds {_bytes(p.memory_bytes)} per rank (2 slots)" if p.memory_bytes else ""
+    return "\n".join(
+        [
+            f"memory tier: cost c_m = {_dur(p.memory_cost)} per publish, covers "
+            f"{p.memory_fraction:.0%} of the failures, step {_dur(p.step_time)}{held}",
+            f"suggested: memory every K = {p.every_k} steps, disk every N = {p.every_n} "
+            f"steps   expected goodput {p.goodput:.1%} (disk alone at Young's interval: "
+            f"{p.goodput_disk_only:.1%}; first-order model)",
+        ]
+    )
+
+
+def memory_plan_from_run(
+    run_dir: str | None, given: Mapping[str, float | None], disk: Plan
+) -> MemoryPlan | None:
+    """The two-tier plan when the memory tier's cost is known (``given["memory_cost"]`` or
+    measured in ``run_dir``), each of ``memory_cost``, ``step_time``, ``memory_fraction``
+    in ``given`` overriding the measured one; None when the run had no memory tier and no
+    cost was given. Raises ValueError naming what is missing."""
+    got: dict[str, Any] = dict.fromkeys(
+        ("memory_cost", "memory_bytes", "step_time", "memory_fraction")
+    )
+    if run_dir is not None:
+        got.update(estimate_memory(load_events(run_dir)))
+    got.update({k: v for k, v in given.items() if v is not None})
+    if got["memory_cost"] is None:
+        return None
+    missing = [k for k in ("step_time", "memory_fraction") if got[k] is None]
+    if missing:
+        raise ValueError(
+            "cannot plan the memory tier without "
+            + " and ".join("--" + k.replace("_", "-") for k in missing)
+            + ": the run shows no step time (two disk saves) or no restart that says its "
+            "tier; pass them (--memory-fraction: the share of failures that keep their node, "
+            "e.g. 0.9 when most failures are process crashes)"
+        )
+    return memory_plan(
+        memory_cost=float(got["memory_cost"]),
+        disk_cost=disk.ckpt_cost,
+        mtbf=disk.mtbf,
+        step_time=float(got["step_time"]),
+        memory_fraction=min(float(got["memory_fraction"]), 0.99),
+        restart_cost=disk.restart_cost,
+        memory_bytes=got["memory_bytes"],
+    )

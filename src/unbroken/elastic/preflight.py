@@ -8,7 +8,8 @@ not finish in time is killed and left to be reaped in the background (a process 
 
 Checks (each -> :class:`CheckResult`):
 
-- ``ckpt_dir``: create the directory, list it, write + fsync + read back + delete a probe
+- ``ckpt_dir``: create the directory (unless the run has saved in it: then a missing
+  directory fails the check), list it, write + fsync + read back + delete a probe
   file ``.unbroken-probe-<node>``; free space >= max(``min_free_bytes``, 1.2 x the newest
   ``step-*`` checkpoint).
 - ``data``: the dataset path exists; if it holds ``dataset.json``, the manifest parses and
@@ -69,6 +70,9 @@ class PreflightConfig:
     """Seconds each probe may take before it counts as hung."""
     node: str = ""
     """Names this node's probe file, so nodes sharing a file system never collide."""
+    saved: bool = False
+    """The run has saved checkpoints in ``ckpt_dir``: a missing directory is then an outage
+    (fails the check), never made afresh (the job would silently start again from step 0)."""
 
     def __post_init__(self) -> None:
         if self.timeout <= 0:
@@ -94,9 +98,12 @@ class CheckResult:
 # not depend on the (possibly slow-to-import) package or on the hung storage themselves.
 _STORAGE_PROBE = r"""
 import errno, json, os, stat, sys
-d, need, node = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+d, need, node, saved = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 def out(ok, detail):
     print(json.dumps({"ok": ok, "detail": detail})); sys.exit(0)
+if saved and not os.path.lexists(d):
+    out(False, f"{d} is missing, but this run saved checkpoints in it: not re-created (the "
+        "job would start again from step 0); mount or restore it, the job waits for it")
 def open_probe(path):
     # Never through a symlink, never truncating what is not our own single-link file: a
     # name planted in the directory (symlink, hard link) is unlinked and made afresh. Like
@@ -302,7 +309,9 @@ def run_preflight(cfg: PreflightConfig) -> list[CheckResult]:
                 None
                 if cfg.ckpt_dir is None
                 else _json_probe(
-                    _STORAGE_PROBE, [cfg.ckpt_dir, str(cfg.min_free_bytes), node], cfg.timeout
+                    _STORAGE_PROBE,
+                    [cfg.ckpt_dir, str(cfg.min_free_bytes), node, "1" if cfg.saved else "0"],
+                    cfg.timeout,
                 )
             ),
         ),

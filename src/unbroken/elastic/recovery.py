@@ -10,7 +10,9 @@ Phases of failure *i* (attempt ``a`` failed, attempt ``a+1`` recovers):
     load      loaded(a+1) - workers_up(a+1)  interpreter, imports, process group, restore
     catch_up  caught_up(a+1) - loaded(a+1)   recompute the steps lost since the checkpoint
 
-``loaded``/``caught_up`` of several ranks: the slowest rank ends the phase.
+``loaded``/``caught_up`` of several ranks: the slowest rank ends the phase. Each record
+also names the tier the restart restored from (``loaded``'s ``tier``: memory, disk,
+archive) and the steps lost (the step reached before the failure less the step restored).
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ class Recovery:
     restore_seconds: float | None
     """What the checkpointer itself reported for the restore (part of ``load``)."""
     loaded_step: int | None
+    tier: str | None = None
+    """Which checkpoint tier the restart restored from (``memory``, ``disk``, ``archive``:
+    the ``loaded`` event's; None when the job did not say)."""
+    steps_lost: int | None = None
+    """Steps recomputed: the step reached before the failure less the step restored."""
 
     @property
     def total(self) -> float | None:
@@ -104,6 +111,13 @@ def phases(events: Sequence[dict[str, Any]]) -> list[Recovery]:
         ):
             catch_up = 0.0  # the checkpoint already held the step reached before the failure
         restore = loaded.get("seconds") if loaded else None
+        loaded_step = int(loaded["step"]) if loaded and loaded.get("step") is not None else None
+        tier = loaded.get("tier") if loaded else None
+        lost = (
+            max(0, int(f["step"]) - loaded_step)
+            if loaded_step is not None and f.get("step") is not None
+            else None
+        )
         out.append(
             Recovery(
                 index=i,
@@ -117,9 +131,9 @@ def phases(events: Sequence[dict[str, Any]]) -> list[Recovery]:
                 load=load,
                 catch_up=catch_up,
                 restore_seconds=float(restore) if restore is not None else None,
-                loaded_step=int(loaded["step"])
-                if loaded and loaded.get("step") is not None
-                else None,
+                loaded_step=loaded_step,
+                tier=str(tier) if tier is not None else None,
+                steps_lost=lost,
             )
         )
     return out
@@ -177,6 +191,8 @@ def format_summary(summary: RunSummary) -> str:
             r.attempt,
             r.fault,
             r.step_at_failure,
+            r.tier or "-",
+            cell(r.steps_lost, "d"),
             *(cell(x, ".2f") for x in (r.detect, r.relaunch, r.load, r.catch_up, r.total)),
             r.reason[:60],
         )
@@ -187,6 +203,8 @@ def format_summary(summary: RunSummary) -> str:
         "attempt",
         "fault",
         "step",
+        "tier",
+        "lost",
         "detect",
         "relaunch",
         "load",
@@ -196,7 +214,7 @@ def format_summary(summary: RunSummary) -> str:
     )
     lines = [
         "recovery phases (seconds):",
-        render_table(rows, header=header, right={0, 1, 3, 4, 5, 6, 7, 8}),
+        render_table(rows, header=header, right={0, 1, 3, 5, 6, 7, 8, 9, 10}),
     ]
     if not summary.recoveries:
         lines.append("   (no failures)")

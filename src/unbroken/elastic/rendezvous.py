@@ -1,29 +1,19 @@
 """Coordination between the supervisors of one job, through the rendezvous TCP store.
 
-The supervisor on the rendezvous host *hosts* the c10d TCPStore itself; every torchrun agent
-(also the local one) joins it as a client (``--rdzv-conf is_host=false``). The store thus
-outlives every agent and worker restart, instead of dying with whichever agent happened to
-host it (pytorch#135712: stale or vanished store across restarts).
+The supervisor on the rendezvous host *hosts* the c10d TCPStore itself
+(:class:`Coordinator`, configured by :class:`RendezvousConfig`); every torchrun agent (also
+the local one) joins it as a client, so the store outlives every agent and worker restart
+(pytorch#135712: stale or vanished store across restarts). The keys under
+``unbroken/<run_id>/``: ``gen`` (the restart generation, bumped by compare-and-set),
+``nodes``, ``alive/<node>``, ``stop`` and ``done/<node>``.
 
-Keys under ``unbroken/<run_id>/``:
+The store has no authentication (T-SHARED-NODE): the hosting supervisor listens on the
+endpoint's host only (127.0.0.1 by default, not every interface), and every value read back
+is parsed with a fallback: a malformed one is logged once and ignored, never a crash, and a
+``stop`` only counts with an exit code a stop can have (never 0).
 
-``gen``            the restart generation; torchrun attempts use rendezvous id
-                   ``<run_id>-g<gen>``. A failing node bumps it (compare-and-set), the others
-                   see the bump, stop their stale agents and join the new generation. A fresh
-                   id per generation is needed anyway: torchrun closes a rendezvous for good
-                   when an agent exits after a worker failure.
-``nodes``          newline-separated node names (append-only)
-``alive/<node>``   Unix time of that supervisor's last tick (node-loss verdicts)
-``stop``           ``<exit code> <reason>``: one supervisor stopped the job; all stop
-``done/<node>``    that supervisor's exit code; the hosting supervisor keeps the store up
-                   until every live peer is done
-
-The store has no authentication: whoever reaches its port can read and write these keys.
-The hosting supervisor therefore listens on the endpoint's host only (127.0.0.1 by default,
-not every interface; torch's TCPStore binds the wildcard address, so the supervisor binds
-the socket itself and hands it over as ``master_listen_fd``), and every value read back is
-parsed with a fallback: a malformed one is logged once and ignored, never a crash, and a
-``stop`` only counts with an exit code a stop can have (never 0: "finished").
+What each key holds and why a fresh rendezvous id per generation: ARCHITECTURE.md, "Design
+notes" > elastic > the rendezvous store.
 """
 
 from __future__ import annotations

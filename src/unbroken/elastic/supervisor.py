@@ -2,28 +2,19 @@
 
 One supervisor runs per node. Each attempt is a child ``torchrun`` (elastic agent, c10d
 rendezvous, ``--nnodes MIN:MAX``, ``--max-restarts 0``, see ``launch.attempt``) on a
-rendezvous store the supervisor hosts or joins (see ``rendezvous``). Around it the supervisor adds:
+rendezvous store the supervisor hosts or joins (see ``rendezvous``). Around it the
+supervisor adds pre-flight before every start (``preflight``), a hang watchdog with stack
+dumps (``heartbeat``), classification of every failure and a restart policy (``faults``,
+E-CLASSIFY), and the four recovery phases of each failure in ``RUN_DIR/events.jsonl``, a
+per-failure ``RUN_DIR/recovery.jsonl`` and a summary table (``recovery``, E-MEASURED).
 
-1. pre-flight before the first start and before every restart (``preflight``);
-2. a hang watchdog over the workers' progress beats, with Python stack dumps before the kill
-   (``heartbeat``);
-3. classification of every failure and a restart policy (``faults``);
-4. the four recovery phases of each failure in ``RUN_DIR/events.jsonl``, a per-failure
-   ``RUN_DIR/recovery.jsonl`` and a summary table at the end (``recovery``).
-
-Recovery is fast by construction: the supervisor learns within milliseconds that a rank
-failed (each rank's launcher reports its exit; pidfds wake the watch loop), stops the ranks
-that outlived it after ``stop_grace`` seconds at most (they cannot finish a collective with
-a dead peer, so nothing is gained by waiting for them; ``peer_failed()`` tells their SIGTERM
-handlers to skip a hopeless save), restarts at once when the failed attempt made progress,
-and hands the restart to a standby agent that imported torch while the job was training and
-forks the new workers from there (``launch.standby``; ``prewarm=False`` starts fresh
-worker interpreters from a standby agent, ``standby=False`` a fresh torchrun too).
-
-Exit codes: see :mod:`unbroken.elastic.faults` (``EXIT_*``): 0 finished, 1 supervisor error,
+Exit codes (:mod:`unbroken.elastic.faults`, ``EXIT_*``): 0 finished, 1 supervisor error,
 2 usage, 3 same failure twice (deterministic bug), 4 restart budget used up, 5 no progress,
 6 pre-flight never healthy, 7 preempted (SIGTERM/SIGINT; the job was asked to save), 8 the
 checkpoint refused the job's configuration at restore (a configuration fault: not retried).
+
+Why recovery is fast (launcher exit reports, pidfds, ``stop_grace``, the standby agent):
+ARCHITECTURE.md, "Design notes" > elastic > the supervisor.
 """
 
 from __future__ import annotations
@@ -41,7 +32,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
-from unbroken.common import events
+from unbroken.common import events, memdir
 from unbroken.common.events import load_events
 from unbroken.common.fs import atomic_write_bytes, private_dir
 from unbroken.elastic import faults, heartbeat, recovery
@@ -192,10 +183,12 @@ class Supervisor:
         self._signal: int | None = None
         self._attempt: Attempt | None = None
         self._max_step = -1
+        self._t_start = time.time()  # events from here on are this run's (a rerun appends)
         self._coord: Coordinator | None = None
         self._failures: list[tuple[int, faults.Evidence, Classification]] = []
         self._preflight_ok_at = float("-inf")
         self._standby: Standby | None = None
+        self._memory: str | None = None  # the memory tier's directory, when this agent owns it
 
     # --- bookkeeping ---------------------------------------------------------------------
 
@@ -238,6 +231,9 @@ class Supervisor:
             p.gpu_min_free_fraction,
             p.timeout,
             p.node or self.node,
+            saved=any(
+                e["event"] == "saved" and e["t"] >= self._t_start for e in load_events(self.run_dir)
+            ),
         )
 
     def _preflight(self, coord: Coordinator, *, wait: bool) -> tuple[bool, list[CheckResult]]:
@@ -682,7 +678,9 @@ class Supervisor:
             default=-1,
         )
         code = faults.EXIT_ERROR
+        env_before = os.environ.get(memdir.ENV)
         try:
+            tier = self._own_memory_tier()
             r = self.cfg.rdzv
             host, _, port = r.endpoint.rpartition(":")
             self._coord = Coordinator(
@@ -701,6 +699,7 @@ class Supervisor:
                 command=list(self.cfg.command),
                 nnodes=r.nnodes,
                 nproc_per_node=self.cfg.nproc_per_node,
+                memory_tier=tier,
             )
             code = self._loop(self._coord, first)
         except RuntimeError as e:
@@ -715,11 +714,42 @@ class Supervisor:
                 self._standby = None
             for s, h in old.items():
                 signal.signal(s, h)
+            self._drop_memory_tier(env_before)
             self._event("finish" if code == 0 else "stop", exit_code=code)
             self._finish()
             if self._coord is not None:
                 self._release_store(self._coord, code)
         return code
+
+    def _own_memory_tier(self) -> str | None:
+        """Create the job's private memory-tier directory on this node and name it to the
+        workers (every process started from here inherits the environment); a crashed
+        worker's slots wait there for its successor (issue 25). A directory the user named
+        (``$UNBROKEN_MEMORY_TIER``) is used as given and never removed. Returns the path."""
+        given = os.environ.get(memdir.ENV)
+        if given:
+            return given
+        path = memdir.job_dir(f"unbroken run {self.run_dir} {self.cfg.rdzv.run_id}")
+        try:
+            memdir.create(path)
+        except (OSError, memdir.PrivateDirError) as e:  # no /dev/shm: the tier picks its own
+            log.warning("no memory-tier directory for the workers (%s)", e)
+            return None
+        self._memory = path
+        os.environ[memdir.ENV] = path
+        return path
+
+    def _drop_memory_tier(self, env_before: str | None) -> None:
+        """The job ended (done or stopped): its memory tier goes; the disk tier stays."""
+        if self._memory is None:
+            return
+        if env_before is None:
+            os.environ.pop(memdir.ENV, None)
+        try:
+            memdir.remove(self._memory)
+        except OSError as e:
+            log.warning("memory tier %s not removed: %s", self._memory, e)
+        self._memory = None
 
     def _release_store(self, coord: Coordinator, code: int) -> None:
         try:

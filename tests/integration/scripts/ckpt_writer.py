@@ -21,6 +21,7 @@ import sys
 import torch
 
 from unbroken.ckpt import Checkpointer, TrainState
+from unbroken.ckpt.manifest import CheckpointManifest
 from unbroken.ckpt.store import Store
 
 
@@ -42,7 +43,7 @@ def main() -> int:
     stop_at: list[int] = []
     commit = Store.commit
 
-    def stopping_commit(self: Store, tmp: str, step: int, manifest: dict) -> str:
+    def stopping_commit(self: Store, tmp: str, step: int, manifest: CheckpointManifest) -> str:
         if step in stop_at:
             print(f"stopping {tmp}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)

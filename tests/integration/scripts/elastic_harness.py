@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from unbroken.common import events
 from unbroken.common.metrics import read_metrics
@@ -242,7 +242,7 @@ def reference_losses(steps: int, world: int) -> list[float]:
             loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
             opt.zero_grad()
             loss.backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
+            grads.append([cast(torch.Tensor, p.grad).clone() for p in model.parameters()])
             if rank == 0:
                 out.append(loss.item())
         for i, p in enumerate(model.parameters()):

@@ -18,12 +18,14 @@ ignoring SIGTERM, like a rank stuck on a save it can never finish.
 ``--stderr-noise TEXT`` prints TEXT to stderr at start (old warnings in a rank's log).
 ``--refuse-restore``: rank 0 refuses any checkpoint it restores as the checkpoint layer
 does when the job cannot take it (``RestoreRefused``).
+``--memory-every K`` (with ``--ckpt-kind unbroken``): the Checkpointer's memory tier publishes
+every K steps (issue 25), into the directory ``unbroken run`` names in ``UNBROKEN_MEMORY_TIER``.
 ``--stop-file PATH``: the job finishes after the first step at which PATH exists (the ranks
 agree on that step by an all-reduce), so a test decides when it has seen enough.
 
     torchrun ... elastic_train.py --ckpt DIR --metrics FILE --steps N [--save-every K]
         [--sleep S] [--raise-at STEP] [--ckpt-kind unbroken|file] [--linger S]
-        [--stderr-noise TEXT] [--stop-file PATH] [--refuse-restore]
+        [--stderr-noise TEXT] [--stop-file PATH] [--refuse-restore] [--memory-every K]
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ def main() -> None:
     ap.add_argument("--stderr-noise", default=None)
     ap.add_argument("--stop-file", default=None)
     ap.add_argument("--refuse-restore", action="store_true")
+    ap.add_argument("--memory-every", type=int, default=None)
     a = ap.parse_args()
     if a.stderr_noise:
         print(a.stderr_noise, file=sys.stderr, flush=True)
@@ -140,6 +143,7 @@ def main() -> None:
                 TrainState(model=model, optimizer=opt, metrics=metrics),
                 every_steps=a.save_every,
                 keep_last=3,
+                memory_every_steps=a.memory_every,
             )
         else:
             ckpt = _FileCkpt(a.ckpt, model, metrics, a.save_every)

@@ -90,6 +90,35 @@ def _rate(samples: int, ns: int) -> float:
     return samples / (ns / 1e9) if ns > 0 else math.inf
 
 
+def _read_batches(
+    read_batch: Callable[[int], list[Any]], num_batches: int, budget_ns: int
+) -> tuple[list[list[Any]], list[int]]:
+    """Batches ``0, 1, ...`` read until ``num_batches`` or the time budget (at least 2),
+    and the nanoseconds each read took."""
+    clock = time.perf_counter_ns
+    raw: list[list[Any]] = []
+    read_ns: list[int] = []
+    t_start = clock()
+    for b in range(num_batches):
+        t0 = clock()
+        raw.append(read_batch(b))
+        read_ns.append(clock() - t0)
+        if b >= 1 and clock() - t_start > budget_ns:
+            break
+    return raw, read_ns
+
+
+def _timed(fn: Callable[[Any], Any], items: list[Any]) -> tuple[list[Any], list[int]]:
+    """``fn`` of each item, and the nanoseconds each call took."""
+    out: list[Any] = []
+    ns: list[int] = []
+    for item in items:
+        t0 = time.perf_counter_ns()
+        out.append(fn(item))
+        ns.append(time.perf_counter_ns() - t0)
+    return out, ns
+
+
 def measure_stages(
     read_batch: Callable[[int], list[Any]],
     *,
@@ -111,17 +140,8 @@ def measure_stages(
     if num_batches < 2:
         raise ValueError(f"num_batches={num_batches} must be >= 2")
     collate = collate or default_collate
-    clock = time.perf_counter_ns
     budget = int(max_seconds / 3 * 1e9)
-    raw: list[list[Any]] = []
-    read_ns: list[int] = []
-    t_start = clock()
-    for b in range(num_batches):
-        t0 = clock()
-        raw.append(read_batch(b))
-        read_ns.append(clock() - t0)
-        if b >= 1 and clock() - t_start > budget:
-            break
+    raw, read_ns = _read_batches(read_batch, num_batches, budget)
     n_samples = sum(len(r) for r in raw)
     raw_bytes = sum(_payload_bytes(s) for r in raw for s in r)
     results = [
@@ -133,40 +153,16 @@ def measure_stages(
             f"{len(raw)} batches of {batch_size}",
         )
     ]
-
-    decoded = raw
-    dec_ns = [0] * len(raw)
     if decode is None:
+        decoded, dec_ns = raw, [0] * len(raw)
         results.append(StageResult("decode", "worker", math.inf, note="no decode/transform"))
     else:
-        decoded = []
-        for i, r in enumerate(raw):
-            t0 = clock()
-            decoded.append([decode(s) for s in r])
-            dec_ns[i] = clock() - t0
-        results.append(
-            StageResult(
-                "decode",
-                "worker",
-                _rate(n_samples, sum(dec_ns)),
-                note=getattr(decode, "__name__", "transform"),
-            )
-        )
-
-    batches: list[Any] = []
-    col_ns = [0] * len(raw)
-    for i, d in enumerate(decoded):
-        t0 = clock()
-        batches.append(collate(d))
-        col_ns[i] = clock() - t0
-    results.append(
-        StageResult(
-            "collate",
-            "worker",
-            _rate(n_samples, sum(col_ns)),
-            note=getattr(collate, "__name__", "collate"),
-        )
-    )
+        decoded, dec_ns = _timed(lambda r: [decode(s) for s in r], raw)
+        name = getattr(decode, "__name__", "transform")
+        results.append(StageResult("decode", "worker", _rate(n_samples, sum(dec_ns)), note=name))
+    batches, col_ns = _timed(collate, decoded)
+    name = getattr(collate, "__name__", "collate")
+    results.append(StageResult("collate", "worker", _rate(n_samples, sum(col_ns)), note=name))
     # The first batch pays for opening shards and building the order: not jitter.
     worker_ms = (np.asarray(read_ns) + np.asarray(dec_ns) + np.asarray(col_ns))[1:] / 1e6
     nbytes = _payload_bytes(batches[0])

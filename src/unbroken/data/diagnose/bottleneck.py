@@ -1,25 +1,18 @@
 """Bottleneck report: which stage of the input pipeline limits, and what to do about it.
 
-Stages, in the order a sample meets them::
-
-    network                                        (remote datasets: the node's downloads)
-    -> shard read -> decode/transform -> collate   (inside each DataLoader worker)
-    -> worker transport -> pin                     (in the training process)
-    -> h2d                                         (copy engine)
-
-Worker stages run one after another inside a worker, so a worker delivers
-``1 / sum(1 / rate_i)`` samples/s and ``num_workers`` workers (at most one per core) deliver
-that many times more. Network, transport, pin and H2D each run on their own threads, process
-or engine, so the pipeline delivers the minimum of the worker group and those four. For a
-remote dataset the report also suggests the prefetch depth (shards fetched ahead): enough
-downloads in flight to cover one shard's download time at the pipeline's rate, and never
-less than a shuffle window's shards. :func:`analyse` compares
-that with the consumer's rate (the model: measured from a step timeline, or
-``--consume-rate``), names the stage that limits, and suggests ``num_workers`` and
-``prefetch_factor``. The stages are measured by :mod:`unbroken.data.diagnose.bench`.
+Stages, in the order a sample meets them: network (remote datasets) -> shard read ->
+decode/transform -> collate (inside each DataLoader worker) -> worker transport -> pin
+(in the training process) -> h2d (copy engine). They are measured by
+:mod:`unbroken.data.diagnose.bench`; :func:`analyse` compares what the pipeline delivers with
+the consumer's rate (measured from a step timeline, or ``--consume-rate``), names the stage
+that limits, and suggests ``num_workers``, ``prefetch_factor`` and, for a remote dataset,
+the prefetch depth.
 
 ``data_bench.json`` (written by ``unbroken data bench --out RUN_DIR``) is
 :meth:`BottleneckReport.to_json`; ``unbroken data report`` plots it.
+
+The pipeline's rate model and the prefetch-depth rule: ARCHITECTURE.md, "Design notes" >
+data > the bottleneck report.
 """
 
 from __future__ import annotations
@@ -201,7 +194,7 @@ def load_report(path: str) -> BottleneckReport:
 # -- analysis (pure arithmetic) ------------------------------------------------------------
 
 
-def analyse(  # noqa: C901 - one verdict per stage, in the order the report gives them
+def analyse(
     stages: tuple[StageResult, ...] | list[StageResult],
     *,
     batch_size: int,
@@ -222,6 +215,39 @@ def analyse(  # noqa: C901 - one verdict per stage, in the order the report give
         raise ValueError(f"consume_rate={consume_rate} must be > 0 samples/s (or None)")
     cores = cpu_count or usable_cpus()
     by = {s.name: s for s in stages}
+    worker_rate, pipeline_rate, limiting, main_ceiling = _rates(by, num_workers, cores)
+    cap = max(1, cores - 1)  # leave a core to the training process
+    target = consume_rate * _HEADROOM if consume_rate is not None else main_ceiling
+    if math.isfinite(target) and math.isfinite(worker_rate):
+        want = max(1, math.ceil(target / worker_rate))
+    else:
+        want = cap
+    bottleneck, advice = _verdict(pipeline_rate, limiting, consume_rate)
+    if bottleneck != "no data stall":
+        advice += _remedy(by, limiting, worker_rate, want, cap)
+    return BottleneckReport(
+        stages=tuple(stages),
+        batch_size=batch_size,
+        num_workers=num_workers,
+        cpu_count=cores,
+        consume_rate=consume_rate,
+        worker_rate=worker_rate,
+        pipeline_rate=pipeline_rate,
+        limiting=limiting,
+        bottleneck=bottleneck,
+        suggested_workers=min(want, cap),
+        suggested_prefetch_factor=_prefetch_factor(worker_batch_ms),
+        advice=tuple(advice),
+        suggested_prefetch_shards=_prefetch_shards(prefetch_hint, pipeline_rate, consume_rate),
+    )
+
+
+def _rates(
+    by: dict[str, StageResult], num_workers: int, cores: int
+) -> tuple[float, float, str, float]:
+    """(one worker's rate, the pipeline's rate, the limiting stage, the ceiling of the stages
+    outside the workers): the worker stages run in series inside each worker, the others
+    side by side, so the pipeline delivers the minimum of the worker group and those."""
     worker = [by[n] for n in _WORKER_STAGES if n in by and by[n].measured]
     per_sample = sum(1.0 / s.samples_per_s for s in worker if s.samples_per_s > 0)
     worker_rate = 1.0 / per_sample if per_sample > 0 else math.inf
@@ -239,80 +265,62 @@ def analyse(  # noqa: C901 - one verdict per stage, in the order the report give
         raise ValueError("no stage was measured; nothing to analyse")
     pipeline_rate, limiting = min(candidates)
     main_ceiling = min((r for r, n in candidates if n not in _WORKER_STAGES), default=math.inf)
+    return worker_rate, pipeline_rate, limiting, main_ceiling
 
-    advice: list[str] = []
-    cap = max(1, cores - 1)  # leave a core to the training process
-    target = consume_rate * _HEADROOM if consume_rate is not None else main_ceiling
-    if math.isfinite(target) and math.isfinite(worker_rate):
-        want = max(1, math.ceil(target / worker_rate))
-    else:
-        want = cap
-    workers = min(want, cap)
+
+def _verdict(
+    pipeline_rate: float, limiting: str, consume_rate: float | None
+) -> tuple[str, list[str]]:
+    """The bottleneck ("no data stall" when the pipeline outruns the consumer) and the line
+    that says so."""
     if consume_rate is None:
-        bottleneck = limiting
-        advice.append(
+        return limiting, [
             f"pipeline capacity {pipeline_rate:,.0f} samples/s, limited by {limiting}; give the "
             "model's rate (--consume-rate, or a step timeline) to know whether it stalls"
-        )
-    elif pipeline_rate >= consume_rate:
-        bottleneck = "no data stall"
-        advice.append(
+        ]
+    if pipeline_rate >= consume_rate:
+        return "no data stall", [
             f"the pipeline delivers {pipeline_rate:,.0f} samples/s, "
             f"{pipeline_rate / consume_rate:.1f}x the consumer's {consume_rate:,.0f}; "
             f"{limiting} would limit first"
-        )
-    else:
-        bottleneck = limiting
-        advice.append(
-            f"data-bound: {limiting} limits the pipeline to {pipeline_rate:,.0f} samples/s, "
-            f"{100 * pipeline_rate / consume_rate:.0f}% of the consumer's {consume_rate:,.0f}"
-        )
-    if limiting in _WORKER_STAGES and want > cap and bottleneck != "no data stall":
-        advice.append(
+        ]
+    return limiting, [
+        f"data-bound: {limiting} limits the pipeline to {pipeline_rate:,.0f} samples/s, "
+        f"{100 * pipeline_rate / consume_rate:.0f}% of the consumer's {consume_rate:,.0f}"
+    ]
+
+
+def _remedy(
+    by: dict[str, StageResult], limiting: str, worker_rate: float, want: int, cap: int
+) -> list[str]:
+    """What to do about the limiting stage (nothing to add when more workers will do)."""
+    if limiting in _WORKER_STAGES:
+        if want <= cap:
+            return []
+        return [
             f"even {cap} workers (cores - 1) deliver only {worker_rate * cap:,.0f} samples/s: "
             f"make {limiting} cheaper (decode once at pack time, smaller images, augment on "
             "the GPU with DevicePrefetcher(transform=...))"
-        )
-    elif bottleneck == "no data stall":
-        pass
-    elif limiting == "network":
+        ]
+    if limiting == "network":
         net = by["network"]
-        advice.append(
+        return [
             f"the network limits: downloads deliver {net.mb_per_s:,.1f} MB/s "
             f"({net.samples_per_s:,.0f} samples/s); if one stream is what limits, more parallel "
             "downloads help (CacheConfig(threads=...)); otherwise stage the dataset "
             "(`unbroken data stage`) or put the cache nearer the store"
-        )
-    elif limiting == "transport":
-        advice.append(
-            "transport limits: return tensors (shared memory) rather than Python "
-            "objects or bytes from the workers, and collate in the worker"
-        )
-    elif limiting == "pin":
-        advice.append(
-            "pin limits: pinning copies every batch once more; send smaller dtypes "
-            "(uint8 images, int32 tokens) and convert on the GPU"
-        )
-    elif limiting == "h2d":
-        advice.append(
-            "h2d limits: copy fewer bytes (uint8 instead of float32, normalise on "
-            "the GPU) and make sure batches are pinned (pin_memory=True)"
-        )
-    return BottleneckReport(
-        stages=tuple(stages),
-        batch_size=batch_size,
-        num_workers=num_workers,
-        cpu_count=cores,
-        consume_rate=consume_rate,
-        worker_rate=worker_rate,
-        pipeline_rate=pipeline_rate,
-        limiting=limiting,
-        bottleneck=bottleneck,
-        suggested_workers=workers,
-        suggested_prefetch_factor=_prefetch_factor(worker_batch_ms),
-        advice=tuple(advice),
-        suggested_prefetch_shards=_prefetch_shards(prefetch_hint, pipeline_rate, consume_rate),
-    )
+        ]
+    return [_STAGE_REMEDY[limiting]] if limiting in _STAGE_REMEDY else []
+
+
+_STAGE_REMEDY = {
+    "transport": "transport limits: return tensors (shared memory) rather than Python "
+    "objects or bytes from the workers, and collate in the worker",
+    "pin": "pin limits: pinning copies every batch once more; send smaller dtypes "
+    "(uint8 images, int32 tokens) and convert on the GPU",
+    "h2d": "h2d limits: copy fewer bytes (uint8 instead of float32, normalise on "
+    "the GPU) and make sure batches are pinned (pin_memory=True)",
+}
 
 
 def _prefetch_shards(

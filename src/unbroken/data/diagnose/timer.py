@@ -2,32 +2,17 @@
 
 ``StepTimer`` measures, for every training step, how long the loop waited for its next batch
 and how long it computed until it asked for the following one; with a
-:class:`~unbroken.data.feed.prefetch.DevicePrefetcher` on CUDA it also gets each batch's H2D copy
-time from CUDA events. ``stall % = wait / (wait + compute)`` over a rolling window.
+:class:`~unbroken.data.feed.prefetch.DevicePrefetcher` on CUDA also each batch's H2D copy
+time, and with ``network=dataset`` (a remote source) how much of each wait was a download.
+``stall % = wait / (wait + compute)`` over a rolling window. Cost: two ``perf_counter_ns``
+calls and four numpy stores per step (``benchmarks/RESULTS.md``, checked by a unit test).
 
-Cost: two ``perf_counter_ns`` calls and four numpy stores per step (no allocation, no
-lock); summaries are computed every ``log_every`` steps over the preallocated ring buffers.
-The measured overhead is in ``benchmarks/RESULTS.md`` and checked by a unit test.
+It appends the step timeline to ``<run_dir>/data_steps.csv`` once per ``window`` steps and
+on ``close()``; ``unbroken data report`` reads it. Wait and compute are host times: they
+match the GPU's only when the loop synchronises every step (``loss.item()`` does).
 
-With ``network=dataset`` (a ``StreamingDataset`` reading a remote source through its cache,
-:mod:`unbroken.data.stream.remote`) it also records how much of each wait the rank's readers spent
-blocked on a download: the network as its own stage, next to the loop's total wait.
-
-Timeline file (``<run_dir>/data_steps.csv``), appended once per ``window`` steps and on
-``close()``; ``unbroken data report`` reads it::
-
-    # unbroken step timeline v1 batch_size=32 num_workers=4
-    step,wait_ms,compute_ms,h2d_ms,h2d_bytes,net_ms
-    1,812.113,10.201,,0,790.020
-    2,0.041,10.187,0.912,33554432,0.000
-
-``h2d_ms`` is empty where unknown (CPU runs, or a copy not timed), ``net_ms`` where no
-network is watched (local data). Files without the ``net_ms`` column are read as well.
-
-Host clock caveat: wait and compute are measured on the host. A loop that never
-synchronises with the GPU lets the host run ahead of the device; its waits then stall the
-GPU only once the queued work drains. Most loops synchronise every step (``loss.item()``),
-which makes host time and device time agree.
+The file format and the host-clock caveat: ARCHITECTURE.md, "Design notes" > data > the
+step timer.
 """
 
 from __future__ import annotations

@@ -1,33 +1,20 @@
 """Device prefetcher: the next batch is already in GPU memory when the step ends.
 
 ``DevicePrefetcher`` wraps any iterable of batches (a ``StatefulLoader``, a plain
-``DataLoader``, a generator) and keeps ``depth`` batches in flight on the device:
+``DataLoader``, a generator) and keeps ``depth`` batches in flight on the device: host
+tensors pinned (unless the loader pinned them already), copied with ``non_blocking=True``
+on a side stream, an optional GPU ``transform`` run there too; the compute stream never
+reads a batch before its copy and transform finished. On CPU (``device`` None or
+``"cpu"``, or no CUDA) it is a transparent pass-through, so one script runs everywhere.
 
-* host tensors are pinned (skipped when the loader already pinned them:
-  ``StatefulLoader(pin_memory=True)`` delivers them in registered shared memory, no copy made;
-  ``DataLoader(pin_memory=True)`` copies them in its pin thread), then copied with
-  ``non_blocking=True`` on a dedicated CUDA side stream, so the copy of batch *k+1* overlaps
-  the compute of batch *k*;
-* an optional GPU-side ``transform`` (normalisation, augmentation) runs on the side stream
-  right after the copy, so it overlaps compute as well;
-* on delivery the compute stream waits on the batch's ready event (it can never read a
-  batch before its copy and transform finished) and every device tensor is
-  ``record_stream``-ed on the compute stream, so the caching allocator does not hand its
-  memory to a later side-stream allocation while the step still reads it; the pinned host
-  batch is kept alive until its copy event has completed (for a ``StatefulLoader`` batch,
-  that is what keeps its shared-memory slot from being reused by a worker).
+State (the ``Stateful`` protocol, D-RESUME): ``state_dict()`` is the wrapped loader's
+state that belongs to the last batch *delivered* to the loop, not to the batches
+prefetched behind it; ``load_state_dict()`` forwards to the loader and drops in-flight
+batches. A batch the loop holds across a save is the loader's to count:
+``DevicePrefetcher(loader.forever())`` with ``StatefulLoader(..., held_batches=1)``.
 
-On CPU (``device`` None or ``"cpu"``, or CUDA unavailable) it is a transparent pass-through:
-the same objects come out (after ``transform``, if given), so one training script runs
-everywhere.
-
-State (the ``Stateful`` protocol): ``state_dict()`` returns the wrapped loader's state that
-belongs to the last batch *delivered* to the training loop, not to the batches prefetched
-behind it. The prefetcher snapshots ``inner.state_dict()`` right after pulling each batch
-(the loader state is tiny; D-RESUME) and hands out the snapshot of the delivered one.
-``load_state_dict()`` forwards to the wrapped loader and drops in-flight batches. A batch the
-loop itself holds across a save (drawn before the step ends) is the loader's to count:
-``StatefulLoader(..., held_batches=1)``, wrapped as ``DevicePrefetcher(loader.forever())``.
+The streams, events and ``record_stream`` rules: ARCHITECTURE.md, "Design notes" > data >
+the device prefetcher.
 """
 
 from __future__ import annotations

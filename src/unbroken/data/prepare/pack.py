@@ -40,7 +40,7 @@ from unbroken.common.fs import (
     ensure_out_dir,
     is_temp_name,
 )
-from unbroken.common.progress import progress_bar
+from unbroken.common.progress import Progress, progress_bar
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
 from unbroken.data.prepare.plan import (
     BadInput,
@@ -312,6 +312,55 @@ def _plan_input(
     return plan_dicts(items, shard_size, "pack input", allow_partial), None
 
 
+class _PackRun:
+    """The bookkeeping of one pack: the tasks it hands out (a shard whose plan is unchanged
+    since an earlier run is reused) and what each finished shard adds to the state file, the
+    result and the progress bar."""
+
+    def __init__(
+        self,
+        out: str,
+        config: dict[str, Any],
+        state: dict[str, dict[str, Any]],
+        kind: str,
+        fsync: bool,
+        bar: Progress,
+        t0: float,
+    ) -> None:
+        self.out, self.config, self.state, self.kind, self.fsync = out, config, state, kind, fsync
+        self.bar, self.t0 = bar, t0
+        self.infos: dict[int, ShardInfo] = {}
+        self.counts = {"written": 0, "reused": 0}
+        self.input_bytes: dict[int, int] = {}
+        self.plans_by_name: dict[str, str] = {}
+        self.done: dict[str, dict[str, Any]] = {}
+
+    def tasks(self, plans: Iterator[tuple[Any, str]]) -> Iterator[_Task]:
+        for i, (payload, plan) in enumerate(plans):
+            name = _shard_name(i)
+            rec = self.state.get(name)
+            reuse = ShardInfo.from_json(rec["info"]) if rec and rec.get("plan") == plan else None
+            self.plans_by_name[name] = plan
+            if self.kind == "files":
+                self.input_bytes[i] = sum(m[2] for smp in payload for m in smp.members)
+            elif self.kind == "jsonl":
+                lines = payload[1]
+                self.input_bytes[i] = lines[-1][1] + lines[-1][2] + 1 - lines[0][1] if lines else 0
+            yield _Task(
+                i, os.path.join(self.out, name), plan, self.kind, payload, self.fsync, reuse
+            )
+
+    def on_done(self, i: int, info: ShardInfo, written: bool) -> None:
+        self.infos[i] = info
+        self.counts["written" if written else "reused"] += 1
+        self.done[info.name] = {"plan": self.plans_by_name[info.name], "info": info.to_json()}
+        _save_state(self.out, self.config, self.done)
+        self.bar.update(self.input_bytes.pop(i, info.bytes))
+        n = sum(s.samples for s in self.infos.values())
+        rate = n / max(time.perf_counter() - self.t0, 1e-9)
+        self.bar.set_postfix_str(f"{n:,} samples, {rate:,.0f} samples/s", refresh=False)
+
+
 def pack(
     src: str | Iterable[dict[str, Any]],
     out: str,
@@ -348,45 +397,16 @@ def pack(
 
     bad = BadInput(skip_bad)
     plans, total = _plan_input(kind, path, items, shard_size, allow_partial, bad)
-    infos: dict[int, ShardInfo] = {}
-    counts = {"written": 0, "reused": 0}
     bar = progress_bar("pack", total=total, unit="B", enabled=progress)
-    input_bytes: dict[int, int] = {}
-
-    def tasks() -> Iterator[_Task]:
-        for i, (payload, plan) in enumerate(plans):
-            name = _shard_name(i)
-            rec = state.get(name)
-            reuse = ShardInfo.from_json(rec["info"]) if rec and rec.get("plan") == plan else None
-            plans_by_name[name] = plan
-            if kind == "files":
-                input_bytes[i] = sum(m[2] for smp in payload for m in smp.members)
-            elif kind == "jsonl":
-                lines = payload[1]
-                input_bytes[i] = lines[-1][1] + lines[-1][2] + 1 - lines[0][1] if lines else 0
-            yield _Task(i, os.path.join(out, name), plan, kind, payload, fsync, reuse)
-
-    plans_by_name: dict[str, str] = {}
-    done: dict[str, dict[str, Any]] = {}
-
-    def on_done(i: int, info: ShardInfo, written: bool) -> None:
-        infos[i] = info
-        counts["written" if written else "reused"] += 1
-        done[info.name] = {"plan": plans_by_name[info.name], "info": info.to_json()}
-        _save_state(out, config, done)
-        bar.update(input_bytes.pop(i, info.bytes))
-        n = sum(s.samples for s in infos.values())
-        rate = n / max(time.perf_counter() - t0, 1e-9)
-        bar.set_postfix_str(f"{n:,} samples, {rate:,.0f} samples/s", refresh=False)
-
+    run = _PackRun(out, config, state, kind, fsync, bar, t0)
     with bar:
-        _run_tasks(tasks(), workers, on_done)
-    shards = [infos[i] for i in range(len(infos))]
+        _run_tasks(run.tasks(plans), workers, run.on_done)
+    shards = [run.infos[i] for i in range(len(run.infos))]
     _cleanup(out, {s.name for s in shards})
     manifest = DatasetManifest.create("tar", shards, extra={"tool": "unbroken pack"})
     manifest.save(out)
     secs = time.perf_counter() - t0
-    res = PackResult(manifest, secs, counts["written"], counts["reused"], bad.count)
+    res = PackResult(manifest, secs, run.counts["written"], run.counts["reused"], bad.count)
     log.info(
         "packed %d samples into %d shards (%d written, %d reused) in %.2fs, %.1f MB/s",
         manifest.num_samples,

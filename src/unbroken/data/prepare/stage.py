@@ -19,19 +19,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import shutil
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from unbroken.common.errors import ObjectMismatch, RemoteStorageError
 from unbroken.common.fs import atomic_write_bytes, checksum_file, is_temp_name
 from unbroken.common.objstore import ObjectStore, StoreOptions, open_store
+from unbroken.common.objstore.base import run_parallel
 from unbroken.common.progress import progress_bar
 from unbroken.data.manifest import DatasetManifest, join_path
 
@@ -253,6 +254,53 @@ def _bytes_to_copy(files: list[_File], local_dir: str, url: str) -> int:
     return need
 
 
+class _Copier:
+    """Copies the files of one stage into ``local_dir``, verified, from any number of
+    threads; counts what it copied, skipped (already there and valid) and re-fetched."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        url: str,
+        local_dir: str,
+        retries: int,
+        backoff_s: float,
+        fsync: bool,
+    ) -> None:
+        self.store, self.url, self.local_dir = store, url, local_dir
+        self.retries, self.backoff_s, self.fsync = retries, backoff_s, fsync
+        self.on_bytes: Callable[[int], object] = lambda n: None
+        self.stats = {"copied": 0, "skipped": 0, "refetched": 0, "bytes": 0}
+        self._lock = threading.Lock()
+
+    def _bytes(self, n: int) -> None:
+        with self._lock:
+            self.on_bytes(n)
+
+    def one(self, f: _File) -> None:
+        dst = os.path.join(self.local_dir, f.name)
+        if _valid_local(dst, f):
+            with self._lock:
+                self.stats["skipped"] += 1
+            return
+        refetched = fetch_verified(
+            self.store,
+            f.name,
+            dst,
+            f.size,
+            f.checksum,
+            url=join_path(self.url, f.name),
+            retries=self.retries,
+            backoff_s=self.backoff_s,
+            fsync=self.fsync,
+            on_bytes=self._bytes,
+        )
+        with self._lock:
+            self.stats["copied"] += 1
+            self.stats["bytes"] += f.size
+            self.stats["refetched"] += refetched
+
+
 def stage(
     url: str,
     local_dir: str,
@@ -289,54 +337,20 @@ def stage(
     files = [_File(s.name, s.bytes, s.checksum) for s in manifest.shards]
     files += [_File(s.index, s.index_bytes, s.index_checksum) for s in manifest.shards]
     need = _bytes_to_copy(files, local_dir, url)
-
-    lock = threading.Lock()
-    stats = {"copied": 0, "skipped": 0, "refetched": 0, "bytes": 0}
+    if getattr(store, "local", False):
+        # A local copy is CPU/memory bound (in-kernel copy + checksum): threads beyond
+        # the core count only contend (measured: 8 threads cost ~1.5x the CPU of 2).
+        workers = min(workers, os.cpu_count() or 1)
+    copier = _Copier(store, url, local_dir, retries, backoff_s, fsync)
     bar = progress_bar("stage", total=need, unit="B", enabled=progress)
-
-    def on_bytes(n: int) -> None:
-        with lock:
-            bar.update(n)
-
-    def one(f: _File) -> None:
-        dst = os.path.join(local_dir, f.name)
-        if _valid_local(dst, f):
-            with lock:
-                stats["skipped"] += 1
-            return
-        refetched = fetch_verified(
-            store,
-            f.name,
-            dst,
-            f.size,
-            f.checksum,
-            url=join_path(url, f.name),
-            retries=retries,
-            backoff_s=backoff_s,
-            fsync=fsync,
-            on_bytes=on_bytes,
-        )
-        with lock:
-            stats["copied"] += 1
-            stats["bytes"] += f.size
-            stats["refetched"] += refetched
-
     try:
+        copier.on_bytes = bar.update
         # Largest first so one big shard does not start last and run alone.
         order = sorted(files, key=lambda f: -f.size)
-        if getattr(store, "local", False):
-            # A local copy is CPU/memory bound (in-kernel copy + checksum): threads beyond
-            # the core count only contend (measured: 8 threads cost ~1.5x the CPU of 2).
-            workers = min(workers, os.cpu_count() or 1)
-        if workers == 1:
-            for f in order:
-                one(f)
-        else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="unbroken-stage") as ex:
-                for fut in [ex.submit(one, f) for f in order]:
-                    fut.result()
+        run_parallel([functools.partial(copier.one, f) for f in order], workers, "unbroken-stage")
     finally:
         bar.close()
+    stats = copier.stats
     manifest.save(local_dir)
     atomic_write_bytes(marker, manifest.fingerprint.encode(), fsync=fsync)
     res = StageResult(

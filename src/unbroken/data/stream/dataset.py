@@ -1,66 +1,25 @@
 """`StreamingDataset`: an IterableDataset over packed tar shards or token shards.
 
-What a rank sees is fixed by the epoch order (:mod:`unbroken.data.stream.order`) and by the
-partition of one *run* (the positions from the resume point to the epoch end):
+What a rank sees is fixed by the epoch order (:mod:`unbroken.data.stream.order`, D-ORDER)
+and by the partition of one run (:class:`~unbroken.data.stream.order.Partition`): the
+batches a rank receives do not depend on ``num_workers`` or ``prefetch_factor``. A worker
+reads only the samples of its own batches, each batch from one shuffle window (D-IO,
+D-SHUFFLE).
 
-* global step ``s`` of a run covers positions ``start + s*G .. start + (s+1)*G - 1`` with
-  ``G = world_size * batch_size``; rank ``r`` takes every ``world_size``-th of them, starting
-  at offset ``r`` (:class:`~unbroken.data.stream.order.Partition`);
-* the rank's ``b``-th batch is built by DataLoader worker ``b % num_workers``, which is the
-  order in which ``torch.utils.data.DataLoader`` (``in_order=True``) collects batches from
-  its workers. Workers yield whole, collated batches (the DataLoader runs with
-  ``batch_size=None``), so the batches a rank receives do not depend on ``num_workers`` or
-  ``prefetch_factor``.
+Samples: a tar dataset yields ``{"__key__": str, "<ext>": bytes, ...}``; a token dataset
+``np.int64`` arrays of ``seq_len + 1`` tokens. ``transform`` runs in the worker with its
+RNGs seeded from (seed, epoch, position), so augmentations resume exactly.
+``with_ids=True`` adds each sample's id (``"__id__"``, or a ``(sample, id)`` pair); several
+sources mix by weight (:class:`Source`); a flat token file (``train.bin``) is a source
+too, and ``windows="random"`` draws nanoGPT-style random windows from the position.
 
-A worker reads only the samples of its own batches: per batch, reads are sorted by
-(shard, index), and a batch's samples come from one shuffle window, i.e. a contiguous run of a
-few shards (D-IO). Shards are dealt to workers afresh every epoch, because the shard order and
-the windows change with the epoch (D-SHUFFLE).
+Every sample byte is verified on read (``verify=True``, T-NO-WRONG-BYTE): damage raises
+:class:`~unbroken.data.tar.reader.CorruptSampleError` naming dataset, shard and sample, or
+with ``on_corrupt="skip"`` leaves the sample out and counts it (:attr:`corrupt_skipped`).
 
-Samples: a tar dataset yields ``{"__key__": str, "<ext>": bytes, ...}`` (as ``ShardReader``
-returns); a token dataset yields ``np.int64`` arrays of ``seq_len + 1`` tokens (inputs and
-shifted targets, nanoGPT-style). ``transform`` (a picklable callable) is applied to every
-sample in the worker. Its randomness is reproducible: python's, numpy's and torch's global CPU
-RNGs are seeded from (seed, epoch, position of the batch's first sample) before each batch is
-transformed, so random augmentations are the same after a resume and for any
-``num_workers`` (with ``num_workers=0`` the training process's RNG states are put back).
-
-Sample ids (``with_ids=True``): every sample carries its id, its index in the concatenation of
-the sources' manifests (source 0's samples first, each source in ``dataset.json`` order) - the
-same sample has the same id in every epoch, on any world size and ``num_workers``, so a log of
-ids proves the data order (what ``unbroken drill`` compares) without hashing samples. A dict
-sample (tar, or a transform that returns a dict) gains ``"__id__": int``; any other sample
-(token rows, a transform's tensor) becomes the pair ``(sample, id)``. With the default collate a
-batch of dicts has ``batch["__id__"]`` (a LongTensor of B ids) and a token batch is
-``tokens, ids = batch`` (LongTensors ``(B, seq_len + 1)`` and ``(B,)``). The id is attached
-after ``transform``, and crosses the loader's transport like any other field.
-
-Several sources can be mixed with weights (``sources=[Source(a, 0.7), Source(b, 0.3)]``); the
-mixture is part of the deterministic order (:class:`~unbroken.data.stream.order.MixtureOrder`).
-An epoch of a mixture has ``samples_per_epoch`` positions (default: the sum of the sources'
-sizes); a source that runs out within an epoch continues with a fresh shuffle of itself.
-
-Every sample byte is verified on read (``verify=True``, the default; T-NO-WRONG-BYTE): a tar
-member against the xxh3_64 its shard index recorded, a token sequence against the hashes of
-the 64 Ki-token blocks under it (each block once per worker), and each index against the
-checksum ``dataset.json`` records for it, when its shard is opened. Damage raises
-:class:`~unbroken.data.tar.reader.CorruptSampleError` naming dataset, shard, sample key and member
-(or token block); with ``on_corrupt="skip"`` the sample is left out of its batch (which is
-then shorter; one whose every sample is damaged arrives as an empty list), logged and counted
-in :attr:`StreamingDataset.corrupt_skipped` (``StatefulLoader.stats()``).
-
-A flat token file (nanoGPT's ``train.bin``: bare ``uint16``/``uint32`` ids), indexed once in
-place by ``unbroken data index train.bin`` (:mod:`unbroken.data.tokens.flat`), is a source
-like a token dataset directory: ``StreamingDataset("data/train.bin", seq_len=1024)``, read
-through ``np.memmap`` without a copy. ``windows="random"`` (token datasets) starts every
-sample at a uniform token offset instead of at ``i * seq_len`` - nanoGPT's ``get_batch`` -
-drawn from (fingerprint, seed, epoch, position) (:func:`~unbroken.data.stream.order.random_slots`):
-the RNG stream *is* the position, so the loader's state resumes it exactly, on any layout,
-and the sample id (``with_ids``) is the window's slot (its token offset, in a flat file).
-
-Use it through :class:`unbroken.data.stream.loader.StatefulLoader`, which adds batching, workers and
-the resume state. Iterated on its own (or by ``DataLoader(ds, batch_size=None)``) it yields the
-rank's samples one by one from :meth:`set_epoch`'s epoch.
+Use it through :class:`unbroken.data.stream.loader.StatefulLoader` (batching, workers, the
+resume state). How ranks, workers, ids, mixtures, verification and random windows work:
+ARCHITECTURE.md, "Design notes" > data > the dataset.
 """
 
 from __future__ import annotations
@@ -69,7 +28,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing import context as mp_context
 from typing import Any
@@ -405,7 +364,7 @@ class StreamingDataset(IterableDataset):
         worker_id: int = 0,
         num_workers: int = 1,
         first: int = 0,
-    ) -> Iterator[Any]:
+    ) -> Generator[Any, None, None]:
         """Batches ``first + worker_id, first + worker_id + num_workers, ...`` of this rank's
         run (``first``: batches made elsewhere, e.g. by the loader while its workers start)."""
         if not 0 <= worker_id < num_workers:

@@ -1,30 +1,22 @@
-"""`StatefulLoader`: torch's DataLoader over a StreamingDataset, with an O(1) resume state.
+"""`StatefulLoader`: torch's DataLoader over a StreamingDataset, with an O(1) resume state
+(D-RESUME).
 
-State dict (the ``Stateful`` protocol; plain JSON types, the same on every rank)::
-
-    {"version": 1,
-     "fingerprint": "<dataset fingerprint>",   # D-FINGERPRINT
-     "seed": 0,
-     "epoch": 3,
-     "samples_consumed": 81920,                # global positions of `epoch` already consumed
-     "shuffle_window": [4000],                 # per source; 0 = no shuffle
-     "windows": "random",                      # random windows only (DatasetConfig.windows)
-     "sources": [{"fingerprint": "...", "weight": 0.7}, ...]}   # mixtures only
-
-``samples_consumed`` counts *global* positions of the epoch order and is advanced in whole
-global steps: after a rank has been handed ``k`` batches of the current run, it is
-``start + k * world_size * batch_size`` (capped at the epoch length), because at an
-optimizer-step boundary every rank has taken the same ``k`` batches. It reflects batches
+Its state (the ``Stateful`` protocol; plain JSON, the same on every rank) is the dataset's
+fingerprint (D-FINGERPRINT), the seed, the epoch and ``samples_consumed``: the *global*
+positions of the epoch already consumed, advanced in whole global steps
+(``start + k * world_size * batch_size`` after ``k`` batches). It counts batches
 *delivered* to the caller, never those prefetched by workers, less the last
-``held_batches`` (``LoaderConfig``): a loop that draws the next batch before the step ends
-(nanoGPT's ``X, Y = get_batch()`` after the forward pass) holds it across a save, and with
-``held_batches=1`` the state leaves it unconsumed, so a resume delivers it again. Once the
-last batch of an epoch is consumed, the state reads ``{epoch + 1, samples_consumed: 0}``.
+``held_batches`` (a loop that draws the next batch before the step ends holds it across a
+save; ``held_batches=1`` leaves it unconsumed). After the last batch of an epoch it reads
+``{epoch + 1, samples_consumed: 0}``.
 
-Resuming (``load_state_dict``) only stores those numbers: the next iteration starts at
-global position ``samples_consumed`` with the *new* world size, batch size and worker count,
-so the union of all ranks' batches after resume is exactly the rest of the uninterrupted
-global sequence (no sample missing, none repeated), and no skipped sample is read.
+``load_state_dict`` only stores those numbers: the next iteration starts at global position
+``samples_consumed`` with the *new* world size, batch size and worker count, so the union
+of all ranks' batches after a resume is exactly the rest of the uninterrupted sequence, and
+no skipped sample is read. :meth:`StatefulLoader.forever` is the endless view for
+``next()``-style loops.
+
+The state dict in full: ARCHITECTURE.md, "Design notes" > data > the loader's state.
 """
 
 from __future__ import annotations

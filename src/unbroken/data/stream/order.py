@@ -1,31 +1,24 @@
 """The epoch order: a pure function of (dataset fingerprint, seed, epoch) -> sample ids.
 
-Two levels (DESIGN.md D-ORDER, D-SHUFFLE):
+Two levels (D-ORDER, D-SHUFFLE): shards are permuted every epoch, laid end to end into one
+stream, and the stream is cut into fixed windows of ``shuffle_window`` samples, each
+permuted by an RNG keyed by ``(fingerprint, seed, epoch, window index)``. Which sample sits
+at position ``p`` needs only the shard permutation and the one window that holds ``p``:
+nothing materialises the whole epoch, and a reader touches one window (a contiguous run of
+at most a few shards) at a time (D-IO).
 
-1. **Shards** are permuted every epoch (one seeded permutation of ``num_shards``).
-2. The permuted shards are laid end to end into one *stream*; the stream is cut into
-   fixed **windows** of ``shuffle_window`` samples and each window is permuted by an RNG
-   keyed by ``(fingerprint, seed, epoch, window index)``.
+* :class:`EpochOrder`: one source's order; :class:`MixtureOrder`: several sources mixed
+  with weights, exactly, block by block;
+* :class:`DatasetOrder`: the order of a whole (possibly mixed) dataset as one object, that
+  depends on each source's fingerprint and shard sizes, the seed, the shuffle settings and
+  the weights and nothing else (no files, no torch); the dataset reads through it, and the
+  remote cache derives from it the :class:`EpochPlan` of an epoch (for every shard, the
+  positions at which it is read) to prefetch and evict by;
+* :class:`Partition`: the positions of one run (a resume point to the epoch end) split
+  across ranks and into batches; the only part that depends on world size, worker count or
+  batch size, and it only *reads* the global order.
 
-So "which sample sits at position ``p`` of epoch ``e``" needs only the shard permutation
-(``O(num_shards)`` cumulative counts) and the permutation of the one window that holds
-``p`` (``O(shuffle_window)``); nothing ever materialises the order of the whole epoch, and a
-reader touches one window (a contiguous run of at most a few shards) at a time (D-IO).
-
-Several datasets can be mixed with weights (:class:`MixtureOrder`): mixture positions are
-dealt out in blocks whose per-source counts follow the weights exactly (cumulative floors), and
-the slots inside a block are permuted by an RNG keyed by the block. Source ``i`` then supplies
-its own :class:`EpochOrder` stream, continuing into fresh source epochs when it is exhausted.
-
-:class:`DatasetOrder` is the order of a whole (possibly mixed) dataset as one object: what
-it depends on (each source's fingerprint and shard sizes, the seed, the shuffle settings, the
-weights) and nothing else (no files, no torch). The dataset reads through it; the remote cache
-takes it to its fetcher process and derives from it the :class:`EpochPlan` of an epoch - for
-every shard, the positions at which it is read - to prefetch and evict by.
-
-:class:`Partition` splits the positions of one run (from a resume point to the epoch end)
-across ranks and into batches. Nothing here depends on world size, worker count, prefetch
-depth or batch size except :class:`Partition`, which only *reads* the global order.
+How a mixture deals its blocks: ARCHITECTURE.md, "Design notes" > data > the epoch order.
 """
 
 from __future__ import annotations

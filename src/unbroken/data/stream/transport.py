@@ -1,60 +1,21 @@
 """Worker -> main transport of collated batches through reusable shared memory.
 
-Why: torch's DataLoader sends a batch from a worker as a pickle through a pipe, and every
-tensor in it as a file descriptor - the worker moves the tensor's storage into a new
-shared-memory segment, and the main process fetches the descriptor over a Unix socket from
-the worker's resource-sharer thread, one round trip per storage. Measured on this project's
-2-core box at batch 64 of decoded samples (a 2048-float tensor + 2 ints each,
-``default_collate``): ~38 us of CPU per sample in the workers and ~15 in the main process,
-ten times the 4 us decode itself. Python objects (bytes, strings) cross as one pickle pushed
-through a 64 KB pipe buffer in many writes and wake-ups.
+Each DataLoader worker owns a *ring*: one ``memfd`` mapped by both processes, cut into
+slots. The worker collates straight into a free slot (:meth:`RingSender.collate`),
+pickles the batch there with tensors as references to their bytes, and sends a small
+:class:`Ticket`; the main process (:class:`RingReceiver`) wraps the bytes as tensors
+without a copy. A slot is recycled only once the last tensor viewing it is gone (and, with
+``pin=True``, once the CUDA copies issued from it completed).
 
-Here each worker owns a *ring*: one anonymous ``memfd`` mapped by both processes, cut into
-slots. Per batch the worker
+What a caller must know: the transport never blocks and never changes what the caller
+receives. A batch that cannot take a slot (every slot held, too large, an object that
+crosses as a file descriptor, no ``memfd``) takes torch's stock path unchanged, and a
+small tensor-free batch takes the pipe. Memory is committed only for slots written, at
+most ``_MAX_SLOTS`` per worker.
 
-1. takes a free slot and collates straight into it (:meth:`RingSender.collate`):
-   ``default_collate``'s stacked tensors are allocated in the slot, so nothing is copied
-   afterwards;
-2. pickles the batch into the same slot with torch's ``ForkingPickler`` (same protocol, so
-   every object comes back as the stock path returns it), except that a tensor becomes a
-   reference to its bytes in the slot; a tensor that is not there yet (made by a custom
-   collate) is copied in once, with its whole storage, so views of it keep sharing memory;
-3. sends a ~100-byte :class:`Ticket` over the DataLoader's queue.
-
-The main process unpickles the structure from the slot and wraps the referenced bytes as
-tensors without a copy (all tensors of a batch view one storage over the slot). The slot is
-recycled only once the last tensor viewing it is gone - the batch, a slice of it kept by the
-training loop, a ``DevicePrefetcher`` holding the host batch until its copy completed: a weak
-reference on the slot's buffer tells. With ``pin=True`` (CUDA) each slot is registered once
-with ``cudaHostRegister``: batches arrive pinned, no pin-memory copy is made, and a released
-slot is recycled only after an event recorded on the current CUDA stream - behind any
-non-blocking copy issued from it there - has completed.
-
-The transport is chosen per batch by what the batch carries: a tensor-free batch whose
-pickle is small (< ``_SMALL``) is cheaper through the pipe than through a slot plus a
-ticket, so after such a batch the next ones take the pipe, and every ``_PROBE``-th one
-probes the ring again. Whenever a batch cannot take a slot (every slot still held by the
-consumer, larger than the ring, an object that crosses as a file descriptor, no ``memfd``)
-it takes torch's stock path unchanged: the transport never blocks and never changes what the
-caller receives.
-
-Memory: a forked worker inherits its ring's ``memfd`` from the main process (made by
-:func:`worker_fds` before the workers start; both sides map it once); a worker started by
-spawn/forkserver makes its own and sends it once, with its first ticket. The file is sized to
-the ring's address space up front but stays sparse: slots are carved on demand, sized from the
-batches seen (best fit among free slots; a new slot only when none fits), so memory is
-committed only for slots actually written, at most ``_MAX_SLOTS`` per worker.
-
-Ring layout::
-
-    [0:64)                reserved
-    [64 + 8*j : +8)       int64, j < _MAX_SLOTS: 1 + the sequence number of the last ticket
-                          in slot j that the main process released (0: none yet); written by
-                          the main process only, read by the worker
-    [4096 : ring_bytes)   slots, placed by the worker, 4 KiB-aligned; a ticket names its
-                          slot's index, offset and size, and its pickle starts the slot
-    slot:  [0 : pickle)   the batch's pickle, written upwards
-           [... : size)   tensor bytes, allocated downwards, 64-byte aligned
+Why (torch's per-storage file-descriptor round trips cost ten times the decode), the
+ring's layout and the slot life cycle: ARCHITECTURE.md, "Design notes" > data > the
+transport.
 """
 
 from __future__ import annotations

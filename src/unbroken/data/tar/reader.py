@@ -4,26 +4,15 @@ A shard is a plain (uncompressed) POSIX tar whose members are ``<key>.<ext>``; c
 members with the same key form one sample, exactly as ``webdataset`` groups them, so
 ``webdataset.WebDataset`` reads our shards unchanged and we read theirs.
 
-Beside each shard lies ``<shard>.idx``, a little-endian binary offset index (all integers
-unsigned 64-bit). Format 2 (written since issue 12)::
+Beside each shard lies ``<shard>.idx`` (:class:`ShardIndex`, format 2), so that sample
+*i* is found in O(1) and read with one ``pread`` of its contiguous byte span
+(:class:`ShardReader`, ``read_many`` for a batch), and every member handed out is checked
+against its xxh3_64 (T-NO-WRONG-BYTE: a damaged member is a :class:`CorruptSampleError`
+naming it). The tar's size and checksum in the index header tie an index to exactly one
+shard. Format 1 (no member hashes) still reads, with one warning that its samples are
+unverified. The writer lives in :mod:`unbroken.data.tar.writer`.
 
-    header (72 bytes): magic b"UBIDX\x02\x00\x00", num_samples N, num_members M,
-                       strings_bytes S, tar_bytes, tar checksum (32 ASCII hex, xxh3_128)
-    member_start[N+1]  first member of sample i is member_start[i]
-    key_off[N+1]       key of sample i is strings[key_off[i]:key_off[i+1]] (UTF-8)
-    data_offset[M]     byte offset of member j's data inside the tar
-    data_size[M]       byte length of member j's data
-    ext_off[M+1]       extension of member j is strings[ext_off[j]:ext_off[j+1]]
-    member_hash[M]     xxh3_64 of member j's data bytes
-    strings[S]
-    index_hash         xxh3_64 of every byte above (the index checks itself)
-
-so sample *i* is found in O(1) and read with one ``pread`` of its contiguous byte span, and
-every member it hands out is checked against ``member_hash`` (T-NO-WRONG-BYTE: a checksum per
-member names the damaged member; xxh3_64 runs at >10 GB/s, so a 4 KB sample costs ~0.3 us).
-The tar size and checksum in the header tie an index to exactly one shard. Format 1 (magic
-``...\x01...``) is the same without ``member_hash`` and ``index_hash``: it still reads, with
-one warning that its samples are unverified. The writer lives in :mod:`unbroken.data.tar.writer`.
+The index format: ARCHITECTURE.md, "Design notes" > data > shard formats.
 """
 
 from __future__ import annotations

@@ -1,36 +1,26 @@
 """Token shards: flat uint16/uint32 token arrays + a document-offset index, memory-mapped.
 
-On disk, per shard (the nanoGPT/Megatron idea; ``np.memmap(bin, dtype)`` reads the tokens)::
+Per shard, ``tokens-NNNNNN.bin`` holds the raw little-endian token ids, every document
+followed by EOS (``np.memmap(bin, dtype)`` reads them), and ``tokens-NNNNNN.bin.idx`` the
+document offsets, the checksum of the ``.bin`` and one xxh3_64 per block of ``B`` tokens.
+Every block is verified the first time a reader touches it (T-NO-WRONG-BYTE); a damaged one
+is a :class:`~unbroken.data.tar.reader.CorruptSampleError` naming the shard and the block.
+Format 1 (no block hashes) still reads, unverified, with one warning.
 
-    tokens-000000.bin      raw little-endian token ids, every document followed by EOS
-    tokens-000000.bin.idx  header (80 bytes): magic b"UBTOK\\x02\\x00\\x00", itemsize (u64),
-                           num_documents N (u64), num_tokens T (u64), eos_id (i64),
-                           checksum of the .bin (32 ASCII hex, xxh3_128),
-                           block_tokens B (u64)
-                           offsets[N+1] (u64): document d is tokens[off[d]:off[d+1]-1],
-                           its EOS is tokens[off[d+1]-1]; off[N] == T
-                           block_hash[ceil(T/B)] (u64): xxh3_64 of the bytes of tokens
-                           [b*B : (b+1)*B]
-                           index_hash (u64): xxh3_64 of every byte above
+A shard holds whole documents only. Sequence ``i`` at length ``L`` is
+``tokens[i*L : i*L + L + 1]`` (inputs ``x = s[:-1]``, targets ``y = s[1:]``): windows cross
+document boundaries (the EOS tells the model), and the last partial window of a shard
+(fewer than ``L + 1`` tokens) is not a sequence, so at most ``L`` tokens per shard go
+unused.
 
-Every block of ``B`` tokens (64 Ki by default: 128 or 256 KiB) is verified against its hash
-the first time a reader touches it (T-NO-WRONG-BYTE); a damaged block is a
-:class:`~unbroken.data.tar.reader.CorruptSampleError` naming the shard and the block. Format 1
-(magic ``...\\x01...``, a 72-byte header without ``B``, no block hashes, no index hash) still
-reads, unverified, with one warning.
-
-A shard holds whole documents only. Sequences for language-model training are cut from a
-shard's token stream as consecutive non-overlapping windows: sequence ``i`` at length ``L``
-is ``tokens[i*L : i*L + L + 1]`` (inputs ``x = s[:-1]``, targets ``y = s[1:]``), so windows
-cross document boundaries (the EOS tells the model) and the *last partial window* of a shard,
-fewer than ``L + 1`` tokens, is not a sequence: at most ``L`` tokens per shard go unused.
+The index format: ARCHITECTURE.md, "Design notes" > data > shard formats.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -124,6 +114,49 @@ def encode_index(
         )
     )
     return body + xxhash.xxh3_64_intdigest(body).to_bytes(_HASH, "little")
+
+
+class _Header(NamedTuple):
+    hashed: bool  # format 2: block hashes and the index's own hash
+    size: int  # bytes of the header
+    itemsize: int
+    docs: int
+    tokens: int
+    eos_id: int
+    checksum: str  # of the .bin
+    block: int  # tokens per hashed block (0: format 1)
+    blocks: int
+
+
+def _parse_header(raw: bytes, index_path: str, fix: str) -> _Header:
+    """The header of a token index, once the index has been checked whole: its magic, its
+    own hash (format 2), known sizes, and a length that matches what the header says."""
+    magic = raw[:8]
+    hashed = magic == _MAGIC
+    head = _HEADER if hashed else _HEADER_V1
+    if len(raw) < head.size or magic not in (_MAGIC, _MAGIC_V1):
+        raise ShardError(f"{index_path}: not an unbroken token index; {fix}")
+    if hashed and xxhash.xxh3_64_intdigest(memoryview(raw)[:-_HASH]) != int.from_bytes(
+        raw[-_HASH:], "little"
+    ):
+        raise ShardError(
+            f"{index_path}: index checksum does not match its content (damaged or truncated); {fix}"
+        )
+    fields = head.unpack_from(raw)
+    _, itemsize, n_docs, n_tokens, eos, chk = fields[:6]
+    block = int(fields[6]) if hashed else 0
+    if itemsize not in _DTYPES or (hashed and block < 1):
+        raise ShardError(f"{index_path}: unknown token size or block size; {fix}")
+    n_blocks = -(-n_tokens // block) if hashed else 0
+    want_idx = head.size + 8 * (n_docs + 1) + (8 * n_blocks + _HASH if hashed else 0)
+    if len(raw) != want_idx:
+        raise ShardError(
+            f"{index_path}: {len(raw)} bytes, header says {want_idx} (truncated); {fix}"
+        )
+    checksum = chk.decode("ascii", "replace")
+    return _Header(
+        hashed, head.size, itemsize, n_docs, n_tokens, int(eos), checksum, block, n_blocks
+    )
 
 
 class TokenShardWriter(IndexedFileWriter):
@@ -292,32 +325,11 @@ class TokenShard:
             raise FileNotFoundError(
                 f"{self.index_path}: token index missing next to {path}; {fix}"
             ) from None
-        magic = raw[:8]
-        hashed = magic == _MAGIC
-        head = _HEADER if hashed else _HEADER_V1
-        if len(raw) < head.size or magic not in (_MAGIC, _MAGIC_V1):
-            raise ShardError(f"{self.index_path}: not an unbroken token index; {fix}")
-        if hashed and xxhash.xxh3_64_intdigest(memoryview(raw)[:-_HASH]) != int.from_bytes(
-            raw[-_HASH:], "little"
-        ):
-            raise ShardError(
-                f"{self.index_path}: index checksum does not match its content (damaged or "
-                f"truncated); {fix}"
-            )
-        fields = head.unpack_from(raw)
-        _, itemsize, n_docs, n_tokens, eos, chk = fields[:6]
-        block = int(fields[6]) if hashed else 0
-        if itemsize not in _DTYPES or (hashed and block < 1):
-            raise ShardError(f"{self.index_path}: unknown token size or block size; {fix}")
+        h = _parse_header(raw, self.index_path, fix)
+        hashed, itemsize, n_docs, n_tokens, block = h.hashed, h.itemsize, h.docs, h.tokens, h.block
         self.dtype = _DTYPES[itemsize]
-        self.eos_id = int(eos)
-        self.checksum = chk.decode("ascii", "replace")
-        n_blocks = -(-n_tokens // block) if hashed else 0
-        want_idx = head.size + 8 * (n_docs + 1) + (8 * n_blocks + _HASH if hashed else 0)
-        if len(raw) != want_idx:
-            raise ShardError(
-                f"{self.index_path}: {len(raw)} bytes, header says {want_idx} (truncated); {fix}"
-            )
+        self.eos_id = h.eos_id
+        self.checksum = h.checksum
         try:
             bin_size = os.path.getsize(path)
         except FileNotFoundError:
@@ -327,7 +339,7 @@ class TokenShard:
                 f"{path}: {bin_size} bytes but its index describes {n_tokens} tokens of "
                 f"{itemsize} bytes; the shard is truncated or the index is stale - re-copy"
             )
-        self.offsets = np.frombuffer(raw, dtype="<u8", count=n_docs + 1, offset=head.size)
+        self.offsets = np.frombuffer(raw, dtype="<u8", count=n_docs + 1, offset=h.size)
         off = self.offsets
         if int(off[0]) != 0 or int(off[-1]) != n_tokens or bool((off[1:] < off[:-1]).any()):
             raise ShardError(
@@ -344,10 +356,10 @@ class TokenShard:
         self._state = bytearray()  # per block: _UNCHECKED, _GOOD or _BAD
         self._unchecked = 0
         if verify and hashed:
-            pos = head.size + 8 * (n_docs + 1)
-            self._block_hash = np.frombuffer(raw, "<u8", count=n_blocks, offset=pos).tolist()
-            self._state = bytearray(n_blocks)
-            self._unchecked = n_blocks
+            pos = h.size + 8 * (n_docs + 1)
+            self._block_hash = np.frombuffer(raw, "<u8", count=h.blocks, offset=pos).tolist()
+            self._state = bytearray(h.blocks)
+            self._unchecked = h.blocks
         elif verify:
             warn_unverified(dataset or path, self.index_path)
         self._any_bad = False

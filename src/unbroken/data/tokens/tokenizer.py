@@ -287,39 +287,11 @@ def tokenize(
         "eos_id": eos_id,
         "shard_size": shard_size,
     }
-    shards, docs_done = _resume(out, config)
-    # seq_len only changes how a shard is counted, not its bytes: kept shards are recounted.
-    shards = [
-        dataclasses.replace(s, samples=num_sequences(s.tokens or 0, seq_len))
-        if seq_len
-        else dataclasses.replace(s, samples=s.documents or 0)
-        for s in shards
-    ]
+    shards, docs_done = _kept_shards(out, config, seq_len)
     reused = len(shards)
     filler = _ShardFiller(out, config, shards, docs_done, capacity, seq_len, fsync)
-    bar = progress_bar("tokenize", unit="tok", enabled=progress)
-    try:
-        chunks = _chunks(_iter_docs(src, field, member), docs_done)
-        for (_, wheres), (ids, lens) in _ordered_map(
-            _encode_chunk,
-            chunks,
-            workers or min(os.cpu_count() or 1, 8),
-            _worker_init,
-            (tok_path,),
-        ):
-            big = np.nonzero(lens + 1 > capacity)[0]
-            if big.size:
-                raise ValueError(
-                    f"{wheres[int(big[0])]}: document of {int(lens[big[0]])} tokens exceeds "
-                    f"shard_size={shard_size} bytes; pass a larger --shard-size"
-                )
-            bar.update(filler.add(ids, lens))
-        filler.commit()
-    except BaseException:
-        filler.abort()
-        raise
-    finally:
-        bar.close()
+    chunks = _chunks(_iter_docs(src, field, member), docs_done)
+    _fill(filler, chunks, tok_path, workers or min(os.cpu_count() or 1, 8), shard_size, progress)
     _cleanup(out, {s.name for s in shards})
     manifest = DatasetManifest.create(
         "tokens",
@@ -348,6 +320,52 @@ def tokenize(
         res.tokens_per_s,
     )
     return res
+
+
+def _kept_shards(
+    out: str, config: dict[str, Any], seq_len: int | None
+) -> tuple[list[ShardInfo], int]:
+    """The shards an earlier run with the same config left that still verify, and the
+    documents they hold."""
+    shards, docs_done = _resume(out, config)
+    # seq_len only changes how a shard is counted, not its bytes: kept shards are recounted.
+    shards = [
+        dataclasses.replace(s, samples=num_sequences(s.tokens or 0, seq_len))
+        if seq_len
+        else dataclasses.replace(s, samples=s.documents or 0)
+        for s in shards
+    ]
+    return shards, docs_done
+
+
+def _fill(
+    filler: _ShardFiller,
+    chunks: Iterator[tuple[list[str], list[str]]],
+    tok_path: str,
+    workers: int,
+    shard_size: int,
+    progress: bool,
+) -> None:
+    """Encode ``chunks`` in ``workers`` processes, in order, into the filler's shards, and
+    commit them; any error aborts the filler's open shard."""
+    bar = progress_bar("tokenize", unit="tok", enabled=progress)
+    try:
+        for (_, wheres), (ids, lens) in _ordered_map(
+            _encode_chunk, chunks, workers, _worker_init, (tok_path,)
+        ):
+            big = np.nonzero(lens + 1 > filler.capacity)[0]
+            if big.size:
+                raise ValueError(
+                    f"{wheres[int(big[0])]}: document of {int(lens[big[0]])} tokens exceeds "
+                    f"shard_size={shard_size} bytes; pass a larger --shard-size"
+                )
+            bar.update(filler.add(ids, lens))
+        filler.commit()
+    except BaseException:
+        filler.abort()
+        raise
+    finally:
+        bar.close()
 
 
 def _tokenizer_for(

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from unbroken.ckpt.memtier import HEADER_BYTES, SlotStore
 from unbroken.ckpt.store import Store
 from unbroken.common import events
 from unbroken.common.fs import open_private, private_dir
@@ -197,12 +198,18 @@ def _victim(
 # --- injectors: each returns with the fault injected (or raises) --------------------------
 
 
-def _kill(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
+def _kill_one(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> tuple[str, int]:
+    """SIGKILL the seeded victim at its step; returns its node and rank once it is dead."""
     beats = ctx.wait_step(spec.step, since, ctx.world)
     name, b = _victim(beats, spec.victim)
     _signal(b.pid, signal.SIGKILL)
     inj.record(name, b, f"SIGKILL rank {b.rank} (pid {b.pid}) at step {b.step}")
     _wait_dead([b.pid])
+    return name, b.rank
+
+
+def _kill(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
+    _kill_one(spec, ctx, inj, since)
     steps = ctx.committed()
     inj.expected_restore = steps[-1] if steps else None
 
@@ -318,6 +325,70 @@ def _corrupt(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
     inj.expected_restore = steps[-2]
 
 
+def _slots(ctx: Ctx, node: str, rank: int) -> tuple[SlotStore, list[tuple[int, int]]]:
+    """The victim's memory-tier slots (the directory its supervisor created) and the
+    (step, slot) of each whose header verifies, newest first."""
+    start = next((e for e in ctx.node(node).events(fresh=True) if e["event"] == "start"), {})
+    where = start.get("memory_tier")
+    if not where or not os.path.isdir(os.path.join(where, f"rank-{rank}")):
+        raise RuntimeError(
+            "the job publishes nothing to the memory tier: give its Checkpointer "
+            "memory_every_steps (the demo: --memory-every 1)"
+        )
+    store = SlotStore(where, rank)
+    heads = [(h.step, i) for i in (0, 1) if (h := store.head(i)) is not None]
+    return store, sorted(heads, reverse=True)
+
+
+def _memory_expectation(inj: Injection, heads: list[tuple[int, int]], ctx: Ctx) -> None:
+    steps = ctx.committed()
+    disk = steps[-1] if steps else None
+    mem = heads[0][0] if heads else None
+    inj.facts.update(
+        memory_steps=[s for s, _ in heads],
+        memory_every=heads[0][0] - heads[1][0] if len(heads) > 1 else 1,
+        disk_step=disk,
+        tier="memory" if mem is not None and (disk is None or mem >= disk) else "disk",
+    )
+    inj.expected_restore = max((x for x in (mem, disk) if x is not None), default=None)
+
+
+def _kill_memory(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
+    name, rank = _kill_one(spec, ctx, inj, since)
+    _store, heads = _slots(ctx, name, rank)  # final: the publisher is dead
+    _memory_expectation(inj, heads, ctx)
+
+
+def _memory_damage(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
+    beats = ctx.wait_step(spec.step, since, ctx.world)
+    procs = [(n, x) for n, bs in beats.items() for x in bs]
+    for _, x in procs:  # frozen: nothing is published while we damage the newest slot
+        _signal(x.pid, signal.SIGSTOP)
+    name, b = _victim(beats, spec.victim)
+    store, heads = _slots(ctx, name, b.rank)
+    if not heads:
+        for _, x in procs:
+            _signal(x.pid, signal.SIGCONT)
+        raise RuntimeError("no memory slot holds a step yet")
+    step, slot = heads[0]
+    path = store.slot_path(slot)
+    payload = _size(path) - HEADER_BYTES
+    at = HEADER_BYTES + spec.salt % max(1, payload)
+    with open(path, "r+b") as f:  # bit rot in node memory
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ (1 << (spec.salt >> 20) % 8)]))
+    for _, x in procs:
+        _signal(x.pid, signal.SIGKILL)
+    inj.record(
+        name, b, f"flipped a bit of byte {at} of slot-{slot} (memory step {step}), then SIGKILL"
+    )
+    _wait_dead([x.pid for _, x in procs])
+    inj.facts.update(damaged_step=step, damaged_slot=f"slot-{slot}")
+    _memory_expectation(inj, heads[1:], ctx)
+
+
 def _storage(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
     beats = ctx.wait_step(spec.step, since, ctx.world)
     name, b = _victim(beats, 0)
@@ -397,6 +468,8 @@ _INJECTORS: dict[str, Callable[[FaultSpec, Ctx, Injection, float], None]] = {
     "storage": _storage,
     "agent-loss": _agent_loss,
     "world-size": _world_size,
+    "kill-memory": _kill_memory,
+    "memory-damage": _memory_damage,
 }
 
 

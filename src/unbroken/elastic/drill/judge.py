@@ -110,6 +110,8 @@ _EXPECTED = {  # what the supervisor must have made of each fault: (field, value
     "storage": ("fault", "storage"),
     "agent-loss": ("kind", "agent_lost"),
     "world-size": ("fault", "node_lost"),
+    "kill-memory": ("fault", "process"),
+    "memory-damage": ("fault", "process"),
 }
 
 
@@ -309,7 +311,35 @@ def _went_on_elastic(inj: Injection, seen: _Seen) -> Check:
     )
 
 
+def _tier_used(inj: Injection, seen: _Seen) -> Check:
+    """The memory-tier faults: the restart restored from the tier the slots said it must
+    (memory after a SIGKILL; the older slot or disk after a damaged slot), losing at most
+    K steps when memory was used (issue 25)."""
+    f, t0 = inj.facts, inj.t or 0.0
+    attempt = int(seen.fail["attempt"]) + 1
+    loaded = [e for e in seen.events if e["event"] == "loaded" and e.get("attempt") == attempt]
+    tiers = sorted({str(e.get("tier")) for e in loaded}) or ["none"]
+    # the step the worker reached, as the supervisor saw it (its last beat): the injector's
+    # beat can be a step behind the kill
+    reached = seen.fail.get("step")
+    lost = None if seen.restored is None or type(reached) is not int else reached - seen.restored
+    ok = bool(loaded) and tiers == [f["tier"]] and seen.restored == inj.expected_restore
+    ok = ok and all(e["t"] >= t0 for e in loaded)
+    if f["tier"] == "memory":
+        ok = ok and lost is not None and 0 <= lost <= f["memory_every"]
+    damaged = f"slot of step {f['damaged_step']} damaged; " if "damaged_step" in f else ""
+    return Check(
+        "tier",
+        ok,
+        f"{damaged}restored step {seen.restored} from the {'/'.join(tiers)} tier (expected "
+        f"{f['tier']}: memory held {f['memory_steps']}, disk {f['disk_step']}); steps lost "
+        f"{lost} (K = {f['memory_every']})",
+    )
+
+
 _SPECIFIC = {
+    "kill-memory": _tier_used,
+    "memory-damage": _tier_used,
     "kill-in-save": _debris_removed,
     "hang": _stacks_dumped,
     "corrupt": _quarantined,

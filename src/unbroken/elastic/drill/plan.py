@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "ALL_KINDS",
     "ELASTIC_KINDS",
     "FAULT_KINDS",
+    "MEMORY_KINDS",
     "SINGLE_KINDS",
     "FaultSpec",
     "Injection",
@@ -20,6 +22,10 @@ __all__ = [
 SINGLE_KINDS = ("kill", "kill-in-save", "hang", "corrupt", "storage")
 ELASTIC_KINDS = ("agent-loss", "world-size")
 FAULT_KINDS = SINGLE_KINDS + ELASTIC_KINDS
+MEMORY_KINDS = ("kill-memory", "memory-damage")
+"""Faults of the memory tier (issue 25): asked for by name, for a script whose Checkpointer
+publishes to it (``memory_every_steps``; the demo: ``--memory-every 1``)."""
+ALL_KINDS = FAULT_KINDS + MEMORY_KINDS
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ def plan_faults(kinds: tuple[str, ...], steps: int, ckpt_every: int, seed: int) 
     falls in the first half of its own segment of steps ``2E+1 .. N-E-1``: two checkpoints
     exist before it (corrupt needs a fall-back) and a save still follows it."""
     rng = random.Random(seed)
-    single = [k for k in SINGLE_KINDS if k in kinds]
+    single = [k for k in SINGLE_KINDS + MEMORY_KINDS if k in kinds]
     rng.shuffle(single)
     groups = (("single", single), ("elastic", [k for k in ELASTIC_KINDS if k in kinds]))
     out: list[FaultSpec] = []

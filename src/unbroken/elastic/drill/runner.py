@@ -4,26 +4,14 @@ prove that the resumed run is the run that was never interrupted.
     unbroken drill [options] -- train.py --out {dir} ...      # your script
     unbroken drill --example                                  # the demo model
 
-1. **Reference**: the command runs once without faults (``torchrun --standalone``) with
-   ``{dir}`` = ``DRILL/reference-w1`` (and once on 2 ranks for the two-node faults).
-2. **Drilled runs**: the same command under ``unbroken run`` (the supervisor, tight
-   timeouts), while the drill injects a seeded schedule of faults, one after the other, each
-   once the job has recovered from the previous one and reached the fault's step.
-3. **Comparison** (:mod:`drill_report`): final model/optimizer/scheduler/EMA/loader state
-   (exact), loss curve (exact on CPU), data order (every sample id, in order: none missing,
-   none twice), metric log (no duplicated step), and per fault the supervisor's verdict, the
-   four recovery phases, whether ``restore()`` brought back exactly what each rank saved, and
-   the steps its recovery produced (its restored step to the next fault's) against the
-   reference. ``drill.txt``, ``drill.json`` and ``timeline.png`` land in DRILL.
+:func:`run_drill` runs the command once without faults (the reference, in
+``DRILL/reference-w1``, and on 2 ranks when a two-node fault is planned), then under
+``unbroken run`` while a seeded schedule of faults (:mod:`.plan`: kill, kill-in-save, hang,
+corrupt, storage, agent-loss, world-size; by name kill-memory, memory-damage) is injected one at a time (:mod:`.inject`), and
+judges every fault and the end state against the reference (:mod:`.judge`, C-IDENTICAL,
+E-MEASURED); ``drill.txt``, ``drill.json`` and ``timeline.png`` land in DRILL. Every run it
+starts has ``UNBROKEN_STATE_AUDIT`` set (:mod:`unbroken.common.audit`).
 
-Every run the drill starts has ``UNBROKEN_STATE_AUDIT`` set to ``<its {dir}>.audit``: there
-the script's :class:`~unbroken.ckpt.Checkpointer` records fingerprints of each rank's state at
-every save, after every restore and one step later (:mod:`unbroken.common.audit`); the diagnosis
-names the component that was not restored from them.
-
-Fault kinds (``faults``; default: all that apply):
-
-=============  =========================================================================
 kill           SIGKILL of a worker at a seeded step
 kill-in-save   SIGKILL of rank 0 while it writes a checkpoint (frozen with SIGSTOP the
                moment its ``.tmp-step-*`` directory appears, checked unfinished, killed)
@@ -35,6 +23,10 @@ storage        the checkpoint directory is replaced by a file (unwritable even f
 agent-loss     (2 nodes, ``--nnodes 1:2``) SIGKILL of one node's torchrun agent
 world-size     (2 nodes) a whole node is lost (supervisor, agent, worker): the job goes
                on with 1 rank instead of 2
+kill-memory    (by name; the script publishes to the memory tier) SIGKILL of a worker: the
+               restart must restore from the memory tier, losing at most K steps
+memory-damage  (by name) the newest memory slot is bit-flipped while the job is frozen,
+               then SIGKILL: the restart must fall back to the older slot, or to disk
 =============  =========================================================================
 
 What the training script must do (the README's "What unbroken drill needs from your
@@ -62,6 +54,10 @@ Layout of the drill directory::
     single/job/    single/node-A/      {dir} of the one-node run (+ .audit); its supervisor's
     elastic/job/   elastic/node-A/ elastic/node-B/                              run dir
     drill.txt  drill.json  timeline.png
+=======
+What the script must do: README, "What unbroken drill needs from your script". The fault
+kinds, what is compared (and how after a world-size change) and the drill directory's
+layout: ARCHITECTURE.md, "Design notes" > elastic > the drill.
 """
 
 from __future__ import annotations
@@ -93,8 +89,10 @@ from unbroken.elastic.drill.judge import (
     unplanned_failures,
 )
 from unbroken.elastic.drill.plan import (
+    ALL_KINDS,
     ELASTIC_KINDS,
     FAULT_KINDS,
+    MEMORY_KINDS,
     SINGLE_KINDS,
     FaultSpec,
     Injection,
@@ -183,11 +181,9 @@ class DrillConfig:
                 "several times and must tell each run where to write; put {dir} where the "
                 "script takes its output directory, e.g. `-- train.py --out {dir}`"
             )
-        unknown = sorted(set(self.faults or ()) - set(FAULT_KINDS))
+        unknown = sorted(set(self.faults or ()) - set(ALL_KINDS))
         if unknown:
-            raise ValueError(
-                f"unknown fault kind(s) {unknown}; choose from {', '.join(FAULT_KINDS)}"
-            )
+            raise ValueError(f"unknown fault kind(s) {unknown}; choose from {', '.join(ALL_KINDS)}")
         if self.faults is not None and not self.faults:
             raise ValueError("faults is empty; pass at least one kind or None for all")
         need = sorted(set(self.faults or ()) & set(ELASTIC_KINDS))
@@ -211,7 +207,7 @@ class DrillConfig:
     @property
     def kinds(self) -> tuple[str, ...]:
         if self.faults is not None:
-            return tuple(k for k in FAULT_KINDS if k in self.faults)
+            return tuple(k for k in ALL_KINDS if k in self.faults)
         return FAULT_KINDS if self.multi_rank else SINGLE_KINDS
 
 
@@ -515,7 +511,7 @@ def run_drill(cfg: DrillConfig, *, token: str | None = None) -> DrillReport:
     runs: list[_Run] = []
     notes: list[str] = []
     try:
-        if any(k in SINGLE_KINDS for k in kinds):
+        if any(k in SINGLE_KINDS + MEMORY_KINDS for k in kinds):
             if cfg.reference:
                 refs[1] = os.path.abspath(cfg.reference)
                 log.info("drill: reusing the reference run in %s", refs[1])

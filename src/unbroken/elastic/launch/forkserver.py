@@ -4,33 +4,19 @@ torchrun starts the launcher (:mod:`.worker`) per rank (``--no-python``); each l
 the fork server, over the abstract Unix socket named in ``UNBROKEN_ZYGOTE``, for a worker.
 The server (single-threaded: it never started a thread, a CUDA context or a process group)
 forks one, which takes the launcher's argv, environment, working directory and stdio, starts
-its own session and runs the script as ``__main__`` (``runpy``). The server reports the
-worker's pid and, when it ends, its wait status to the launcher. Before serving it imports
-the ``preload`` modules (what the workers need) and appends a ``standby`` event
-(``seconds``: the import time a restart no longer pays).
+its own session and runs the script as ``__main__`` (``runpy``); the server reports the
+worker's pid and, when it ends, its wait status. Before serving it imports the ``preload``
+modules and appends a ``standby`` event.
 
-Who talks to whom. An abstract name is visible to every process of the network namespace
-(another container of the pod, a ``--network=host`` sidecar), so the name is no secret and
-the socket's permissions protect nothing. Instead ``UNBROKEN_ZYGOTE`` is ``NAME PID KEY``:
-the server serves only a peer of this uid (``SO_PEERCRED``) whose request carries KEY, 256
-random bits that exist only in this attempt's environment (another user, or a process of
-another pid namespace, cannot read ``/proc/<pid>/environ`` of ours); the launcher sends
-nothing to a listener that is not PID of this uid (an impostor that took a free name gets
-neither the environment nor the stdio), and signals only a worker it proved is the server's
-child (a pidfd). Why not a socket file in a 0700 directory: the run directory may sit on a
-shared file system where ``bind`` of a socket fails or a 108-byte path limit bites; the key
-needs no file system and leaves nothing behind. Every request is parsed inside one ``try``
-(bounded: 8 MiB, 5 s); a bad one is logged to ``zygote.log`` and refused with one generic
-line, and the server serves on.
+Who may talk to it (T-SHARED-NODE): ``UNBROKEN_ZYGOTE`` is ``NAME PID KEY``; the server
+serves only a peer of this uid (``SO_PEERCRED``) whose request carries KEY, and every
+request is parsed bounded (8 MiB, 5 s) inside one ``try``: a bad one is logged to
+``zygote.log``, refused with one generic line, and the server serves on. A forked worker
+starts as a fresh interpreter would (RNGs, ``OMP_NUM_THREADS``); any failure to pre-warm
+falls back to a fresh ``python -u SCRIPT``.
 
-The server calls ``gc.freeze()`` before each fork (CPython's advice for fork servers), so the
-pages of the preloaded modules stay shared. A forked worker starts as a fresh interpreter
-would: torch's default generator holds the state it had right after ``import torch``; ``random`` (by CPython) and numpy's global
-generator (here) are reseeded from the OS; ``OMP_NUM_THREADS`` of the worker's environment is
-applied. Any failure to pre-warm falls back to the plain path: no standby -> a fresh
-``python -m torch.distributed.run``; no fork server (it crashed, or a preloaded module
-initialised CUDA, after which a fork could not use the GPU) -> the launcher starts a fresh
-``python -u SCRIPT``.
+Why a key and not a socket file, and what a forked worker inherits: ARCHITECTURE.md,
+"Design notes" > elastic > the standby agent and the fork server.
 """
 
 from __future__ import annotations
@@ -53,7 +39,7 @@ from typing import Any
 
 from unbroken.elastic.launch.worker import ENV_ZYGOTE, FORKSERVER_TITLE, set_title
 
-__all__ = ["attempt_event", "pdeathsig", "start_server"]
+__all__ = ["attempt_event", "fork_holding_signals", "pdeathsig", "release_signals", "start_server"]
 
 
 _PR_SET_PDEATHSIG = 1
@@ -81,6 +67,31 @@ def attempt_event(name: str, **fields: Any) -> None:
         }
         rec.update(fields)
         events.append_event(run_dir, rec)
+
+
+_HELD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The stop signals the server ignores and a worker must not: held across the fork."""
+
+
+def fork_holding_signals() -> int:
+    """``os.fork()`` with the stop signals blocked around it. The launcher learns the
+    worker's pid (and may forward a SIGTERM) before the child has reset what the server
+    ignores; Linux keeps a *blocked* signal pending even while it is ignored, so the child
+    holds it until :func:`release_signals` instead of losing it."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    pid = os.fork()
+    if pid != 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)  # the server: discarded, ignored
+    return pid
+
+
+def release_signals() -> None:
+    """In a forked worker: the stop signals as a fresh interpreter has them, then unblocked
+    (one sent since the fork is delivered now: SIGTERM kills, SIGINT raises)."""
+    for s in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)
 
 
 def _preload(names: list[str], stop: Any = None) -> dict[str, str]:
@@ -398,7 +409,7 @@ class _Zygote:
         # (and the final one at its exit) then never touch those pages, which would copy
         # them all (measured: a worker's exit took 3.7 s instead of 0.6 s on a busy box).
         gc.freeze()
-        pid = os.fork()
+        pid = fork_holding_signals()
         if pid == 0:
             try:
                 self._become_worker(conn, fds)
@@ -416,9 +427,7 @@ class _Zygote:
 
     def _become_worker(self, conn: socket.socket, fds: list[int]) -> None:
         signal.set_wakeup_fd(-1)
-        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
-            signal.signal(s, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for c in (self.listener, conn, *self.conns.values()):
             c.close()
         for fd in (self.wake_r, self.wake_w, self.agent_fd):
@@ -432,6 +441,7 @@ class _Zygote:
             os.dup2(fd, i)
             if fd > 2:
                 os.close(fd)
+        release_signals()  # last: a stop signal held since the fork acts now, by default
 
 
 def _run_worker(req: dict[str, Any], rng: Any) -> None:

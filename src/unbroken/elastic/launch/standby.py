@@ -2,25 +2,17 @@
 
 A restart used to pay ``import torch`` twice before the first new step: once in the fresh
 torchrun agent, once in every fresh worker (3-4 s each on a busy 2-core box, see
-benchmarks/RESULTS.md). The supervisor therefore keeps the *next* attempt's agent waiting:
-
-1. ``python -m unbroken.elastic.launch.standby`` starts (:class:`Standby`) while the current
-   attempt trains, with the next attempt's environment (run dir, attempt number, kill
-   token). It imports torch and torchrun (what the agent needs), then forks the **fork
-   server** (:mod:`.forkserver`), which imports the ``preload`` modules
-   (``attempt.DEFAULT_PRELOAD``, what the workers need) and serves; the standby itself
-   waits on stdin. A cold restart (no standby ready yet) thus rendezvouses while the
-   server is still importing.
-2. On a restart the supervisor writes one JSON line ``{"argv": [torchrun args], "env":
-   {...}}`` (:meth:`Standby.go`); the standby runs torchrun's ``main`` in-process: it is
-   the attempt's agent, and its workers are forked by the server.
+benchmarks/RESULTS.md). The supervisor therefore keeps the *next* attempt's agent waiting
+(:class:`Standby`): it imports torch and torchrun while the current attempt trains, forks
+the fork server (:mod:`.forkserver`, which imports the workers' ``preload`` modules), and
+waits on stdin. On a restart the supervisor writes one JSON line ``{"argv": [torchrun
+args], "env": {...}}`` (:meth:`Standby.go`) and the standby runs torchrun's ``main``
+in-process: it is the attempt's agent, and its workers are forked by the server.
 
 With ``unbroken run --no-prewarm`` the standby is *bare* (``--bare``): the agent is started
-ahead all the same, but it starts no fork server, so the workers start as fresh interpreters.
-
-Any failure to pre-warm falls back to the plain path: no standby -> a fresh
-``python -m torch.distributed.run``; no fork server -> the launcher starts a fresh
-``python -u SCRIPT``.
+ahead all the same, but without a fork server. Any failure to pre-warm falls back to the
+plain path: no standby -> a fresh ``python -m torch.distributed.run``; no fork server -> the
+launcher starts a fresh ``python -u SCRIPT``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """The worker launcher: what torchrun starts for each rank under ``unbroken run``.
 
 torchrun runs ``python -S worker.py [-m] SCRIPT ARGS`` (``--no-python``) instead of
-``python -u SCRIPT ARGS``. This file is run by path and imports only the standard library, so
-it is up in milliseconds. It then
+``python -u SCRIPT ARGS``. This file is run by path and imports only the standard library,
+so it is up in milliseconds. It
 
-1. asks the attempt's fork server (``UNBROKEN_ZYGOTE``, see ``forkserver``) for a worker: the
-   server, which imported torch before the failure, forks one that runs SCRIPT with this
-   process's argv, environment, working directory and stdio (passed over the socket with
-   ``SCM_RIGHTS``); or, when there is no server, it cannot be reached, or the listener is
-   not the server (``SO_PEERCRED``: another pid or uid; then nothing is sent), starts
-   ``python -u SCRIPT ARGS`` itself (the fallback: a plain interpreter, as torchrun would);
-2. forwards the stop signals it receives (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1) to the
-   worker, once proven to be its worker (the server's child, held by a pidfd): a pid that
-   merely came over the socket is never signalled;
-3. appends one ``worker_exit`` line to ``RUN_DIR/events.jsonl`` when the worker ends::
-
-       {"t", "event": "worker_exit", "attempt", "pid" (this launcher), "rank", "local_rank",
-        "worker_pid", "exitcode" (negative: killed by that signal; null: unknown),
-        "stopped" (this launcher had been sent a stop signal), "via": "zygote"|"spawn"}
-
+1. asks the attempt's fork server (``UNBROKEN_ZYGOTE``, :mod:`.forkserver`) for a worker
+   running SCRIPT with this process's argv, environment, working directory and stdio, or,
+   when there is no server or the listener is not the server (``SO_PEERCRED``; then
+   nothing is sent), starts ``python -u SCRIPT ARGS`` itself;
+2. forwards the stop signals it receives (SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1) to
+   the worker, once proven to be its worker (the server's child, held by a pidfd);
+3. appends one ``worker_exit`` event to ``RUN_DIR/events.jsonl`` when the worker ends
+   (rank, worker pid, exit code or signal, whether it had been told to stop, ``via``),
    which tells the supervisor at once whether a rank *failed* or was stopped;
 4. exits the way the worker did (same code, or the same signal), so torchrun's view and its
    failure summary are unchanged.

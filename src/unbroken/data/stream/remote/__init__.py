@@ -3,40 +3,20 @@ on the node's local disk.
 
 ``StreamingDataset("s3://bucket/ds", cache=CacheConfig(cache_dir="/nvme/cache",
 cache_limit="200GB"))`` (any fsspec URL) reads ``dataset.json`` remotely and every shard
-through one cache shared by all ranks and DataLoader workers of the node:
+through one cache (:class:`RemoteCache`) shared by all ranks and DataLoader workers of the
+node. Its promises:
 
-* **Order-aware prefetch.** The epoch order is a pure function of (fingerprint, seed, epoch),
-  so the plan of an epoch - where each shard is read - is known before it starts
-  (:mod:`.plan`); the units a position needs and the next ``prefetch_shards`` are fetched in
-  parallel threads (:mod:`.pool`), by one fetcher process per node and dataset
-  (:mod:`.fetcher`), through the request path (:mod:`.fetch`: ranged GETs, every file checked
-  against ``dataset.json`` before it is published).
-* **A bounded cache evicted by future use.** The cache never holds more than ``cache_limit``
-  bytes, downloads in flight (reserved before their first byte) and its own files included;
-  to make room, the unit read farthest in the future goes first, and a unit may only evict
-  units needed later than itself (:mod:`.units`, :mod:`.index`).
-* **Per-unit locks, robust to a dying process** (:mod:`.locks`): a unit is fetched once at a
-  time, an open one is never evicted, and the kernel drops the locks of a process that dies.
-* **Nothing unverified is served.** A unit found on disk (left by a job whose index was lost,
-  or changed after it was verified) is checked against the whole-file checksums of
-  ``dataset.json`` before any sample is read from it.
+* it never holds more than ``cache_limit`` bytes (downloads in flight included);
+* nothing unverified is served: every file is checked against ``dataset.json`` before its
+  first use (T-NO-WRONG-BYTE), also one found on disk;
+* ``cache_dir`` is private to the user (0700 directories, 0600 files, no fixed name
+  followed through a symlink: T-SHARED-NODE);
+* every wait has a deadline: no progress for ``CacheConfig.timeout`` seconds raises an
+  error naming the URL (:class:`RemoteStorageError` when the store stopped answering,
+  which the supervisor classifies as a ``storage`` fault).
 
-Layout of ``cache_dir`` (private to the user: 0700 directories, 0600 files, every fixed name
-opened without following a symlink; several datasets may share it and its limit)::
-
-    .lock               flock'ed around every read-modify-write of .index
-    .index              the units (see :mod:`.index`)
-    .events(.1)         the event log (see :mod:`.events`)
-    .locks/<dir>-<n>    per-unit lock file (empty; its mtime is a download's heartbeat)
-    .readers/<pid>-<k>  each reader's position (see :mod:`.readers`)
-    .stats/<pid>        per rank process: its readers' network wait (see :mod:`.probe`)
-    .fetch/<id>.lock    held by the dataset's fetcher process (.log: its log)
-    <dir>/dataset.json  the manifest (dir = the first 16 hex digits of its fingerprint)
-    <dir>/<files>       verified shard and index files; ``.tmp-*`` are downloads in flight
-
-Every wait has a deadline: a download, or the cache, that makes no progress for
-``CacheConfig.timeout`` seconds raises an error naming the URL (a :class:`RemoteStorageError`
-when the store stopped answering, which the supervisor classifies as a ``storage`` fault).
+How (order-aware prefetch, eviction by future use, per-unit locks) and the layout of
+``cache_dir``: ARCHITECTURE.md, "Design notes" > data > the remote cache.
 """
 
 from __future__ import annotations
