@@ -416,9 +416,12 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
     peak = [0]
     stop = threading.Event()
 
+    events = EventTail(cache if name == "unbroken" else None)
+
     def watch() -> None:
         while not stop.is_set():
             peak[0] = max(peak[0], dir_bytes(cache))
+            events.poll()
             stop.wait(0.002)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -426,6 +429,7 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
     cpu = TreeCPU()
     ld = make_loader(name, endpoint, cache, limit)
     epochs = []
+    t_end: dict[int, float] = {}
     for e in range(EPOCHS):
         if name.startswith("unbroken"):
             ld.set_epoch(e)
@@ -445,6 +449,7 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
         cpu1 = cpu.total()
         c1 = counts(endpoint)
         seen = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
+        t_end[e] = time.time()
         epochs.append(
             {
                 "seconds": dt,
@@ -460,9 +465,64 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
     stop.set()
     watcher.join()
     cpu.stop.set()
+    if name == "unbroken":
+        events.poll(force=True)
+        for e, ep in enumerate(epochs):
+            ep.update(downloads_by_cause(events.all(), t_end.get(e - 1, 0.0), t_end[e], e))
     out: dict[str, Any] = {"epochs": epochs, "peak_cache_bytes": peak[0]}
     if name == "unbroken":
         out["shuffle_window"] = list(ld.dataset.shuffle_window)
+    return out
+
+
+class EventTail:
+    """Every line of unbroken's cache event log (``.events``, rotated to ``.events.1`` at
+    ~500 lines: read both often) for :func:`downloads_by_cause`."""
+
+    def __init__(self, cache: str | None) -> None:
+        self.cache = cache
+        self.lines: dict[str, dict[str, Any]] = {}
+        self.last = 0.0
+
+    def poll(self, force: bool = False) -> None:
+        if self.cache is None or (not force and time.monotonic() - self.last < 0.1):
+            return
+        self.last = time.monotonic()
+        for fn in (".events.1", ".events"):
+            try:
+                with open(os.path.join(self.cache, fn)) as f:
+                    for line in f:
+                        if line.endswith("\n") and line not in self.lines:
+                            self.lines[line] = json.loads(line)
+            except (OSError, ValueError):
+                pass
+
+    def all(self) -> list[dict[str, Any]]:
+        return list(self.lines.values())
+
+
+def downloads_by_cause(
+    events: list[dict[str, Any]], t0: float, t1: float, e: int
+) -> dict[str, Any]:
+    """Where the downloads made during epoch ``e`` (between ``t0`` and ``t1``) went, from
+    the cache's event log: for this epoch's reads, read-ahead for the next epoch, and
+    *re*-downloads (a shard fetched again for the same epoch: evicted before its use)."""
+    evs = sorted((x for x in events if x.get("ev") == "download"), key=lambda x: x["t"])
+    done: set[tuple[Any, Any, Any]] = set()
+    out = {"dl_units": 0, "dl_next_epoch_bytes": 0, "dl_again_bytes": 0, "dl_again_units": 0}
+    for x in evs:
+        k = (x.get("dir"), x.get("shard"), x.get("for_epoch"))
+        again = k in done
+        done.add(k)
+        if not t0 < x["t"] <= t1:
+            continue
+        out["dl_units"] += 1
+        if x.get("for_epoch", e) > e:
+            out["dl_next_epoch_bytes"] += int(x.get("bytes", 0))
+        if again:
+            out["dl_again_units"] += 1
+            out["dl_again_bytes"] += int(x.get("bytes", 0))
+    out["evictions"] = sum(1 for x in events if x.get("ev") == "evict" and t0 < x["t"] <= t1)
     return out
 
 
@@ -548,7 +608,15 @@ def main() -> int:
                         f"{ep['bytes_downloaded'] / size:.2f}x its dataset "
                         f"({ep['bytes_downloaded'] / 1e6:,.0f} MB, {ep['gets']} GETs), "
                         f"CPU {ep['cpu_s']:.1f} s "
-                        f"({ep['cpu_s'] / max(ep['bytes_downloaded'] / 1e9, 1e-9):.1f} s/GB)",
+                        f"({ep['cpu_s'] / max(ep['bytes_downloaded'] / 1e9, 1e-9):.1f} s/GB)"
+                        + (
+                            f"; event log: {ep['dl_units']} units downloaded, "
+                            f"{ep['dl_next_epoch_bytes'] / size:.3f}x read ahead for the next "
+                            f"epoch, {ep['dl_again_units']} downloaded again "
+                            f"({ep['dl_again_bytes'] / size:.3f}x), {ep['evictions']} evictions"
+                            if "dl_units" in ep
+                            else ""
+                        ),
                         flush=True,
                     )
                 print(

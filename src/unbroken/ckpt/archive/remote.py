@@ -52,7 +52,7 @@ from unbroken.common.fs import (
     is_local_fs,
 )
 from unbroken.common.objstore import StoreOptions, open_store
-from unbroken.common.objstore.base import run_parallel
+from unbroken.common.objstore.base import run_parallel, share
 from unbroken.common.progress import progress_bar
 
 __all__ = [
@@ -319,9 +319,14 @@ class Archive:
             with lock:
                 bar.update(n)
 
+        # about ``threads`` GETs in flight in all: a few files each get a share of them as
+        # ranges, many files one streamed GET each
+        streams = share(self._store.options.concurrency, self.config.threads, len(files))
+
         def get(name: str) -> None:
             rpath = f"{prefix}/{name}"
-            self._retry(rpath, "download", partial(self._get, rpath, dest_dir, name, files, tick))
+            fetch = partial(self._get, rpath, dest_dir, name, files, tick, streams)
+            self._retry(rpath, "download", fetch)
 
         total = sum(f.size for f in files.values())
         with progress_bar(f"download step {step}", total=total, enabled=progress) as bar:
@@ -346,9 +351,11 @@ class Archive:
         name: str,
         files: dict[str, FileEntry],
         tick: Callable[[int], None],
+        streams: int,
     ) -> None:
-        """One verified download (the layer's ``get_file``: parallel ranged GETs, the last
-        one byte past the size, hashed in order, fsynced, renamed into place on a match)."""
+        """One verified download (the layer's ``get_file``: at most ``streams`` streamed
+        ranged GETs, the last one byte past the size, every byte hashed in order, fsynced,
+        renamed into place on a match)."""
         f = files[name]
         try:
             self._store.get_file(
@@ -358,6 +365,7 @@ class Archive:
                 checksum=f.checksum,
                 on_bytes=tick,
                 fsync=True,
+                streams=streams,
             )
         except FileNotFoundError as e:
             raise Damaged(f"{rpath} vanished during download") from e

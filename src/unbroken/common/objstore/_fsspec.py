@@ -122,9 +122,11 @@ class FsspecStore(ObjectStore):
             raise PastEnd(f"{path}: no byte at {start}")
         return data
 
-    def _get_into(self, key: str, fd: int, size: int, tick: Callable[[int], None]) -> str:
+    def _get_into(
+        self, key: str, fd: int, size: int, tick: Callable[[int], None], streams: int
+    ) -> str:
         if not self.local:
-            return super()._get_into(key, fd, size, tick)
+            return super()._get_into(key, fd, size, tick, streams)
         return self._copy_local(key, fd, size, tick)
 
     def _copy_local(self, key: str, fd: int, size: int, tick: Callable[[int], None]) -> str:
@@ -211,7 +213,7 @@ class FsspecStore(ObjectStore):
             return
 
         def publish(fs: Any) -> None:  # a filesystem write is not atomic: publish by rename
-            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            _private_dirs(path.rsplit("/", 1)[0])
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
             fs.pipe_file(tmp, data)
             fs.mv(tmp, path)
@@ -223,7 +225,7 @@ class FsspecStore(ObjectStore):
         fs = self._open()[0]
         target = path
         if self.local:
-            fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            _private_dirs(path.rsplit("/", 1)[0])
             target = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         f = fs.open(target, "wb", block_size=self.options.part_bytes)
         try:
@@ -240,6 +242,22 @@ class FsspecStore(ObjectStore):
         f.close()
         if self.local:
             fs.mv(target, path)
+
+
+def _private_dirs(path: str) -> None:
+    """Create ``path`` and any missing parent 0700 whatever the umask (``os.makedirs`` gives
+    the parents the umask's mode): a local archive holds checkpoints, private like the local
+    checkpoint store."""
+    missing = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for d in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # made meanwhile by another writer
+            os.mkdir(d, 0o700)
 
 
 def _hash_fd(fd: int) -> str:

@@ -1,8 +1,9 @@
 """The obstore backend: S3, GCS, Azure and HTTP(S) through the Rust ``object_store`` crate.
 
 obstore's *sync* API is used: each call releases the GIL while Rust does the request on its
-own runtime, and returns the body as one buffer that is hashed and ``pwrite``-n without a
-copy in Python. Measured against its async API (``benchmarks/objstore_get.py``), a sync call
+own runtime. A download's body is streamed (``GetResult.stream``) in buffers of about
+``part_bytes``, each hashed and ``pwrite``-n without a copy in Python: one GET of any length
+holds at most one buffer. Measured against its async API (``benchmarks/objstore_get.py``), a sync call
 costs less per GET from a plain thread: no event loop to enter, no future to hand between
 threads; the threads that fetch parts in parallel are the concurrency. Throttling (503
 SlowDown, 429), 5xx replies, dropped connections and timeouts are retried inside obstore
@@ -22,11 +23,14 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from unbroken.common.errors import RemoteStorageError
 from unbroken.common.objstore.base import ObjectStore, PastEnd
 from unbroken.common.objstore.options import Route, StoreOptions
+
+if TYPE_CHECKING:
+    from obstore import GetOptions
 
 __all__ = ["ObstoreStore", "runtime_here"]
 
@@ -149,6 +153,20 @@ class ObstoreStore(ObjectStore):
         return self._call(
             "ranged GET", key, lambda s: obstore.get_range(s, key, start=start, end=end)
         )
+
+    def _stream(self, key: str, start: int, end: int) -> Iterator[Any]:
+        if (fb := self._forked()) is not None:
+            yield from fb._stream(key, start, end)
+            return
+        import obstore
+
+        opts: GetOptions = {"range": (start, end)}
+        res = self._call("ranged GET", key, lambda s: obstore.get(s, key, options=opts))
+        # at least half a part per buffer: obstore joins the network's chunks up to this
+        # size, and may overshoot it by one of them
+        chunks = iter(res.stream(min_chunk_size=max(self.options.part_bytes // 2, 1)))
+        while (buf := self._call("ranged GET", key, lambda s: next(chunks, None))) is not None:
+            yield buf
 
     def head(self, key: str) -> int | None:
         if (fb := self._forked()) is not None:

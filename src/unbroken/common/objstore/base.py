@@ -5,13 +5,17 @@ A backend (:mod:`._obstore`, :mod:`._fsspec`) supplies the primitives: one range
 (``_put_stream``). :class:`ObjectStore` builds on them, for every backend alike:
 
 * :meth:`ObjectStore.get_file`: a verified download. Every GET is ranged, the last one to one
-  byte past the recorded size, so an object that grew is caught at the cost of that byte; a
-  large object is split into ``part_bytes`` ranges fetched ``concurrency`` at a time. Each
-  part is written where it belongs in a temporary sibling of the destination (``pwrite``
-  from the response buffer: no copy in Python) and hashed (xxh3-128) in order as the parts
-  arrive, so the checksum never needs a second read; only a file whose size and checksum
-  match is renamed into place. A process killed mid-download leaves only a ``.tmp-`` name
-  (:func:`~unbroken.common.fs.is_temp_name`), never a file at the destination.
+  byte past the recorded size, so an object that grew is caught at the cost of that byte. An
+  object is one GET, or, above ``2 * split_bytes``, a few ranges of about equal length (at
+  most ``streams``, each at least ``split_bytes``) fetched at once; each response is streamed
+  in buffers of about ``part_bytes`` (memory stays bounded whatever the object's size),
+  each buffer written where it belongs in a temporary sibling of the destination (``pwrite``
+  from the response buffer: no copy in Python). The first range is hashed (xxh3-128) as it
+  arrives; each later one, in order once it is complete, from the file it was written to
+  (the page cache): every byte is checked before the file is published, and only a file
+  whose size and checksum match is renamed into place. A process killed mid-download
+  leaves only a ``.tmp-`` name (:func:`~unbroken.common.fs.is_temp_name`), never a file at
+  the destination.
 * :meth:`ObjectStore.put_file`: an upload hashed while it is read; a local file that does not
   match its recorded size and checksum is refused before its last part is sent, so the
   store never completes a PUT of damaged bytes (a multipart upload is aborted).
@@ -21,20 +25,19 @@ A backend (:mod:`._obstore`, :mod:`._fsspec`) supplies the primitives: one range
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from unbroken.common.errors import ObjectMismatch
 from unbroken.common.fs import hasher, open_private, temp_sibling
 from unbroken.common.objstore.options import StoreOptions
 
-__all__ = ["FileSpec", "ObjectStore", "PastEnd", "run_parallel"]
+__all__ = ["FileSpec", "ObjectStore", "PastEnd", "run_parallel", "share"]
 
 FileSpec = tuple[str, Any, int, str]
 """``(key, local path or descriptor, size in bytes, xxh3-128 hex)``: one file of a transfer."""
@@ -42,6 +45,11 @@ FileSpec = tuple[str, Any, int, str]
 
 class PastEnd(Exception):
     """Internal: a ranged GET started at or after the end of the object (HTTP 416)."""
+
+
+class _Cancelled(Exception):
+    """Internal: another range of the same download failed; this one stops at its next
+    buffer."""
 
 
 def _noop(n: int) -> None:
@@ -102,6 +110,30 @@ class ObjectStore:
         :class:`~unbroken.common.errors.RemoteStorageError` after the retries."""
         raise NotImplementedError
 
+    def _stream(self, key: str, start: int, end: int) -> Iterator[Any]:
+        """Bytes ``[start, end)`` of ``key`` in order, as buffers of about ``part_bytes``
+        (fewer bytes in all when the object ends first); :class:`PastEnd` when ``start`` is at
+        or past its end; errors as :meth:`_range`. This default asks one :meth:`_range` per
+        ``part_bytes``, one after another; a backend that can stream one response overrides
+        it."""
+        part = self.options.part_bytes
+        a = start
+        while a < end:
+            b = min(a + part, end)
+            if end - b <= 1:  # the one byte past the size rides with the last part
+                b = end
+            try:
+                buf = self._range(key, a, b)
+            except PastEnd:
+                if a == start:
+                    raise
+                return
+            yield buf
+            n = len(memoryview(buf))
+            if n < b - a:
+                return
+            a += n
+
     def head(self, key: str) -> int | None:
         """The size of ``key`` in bytes, or None when there is no such object."""
         raise NotImplementedError
@@ -136,6 +168,7 @@ class ObjectStore:
         on_bytes: Callable[[int], None] | None = None,
         private: bool = False,
         fsync: bool = False,
+        streams: int | None = None,
     ) -> None:
         """Download ``key`` to the local path ``dst``, verified against ``size`` and the
         xxh3-128 ``checksum`` recorded for it (see the module docstring); ``dst`` is either
@@ -143,7 +176,9 @@ class ObjectStore:
 
         ``on_bytes(n)`` is called in order as verified bytes arrive (an exception from it
         stops the download and propagates); ``private``: the file is created 0600 without
-        following a symlink; ``fsync``: the file is fsynced before the rename. Raises
+        following a symlink; ``fsync``: the file is fsynced before the rename; ``streams``:
+        the most ranged GETs this file is split into (default ``concurrency``; a caller
+        moving several files at once gives each a share). Raises
         :class:`~unbroken.common.errors.ObjectMismatch` (wrong size or checksum),
         ``FileNotFoundError`` (no such object), or
         :class:`~unbroken.common.errors.RemoteStorageError` (the store failed after its
@@ -157,7 +192,8 @@ class ObjectStore:
             fd = os.open(tmp, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             try:
-                digest = self._get_into(key, fd, size, on_bytes or _noop)
+                want = self.options.concurrency if streams is None else max(1, streams)
+                digest = self._get_into(key, fd, size, on_bytes or _noop, want)
                 if digest != checksum:
                     raise ObjectMismatch(
                         self.url_of(key),
@@ -183,9 +219,11 @@ class ObjectStore:
         fsync: bool = False,
     ) -> None:
         """:meth:`get_file` for each ``(key, dst, size, checksum)``, ``threads`` files at a
-        time (each large one also split into parts); the first failure cancels the files not
-        yet started and is raised once the started ones have ended. ``on_bytes`` may be
-        called from several threads at once."""
+        time (a large one also split into ranges: about ``max(threads, concurrency)`` GETs in
+        flight in all); the first failure cancels the files not yet started and is raised
+        once the started ones have ended. ``on_bytes`` may be called from several threads at
+        once."""
+        streams = share(self.options.concurrency, threads, len(files))
         jobs = [
             functools.partial(
                 self.get_file,
@@ -196,6 +234,7 @@ class ObjectStore:
                 on_bytes=on_bytes,
                 private=private,
                 fsync=fsync,
+                streams=streams,
             )
             for key, dst, size, checksum in files
         ]
@@ -210,8 +249,11 @@ class ObjectStore:
         ]
         run_parallel(jobs, threads, "unbroken-put")
 
-    def _get_into(self, key: str, fd: int, size: int, tick: Callable[[int], None]) -> str:
-        """Fetch ``key`` into the open file ``fd``; returns the xxh3-128 of its bytes."""
+    def _get_into(
+        self, key: str, fd: int, size: int, tick: Callable[[int], None], streams: int
+    ) -> str:
+        """Fetch ``key`` into the open file ``fd`` as at most ``streams`` ranges (module
+        docstring); returns the xxh3-128 of its bytes, every one of them hashed."""
         h = hasher()
         if size == 0:  # one byte asked for, as always: an empty object has none (416)
             try:
@@ -223,54 +265,87 @@ class ObjectStore:
                     self.url_of(key), "longer than the 0 bytes recorded (got 1 byte at offset 0)"
                 )
             return str(h.hexdigest())
-        plan = parts(size, self.options.part_bytes)
-        if len(plan) == 1:  # one request in the caller's thread: no hand-off to pay for
-            buf = self._part(key, fd, 0, size + 1, size)
+
+        def hashed(buf: Any) -> None:
             h.update(buf)
-            tick(len(buf))
+            tick(len(memoryview(buf)))
+
+        stop = threading.Event()
+        n = min(streams, max(1, size // self.options.split_bytes))
+        plan = parts(size, -(-size // n))
+        if len(plan) == 1:  # one request in the caller's thread: no hand-off to pay for
+            self._fetch(key, fd, 0, size + 1, size, hashed, stop)
             return str(h.hexdigest())
         pool = self._executor()
-        todo = iter(plan)
-        futs: collections.deque[Future[Any]] = collections.deque()
-
-        def submit() -> None:
-            p = next(todo, None)
-            if p is not None:
-                futs.append(pool.submit(self._part, key, fd, p[0], p[1], size))
-
+        futs = [pool.submit(self._fetch, key, fd, a, b, size, None, stop) for a, b in plan[1:]]
         try:
-            for _ in range(self.options.concurrency):
-                submit()
-            while futs:
-                buf = futs[0].result()
-                futs.popleft()
-                submit()
-                h.update(buf)  # in order, while later parts are still in flight
-                tick(len(buf))
+            try:
+                self._fetch(key, fd, *plan[0], size, hashed, stop)
+                for (a, b), f in zip(plan[1:], futs, strict=True):
+                    f.result()
+                    _hash_back(fd, a, min(b, size), self.options.part_bytes, hashed)
+            except _Cancelled:
+                wait(futs)  # another range failed: raise its error, not a cancellation
+                errs = [f.exception() for f in futs]
+                real = [e for e in errs if e is not None and not isinstance(e, _Cancelled)]
+                if not real:
+                    raise
+            else:
+                return str(h.hexdigest())
+            raise real[0]  # with its own cause (obstore's reason), outside the handler
         finally:
+            stop.set()
             for f in futs:
                 f.cancel()
-            wait(futs)  # no part may write to fd after the caller closes it
-        return str(h.hexdigest())
+            wait(futs)  # no range may write to fd after the caller closes it
 
-    def _part(self, key: str, fd: int, start: int, end: int, size: int) -> Any:
-        """GET ``[start, end)``, check its length against ``size``, write it at ``start``."""
+    def _fetch(
+        self,
+        key: str,
+        fd: int,
+        start: int,
+        end: int,
+        size: int,
+        sink: Callable[[Any], None] | None,
+        stop: threading.Event,
+    ) -> None:
+        """GET ``[start, end)`` streamed: each buffer is checked against ``size``, written at
+        its offset and handed to ``sink``; ``stop`` set (by a failure elsewhere) ends it at
+        the next buffer. A failure here sets ``stop`` for the other ranges."""
+        url = self.url_of(key)
+        limit = min(end, size)
+        off = start
         try:
-            buf = self._range(key, start, end)
-        except PastEnd:
-            raise ObjectMismatch(
-                self.url_of(key), f"shorter than the {size} bytes recorded (ends before {start})"
-            ) from None
-        n = len(memoryview(buf))
-        want = min(end, size) - start
-        if n != want:
-            how = "longer" if n > want else "shorter"
-            raise ObjectMismatch(
-                self.url_of(key),
-                f"{how} than the {size} bytes recorded (got {n} bytes at offset {start})",
-            )
-        pwrite_all(fd, buf, start)
-        return buf
+            if stop.is_set():
+                raise _Cancelled
+            try:
+                for buf in self._stream(key, start, end):
+                    if stop.is_set():
+                        raise _Cancelled
+                    n = len(memoryview(buf))
+                    if off + n > limit:
+                        raise ObjectMismatch(
+                            url,
+                            f"longer than the {size} bytes recorded (got {off + n - start} "
+                            f"bytes at offset {start})",
+                        )
+                    pwrite_all(fd, buf, off)
+                    off += n
+                    if sink is not None:
+                        sink(buf)
+            except PastEnd:
+                raise ObjectMismatch(
+                    url, f"shorter than the {size} bytes recorded (ends before {start})"
+                ) from None
+            if off != limit:
+                raise ObjectMismatch(
+                    url,
+                    f"shorter than the {size} bytes recorded (got {off - start} bytes at "
+                    f"offset {start})",
+                )
+        except BaseException:
+            stop.set()
+            raise
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool_pid != os.getpid() and self._pool is not None:
@@ -329,6 +404,24 @@ class ObjectStore:
         else:
             self._put_stream(key, chunks, size)
         return None
+
+
+def share(concurrency: int, threads: int, files: int) -> int:
+    """Ranged GETs per file when ``threads`` of ``files`` download at once: about
+    ``max(concurrency, threads)`` streams in flight in all, at least one per file."""
+    return max(1, concurrency // max(1, min(threads, files)))
+
+
+def _hash_back(fd: int, start: int, end: int, chunk: int, sink: Callable[[Any], None]) -> None:
+    """Hand ``sink`` the bytes ``[start, end)`` of ``fd``, read back in ``chunk`` pieces
+    (just written: from the page cache)."""
+    off = start
+    while off < end:
+        b = os.pread(fd, min(chunk, end - off), off)
+        if not b:
+            raise OSError(f"the download's temporary file shrank below {off} bytes")
+        sink(b)
+        off += len(b)
 
 
 def run_parallel(jobs: Sequence[Callable[[], Any]], threads: int, name: str) -> None:

@@ -51,11 +51,17 @@ class StoreOptions:
     """a request that moves no byte for this long fails (seconds), then is retried; also
     bounds connecting (at most 10 s) and a whole request (10x this)."""
     part_bytes: int = 8 << 20
-    """ranged GET size and multipart PUT part size (bytes); 8 MiB keeps a part's request
-    cost below 1% of its transfer time while bounding memory to ``concurrency`` parts."""
+    """multipart PUT part size, and the largest buffer a streamed GET hands over (bytes);
+    8 MiB keeps a part's request cost below 1% of its transfer time while bounding memory to
+    ``concurrency`` parts per file."""
+    split_bytes: int = 64 << 20
+    """the shortest range a download is split into (bytes): an object up to this size is
+    one GET; a larger one is up to ``concurrency`` ranged GETs of about equal length, each
+    streamed. Few long GETs, not one per part: some servers (moto, many gateways) read the
+    whole object for every ranged GET, and each GET is a request billed and throttled."""
     concurrency: int = 8
-    """parts in flight per file, for GETs and PUTs (count); object stores reward concurrency
-    per connection up to a few dozen streams."""
+    """ranged GETs in flight per downloaded file, parts in flight per uploaded file (count);
+    object stores reward concurrency per connection up to a few dozen streams."""
     client: str = "auto"
     """``"auto"``: obstore where it serves the URL and options, else fsspec (module
     docstring); ``"fsspec"``: always fsspec; ``"obstore"``: obstore or a ValueError saying why
@@ -68,6 +74,7 @@ class StoreOptions:
         check_seconds(own, "max_backoff_s", self.max_backoff_s)
         check_seconds(own, "timeout", self.timeout, positive=True)
         check_count(own, "part_bytes", self.part_bytes, least=5 << 20)
+        check_count(own, "split_bytes", self.split_bytes, least=1 << 20)
         check_count(own, "concurrency", self.concurrency)
         check_choice(own, "client", self.client, ("auto", "obstore", "fsspec"))
 

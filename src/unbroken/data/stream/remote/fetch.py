@@ -64,10 +64,11 @@ def open_store(url: str, options: dict[str, Any], config: CacheConfig) -> Object
         retries=config.retries,
         backoff_s=config.backoff_s,
         timeout=config.timeout,
-        # One GET per shard up to 64 MiB: the cache's own threads are its concurrency (several
-        # shards in flight), and every extra ranged part is a request the server pays for
-        # (against moto, 8 parts of a 64 MiB object cost 7x the server CPU of one GET:
-        # benchmarks/objstore_get.py). Memory: ``threads`` x 2 parts in flight at most.
+        # One streamed GET per shard below 2 x split_bytes (128 MiB): the cache's own threads
+        # are its concurrency (several shards in flight), and every extra ranged part is a
+        # request the server pays for (against moto, 8 parts of a 64 MiB object cost 7x the
+        # server CPU of one GET: benchmarks/objstore_get.py). 64 MiB parts keep fsspec's path
+        # (one GET per part) at one GET per shard too. Memory: ``threads`` x 2 buffers.
         part_bytes=_PART,
         concurrency=2,
     )
