@@ -229,7 +229,10 @@ def test_every_restore_and_fall_back_prints_one_line_without_logging_configured(
     assert "step 2" in skipped and "bad-state" in skipped, skipped
     assert "\x1b" not in second.stderr and "\\x1b[31m" in skipped, skipped
     assert resumed.startswith("unbroken: resumed from step 1, saved at "), resumed
-    assert re.search(r" UTC, in [\d.]+ s, from the disk tier$", resumed), resumed  # C-TIERS
+    # C-TIERS (issue 25 item 2): the line also says why the newer step was skipped, by
+    # its kind; the WARNING line above it has the detail
+    tail = r" UTC, in [\d.]+ s, from the disk tier; disk step 2 is damaged \(bad-state\)$"
+    assert re.search(tail, resumed), resumed
     third = _run(tmp_path, root, quiet=True)
     assert "restored 1" in third.stdout
     assert "unbroken:" not in third.stderr, third.stderr

@@ -480,8 +480,9 @@ class Checkpointer:
         if why is None:
             return True
         tried.texts.append(f"step {s}{where}: {why.text}")
-        what = "refused by the live state" if why.refused else "damaged"
-        tried.skipped.append(f"disk step {s}{where} is {what}: {why.text[:200]}")
+        # The WARNING above the restore line has the whole reason; the line keeps its kind.
+        what = "refused by the live state" if why.refused else f"damaged ({_kind(why.text)})"
+        tried.skipped.append(f"disk step {s}{where} is {what}")
         if why.refused:
             tried.refused.append((s, why.text))
         if requested and why.refused:
@@ -563,6 +564,12 @@ class Checkpointer:
             )  # fmt: skip
         _mark("loaded", step=s, seconds=dt, tier=tier)
         return s
+
+
+def _kind(text: str) -> str:
+    """``bad-state`` of ``"bad-state: /path/...: detail"`` (a damage reason's code)."""
+    head = text.split(":", 1)[0]
+    return head if head and len(head) <= 40 and " " not in head else "see above"
 
 
 class _StuckStep:
