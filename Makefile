@@ -31,7 +31,7 @@ test: lint
 
 # The quick loop while editing: unit tests without the slow ones (fuzzers, end-to-end runs).
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests/unit
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests/unit
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
