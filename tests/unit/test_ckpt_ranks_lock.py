@@ -8,6 +8,9 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -204,3 +207,32 @@ def test_a_killed_writers_slow_child_delays_its_successor_but_never_lets_it_in_e
         os.kill(child, signal.SIGKILL)
         os.close(cue_r)
         os.close(cue_w)
+
+
+def test_a_lease_released_by_a_collection_inside_the_guard_does_not_deadlock(tmp_path):
+    """A Checkpointer dropped without close() releases its lease from a weakref finalizer,
+    which a garbage collection can run on a thread that is inside the lock module's guard
+    (any allocation in ``acquire`` may collect): the release must be deferred to the end of
+    that section, not wait on the guard this very thread holds (seen in CI: a unit test
+    hung 300 s until pytest-timeout's exception broke the wait)."""
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from unbroken.ckpt import lock
+        a, b = sys.argv[1], sys.argv[2]
+        lease = lock.acquire(a)
+        with lock._guarded():  # as a collection inside acquire(b) would
+            lease.release()
+            assert os.path.exists(os.path.join(a, ".lock"))  # deferred, still held
+        assert not os.path.exists(os.path.join(a, ".lock"))  # released on leaving
+        lock.acquire(b).release()
+        print("ok")
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "a"), str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]

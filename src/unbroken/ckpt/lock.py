@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,23 @@ class _Held:
 
 _HELD: dict[str, _Held] = {}
 _GUARD = threading.Lock()
+_owner: int | None = None  # the thread inside the guard
+_deferred: list[Lease] = []  # releases that came while their own thread held the guard
+
+
+@contextlib.contextmanager
+def _guarded() -> Iterator[None]:
+    """The guard, recording its owner; on leaving it, releases that a garbage collection
+    ran inside the section (a finalizer's) are done (see :meth:`Lease.release`)."""
+    global _owner
+    with _GUARD:
+        _owner = threading.get_ident()
+        try:
+            yield
+            while _deferred:
+                _deferred.pop()._release()
+        finally:
+            _owner = None
 
 
 def _key(root: str) -> str:
@@ -223,28 +241,37 @@ class Lease:
         self._released = False
 
     def release(self) -> None:
-        with _GUARD:
-            if self._released:
-                return
-            self._released = True
-            held = _HELD.get(self._key)
-            if held is None:  # forgotten in a forked child
-                return
-            held.leases -= 1
-            if held.leases > 0:
-                return
-            del _HELD[self._key]
-            if held.fd is not None:
-                with contextlib.suppress(OSError):
-                    os.unlink(held.path)  # still locked: nobody can take a doomed inode
-                os.close(held.fd)
+        """Idempotent. Called by a weakref finalizer when a collection runs on a thread that
+        is inside the guard (any allocation there may collect), it is deferred to the end
+        of that section instead of waiting on a lock its own thread holds."""
+        if _owner == threading.get_ident():
+            _deferred.append(self)
+            return
+        with _guarded():
+            self._release()
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        held = _HELD.get(self._key)
+        if held is None:  # forgotten in a forked child
+            return
+        held.leases -= 1
+        if held.leases > 0:
+            return
+        del _HELD[self._key]
+        if held.fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(held.path)  # still locked: nobody can take a doomed inode
+            os.close(held.fd)
 
 
 def acquire(root: str) -> Lease:
     """Become (or stay) the writer of ``root``; raises :class:`RootLocked` naming the
     holder when another live process is. Creates ``root`` if needed."""
     key = _key(root)
-    with _GUARD:
+    with _guarded():
         held = _HELD.get(key)
         if held is None:
             held = _HELD[key] = _lock(key)
@@ -256,7 +283,7 @@ def note_temp(tmp_dir: str, *, done: bool = False) -> None:
     """Record that this process writes ``tmp_dir`` (before it exists), or no longer does."""
     key = _key(os.path.dirname(os.path.abspath(tmp_dir)))
     name = os.path.basename(tmp_dir)
-    with _GUARD:
+    with _guarded():
         held = _HELD.get(key)
         if held is not None:
             (held.inflight.discard if done else held.inflight.add)(name)
@@ -270,7 +297,7 @@ def writer_alive(tmp_dir: str) -> bool:
     the lock nobody can tell, and the answer is True (never delete live work).
     """
     key = _key(os.path.dirname(os.path.abspath(tmp_dir)))
-    with _GUARD:
+    with _guarded():
         held = _HELD.get(key)
         if held is None or held.fd is None:
             return True
