@@ -109,6 +109,12 @@ class Checkpointer:
             if self.config.memory_every_steps
             else None
         )
+        if self._memory is not None and self.config.memory_replica:  # collective: a group
+            from unbroken.ckpt.replica import PeerReplica
+
+            self._memory.replica = PeerReplica.create(self._memory.store.directory, self._comm)
+            if self._memory.replica is not None:
+                self._memory.replica.expect = {"root": self._memory.root}
         # the slots go when the job ends with the disk tier holding as much (close(), or a
         # checkpointer dropped without it); a crash leaves them for the restart
         self._memory_done = (
@@ -132,7 +138,7 @@ class Checkpointer:
         self.last_blocked_seconds: float | None = None
         self.last_wait_seconds: float = 0.0
         self.last_restore_seconds: float | None = None
-        self.restored_tier: str | None = None  # "memory", "disk" or "archive"
+        self.restored_tier: str | None = None  # "memory", "peer replica", "disk" or "archive"
         self.preempted = False
         if self.config.save_on_sigterm:
             signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -220,6 +226,8 @@ class Checkpointer:
             self._same_or_refuse(step)
             return self.store.step_dir(step)
         self._lock.take(self)
+        if self._memory is not None and self._memory.replica is not None:
+            self._memory.replica.drain()  # every N steps: no transfer outlives the job's groups
         self._memory_note = self._memory_cost()
         job = self._saver.snapshot(step, self._snap if self._pool is not None else None)
         self.last_blocked_seconds = job.blocked
@@ -444,7 +452,7 @@ class Checkpointer:
             got = self._from_memory(memory, candidates, tried)
             if got is not None:
                 return self._restored(
-                    got, t0, tried.refused, tier="memory", skipped=tried.line("memory")
+                    got, t0, tried.refused, tier=_tier(memory, got), skipped=tried.line("memory")
                 )
         for s in candidates:
             if memory is not None and memory.older is not None and memory.older >= s:
@@ -452,7 +460,11 @@ class Checkpointer:
                 got = self._from_memory(memory, [s], tried)
                 if got is not None:
                     return self._restored(
-                        got, t0, tried.refused, tier="memory", skipped=tried.line("memory")
+                        got,
+                        t0,
+                        tried.refused,
+                        tier=_tier(memory, got),
+                        skipped=tried.line("memory"),
                     )
             if self._try(s, tried, requested=step is not None):
                 return self._restored(s, t0, tried.refused, skipped=tried.line())
@@ -564,6 +576,11 @@ class Checkpointer:
             )  # fmt: skip
         _mark("loaded", step=s, seconds=dt, tier=tier)
         return s
+
+
+def _tier(memory: MemoryTier, step: int) -> str:
+    """``peer replica`` when some rank's copy of ``step`` came from its peer, else ``memory``."""
+    return "peer replica" if memory.via_peer == step else "memory"
 
 
 def _kind(text: str) -> str:

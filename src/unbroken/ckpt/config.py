@@ -107,6 +107,8 @@ class CheckpointConfig:
     """publish the snapshot to node memory every K steps (steps; 1 allowed): a crash loses <= K; None: off."""
     memory_dir: str | None = None
     """the memory tier's private directory; None: ``$UNBROKEN_MEMORY_TIER``, else ``/dev/shm/unbroken-<uid>/<job>``."""
+    memory_replica: bool = True
+    """with the memory tier on several nodes: keep a copy of each rank's newest slot on the next node (a node loss loses <= K)."""
 
     def __post_init__(self) -> None:
         own = "CheckpointConfig"
@@ -123,7 +125,13 @@ class CheckpointConfig:
                 f"CheckpointConfig.memory_dir={self.memory_dir!r} must be a non-empty path or "
                 "None (then $UNBROKEN_MEMORY_TIER or /dev/shm/unbroken-<uid>/<job>)"
             )
-        for name in ("allow_fresh_start", "async_save", "save_on_sigterm", "quiet"):
+        for name in (
+            "allow_fresh_start",
+            "async_save",
+            "save_on_sigterm",
+            "quiet",
+            "memory_replica",
+        ):
             check_flag(own, name, getattr(self, name))
         check_flag(own, "distributed", self.distributed, none="collective when initialised")
         if self.archive is not None and not isinstance(self.archive, ArchiveConfig):

@@ -437,6 +437,14 @@ class SlotStore:
             self._generation = max(self._generation, good[0].generation)
         return (good[0] if good else None), bad
 
+    def forget(self) -> None:
+        """Drop this store's mappings and what it knows of its slots (a slot is about to be
+        written from outside: the peer replica's restore, ``ckpt/replica.py``)."""
+        for m in self._maps.values():
+            m.close()
+        self._maps.clear()
+        self._newest = None
+
     def nbytes(self) -> int:
         """Bytes this rank's slots hold (what the tier costs in node memory)."""
         return sum(os.fstat(fd).st_size for fd in self._fds.values())
@@ -621,6 +629,8 @@ class MemoryTier:
         self.disabled: str | None = None  # why publishing stopped (once, logged)
         self.inline: bool | None = None  # publish in the loop (a small state); None: not known yet
         self.older: int | None = None  # the last restore's newest common step, skipped as older
+        self.replica: Any = None  # the peer replica (ckpt/replica.py), set by the Checkpointer
+        self.via_peer: int | None = None  # the step the last restore took from peer replicas
 
     def _meta(self, job: Job, state: TrainState) -> dict[str, Any]:
         return {
@@ -644,8 +654,10 @@ class MemoryTier:
             )
             log.warning("memory tier off: %s", self.disabled)
             return
-        self.store.publish(job.step, job.tree, job.rng, job.tensors, self._meta(job, state))
+        path = self.store.publish(job.step, job.tree, job.rng, job.tensors, self._meta(job, state))
         self.published = job.step
+        if self.replica is not None:  # a slot became complete: its copy goes to the peer
+            self.replica.offer(path)
 
     def _mine(self) -> tuple[dict[int, int], list[str]]:
         """step -> slot, for the slots whose header verifies and that are this job's (the
@@ -676,7 +688,7 @@ class MemoryTier:
         """Apply the newest step every rank holds in memory, when it is not older than
         ``disk_newest``. Returns (the step applied or None, why a newer copy was skipped
         or why memory was not used). Collective."""
-        self.older = None
+        self.older = self.via_peer = None
         local: list[str] = []
         try:  # a live publisher (a worker not yet stopped) could rewrite a slot under us
             self.store._take_lock()
@@ -684,6 +696,14 @@ class MemoryTier:
         except TierBusy as e:
             mine = {}
             local.append(str(e))
+        if self.replica is not None:  # a lost node's ranks get their replicas (collective)
+            ok = self.store._lock_fd is not None
+            self.via_peer, peer = self.replica.fill(
+                self.comm, self.store, sorted(mine), disk_newest, ok
+            )
+            local += peer if self.comm.rank == 0 else []
+            if self.via_peer is not None:
+                mine, _ = self._mine()
         gathered = self.comm.gather((sorted(mine), local))
         held = [h for h, _ in gathered]
         notes = [n for _, ns in gathered for n in ns][:8]  # bounded: one line for a big job
@@ -730,6 +750,8 @@ class MemoryTier:
     def close(self, disk_newest: int | None) -> None:
         """End of the job: the slots are removed when the disk tier holds everything they
         hold (nothing to lose), else kept for a resume and their place logged."""
+        if self.replica is not None:
+            self.replica.close()
         self.store.close()
         if self.published is not None and (disk_newest is None or disk_newest < self.published):
             log.info(
@@ -738,6 +760,8 @@ class MemoryTier:
             )  # fmt: skip
             return
         self.store.remove()
+        if self.replica is not None:
+            self.replica.remove()
         with contextlib.suppress(OSError):  # the job directory stays while other ranks use it
             os.unlink(os.path.join(self.store.rank_dir, "lock"))
             os.rmdir(self.store.rank_dir)
