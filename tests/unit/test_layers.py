@@ -84,6 +84,7 @@ INNER: dict[str, Table] = {
                 "unbroken.ckpt.lock",
                 "unbroken.ckpt.memtier",
                 "unbroken.ckpt.per_rank",
+                "unbroken.ckpt.replica",
                 "unbroken.ckpt.save",
                 "unbroken.ckpt.snapshot",
                 "unbroken.ckpt.store",
