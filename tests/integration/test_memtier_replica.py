@@ -71,7 +71,7 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
     out: dict[Any, Any] = {}
     if job["mode"] == "train":
         assert ck.restore() is None
-        for step in range(1, 8):
+        for step in range(1, job.get("steps", 7) + 1):
             model(torch.ones(2, 4)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
@@ -79,7 +79,10 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
             st.step = step
             ck.maybe_save()
             ck.wait()
-            out[step] = [float(model.weight.sum()), float(mine.v)]
+            out[step] = [float(model.weight.detach().sum()), float(mine.v)]
+            replica = ck._memory.replica  # type: ignore[union-attr]
+            if step == job.get("keep_at") and replica.drain(120):  # a copy of that replica
+                shutil.copyfile(replica.path, replica.path + ".kept")
         replica = ck._memory.replica  # type: ignore[union-attr]
         assert replica is not None and replica.drain(120), replica and replica.stopped
         out["replica"] = replica.received
@@ -103,9 +106,10 @@ def _result(out: str, mode: str, r: int) -> dict[str, Any]:
         return json.load(f)
 
 
-def _train(tmp_path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _train(tmp_path, steps: int = 7, **more: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     tiers = [str(tmp_path / f"unbroken-{n}" / "job") for n in "AB"]
-    job = {"root": str(tmp_path / "ckpt"), "tiers": tiers, "out": str(tmp_path)}
+    job = {"root": str(tmp_path / "ckpt"), "tiers": tiers, "out": str(tmp_path), "steps": steps}
+    job.update(more)
     _run({**job, "mode": "train"})
     return job, [_result(str(tmp_path), "train", r) for r in range(2)]
 
@@ -170,3 +174,78 @@ def test_a_damaged_or_planted_replica_falls_back_to_disk(tmp_path, attack: str) 
         assert "checksum" in line[0], line
     else:
         assert "memory step 7 is missing on rank(s) [1]" in line[0], line
+
+
+def test_a_replica_older_than_the_disk_tier_is_not_used(tmp_path) -> None:
+    """issue 25 peer replica item 2: node B is lost just after the disk save of step 5,
+    while step 5's replica was in flight: node A keeps step 4 of B's rank (its slots hold
+    4 and 5). The disk tier restores step 5, and the line says the peer replica was older."""
+    job, trained = _train(tmp_path, steps=5, keep_at=4)
+    assert trained[0]["replica"] == 5, trained
+    target = os.path.join(job["tiers"][0], "replica-of-1")
+    os.replace(target + ".kept", target)  # step 5's transfer never arrived
+    shutil.rmtree(os.path.dirname(job["tiers"][1]))
+    _run({**job, "mode": "load"})
+    for r in range(2):
+        got = _result(job["out"], "load", r)
+        assert (got["step"], got["tier"]) == (5, "disk"), (r, got)
+        assert got["state"] == trained[r]["5"], (r, got, trained[r])
+    line = [x for x in _result(job["out"], "load", 0)["lines"] if "resumed from step" in x]
+    assert line and "peer replica step 4 is older than disk step 5" in line[0], line
+
+
+def _gone_worker(rank: int, world: int, job: dict[str, Any]) -> None:
+    from unbroken.ckpt import Checkpointer, TrainState
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]), LOCAL_WORLD_SIZE="1", LOCAL_RANK="0"
+    )
+    lines = _Lines()
+    logging.getLogger("unbroken").addHandler(lines)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model = torch.nn.Linear(4, 3)
+    st = TrainState(model=model, seed=1)
+    tier = job["tiers"][rank]
+    ck = Checkpointer(job["root"], st, memory_every_steps=1, memory_dir=tier)
+    replica = ck._memory.replica  # type: ignore[union-attr]
+    for step in range(1, 4):
+        st.step = step
+        ck.maybe_save()
+    assert replica.drain(120), replica.stopped
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)  # the peer's node is gone
+    for step in range(4, 30):  # rank 0 trains on: its publishes never wait for the peer
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        st.step = step
+        ck.maybe_save()
+    stopped = replica.drain(120)
+    out = {
+        "stopped": replica.stopped,
+        "drained": stopped,
+        "published": ck._memory.published,  # type: ignore[union-attr]
+        "warnings": [x for x in lines.lines if "peer replica off" in x],
+    }
+    with open(os.path.join(job["out"], "gone-0.json"), "w") as f:
+        json.dump(out, f)
+    os._exit(0)
+
+
+def test_when_the_peer_is_gone_the_sender_logs_once_and_stops(tmp_path) -> None:
+    """issue 25 peer replica item 1: rank 1's process (its node) is gone; rank 0 keeps
+    training and publishing to its own memory tier, its replica thread logs one WARNING and
+    stops replicating (until the next rendezvous: a new process)."""
+    tiers = [str(tmp_path / f"unbroken-{n}" / "job") for n in "AB"]
+    job = {"root": str(tmp_path / "ckpt"), "tiers": tiers, "out": str(tmp_path)}
+    job["port"] = free_port()
+    ctx = tmp_mp.start_processes(
+        _gone_worker, args=(2, job), nprocs=2, start_method="spawn", join=False
+    )
+    while not ctx.join(timeout=5):
+        pass
+    with open(os.path.join(str(tmp_path), "gone-0.json")) as f:
+        got = json.load(f)
+    assert got["published"] == 29, got
+    assert got["stopped"] and got["drained"], got
+    assert len(got["warnings"]) == 1, got
