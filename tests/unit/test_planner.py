@@ -192,6 +192,20 @@ def test_two_tiers_optimum_and_what_it_buys():
         )
 
 
+def test_memory_statement_counts_the_peer_replica():
+    """issue 25 peer replica item 4: the plan states the memory the tier takes per rank:
+    its two slots, and with the peer replica (several nodes) one peer's slot more: 3x the
+    per-rank state."""
+    from dataclasses import replace
+
+    p = planner.memory_plan(
+        memory_cost=0.002, disk_cost=2.0, mtbf=6 * HOUR, step_time=1.0, memory_fraction=0.9
+    )
+    text = planner.format_memory_plan(replace(p, memory_bytes=2 << 30))
+    assert "it holds 2.00 GiB per rank (2 slots)" in text, text
+    assert "3.00 GiB per rank with the peer replica (3x the per-rank state)" in text, text
+
+
 def test_plan_measures_the_memory_tier_from_the_run(tmp_path, capsys):
     """issue 25 item 4: `unbroken plan --run-dir` takes the memory tier's measured cost
     (the Checkpointer's `saved` events carry the mean publish stall), the step time (saved

@@ -327,7 +327,8 @@ class MemoryPlan:
     goodput_disk_only: float
     """First-order goodput with the disk tier alone at Young's interval."""
     memory_bytes: int | None = None
-    """What the memory tier holds per rank (two slots), when measured."""
+    """What the memory tier holds per rank (two slots), when measured; with the peer
+    replica (several nodes) each rank also keeps one peer's slot: 1.5x that."""
 
 
 def _waste(c_m: float, t_m: float, c: float, t_d: float, f: float, m: float, r: float) -> float:
@@ -401,7 +402,13 @@ def _bytes(n: int) -> str:
 
 
 def format_memory_plan(p: MemoryPlan) -> str:
-    held = f"; it holds {_bytes(p.memory_bytes)} per rank (2 slots)" if p.memory_bytes else ""
+    held = (
+        f"; it holds {_bytes(p.memory_bytes)} per rank (2 slots), "
+        f"{_bytes(p.memory_bytes * 3 // 2)} per rank with the peer replica (3x the per-rank "
+        "state)"
+        if p.memory_bytes
+        else ""
+    )
     return "\n".join(
         [
             f"memory tier: cost c_m = {_dur(p.memory_cost)} per publish, covers "
