@@ -235,9 +235,9 @@ class PeerReplica:
     def offer(self, path: str) -> None:
         """A slot became complete (``path``): send it in the background. Never waits."""
         with self._cv:
-            self._offered += 1
-            if self.stopped is not None:
+            if self.stopped is not None or self.group is None:
                 return
+            self._offered += 1
             self._rounds += 1
             self._latest = path
             if self._thread is None:
@@ -261,6 +261,14 @@ class PeerReplica:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():  # stuck on a peer: leave its group alone
+                return
+        group, self.group = self.group, None
+        # as the checkpoint's own groups (collectives.Comm.destroy): torn down while the
+        # interpreter is intact; already gone with the script's destroy_process_group()
+        with contextlib.suppress(Exception):
+            if group is not None:
+                dist.destroy_process_group(group)
 
     def remove(self) -> None:
         """Delete the replica this rank keeps (a clean end: the disk tier holds as much)."""
