@@ -237,7 +237,7 @@ def test_when_the_peer_is_gone_the_sender_logs_once_and_stops(tmp_path) -> None:
     training and publishing to its own memory tier, its replica thread logs one WARNING and
     stops replicating (until the next rendezvous: a new process)."""
     tiers = [str(tmp_path / f"unbroken-{n}" / "job") for n in "AB"]
-    job = {"root": str(tmp_path / "ckpt"), "tiers": tiers, "out": str(tmp_path)}
+    job: dict[str, Any] = {"root": str(tmp_path / "ckpt"), "tiers": tiers, "out": str(tmp_path)}
     job["port"] = free_port()
     ctx = tmp_mp.start_processes(
         _gone_worker, args=(2, job), nprocs=2, start_method="spawn", join=False
