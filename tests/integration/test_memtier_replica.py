@@ -66,7 +66,7 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mine = _PerRank(-1.0)
     st = TrainState(model=model, optimizer=opt, extras={"mine": mine}, seed=1)
-    tier = job["tiers"][rank]
+    tier = job.get(f"{job['mode']}_tiers", job["tiers"])[rank]
     ck = Checkpointer(job["root"], st, every_steps=5, memory_every_steps=1, memory_dir=tier)
     out: dict[Any, Any] = {}
     if job["mode"] == "train":
@@ -136,6 +136,24 @@ def test_node_loss_restores_from_the_peer_replica(tmp_path) -> None:
     assert "memory tier missing on rank(s) [1]" in line[0], line
     # rank 1 keeps its state in its own memory tier again
     assert os.path.exists(os.path.join(tier_b, "rank-1", "slot-0"))
+
+
+def test_node_loss_with_ranks_renumbered_restores_from_the_copies_on_the_other_node(
+    tmp_path,
+) -> None:
+    """issue 25 peer replica item 2: the new rendezvous numbers the nodes differently: the
+    surviving node A now runs rank 1 and the replacement node (empty memory) rank 0. Node A
+    holds both states: rank 1's in its replica (copied into rank 1's slots on the node) and
+    rank 0's in the old rank-0 slots (sent to the new node). Both resume at step 7."""
+    job, trained = _train(tmp_path)
+    tier_a, tier_b = job["tiers"]
+    shutil.rmtree(os.path.dirname(tier_b))
+    fresh = str(tmp_path / "unbroken-C" / "job")
+    _run({**job, "mode": "load", "load_tiers": [fresh, tier_a]})
+    for r in range(2):
+        got = _result(job["out"], "load", r)
+        assert (got["step"], got["tier"]) == (7, "peer replica"), (r, got)
+        assert got["state"] == trained[r]["7"], (r, got, trained[r])
 
 
 @pytest.mark.parametrize("attack", ["planted", "symlink", "truncated", "flip"])

@@ -60,7 +60,7 @@ _MAGIC = 0x55425250  # "UBRP": the first word of every round's size message
 _TAG_SIZE, _TAG_HEAD, _TAG_BODY = 0x5501, 0x5502, 0x5503  # background rounds
 _TAG_FILL = 0x5511  # restore transfers (+0, +1, +2), never mixed with a round
 _MIN_BYTES = HEADER_BYTES + 8
-_NAME = re.compile(rf"{PREFIX}(0|[1-9][0-9]{{0,8}})")
+_NAME = re.compile(rf"({PREFIX}|rank-)(0|[1-9][0-9]{{0,8}})")
 
 
 def jump(world: int) -> int:
@@ -217,6 +217,7 @@ class PeerReplica:
         self._latest: str | None = None
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._files: dict[tuple[int, int], str] = {}  # restore: the copies this rank holds
 
     @classmethod
     def create(cls, directory: str, comm: Comm) -> PeerReplica | None:
@@ -358,25 +359,35 @@ class PeerReplica:
 
     # --- restore: the newest step every rank can load, replicas sent where needed ------------
 
-    def held(self) -> dict[int, int]:
-        """rank -> step of each replica in this directory that this process answers for
-        (``replica-of-<x>`` with ``x`` of this local rank's residue), header verified."""
+    def held(self) -> dict[tuple[int, int], str]:
+        """(rank, step) -> file, for every copy of another rank's state in this directory
+        that this process answers for (names with a rank ``x`` of this local rank's
+        residue): the replicas (``replica-of-<x>``, this rank's own included) and the slots
+        of other ranks' directories (``rank-<x>``: the node's ranks were renumbered at the
+        new rendezvous). Headers verified, this job's and naming ``x``."""
         lws = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
         local = int(os.environ.get("LOCAL_RANK", "0") or 0)
-        out: dict[int, int] = {}
+        out: dict[tuple[int, int], str] = {}
         try:
             names = os.listdir(self.directory)
         except OSError:
             return out
-        for name in names:
+        for name in sorted(names):
             m = _NAME.fullmatch(name)
-            if m is None or int(m.group(1)) >= self.world or int(m.group(1)) % lws != local:
+            if m is None or int(m.group(2)) >= self.world or int(m.group(2)) % lws != local:
                 continue
-            x = int(m.group(1))
-            head = _check(os.path.join(self.directory, name))
+            x = int(m.group(2))
+            if m.group(1) == PREFIX:
+                paths = [os.path.join(self.directory, name)]
+            elif x != self.rank:
+                paths = [os.path.join(self.directory, name, f"slot-{i}") for i in range(SLOTS)]
+            else:
+                continue  # this rank's own slots: the memory tier's own listing
             want = {**self.expect, "rank": x, "world": self.world}
-            if head is not None and all(head.meta.get(k) == v for k, v in want.items()):
-                out[x] = head.step
+            for path in paths:
+                head = _check(path)
+                if head is not None and all(head.meta.get(k) == v for k, v in want.items()):
+                    out.setdefault((x, head.step), path)
         return out
 
     def fill(
@@ -387,14 +398,14 @@ class PeerReplica:
         When the newest step every rank can load needs replicas, each rank lacking it
         receives its own from the peer that keeps it, into one of its slots. Returns (that
         step when every rank now holds it, else None; notes for the restore line)."""
-        held = self.held()
-        gathered = comm.gather((sorted(own), sorted(held.items()), ok))
+        self._files = self.held()
+        gathered = comm.gather((sorted(own), sorted(self._files), ok))
         owns = [set(o) for o, _, _ in gathered]
         holder: dict[tuple[int, int], int] = {}
         for h, (_, items, _) in enumerate(gathered):
             for q, s in items:
-                if q != h:  # a rank's own replica on its node is no second copy
-                    holder.setdefault((q, s), h)
+                if q == h or (q, s) not in holder:  # a copy on the rank's own node first
+                    holder[(q, s)] = h
         loadable = [
             owns[q] | ({s for (x, s) in holder if x == q} if gathered[q][2] else set())
             for q in range(self.world)
@@ -413,18 +424,23 @@ class PeerReplica:
         if bad:
             q, w = bad[0]
             return None, [f"peer replica of rank {q} (step {s}) is damaged: {w}"]
-        return s, [f"memory tier missing on rank(s) {need[:8]}: their peers' replicas sent"]
+        return s, [f"memory tier missing on rank(s) {need[:8]}: their copies on other nodes used"]
 
     def _transfer(self, store: SlotStore, step: int, plan: dict[int, int]) -> str | None:
         """Send each replica this rank keeps for a rank in ``plan`` (rank -> holder); receive
         this rank's own when it is in ``plan``. Three exchanges, each posted on every side
         before any waits (no pairing can deadlock): sizes, then the receiver's go-ahead
         (it checked the size fits), then the bytes. Returns why this rank's failed, or None."""
-        g, mine = self.group, sorted(q for q, h in plan.items() if h == self.rank)
+        g = self.group
+        mine = sorted(q for q, h in plan.items() if h == self.rank and q != self.rank)
+        h = plan.get(self.rank)
+        local: str | None = None
+        if h == self.rank:  # a copy of its own state on its node: no transfer
+            local, h = self._copy_own(store, self._files[(self.rank, step)], step), None
         outs: dict[int, _Outgoing] = {}
         for q in mine:
             with contextlib.suppress(OSError, PrivateDirError, SlotDamaged):
-                out = _Outgoing(os.path.join(self.directory, f"{PREFIX}{q}"))
+                out = _Outgoing(self._files[(q, step)])
                 if out.head.step == step:
                     outs[q] = out
                 else:
@@ -433,7 +449,6 @@ class PeerReplica:
             sizes = {q: _size_msg(step, outs[q].size if q in outs else 0) for q in mine}
             works = [dist.isend(t, q, group=g, tag=_TAG_FILL) for q, t in sizes.items()]
             got = torch.zeros(3, dtype=torch.int64)
-            h = plan.get(self.rank)
             if h is not None:
                 works.append(dist.irecv(got, h, group=g, tag=_TAG_FILL))
             _wait(works)
@@ -453,10 +468,34 @@ class PeerReplica:
             if h is not None and why is None:
                 why = self._receive_own(store, h, size)
             _wait(works)
-            return why
+            return why or local
         finally:
             for out in outs.values():
                 out.close()
+
+    def _copy_own(self, store: SlotStore, path: str, step: int) -> str | None:
+        """Copy this rank's state from another file on its node into one of its slots,
+        verified as a transfer is (:func:`receive_slot`)."""
+        try:
+            out = _Outgoing(path)
+        except (OSError, PrivateDirError, SlotDamaged) as e:
+            return f"{path}: {e}"
+        try:
+            if out.head.step != step:
+                return f"{path} changed (step {out.head.step})"
+
+            def recv(head: torch.Tensor, body: torch.Tensor) -> None:
+                head.copy_(out.parts[0])
+                body.copy_(out.parts[1])
+
+            store.forget()
+            want = {**self.expect, "rank": self.rank, "world": self.world}
+            receive_slot(store.slot_path(_free_slot(store)), out.size, recv, want)
+        except SlotDamaged as e:
+            return f"{os.path.basename(path)}: {e.reason}: {e.detail}"
+        finally:
+            out.close()
+        return None
 
     def _accept(self, store: SlotStore, got: torch.Tensor, h: int | None) -> tuple[int, str | None]:
         """The size a holder announced, and why it is not received (None: receive it)."""
