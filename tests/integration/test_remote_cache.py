@@ -981,3 +981,61 @@ def test_defaults_fit_a_small_cache_limit(
         "s3://data/fit", rank=0, world_size=1, cache=_cache(endpoint, tmp_path / "d", least)
     )
     assert sorted(s["__key__"] for s in _read_all(ds)) == [f"k{i:05d}" for i in range(N)]
+
+
+def _downloads_per_unit(cache: str, epoch: int) -> dict[int, int]:
+    """Downloads made for ``epoch`` (the event log's ``for_epoch``), per shard."""
+    out: dict[int, int] = {}
+    for e in read_events(cache):
+        if e["ev"] == "download" and e.get("for_epoch") == epoch:
+            out[e["shard"]] = out.get(e["shard"], 0) + 1
+    return out
+
+
+def test_the_padded_last_batch_downloads_nothing_again(endpoint: str, tmp_path: Any) -> None:
+    """issue 22 round 3 item 1: ``last_batch="pad"`` fills the last batch from positions whose
+    shards the cache still holds (the epoch's last window), not from the epoch's first ones
+    (evicted long before): with a cache of a third of the dataset, every unit is downloaded
+    once for epoch 0, and once for epoch 1. A run resumed inside the padded tail (its state
+    saved before the last, padded batch) makes that batch exactly as the whole run does."""
+    from unbroken.data.prepare.pack import pack
+    from unbroken.data.stream.loader import StatefulLoader
+
+    rng = np.random.default_rng(12)
+    want = [{"__key__": f"k{i:04d}", "bin": rng.bytes(3000)} for i in range(360)]
+    src = str(tmp_path / "src")
+    pack(iter(want), src, shard_size=10240, workers=1, fsync=False, progress=False)
+    m = DatasetManifest.load(src)
+    assert len(m.shards) >= 100
+    _upload(endpoint, src, "data", "pad")
+    cache = str(tmp_path / "c")
+    # 360 = 22 x 16 + 8: the last batch has 8 padded slots; window 24 -> 15 whole windows
+    kw: dict[str, Any] = {"seed": 3, "shuffle_window": 24, "rank": 0, "world_size": 1}
+    limit = m.total_bytes // 3 + 400_000
+    ds = StreamingDataset("s3://data/pad", cache=_cache(endpoint, cache, limit), **kw)
+    ld = StatefulLoader(ds, batch_size=16, last_batch="pad", collate_fn=list)
+    whole = [[s["__key__"] for s in b] for b in ld]
+    assert len(whole) == 23 and len(whole[-1]) == 16
+    real = [k for b in whole[:-1] for k in b] + whole[-1][:8]
+    assert sorted(real) == [s["__key__"] for s in want]  # every sample once, then the pad
+    assert set(whole[-1][8:]) <= set(whole[-2])  # the pad: the batch just before
+    assert any(e["ev"] == "evict" for e in read_events(cache))
+    again = {u: n for u, n in _downloads_per_unit(cache, 0).items() if n > 1}
+    assert again == {}, f"units downloaded twice for epoch 0: {again}"
+    assert set(_downloads_per_unit(cache, 0)) == set(range(len(m.shards)))
+    for _ in ld:  # epoch 1
+        pass
+    again = {u: n for u, n in _downloads_per_unit(cache, 1).items() if n > 1}
+    assert again == {}, f"units downloaded twice for epoch 1: {again}"
+
+    # resume inside the padded tail: the state after 22 batches, in a new loader
+    ld2 = StatefulLoader(ds, batch_size=16, last_batch="pad", collate_fn=list)
+    it = iter(ld2)
+    for _ in range(22):
+        next(it)
+    state = ld2.state_dict()
+    del it
+    assert (state["epoch"], state["samples_consumed"]) == (0, 352)
+    ld3 = StatefulLoader(ds, batch_size=16, last_batch="pad", collate_fn=list)
+    ld3.load_state_dict(state)
+    assert [[s["__key__"] for s in b] for b in ld3] == whole[-1:]
