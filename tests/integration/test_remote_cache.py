@@ -830,20 +830,28 @@ def test_every_get_is_ranged_to_the_recorded_size(endpoint: str, tmp_path: Any) 
     assert watcher.peak <= 10**6, watcher.peak
 
 
-def test_every_byte_the_cache_writes_counts_against_its_limit(endpoint: str, tmp_path: Any) -> None:
-    """Issue 20 item 10: with many small shards (a large dataset.json, many index records and
-    events), every file under cache_dir - shards, indexes, the manifest copy, the index of
-    the cache, its event log, locks, registrations - stays within cache_limit while two
-    epochs are read through it with evictions; the event log is bounded."""
+def _many_small_shards(
+    endpoint: str, tmp_path: Any, seed: int, prefix: str
+) -> tuple[list[dict[str, Any]], DatasetManifest]:
+    """360 samples of 3000 bytes in 10 KB shards (over 100), uploaded to ``data/<prefix>``."""
     from unbroken.data.prepare.pack import pack
 
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng(seed)
     want = [{"__key__": f"k{i:04d}", "bin": rng.bytes(3000)} for i in range(360)]
     src = str(tmp_path / "src")
     pack(iter(want), src, shard_size=10240, workers=1, fsync=False, progress=False)
     m = DatasetManifest.load(src)
     assert len(m.shards) >= 100
-    _upload(endpoint, src, "data", "small")
+    _upload(endpoint, src, "data", prefix)
+    return want, m
+
+
+def test_every_byte_the_cache_writes_counts_against_its_limit(endpoint: str, tmp_path: Any) -> None:
+    """Issue 20 item 10: with many small shards (a large dataset.json, many index records and
+    events), every file under cache_dir - shards, indexes, the manifest copy, the index of
+    the cache, its event log, locks, registrations - stays within cache_limit while two
+    epochs are read through it with evictions; the event log is bounded."""
+    want, m = _many_small_shards(endpoint, tmp_path, 11, "small")
     cache = str(tmp_path / "c")
     kw: dict[str, Any] = {"seed": 3, "shuffle_window": 12, "rank": 0, "world_size": 1}
     probe = StreamingDataset("s3://data/small", cache=_cache(endpoint, cache), **kw)
@@ -998,16 +1006,9 @@ def test_the_padded_last_batch_downloads_nothing_again(endpoint: str, tmp_path: 
     (evicted long before): with a cache of a third of the dataset, every unit is downloaded
     once for epoch 0, and once for epoch 1. A run resumed inside the padded tail (its state
     saved before the last, padded batch) makes that batch exactly as the whole run does."""
-    from unbroken.data.prepare.pack import pack
     from unbroken.data.stream.loader import StatefulLoader
 
-    rng = np.random.default_rng(12)
-    want = [{"__key__": f"k{i:04d}", "bin": rng.bytes(3000)} for i in range(360)]
-    src = str(tmp_path / "src")
-    pack(iter(want), src, shard_size=10240, workers=1, fsync=False, progress=False)
-    m = DatasetManifest.load(src)
-    assert len(m.shards) >= 100
-    _upload(endpoint, src, "data", "pad")
+    want, m = _many_small_shards(endpoint, tmp_path, 12, "pad")
     cache = str(tmp_path / "c")
     # 360 = 22 x 16 + 8: the last batch has 8 padded slots; window 24 -> 15 whole windows
     kw: dict[str, Any] = {"seed": 3, "shuffle_window": 24, "rank": 0, "world_size": 1}
