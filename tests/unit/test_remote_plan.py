@@ -83,3 +83,22 @@ def test_sizes_options_and_the_storage_fault_class() -> None:
     )
     first = next(r for r in DEFAULT_RULES if r.matches(text, None))
     assert first.fault == FaultClass.STORAGE
+
+
+def test_the_default_read_ahead_uses_the_room_beyond_the_window_being_read() -> None:
+    """issue 22 round 3 item 2: at the least limit (two windows plus one window's read-ahead,
+    what the defaults fitted to a 25% cache choose), the read-ahead was one window: the next
+    window's shards became targets only when the readers entered the current one, so all of
+    them downloaded in a burst (3 rounds of 4 GETs at 4 MB shards) that the readers caught up
+    with at every window boundary (measured: 25-78 waits per epoch, 0.4-1.6 s). The room the
+    limit holds for a second window is free whenever no reader straddles a boundary (and a
+    prefetch never evicts a unit needed sooner), so the default read-ahead is 3/4 of the room
+    beyond one window: 1.5 windows at the least limit, still at most 4 windows."""
+    from unbroken.data.stream.remote.plan import default_depth
+
+    b = 4 << 20
+    need = 36 * b  # 2 windows of 12 shards + 12 ahead (own files left out)
+    assert default_depth(12, need, need, b) == 18
+    assert default_depth(12, need + 8 * b, need, b) == (24 + 8) * 3 // 4
+    assert default_depth(12, need + 1000 * b, need, b) == 48
+    assert default_depth(12, None, need, b) == 12
