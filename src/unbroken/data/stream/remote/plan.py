@@ -233,11 +233,13 @@ def prefetch_targets(
     want: int,
     cap: int | None,
     unit_bytes: np.ndarray,
+    next_epoch: int | None = None,
 ) -> tuple[list[tuple[int, int]], int]:
     """The units read at position ``p`` of ``plan.epoch``, then the next ``want`` (at most
     ``cap`` bytes of them) in plan order, continuing into ``after()`` (the next epoch's plan)
-    near the end of this one: [(unit, absolute position of its first use)], and the next
-    position at which that set changes."""
+    near the end of this one, for at most ``next_epoch`` units of it (None: ``want``):
+    [(unit, absolute position of its first use)], and the next position at which that set
+    changes."""
     s = plan.length + 1
     cut = int(np.searchsorted(plan.lo, p, side="right"))
     cur = plan.uid[:cut][plan.hi[:cut] > p]
@@ -253,6 +255,8 @@ def prefetch_targets(
             if ahead is not plan:
                 break
             ahead, start = after(), 0
+            if next_epoch is not None:
+                want = min(want, got + next_epoch)
             continue
         stop = start + 4 * want + 64  # a slice at a time: plans can be long
         for u, lo in zip(
