@@ -410,9 +410,9 @@ class Partition:
     none twice inside the step when ``epoch_len >= G``); they lie in the epoch's last shuffle
     window, whose shards a remote dataset's node cache still holds - the epoch's *first*
     positions (DistributedSampler's padding) were evicted long before and would be
-    downloaded again (issue 22). ``"drop"`` drops those ``< G`` samples for this epoch, ``"short"`` yields a
-    shorter last step (ranks whose share is empty skip it, so use it only when ranks need
-    not stay in lockstep).
+    downloaded again (issue 22). ``"drop"`` drops those ``< G`` samples for this epoch,
+    ``"short"`` yields a shorter last step (ranks whose share is empty skip it, so use it
+    only when ranks need not stay in lockstep).
     """
 
     start: int
