@@ -390,7 +390,7 @@ def test_fsspec_path_gives_the_same_verified_results(
     _plant(endpoint, bucket, "f", data)
     _plant(endpoint, bucket, "long", data + b"z")
     local = tmp_path / "local"
-    local.mkdir()
+    local.mkdir(mode=0o700)  # written below: a local store's directory must be private
     (local / "f").write_bytes(data)
     (local / "long").write_bytes(data + b"z")
     opts = StoreOptions(**{**OPTS.__dict__, "client": "fsspec"})
@@ -660,6 +660,66 @@ def test_a_local_store_creates_its_directories_private(tmp_path: Any) -> None:
         mode = os.stat(tmp_path / d).st_mode & 0o777
         assert mode == 0o700, (d, oct(mode))
     assert (tmp_path / "arch/run/step-2/a/b.distcp").read_bytes() == data
+
+
+def test_a_local_archive_directory_not_ours_and_private_is_refused(tmp_path: Any) -> None:
+    """issue 22 round 3 item 3: an existing local archive directory (or one below it) made by
+    another user, a symlink, or one group or others can open (0777, 0755) is refused - by
+    ``Archive`` when it opens it, by the store before it writes into it - naming the path and
+    the fix; nothing is written there. Once ours and 0700 it is used."""
+    from unbroken.ckpt.archive.remote import Archive
+    from unbroken.common.fs import PrivateDirError
+
+    data = b"x" * 1000
+
+    def attack(root: Any, key: str = "step-1/manifest.json", where: Any = None) -> None:
+        if where is None:  # the root itself: Archive refuses to open it
+            where = root
+            with pytest.raises(PrivateDirError, match=rf"{where}: the archive directory"):
+                Archive(f"file://{root}")
+        store = open_store(f"file://{root}", None, OPTS)
+        for put in (
+            lambda: store.put_bytes(key, data),
+            lambda: store.put_file(
+                key, _local(tmp_path, data), size=len(data), checksum=checksum_bytes(data)
+            ),
+        ):
+            with pytest.raises((PrivateDirError, RemoteStorageError)) as ei:
+                put()
+            assert str(where) in str(ei.value) and "archive directory" in str(ei.value)
+        assert not os.path.exists(os.path.join(str(root), key))
+
+    for mode, fix in ((0o777, "chmod 700"), (0o755, "chmod 700"), (0o750, "chmod 700")):
+        d = tmp_path / f"open-{mode:o}"
+        d.mkdir()
+        os.chmod(d, mode)
+        attack(d)
+        with pytest.raises(PrivateDirError, match=rf"mode {mode:04o}; .*\({fix} {d}\)"):
+            Archive(f"file://{d}")
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(mine)
+    with pytest.raises(PrivateDirError, match=rf"{link}: the archive directory is a symlink"):
+        Archive(f"file://{link}")
+    attack(link)
+    if os.geteuid() == 0:  # a directory another uid made: the real attack
+        other = tmp_path / "other"
+        other.mkdir(mode=0o700)
+        os.chown(other, 65534, 65534)
+        attack(other)
+        with pytest.raises(PrivateDirError, match=r"owned by uid 65534 with mode 0700"):
+            Archive(f"file://{other}")
+        os.chmod(mine, 0o700)
+        (mine / "step-1").mkdir(mode=0o700)  # one below the root, planted by another user
+        os.chown(mine / "step-1", 65534, 65534)
+        attack(mine, where=mine / "step-1")
+        os.rmdir(mine / "step-1")
+    # ours and 0700: used
+    Archive(f"file://{mine}")
+    store = open_store(f"file://{mine}", None, OPTS)
+    store.put_bytes("step-1/manifest.json", data)
+    assert (mine / "step-1" / "manifest.json").read_bytes() == data
 
 
 def _local(tmp_path: Any, data: bytes) -> str:

@@ -154,9 +154,14 @@ def test_partition_covers_the_rest_of_the_epoch_exactly(n, start_frac, bs, world
         assert flat == rest[: (len(rest) // g) * g]
         assert all(len(s) == g for s in steps)
     else:
+        # issue 22 round 3 item 1: the padding repeats the positions just before the last
+        # step, newest first (the last window's: still cached), not the epoch's first ones
         extra = -len(rest) % g
-        assert flat == rest + [i % n for i in range(extra)]
+        last = start + (len(steps) - 1) * g
+        assert flat == rest + [(last - 1 - i) % n for i in range(extra)]
         assert all(len(s) == g for s in steps)
+        if n >= g:  # no position twice inside one global step
+            assert len(set(steps[-1])) == g
     parts = [Partition(start, n, bs, r, world, policy) for r in range(world)]
     if policy != "short":
         assert len({p.num_batches() for p in parts}) == 1  # ranks stay in lockstep
@@ -183,6 +188,42 @@ def test_resume_at_consumed_position_with_another_layout_gives_the_exact_remaind
     second = _global_run(n, consumed, bs2, w2, "short")
     seen = [p for s in first[:k] for p in s] + [p for s in second for p in s]
     assert seen == list(range(n))
+
+
+@_SETTINGS
+@given(
+    n=st.integers(1, 150),
+    bs=st.integers(1, 7),
+    world=st.integers(1, 4),
+    cut=st.floats(0, 1),
+    policy=st.sampled_from(["pad", "drop", "short"]),
+)
+def test_resume_with_the_same_layout_repeats_the_rest_of_the_run_padding_included(
+    n, bs, world, cut, policy
+):
+    """issue 22 round 3 item 1: resumed at any consumed position - mid-epoch or at the
+    padded last step - a run with the same layout makes the very steps the uninterrupted
+    run makes from there, padding included."""
+    whole = _global_run(n, 0, bs, world, policy)
+    k = int(cut * len(whole))
+    consumed = Partition(0, n, bs, 0, world, policy).consumed_after(k)
+    assert _global_run(n, consumed, bs, world, policy) == whole[k:]
+
+
+def test_the_padding_reads_the_last_window_not_the_first():
+    """issue 22 round 3 item 1: 100,096 positions for 100,000 samples (global batch 256):
+    the 96 padded slots repeat positions of the epoch's last window (read moments before,
+    their shards still in the node cache), never the epoch's first positions."""
+    n, g, window = 100_000, 256, 7_448
+    part = Partition(0, n, g)
+    pad = part.batch_positions(part.num_steps - 1)[n % g :]
+    assert pad.size == g - n % g
+    assert pad.min() >= (n - 1) // window * window  # the last window
+    assert len(set(pad.tolist()) | set(range(n - n % g, n))) == g  # distinct in its step
+    # resumed inside the padded tail (at its step, with two ranks): the same positions
+    two = [Partition(n - n % g, n, g // 2, r, 2) for r in range(2)]
+    got = sorted(p for r in two for p in r.batch_positions(0).tolist())
+    assert got == sorted(part.batch_positions(part.num_steps - 1).tolist())
 
 
 # --- mixture ---------------------------------------------------------------------------

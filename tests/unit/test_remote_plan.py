@@ -83,3 +83,44 @@ def test_sizes_options_and_the_storage_fault_class() -> None:
     )
     first = next(r for r in DEFAULT_RULES if r.matches(text, None))
     assert first.fault == FaultClass.STORAGE
+
+
+def test_the_default_read_ahead_uses_the_room_beyond_the_window_being_read() -> None:
+    """issue 22 round 3 item 2: at the least limit (two windows plus one window's read-ahead,
+    what the defaults fitted to a 25% cache choose), the read-ahead was one window: the next
+    window's shards became targets only when the readers entered the current one, so all of
+    them downloaded in a burst (3 rounds of 4 GETs at 4 MB shards) that the readers caught up
+    with at every window boundary (measured: 25-78 waits per epoch, 0.4-1.6 s). The room the
+    limit holds for a second window is free whenever no reader straddles a boundary (and a
+    prefetch never evicts a unit needed sooner), so the default read-ahead is 3/4 of the room
+    beyond one window: 1.5 windows at the least limit, still at most 4 windows."""
+    from unbroken.data.stream.remote.plan import default_depth
+
+    b = 4 << 20
+    need = 36 * b  # 2 windows of 12 shards + 12 ahead (own files left out)
+    assert default_depth(12, need, need, b) == 18
+    assert default_depth(12, need + 8 * b, need, b) == (24 + 8) * 3 // 4
+    assert default_depth(12, need + 1000 * b, need, b) == 48
+    assert default_depth(12, None, need, b) == 12
+
+
+def test_the_read_ahead_into_the_next_epoch_stays_one_window() -> None:
+    """issue 22 round 3 item 2: the deeper read-ahead (1.5 windows) stops at one window's
+    worth of the next epoch's units, as before: near an epoch's end, more of the next epoch
+    read early counted as this epoch's bytes (measured: 1.10-1.11x the dataset in epoch 1,
+    0.10x of it epoch 2's units) against the goal of <= 1.1x per epoch."""
+    from unbroken.data.stream.order import DatasetOrder
+    from unbroken.data.stream.remote.plan import prefetch_targets
+
+    counts = np.full(60, 100, dtype=np.int64)
+    order = DatasetOrder([counts], ["fp"], seed=0, shuffle_window=400)
+    ep0, ep1 = order.plan(0, {0: 0}), order.plan(1, {0: 0})
+    sizes = np.full(60, 1 << 20, dtype=np.int64)
+    s = order.length + 1
+    p = order.length - 50  # in the last window
+    deep, _ = prefetch_targets(ep0, lambda: ep1, p, 18, None, sizes, next_epoch=6)
+    nxt = [u for u, prio in deep if prio >= s]
+    assert len(nxt) == 6, deep
+    assert [u for u, _ in deep if _ >= s] == list(dict.fromkeys(ep1.uid.tolist()))[:6]
+    mid, _ = prefetch_targets(ep0, lambda: ep1, 1000, 18, None, sizes, next_epoch=6)
+    assert len(mid) > 6 and all(prio < s for _, prio in mid)  # mid-epoch: the whole depth

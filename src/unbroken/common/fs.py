@@ -265,11 +265,13 @@ class PrivateDirError(PermissionError):
     fix."""
 
 
-def private_dir(path: str, *, purpose: str = "directory") -> str:
+def private_dir(path: str, *, purpose: str = "directory", closed: bool = False) -> str:
     """Create ``path`` with mode 0700 (parents as ``makedirs`` would), or accept it if it
     already exists, is a real directory (not a symlink), is owned by this user and is not
-    writable by group or others. Anything else raises :class:`PrivateDirError` naming the
-    directory, its owner and mode, and the fix. Returns ``path``.
+    writable by group or others (``closed``: no access at all for them, mode 0700 - for
+    what others must not read either, e.g. checkpoints). Anything else raises
+    :class:`PrivateDirError` naming the directory, its owner and mode, and the fix. Returns
+    ``path``.
 
     ``purpose`` (``"run directory"``, ``"cache directory"``) makes the message say what the
     directory is for.
@@ -291,12 +293,17 @@ def private_dir(path: str, *, purpose: str = "directory") -> str:
         )
     uid = os.geteuid()
     mode = stat.S_IMODE(st.st_mode)
-    if st.st_uid != uid or mode & _GROUP_OR_WORLD_WRITABLE:
+    if st.st_uid != uid or mode & (0o077 if closed else _GROUP_OR_WORLD_WRITABLE):
         owner = "this user" if st.st_uid == uid else f"uid {st.st_uid}"
+        could, fix = (
+            ("read, plant or replace", "chmod 700")
+            if closed
+            else ("plant or replace", "chmod go-w")
+        )
         raise PrivateDirError(
             f"{path}: the {purpose} is owned by {owner} with mode {mode:04o}; other users could "
-            f"plant or replace files in it. Use a directory owned by uid {uid} that group and "
-            f"others cannot write (chmod go-w {path}), or pass another path"
+            f"{could} files in it. Use a directory owned by uid {uid} that group and others "
+            f"cannot {'open' if closed else 'write'} ({fix} {path}), or pass another path"
         )
     return path
 

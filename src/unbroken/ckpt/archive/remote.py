@@ -50,6 +50,7 @@ from unbroken.common.fs import (
     atomic_write_bytes,
     fsync_dir,
     is_local_fs,
+    private_dir,
 )
 from unbroken.common.objstore import StoreOptions, open_store
 from unbroken.common.objstore.base import run_parallel, share
@@ -101,6 +102,11 @@ class Archive:
             ) from e
         self.root: str = root.rstrip("/")
         self._local = is_local_fs(self.fs)
+        if self._local and os.path.lexists(self.root):
+            # read or written, a local archive must be this user's alone: another user's
+            # directory could hand us planted steps (issue 22 round 3 item 3); a missing one is
+            # made 0700 by the first upload
+            private_dir(self.root, purpose="archive directory", closed=True)
         # file transfers go through the object-store layer (obstore for s3/gs/az/http(s):
         # multipart PUTs, parallel ranged GETs, each file verified as its bytes pass)
         so = StoreOptions(retries=cfg.retries, backoff_s=cfg.backoff_s)

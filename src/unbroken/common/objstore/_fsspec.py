@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from unbroken.common.errors import ObjectMismatch, RemoteStorageError
-from unbroken.common.fs import hasher, is_local_fs
+from unbroken.common.fs import hasher, is_local_fs, private_dir
 from unbroken.common.objstore.base import ObjectStore, PastEnd
 from unbroken.common.objstore.options import StoreOptions
 
@@ -213,7 +213,7 @@ class FsspecStore(ObjectStore):
             return
 
         def publish(fs: Any) -> None:  # a filesystem write is not atomic: publish by rename
-            _private_dirs(path.rsplit("/", 1)[0])
+            _private_dirs(path.rsplit("/", 1)[0], self._open()[1])
             tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
             fs.pipe_file(tmp, data)
             fs.mv(tmp, path)
@@ -225,7 +225,7 @@ class FsspecStore(ObjectStore):
         fs = self._open()[0]
         target = path
         if self.local:
-            _private_dirs(path.rsplit("/", 1)[0])
+            _private_dirs(path.rsplit("/", 1)[0], self._open()[1])
             target = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         f = fs.open(target, "wb", block_size=self.options.part_bytes)
         try:
@@ -244,20 +244,31 @@ class FsspecStore(ObjectStore):
             fs.mv(target, path)
 
 
-def _private_dirs(path: str) -> None:
+def _private_dirs(path: str, root: str) -> None:
     """Create ``path`` and any missing parent 0700 whatever the umask (``os.makedirs`` gives
-    the parents the umask's mode): a local archive holds checkpoints, private like the local
-    checkpoint store."""
-    missing = []
-    while path and not os.path.isdir(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
+    the parents the umask's mode), then check the store's ``root`` and every directory below
+    it down to ``path``: a local archive holds checkpoints, so each must be a real directory
+    of this user's, mode 0700 (:func:`~unbroken.common.fs.private_dir`), else
+    :class:`~unbroken.common.fs.PrivateDirError` names it and the fix - an existing one made
+    by another user (or open to group and others) would let them read the checkpoints or
+    plant files beside them (issue 22 round 3 item 3)."""
+    chain = [path]
+    while chain[-1] != root and len(chain[-1]) > len(root):
+        chain.append(os.path.dirname(chain[-1]))
+    missing = []  # above the root: made 0700 where missing, not ours to judge otherwise
+    d = os.path.dirname(chain[-1])
+    while d and not os.path.isdir(d):
+        missing.append(d)
+        if os.path.dirname(d) == d:
             break
-        path = parent
+        d = os.path.dirname(d)
     for d in reversed(missing):
         with contextlib.suppress(FileExistsError):  # made meanwhile by another writer
             os.mkdir(d, 0o700)
+    for d in reversed(chain):  # each checked before anything is made inside it
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, 0o700)
+        private_dir(d, purpose="archive directory", closed=True)
 
 
 def _hash_fd(fd: int) -> str:

@@ -187,7 +187,7 @@ class LoaderConfig:
     batch_size: int = 1
     """samples per batch on this rank (count); the global batch is ``batch_size * world_size``."""
     last_batch: str = "pad"
-    """the epoch's last, partial global step: ``"pad"`` (repeat first samples: equal, full batches on every rank), ``"drop"``, ``"short"``."""
+    """the epoch's last, partial global step: ``"pad"`` (repeat the samples just before it: equal, full batches on every rank), ``"drop"``, ``"short"``."""
     on_dataset_change: str = "error"
     """a resume state saved on another dataset fingerprint: ``"error"`` refuses, ``"restart_epoch"`` restarts that epoch."""
     num_workers: int = 0

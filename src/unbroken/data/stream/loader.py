@@ -190,8 +190,9 @@ class StatefulLoader:
         if "drop_last" in overrides:
             raise TypeError(
                 "StatefulLoader() takes last_batch, not drop_last: drop_last=True is "
-                "last_batch='drop' (the other policies: 'pad', the default, repeats the epoch's "
-                "first samples so every rank gets full batches; 'short' keeps a short last batch)"
+                "last_batch='drop' (the other policies: 'pad', the default, repeats the samples "
+                "just before the last batch so every rank gets full batches; 'short' keeps a "
+                "short last batch)"
             )
         c = self.config = configure(LoaderConfig, config, overrides, owner="StatefulLoader")
         self.dataset = dataset

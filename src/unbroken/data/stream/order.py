@@ -405,11 +405,14 @@ class Partition:
     which is what every rank has delivered at an optimizer-step boundary.
 
     ``last_batch`` decides the final global step when ``epoch_len - start`` is not a multiple
-    of ``G``: ``"pad"`` fills it with the first positions of the epoch again (every rank gets
-    the same number of full batches, at most ``G-1`` samples repeat; DistributedSampler's
-    policy), ``"drop"`` drops those ``< G`` samples for this epoch, ``"short"`` yields a
-    shorter last step (ranks whose share is empty skip it, so use it only when ranks need
-    not stay in lockstep).
+    of ``G``: ``"pad"`` fills it with the positions just before that step again, the latest
+    first (every rank gets the same number of full batches, at most ``G-1`` samples repeat,
+    none twice inside the step when ``epoch_len >= G``); they lie in the epoch's last shuffle
+    window, whose shards a remote dataset's node cache still holds - the epoch's *first*
+    positions (DistributedSampler's padding) were evicted long before and would be
+    downloaded again (issue 22). ``"drop"`` drops those ``< G`` samples for this epoch,
+    ``"short"`` yields a shorter last step (ranks whose share is empty skip it, so use it
+    only when ranks need not stay in lockstep).
     """
 
     start: int
@@ -465,14 +468,17 @@ class Partition:
         return steps
 
     def batch_positions(self, step: int) -> np.ndarray:
-        """Epoch positions of this rank's batch at global ``step`` (padding wrapped to 0..)."""
+        """Epoch positions of this rank's batch at global ``step`` (the padded slots
+        ``epoch_len + j`` of the last step read position ``last - 1 - j``, ``last`` being
+        that step's first position: a function of the step alone, so a resume at any
+        consumed position pads the same)."""
         lo = self.start + step * self.global_batch + self.rank
         pos = lo + self.world_size * np.arange(self.batch_size, dtype=np.int64)
         pos = pos[pos < self.end]
         if self.last_batch == "pad" and pos.size and pos[-1] >= self.epoch_len:
-            pos = np.where(
-                pos >= self.epoch_len, (pos - self.epoch_len) % max(1, self.epoch_len), pos
-            )
+            last = self.start + (self.num_steps - 1) * self.global_batch
+            back = (last - 1 - (pos - self.epoch_len)) % max(1, self.epoch_len)
+            pos = np.where(pos >= self.epoch_len, back, pos)
         return pos
 
     def consumed_after(self, steps: int) -> int:

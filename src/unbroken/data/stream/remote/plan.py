@@ -87,15 +87,23 @@ def min_limit(
 
 
 def default_depth(window: int, limit: int | None, need: int, biggest: int) -> int:
-    """Prefetch depth when ``prefetch_shards`` is not given: one shuffle window's worth,
-    deepened to three quarters of the room the limit leaves beyond two windows (at most four
-    windows' worth). The quarter left free is what a reader's next shard is admitted into
-    without evicting a prefetched one. Measured on the issue-14 bench (cache = 25% of the
-    dataset): 9 -> 14 shards ahead, epoch 1 24k -> 28k samples/s, same bytes; the whole room
-    (19) downloaded 3-7% more and was no faster."""
+    """Prefetch depth when ``prefetch_shards`` is not given: three quarters of the room the
+    limit leaves beyond the one window the readers are in (``need``: :func:`min_limit` with
+    one window's read-ahead), at least one window's worth and at most four. The quarter left
+    free is what a reader's next shard is admitted into without evicting a prefetched one.
+
+    Beyond *one* window, not two: :func:`min_limit` holds room for a second window because
+    readers may straddle a window boundary, but that room is free whenever they do not, and a
+    prefetch never evicts a unit needed sooner (it waits for room instead). With one window of
+    read-ahead (the least limit, where defaults fitted to a small cache land) the next
+    window's shards became targets only as the readers entered the current one and came in
+    one burst the readers caught up with at every boundary (issue 22 round 3: 4 MB shards,
+    25% cache, 25-78 waits per epoch); 1.5 windows spreads them over the window before.
+    Measured on the issue-14 bench (cache = 25% of the dataset): 9 -> 14 shards ahead, epoch
+    1 24k -> 28k samples/s, same bytes; the whole room (19) downloaded 3-7% more."""
     if limit is None:
         return window
-    room = (limit - need) // max(biggest, 1) + window  # shards beyond two windows
+    room = (limit - need) // max(biggest, 1) + 2 * window  # shards beyond one window
     return int(min(max(window, room * 3 // 4), 4 * window))
 
 
@@ -225,11 +233,13 @@ def prefetch_targets(
     want: int,
     cap: int | None,
     unit_bytes: np.ndarray,
+    next_epoch: int | None = None,
 ) -> tuple[list[tuple[int, int]], int]:
     """The units read at position ``p`` of ``plan.epoch``, then the next ``want`` (at most
     ``cap`` bytes of them) in plan order, continuing into ``after()`` (the next epoch's plan)
-    near the end of this one: [(unit, absolute position of its first use)], and the next
-    position at which that set changes."""
+    near the end of this one, for at most ``next_epoch`` units of it (None: ``want``):
+    [(unit, absolute position of its first use)], and the next position at which that set
+    changes."""
     s = plan.length + 1
     cut = int(np.searchsorted(plan.lo, p, side="right"))
     cur = plan.uid[:cut][plan.hi[:cut] > p]
@@ -245,6 +255,8 @@ def prefetch_targets(
             if ahead is not plan:
                 break
             ahead, start = after(), 0
+            if next_epoch is not None:
+                want = min(want, got + next_epoch)
             continue
         stop = start + 4 * want + 64  # a slice at a time: plans can be long
         for u, lo in zip(
