@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from ckptkit import Blob, data_files, edit_manifest, flip, identical, read_manifest, step_dir
 from unbroken.ckpt import Checkpointer, TrainState
 from unbroken.ckpt.stats import LEGACY_STATS_ALGO, STATS_ALGO, tensor_stats
+from unbroken.cli import main
 
 
 def _big(n: int = 1 << 22, seed: int = 0) -> torch.Tensor:
@@ -204,3 +205,19 @@ def test_a_flip_in_a_zip_header_is_a_checksum_error_never_parsed_by_torch(
     assert got == 1 and torch.equal(blob.t, t * 0)
     assert (tmp_path / "corrupt-step-00000002-checksum").is_dir()
     assert data_files(str(tmp_path / "corrupt-step-00000002-checksum"))
+
+
+def test_restore_does_not_recompute_statistics_its_checksums_cover(tmp_path, capsys) -> None:
+    """issue 23 item 1: a ``chunked-f64`` manifest's statistics are a function of the very
+    bytes its checksums cover, so a restore whose checksums verify skips the statistics
+    pass: statistics that disagree with verified bytes can only come from a manifest
+    edited and re-signed. ``ckpt verify --deep`` still recomputes and compares them."""
+    t = _big(1 << 16)
+    d = _save(str(tmp_path), t)
+    (key,) = [k for k in read_manifest(d)["tensors"] if k.endswith("/t")]
+    edit_manifest(d, lambda m: m["tensors"][key]["stats"].update(norm=1.0))
+    got, blob = _restore(str(tmp_path), torch.zeros_like(t))
+    assert got == 1 and torch.equal(blob.t, t)
+    assert main(["ckpt", "verify", str(tmp_path), "--no-progress"]) == 0
+    assert main(["ckpt", "verify", str(tmp_path), "--no-progress", "--deep"]) == 1
+    assert "stats" in capsys.readouterr().out

@@ -823,13 +823,13 @@ def _per_file(fn: Any, m: CheckpointManifest, names: list[str]) -> list[Any]:
 
 
 def read_tensors(
-    directory: str, m: CheckpointManifest
+    directory: str, m: CheckpointManifest, *, with_stats: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float] | None]]:
     """Map and verify every tensor of an unsharded checkpoint we wrote.
 
     Each data file is memory-mapped read-only and checksummed in one sequential pass that
     reads ahead (a cold file is read while it is hashed), computing each tensor's statistics
-    on the way; files in parallel threads. Returns the tensors as READ-ONLY views into the
+    on the way (``with_stats``); files in parallel threads. Returns the tensors as READ-ONLY views into the
     mappings (zero-copy; the mapping lives as long as they do): callers must copy them into
     live tensors (:func:`fill`) or clone them, never hand them out (a write would fault);
     and the statistics computed (by the manifest's algorithm; the caller compares them).
@@ -838,7 +838,7 @@ def read_tensors(
     groups = _by_file(m, m.data_files)
 
     def one(name: str) -> Any:
-        return _read_verified(directory, name, m.files[name], m, groups[name])
+        return _read_verified(directory, name, m.files[name], m, groups[name], with_stats)
 
     views: dict[str, torch.Tensor] = {}
     stats: dict[str, dict[str, float] | None] = {}
