@@ -37,9 +37,9 @@ from unbroken.ckpt.manifest import (
     component_of,
 )
 from unbroken.ckpt.schema import SchemaError, check_state
-from unbroken.ckpt.stats import STATS_ALGO, stats_close, stats_match
+from unbroken.ckpt.stats import LEGACY_STATS_ALGO, STATS_ALGO, stats_close, stats_match
 from unbroken.ckpt.store import CorruptCheckpoint, Store
-from unbroken.ckpt.tensor_io import ChecksumError, read_tensors, verify_files
+from unbroken.ckpt.tensor_io import ChecksumError, read_tensors, tensor_checksum, verify_files
 from unbroken.common.fs import checksum_bytes
 
 __all__ = ["Verified", "check_fits", "load_verified", "read_checkpoint"]
@@ -91,12 +91,12 @@ def load_verified(
     :class:`CorruptCheckpoint` for any damage, never another exception type.
     ``every_rank``: also verify and decode every other rank's state file (what the ranks
     of a restore at the saved world size check between them; ``ckpt verify`` does this).
-    ``deep``: also recompute every tensor's statistics (``ckpt verify --deep``). A restore
-    does not: the statistics of a ``chunked-f64`` manifest were computed from the very
-    bytes its checksums cover, so once those match they can only disagree with a manifest
-    edited and re-signed (issue 23 item 1; ARCHITECTURE.md, "What the statistics add").
-    Legacy ``torch-v1`` statistics, computed apart from the written bytes, are always
-    checked."""
+    ``deep``: also recompute the per-tensor checksums (version 4) or statistics (version 3)
+    the manifest records (``ckpt verify --deep``). A restore does not: ``chunked-f64`` statistics were
+    computed from the very bytes the checksums cover, so once those match they can only
+    disagree with a manifest edited and re-signed (issue 23 item 1; ARCHITECTURE.md, "What
+    the statistics add"). Legacy ``torch-v1`` statistics, computed apart from the written
+    bytes, are always checked."""
     try:
         return _load_verified(store, step, rank, world, every_rank, deep)
     except (CorruptCheckpoint, KeyboardInterrupt, SystemExit):
@@ -170,7 +170,7 @@ def _load_verified(
     if m.sharded:
         verify_files(d, m, m.data_files[rank::world])
     else:
-        stats = deep or m.stats_algo != STATS_ALGO
+        stats = m.stats_algo == LEGACY_STATS_ALGO or (deep and m.stats_algo == STATS_ALGO)
         tensors, computed = read_tensors(d, m, with_stats=stats)
         for k, t in tensors.items() if stats else ():
             want = m.tensors[k].stats
@@ -181,6 +181,12 @@ def _load_verified(
             ):
                 raise CorruptCheckpoint(
                     step, "stats", f"tensor {k!r} in {d} does not match its recorded sum/norm"
+                )
+        for k, t in tensors.items() if deep else ():
+            want_sum = m.tensors[k].checksum  # version 4
+            if want_sum is not None and tensor_checksum(t) != want_sum:
+                raise CorruptCheckpoint(
+                    step, "checksum", f"tensor {k!r} in {d} does not match its recorded checksum"
                 )
     tree, rng, needed = _decode_state(step, d, mine, raw, m, world, budget)
     return Verified(step, m, tree, tensors, rng, needed)
