@@ -314,13 +314,21 @@ def test_disk_saves_record_the_memory_tiers_cost_for_the_planner(tmp_path, monke
     assert saved["memory_bytes"] > 0
 
 
-def test_the_loop_copies_and_the_tier_thread_completes_every_step(tmp_path) -> None:
+@pytest.mark.parametrize("big", [True, False], ids=["background", "small-inline"])
+def test_the_loop_copies_and_the_tier_thread_completes_every_step(
+    tmp_path, monkeypatch, big
+) -> None:
     """issue 25 speed item 3: at K=1 the loop pays for the copy into the slot only; the
-    checksum and header (what makes the slot complete) are written by the tier's thread.
-    A publish that comes while the previous one is still being completed waits for it:
-    no step is ever skipped (K=1 promises at most one step lost)."""
+    checksum and header (what makes the slot complete) are written by the tier's thread
+    (``big``: the size threshold lowered to 0; a slot below it is hashed in the loop,
+    cheaper than the hand-off). A publish that comes while the previous one is still being
+    completed waits for it: no step is ever skipped (K=1 promises at most one step lost)."""
     import threading
 
+    from unbroken.ckpt import memtier
+
+    if big:
+        monkeypatch.setattr(memtier, "BACKGROUND_BYTES", 0)
     root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
     st, m, opt, ck = _ckpt(root, tier)
     memory = ck._memory
@@ -335,5 +343,6 @@ def test_the_loop_copies_and_the_tier_thread_completes_every_step(tmp_path) -> N
     ck.wait()
     memory_steps = [s for s in range(1, 13) if s % 5]  # disk saves publish synchronously
     assert [s for s, _ in seen] == list(range(1, 13)), seen
-    assert all(name.startswith("unbroken-memtier") for s, name in seen if s in memory_steps)
+    where = "unbroken-memtier" if big else threading.current_thread().name
+    assert all(name.startswith(where) for s, name in seen if s in memory_steps), seen
     ck.close()
