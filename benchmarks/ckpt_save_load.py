@@ -450,9 +450,8 @@ def parts_table(b: Bench, repeats: int) -> dict[str, Any]:
     torch.set_num_threads(1)  # CPU per byte, not the box's share of two cores
     parts = {
         "xxh3 checksum of every byte (unbroken.common.fs.hasher)": digest,
-        "per-tensor sum + norm (unbroken.ckpt.stats.tensor_stats)": lambda: [
-            tensor_stats(t) for t in flat
-        ],
+        "per-tensor sum + norm (unbroken.ckpt.stats.tensor_stats; recorded up to "
+        "manifest version 3, none since)": lambda: [tensor_stats(t) for t in flat],
         "memcpy of the state into preallocated buffers": copy,
     }
     out: dict[str, Any] = {}
@@ -493,7 +492,11 @@ def report(b: Bench, rounds: list[dict[str, float]]) -> dict[str, Any]:
     )
     rname = min((f"ceil_read_{s}_cold" for s in b.streams), key=lambda k: med[k])
     rows = [
-        ("ub_save", "unbroken Checkpointer.save (fsync + xxh3 + stats + atomic commit)", "w"),
+        (
+            "ub_save",
+            "unbroken Checkpointer.save (fsync + xxh3 per file and per tensor + atomic commit)",
+            "w",
+        ),
         (f"dcp_save_t{t}", f"dcp.save, FileSystemWriter(thread_count={t}) (fsync)", "w"),
         ("dcp_save", "dcp.save, default writer: 1 thread (fsync)", "w"),
         ("torch_save", "torch.save (no fsync)", "w"),

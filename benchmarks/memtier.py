@@ -10,9 +10,11 @@ takes.
    the per-block ratios (load drifts slower than a pair of blocks). Overhead = on / off - 1.
 2. A ``--gib`` GiB state (4096x4096 float32 layers + AdamW moments, as
    benchmarks/ckpt_save_load.py): per publish, what the loop waits for (the snapshot copy:
-   ``last_blocked_seconds``) next to the async disk save's stall of the same state, and
-   the background publish (copy into the slot + xxh3). K = 1 costs the loop the stall plus
-   whatever of the publish a step does not hide (a step shorter than the publish waits).
+   ``last_blocked_seconds``: since issue 25 speed item 3, the copy of the live tensors
+   straight into the slot) next to the async disk save's stall of the same state, and the
+   background part (the slot's xxh3 and header, in the tier's thread). K = 1 costs the loop
+   the stall plus whatever of the background part a step does not hide (the next publish
+   waits for it).
 3. Restore of that state: from the memory tier (``restore()`` picks the slot: header
    all-gather, xxh3 of the payload, fit, rehearse, copy) vs a warm restore from the disk
    tier (files in the page cache; ``restore()`` with the tier off), same state, medians.

@@ -75,7 +75,7 @@ def test_crafted_metadata_with_a_dotted_global_runs_no_code(root, tmp_path, capl
     r, want = root
     marker = tmp_path / "PWNED"
     d = step_dir(r, 4)
-    for_dcp = {"sharded": True, "stats": None}  # what sharded tensors look like
+    for_dcp = {"sharded": True, "stats": None, "checksum": None}  # what sharded tensors look like
     edit_manifest(
         d, lambda m: [t.update(for_dcp) for k, t in m["tensors"].items() if "/model/" in k]
     )
@@ -106,8 +106,11 @@ MANIFEST_EDITS: dict[str, Callable[[dict[str, Any]], object]] = {
         length=_first_weight(m)["chunks"][0]["length"] - 64
     ),
     "rank-file": _other_rank_file,
-    "stats-no-norm": lambda m: _first_weight(m)["stats"].pop("norm"),
-    "stats-no-sum": lambda m: _first_weight(m)["stats"].pop("sum"),
+    # issue 23 item 2: format version 4 records no statistics; one that has some, or half
+    # of them, is damage
+    "stats-no-norm": lambda m: _first_weight(m).update(stats={"sum": 0.0}),
+    "stats-no-sum": lambda m: _first_weight(m).update(stats={"norm": 0.0}),
+    "stats-in-version-4": lambda m: _first_weight(m).update(stats={"sum": 0.0, "norm": 0.0}),
     "tensor-dropped": lambda m: m["tensors"].pop("components/model/0.weight"),
     "marked-sharded": lambda m: _first_weight(m).update(sharded=True),
     "shape-transposed": lambda m: _first_weight(m).update(shape=[16, 32]),

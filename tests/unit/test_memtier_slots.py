@@ -463,3 +463,32 @@ def test_encode_fast_path_is_the_same_encoding() -> None:
     assert got["m/w"] is flat["w"] and got["m/a%2Fb"] is flat["a/b"]
     back = codec.decode(json.loads(json.dumps(tree)), tensors)
     assert back["a"] == obj["a"] and back["b"] == (1, 2) and type(back["c"][0]) is np.float32
+
+
+def test_a_publish_in_flight_never_hides_the_last_complete_slot(tmp_path) -> None:
+    """issue 25 speed item 3: a publish is begin() (the copy, in the loop) and finish()
+    (checksum and header, in the tier's thread). Between the two the slot being written is
+    torn and the other one is the newest complete; a second begin() is refused; the slot
+    becomes complete in finish(), which calls ``on_complete`` once, and the next publish
+    goes into the other slot."""
+    st = _state()
+    sd, rng, tree, live = encode(st)
+    enc = codec.encode(rng, None)
+    store = SlotStore(str(tmp_path / "job"), rank=0)
+    done: list[tuple[str, int, int]] = []
+    store.on_complete = lambda path, step, gen: done.append((os.path.basename(path), step, gen))
+    store.publish(1, tree, enc, live)
+    assert done == [("slot-0", 1, 1)]
+    p = store.begin(2, tree, enc, live)
+    assert p.slot == 1 and done == [("slot-0", 1, 1)]
+    reader = SlotStore(str(tmp_path / "job"), rank=0)
+    snap, bad = reader.newest()
+    assert snap is not None and snap.step == 1 and [b.reason for b in bad] == ["torn"]
+    with pytest.raises(RuntimeError, match="not finished"):
+        store.begin(3, tree, enc, live)
+    assert store.finish(p).endswith("slot-1")
+    assert done[-1] == ("slot-1", 2, 2)
+    snap, bad = reader.newest()
+    assert snap is not None and snap.step == 2 and not bad
+    assert store.begin(3, tree, enc, live).slot == 0  # over step 1, never over step 2
+    store.close()

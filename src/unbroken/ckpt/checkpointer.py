@@ -112,9 +112,9 @@ class Checkpointer:
         if self._memory is not None and self.config.memory_replica:  # collective: a group
             from unbroken.ckpt.replica import PeerReplica
 
-            self._memory.replica = PeerReplica.create(self._memory.store.directory, self._comm)
-            if self._memory.replica is not None:
-                self._memory.replica.expect = {"root": self._memory.root}
+            replica = PeerReplica.create(self._memory.store.directory, self._comm)
+            if replica is not None:
+                self._memory.replicate(replica)
         # the slots go when the job ends with the disk tier holding as much (close(), or a
         # checkpointer dropped without it); a crash leaves them for the restart
         self._memory_done = (
@@ -255,20 +255,16 @@ class Checkpointer:
             )
 
     def _publish(self, memory: MemoryTier, step: int) -> None:
-        """The memory tier alone: snapshot as a save does, publish in the background."""
+        """The memory tier alone: the live tensors copied straight into a slot in the loop,
+        the slot's checksum and header written by the tier's thread (issue 25 speed item
+        3); a publish while the previous one is still checksummed waits for it."""
         if memory.published == step or memory.disabled:
             return
         self.state.check_saveable()
-        self.wait()
-        if memory.inline is None:  # decided once, from the state's size
-            memory.inline = _nbytes(encode(self.state)[3]) <= _INLINE_PUBLISH_BYTES
-        pool = None if memory.inline else self._pool
+        self.wait(memory=False)
         t0 = time.perf_counter()
-        job = self._saver.snapshot(step, self._snap if pool is not None else None, disk=False)
-        if pool is not None:
-            self._inflight = pool.submit(self._to_memory, memory, job)
-        else:
-            self._to_memory(memory, job)
+        job = self._saver.snapshot(step, None, disk=False)
+        memory.publish(job, self.state, background=True)
         self.last_blocked_seconds = time.perf_counter() - t0
         self._memory_stalls.append(self.last_blocked_seconds)
 
@@ -284,26 +280,15 @@ class Checkpointer:
             "memory_bytes": self._memory.store.nbytes(),
         }
 
-    def _to_memory(self, memory: MemoryTier, job: Job) -> str:
-        """Publish ``job`` into the memory tier; a failure there (tmpfs full) turns the
-        tier off with one WARNING, never stops training: the disk tier still saves."""
-        try:
-            memory.publish(job, self.state)
-        except OSError as e:
-            memory.disabled = str(e)
-            log.warning(
-                "memory tier off after a failed publish of step %d (%s); the disk tier "
-                "alone protects this job from now on",
-                job.step, e,
-            )  # fmt: skip
-        return memory.store.rank_dir
-
-    def wait(self) -> str | None:
+    def wait(self, *, memory: bool = True) -> str | None:
         """Block until the in-flight background save (if any) is committed; re-raise its
         error. Returns its directory. Also waits for the snapshot buffers allocated ahead of
-        the first save (see :meth:`maybe_save`)."""
+        the first save (see :meth:`maybe_save`) and (``memory``) for the memory tier's
+        publish in flight to be complete."""
         if self._prepared is not None:
             self._prepared.result()
+        if memory and self._memory is not None:
+            self._memory.wait()
         fut, self._inflight = self._inflight, None
         if fut is None:
             return None
@@ -331,7 +316,7 @@ class Checkpointer:
         """Commit ``job`` (:meth:`.Saver.commit`), then what follows a commit: the log
         line, the recovery event, retention and the archive upload (rank 0)."""
         if self._memory is not None:  # first: the memory tier is what a crash resumes from
-            self._to_memory(self._memory, job)
+            self._memory.publish(job, self.state)
         path, total = self._saver.commit(job)
         dt = time.perf_counter() - job.t0
         self._last_save_time = time.monotonic()
@@ -680,17 +665,6 @@ def _open_archive(cfg: ArchiveConfig | None) -> tuple[Any, Any]:
 
     archive = Archive(cfg)
     return archive, BackgroundUploader(archive)
-
-
-# A memory-tier publish of a state this small runs in the loop, straight from the live
-# tensors: measured on the demo model (1.4 MB, 116 tensors, K = 1, 2 loaded cores), handing
-# it to the background thread cost +33 ms per step (thread hand-off and GIL contention)
-# against +8 ms inline; a large state's copy takes seconds and goes to the background.
-_INLINE_PUBLISH_BYTES = 32 << 20
-
-
-def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _close_memory(memory: MemoryTier, store: Store) -> None:

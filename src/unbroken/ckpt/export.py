@@ -256,12 +256,14 @@ def _dir_size(path: str) -> int:
 
 
 def verify_steps(
-    directory: str, step: int | None = None, *, progress: bool = True
+    directory: str, step: int | None = None, *, progress: bool = True, deep: bool = False
 ) -> list[StepVerdict]:
     """Run restore()'s verification and decoding (``load_verified``, without a model) on
     ``step`` or on every ``step-N`` directory, committed or not (a directory without a
     manifest is damage to restore() too), with every rank's state file checked as the ranks
-    of a same-size restore check them between them. Read-only: nothing is quarantined."""
+    of a same-size restore check them between them; ``deep``: every tensor's statistics
+    recomputed too (see :func:`~unbroken.ckpt.verify.load_verified`). Read-only: nothing is
+    quarantined."""
     from unbroken.ckpt.verify import load_verified
 
     store = Store(directory)
@@ -280,7 +282,7 @@ def verify_steps(
         for s in steps:
             t0 = time.perf_counter()
             try:
-                v = load_verified(store, s, every_rank=True)
+                v = load_verified(store, s, every_rank=True, deep=deep)
                 del v  # drop the read-only mappings at once
                 reason = detail = ""
             except CorruptCheckpoint as e:
@@ -293,11 +295,11 @@ def verify_steps(
 
 
 def verify_report(
-    directory: str, step: int | None = None, *, progress: bool = True
+    directory: str, step: int | None = None, *, progress: bool = True, deep: bool = False
 ) -> tuple[bool, str]:
     """:func:`verify_steps` as a table. Returns ``(all ok, text)``; raises
     :class:`~unbroken.common.errors.CheckFailed` when there is no step directory at all."""
-    verdicts = verify_steps(directory, step, progress=progress)
+    verdicts = verify_steps(directory, step, progress=progress, deep=deep)
     root = Store(directory).root
     if not verdicts:
         raise CheckFailed(f"{root}: no committed checkpoint to verify (no step-N directory)")

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from unbroken.ckpt.bounds import MAX_MANIFEST, Budget, TooCostly, load_json
-from unbroken.ckpt.stats import LEGACY_STATS_ALGO, STATS_ALGO, STATS_ALGOS
+from unbroken.ckpt.stats import LEGACY_STATS_ALGO, NO_STATS, STATS_ALGOS
 from unbroken.common.fs import CHECKSUM_ALGO, checksum_bytes
 
 __all__ = [
@@ -54,9 +54,11 @@ __all__ = [
 ]
 
 FORMAT = "unbroken-checkpoint"
-FORMAT_VERSION = 3
-"""3: ``stats_algo`` recorded (issue 23); 2: the manifest's own checksum; 1: neither."""
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+"""4: no statistics (``stats_algo: "none"``), a checksum per plain tensor (issue 23 item
+2); 3: ``stats_algo`` recorded
+(issue 23); 2: the manifest's own checksum; 1: neither."""
+READABLE_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 METADATA = ".metadata"  # DCP's own metadata (a pickle): checked, never unpickled by us
 DTYPES = (
@@ -173,6 +175,8 @@ class TensorEntry:
     rank: int | None = None
     """The rank whose own copy this is, for state that differed between ranks (saved per
     rank as ``rank<r>/<key>``); None for state saved once."""
+    checksum: str | None = None
+    """Version 4: the xxh3-128 of a plain tensor's bytes (None for a sharded one)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -192,6 +196,7 @@ class TensorEntry:
         }
         if self.rank is not None:
             d["rank"] = self.rank
+        d["checksum"] = self.checksum
         return d
 
 
@@ -214,9 +219,9 @@ class CheckpointManifest:
     save_seconds: float | None = None
     blocked_seconds: float | None = None
     version: int = FORMAT_VERSION
-    stats_algo: str = STATS_ALGO
-    """How the tensors' ``stats`` were computed (:mod:`unbroken.ckpt.stats`); manifests
-    written before it was recorded say nothing and mean ``torch-v1``."""
+    stats_algo: str = NO_STATS
+    """How the tensors' ``stats`` were computed (:mod:`unbroken.ckpt.stats`): ``"none"``
+    (version 4: none recorded); versions 1-2 say nothing and mean ``torch-v1``."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Fields this version does not know (a later minor addition), kept as read."""
 
@@ -298,18 +303,21 @@ class CheckpointManifest:
             d.get("checksum_algo", CHECKSUM_ALGO) == CHECKSUM_ALGO,
             f"checksum_algo is not {CHECKSUM_ALGO}",
         )
-        # Before version 3 the statistics were always torch-v1 (and not named).
+        # Before version 3 the statistics were always torch-v1 (and not named); version 4
+        # records none.
         stats_algo = d.get("stats_algo") if version >= 3 else LEGACY_STATS_ALGO
+        algos = [NO_STATS] if version >= 4 else list(STATS_ALGOS)
         v.require(
-            stats_algo in STATS_ALGOS,
-            f"stats_algo={stats_algo!r} is not one of {list(STATS_ALGOS)} (upgrade unbroken)",
+            stats_algo in algos,
+            f"stats_algo={stats_algo!r} is not one of {algos} for format version {version} "
+            "(upgrade unbroken)",
         )
 
         files = v.files(d.get("files"))
         ranks = v.ranks(d.get("ranks"), files, world)
         data_names = set(files) - set(ranks.values()) - {METADATA}
         tensors = {
-            k: v.tensor(k, t, files, data_names, version, world)
+            k: v.tensor(k, t, files, data_names, version, world, stats_algo != NO_STATS)
             for k, t in v.dict_(d.get("tensors"), "tensors").items()
         }
         v.disjoint(tensors, files)
@@ -432,6 +440,18 @@ class _Checker:
         )
         return float(x)
 
+    def tensor_checksum(
+        self, key: str, t: dict[str, Any], sharded: bool, version: int
+    ) -> str | None:
+        """Version 4: a plain tensor's checksum (required), none for a sharded one."""
+        checksum = t.get("checksum")
+        if version < 4:  # not recorded before version 4 (an edited-in one is not used)
+            return None
+        if sharded:
+            self.require(checksum is None, f"tensors[{key!r}] is sharded but has a checksum")
+            return None
+        return self.hex32(checksum, f"tensors[{key!r}].checksum")
+
     def hex32(self, x: Any, what: str) -> str:
         self.require(
             isinstance(x, str) and bool(_HEX32_RE.match(x)),
@@ -473,6 +493,7 @@ class _Checker:
         data_names: set[str],
         version: int,
         world: int,
+        with_stats: bool = True,
     ) -> TensorEntry:
         # Runs once per tensor of every manifest read (thousands per restore): plain type
         # checks, and a message only built on failure.
@@ -491,6 +512,9 @@ class _Checker:
         if type(sharded) is not bool:
             bad(f".sharded={sharded!r} is not true/false")
         stats = _stats(t.get("stats"), sharded, bad)
+        if stats is not None and not with_stats:
+            bad(" has stats, which its manifest's stats_algo 'none' says are not recorded")
+        checksum = self.tensor_checksum(key, t, sharded, version)
         raw = t.get("chunks")
         if type(raw) is not list or not raw:
             bad(".chunks is not a non-empty list")
@@ -512,7 +536,7 @@ class _Checker:
         if (split_key(key)[0] if key.startswith("rank") else None) != rank:
             # a rank's own copy (state that differed between ranks) is keyed rank<r>/, says r
             bad(f".rank={rank!r} does not match its key")
-        return TensorEntry(dtype, shape, sharded, stats, tuple(chunks), rank)
+        return TensorEntry(dtype, shape, sharded, stats, tuple(chunks), rank, checksum)
 
 
 Bad = Callable[[str], NoReturn]

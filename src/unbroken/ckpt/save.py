@@ -201,6 +201,7 @@ def _describe(
                 v["stats"],
                 tuple(chunks[k]),
                 v.get("rank"),  # set for a rank's own copy of state that differed
+                v["checksum"],
             )
             for k, v in meta.items()
         },

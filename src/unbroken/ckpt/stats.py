@@ -1,8 +1,12 @@
-"""Per-tensor statistics (sum and L2 norm) recorded in the manifest: a check of the restored
-values beyond the byte checksum (C-VERIFIED). The manifest names the algorithm
-(``stats_algo``), so statistics are always recomputed the way they were recorded:
+"""Per-tensor statistics (sum and L2 norm) that manifests of format versions 1-3 record.
+Since version 4 (issue 23 item 2) a save records none (``stats_algo: "none"``,
+:data:`NO_STATS`): they are a function of the bytes the file checksums already cover
+(ARCHITECTURE.md, "What the statistics add") and cost about as much CPU per byte as the
+checksum. The manifest names the algorithm (``stats_algo``), so recorded statistics are
+always recomputed the way they were recorded (``ckpt verify --deep``; ``torch-v1`` ones on
+every restore):
 
-* ``"chunked-f64"`` (:data:`STATS_ALGO`, written since issue 23): the tensor's elements in
+* ``"chunked-f64"`` (:data:`STATS_ALGO`, written by format version 3): the tensor's elements in
   chunks of :data:`CHUNK_BYTES`; each chunk reduced by torch (float32 and float64 in their
   own precision, 16- and 8-bit floats converted to float32 chunk by chunk, integers and bool
   to float64; numpy's pairwise sum and BLAS dot); the chunks' sums and sums of squares accumulated in float64. It runs over a
@@ -25,6 +29,7 @@ import torch
 __all__ = [
     "CHUNK_BYTES",
     "LEGACY_STATS_ALGO",
+    "NO_STATS",
     "STATS_ALGO",
     "STATS_ALGOS",
     "Stats",
@@ -36,6 +41,7 @@ __all__ = [
 
 STATS_ALGO = "chunked-f64"
 LEGACY_STATS_ALGO = "torch-v1"
+NO_STATS = "none"
 STATS_ALGOS = (STATS_ALGO, LEGACY_STATS_ALGO)
 CHUNK_BYTES = 1 << 20  # fits a core's L2 cache next to the checksum's state
 

@@ -2,10 +2,10 @@
 
 Writing goes through ``dcp.save`` (its planner, collectives and ``.metadata``) with a storage
 writer of our own per file: each tensor's ``torch.save`` framing is learnt without its bytes
-(``skip_data``), then its bytes go straight from the tensor to the file in 1 MiB pieces, each
-hashed (xxh3, no second read), written, and folded into the tensor's statistics while it is
-in the CPU cache; torch's zip writer, whose CRC-32 of every byte cost more CPU than the write
-itself, never sees them. Items start 64-byte aligned; the kernel's write-back is started as
+(``skip_data``), then its bytes go straight from the tensor to the file in 8 MiB pieces, each
+hashed (xxh3, no second read) and written (no statistics since manifest version 4: issue 23
+item 2); torch's zip writer, whose CRC-32 of every byte cost more CPU than the write itself,
+never sees them. Items start 64-byte aligned; the kernel's write-back is started as
 the bytes land, so the closing fsync waits for the tail only. The result is an ordinary DCP
 checkpoint: ``dcp.load``, ``torch.load`` and DCP's tools read it.
 
@@ -13,7 +13,8 @@ Reading never goes through DCP and never unpickles anything: item locations (fil
 range, chunk offsets and sizes) come from our JSON manifest (:mod:`unbroken.ckpt.manifest`).
 Each data file is memory-mapped read-only (opened with ``O_NOFOLLOW``) and checksummed in
 one sequential pass that keeps read-ahead in flight (a cold file is read while it is hashed)
-and computes each tensor's statistics on the way; files in parallel threads. Every stored
+and (for the statistics a version-3 manifest records, ``ckpt verify --deep``) computes each
+tensor's statistics on the way; files in parallel threads. Every stored
 chunk is then a zero-copy view of its storage record, located through the zip central
 directory of its ``torch.save`` blob. A foreign item layout falls back to
 ``torch.load(weights_only=True)`` of that item's bytes, checksummed first.
@@ -59,14 +60,15 @@ from torch.distributed.tensor import DTensor
 from unbroken.ckpt.bounds import TooCostly, pickle_cost
 from unbroken.ckpt.collectives import Comm
 from unbroken.ckpt.manifest import DTYPES, CheckpointManifest, Chunk, FileEntry, TensorEntry
-from unbroken.ckpt.stats import STATS_ALGO, Stats, tensor_bytes, tensor_stats
-from unbroken.common.fs import HashingWriter, hasher
+from unbroken.ckpt.stats import STATS_ALGO, Stats, tensor_bytes
+from unbroken.common.fs import HashingWriter, checksum_bytes, hasher
 
 __all__ = [
     "ChecksumError",
     "ItemLocation",
     "fill",
     "read_tensors",
+    "tensor_checksum",
     "verify_files",
     "write_tensors",
 ]
@@ -203,72 +205,69 @@ class _WriteBack:
 _KICK = 32 << 20
 
 
-def _write_tensor(
-    w: HashingWriter, t: torch.Tensor, acc: Stats | None, kick: Callable[[int], None]
-) -> bool:
-    """``torch.save(t)``'s bytes into ``w``, the storage written straight from ``t``: each
-    chunk hashed, written and (``acc``) folded into the statistics while it is in the CPU
-    cache; ``kick(bytes written)`` after each. False when ``t`` takes the plain
-    ``torch.save`` path (``acc`` left unfed)."""
+def _write_tensor(w: HashingWriter, t: torch.Tensor, kick: Callable[[int], None]) -> str:
+    """``torch.save(t)``'s bytes into ``w``, the storage written straight from ``t`` in
+    :data:`_SLICE` pieces, each hashed into the file's checksum and the tensor's own, then
+    written; ``kick(bytes written)`` after each. Returns the tensor's checksum
+    (:func:`tensor_checksum`)."""
     framing = _framing(t)
     data = tensor_bytes(t) if framing is not None else None
     if framing is None or data is None or len(data) != t.nbytes:
         torch.save(t, w)  # type: ignore[arg-type]  # HashingWriter is a binary file
-        return False
+        return tensor_checksum(t)
     head, tail = framing
+    own = hasher()
     w.write(head)
-    step = acc.chunk_bytes if acc is not None else _SLICE
-    for i in range(0, len(data), step):
-        piece = data[i : i + step]
+    for i in range(0, len(data), _SLICE):
+        piece = data[i : i + _SLICE]
+        own.update(piece)  # while the piece is in the CPU cache
         w.write(piece)
-        if acc is not None:
-            acc.add(piece)
         kick(w.tell())
     w.write(tail)
-    return True
+    return str(own.hexdigest())
+
+
+def tensor_checksum(t: torch.Tensor) -> str:
+    """The xxh3-128 of a tensor's bytes in C order (what manifest version 4 records per
+    plain tensor)."""
+    data = tensor_bytes(t.contiguous())
+    if data is None:
+        data = tensor_bytes(t.resolve_conj().resolve_neg().contiguous())
+    if data is None:
+        raise ValueError(f"cannot view a {t.dtype} tensor's bytes")
+    return checksum_bytes(data)
 
 
 class _Writer(FileSystemWriter):
     """DCP's file layout and metadata, with our own per-file writer: tensors written
-    straight (:func:`_write_tensor`), each file hashed as written, the statistics of every
-    plain tensor computed in the same pass. ``plain``: the unsharded tensors whose
-    statistics the manifest needs (DCP may have another rank write some of them)."""
+    straight (:func:`_write_tensor`), each file hashed as written (no statistics since
+    manifest version 4: issue 23 item 2)."""
 
-    def __init__(self, path: str, thread_count: int, plain: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, path: str, thread_count: int) -> None:
         super().__init__(
             path, single_file_per_rank=True, sync_files=True, thread_count=thread_count
         )
         self.fs: _HashingFileSystem = _HashingFileSystem()
         self.locations: list[ItemLocation] = []
-        self.plain = plain
-        self.stats: dict[str, dict[str, float] | None] = {}
+        self.checksums: dict[str, str] = {}
 
     def _write_data(self, planner: Any, file_queue: Any) -> torch.futures.Future[list[WriteResult]]:
         jobs = []
         while not file_queue.empty():
             jobs.append(file_queue.get_nowait())
-        mine = {wi.index.fqn for _, _, items in jobs for wi in items}
-        others = [k for k in self.plain if k not in mine]
         tasks: list[Callable[[], list[WriteResult]]] = [
             functools.partial(self._write_file, planner, *job) for job in jobs
         ]
-        if others:  # written by another rank: this rank still records their statistics
-            tasks.append(functools.partial(self._stats_of, others))
         results: list[WriteResult] = []
         if len(tasks) == 1:
             results = tasks[0]()
-        else:  # hashing, writing and torch's reductions release the GIL
+        else:  # hashing and writing release the GIL
             with ThreadPoolExecutor(len(tasks)) as pool:
                 for part in pool.map(lambda f: f(), tasks):
                     results += part
         fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         fut.set_result(results)
         return fut
-
-    def _stats_of(self, keys: list[str]) -> list[WriteResult]:
-        for k in keys:
-            self.stats[k] = tensor_stats(self.plain[k])
-        return []
 
     def _write_file(self, planner: Any, path: Any, name: str, items: list[Any]) -> list[Any]:
         out = []
@@ -282,13 +281,9 @@ class _Writer(FileSystemWriter):
                 if wi.type == WriteItemType.BYTE_IO:
                     w.write(data.getbuffer())
                 else:
-                    t = data.detach().cpu()
-                    fqn = wi.index.fqn
-                    acc = Stats(t.dtype) if wi.type == WriteItemType.TENSOR else None
-                    if _write_tensor(w, t, acc, kick) and acc is not None:
-                        self.stats[fqn] = acc.result()
-                    elif acc is not None:
-                        self.stats[fqn] = tensor_stats(t)
+                    got = _write_tensor(w, data.detach().cpu(), kick)
+                    if wi.type == WriteItemType.TENSOR:
+                        self.checksums[wi.index.fqn] = got
                 length = w.tell() - offset
                 out.append(WriteResult(wi.index, length, _StorageInfo(name, offset, length)))
             if self.sync_files:
@@ -358,12 +353,10 @@ def write_tensors(
 
     Returns ``(files, locations, meta)``: ``{file: (size, checksum)}`` of what *this rank*
     wrote, where each item landed (complete on the coordinator, rank 0 of ``group``), and
-    per-tensor dtype/shape/stats (:data:`~unbroken.ckpt.stats.STATS_ALGO`, computed in the
-    writing pass; a DTensor's global statistics would need collectives, so sharded items are
-    covered by the per-file checksums alone).
+    per-tensor dtype/shape/checksum (``stats`` None: manifest version 4 records none).
     """
-    plain = {k: v for k, v in tensors.items() if not isinstance(v, DTensor)}
-    writer = _Writer(directory, max(1, threads), plain)
+    plain = {k for k, v in tensors.items() if not isinstance(v, DTensor)}
+    writer = _Writer(directory, max(1, threads))
     with warnings.catch_warnings():  # single-process use is intended, not an accident
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
@@ -390,7 +383,10 @@ def write_tensors(
         k: {
             "dtype": str(v.dtype).removeprefix("torch."),
             "shape": list(v.shape),
-            "stats": writer.stats[k] if k in plain else None,
+            "stats": None,
+            "checksum": (
+                writer.checksums.get(k) or tensor_checksum(v.detach().cpu()) if k in plain else None
+            ),  # a plain tensor DCP had another rank write: hashed here
             "sharded": k not in plain,
         }
         for k, v in tensors.items()
@@ -823,13 +819,13 @@ def _per_file(fn: Any, m: CheckpointManifest, names: list[str]) -> list[Any]:
 
 
 def read_tensors(
-    directory: str, m: CheckpointManifest
+    directory: str, m: CheckpointManifest, *, with_stats: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, float] | None]]:
     """Map and verify every tensor of an unsharded checkpoint we wrote.
 
     Each data file is memory-mapped read-only and checksummed in one sequential pass that
     reads ahead (a cold file is read while it is hashed), computing each tensor's statistics
-    on the way; files in parallel threads. Returns the tensors as READ-ONLY views into the
+    on the way (``with_stats``); files in parallel threads. Returns the tensors as READ-ONLY views into the
     mappings (zero-copy; the mapping lives as long as they do): callers must copy them into
     live tensors (:func:`fill`) or clone them, never hand them out (a write would fault);
     and the statistics computed (by the manifest's algorithm; the caller compares them).
@@ -838,7 +834,7 @@ def read_tensors(
     groups = _by_file(m, m.data_files)
 
     def one(name: str) -> Any:
-        return _read_verified(directory, name, m.files[name], m, groups[name])
+        return _read_verified(directory, name, m.files[name], m, groups[name], with_stats)
 
     views: dict[str, torch.Tensor] = {}
     stats: dict[str, dict[str, float] | None] = {}

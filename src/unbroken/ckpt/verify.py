@@ -37,9 +37,9 @@ from unbroken.ckpt.manifest import (
     component_of,
 )
 from unbroken.ckpt.schema import SchemaError, check_state
-from unbroken.ckpt.stats import stats_close, stats_match
+from unbroken.ckpt.stats import LEGACY_STATS_ALGO, STATS_ALGO, stats_close, stats_match
 from unbroken.ckpt.store import CorruptCheckpoint, Store
-from unbroken.ckpt.tensor_io import ChecksumError, read_tensors, verify_files
+from unbroken.ckpt.tensor_io import ChecksumError, read_tensors, tensor_checksum, verify_files
 from unbroken.common.fs import checksum_bytes
 
 __all__ = ["Verified", "check_fits", "load_verified", "read_checkpoint"]
@@ -79,14 +79,26 @@ class Verified:
 
 
 def load_verified(
-    store: Store, step: int, *, rank: int = 0, world: int = 1, every_rank: bool = False
+    store: Store,
+    step: int,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    every_rank: bool = False,
+    deep: bool = False,
 ) -> Verified:
     """Read, fully verify and decode ``step`` for ``rank`` of ``world``; raises
     :class:`CorruptCheckpoint` for any damage, never another exception type.
     ``every_rank``: also verify and decode every other rank's state file (what the ranks
-    of a restore at the saved world size check between them; ``ckpt verify`` does this)."""
+    of a restore at the saved world size check between them; ``ckpt verify`` does this).
+    ``deep``: also recompute the per-tensor checksums (version 4) or statistics (version 3)
+    the manifest records (``ckpt verify --deep``). A restore does not: ``chunked-f64`` statistics were
+    computed from the very bytes the checksums cover, so once those match they can only
+    disagree with a manifest edited and re-signed (issue 23 item 1; ARCHITECTURE.md, "What
+    the statistics add"). Legacy ``torch-v1`` statistics, computed apart from the written
+    bytes, are always checked."""
     try:
-        return _load_verified(store, step, rank, world, every_rank)
+        return _load_verified(store, step, rank, world, every_rank, deep)
     except (CorruptCheckpoint, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:
@@ -136,7 +148,9 @@ def _read_checked(directory: str, name: str, want: FileEntry) -> bytes:
     return raw
 
 
-def _load_verified(store: Store, step: int, rank: int, world: int, every_rank: bool) -> Verified:
+def _load_verified(
+    store: Store, step: int, rank: int, world: int, every_rank: bool, deep: bool
+) -> Verified:
     budget = Budget(store.file_bytes(step))  # what parsing its files may cost (T-BOUNDED)
     m = store.read_manifest(step, budget)
     d = store.step_dir(step)
@@ -156,8 +170,9 @@ def _load_verified(store: Store, step: int, rank: int, world: int, every_rank: b
     if m.sharded:
         verify_files(d, m, m.data_files[rank::world])
     else:
-        tensors, computed = read_tensors(d, m)
-        for k, t in tensors.items():
+        stats = m.stats_algo == LEGACY_STATS_ALGO or (deep and m.stats_algo == STATS_ALGO)
+        tensors, computed = read_tensors(d, m, with_stats=stats)
+        for k, t in tensors.items() if stats else ():
             want = m.tensors[k].stats
             if not (
                 stats_close(want, computed[k], t.numel())
@@ -166,6 +181,12 @@ def _load_verified(store: Store, step: int, rank: int, world: int, every_rank: b
             ):
                 raise CorruptCheckpoint(
                     step, "stats", f"tensor {k!r} in {d} does not match its recorded sum/norm"
+                )
+        for k, t in tensors.items() if deep else ():
+            want_sum = m.tensors[k].checksum  # version 4
+            if want_sum is not None and tensor_checksum(t) != want_sum:
+                raise CorruptCheckpoint(
+                    step, "checksum", f"tensor {k!r} in {d} does not match its recorded checksum"
                 )
     tree, rng, needed = _decode_state(step, d, mine, raw, m, world, budget)
     return Verified(step, m, tree, tensors, rng, needed)

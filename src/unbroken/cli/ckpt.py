@@ -26,7 +26,7 @@ def _inspect(a: argparse.Namespace) -> int:
 def _verify(a: argparse.Namespace) -> int:
     from unbroken.ckpt.export import verify_report
 
-    ok, report = verify_report(a.dir, a.step, progress=not a.no_progress)
+    ok, report = verify_report(a.dir, a.step, progress=not a.no_progress, deep=a.deep)
     print(report)
     return 0 if ok else 1
 
@@ -77,12 +77,18 @@ def add_ckpt(sub: Sub) -> None:
         "verify",
         "restore()'s full verification, read-only; exit 1 on damage",
         "unbroken ckpt verify /ckpt",
-        "Runs restore()'s own checks (manifest, paths, sizes, checksums, statistics, "
-        "decoding) on every step-N directory, or on --step; nothing is moved or deleted.",
+        "Runs restore()'s own checks (manifest, paths, sizes, checksums, decoding) on every "
+        "step-N directory, or on --step; nothing is moved or deleted.",
         func=_verify,
     )
     p.add_argument("dir", help="checkpoint root")
     _step(p, "default: every step-N directory")
+    p.add_argument(
+        "--deep",
+        action="store_true",
+        help="also recompute every tensor's sum and norm and compare them with the manifest's "
+        "(restore skips this: they are computed from the bytes the checksums already cover)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     p = add_command(
