@@ -113,6 +113,7 @@ def main() -> None:
     ap.add_argument("--stop-file", default=None)
     ap.add_argument("--refuse-restore", action="store_true")
     ap.add_argument("--memory-every", type=int, default=None)
+    ap.add_argument("--ignore-sigterm", action="store_true")  # until torchrun's SIGKILL
     a = ap.parse_args()
     if a.stderr_noise:
         print(a.stderr_noise, file=sys.stderr, flush=True)
@@ -124,7 +125,7 @@ def main() -> None:
             os._exit(143)
         preempted.append(signum)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if a.ignore_sigterm else on_sigterm)
     install()  # stack dumps work from here on: a hang in init_process_group included
     dist.init_process_group("gloo")
     t_pg = time.time()
