@@ -22,10 +22,15 @@ does when the job cannot take it (``RestoreRefused``).
 every K steps (issue 25), into the directory ``unbroken run`` names in ``UNBROKEN_MEMORY_TIER``.
 ``--stop-file PATH``: the job finishes after the first step at which PATH exists (the ranks
 agree on that step by an all-reduce), so a test decides when it has seen enough.
+``--ignore-sigterm``: the worker ignores SIGTERM (it ends only by torchrun's SIGKILL).
+``startup`` also carries ``cpu_start``/``cpu_restored`` (this process's CPU-seconds, all
+threads) and ``runq_start``/``runq_restored`` (seconds its threads waited for a CPU,
+``/proc/self/task/*/schedstat``): the load's own cost, apart from the box's load.
 
     torchrun ... elastic_train.py --ckpt DIR --metrics FILE --steps N [--save-every K]
         [--sleep S] [--raise-at STEP] [--ckpt-kind unbroken|file] [--linger S]
         [--stderr-noise TEXT] [--stop-file PATH] [--refuse-restore] [--memory-every K]
+        [--ignore-sigterm]
 """
 
 from __future__ import annotations
@@ -33,6 +38,24 @@ from __future__ import annotations
 import time
 
 T_START = time.time()
+CPU_START = time.process_time()
+
+
+def _runq() -> float:
+    """Seconds this process's threads have waited on a run queue (0.0 where unknown)."""
+    import os
+
+    total = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return total / 1e9
+
+
+RUNQ_START = _runq()
 
 import argparse  # noqa: E402 - the start time is taken before the imports it measures
 import io  # noqa: E402
@@ -161,6 +184,8 @@ def main() -> None:
     if rank != 0 and int(start[0]) >= 0:  # these ranks "loaded" through the broadcast
         mark("loaded", step=int(start[0]), seconds=time.perf_counter() - t0)
     times = {"t_start": T_START, "imported": T_IMPORTED, "pg": t_pg, "restored": time.time()}
+    times.update(cpu_start=CPU_START, cpu_restored=time.process_time())
+    times.update(runq_start=RUNQ_START, runq_restored=_runq())
     start.clamp_(min=0)
     try:
         train(a, model, opt, metrics, ckpt, int(start[0]), preempted, times)
