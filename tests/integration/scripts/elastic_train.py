@@ -24,8 +24,8 @@ every K steps (issue 25), into the directory ``unbroken run`` names in ``UNBROKE
 agree on that step by an all-reduce), so a test decides when it has seen enough.
 ``--ignore-sigterm``: the worker ignores SIGTERM (it ends only by torchrun's SIGKILL).
 ``startup`` also carries ``cpu_start``/``cpu_restored`` (this process's CPU-seconds, all
-threads) and ``runq_start``/``runq_restored`` (seconds its threads waited for a CPU,
-``/proc/self/task/*/schedstat``): the load's own cost, apart from the box's load.
+threads), ``run_*``/``runq_*`` (its main thread's seconds on a CPU and waiting for one,
+``/proc/self/schedstat``): the load's own cost, apart from the box's load.
 
     torchrun ... elastic_train.py --ckpt DIR --metrics FILE --steps N [--save-every K]
         [--sleep S] [--raise-at STEP] [--ckpt-kind unbroken|file] [--linger S]
@@ -41,21 +41,18 @@ T_START = time.time()
 CPU_START = time.process_time()
 
 
-def _runq() -> float:
-    """Seconds this process's threads have waited on a run queue (0.0 where unknown)."""
-    import os
-
-    total = 0
+def _sched() -> tuple[float, float]:
+    """(seconds on a CPU, seconds waiting for one) of this process's main thread
+    (``/proc/self/schedstat``; zeros where unknown)."""
     try:
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return total / 1e9
+        with open("/proc/self/schedstat") as f:
+            run, wait = f.read().split()[:2]
+        return int(run) / 1e9, int(wait) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
 
 
-RUNQ_START = _runq()
+SCHED_START = _sched()
 
 import argparse  # noqa: E402 - the start time is taken before the imports it measures
 import io  # noqa: E402
@@ -185,7 +182,9 @@ def main() -> None:
         mark("loaded", step=int(start[0]), seconds=time.perf_counter() - t0)
     times = {"t_start": T_START, "imported": T_IMPORTED, "pg": t_pg, "restored": time.time()}
     times.update(cpu_start=CPU_START, cpu_restored=time.process_time())
-    times.update(runq_start=RUNQ_START, runq_restored=_runq())
+    sched = _sched()
+    times.update(run_start=SCHED_START[0], run_restored=sched[0])
+    times.update(runq_start=SCHED_START[1], runq_restored=sched[1])
     start.clamp_(min=0)
     try:
         train(a, model, opt, metrics, ckpt, int(start[0]), preempted, times)

@@ -30,6 +30,7 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -128,9 +129,9 @@ class Agent:
     ) -> None:
         self.run_dir = run_dir
         self._tail: collections.deque[str] = collections.deque(maxlen=600)
-        self.closing: list[float] = []
-        """When torchrun said it was stopping a worker process (``Sending process N closing
-        signal``): every stop of its workers, whoever asked for it (the last 64)."""
+        self.closing: dict[int, float] = {}
+        """Worker process -> when torchrun said it was stopping it (``Sending process N
+        closing signal``): every stop of its workers, whoever asked for it (the last 256)."""
         self._echo = echo
         self._lock = threading.Lock()
         self.dir, self._log = self._open_log(number)
@@ -168,8 +169,10 @@ class Agent:
                 self._log.write(raw)
                 self._log.flush()
                 self._tail.append(line)
-                if _CLOSING in raw:
-                    self.closing = [*self.closing[-63:], time.time()]
+                said = _CLOSING.search(raw)
+                if said:
+                    kept = list(self.closing.items())[-255:]
+                    self.closing = {**dict(kept), int(said.group(1)): time.time()}
             if self._echo:
                 with contextlib.suppress(OSError, ValueError):
                     sys.stdout.write(line)
@@ -187,8 +190,13 @@ class Agent:
             self._log.close()
 
 
-_CLOSING = b"closing signal SIG"
+_CLOSING = re.compile(rb"Sending process (\d+) closing signal SIG")
 """torchrun's warning as it stops a worker (``multiprocessing/api.py``, ``_close``)."""
+
+
+_CONSOLE_LAG = 0.3
+"""Seconds a launcher that vanished without a report waits for torchrun's console to say
+it stopped it, before it counts as a failure (a SIGKILLed launcher: only ~0.3 s later)."""
 
 
 def kill_attempt(proc: subprocess.Popen[bytes], token: str) -> int:
@@ -229,6 +237,7 @@ class Attempt:
         self._agent_stop: tuple[float, float] | None = None
         """(its first worker's exit, when seen): torchrun stopped its workers by itself."""
         self._seen: dict[int, float] = {}  # launcher pid -> when first seen
+        self._gone_since: dict[int, float] = {}  # unreported launcher pid -> when found gone
         self._restarted = 0.0
         """When the last membership change was reported (its stop is old news after that)."""
         self._idle = False
@@ -291,7 +300,8 @@ class Attempt:
         if self._agent_stop is None and not self._stopping:
             # torchrun stopping its workers when nobody asked it to (a membership change),
             # also when no launcher gets to report it (SIGKILLed after torchrun's grace).
-            said = [t for t in self._agent.closing if t > max(self.t_launch, self._restarted)]
+            since = max(self.t_launch, self._restarted)
+            said = sorted(t for t in self._agent.closing.values() if t > since)
             if said:
                 self._agent_stop = (said[0], time.time())
         for e in self._events.read():
@@ -310,26 +320,39 @@ class Attempt:
         """The first rank that failed (not stopped, not a clean or preemption exit), or a
         launcher that vanished without reporting (only SIGKILL can do that)."""
         gone = [p for p in self._launchers if not is_alive(p)]  # before reading: no race
-        # Seen before these launchers were found gone: a launcher that died before torchrun
-        # stopped the others (e.g. SIGKILLed, so torchrun stops the rest) stays a failure.
-        agent_stopping = self._agent_stop is not None
         self._read_exits()
         failed = [x for x in self.exits if x.failed]
         if failed:
             return min(failed, key=lambda x: x.t)
         reported = {x.launcher for x in self.exits}
         for pid in gone:
-            if pid not in reported and agent_stopping:
-                # The agent is stopping its workers itself (membership change): one that
-                # outlived its grace was SIGKILLed by torchrun. Stopped, not failed.
+            if pid in reported:
+                continue
+            if self._stopped_by_agent(pid):
+                # torchrun stopped it by itself (a membership change) and it ended without
+                # a report: SIGTERMed before its handlers were up, or SIGKILLed after
+                # torchrun's grace. Stopped, not failed.
                 self.exits.append(self._vanished(pid, stopped=True))
-            elif pid not in reported:
+            elif (
+                self._gone_since.setdefault(pid, time.time()) > time.time() - _CONSOLE_LAG
+                and self.proc.poll() is None
+                and not self._idle
+            ):
+                continue  # torchrun's line about it may still be in the pipe: look again
+            else:
                 # Only SIGKILL ends a launcher without its report; its worker goes with it
                 # (the fork server kills it): the rank died of SIGKILL, a process fault.
                 x = self._vanished(pid, stopped=False)
                 self.exits.append(x)  # the evidence of the attempt: this rank's end
                 return x
         return None
+
+    def _stopped_by_agent(self, launcher: int) -> bool:
+        """torchrun named ``launcher`` in a "closing signal" line of this attempt while the
+        supervisor had stopped nothing (it stops a failed group's survivors that way too,
+        but never the rank that failed: that one has ended already)."""
+        t = self._agent.closing.get(launcher)
+        return t is not None and t > self.t_launch and not self._stopping
 
     def _vanished(self, launcher: int, stopped: bool) -> WorkerExit:
         return WorkerExit(
