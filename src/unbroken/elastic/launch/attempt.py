@@ -169,10 +169,10 @@ class Agent:
                 self._log.write(raw)
                 self._log.flush()
                 self._tail.append(line)
-                said = _CLOSING.search(raw)
-                if said:
+                said = _CLOSING.match(raw)
+                if said and int(said.group(1)) == self.proc.pid:
                     kept = list(self.closing.items())[-255:]
-                    self.closing = {**dict(kept), int(said.group(1)): time.time()}
+                    self.closing = {**dict(kept), int(said.group(2)): time.time()}
             if self._echo:
                 with contextlib.suppress(OSError, ValueError):
                     sys.stdout.write(line)
@@ -190,8 +190,10 @@ class Agent:
             self._log.close()
 
 
-_CLOSING = re.compile(rb"Sending process (\d+) closing signal SIG")
-"""torchrun's warning as it stops a worker (``multiprocessing/api.py``, ``_close``)."""
+_CLOSING = re.compile(rb"[IWE]\d{4} [\d:.]+ +(\d+) .*\] Sending process (\d+) closing signal SIG")
+"""torchrun's warning as it stops a worker (``multiprocessing/api.py``, ``_close``): its
+own log line (glog prefix with the agent's pid, checked), never a worker's teed output,
+which torchrun prefixes with ``[rankN]:`` (a job's print cannot pose as torchrun)."""
 
 
 _CONSOLE_LAG = 0.3
