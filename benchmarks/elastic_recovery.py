@@ -34,6 +34,11 @@ Phases, measured identically for every mode (K = the SIGKILL):
             restore; split below into imports / init_process_group / restore);
 - catch-up: -> a restarted worker beats the step reached before K.
 
+The load of each restarted rank is also split by where its time went: its CPU-seconds (all
+threads), and its main thread's time running, waiting for a CPU (run queue) and blocked
+(the rest), from the worker's own counters: like for like whatever else the box runs
+(issue 23).
+
 regain = the sum = K -> back where it was. Modes run interleaved (order rotated per repeat),
 so machine load hits all alike; the table shows medians and each mode's regain over the
 anchor's at the same kill moment, same run; the goals of issue 23 follow as PASS / FAIL.
@@ -88,6 +93,11 @@ GOAL_DETECT = 1.0
 STANDBY = "unbroken.elastic.launch.standby"
 PHASES = ("detect", "relaunch", "load", "catch_up", "regain")
 PARTS = ("imports", "pg_init", "restore", "first_step", "stop")
+# Where each restarted rank's load went (mean over the ranks, s): its CPU-seconds (all
+# threads); its main thread on a CPU, waiting for one (run queue), neither (blocked: I/O,
+# the other rank, ...). Equal CPU and blocked time with more run-queue wait = the box's
+# load, not the launcher.
+LOAD_SPLIT = ("load_cpu", "load_run", "load_runq", "load_blocked")
 HUNG_AFTER = 90.0
 # glog prefix of torchrun's own log lines: "W1201 15:03:36.758000 14822 file:line] msg"
 _GLOG = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+) ")
@@ -293,6 +303,19 @@ def _phases(
         restore=max(e["restored"] - e["pg"] for e in ups),
         first_step=max(e["first_step"] - e["restored"] for e in ups),
     )
+    if all("cpu_restored" in e for e in ups):
+        cpu = [e["cpu_restored"] - e["cpu_start"] for e in ups]
+        run = [e["run_restored"] - e["run_start"] for e in ups]
+        runq = [e["runq_restored"] - e["runq_start"] for e in ups]
+        wall = [e["restored"] - e["t_start"] for e in ups]
+        out.update(
+            load_cpu=statistics.fmean(cpu),
+            load_run=statistics.fmean(run),
+            load_runq=statistics.fmean(runq),
+            load_blocked=statistics.fmean(
+                w - r - q for w, r, q in zip(wall, run, runq, strict=True)
+            ),
+        )
     return out
 
 
@@ -368,6 +391,12 @@ def report(res: dict[str, list[dict[str, float]]], failed: dict[str, list[str]])
     for name, xs in res.items():
         if xs:
             print(f"| {name} | " + " | ".join(f"{_med(xs, k):.2f}" for k in PARTS) + " |")
+    print("\nwhere a restarted rank's load went (medians of the mean over ranks, s):")
+    print("| mode | CPU-s (all threads) | main thread: running | waiting for a CPU | blocked |")
+    print("|---|---|---|---|---|")
+    for name, xs in res.items():
+        if xs and all(k in xs[0] for k in LOAD_SPLIT):
+            print(f"| {name} | " + " | ".join(f"{_med(xs, k):.2f}" for k in LOAD_SPLIT) + " |")
     for name, xs in res.items():
         cost = [x for x in xs if "standby_rss_mb" in x]
         if cost:

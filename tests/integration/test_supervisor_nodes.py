@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -12,7 +13,9 @@ import pytest
 pytestmark = pytest.mark.timeout(300)
 
 
-def _start_node(start, tmp_path, name: str, port: int, sleep: float = 0.08, last_call: float = 0):
+def _start_node(
+    start, tmp_path, name: str, port: int, sleep: float = 0.08, last_call: float = 0, extra=()
+):
     sup = [f"--last-call-timeout={last_call:g}"] if last_call else []
     sup += [
         "--nnodes",
@@ -41,6 +44,7 @@ def _start_node(start, tmp_path, name: str, port: int, sleep: float = 0.08, last
         str(sleep),
         "--stop-file",
         str(tmp_path / "stop"),
+        *extra,
     ]
     job = start(str(tmp_path / f"run-{name}"), sup, script)
     h.wait_until(lambda: job.events("start"), 60, f"supervisor {name} up", job)
@@ -144,3 +148,47 @@ def test_spare_node_replaces_a_lost_one(tmp_path):
     recs = _check_log(tmp_path)
     assert recs[-1]["world_size"] == 2  # the spare took the lost node's place
     assert spare.events("workers_up"), "the spare never ran workers"
+
+
+@pytest.mark.parametrize(
+    "stubborn",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["saves-on-sigterm", "ignores-sigterm"],
+)
+def test_late_node_scale_up_is_membership_not_a_failure(tmp_path, stubborn):
+    """issue 23 item 2: a node that joins a running ``--nnodes 1:2`` job makes torchrun
+    restart the workers to admit it (a membership change). That is no fault: no failure
+    event, no restart consumed, and the run's recovery record has its own line for it
+    (fault ``membership``) with the time it cost. ``ignores-sigterm``: A's worker outlives
+    torchrun's 30 s grace, so torchrun SIGKILLs its launcher, which never reports (it was
+    recorded as process/killed, and node B then restarted as its "peer")."""
+    port = h.free_port()
+    extra = ["--ignore-sigterm"] if stubborn else []
+    with h.jobs() as start:
+        a = _start_node(start, tmp_path, "A", port, extra=extra)
+        _wait_world(tmp_path, 1, a)  # A trains alone (min 1 node)
+        t_join = time.time()
+        b = _start_node(start, tmp_path, "B", port, extra=extra)
+        _wait_world(tmp_path, 2, a, after=t_join)  # B admitted: both train
+        _stop(tmp_path)
+        assert a.wait(120) == 0, a.output()[-4000:]
+        assert b.wait(60) == 0, b.output()[-4000:]
+
+    assert a.events("failure") == [] and b.events("failure") == [], (
+        a.events("failure"),
+        b.events("failure"),
+    )
+    changes = a.events("membership")
+    assert changes, a.events()
+    assert changes[0]["change"] == "scale_up" and changes[0]["t"] >= t_join, changes
+    for job in (a, b):  # the restart bookkeeping, written on a failure: none consumed
+        path = os.path.join(job.run_dir, "supervisor.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                assert json.load(f)["restarts"] == 0, job.run_dir
+    recs = a.recoveries()
+    assert [r["fault"] for r in recs] == ["membership"], recs
+    assert recs[0]["relaunch"] is not None and recs[0]["load"] is not None, recs
+    assert "recovery phases" in a.output() and "membership" in a.output()
+    recs = _check_log(tmp_path)
+    assert recs[-1]["world_size"] == 2

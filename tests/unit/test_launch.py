@@ -550,3 +550,29 @@ def test_a_stop_signal_sent_before_a_forked_worker_resets_its_handlers_is_not_lo
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
     ).stdout.split()
     assert out == [str(int(signal.SIGTERM)), "server", "alive"], out
+
+
+def test_only_torchruns_own_closing_line_names_a_stopped_worker(tmp_path):
+    """issue 23 item 2: a launcher torchrun stopped by itself (a membership restart) is
+    told from a failure by torchrun's "Sending process N closing signal" line. Only the
+    agent's own log line counts: a worker's teed output (``[rankN]:`` prefix) or a line
+    with another process's glog pid cannot pose as torchrun and hide a failure."""
+    from unbroken.elastic.launch.attempt import Agent
+
+    line = "W1202 11:40:26.084000 {pid} x/api.py:1028] Sending process {n} closing signal SIGTERM"
+    code = textwrap.dedent(
+        f"""
+        import os
+        me = os.getpid()
+        print({line!r}.format(pid=me, n=111))
+        print("[rank0]:" + {line!r}.format(pid=me, n=222))
+        print({line!r}.format(pid=me + 1, n=333))
+        print("Sending process 444 closing signal SIGTERM")
+        """
+    )
+    agent = Agent(
+        0, str(tmp_path), [sys.executable, "-c", code], dict(os.environ), False, subprocess.DEVNULL
+    )
+    agent.proc.wait(timeout=60)
+    agent.close()
+    assert set(agent.closing) == {111}, agent.console()

@@ -11,7 +11,8 @@ T-SHARED-NODE): files 0600 (:data:`FILE_MODE`), directories 0700
 (:func:`private_subdir`), every fixed name opened without following a symlink.
 
 The event schema (start, preflight, standby, launch, agent_idle, workers_up, worker_exit,
-stop_group, loaded, restore_refused, saved, caught_up, failure, hang, stop, finish):
+stop_group, loaded, restore_refused, saved, caught_up, failure, membership,
+membership_caught_up, hang, stop, finish):
 ARCHITECTURE.md, "Design notes" > common > the event log.
 """
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unbroken.common.events import EVENTS_FILE, load_events
-from unbroken.elastic.recovery import phases
+from unbroken.elastic.recovery import MEMBERSHIP, phases
 
 __all__ = [
     "MIN_FAILURES",
@@ -155,7 +155,7 @@ def estimate_from_events(events: Sequence[dict[str, Any]]) -> dict[str, Any]:
     rank = min(ranks, key=lambda r: (r is None, r or 0)) if ranks else None
     times = sorted(e["t"] for e in saved if e.get("rank") == rank)
     gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > a]
-    recs = phases(events)
+    recs = [r for r in phases(events) if r.fault != MEMBERSHIP]  # a node joining is no failure
     restart = [
         r.detect + r.relaunch + r.load
         for r in recs

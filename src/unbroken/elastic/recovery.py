@@ -13,6 +13,15 @@ Phases of failure *i* (attempt ``a`` failed, attempt ``a+1`` recovers):
 ``loaded``/``caught_up`` of several ranks: the slowest rank ends the phase. Each record
 also names the tier the restart restored from (``loaded``'s ``tier``: memory, disk,
 archive) and the steps lost (the step reached before the failure less the step restored).
+
+A membership change (torchrun restarting the workers of a running attempt to admit a
+joining node, the supervisor's ``membership`` event) is no failure, but it costs the same
+phases, so it has a line of its own (fault :data:`MEMBERSHIP`) in the same attempt:
+
+    detect    t_detect - t_fail              torchrun stopped the workers -> supervisor saw it
+    relaunch  t_up - t_detect                -> the new workers appeared
+    load      loaded(after t_fail) - t_up    restore (the slowest rank)
+    catch_up  membership_caught_up - loaded  back at the step reached before the stop
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from typing import Any
 from unbroken.common.tables import cell, render_table
 
 __all__ = [
+    "MEMBERSHIP",
     "Recovery",
     "RunSummary",
     "format_summary",
@@ -35,6 +45,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+MEMBERSHIP = "membership"
+"""The ``fault`` of a record that is a membership change (a node joined), not a failure."""
 
 
 @dataclass(frozen=True)
@@ -88,18 +101,33 @@ def _last_of(events: Sequence[dict[str, Any]], name: str, attempt: int) -> dict[
     return max(first.values(), key=lambda e: e["t"]) if first else None
 
 
+def _membership_marks(
+    events: Sequence[dict[str, Any]], m: dict[str, Any]
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, dict[str, Any] | None]:
+    """(workers up, loaded, caught up) of the membership change ``m``: the new workers'
+    first events of its attempt after the stop (a ``workers_up``-like mark of ``t_up``)."""
+    attempt, t_fail = int(m["attempt"]), float(m["t_fail"])
+    after = [e for e in events if e.get("attempt") == attempt and e["t"] > t_fail]
+    up = {"t": float(m["t_up"])} if m.get("t_up") is not None else None
+    return up, _last_of(after, "loaded", attempt), _first(after, "membership_caught_up", attempt)
+
+
 def phases(events: Sequence[dict[str, Any]]) -> list[Recovery]:
-    """Per-failure recovery phases from a run's raw events (pure; see the module doc)."""
+    """Per-failure (and per membership change) recovery phases from a run's raw events, in
+    the order they happened (pure; see the module doc)."""
     out: list[Recovery] = []
-    failures = [e for e in events if e["event"] == "failure"]
-    for i, f in enumerate(failures):
-        nxt = int(f["attempt"]) + 1
-        up = _first(events, "workers_up", nxt)
-        loaded = _last_of(events, "loaded", nxt)
-        caught = _last_of(events, "caught_up", nxt)
+    records = [e for e in events if e["event"] in ("failure", "membership")]
+    for i, f in enumerate(sorted(records, key=lambda e: float(e["t_fail"]))):
+        if f["event"] == "membership":
+            up, loaded, caught = _membership_marks(events, f)
+        else:
+            nxt = int(f["attempt"]) + 1
+            up = _first(events, "workers_up", nxt)
+            loaded = _last_of(events, "loaded", nxt)
+            caught = _last_of(events, "caught_up", nxt)
         t_detect = float(f["t_detect"])
         relaunch = up["t"] - t_detect if up else None
-        load = loaded["t"] - up["t"] if (loaded and up) else None
+        load = max(0.0, loaded["t"] - up["t"]) if (loaded and up) else None
         catch_up: float | None = None
         if loaded and caught:
             catch_up = max(0.0, caught["t"] - loaded["t"])
@@ -122,7 +150,7 @@ def phases(events: Sequence[dict[str, Any]]) -> list[Recovery]:
             Recovery(
                 index=i,
                 attempt=int(f["attempt"]),
-                fault=str(f.get("fault", "?")),
+                fault=MEMBERSHIP if f["event"] == "membership" else str(f.get("fault", "?")),
                 reason=str(f.get("reason", "")),
                 step_at_failure=f.get("step"),
                 t_fail=float(f["t_fail"]),

@@ -171,6 +171,9 @@ class _Watch:
     warned: bool = False
     installed: dict[str, float] = field(default_factory=dict)
     """Beacon -> when first seen (workers may restart)."""
+    membership: tuple[int, set[int]] | None = None
+    """After a membership change: (the step reached before it, the old workers' pids)
+    until a new worker beats that step (``membership_caught_up``)."""
 
 
 class Supervisor:
@@ -409,6 +412,7 @@ class Supervisor:
             failed = att.failure()
             if failed is not None:
                 return self._stop_group(att, failed, mine)
+            self._membership(att, beats, mine, st)
             for b in beats:
                 self._max_step = max(self._max_step, b.step)
             self._maybe_prewarm(att, mine, st.t_up, now)
@@ -416,8 +420,57 @@ class Supervisor:
             hung = self._hung(mine, st, now)
             if hung:
                 return self._hang(att, mine, hung, now)
-            # Until the workers exist, look often: workers_up ends the relaunch phase.
-            att.wait(pids, w.poll_interval if st.t_up is not None else min(w.poll_interval, 0.05))
+            # Until the workers exist, look often: workers_up ends the relaunch phase (and
+            # the new workers' appearance ends a membership change's).
+            up = st.t_up is not None and not att.restarting()
+            att.wait(pids, w.poll_interval if up else min(w.poll_interval, 0.05))
+
+    def _membership(
+        self,
+        att: Attempt,
+        beats: list[heartbeat.BeatRecord],
+        mine: list[heartbeat.BeatRecord],
+        st: _Watch,
+    ) -> None:
+        """torchrun restarted the workers to admit a joining node (issue 23): a membership
+        change, not a failure (no restart counted, no classification); its own event, and
+        ``membership_caught_up`` once a new worker is back at the step reached before it."""
+        change = att.membership_change()
+        if change is not None:
+            t_stop, t_seen, t_up = change
+            old = {b.pid for b in beats if b.pid not in {m.pid for m in mine}}
+            step = max((b.step for b in beats if b.pid in old), default=-1)
+            reason = (
+                "torchrun restarted the workers to admit a node that joined the rendezvous "
+                "(a membership change: not a failure, no restart counted)"
+            )
+            self._event(
+                "membership",
+                attempt=att.number,
+                gen=att.gen,
+                change="scale_up",
+                t_fail=t_stop,
+                t_detect=t_seen,
+                t_up=t_up,
+                step=step if step >= 0 else None,
+                reason=reason,
+                restarts=self.tracker.restarts,
+            )
+            log.warning(
+                "attempt %d: %s; new workers up %.2f s after the stop",
+                att.number,
+                reason,
+                t_up - t_stop,
+            )
+            st.membership = (step, old) if step >= 0 else None
+        if st.membership is not None:
+            step, old = st.membership
+            back = [b for b in mine if b.pid not in old and b.step >= step]
+            if back:
+                self._event(
+                    "membership_caught_up", attempt=att.number, step=step, rank=back[0].rank
+                )
+                st.membership = None
 
     def _ended(self, att: Attempt, rc: int, now: float) -> _Outcome:
         """The agent exited with ``rc``."""

@@ -22,10 +22,15 @@ does when the job cannot take it (``RestoreRefused``).
 every K steps (issue 25), into the directory ``unbroken run`` names in ``UNBROKEN_MEMORY_TIER``.
 ``--stop-file PATH``: the job finishes after the first step at which PATH exists (the ranks
 agree on that step by an all-reduce), so a test decides when it has seen enough.
+``--ignore-sigterm``: the worker ignores SIGTERM (it ends only by torchrun's SIGKILL).
+``startup`` also carries ``cpu_start``/``cpu_restored`` (this process's CPU-seconds, all
+threads), ``run_*``/``runq_*`` (its main thread's seconds on a CPU and waiting for one,
+``/proc/self/schedstat``): the load's own cost, apart from the box's load.
 
     torchrun ... elastic_train.py --ckpt DIR --metrics FILE --steps N [--save-every K]
         [--sleep S] [--raise-at STEP] [--ckpt-kind unbroken|file] [--linger S]
         [--stderr-noise TEXT] [--stop-file PATH] [--refuse-restore] [--memory-every K]
+        [--ignore-sigterm]
 """
 
 from __future__ import annotations
@@ -33,6 +38,21 @@ from __future__ import annotations
 import time
 
 T_START = time.time()
+CPU_START = time.process_time()
+
+
+def _sched() -> tuple[float, float]:
+    """(seconds on a CPU, seconds waiting for one) of this process's main thread
+    (``/proc/self/schedstat``; zeros where unknown)."""
+    try:
+        with open("/proc/self/schedstat") as f:
+            run, wait = f.read().split()[:2]
+        return int(run) / 1e9, int(wait) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
+
+
+SCHED_START = _sched()
 
 import argparse  # noqa: E402 - the start time is taken before the imports it measures
 import io  # noqa: E402
@@ -113,6 +133,7 @@ def main() -> None:
     ap.add_argument("--stop-file", default=None)
     ap.add_argument("--refuse-restore", action="store_true")
     ap.add_argument("--memory-every", type=int, default=None)
+    ap.add_argument("--ignore-sigterm", action="store_true")  # until torchrun's SIGKILL
     a = ap.parse_args()
     if a.stderr_noise:
         print(a.stderr_noise, file=sys.stderr, flush=True)
@@ -124,7 +145,7 @@ def main() -> None:
             os._exit(143)
         preempted.append(signum)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if a.ignore_sigterm else on_sigterm)
     install()  # stack dumps work from here on: a hang in init_process_group included
     dist.init_process_group("gloo")
     t_pg = time.time()
@@ -160,6 +181,10 @@ def main() -> None:
     if rank != 0 and int(start[0]) >= 0:  # these ranks "loaded" through the broadcast
         mark("loaded", step=int(start[0]), seconds=time.perf_counter() - t0)
     times = {"t_start": T_START, "imported": T_IMPORTED, "pg": t_pg, "restored": time.time()}
+    times.update(cpu_start=CPU_START, cpu_restored=time.process_time())
+    sched = _sched()
+    times.update(run_start=SCHED_START[0], run_restored=sched[0])
+    times.update(runq_start=SCHED_START[1], runq_restored=sched[1])
     start.clamp_(min=0)
     try:
         train(a, model, opt, metrics, ckpt, int(start[0]), preempted, times)

@@ -6,8 +6,10 @@ process when one is ready (a standby: nothing of the failed agent carries over);
 rank failed and none is ready yet, the failed attempt's agent is kept (:meth:`Attempt.release`:
 its workers are killed, torchrun's ``main`` returns into the standby's order loop) and only
 the workers restart, as in torchrun's own in-agent restart (issue 23: no restart waits for
-a standby still importing). Membership changes (a spare joining) are still handled inside
-torchrun, which does not count them as restarts.
+a standby still importing). Membership changes (a node joining) are still handled inside
+torchrun, which does not count them as restarts: it stops the workers and starts new ones
+in the same attempt; :meth:`Attempt.membership_change` reports that, so the supervisor
+records it as what it is (issue 23: no failure).
 
 The agent is either a pre-warmed :class:`~.standby.Standby` (torch already imported, with a
 fork server for the workers, see :mod:`.forkserver`) or, as the fallback, a fresh
@@ -28,6 +30,7 @@ import collections
 import contextlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -126,6 +129,9 @@ class Agent:
     ) -> None:
         self.run_dir = run_dir
         self._tail: collections.deque[str] = collections.deque(maxlen=600)
+        self.closing: dict[int, float] = {}
+        """Worker process -> when torchrun said it was stopping it (``Sending process N
+        closing signal``): every stop of its workers, whoever asked for it (the last 256)."""
         self._echo = echo
         self._lock = threading.Lock()
         self.dir, self._log = self._open_log(number)
@@ -163,6 +169,10 @@ class Agent:
                 self._log.write(raw)
                 self._log.flush()
                 self._tail.append(line)
+                said = _CLOSING.match(raw)
+                if said and int(said.group(1)) == self.proc.pid:
+                    kept = list(self.closing.items())[-255:]
+                    self.closing = {**dict(kept), int(said.group(2)): time.time()}
             if self._echo:
                 with contextlib.suppress(OSError, ValueError):
                     sys.stdout.write(line)
@@ -178,6 +188,17 @@ class Agent:
         self._reader.join(timeout=2.0)
         with self._lock, contextlib.suppress(OSError):
             self._log.close()
+
+
+_CLOSING = re.compile(rb"[IWE]\d{4} [\d:.]+ +(\d+) .*\] Sending process (\d+) closing signal SIG")
+"""torchrun's warning as it stops a worker (``multiprocessing/api.py``, ``_close``): its
+own log line (glog prefix with the agent's pid, checked), never a worker's teed output,
+which torchrun prefixes with ``[rankN]:`` (a job's print cannot pose as torchrun)."""
+
+
+_CONSOLE_LAG = 0.3
+"""Seconds a launcher that vanished without a report waits for torchrun's console to say
+it stopped it, before it counts as a failure (a SIGKILLed launcher: only ~0.3 s later)."""
 
 
 def kill_attempt(proc: subprocess.Popen[bytes], token: str) -> int:
@@ -213,6 +234,14 @@ class Attempt:
         self._launchers: dict[int, int | None] = {}  # launcher pid -> its rank
         self._watch = PidWatch()
         self.killed_by_us = False
+        self._stopping = False
+        """The supervisor stopped (or killed) this attempt's workers."""
+        self._agent_stop: tuple[float, float] | None = None
+        """(its first worker's exit, when seen): torchrun stopped its workers by itself."""
+        self._seen: dict[int, float] = {}  # launcher pid -> when first seen
+        self._gone_since: dict[int, float] = {}  # unreported launcher pid -> when found gone
+        self._restarted = 0.0
+        """When the last membership change was reported (its stop is old news after that)."""
         self._idle = False
         targv = ["--log-dir", self.log_dir, *torchrun_argv]
         # A kept agent carries the last attempt's values: every order sets both.
@@ -264,16 +293,28 @@ class Attempt:
                     continue  # the fork server, or a launcher not exec'd yet
                 rank = environ_of(pid).get("RANK", "")
                 self._launchers[pid] = int(rank) if rank.isdigit() else None
+                self._seen[pid] = time.time()
             if is_alive(pid):
                 out.append(pid)
         return out
 
     def _read_exits(self) -> None:
+        if self._agent_stop is None and not self._stopping:
+            # torchrun stopping its workers when nobody asked it to (a membership change),
+            # also when no launcher gets to report it (SIGKILLed after torchrun's grace).
+            since = max(self.t_launch, self._restarted)
+            said = sorted(t for t in self._agent.closing.values() if t > since)
+            if said:
+                self._agent_stop = (said[0], time.time())
         for e in self._events.read():
             if e.get("attempt") != self.number:
                 continue
             if e.get("event") == "worker_exit":
-                self.exits.append(WorkerExit.from_event(e))
+                x = WorkerExit.from_event(e)
+                self.exits.append(x)
+                if x.stopped and not self._stopping and self._agent_stop is None:
+                    # Told to stop, not by us: torchrun restarts its workers (membership).
+                    self._agent_stop = (x.t, time.time())
             elif e.get("event") == "agent_idle" and e.get("pid") == self.proc.pid:
                 self._idle = True  # torchrun returned: its workers failed
 
@@ -287,23 +328,65 @@ class Attempt:
             return min(failed, key=lambda x: x.t)
         reported = {x.launcher for x in self.exits}
         for pid in gone:
-            if pid not in reported:
+            if pid in reported:
+                continue
+            if self._stopped_by_agent(pid):
+                # torchrun stopped it by itself (a membership change) and it ended without
+                # a report: SIGTERMed before its handlers were up, or SIGKILLed after
+                # torchrun's grace. Stopped, not failed.
+                self.exits.append(self._vanished(pid, stopped=True))
+            elif (
+                self._gone_since.setdefault(pid, time.time()) > time.time() - _CONSOLE_LAG
+                and self.proc.poll() is None
+                and not self._idle
+            ):
+                continue  # torchrun's line about it may still be in the pipe: look again
+            else:
                 # Only SIGKILL ends a launcher without its report; its worker goes with it
                 # (the fork server kills it): the rank died of SIGKILL, a process fault.
-                x = WorkerExit(
-                    rank=self._launchers[pid],
-                    local_rank=None,
-                    exitcode=-signal.SIGKILL,
-                    stopped=False,
-                    pid=None,
-                    launcher=pid,
-                    t=time.time(),
-                    via="?",
-                    vanished=True,
-                )
+                x = self._vanished(pid, stopped=False)
                 self.exits.append(x)  # the evidence of the attempt: this rank's end
                 return x
         return None
+
+    def _stopped_by_agent(self, launcher: int) -> bool:
+        """torchrun named ``launcher`` in a "closing signal" line of this attempt while the
+        supervisor had stopped nothing (it stops a failed group's survivors that way too,
+        but never the rank that failed: that one has ended already)."""
+        t = self._agent.closing.get(launcher)
+        return t is not None and t > self.t_launch and not self._stopping
+
+    def _vanished(self, launcher: int, stopped: bool) -> WorkerExit:
+        return WorkerExit(
+            rank=self._launchers[launcher],
+            local_rank=None,
+            exitcode=-signal.SIGKILL,
+            stopped=stopped,
+            pid=None,
+            launcher=launcher,
+            t=time.time(),
+            via="?",
+            vanished=True,
+        )
+
+    def restarting(self) -> bool:
+        """torchrun is restarting its workers by itself (between the stop and the new ones)."""
+        return self._agent_stop is not None
+
+    def membership_change(self) -> tuple[float, float, float] | None:
+        """``(t_stop, t_seen, t_up)`` once torchrun, alive, restarted its workers by itself
+        and the new ones are up: its first worker's exit, when the supervisor saw it, when
+        the new launchers appeared. With ``--max-restarts 0`` torchrun restarts workers in
+        the agent only to admit a node waiting in the rendezvous (a membership change, not
+        a failure). Reported once per restart; None otherwise."""
+        if self._agent_stop is None or self.proc.poll() is not None or self._idle:
+            return None
+        t_stop, t_seen = self._agent_stop
+        new = [self._seen[p] for p in self.worker_pids() if self._seen[p] > t_stop]
+        if not new:
+            return None
+        self._agent_stop, self._restarted = None, time.time()
+        return t_stop, t_seen, min(new)
 
     def owns(self, pid: int) -> bool:
         """``pid`` (e.g. from a beacon file) is a live process of this attempt: its
@@ -321,6 +404,7 @@ class Attempt:
         whatever is left after ``grace`` seconds (with the agent). Returns the ranks that
         exited in time, those killed, and the seconds it took."""
         t0 = time.monotonic()
+        self._stopping = True
         with contextlib.suppress(OSError):
             atomic_write_bytes(
                 os.path.join(self.dir, events.PEER_FAILED_FILE),
@@ -354,6 +438,7 @@ class Attempt:
 
     def terminate(self, grace: float) -> int | None:
         """SIGTERM the agent (it forwards to the workers, which may save), wait ``grace``."""
+        self._stopping = True
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
         try:
@@ -373,7 +458,7 @@ class Attempt:
 
     def kill_workers(self) -> None:
         """SIGKILL every process of this attempt but the agent and its fork server."""
-        self.killed_by_us = True
+        self.killed_by_us = self._stopping = True
         kill_matching(
             ENV_TOKEN, self.token, timeout=10.0, exclude={self.proc.pid, *self._helpers()}
         )
@@ -392,7 +477,7 @@ class Attempt:
 
     def kill(self) -> None:
         """SIGKILL the agent and every process that inherited this attempt's token."""
-        self.killed_by_us = True
+        self.killed_by_us = self._stopping = True
         n = kill_attempt(self.proc, self.token)
         if n:
             log.debug("attempt %d: killed %d processes", self.number, n)
