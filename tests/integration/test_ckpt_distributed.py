@@ -1,4 +1,4 @@
-"""Multi-rank checkpoints with real gloo process groups (forked processes, see ``_fork_ranks``).
+"""Multi-rank checkpoints with real gloo process groups (ranks forked, see ``_start_ranks``).
 
 * re-sharding matrix (C-RESHARD): saved on 1, 2, 4 ranks; loaded on 1, 2, 3, 4 ranks —
   replicated model + AdamW state, a DTensor sharded over all ranks, the data loader's
@@ -23,7 +23,7 @@ from unbroken.elastic.rendezvous import free_port
 
 pytestmark = pytest.mark.slow
 
-# What the ranks import, imported once here, before they fork (``_fork_ranks``).
+# What the ranks import, imported once here, before they fork (``_start_ranks``).
 for _name in (
     "torch.distributed.checkpoint.state_dict",
     "torch.distributed.fsdp",
@@ -135,21 +135,23 @@ def _rank(rank: int, fn: Any, world: int, job: dict[str, Any]) -> None:
     fn(rank, world, job)
 
 
-def _fork_ranks(fn: Any, world: int, job: dict[str, Any]) -> None:
-    """``fn(rank, world, job)`` in ``world`` forked processes, joined; raises if one failed.
+def _start_ranks(fn: Any, world: int, job: dict[str, Any], method: str = "fork") -> None:
+    """``fn(rank, world, job)`` in ``world`` processes, joined; raises if one failed.
 
-    Forked, not spawned: a spawned rank is a fresh interpreter that imports torch, DCP and
-    unbroken again (~5 CPU-s each, 35 ranks in this file), and what these tests prove (the
-    checkpoint each rank writes and reads over a real gloo group) does not depend on a fresh
-    interpreter. The ranks' exit through interpreter shutdown (gloo threads) is proved by
-    test_ckpt_preempt_ranks.py, whose ranks stay spawned."""
+    Forked by default, not spawned: a spawned rank is a fresh interpreter that imports torch,
+    DCP and unbroken again (~5 CPU-s each, 35 ranks in this file), and what these tests prove
+    (the checkpoint each rank writes and reads over a real gloo group) does not need one.
+    What only separate interpreters show stays covered: ranks whose str hashes differ (a set
+    iterated in another order on another rank before a collective) by the collective
+    fall-back test below (``method="spawn"``) and the torchrun tests (tests/drill); the
+    ranks' exit through interpreter shutdown (gloo threads) by test_ckpt_preempt_ranks.py."""
     tmp_mp.start_processes(
-        _rank, args=(fn, world, job), nprocs=world, start_method="fork", join=True
+        _rank, args=(fn, world, job), nprocs=world, start_method=method, join=True
     )
 
 
-def _run(world: int, job: dict[str, Any], fn: Any = None) -> None:
-    _fork_ranks(fn or _worker, world, {**job, "port": free_port()})
+def _run(world: int, job: dict[str, Any], fn: Any = None, method: str = "fork") -> None:
+    _start_ranks(fn or _worker, world, {**job, "port": free_port()}, method)
 
 
 def _results(out: str, mode: str, world: int) -> list[dict[str, Any]]:
@@ -211,7 +213,10 @@ def test_corrupt_file_of_one_rank_makes_all_ranks_fall_back(tmp_path, dataset: s
     out = str(tmp_path / "out")
     os.makedirs(out)
     root = str(tmp_path / "ck")
-    _run(2, {"mode": "save", "roots": [root], "data": dataset, "steps": 2, "out": out})
+    # spawned: every rank a fresh interpreter with its own str hash seed (``_start_ranks``)
+    _run(
+        2, {"mode": "save", "roots": [root], "data": dataset, "steps": 2, "out": out}, None, "spawn"
+    )
     newest = os.path.join(root, "step-00000002")
     victim = os.path.join(newest, "__1_0.distcp")  # written by rank 1
     assert os.path.getsize(victim) > 0
@@ -222,7 +227,7 @@ def test_corrupt_file_of_one_rank_makes_all_ranks_fall_back(tmp_path, dataset: s
         f.write(bytes([b[0] ^ 0xFF]))
     # expected.pt holds the step-2 model; step 1 is what all ranks must load now
     exp2 = torch.load(os.path.join(root, "expected.pt"), weights_only=True)
-    _run(2, {"mode": "load", "roots": [root], "data": dataset, "out": out})
+    _run(2, {"mode": "load", "roots": [root], "data": dataset, "out": out}, None, "spawn")
     loads = _results(out, "load", 2)
     assert [r[root]["step"] for r in loads] == [1, 1]
     assert not any(r[root]["model"] for r in loads), "step-1 weights must differ from step-2"
@@ -321,9 +326,9 @@ def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
 
 def test_fsdp2_saved_on_2_loads_on_1_and_3(tmp_path) -> None:
     root = str(tmp_path / "ck")
-    _fork_ranks(_fsdp_worker, 2, {"mode": "save", "root": root, "port": free_port()})
+    _start_ranks(_fsdp_worker, 2, {"mode": "save", "root": root, "port": free_port()})
     for w in (1, 3):
-        _fork_ranks(_fsdp_worker, w, {"mode": "load", "root": root, "port": free_port()})
+        _start_ranks(_fsdp_worker, w, {"mode": "load", "root": root, "port": free_port()})
         for r in range(w):
             got = open(os.path.join(root, f"fsdp-load-w{w}-r{r}")).read()
             assert got == "True 4 True 4", (w, r)
@@ -354,7 +359,7 @@ def _rank0_only_worker(rank: int, world: int, job: dict[str, Any]) -> None:
 def test_rank0_only_checkpointing_does_not_involve_other_ranks(tmp_path) -> None:
     root = str(tmp_path / "ck")
     job = {"root": root, "port": free_port()}
-    _fork_ranks(_rank0_only_worker, 2, job)
+    _start_ranks(_rank0_only_worker, 2, job)
     assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002", "step-00000003"]
 
 
