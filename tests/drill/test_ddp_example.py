@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -105,11 +107,48 @@ def _wait(pred, what: str, proc: subprocess.Popen, timeout: float = 240) -> obje
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_sigkill_of_one_rank_resumes_bit_identical(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def drill(corpus, tmp_path_factory) -> tuple[int, str, str]:
+    """``unbroken drill --multi-rank`` (world-size) on the example, run once: (exit code, its
+    console, its directory). Its reference, the script uninterrupted on 2 ranks under plain
+    ``torchrun`` (``reference-w2``), is also the SIGKILL test's: the same command, one run."""
     _, tok = corpus
-    args = ["--data", tok, "--steps", "40"]
-    ref = str(tmp_path / "ref")
-    _torchrun(2, SCRIPT, *args, "--out", ref, log=ref + ".log")
+    out = str(tmp_path_factory.mktemp("ddp-drill") / "drill")
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        rc = main(
+            [
+                "drill",
+                "--multi-rank",
+                "--faults",
+                "world-size",
+                "--dir",
+                out,
+                "--hang-timeout",
+                "60",
+                "--timeout",
+                "300",
+                "--",
+                SCRIPT,
+                *_args(tok),
+                "--out",
+                "{dir}",
+            ]
+        )
+    return rc, console.getvalue(), out
+
+
+def _args(tok: str) -> list[str]:
+    return ["--data", tok, "--steps", "40"]
+
+
+def test_sigkill_of_one_rank_resumes_bit_identical(corpus, drill, tmp_path):
+    _, tok = corpus
+    args = _args(tok)
+    # the drill's reference: ``torchrun --standalone --nproc-per-node 2 SCRIPT *args --out ref``
+    ref = os.path.join(drill[2], "reference-w2")
+    steps = [r["step"] for r in read_metrics(os.path.join(ref, "metrics.jsonl"))]
+    assert steps == list(range(1, 41)), f"the drill's reference run did not finish: {drill[1]}"
 
     run, sup = str(tmp_path / "run"), str(tmp_path / "sup")
     cmd = [
@@ -162,32 +201,8 @@ def test_sigkill_of_one_rank_resumes_bit_identical(corpus, tmp_path):
     assert all(len(r["ids"]) == 16 for r in read_metrics(os.path.join(run, "metrics.jsonl")))
 
 
-def test_drill_multi_rank_on_the_ddp_example(corpus, tmp_path, capsys):
-    _, tok = corpus
-    out = str(tmp_path / "drill")
-    rc = main(
-        [
-            "drill",
-            "--multi-rank",
-            "--faults",
-            "world-size",
-            "--dir",
-            out,
-            "--hang-timeout",
-            "60",
-            "--timeout",
-            "300",
-            "--",
-            SCRIPT,
-            "--data",
-            tok,
-            "--steps",
-            "40",
-            "--out",
-            "{dir}",
-        ]
-    )
-    text = capsys.readouterr().out
+def test_drill_multi_rank_on_the_ddp_example(drill):
+    rc, text, out = drill
     assert rc == 0, text[-4000:]
     report = json.load(open(os.path.join(out, "drill.json")))
     (fault,) = report["faults"]
