@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import random
@@ -108,34 +106,12 @@ def _wait(pred, what: str, proc: subprocess.Popen, timeout: float = 240) -> obje
 
 
 @pytest.fixture(scope="module")
-def drill(corpus, tmp_path_factory) -> tuple[int, str, str]:
-    """``unbroken drill --multi-rank`` (world-size) on the example, run once: (exit code, its
-    console, its directory). Its reference, the script uninterrupted on 2 ranks under plain
-    ``torchrun`` (``reference-w2``), is also the SIGKILL test's: the same command, one run."""
+def drill(corpus, world_size_drill) -> tuple[int, str, str]:
+    """The multi-rank drill on the example, run once: (exit code, console, directory). Its
+    2-rank reference (``reference-w2``) is also the SIGKILL test's: the same command."""
     _, tok = corpus
-    out = str(tmp_path_factory.mktemp("ddp-drill") / "drill")
-    console = io.StringIO()
-    with contextlib.redirect_stdout(console):
-        rc = main(
-            [
-                "drill",
-                "--multi-rank",
-                "--faults",
-                "world-size",
-                "--dir",
-                out,
-                "--hang-timeout",
-                "60",
-                "--timeout",
-                "300",
-                "--",
-                SCRIPT,
-                *_args(tok),
-                "--out",
-                "{dir}",
-            ]
-        )
-    return rc, console.getvalue(), out
+    command = [SCRIPT, *_args(tok), "--out", "{dir}"]
+    return world_size_drill("ddp-drill", command, "--hang-timeout", "60", "--timeout", "300")
 
 
 def _args(tok: str) -> list[str]:
