@@ -6,6 +6,8 @@ the data-preparation commands start without importing torch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from unbroken.common.lazy import lazy_getattr
 
 __version__ = "0.1.0"
@@ -29,5 +31,33 @@ _LAZY = {
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
 
+if TYPE_CHECKING:  # the type checker sees what __getattr__ resolves at run time
+    from unbroken.ckpt import CheckpointConfig, Checkpointer, TrainState, read_checkpoint
+    from unbroken.common.metrics import MetricLog, global_ids
+    from unbroken.data import (
+        DevicePrefetcher,
+        LoaderConfig,
+        Source,
+        StatefulLoader,
+        StepTimer,
+        StreamingDataset,
+    )
+    from unbroken.elastic import beat
 
-__all__ = ["__version__", *_LAZY]
+
+__all__ = [
+    "__version__",
+    "Checkpointer",
+    "CheckpointConfig",
+    "TrainState",
+    "read_checkpoint",
+    "MetricLog",
+    "global_ids",
+    "StreamingDataset",
+    "StatefulLoader",
+    "LoaderConfig",
+    "Source",
+    "DevicePrefetcher",
+    "StepTimer",
+    "beat",
+]
