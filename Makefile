@@ -25,13 +25,18 @@ lint: $(STAMP)
 
 # Two test processes by default (CI has 2 cores); each file stays on one of them, so a module's
 # shared fixtures (a reference run, a moto server) are built once. TEST_WORKERS=0: one process.
+# --no-loadscope-reorder: files go out in collection order (tests/drill, integration, unit), the
+# long end-to-end files first and the many short unit files last, so both processes finish
+# together; xdist's default sends the files with the most tests first, which left the few-test
+# drill files (minutes each) for the end, one process running them while the other idled.
 TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 -n $(TEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 $(XDIST) tests
 
 # The quick loop while editing: unit tests without the slow ones (fuzzers, end-to-end runs).
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not slow" tests/unit
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) -m "not slow" tests/unit
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

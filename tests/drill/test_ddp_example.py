@@ -105,11 +105,26 @@ def _wait(pred, what: str, proc: subprocess.Popen, timeout: float = 240) -> obje
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_sigkill_of_one_rank_resumes_bit_identical(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def drill(corpus, world_size_drill) -> tuple[int, str, str]:
+    """The multi-rank drill on the example, run once: (exit code, console, directory). Its
+    2-rank reference (``reference-w2``) is also the SIGKILL test's: the same command."""
     _, tok = corpus
-    args = ["--data", tok, "--steps", "40"]
-    ref = str(tmp_path / "ref")
-    _torchrun(2, SCRIPT, *args, "--out", ref, log=ref + ".log")
+    command = [SCRIPT, *_args(tok), "--out", "{dir}"]
+    return world_size_drill("ddp-drill", command, "--hang-timeout", "60", "--timeout", "300")
+
+
+def _args(tok: str) -> list[str]:
+    return ["--data", tok, "--steps", "40"]
+
+
+def test_sigkill_of_one_rank_resumes_bit_identical(corpus, drill, tmp_path):
+    _, tok = corpus
+    args = _args(tok)
+    # the drill's reference: ``torchrun --standalone --nproc-per-node 2 SCRIPT *args --out ref``
+    ref = os.path.join(drill[2], "reference-w2")
+    steps = [r["step"] for r in read_metrics(os.path.join(ref, "metrics.jsonl"))]
+    assert steps == list(range(1, 41)), f"the drill's reference run did not finish: {drill[1]}"
 
     run, sup = str(tmp_path / "run"), str(tmp_path / "sup")
     cmd = [
@@ -162,32 +177,8 @@ def test_sigkill_of_one_rank_resumes_bit_identical(corpus, tmp_path):
     assert all(len(r["ids"]) == 16 for r in read_metrics(os.path.join(run, "metrics.jsonl")))
 
 
-def test_drill_multi_rank_on_the_ddp_example(corpus, tmp_path, capsys):
-    _, tok = corpus
-    out = str(tmp_path / "drill")
-    rc = main(
-        [
-            "drill",
-            "--multi-rank",
-            "--faults",
-            "world-size",
-            "--dir",
-            out,
-            "--hang-timeout",
-            "60",
-            "--timeout",
-            "300",
-            "--",
-            SCRIPT,
-            "--data",
-            tok,
-            "--steps",
-            "40",
-            "--out",
-            "{dir}",
-        ]
-    )
-    text = capsys.readouterr().out
+def test_drill_multi_rank_on_the_ddp_example(drill):
+    rc, text, out = drill
     assert rc == 0, text[-4000:]
     report = json.load(open(os.path.join(out, "drill.json")))
     (fault,) = report["faults"]

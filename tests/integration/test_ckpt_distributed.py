@@ -1,4 +1,4 @@
-"""Multi-rank checkpoints with real gloo process groups (spawned processes).
+"""Multi-rank checkpoints with real gloo process groups (ranks forked, see ``_start_ranks``).
 
 * re-sharding matrix (C-RESHARD): saved on 1, 2, 4 ranks; loaded on 1, 2, 3, 4 ranks —
   replicated model + AdamW state, a DTensor sharded over all ranks, the data loader's
@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from typing import Any, cast
@@ -21,6 +22,18 @@ import torch.multiprocessing as tmp_mp
 from unbroken.elastic.rendezvous import free_port
 
 pytestmark = pytest.mark.slow
+
+# What the ranks import, imported once here, before they fork (``_start_ranks``).
+for _name in (
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.nn.parallel",
+    "unbroken.ckpt",
+    "unbroken.ckpt.export",
+    "unbroken.data.stream.loader",
+):
+    importlib.import_module(_name)
 
 BATCH = 2
 N_SAMPLES = 96
@@ -117,11 +130,28 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
         dist.destroy_process_group()
 
 
-def _run(world: int, job: dict[str, Any], fn: Any = None) -> None:
-    job = {**job, "port": free_port()}
+def _rank(rank: int, fn: Any, world: int, job: dict[str, Any]) -> None:
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
+    fn(rank, world, job)
+
+
+def _start_ranks(fn: Any, world: int, job: dict[str, Any], method: str = "fork") -> None:
+    """``fn(rank, world, job)`` in ``world`` processes, joined; raises if one failed.
+
+    Forked by default, not spawned: a spawned rank is a fresh interpreter that imports torch,
+    DCP and unbroken again (~5 CPU-s each, 35 ranks in this file), and what these tests prove
+    (the checkpoint each rank writes and reads over a real gloo group) does not need one.
+    What only separate interpreters show stays covered: ranks whose str hashes differ (a set
+    iterated in another order on another rank before a collective) by the collective
+    fall-back test below (``method="spawn"``) and the torchrun tests (tests/drill); the
+    ranks' exit through interpreter shutdown (gloo threads) by test_ckpt_preempt_ranks.py."""
     tmp_mp.start_processes(
-        fn or _worker, args=(world, job), nprocs=world, start_method="spawn", join=True
+        _rank, args=(fn, world, job), nprocs=world, start_method=method, join=True
     )
+
+
+def _run(world: int, job: dict[str, Any], fn: Any = None, method: str = "fork") -> None:
+    _start_ranks(fn or _worker, world, {**job, "port": free_port()}, method)
 
 
 def _results(out: str, mode: str, world: int) -> list[dict[str, Any]]:
@@ -183,7 +213,10 @@ def test_corrupt_file_of_one_rank_makes_all_ranks_fall_back(tmp_path, dataset: s
     out = str(tmp_path / "out")
     os.makedirs(out)
     root = str(tmp_path / "ck")
-    _run(2, {"mode": "save", "roots": [root], "data": dataset, "steps": 2, "out": out})
+    # spawned: every rank a fresh interpreter with its own str hash seed (``_start_ranks``)
+    _run(
+        2, {"mode": "save", "roots": [root], "data": dataset, "steps": 2, "out": out}, None, "spawn"
+    )
     newest = os.path.join(root, "step-00000002")
     victim = os.path.join(newest, "__1_0.distcp")  # written by rank 1
     assert os.path.getsize(victim) > 0
@@ -194,7 +227,7 @@ def test_corrupt_file_of_one_rank_makes_all_ranks_fall_back(tmp_path, dataset: s
         f.write(bytes([b[0] ^ 0xFF]))
     # expected.pt holds the step-2 model; step 1 is what all ranks must load now
     exp2 = torch.load(os.path.join(root, "expected.pt"), weights_only=True)
-    _run(2, {"mode": "load", "roots": [root], "data": dataset, "out": out})
+    _run(2, {"mode": "load", "roots": [root], "data": dataset, "out": out}, None, "spawn")
     loads = _results(out, "load", 2)
     assert [r[root]["step"] for r in loads] == [1, 1]
     assert not any(r[root]["model"] for r in loads), "step-1 weights must differ from step-2"
@@ -293,19 +326,9 @@ def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
 
 def test_fsdp2_saved_on_2_loads_on_1_and_3(tmp_path) -> None:
     root = str(tmp_path / "ck")
-    tmp_mp.start_processes(
-        _fsdp_worker,
-        args=(2, {"mode": "save", "root": root, "port": free_port()}),
-        nprocs=2,
-        start_method="spawn",
-    )
+    _start_ranks(_fsdp_worker, 2, {"mode": "save", "root": root, "port": free_port()})
     for w in (1, 3):
-        tmp_mp.start_processes(
-            _fsdp_worker,
-            args=(w, {"mode": "load", "root": root, "port": free_port()}),
-            nprocs=w,
-            start_method="spawn",
-        )
+        _start_ranks(_fsdp_worker, w, {"mode": "load", "root": root, "port": free_port()})
         for r in range(w):
             got = open(os.path.join(root, f"fsdp-load-w{w}-r{r}")).read()
             assert got == "True 4 True 4", (w, r)
@@ -336,7 +359,7 @@ def _rank0_only_worker(rank: int, world: int, job: dict[str, Any]) -> None:
 def test_rank0_only_checkpointing_does_not_involve_other_ranks(tmp_path) -> None:
     root = str(tmp_path / "ck")
     job = {"root": root, "port": free_port()}
-    tmp_mp.start_processes(_rank0_only_worker, args=(2, job), nprocs=2, start_method="spawn")
+    _start_ranks(_rank0_only_worker, 2, job)
     assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002", "step-00000003"]
 
 

@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.tensor  # imported once, before the ranks fork
 import torch.multiprocessing as tmp_mp
 from safetensors.torch import load_file
 
+from unbroken.ckpt import Checkpointer, TrainState
 from unbroken.cli import main
 from unbroken.elastic.rendezvous import free_port
 
@@ -43,11 +45,12 @@ class _ShardedModel:
 
 
 def _worker(rank: int, root: str, port: int) -> None:
+    """A rank forked from the test process (torch, DTensor and unbroken are imported there
+    already: a spawned rank would import them again, ~5 CPU-s each, for nothing this proves)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from unbroken.ckpt import Checkpointer, TrainState
-
+    torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
@@ -68,7 +71,7 @@ def _worker(rank: int, root: str, port: int) -> None:
 def test_export_consolidates_a_checkpoint_sharded_over_two_ranks(tmp_path, capsys) -> None:
     root = str(tmp_path / "ckpt")
     tmp_mp.start_processes(
-        _worker, args=(root, free_port()), nprocs=WORLD, start_method="spawn", join=True
+        _worker, args=(root, free_port()), nprocs=WORLD, start_method="fork", join=True
     )
     d = os.path.join(root, "step-00000005")
     assert {f"__{r}_0.distcp" for r in range(WORLD)} <= set(os.listdir(d))  # one file per rank
