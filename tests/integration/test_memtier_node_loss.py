@@ -12,15 +12,22 @@ kept for B's rank, losing at most K steps, and ends bit-identical to an uninterr
 
 from __future__ import annotations
 
+import functools
+import glob
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import elastic_harness as h
 import pytest
 
 from ckptkit import assert_same_run
+from unbroken.ckpt.replica import PREFIX, _check
+from unbroken.common import events
+from unbroken.common.procs import pids_with_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -53,6 +60,43 @@ def _reference(tmp_path) -> str:
     return d
 
 
+def _replica_usable(tier_a: str) -> bool:
+    """Node A keeps a complete replica of B's rank at a step its own slots also hold."""
+    replicas = [_check(p) for p in glob.glob(os.path.join(tier_a, PREFIX + "*"))]
+    own = {h.step for p in glob.glob(os.path.join(tier_a, "rank-*", "slot-*")) if (h := _check(p))}
+    return any(r is not None and r.step in own for r in replicas)
+
+
+def _past(metrics: str, seen: int) -> bool:
+    return len(h.metric_steps(metrics)) > seen
+
+
+def _freeze_with_a_usable_replica(b: h.Job, tier_a: str, metrics: str) -> None:
+    """SIGSTOP node B's processes at a moment node A holds a usable replica of B's rank.
+
+    A node lost mid-transfer leaves no replica (the receiver invalidates it first), and a
+    sender that fell behind under load can leave a replica older than both of A's own
+    slots: both fall back to the disk tier by design (ARCHITECTURE.md, "Faults"), which is
+    not what this test proves. With B stopped nothing more arrives and A cannot step past
+    B, so the check is stable; when it fails (B stopped mid-transfer: the round never
+    completes), B runs on for one more step and the next moment is tried."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        pids = pids_with_env(events.ENV_RUN_DIR, b.run_dir)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:  # a round in flight completes within this, or never while B is stopped
+            h.wait_until(lambda: _replica_usable(tier_a), 2.0, "a usable replica", b)
+            return
+        except AssertionError:
+            pass
+        seen = len(h.metric_steps(metrics))
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        h.wait_until(functools.partial(_past, metrics, seen), 60, "one more step", b)
+    raise AssertionError("node A never held a usable replica of node B's rank in 120 s")
+
+
 def test_node_loss_resumes_from_the_peer_replica_bit_identical(tmp_path):
     """issue 25 peer replica item 3: kill node B (its supervisor, agent and worker) and
     remove its memory directory; a fresh node takes its place; the restore comes from the
@@ -71,6 +115,7 @@ def test_node_loss_resumes_from_the_peer_replica_bit_identical(tmp_path):
             "step 25 on two nodes",
             a,
         )
+        _freeze_with_a_usable_replica(b, a.events("start")[0]["memory_tier"], metrics)
         b.kill_all()  # node B is gone: supervisor, agent, worker...
         shutil.rmtree(tier_b, ignore_errors=True)  # ...and its /dev/shm
         c = _node(start, tmp_path, "C", port)  # the replacement node, empty memory

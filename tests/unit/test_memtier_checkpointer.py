@@ -346,3 +346,29 @@ def test_the_loop_copies_and_the_tier_thread_completes_every_step(
     where = "unbroken-memtier" if big else threading.current_thread().name
     assert all(name.startswith(where) for s, name in seen if s in memory_steps), seen
     ck.close()
+
+
+def test_a_fresh_start_past_an_unusable_memory_step_is_a_warning_naming_it(
+    tmp_path, caplog
+) -> None:
+    """issue 25 (C-TIERS, found in CI: a node lost mid-transfer of its replica left no
+    step every rank held, and the job started from scratch with no line saying why): when
+    the memory tier holds a step that cannot be used and no disk step exists, the fresh
+    start is one WARNING naming the memory tier's reason."""
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    _, _, _, ck = _run(root, tier, 3)  # memory steps 2 and 3, no disk step (every 5)
+    _crash(ck)
+    slots = SlotStore(tier, rank=0)
+    for i in range(2):
+        flip(slots.slot_path(i), os.path.getsize(slots.slot_path(i)) - 11)
+    *_, ck2 = _ckpt(root, tier, seed=1)
+    with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
+        assert ck2.restore() is None
+    warned = [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "from scratch" in r.getMessage()
+    ]
+    assert len(warned) == 1, [(r.name, r.getMessage()[:60]) for r in caplog.records]
+    assert "memory tier not used" in warned[0] and "checksum" in warned[0], warned[0]
+    ck2.close()

@@ -527,6 +527,14 @@ class Checkpointer:
                 "allow_fresh_start=True asks",
                 self.store.root, len(tried.texts), quiet=self.config.quiet,
             )  # fmt: skip
+        elif self._memory is not None and self._memory.held_any and self._comm.rank == 0:
+            # the memory tier held something it could not use (e.g. a node lost mid-transfer
+            # of its replica): a fresh start past it is no silent one
+            say(
+                log, logging.WARNING,
+                "starting from scratch: no disk step in %s and the %s",
+                self.store.root, tried.line(), quiet=self.config.quiet,
+            )  # fmt: skip
         for obj in self.state.components.values():  # a fresh start: e.g. MetricLog drops
             getattr(obj, "start_fresh", lambda: None)()  # what an earlier attempt logged
 

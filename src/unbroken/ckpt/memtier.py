@@ -700,6 +700,7 @@ class MemoryTier:
         self.published: int | None = None  # newest step this process published (or began)
         self.disabled: str | None = None  # why publishing stopped (once, logged)
         self.older: int | None = None  # the last restore's newest common step, skipped as older
+        self.held_any = False  # the last restore found a step, or a damaged slot, it did not use
         self.replica: Any = None  # the peer replica (ckpt/replica.py), set by the Checkpointer
         self.via_peer: int | None = None  # the step the last restore took from peer replicas
         self._finisher: ThreadPoolExecutor | None = None  # checksums and headers, off the loop
@@ -820,6 +821,7 @@ class MemoryTier:
         ``disk_newest``. Returns (the step applied or None, why a newer copy was skipped
         or why memory was not used). Collective."""
         self.older = self.via_peer = None
+        self.held_any = False
         self.wait()
         local: list[str] = []
         try:  # a live publisher (a worker not yet stopped) could rewrite a slot under us
@@ -853,6 +855,7 @@ class MemoryTier:
             if why is None:
                 return s, "; ".join(notes)
             notes.append(f"memory step {s} is damaged: {why}")
+        self.held_any = newest_any is not None or bool(notes)
         if newest_any is None:
             notes.append("the memory tier is missing: it holds no step of this job")
         return None, "; ".join(notes)
