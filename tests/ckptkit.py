@@ -178,6 +178,28 @@ def build_ranked_root(root: str) -> dict[int, dict[str, Any]]:
         return pickle.load(f)  # our own file, just written
 
 
+def spawn_two(worker: Callable[..., None], job: dict[str, Any]) -> None:
+    """Run ``worker(rank, 2, job)`` on two spawned ranks (fresh interpreters), ``job`` given
+    a free rendezvous port."""
+    import torch.multiprocessing as tmp_mp
+
+    from unbroken.elastic.rendezvous import free_port
+
+    job = {**job, "port": free_port()}
+    tmp_mp.start_processes(worker, args=(2, job), nprocs=2, start_method="spawn", join=True)
+
+
+def report_and_exit(job: dict[str, Any], rank: int, out: dict[str, Any]) -> None:
+    """A spawned rank's last act: ``out`` to ``<job out>/<mode>-<rank>.json``, a barrier,
+    and an exit with no close() (the memory tier's slots stay, as after a crash)."""
+    import torch.distributed as dist
+
+    with open(os.path.join(job["out"], f"{job['mode']}-{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    os._exit(0)
+
+
 def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:08d}")
 

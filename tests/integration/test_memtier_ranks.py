@@ -17,10 +17,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp_mp
 
-from ckptkit import flip
-from unbroken.elastic.rendezvous import free_port
+from ckptkit import flip, report_and_exit, spawn_two
 
 pytestmark = pytest.mark.slow
 
@@ -65,15 +63,11 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
         got = ck.restore()
         out = {"step": got, "tier": ck.restored_tier}
         out["state"] = [float(model.weight.sum()), float(mine.v)]
-    with open(os.path.join(job["out"], f"{job['mode']}-{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.barrier()
-    os._exit(0)  # no close(): the slots stay, as after a crash
+    report_and_exit(job, rank, out)
 
 
 def _run(job: dict[str, Any]) -> None:
-    job = {**job, "port": free_port()}
-    tmp_mp.start_processes(_worker, args=(2, job), nprocs=2, start_method="spawn", join=True)
+    spawn_two(_worker, job)
 
 
 @pytest.mark.parametrize("damage", ["flip", "remove", "remove-all"])

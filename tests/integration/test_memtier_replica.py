@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp_mp
 
-from ckptkit import flip
+from ckptkit import flip, report_and_exit, spawn_two
 from unbroken.elastic.rendezvous import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -90,15 +90,11 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
         got = ck.restore()
         out = {"step": got, "tier": ck.restored_tier, "lines": lines.lines}
         out["state"] = [float(model.weight.sum()), float(mine.v)]
-    with open(os.path.join(job["out"], f"{job['mode']}-{rank}.json"), "w") as f:
-        json.dump(out, f)
-    dist.barrier()
-    os._exit(0)  # no close(): the slots stay, as after a crash
+    report_and_exit(job, rank, out)
 
 
 def _run(job: dict[str, Any]) -> None:
-    job = {**job, "port": free_port()}
-    tmp_mp.start_processes(_worker, args=(2, job), nprocs=2, start_method="spawn", join=True)
+    spawn_two(_worker, job)
 
 
 def _result(out: str, mode: str, r: int) -> dict[str, Any]:
