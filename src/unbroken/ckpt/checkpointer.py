@@ -436,21 +436,13 @@ class Checkpointer:
         if memory is not None:
             got = self._from_memory(memory, candidates, tried)
             if got is not None:
-                return self._restored(
-                    got, t0, tried.refused, tier=_tier(memory, got), skipped=tried.line("memory")
-                )
+                return self._restored(got, t0, tried.refused, **_from_tier(memory, got, tried))
         for s in candidates:
             if memory is not None and memory.older is not None and memory.older >= s:
                 # every newer disk step failed: the memory step skipped as older is newest now
                 got = self._from_memory(memory, [s], tried)
                 if got is not None:
-                    return self._restored(
-                        got,
-                        t0,
-                        tried.refused,
-                        tier=_tier(memory, got),
-                        skipped=tried.line("memory"),
-                    )
+                    return self._restored(got, t0, tried.refused, **_from_tier(memory, got, tried))
             if self._try(s, tried, requested=step is not None):
                 return self._restored(s, t0, tried.refused, skipped=tried.line())
         got = self._from_archive(tried)
@@ -571,9 +563,11 @@ class Checkpointer:
         return s
 
 
-def _tier(memory: MemoryTier, step: int) -> str:
-    """``peer replica`` when some rank's copy of ``step`` came from its peer, else ``memory``."""
-    return "peer replica" if memory.via_peer == step else "memory"
+def _from_tier(memory: MemoryTier, step: int, tried: _Tried) -> dict[str, str]:
+    """The restore line's tier and skipped copies for ``step`` taken from memory: ``peer
+    replica`` when some rank's copy came from its peer, else ``memory``."""
+    tier = "peer replica" if memory.via_peer == step else "memory"
+    return {"tier": tier, "skipped": tried.line("memory")}
 
 
 def _kind(text: str) -> str:
