@@ -17,6 +17,7 @@ The index format: ARCHITECTURE.md, "Design notes" > data > shard formats.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -834,6 +835,14 @@ class ShardReader:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def __del__(self) -> None:
+        # The shard's descriptor is a bare int (os.open, for pread): nothing else closes it
+        # when a dataset drops its readers, and a long-lived process would collect one per
+        # shard it ever read. Not set when __init__ failed before opening.
+        if getattr(self, "_fd", -1) >= 0:
+            with contextlib.suppress(Exception):
+                self.close()
 
     def __enter__(self) -> ShardReader:
         return self
