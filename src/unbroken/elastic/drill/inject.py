@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -496,6 +497,29 @@ def _held(where: str) -> tuple[list[int], list[int] | None]:
     return own, steps(files) if replicas else None
 
 
+def _removable(where: str) -> str:
+    """``where`` when it is a memory directory ``unbroken run`` makes (a real directory of
+    this user right under ``/dev/shm/unbroken-<uid>/``), which the drill removes with a
+    lost node; else RuntimeError, before anything is killed."""
+    path = os.path.abspath(where)
+    why = ""
+    if os.path.dirname(path) != memdir.user_root():
+        why = f"not under {memdir.user_root()}"
+    else:
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                why = "not a directory of this user (a symlink or another user's)"
+        except OSError as e:
+            why = f"unreadable ({e.strerror})"
+    if why:
+        raise RuntimeError(
+            f"{where}: {why}: not a memory directory `unbroken run` made; the node is not "
+            "lost and nothing is removed"
+        )
+    return path
+
+
 def _replica_at_newest(where: str) -> int | None:
     """The step of a complete replica the node keeps for a peer at its own newest slot's
     step, else None."""
@@ -556,20 +580,22 @@ def _node_loss(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
     if victim is None or not beats[victim.name] or ctx.start_node is None:
         raise RuntimeError("no running node that does not host the rendezvous store")
     host = next(n for n in ctx.nodes if n is not victim)
-    lost, holder = _memory_dir(victim), _memory_dir(host)
-    if os.path.dirname(os.path.abspath(lost)) != memdir.user_root():
-        raise RuntimeError(f"{lost}: not a memory directory `unbroken run` made; not removed")
+    lost, holder = _removable(_memory_dir(victim)), _memory_dir(host)
     step = _freeze_at_a_replica(ctx, victim, holder, since)
     survivors = [x.pid for x in host.live_beats(since)]
     b = min(victim.live_beats(since) or beats[victim.name], key=lambda x: x.rank)
     victim.kill()  # SIGKILL: supervisor, agent, workers (frozen or not)
-    memdir.remove(lost)  # ... and its /dev/shm goes with the node
+    try:  # ... and its /dev/shm goes with the node (its supervisor can no longer remove it)
+        memdir.remove(lost)
+        removed = "memory directory removed"
+    except OSError as e:  # replaced since it was checked: left alone, said
+        log.error("drill: %s", e)
+        removed = f"memory directory NOT removed: {e}"
     inj.record(
         victim.name,
         b,
-        f"node {victim.name} lost (supervisor, agent and worker SIGKILLed, memory directory "
-        f"removed) at step {b.step}; node {host.name} kept a replica of its rank at step "
-        f"{step}",
+        f"node {victim.name} lost (supervisor, agent and worker SIGKILLed, {removed}) at "
+        f"step {b.step}; node {host.name} kept a replica of its rank at step {step}",
     )
     # The replacement starts at once (as a spare would); it takes seconds to come up and
     # join, and the job's restore only reads the survivor's copies before its first new
