@@ -527,7 +527,9 @@ def _replica_at_newest(where: str) -> int | None:
     return own[0] if own and replicas and own[0] in replicas else None
 
 
-def _freeze_at_a_replica(ctx: Ctx, victim: Node, holder: str, since: float) -> int | None:
+def _freeze_at_a_replica(
+    ctx: Ctx, victim: Node, holder: str, since: float, inj: Injection
+) -> int | None:
     """SIGSTOP the victim node's workers at a moment the surviving node (memory directory
     ``holder``) keeps a complete replica of the victim's rank at the step of its own newest
     slot; that step, or None when the survivor keeps no replica file at all (the replica is
@@ -545,7 +547,9 @@ def _freeze_at_a_replica(ctx: Ctx, victim: Node, holder: str, since: float) -> i
     Remove the wait when the second replica slot lands (a node lost mid-round then still
     leaves the previous step's replica)."""
     end = time.monotonic() + 60.0
+    inj.facts["freezes"] = 0
     while True:
+        inj.facts["freezes"] += 1  # how often it took (the row's detail says it)
         beats = victim.live_beats(since)
         for b in beats:
             _signal(b.pid, signal.SIGSTOP)
@@ -581,7 +585,7 @@ def _node_loss(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
         raise RuntimeError("no running node that does not host the rendezvous store")
     host = next(n for n in ctx.nodes if n is not victim)
     lost, holder = _removable(_memory_dir(victim)), _memory_dir(host)
-    step = _freeze_at_a_replica(ctx, victim, holder, since)
+    step = _freeze_at_a_replica(ctx, victim, holder, since, inj)
     survivors = [x.pid for x in host.live_beats(since)]
     b = min(victim.live_beats(since) or beats[victim.name], key=lambda x: x.rank)
     victim.kill()  # SIGKILL: supervisor, agent, workers (frozen or not)
@@ -595,7 +599,8 @@ def _node_loss(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
         victim.name,
         b,
         f"node {victim.name} lost (supervisor, agent and worker SIGKILLed, {removed}) at "
-        f"step {b.step}; node {host.name} kept a replica of its rank at step {step}",
+        f"step {b.step}; node {host.name} kept a replica of its rank at step {step} "
+        f"(workers frozen {inj.facts['freezes']} time(s) to find that moment)",
     )
     # The replacement starts at once (as a spare would); it takes seconds to come up and
     # join, and the job's restore only reads the survivor's copies before its first new
