@@ -30,3 +30,24 @@ def test_plan_is_a_pure_function_of_the_seed():
 def test_plan_refuses_too_few_steps():
     with pytest.raises(ValueError, match="too few for 5 fault.*at least 26 steps"):
         plan_faults(SINGLE_KINDS, 20, 5, seed=0)
+
+
+def test_node_loss_gets_a_fixed_world_run_of_its_own():
+    """issue 25 item 5 (node loss): node-loss runs in the ``nodes`` run (two nodes at a
+    fixed world size, the lost one replaced), never mixed with the one-node memory faults
+    or the elastic run whose world shrinks; it needs a script that trains on 2 ranks."""
+    from unbroken.elastic.drill.runner import DrillConfig
+
+    kinds = ("kill-memory", "world-size", "node-loss")
+    plan = plan_faults(kinds, 50, 5, seed=3)
+    assert {p.kind: p.run for p in plan} == {
+        "kill-memory": "single",
+        "world-size": "elastic",
+        "node-loss": "nodes",
+    }
+    (nl,) = [p for p in plan if p.run == "nodes"]
+    assert 2 * 5 + 1 <= nl.step <= 50 - 5 - 1
+    with pytest.raises(ValueError, match=r"\['node-loss'\].*pass --multi-rank"):
+        DrillConfig(("t.py", "{dir}"), faults=("node-loss",))
+    cfg = DrillConfig(("t.py", "{dir}"), faults=("node-loss",), multi_rank=True)
+    assert cfg.kinds == ("node-loss",)

@@ -379,6 +379,7 @@ def _drill(a: argparse.Namespace) -> int:
         outage=a.outage,
         timeout=a.timeout,
         reference=a.reference,
+        reference_w2=a.reference_w2,
         supervisor_args=tuple(a.supervisor_arg),
         may_differ=tuple(_may_differ(x) for x in a.may_differ),
         ckpt_subdir=a.ckpt_subdir,
@@ -424,7 +425,8 @@ def _add_drill(sub: Sub) -> None:
         "kill the job on purpose and prove the resumed run is identical (exit 1 when it is not)",
         "unbroken drill --dir drill -- train.py --out {dir} --steps 200",
         "Faults: SIGKILL, kill during save, hang, corrupt checkpoint, storage outage, lost "
-        "agent, world-size change. Runs the command once without faults (the reference), "
+        "agent, world-size change; with a memory tier (by name) SIGKILL restored from memory, "
+        "damaged memory slot, node loss restored from the peer replica. Runs the command once without faults (the reference), "
         "then under `unbroken run` with a seeded schedule of injected faults, and compares "
         "final state, loss curve, data order and recovery phases; each fault's row says which "
         "steps it compared. {dir} in ARGS is replaced by each run's directory; the script "
@@ -459,7 +461,8 @@ def _add_drill_plan(p: argparse.ArgumentParser) -> None:
         metavar="K,K",
         help="kill, kill-in-save, hang, corrupt, storage, agent-loss, world-size "
         "(default: all that apply); by name only, for a script with a memory tier: "
-        "kill-memory, memory-damage",
+        "kill-memory, memory-damage, node-loss (2 nodes, --multi-rank: a node lost whole, "
+        "a replacement restores from the peer replica)",
     )
     p.add_argument(
         "--seed",
@@ -475,7 +478,7 @@ def _add_drill_plan(p: argparse.ArgumentParser) -> None:
         "--multi-rank",
         action="store_true",
         help="the script trains on 2 ranks and resumes on another world size "
-        "(enables agent-loss and world-size; implied by --example)",
+        "(enables agent-loss, world-size and node-loss; implied by --example)",
     )
 
 
@@ -512,6 +515,13 @@ def _add_drill_runs(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="DIR",
         help="reuse a finished 1-rank reference run of the same command",
+    )
+    p.add_argument(
+        "--reference-w2",
+        default=None,
+        metavar="DIR",
+        help="reuse a finished 2-rank reference run of the same command (e.g. "
+        "DRILL/reference-w2 of an earlier drill)",
     )
     p.add_argument(
         "--may-differ",

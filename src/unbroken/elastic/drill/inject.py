@@ -14,10 +14,13 @@ and rank; ``_procs.agent_of`` finds its torchrun agent; everything below one sup
 from __future__ import annotations
 
 import contextlib
+import functools
+import glob
 import logging
 import os
 import re
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -25,8 +28,10 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from unbroken.ckpt.memtier import HEADER_BYTES, SlotStore
+from unbroken.ckpt.replica import PREFIX as REPLICA_PREFIX
+from unbroken.ckpt.replica import _check as slot_header
 from unbroken.ckpt.store import Store
-from unbroken.common import events
+from unbroken.common import events, memdir
 from unbroken.common.fs import open_private, private_dir
 from unbroken.common.procs import agent_of, environ_of, is_alive, kill_matching
 from unbroken.elastic import heartbeat
@@ -117,6 +122,8 @@ class Ctx:
     world: int
     progress: list[tuple[float, str, int]] = field(default_factory=list)
     """(time, node, highest live step) samples for the timeline plot."""
+    start_node: Callable[[str], Node] | None = None
+    """Starts one more node of the job by name (a replacement for a lost one)."""
     _last_sample: float = 0.0
 
     def committed(self) -> list[int]:
@@ -325,19 +332,35 @@ def _corrupt(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
     inj.expected_restore = steps[-2]
 
 
+_NO_TIER = (
+    "the job publishes nothing to the memory tier: give its Checkpointer "
+    "memory_every_steps (the demo: --memory-every 1)"
+)
+
+
+def _memory_dir(node: Node) -> str:
+    """The node's memory-tier directory: the one its supervisor created (``start`` event)."""
+    start = next((e for e in node.events(fresh=True) if e["event"] == "start"), {})
+    where = start.get("memory_tier")
+    if not isinstance(where, str) or not where:
+        raise RuntimeError(_NO_TIER)
+    return where
+
+
 def _slots(ctx: Ctx, node: str, rank: int) -> tuple[SlotStore, list[tuple[int, int]]]:
     """The victim's memory-tier slots (the directory its supervisor created) and the
     (step, slot) of each whose header verifies, newest first."""
-    start = next((e for e in ctx.node(node).events(fresh=True) if e["event"] == "start"), {})
-    where = start.get("memory_tier")
-    if not where or not os.path.isdir(os.path.join(where, f"rank-{rank}")):
-        raise RuntimeError(
-            "the job publishes nothing to the memory tier: give its Checkpointer "
-            "memory_every_steps (the demo: --memory-every 1)"
-        )
+    where = _memory_dir(ctx.node(node))
+    if not os.path.isdir(os.path.join(where, f"rank-{rank}")):
+        raise RuntimeError(_NO_TIER)
     store = SlotStore(where, rank)
     heads = [(h.step, i) for i in (0, 1) if (h := store.head(i)) is not None]
     return store, sorted(heads, reverse=True)
+
+
+def _every(steps: list[int]) -> int:
+    """K, from the two newest slots of one rank (newest first)."""
+    return steps[0] - steps[1] if len(steps) > 1 else 1
 
 
 def _memory_expectation(inj: Injection, heads: list[tuple[int, int]], ctx: Ctx) -> None:
@@ -346,7 +369,7 @@ def _memory_expectation(inj: Injection, heads: list[tuple[int, int]], ctx: Ctx) 
     mem = heads[0][0] if heads else None
     inj.facts.update(
         memory_steps=[s for s, _ in heads],
-        memory_every=heads[0][0] - heads[1][0] if len(heads) > 1 else 1,
+        memory_every=_every([s for s, _ in heads]),
         disk_step=disk,
         tier="memory" if mem is not None and (disk is None or mem >= disk) else "disk",
     )
@@ -460,6 +483,153 @@ def _world_size(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None
     inj.min_restore = before[-1] if before else None
 
 
+def _held(where: str) -> tuple[list[int], list[int] | None]:
+    """(steps of the node's own slots, steps of the peer replicas it keeps; None when it
+    keeps no replica file at all): headers that verify, newest first."""
+
+    def steps(paths: list[str]) -> list[int]:
+        return sorted({h.step for p in paths if (h := slot_header(p)) is not None}, reverse=True)
+
+    replicas = glob.glob(os.path.join(glob.escape(where), REPLICA_PREFIX + "*"))
+    # a replica may become a directory of slots (a second replica slot): both are read
+    files = [f for r in replicas for f in (glob.glob(os.path.join(r, "*")) or [r])]
+    own = steps(glob.glob(os.path.join(glob.escape(where), "rank-*", "slot-*")))
+    return own, steps(files) if replicas else None
+
+
+def _removable(where: str) -> str:
+    """``where`` when it is a memory directory ``unbroken run`` makes (a real directory of
+    this user right under ``/dev/shm/unbroken-<uid>/``), which the drill removes with a
+    lost node; else RuntimeError, before anything is killed."""
+    path = os.path.abspath(where)
+    why = ""
+    if os.path.dirname(path) != memdir.user_root():
+        why = f"not under {memdir.user_root()}"
+    else:
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                why = "not a directory of this user (a symlink or another user's)"
+        except OSError as e:
+            why = f"unreadable ({e.strerror})"
+    if why:
+        raise RuntimeError(
+            f"{where}: {why}: not a memory directory `unbroken run` made; the node is not "
+            "lost and nothing is removed"
+        )
+    return path
+
+
+def _replica_at_newest(where: str) -> int | None:
+    """The step of a complete replica the node keeps for a peer at its own newest slot's
+    step, else None."""
+    own, replicas = _held(where)
+    return own[0] if own and replicas and own[0] in replicas else None
+
+
+def _freeze_at_a_replica(
+    ctx: Ctx, victim: Node, holder: str, since: float, inj: Injection
+) -> int | None:
+    """SIGSTOP the victim node's workers at a moment the surviving node (memory directory
+    ``holder``) keeps a complete replica of the victim's rank at the step of its own newest
+    slot; that step, or None when the survivor keeps no replica file at all (the replica is
+    off: nothing to wait for) or none became usable within 60 s (the victim stays frozen).
+
+    Why wait: the replica has one slot (ckpt/replica.py), and a node lost while its round
+    is in flight leaves no replica; a sender that fell behind can leave one older than both
+    of the survivor's own slots: both fall back to the disk tier by design (ARCHITECTURE.md,
+    "Known gap"), which is not what this fault proves, so it is injected at a moment it
+    cannot hit that gap (as tests/integration/test_memtier_node_loss.py does). Replica at
+    the survivor's *newest* step: even if the survivor completes one more step after the
+    freeze (the victim's part of it already sent), the replica's step stays in its slots.
+    Only the workers are frozen: a frozen supervisor would stop its liveness ticks and the
+    survivor's supervisor would declare the node lost (``--node-timeout``) before the kill.
+    Remove the wait when the second replica slot lands (a node lost mid-round then still
+    leaves the previous step's replica)."""
+    end = time.monotonic() + 60.0
+    inj.facts["freezes"] = 0
+    while True:
+        inj.facts["freezes"] += 1  # how often it took (the row's detail says it)
+        beats = victim.live_beats(since)
+        for b in beats:
+            _signal(b.pid, signal.SIGSTOP)
+        # a round in flight completes within this, or never while the victim is stopped
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            step = _replica_at_newest(holder)
+            if step is not None:
+                return step
+            time.sleep(0.01)
+        if _held(holder)[1] is None or time.monotonic() > end:
+            return None
+        seen = max((b.step for b in beats), default=0)
+        for b in beats:
+            _signal(b.pid, signal.SIGCONT)
+        ctx.wait(
+            functools.partial(_stepped, victim, since, seen),
+            f"node {victim.name} to take one more step",
+        )
+
+
+def _stepped(node: Node, since: float, seen: int) -> bool:
+    return any(b.step > seen for b in node.live_beats(since))
+
+
+def _node_loss(spec: FaultSpec, ctx: Ctx, inj: Injection, since: float) -> None:
+    """Node B lost whole with its memory (issue 25): a replacement node must restore its
+    rank from the peer replica node A keeps, losing at most K steps."""
+    beats = ctx.wait_step(spec.step, since, 2)
+    # The node hosting the rendezvous store must survive: the store lives in its supervisor.
+    victim = next((n for n in ctx.nodes if not n.hosting and n.running), None)
+    if victim is None or not beats[victim.name] or ctx.start_node is None:
+        raise RuntimeError("no running node that does not host the rendezvous store")
+    host = next(n for n in ctx.nodes if n is not victim)
+    lost, holder = _removable(_memory_dir(victim)), _memory_dir(host)
+    step = _freeze_at_a_replica(ctx, victim, holder, since, inj)
+    survivors = [x.pid for x in host.live_beats(since)]
+    b = min(victim.live_beats(since) or beats[victim.name], key=lambda x: x.rank)
+    victim.kill()  # SIGKILL: supervisor, agent, workers (frozen or not)
+    try:  # ... and its /dev/shm goes with the node (its supervisor can no longer remove it)
+        memdir.remove(lost)
+        removed = "memory directory removed"
+    except OSError as e:  # replaced since it was checked: left alone, said
+        log.error("drill: %s", e)
+        removed = f"memory directory NOT removed: {e}"
+    inj.record(
+        victim.name,
+        b,
+        f"node {victim.name} lost (supervisor, agent and worker SIGKILLed, {removed}) at "
+        f"step {b.step}; node {host.name} kept a replica of its rank at step {step} "
+        f"(workers frozen {inj.facts['freezes']} time(s) to find that moment)",
+    )
+    # The replacement starts at once (as a spare would); it takes seconds to come up and
+    # join, and the job's restore only reads the survivor's copies before its first new
+    # publish, so reading them once the survivor's worker died of the lost peer (its slots
+    # are final then) sees what the restore sees.
+    new = ctx.start_node(chr(ord(max(n.name for n in ctx.nodes)) + 1))
+    ctx.nodes.append(new)
+    _wait_dead(survivors, timeout=60.0)
+    own, replicas = _held(holder)
+    usable = sorted(set(own) & set(replicas or ()), reverse=True)
+    disk = ctx.committed()
+    inj.facts.update(
+        report_node=host.name,
+        lost_node=victim.name,
+        memory_removed=lost,
+        memory_steps=own,
+        replica_steps=replicas,
+        replica_step=usable[0] if usable else None,
+        memory_every=_every(own),
+        disk_step=disk[-1] if disk else None,
+        tier="peer replica",
+        replacement=new.name,
+    )
+    if usable:
+        inj.expected_restore = usable[0]
+    else:
+        inj.min_restore = disk[-1] if disk else None
+
+
 _INJECTORS: dict[str, Callable[[FaultSpec, Ctx, Injection, float], None]] = {
     "kill": _kill,
     "kill-in-save": _kill_in_save,
@@ -470,6 +640,7 @@ _INJECTORS: dict[str, Callable[[FaultSpec, Ctx, Injection, float], None]] = {
     "world-size": _world_size,
     "kill-memory": _kill_memory,
     "memory-damage": _memory_damage,
+    "node-loss": _node_loss,
 }
 
 

@@ -112,6 +112,7 @@ _EXPECTED = {  # what the supervisor must have made of each fault: (field, value
     "world-size": ("fault", "node_lost"),
     "kill-memory": ("fault", "process"),
     "memory-damage": ("fault", "process"),
+    "node-loss": ("fault", "node_lost"),
 }
 
 
@@ -121,9 +122,11 @@ def evaluate_fault(
     ckpt_root: str,
     records: list[dict[str, Any]],
     until: float | None = None,
+    joined: list[dict[str, Any]] | None = None,
 ) -> FaultResult:
     """Checks for one injected fault from the reporting node's events and the metric log
-    (``until``: when the next fault was injected; later records are not this fault's)."""
+    (``until``: when the next fault was injected; later records are not this fault's;
+    ``joined``: the events of a node that replaced a lost one, whose ranks restored too)."""
     kind = inj.spec.kind
     if inj.t is None:
         return FaultResult(inj, [Check("injected", False, inj.error or "never injected")])
@@ -153,7 +156,8 @@ def evaluate_fault(
     checks.append(_recovered_check(inj, events, missing, restored))
     checks.append(_restore_check(inj, restored))
     mine = [r for r in records if until is None or float(r.get("time", 0.0)) < until]
-    checks += _specific(inj, events, fail, ckpt_root, mine, restored)
+    seen = _Seen(events, fail, ckpt_root, mine, restored, joined or [])
+    checks += _specific(inj, seen)
     return FaultResult(inj, checks, fail, rec_json, restored)
 
 
@@ -183,14 +187,18 @@ def _recovered_check(
     return Check("recovered", False, why)
 
 
+_RESTORE_WHAT = {
+    "corrupt": "the checkpoint before the corrupted one",
+    "kill-memory": "the newest verified memory slot or disk step",
+    "memory-damage": "the newest verified memory slot or disk step",
+    "node-loss": "the newest step of the survivor's slots its peer replica also holds",
+}
+
+
 def _restore_check(inj: Injection, restored: int | None) -> Check:
     if inj.expected_restore is not None:
         ok = restored == inj.expected_restore
-        what = (
-            "the checkpoint before the corrupted one"
-            if inj.spec.kind == "corrupt"
-            else "the newest committed checkpoint"
-        )
+        what = _RESTORE_WHAT.get(inj.spec.kind, "the newest committed checkpoint")
         return Check(
             "resumed", ok, f"restored step {restored}; expected {inj.expected_restore} ({what})"
         )
@@ -218,19 +226,14 @@ class _Seen:
     ckpt_root: str
     records: list[dict[str, Any]]
     restored: int | None
+    joined: list[dict[str, Any]]
+    """The events of a node that replaced a lost one (its own attempt numbers)."""
 
 
-def _specific(
-    inj: Injection,
-    events: list[dict[str, Any]],
-    fail: dict[str, Any],
-    ckpt_root: str,
-    records: list[dict[str, Any]],
-    restored: int | None,
-) -> list[Check]:
+def _specific(inj: Injection, seen: _Seen) -> list[Check]:
     """The check that proves this kind of fault was handled the right way (none for a kill)."""
     check = _SPECIFIC.get(inj.spec.kind)
-    return [] if check is None else [check(inj, _Seen(events, fail, ckpt_root, records, restored))]
+    return [] if check is None else [check(inj, seen)]
 
 
 def _debris_removed(inj: Injection, seen: _Seen) -> Check:
@@ -313,33 +316,69 @@ def _went_on_elastic(inj: Injection, seen: _Seen) -> Check:
 
 def _tier_used(inj: Injection, seen: _Seen) -> Check:
     """The memory-tier faults: the restart restored from the tier the slots said it must
-    (memory after a SIGKILL; the older slot or disk after a damaged slot), losing at most
-    K steps when memory was used (issue 25)."""
+    (memory after a SIGKILL; the older slot or disk after a damaged slot; the peer replica
+    after a node loss), losing at most K steps when memory was used (issue 25)."""
     f, t0 = inj.facts, inj.t or 0.0
     attempt = int(seen.fail["attempt"]) + 1
     loaded = [e for e in seen.events if e["event"] == "loaded" and e.get("attempt") == attempt]
+    # a replacement node's ranks restore in its own first attempt: every one must agree
+    loaded += [e for e in seen.joined if e["event"] == "loaded" and e["t"] >= t0]
     tiers = sorted({str(e.get("tier")) for e in loaded}) or ["none"]
     # the step the worker reached, as the supervisor saw it (its last beat): the injector's
-    # beat can be a step behind the kill
+    # beat can be a step behind the kill (the recovery record's steps_lost is the same)
     reached = seen.fail.get("step")
     lost = None if seen.restored is None or type(reached) is not int else reached - seen.restored
     ok = bool(loaded) and tiers == [f["tier"]] and seen.restored == inj.expected_restore
-    ok = ok and all(e["t"] >= t0 for e in loaded)
-    if f["tier"] == "memory":
+    ok = ok and all(e["t"] >= t0 and e.get("step") == seen.restored for e in loaded)
+    if f["tier"] != "disk":
         ok = ok and lost is not None and 0 <= lost <= f["memory_every"]
+    how = (
+        f"restored step {seen.restored} from the {'/'.join(tiers)} tier on "
+        f"{len(loaded)} rank{'s' if len(loaded) > 1 else ''}"
+        if loaded
+        else "no restore recorded (a fresh start)"
+    )
+    if "lost_node" in f:
+        return Check("tier", ok, _node_loss_text(f, how, lost, ok))
     damaged = f"slot of step {f['damaged_step']} damaged; " if "damaged_step" in f else ""
     return Check(
         "tier",
         ok,
-        f"{damaged}restored step {seen.restored} from the {'/'.join(tiers)} tier (expected "
-        f"{f['tier']}: memory held {f['memory_steps']}, disk {f['disk_step']}); steps lost "
-        f"{lost} (K = {f['memory_every']})",
+        f"{damaged}{how} (expected {f['tier']}: memory held {f['memory_steps']}, disk "
+        f"{f['disk_step']}); steps lost {lost} (K = {f['memory_every']})",
     )
+
+
+def _node_loss_text(f: dict[str, Any], how: str, lost: int | None, ok: bool) -> str:
+    """The node-loss row: what the survivor held, what was restored, and why not the peer
+    replica when it was not."""
+    keeper, reps = f["report_node"], f["replica_steps"]
+    kept = f"replica(s) of step(s) {reps}" if reps else "no complete replica"
+    held = f"node {keeper} kept {kept}, own slots {f['memory_steps']}, disk {f['disk_step']}"
+    text = f"node {f['lost_node']} lost; {how} (expected peer replica: {held}); steps lost "
+    text += f"{lost} (K = {f['memory_every']})"
+    if ok:
+        return text
+    if not reps:
+        why = (
+            f"node {keeper} held no replica of node {f['lost_node']}'s rank: the peer "
+            "replica is off (CheckpointConfig(memory_replica=False), or "
+            "$UNBROKEN_MEMORY_JUMP a multiple of the world size) or never completed a round"
+        )
+    elif f["replica_step"] is None:
+        why = (
+            f"node {keeper} held no replica of node {f['lost_node']}'s rank at a step of "
+            "its own slots (one replica slot: ARCHITECTURE.md, the memory tier, 'Known gap')"
+        )
+    else:
+        why = f"the replica of step {f['replica_step']} was not used"
+    return f"{text}; {why}"
 
 
 _SPECIFIC = {
     "kill-memory": _tier_used,
     "memory-damage": _tier_used,
+    "node-loss": _tier_used,
     "kill-in-save": _debris_removed,
     "hang": _stacks_dumped,
     "corrupt": _quarantined,

@@ -13,6 +13,7 @@ __all__ = [
     "ELASTIC_KINDS",
     "FAULT_KINDS",
     "MEMORY_KINDS",
+    "NODES_KINDS",
     "SINGLE_KINDS",
     "FaultSpec",
     "Injection",
@@ -22,9 +23,13 @@ __all__ = [
 SINGLE_KINDS = ("kill", "kill-in-save", "hang", "corrupt", "storage")
 ELASTIC_KINDS = ("agent-loss", "world-size")
 FAULT_KINDS = SINGLE_KINDS + ELASTIC_KINDS
-MEMORY_KINDS = ("kill-memory", "memory-damage")
+NODES_KINDS = ("node-loss",)
+"""Faults of the ``nodes`` run: two nodes of one rank each at a fixed world size of 2
+(``--nnodes 2``): a lost node is replaced by a new one, the world never shrinks."""
+MEMORY_KINDS = ("kill-memory", "memory-damage", *NODES_KINDS)
 """Faults of the memory tier (issue 25): asked for by name, for a script whose Checkpointer
-publishes to it (``memory_every_steps``; the demo: ``--memory-every 1``)."""
+publishes to it (``memory_every_steps``; the demo: ``--memory-every 1``); ``node-loss``
+also needs a script that trains on 2 ranks (``--multi-rank``)."""
 ALL_KINDS = FAULT_KINDS + MEMORY_KINDS
 
 
@@ -35,7 +40,8 @@ class FaultSpec:
     index: int
     kind: str
     run: str
-    """``single`` (one node, one rank) or ``elastic`` (two nodes of one rank each)."""
+    """``single`` (one node, one rank), ``elastic`` (two nodes of one rank each, ``--nnodes
+    1:2``) or ``nodes`` (two nodes of one rank each, ``--nnodes 2``: a lost node is replaced)."""
     step: int
     """Inject once the workers reached this step (after the previous fault's recovery)."""
     victim: int = 0
@@ -74,13 +80,18 @@ class Injection:
 
 def plan_faults(kinds: tuple[str, ...], steps: int, ckpt_every: int, seed: int) -> list[FaultSpec]:
     """The seeded schedule. One-node kinds in a seeded order, then the two-node kinds
-    (agent-loss before world-size: after a lost node there is no second agent). Each fault
+    (agent-loss before world-size: after a lost node there is no second agent), then the
+    fixed-world kinds (node-loss). Each fault
     falls in the first half of its own segment of steps ``2E+1 .. N-E-1``: two checkpoints
     exist before it (corrupt needs a fall-back) and a save still follows it."""
     rng = random.Random(seed)
-    single = [k for k in SINGLE_KINDS + MEMORY_KINDS if k in kinds]
+    single = [k for k in SINGLE_KINDS + MEMORY_KINDS if k in kinds and k not in NODES_KINDS]
     rng.shuffle(single)
-    groups = (("single", single), ("elastic", [k for k in ELASTIC_KINDS if k in kinds]))
+    groups = (
+        ("single", single),
+        ("elastic", [k for k in ELASTIC_KINDS if k in kinds]),
+        ("nodes", [k for k in NODES_KINDS if k in kinds]),
+    )
     out: list[FaultSpec] = []
     for run, group in groups:
         if not group:

@@ -7,54 +7,12 @@ prove that the resumed run is the run that was never interrupted.
 :func:`run_drill` runs the command once without faults (the reference, in
 ``DRILL/reference-w1``, and on 2 ranks when a two-node fault is planned), then under
 ``unbroken run`` while a seeded schedule of faults (:mod:`.plan`: kill, kill-in-save, hang,
-corrupt, storage, agent-loss, world-size; by name kill-memory, memory-damage) is injected one at a time (:mod:`.inject`), and
-judges every fault and the end state against the reference (:mod:`.judge`, C-IDENTICAL,
-E-MEASURED); ``drill.txt``, ``drill.json`` and ``timeline.png`` land in DRILL. Every run it
-starts has ``UNBROKEN_STATE_AUDIT`` set (:mod:`unbroken.common.audit`).
+corrupt, storage, agent-loss, world-size; by name kill-memory, memory-damage, node-loss) is
+injected one at a time (:mod:`.inject`), and judges every fault and the end state against the
+reference (:mod:`.judge`, C-IDENTICAL, E-MEASURED); ``drill.txt``, ``drill.json`` and
+``timeline.png`` land in DRILL. Every run it starts has ``UNBROKEN_STATE_AUDIT`` set
+(:mod:`unbroken.common.audit`).
 
-kill           SIGKILL of a worker at a seeded step
-kill-in-save   SIGKILL of rank 0 while it writes a checkpoint (frozen with SIGSTOP the
-               moment its ``.tmp-step-*`` directory appears, checked unfinished, killed)
-hang           SIGSTOP of a worker: only the hang watchdog can notice
-corrupt        the newest checkpoint is damaged on disk (bit flip or truncation of a data
-               file) while the job is frozen, then SIGKILL: the restart must fall back
-storage        the checkpoint directory is replaced by a file (unwritable even for root)
-               until the supervisor has waited in pre-flight twice, then put back
-agent-loss     (2 nodes, ``--nnodes 1:2``) SIGKILL of one node's torchrun agent
-world-size     (2 nodes) a whole node is lost (supervisor, agent, worker): the job goes
-               on with 1 rank instead of 2
-kill-memory    (by name; the script publishes to the memory tier) SIGKILL of a worker: the
-               restart must restore from the memory tier, losing at most K steps
-memory-damage  (by name) the newest memory slot is bit-flipped while the job is frozen,
-               then SIGKILL: the restart must fall back to the older slot, or to disk
-=============  =========================================================================
-
-What the training script must do (the README's "What unbroken drill needs from your
-script"): write under ``{dir}`` (the drill substitutes a directory per run); checkpoint with
-:class:`unbroken.ckpt.Checkpointer` into ``{dir}/ckpt``, resume from it when started again
-with the same arguments, and save a final checkpoint at the last step; log every step's
-``loss`` and, to have the data order compared, ``ids`` (the sample ids it consumed:
-``loader.forever().take_ids()`` lists every rank's, or ``StreamingDataset(with_ids=True)``
-hands them out and :func:`unbroken.common.metrics.global_ids` gathers them over ranks; without them the loader's position is still compared as part of
-the final state) to ``{dir}/metrics.jsonl`` with :class:`unbroken.common.metrics.MetricLog` (also
-``world_size`` in multi-rank jobs); call :func:`unbroken.elastic.beat` every step; be
-deterministic (seeds, ``torch.use_deterministic_algorithms``). For ``agent-loss`` and
-``world-size`` (``multi_rank=True``) it must train data-parallel under torchrun on any world
-size with a sample order that does not depend on it (the demo and ``StatefulLoader`` do).
-
-After a world-size change the floats cannot be bit-identical to the reference: the gradient
-all-reduce sums over another number of ranks, so it rounds differently. Compared exactly
-there instead: every sample id in order, the loss curve up to the change, and every
-non-float-tensor leaf of the final state (counters, data position, optimizer and scheduler
-hyperparameters and schedules); plus that the job finished on the remaining node.
-
-Layout of the drill directory::
-
-    reference-w1/  reference-w2/      {dir} of the reference runs (+ .log, .audit)
-    single/job/    single/node-A/      {dir} of the one-node run (+ .audit); its supervisor's
-    elastic/job/   elastic/node-A/ elastic/node-B/                              run dir
-    drill.txt  drill.json  timeline.png
-=======
 What the script must do: README, "What unbroken drill needs from your script". The fault
 kinds, what is compared (and how after a world-size change) and the drill directory's
 layout: ARCHITECTURE.md, "Design notes" > elastic > the drill.
@@ -73,6 +31,7 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from unbroken.ckpt.memtier import ENV as ENV_MEMORY_TIER
 from unbroken.common import events
 from unbroken.common.audit import ENV_AUDIT, read_audit
 from unbroken.common.fs import private_dir
@@ -93,6 +52,7 @@ from unbroken.elastic.drill.plan import (
     ELASTIC_KINDS,
     FAULT_KINDS,
     MEMORY_KINDS,
+    NODES_KINDS,
     SINGLE_KINDS,
     FaultSpec,
     Injection,
@@ -115,6 +75,8 @@ ENV_TOKEN = "UNBROKEN_DRILL_TOKEN"
 """Every process a drill starts inherits this; cleanup kills whatever still carries it."""
 
 _DRILL_FILES = ("drill.txt", "drill.json", "timeline.png")
+_RUNS = ("single", "elastic", "nodes")
+"""The drilled runs, in this order (:attr:`.plan.FaultSpec.run`)."""
 _REF_SUFFIXES = ("", ".log", ".torchrun", ".audit")
 _CHILD_ENV_DROP = (
     "RANK",
@@ -130,6 +92,9 @@ _CHILD_ENV_DROP = (
     events.ENV_ATTEMPT,
     events.ENV_CATCHUP,
     ENV_AUDIT,
+    # each node of a drilled run has the memory directory its own supervisor creates: one
+    # named for all would put two "nodes" in one /dev/shm and hide a node loss
+    ENV_MEMORY_TIER,
 )
 
 
@@ -162,6 +127,9 @@ class DrillConfig:
     """Seconds each run (reference or drilled) may take before the drill gives up."""
     reference: str | None = None
     """A finished 1-rank reference run of the same command to reuse (its ``{dir}``)."""
+    reference_w2: str | None = None
+    """A finished 2-rank reference run of the same command to reuse (its ``{dir}``, e.g.
+    ``DRILL/reference-w2`` of an earlier drill), for the two-node faults."""
     supervisor_args: tuple[str, ...] = ()
     """Extra ``unbroken run`` options for the drilled runs."""
     may_differ: tuple[tuple[str, str], ...] = ()
@@ -186,11 +154,11 @@ class DrillConfig:
             raise ValueError(f"unknown fault kind(s) {unknown}; choose from {', '.join(ALL_KINDS)}")
         if self.faults is not None and not self.faults:
             raise ValueError("faults is empty; pass at least one kind or None for all")
-        need = sorted(set(self.faults or ()) & set(ELASTIC_KINDS))
+        need = sorted(set(self.faults or ()) & set(ELASTIC_KINDS + NODES_KINDS))
         if need and not self.multi_rank:
             raise ValueError(
-                f"fault(s) {need} run the script on 2 ranks and change the world "
-                "size; pass --multi-rank if it supports that"
+                f"fault(s) {need} run the script on 2 ranks (one per node) and lose a "
+                "node; pass --multi-rank if it supports that"
             )
         for name in ("hang_timeout", "outage", "timeout"):
             if getattr(self, name) <= 0:
@@ -342,8 +310,10 @@ def _supervisor_argv(
     ckpt: str,
     command: list[str],
     n_faults: int,
-    node: tuple[int, str] | None,
+    node: tuple[int, str, str] | None,
 ) -> list[str]:
+    """``unbroken run`` for one node: ``node`` is (rendezvous port, node name, ``--nnodes``)
+    for the two-node runs, None for the one-node run."""
     argv = [
         sys.executable,
         "-m",
@@ -383,10 +353,10 @@ def _supervisor_argv(
         "10",
     ]
     if node is not None:
-        port, name = node
+        port, name, nnodes = node
         argv += [
             "--nnodes",
-            "1:2",
+            nnodes,
             "--rdzv-endpoint",
             f"127.0.0.1:{port}",
             "--run-id",
@@ -416,27 +386,18 @@ def _drilled_run(cfg: DrillConfig, name: str, specs: list[FaultSpec], env: dict[
     ckpt = os.path.join(job, cfg.ckpt_subdir)
     command = _fill(cfg.command, job)
     env = {**env, ENV_AUDIT: _audit_dir(job)}
-    if name == "single":
-        names, port = ["A"], None
-    else:
-        names, port = ["A", "B"], free_port()
-    nodes = [
-        Node(
-            n,
-            os.path.join(base, f"node-{n}"),
-            _supervisor_argv(
-                cfg,
-                os.path.abspath(os.path.join(base, f"node-{n}")),
-                ckpt,
-                command,
-                len(specs),
-                None if port is None else (port, n),
-            ),
-            env,
-        )
-        for n in names
-    ]
+    port = None if name == "single" else free_port()
+    # the elastic run may shrink to one node; the nodes run waits for a replacement
+    nnodes = "2" if name == "nodes" else "1:2"
+
+    def start(n: str) -> Node:
+        sup = os.path.abspath(os.path.join(base, f"node-{n}"))
+        rdzv = None if port is None else (port, n, nnodes)
+        return Node(n, sup, _supervisor_argv(cfg, sup, ckpt, command, len(specs), rdzv), env)
+
+    nodes = [start(n) for n in (["A"] if port is None else ["A", "B"])]
     ctx = Ctx(nodes, ckpt, time.monotonic() + cfg.timeout, cfg.outage, world=len(nodes))
+    ctx.start_node = start
     run = _Run(name, job, ckpt, ctx, [])
     since, floor = 0.0, 0
     try:
@@ -456,11 +417,11 @@ def _drilled_run(cfg: DrillConfig, name: str, specs: list[FaultSpec], env: dict[
                     inj.error = f"no failure recorded: {e}"
                     break
             since, floor = inj.t, inj.step or floor
-        while any(n.running for n in nodes) and time.monotonic() < ctx.deadline:
+        while any(n.running for n in ctx.nodes) and time.monotonic() < ctx.deadline:
             ctx.beats(since)  # keeps sampling progress for the timeline
             time.sleep(0.05)
     finally:
-        for n in nodes:
+        for n in ctx.nodes:  # with a replacement node a fault started
             if n.running:
                 log.error("drill: node %s still running at the end; killing it", n.name)
                 n.kill()
@@ -475,25 +436,40 @@ def _prepare(cfg: DrillConfig) -> None:
     d = cfg.drill_dir
     if os.path.isdir(d) and os.listdir(d):
         ours = {f"{r}{x}" for r in ("reference-w1", "reference-w2") for x in _REF_SUFFIXES} | {
-            "single",
-            "elastic",
+            *_RUNS,
             *_DRILL_FILES,
         }
         if not os.path.exists(os.path.join(d, "drill.json")) and not set(os.listdir(d)) <= ours:
             raise ValueError(
                 f"{d!r} exists and is not a drill directory; pass another --dir or remove it"
             )
-    keep = os.path.abspath(cfg.reference).rstrip("/") if cfg.reference else None
+    keep = {
+        os.path.abspath(r).rstrip("/") + x
+        for r in (cfg.reference, cfg.reference_w2)
+        if r
+        for x in _REF_SUFFIXES
+    }
     names = [f"{r}{x}" for r in ("reference-w1", "reference-w2") for x in _REF_SUFFIXES]
-    for name in (*names, "single", "elastic", *_DRILL_FILES):
+    for name in (*names, *_RUNS, *_DRILL_FILES):
         p = os.path.abspath(os.path.join(d, name))
-        if keep and p in {keep + x for x in _REF_SUFFIXES}:
+        if p in keep:
             continue
         if os.path.isdir(p):
             shutil.rmtree(p)
         elif os.path.exists(p):
             os.unlink(p)
     private_dir(d, purpose="drill directory")  # it holds the drilled runs' run directories
+
+
+def _reference(cfg: DrillConfig, world: int, reuse: str | None, token: str) -> str:
+    """The ``world``-rank reference run's ``{dir}``: ``reuse`` when given, else run now."""
+    if reuse:
+        log.info("drill: reusing the %d-rank reference run in %s", world, reuse)
+        return os.path.abspath(reuse)
+    out = os.path.abspath(os.path.join(cfg.drill_dir, f"reference-w{world}"))
+    log.info("drill: reference run (%d rank(s), no faults) in %s", world, out)
+    run_reference(cfg, out, world, token=token)
+    return out
 
 
 def run_drill(cfg: DrillConfig, *, token: str | None = None) -> DrillReport:
@@ -511,18 +487,10 @@ def run_drill(cfg: DrillConfig, *, token: str | None = None) -> DrillReport:
     runs: list[_Run] = []
     notes: list[str] = []
     try:
-        if any(k in SINGLE_KINDS + MEMORY_KINDS for k in kinds):
-            if cfg.reference:
-                refs[1] = os.path.abspath(cfg.reference)
-                log.info("drill: reusing the reference run in %s", refs[1])
-            else:
-                refs[1] = os.path.abspath(os.path.join(cfg.drill_dir, "reference-w1"))
-                log.info("drill: reference run (1 rank, no faults) in %s", refs[1])
-                run_reference(cfg, refs[1], 1, token=token)
-        if any(k in ELASTIC_KINDS for k in kinds):
-            refs[2] = os.path.abspath(os.path.join(cfg.drill_dir, "reference-w2"))
-            log.info("drill: reference run (2 ranks, no faults) in %s", refs[2])
-            run_reference(cfg, refs[2], 2, token=token)
+        if any(k in SINGLE_KINDS + MEMORY_KINDS and k not in NODES_KINDS for k in kinds):
+            refs[1] = _reference(cfg, 1, cfg.reference, token)
+        if any(k in ELASTIC_KINDS + NODES_KINDS for k in kinds):
+            refs[2] = _reference(cfg, 2, cfg.reference_w2, token)
         steps, every = _infer_schedule(cfg, refs[min(refs)])
         plan = plan_faults(kinds, steps, every, cfg.seed)
         log.info(
@@ -530,7 +498,7 @@ def run_drill(cfg: DrillConfig, *, token: str | None = None) -> DrillReport:
             cfg.seed,
             ", ".join(f"#{p.index} {p.kind}@{p.step}" for p in plan),
         )
-        for name in ("single", "elastic"):
+        for name in _RUNS:
             specs = [p for p in plan if p.run == name]
             if specs:
                 log.info("drill: %s run under `unbroken run` with %d fault(s)", name, len(specs))
@@ -600,7 +568,14 @@ def _judge_run(
     ts = [i.t for i in run.injections[1:]] + [None]
     mine = [
         evaluate_fault(
-            inj, run.ctx.node(inj.report_node).events(fresh=True), run.ckpt, records, until
+            inj,
+            run.ctx.node(inj.report_node).events(fresh=True),
+            run.ckpt,
+            records,
+            until,
+            run.ctx.node(inj.facts["replacement"]).events(fresh=True)
+            if "replacement" in inj.facts
+            else None,
         )
         for inj, until in zip(run.injections, ts, strict=True)
     ]
