@@ -413,6 +413,8 @@ class TreeCPU:
 
 def proc_cpu(pid: int) -> float:
     """utime + stime of process ``pid`` (all its threads) in seconds; 0 when it is gone."""
+    if pid <= 0:
+        return 0.0
     try:
         with open(f"/proc/{pid}/stat") as f:
             rest = f.read().rsplit(")", 1)[1].split()
@@ -448,7 +450,7 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
         if name == "s3torchconnector":
             ld.dataset.epoch = e
         c0 = counts(endpoint)
-        cpu0, srv0 = cpu.total(), proc_cpu(server)
+        cpu0, srv0, fet0 = cpu.total(), proc_cpu(server), proc_cpu(events.fetcher())
         t0 = time.perf_counter()
         ids: list[np.ndarray] = []
         shapes_ok = True
@@ -459,6 +461,7 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
             )
         dt = time.perf_counter() - t0
         cpu1, srv1 = cpu.total(), proc_cpu(server)
+        fet1 = proc_cpu(events.fetcher())
         c1 = counts(endpoint)
         seen = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
         t_end[e] = time.time()
@@ -472,6 +475,7 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
                 "gets": c1["gets"] - c0["gets"],
                 "cpu_s": cpu1 - cpu0,
                 "server_cpu_s": srv1 - srv0,
+                "fetcher_cpu_s": fet1 - fet0,  # of cpu_s (unbroken's fetcher process)
                 "decoded_ok": bool(shapes_ok),
             }
         )
@@ -512,6 +516,12 @@ class EventTail:
 
     def all(self) -> list[dict[str, Any]]:
         return list(self.lines.values())
+
+    def fetcher(self) -> int:
+        """The pid of the (latest) fetcher process; 0: none yet."""
+        self.poll(force=True)
+        pids = [x["pid"] for x in self.all() if x.get("ev") == "fetcher"]
+        return int(pids[-1]) if pids else 0
 
 
 def downloads_by_cause(
@@ -624,6 +634,11 @@ def main() -> int:
                         f"CPU {ep['cpu_s']:.1f} s "
                         f"({ep['cpu_s'] / max(ep['bytes_downloaded'] / 1e9, 1e-9):.1f} s/GB), "
                         f"server (moto) CPU {ep.get('server_cpu_s', 0.0):.1f} s"
+                        + (
+                            f", of the client's: fetcher {ep['fetcher_cpu_s']:.2f} s"
+                            if ep.get("fetcher_cpu_s")
+                            else ""
+                        )
                         + (
                             f"; event log: {ep['dl_units']} units downloaded, "
                             f"{ep['dl_next_epoch_bytes'] / size:.3f}x read ahead for the next "

@@ -1047,9 +1047,16 @@ def test_the_padded_last_batch_downloads_nothing_again(endpoint: str, tmp_path: 
 
 
 def _cpu_s(pid: int) -> float:
-    """CPU seconds ``pid`` has run so far (all its threads; ``schedstat``: nanoseconds)."""
-    with open(f"/proc/{pid}/schedstat") as f:
-        return int(f.read().split()[0]) / 1e9
+    """CPU seconds ``pid``'s live threads have run so far (``schedstat``, nanoseconds: finer
+    than ``stat``'s clock ticks; the fetcher's threads live as long as it does)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:
+            pass  # a thread that ended meanwhile
+    return total / 1e9
 
 
 def test_an_idle_fetcher_uses_no_cpu_while_the_readers_read_cached_shards(
