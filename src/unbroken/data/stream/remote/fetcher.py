@@ -7,7 +7,7 @@ its parent), or, from a DataLoader worker (which may not fork children), a fresh
 whose state - the pickled cache (manifests, order, config; no torch, no transform) - comes
 over a pipe into its stdin, never through a file others could replace. It holds
 ``<cache_dir>/.fetch/<dataset>.lock`` while it runs, so there is one per node and dataset,
-prefetches for every live reader, fetches first what a reader waits for, and exits 10 s
+prefetches for every live reader, fetches first what a reader waits for, and exits 10-12.5 s
 after the last reader is gone. Between those it sleeps on a doorbell the readers ring
 (:mod:`unbroken.data.stream.remote.readers`): its CPU follows the readers' progress and the
 downloads, not the wall clock. Downloads run here rather than in the DataLoader workers
