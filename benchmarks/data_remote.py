@@ -25,7 +25,8 @@ dataset's size, 2 DataLoader workers, batches of 256, shuffle on, the same decod
 
 CPU: the loader's whole process tree (the loader process, its DataLoader workers and any
 fetcher process: every process of the child's session, read from ``/proc/<pid>/stat`` every
-50 ms, the largest utime + stime seen per pid), per epoch, and per GB downloaded.
+50 ms, the largest utime + stime seen per pid), per epoch, and per GB downloaded; the moto
+server's CPU per epoch too (it shares the box's cores with the loader).
 
 Per epoch: samples/s over the whole epoch (its first batch included: an epoch that waits for
 the network shows it), samples delivered and distinct, bytes the server sent (GET bodies,
@@ -410,7 +411,20 @@ class TreeCPU:
             return sum(self.seen.values())
 
 
+def proc_cpu(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads) in seconds; 0 when it is gone."""
+    if pid <= 0:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
+    server = int(os.environ.get("UNBROKEN_BENCH_SERVER_PID", "0"))
     shutil.rmtree(cache, ignore_errors=True)
     os.makedirs(cache)
     peak = [0]
@@ -436,7 +450,7 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
         if name == "s3torchconnector":
             ld.dataset.epoch = e
         c0 = counts(endpoint)
-        cpu0 = cpu.total()
+        cpu0, srv0, fet0 = cpu.total(), proc_cpu(server), proc_cpu(events.fetcher())
         t0 = time.perf_counter()
         ids: list[np.ndarray] = []
         shapes_ok = True
@@ -446,7 +460,8 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
                 tuple(batch["x"].shape[1:]) == (2048,) and batch["x"].dtype == torch.float32
             )
         dt = time.perf_counter() - t0
-        cpu1 = cpu.total()
+        cpu1, srv1 = cpu.total(), proc_cpu(server)
+        fet1 = proc_cpu(events.fetcher())
         c1 = counts(endpoint)
         seen = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64)
         t_end[e] = time.time()
@@ -459,6 +474,8 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
                 "bytes_downloaded": c1["get_bytes"] - c0["get_bytes"],
                 "gets": c1["gets"] - c0["gets"],
                 "cpu_s": cpu1 - cpu0,
+                "server_cpu_s": srv1 - srv0,
+                "fetcher_cpu_s": fet1 - fet0,  # of cpu_s (unbroken's fetcher process)
                 "decoded_ok": bool(shapes_ok),
             }
         )
@@ -499,6 +516,12 @@ class EventTail:
 
     def all(self) -> list[dict[str, Any]]:
         return list(self.lines.values())
+
+    def fetcher(self) -> int:
+        """The pid of the (latest) fetcher process; 0: none yet."""
+        self.poll(force=True)
+        pids = [x["pid"] for x in self.all() if x.get("ev") == "fetcher"]
+        return int(pids[-1]) if pids else 0
 
 
 def downloads_by_cause(
@@ -561,7 +584,7 @@ def main() -> int:
     if a.prepare_only:
         return 0
     port_file = os.path.join(a.root, "port")
-    with moto_process(__file__, port_file, {**os.environ, **_CREDS}) as (_, endpoint):
+    with moto_process(__file__, port_file, {**os.environ, **_CREDS}) as (srv, endpoint):
         t0 = time.perf_counter()
         upload(endpoint, a.root, formats)
         print(f"uploaded to {endpoint} in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -576,6 +599,7 @@ def main() -> int:
                     **_CREDS,
                     "S3_ENDPOINT_URL": endpoint,
                     "AWS_ENDPOINT_URL": endpoint,
+                    "UNBROKEN_BENCH_SERVER_PID": str(srv.pid),
                 }
                 r = subprocess.run(
                     [
@@ -608,7 +632,13 @@ def main() -> int:
                         f"{ep['bytes_downloaded'] / size:.2f}x its dataset "
                         f"({ep['bytes_downloaded'] / 1e6:,.0f} MB, {ep['gets']} GETs), "
                         f"CPU {ep['cpu_s']:.1f} s "
-                        f"({ep['cpu_s'] / max(ep['bytes_downloaded'] / 1e9, 1e-9):.1f} s/GB)"
+                        f"({ep['cpu_s'] / max(ep['bytes_downloaded'] / 1e9, 1e-9):.1f} s/GB), "
+                        f"server (moto) CPU {ep.get('server_cpu_s', 0.0):.1f} s"
+                        + (
+                            f", of the client's: fetcher {ep['fetcher_cpu_s']:.2f} s"
+                            if ep.get("fetcher_cpu_s")
+                            else ""
+                        )
                         + (
                             f"; event log: {ep['dl_units']} units downloaded, "
                             f"{ep['dl_next_epoch_bytes'] / size:.3f}x read ahead for the next "
@@ -662,6 +692,14 @@ def main() -> int:
                         r["epochs"][e]["cpu_s"]
                         / max(r["epochs"][e]["bytes_downloaded"] / 1e9, 1e-9)
                         for r in ok
+                    )
+                    for e in range(EPOCHS)
+                }
+            )
+            summ.update(
+                {
+                    f"epoch{e + 1}_server_cpu_s": statistics.median(
+                        r["epochs"][e].get("server_cpu_s", 0.0) for r in ok
                     )
                     for e in range(EPOCHS)
                 }

@@ -40,3 +40,55 @@ def test_a_nap_ends_when_the_download_it_waits_for_releases_its_lock(tmp_path: A
     t.join()
     woke = ended[0] - released
     assert 0 <= woke < 1.0, woke  # (a loaded box: milliseconds when quiet)
+
+
+def test_the_fetchers_doorbell_wakes_it_and_is_never_followed(tmp_path: Any) -> None:
+    """issue 22 round 4 item 1: the fetcher sleeps on its doorbell until a reader rings it
+    (no timed wake), a reader registered at its wake position rings once per position; the
+    doorbell is a fresh 0600 FIFO whatever was planted at its fixed name (a symlink is
+    removed, never followed), and a ring at a name that is not this user's FIFO writes
+    nothing."""
+    import stat
+
+    from unbroken.data.stream.remote.readers import (
+        Doorbell,
+        Registration,
+        reader_records,
+        ring,
+        set_wake,
+    )
+
+    for sub in (".readers", ".fetch"):
+        os.makedirs(tmp_path / sub, mode=0o700)
+    path = str(tmp_path / ".fetch" / "x.wake")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    os.symlink(victim, path)
+    ring(path)  # a symlink: not followed
+    assert victim.read_bytes() == b"precious"
+    bell = Doorbell(path)
+    try:
+        assert victim.read_bytes() == b"precious"
+        st = os.lstat(path)
+        assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        assert not bell.wait(0.01)  # nobody rang
+        reg = Registration(str(tmp_path), 7, "k", path)
+        reg.register(0, 5)  # a new reader rings
+        assert bell.wait(5.0)
+        [(name, e, p, want, at)] = reader_records(str(tmp_path), 7, 60.0)
+        assert (e, p, want, at) == (0, 5, -1, (-1, -1))
+        set_wake(str(tmp_path), name, 0, 40)  # the fetcher: "ring again at position 40"
+        reg.register(0, 39)
+        assert not bell.wait(0.01)
+        reg.register(0, 40)
+        reg.register(0, 41)  # once per wake position
+        assert bell.wait(5.0) and not bell.wait(0.01)
+        reg.touch(want=3)  # waiting for a unit rings
+        assert bell.wait(5.0)
+    finally:
+        bell.close()
+    os.unlink(path)
+    with open(path, "wb"):
+        pass
+    ring(path)  # a regular file at the name: nothing written
+    assert os.path.getsize(path) == 0

@@ -45,7 +45,7 @@ from unbroken.data.stream.remote.locks import (
 )
 from unbroken.data.stream.remote.pool import Pool
 from unbroken.data.stream.remote.probe import WaitSlot, sweep_stats
-from unbroken.data.stream.remote.readers import Registration, live_readers
+from unbroken.data.stream.remote.readers import Registration, live_readers, reader_records
 from unbroken.data.stream.remote.units import Files, UnitStore
 
 __all__ = [
@@ -161,7 +161,9 @@ class RemoteCache:
         self.units = UnitStore(
             self.cache_dir, manifests, self.limit, config.timeout, self.locks, self.events
         )
-        self.registration = Registration(self.cache_dir, self.ds_id, f"{id(self):x}")
+        self.registration = Registration(
+            self.cache_dir, self.ds_id, f"{id(self):x}", self.fetch_path(".wake")
+        )
         self.slot = WaitSlot(self.cache_dir)
         wrote = self._make_dirs()
         self._holders: dict[int, ShardHolder] = {}
@@ -483,6 +485,10 @@ class RemoteCache:
         """(epoch, position, wanted unit or -1) of this dataset's live readers on the node."""
         return live_readers(self.cache_dir, self.ds_id, self.config.timeout)
 
+    def reader_records(self) -> list[tuple[str, int, int, int, tuple[int, int]]]:
+        """Those readers' records (:func:`.readers.reader_records`), for the fetcher."""
+        return reader_records(self.cache_dir, self.ds_id, self.config.timeout)
+
     def _frame(self) -> tuple[int, int, int]:
         """(epoch, position) of this dataset's slowest live reader on the node, and the
         latest epoch any of them is in."""
@@ -499,8 +505,12 @@ class RemoteCache:
         if 0 <= want < self.unit_bytes.size and not st.pool.busy(want):
             st.pool.submit(want, self._abs(epoch, pos) - 1)  # ahead of everything
 
+    def fetch_path(self, suffix: str) -> str:
+        """``<cache_dir>/.fetch/<dataset><suffix>``: the fetcher's lock, log and doorbell."""
+        return os.path.join(self.cache_dir, ".fetch", dir_name(self.ds_id) + suffix)
+
     def fetch_lock_path(self) -> str:
-        return os.path.join(self.cache_dir, ".fetch", dir_name(self.ds_id) + ".lock")
+        return self.fetch_path(".lock")
 
     def hold_fetch_lock(self) -> bool:
         """Become this node's fetcher of the dataset (held until this process exits)."""

@@ -7,8 +7,10 @@ its parent), or, from a DataLoader worker (which may not fork children), a fresh
 whose state - the pickled cache (manifests, order, config; no torch, no transform) - comes
 over a pipe into its stdin, never through a file others could replace. It holds
 ``<cache_dir>/.fetch/<dataset>.lock`` while it runs, so there is one per node and dataset,
-prefetches for every live reader, fetches first what a reader waits for, and exits 10 s
-after the last reader is gone. Downloads run here rather than in the DataLoader workers
+prefetches for every live reader, fetches first what a reader waits for, and exits 10-12.5 s
+after the last reader is gone. Between those it sleeps on a doorbell the readers ring
+(:mod:`unbroken.data.stream.remote.readers`): its CPU follows the readers' progress and the
+downloads, not the wall clock. Downloads run here rather than in the DataLoader workers
 because a worker busy decoding holds the GIL and starves the I/O threads of its own process.
 """
 
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from unbroken.common.fs import open_private
 from unbroken.data.stream.remote.plan import LOG_MAX
+from unbroken.data.stream.remote.readers import Doorbell, set_wake
 
 if TYPE_CHECKING:
     from unbroken.data.stream.remote.cache import RemoteCache
@@ -33,6 +36,8 @@ __all__ = ["fork_default", "main", "serve", "spawn"]
 log = logging.getLogger(__name__)
 
 _CHILDREN: list[Any] = []  # fetcher processes started here (kept to be reaped, not waited for)
+_RETRY_FIRST = 0.02  # s before a refused unit is tried again (doubled while nothing moves)
+_RETRY_MAX = 1.0
 
 
 class _Forked:
@@ -78,8 +83,7 @@ def spawn(cache: RemoteCache, fresh: bool | None = None) -> None:
     payload = pickle.dumps(clone)
     # its log: a fixed name (never followed), started afresh when it reached half its bound;
     # the fetcher keeps it within LOG_MAX (counted at that size in the limit)
-    lock = cache.fetch_lock_path()
-    err = open_private(lock[: -len(".lock")] + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    err = open_private(cache.fetch_path(".log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     try:
         if os.fstat(err).st_size > LOG_MAX // 2:
             os.ftruncate(err, 0)
@@ -125,31 +129,52 @@ def serve(cache: RemoteCache, idle_exit: float = 10.0) -> None:
 def _serve(cache: RemoteCache, idle_exit: float) -> None:
     if not cache.hold_fetch_lock():
         return
-    cache.events.write("fetcher", state="start")
+    bell = Doorbell(cache.fetch_path(".wake"))
+    try:
+        cache.events.write("fetcher", state="start")
+        _loop(cache, bell, idle_exit)
+    finally:
+        bell.close()
+
+
+def _loop(cache: RemoteCache, bell: Doorbell, idle_exit: float) -> None:
+    """Sleep on the doorbell; on each ring (a reader reached the position written into its
+    record, or waits for a unit; a download of ours ended) serve what the readers need now and
+    write each one's next wake position. Timed wakes only: a check every ``idle_exit / 4``
+    (readers gone, the directory removed, anything missed is planned again) and, while a
+    unit was refused (another process had it, or no room), a retry with a back-off."""
+    st = cache._proc()
+    st.pool.on_done = bell.ring
     idle_since = time.monotonic()
-    last: dict[tuple[int, int], tuple[int, float]] = {}
-    seen: list[tuple[int, int, int]] = []
-    nap = 0.005
+    tick = idle_exit / 4
+    backoff = _RETRY_FIRST
+    timed = True  # the first pass plans for every reader
     while os.path.isdir(cache.cache_dir):
-        regs = sorted(cache.live_readers())
+        recs = cache.reader_records()
         now = time.monotonic()
-        if regs:
+        if recs:
             idle_since = now
         elif now - idle_since > idle_exit:
             return
-        for epoch, pos, want in regs:
+        for _, epoch, pos, want, _ in recs:
             cache.demand(want, epoch, pos)
-        for epoch, pos in sorted({(e, p) for e, p, _ in regs}):
-            bound, t = last.get((epoch, pos // 1024), (-1, 0.0))
-            if pos < bound and now - t < 0.05:
-                continue
-            last[(epoch, pos // 1024)] = (cache.prefetch(epoch, pos), now)
-        if len(last) > 4096:
-            last.clear()
-        # poll fast while readers move, slowly while nothing changes
-        nap = 0.02 if regs != seen else min(nap * 2, 0.1)
-        seen = regs
-        time.sleep(nap)
+        # planned again: a reader that reached its wake position (or is new), every reader
+        # on a timed wake
+        moved = {(e, p) for _, e, p, _, at in recs if (e, p) >= at}
+        if moved:
+            backoff = _RETRY_FIRST  # readers moved on: a refused unit is worth trying soon
+        due = {(e, p) for _, e, p, _, _ in recs} if timed else moved
+        bounds = {ep: cache.prefetch(*ep) for ep in sorted(due)}
+        for name, epoch, pos, _, at in recs:
+            b = bounds.get((epoch, pos))
+            if b is not None and (epoch, b) != at:
+                set_wake(cache.cache_dir, name, epoch, b)
+        wait = tick
+        later = [t for t in list(st.retry_after.values()) if t > now]
+        if later:
+            wait = min(tick, max(min(later) - now, backoff))
+            backoff = min(backoff * 2, _RETRY_MAX)
+        timed = not bell.wait(wait)
 
 
 class _BoundedStderr(logging.StreamHandler):

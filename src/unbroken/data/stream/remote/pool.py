@@ -29,6 +29,7 @@ class Pool:
         self._threads: list[threading.Thread] = []
         self._idle = 0
         self.stopping = False
+        self.on_done: Callable[[], None] | None = None  # told after each task (the fetcher)
 
     def submit(self, uid: int, prio: int) -> Future[str]:
         with self._cond:
@@ -108,3 +109,5 @@ class Pool:
                 with self._cond:
                     self._tasks.pop(uid, None)
                 fut.set_result(res)
+            if self.on_done is not None:
+                self.on_done()

@@ -1,13 +1,23 @@
 """Who reads on this node, and where: ``<cache_dir>/.readers/<pid>-<k>``, one per reading
-process of a dataset, 5 int64 (dataset id, epoch, position, heartbeat ns, wanted unit or -1),
-``flock``-ed shared while its reader lives. Prefetch and eviction look at the node from its
-slowest live reader; a fetcher process serves what readers wait for."""
+process of a dataset, 7 int64 (dataset id, epoch, position, heartbeat ns, wanted unit or -1,
+and the epoch and position at which the fetcher wants to hear from it again), ``flock``-ed
+shared while its reader lives. Prefetch and eviction look at the node from its slowest live
+reader; a fetcher process serves what readers wait for.
+
+The fetcher sleeps on its doorbell, ``<cache_dir>/.fetch/<dataset>.wake`` (a FIFO, 0600, in
+the cache's 0700 directory; its bytes are only a wake-up, never read as data): a reader rings
+it when it reaches the position the fetcher wrote into its record (where the reader's set of
+shards changes and the read-ahead moves on) and when it starts waiting for a unit. So the
+fetcher's work follows the readers' progress and the downloads, not the wall clock (issue 22,
+round 4: its 20-100 ms polling loop was about half of its CPU)."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import os
+import select
+import stat
 import struct
 import time
 from typing import Any
@@ -15,39 +25,53 @@ from typing import Any
 from unbroken.common.fs import open_private
 from unbroken.data.stream.remote.locks import open_fd, try_flock
 
-__all__ = ["Registration", "live_readers"]
+__all__ = ["Doorbell", "Registration", "live_readers", "reader_records", "ring", "set_wake"]
 
-_RECORD = struct.Struct("<5q")
+_RECORD = struct.Struct("<7q")
+_WAKE = struct.Struct("<2q")
+_WAKE_AT = 40  # offset of (wake epoch, wake position) in a record
 
 
 class Registration:
     """This process's registration as a reader of one dataset (made on first use)."""
 
-    def __init__(self, cache_dir: str, ds_id: int, key: str) -> None:
+    def __init__(self, cache_dir: str, ds_id: int, key: str, bell: str) -> None:
         self.path_base = os.path.join(cache_dir, ".readers")
         self.ds_id = ds_id
         self.key = key
+        self.bell = bell
         self._pid = -1
         self._fd = -1
+        self._rung = (-2, -2)  # the fetcher's wake position this reader last rang for
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pid": -1, "_fd": -1}
+        return {**self.__dict__, "_pid": -1, "_fd": -1, "_rung": (-2, -2)}
 
     def register(self, epoch: int, pos: int) -> None:
-        """This reader is at ``pos`` of ``epoch``."""
+        """This reader is at ``pos`` of ``epoch``; rings the fetcher when it has reached the
+        position the fetcher asked to hear about (once per such position)."""
         if self._fd < 0 or self._pid != os.getpid():
             self._pid = os.getpid()
+            self._rung = (-2, -2)
             self._fd = open_fd(os.path.join(self.path_base, f"{self._pid}-{self.key}"))
             fcntl.flock(self._fd, fcntl.LOCK_SH)  # alive while held
-            os.pwrite(self._fd, struct.pack("<q", -1), 32)
+            os.pwrite(self._fd, struct.pack("<3q", -1, -1, -1), 32)
         os.pwrite(self._fd, struct.pack("<4q", self.ds_id, epoch, pos, time.monotonic_ns()), 0)
+        raw = os.pread(self._fd, _WAKE.size, _WAKE_AT)
+        at = _WAKE.unpack(raw) if len(raw) == _WAKE.size else (-1, -1)
+        if (epoch, pos) >= at and at != self._rung:
+            self._rung = at
+            ring(self.bell)
 
     def touch(self, want: int | None = None) -> None:
-        """Heartbeat while waiting; ``want``: the unit this reader waits for (-1: none)."""
+        """Heartbeat while waiting; ``want``: the unit this reader waits for (-1: none; a
+        unit rings the fetcher)."""
         if self._fd >= 0 and self._pid == os.getpid():
             os.pwrite(self._fd, struct.pack("<q", time.monotonic_ns()), 24)
             if want is not None:
                 os.pwrite(self._fd, struct.pack("<q", want), 32)
+                if want >= 0:
+                    ring(self.bell)
 
     def leave(self) -> None:
         """Stop counting as a reader (epoch -1) until the next :meth:`register`."""
@@ -56,14 +80,16 @@ class Registration:
                 os.pwrite(self._fd, struct.pack("<q", -1), 8)
 
 
-def live_readers(cache_dir: str, ds_id: int, stale_s: float) -> list[tuple[int, int, int]]:
-    """(epoch, position, wanted unit or -1) of dataset ``ds_id``'s live readers on the node
-    that were active in the last ``stale_s`` seconds; registrations of dead readers (their
-    lock free) are removed."""
+def reader_records(
+    cache_dir: str, ds_id: int, stale_s: float
+) -> list[tuple[str, int, int, int, tuple[int, int]]]:
+    """(file name, epoch, position, wanted unit or -1, wake position) of dataset ``ds_id``'s
+    live readers on the node that were active in the last ``stale_s`` seconds;
+    registrations of dead readers (their lock free) are removed."""
     rdir = os.path.join(cache_dir, ".readers")
     now = time.monotonic_ns()
     stale = int(stale_s * 1e9)
-    out: list[tuple[int, int, int]] = []
+    out: list[tuple[str, int, int, int, tuple[int, int]]] = []
     try:
         names = os.listdir(rdir)
     except FileNotFoundError:
@@ -84,8 +110,94 @@ def live_readers(cache_dir: str, ds_id: int, stale_s: float) -> list[tuple[int, 
             os.close(fd)
         if len(raw) != _RECORD.size:
             continue
-        rid, epoch, pos, beat, want = _RECORD.unpack(raw)
+        rid, epoch, pos, beat, want, we, wp = _RECORD.unpack(raw)
         if rid != ds_id or epoch < 0 or now - beat > stale:
             continue  # another dataset, or a reader idle for long (it re-registers)
-        out.append((epoch, pos, want))
+        out.append((name, epoch, pos, want, (we, wp)))
     return out
+
+
+def live_readers(cache_dir: str, ds_id: int, stale_s: float) -> list[tuple[int, int, int]]:
+    """(epoch, position, wanted unit or -1) of the live readers (see :func:`reader_records`)."""
+    return [(e, p, w) for _, e, p, w, _ in reader_records(cache_dir, ds_id, stale_s)]
+
+
+def set_wake(cache_dir: str, name: str, epoch: int, pos: int) -> None:
+    """Ask reader ``name`` to ring the doorbell once it reaches ``pos`` of ``epoch``."""
+    try:
+        fd = open_private(os.path.join(cache_dir, ".readers", name), os.O_RDWR)
+    except OSError:
+        return  # gone meanwhile
+    try:
+        os.pwrite(fd, _WAKE.pack(epoch, pos), _WAKE_AT)
+    finally:
+        os.close(fd)
+
+
+def _fifo_ok(fd: int) -> bool:
+    st = os.fstat(fd)
+    return stat.S_ISFIFO(st.st_mode) and st.st_uid == os.geteuid()
+
+
+def ring(path: str) -> None:
+    """Wake the fetcher sleeping on doorbell ``path`` (nothing when none listens: no fetcher
+    runs, and the readers' own checks start one)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # no fetcher has it open (ENXIO), none made it yet, or not ours (ELOOP)
+    try:
+        if _fifo_ok(fd):
+            with contextlib.suppress(BlockingIOError):
+                os.write(fd, b"!")  # full: a wake-up is pending anyway
+    finally:
+        os.close(fd)
+
+
+class Doorbell:
+    """The fetcher's end of its doorbell (see the module docstring): made afresh by the
+    fetcher holding the dataset's fetch lock. It holds a write end too, so that the last
+    reader closing its end never leaves the FIFO signalling end-of-file forever, and so that
+    its own download threads can :meth:`ring` it."""
+
+    def __init__(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a dead fetcher's, or anything else at this fixed name
+        os.mkfifo(path, 0o600)
+        self.rfd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self.wfd = -1
+        try:
+            if not _fifo_ok(self.rfd):
+                raise PermissionError(f"{path}: not this user's FIFO; remove it")
+            os.fchmod(self.rfd, 0o600)
+            self.wfd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except BaseException:
+            self.close()
+            raise
+        self._poll = select.poll()
+        self._poll.register(self.rfd, select.POLLIN)
+
+    def ring(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self.wfd, b"!")
+
+    def wait(self, timeout: float | None) -> bool:
+        """Sleep until rung or ``timeout`` seconds (None: no limit); whether it was rung. The
+        bytes are drained and dropped, whatever they are (bounded reads)."""
+        got = self._poll.poll(None if timeout is None else max(0, int(timeout * 1000) + 1))
+        if not got:
+            return False
+        for _ in range(64):
+            try:
+                if len(os.read(self.rfd, 4096)) < 4096:
+                    break
+            except BlockingIOError:
+                break
+        return True
+
+    def close(self) -> None:
+        for fd in (self.rfd, self.wfd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.rfd = self.wfd = -1
