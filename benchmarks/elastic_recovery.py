@@ -262,14 +262,15 @@ def first_step(start: str, work: str, extra: list[str]) -> dict[str, float]:
         _end(p, run_dir, log)
 
 
-def job_memory(run_dir: str, attempt: str) -> dict[str, float]:
-    """PSS (MB) of the job's processes of ``attempt`` (agent, fork server, launchers,
-    workers; not a standby waiting for a later attempt) once it is back where it was: the
-    memory a restart leaves behind, like for like (issue 23 item 2)."""
+def job_memory(run_dir: str, attempt: int) -> dict[str, float]:
+    """PSS (MB) of the job's processes up to ``attempt`` (agent, a kept agent born for an
+    earlier attempt, fork server, launchers, workers; not a standby waiting for a later
+    attempt) once it is back where it was: the memory a restart leaves behind, like for like
+    (issue 23 item 2)."""
     got = [
         c[1]
         for pid in pids_with_env(events.ENV_RUN_DIR, run_dir)
-        if environ_of(pid).get(events.ENV_ATTEMPT) == attempt
+        if int(environ_of(pid).get(events.ENV_ATTEMPT) or 0) <= attempt
         for c in [_proc_cost(pid)]
         if c is not None
     ]
@@ -306,7 +307,7 @@ def one(mode: list[str], moment: str, work: str, kill_at: int) -> dict[str, floa
                 raise _Failed(f"no progress {HUNG_AFTER:g} s after the kill (hung)", work)
             _alive(p, work, "after the kill")
             time.sleep(0.01)
-        extra.update(job_memory(run_dir, "0" if mode[0] == "torchrun" else "1"))
+        extra.update(job_memory(run_dir, 0 if mode[0] == "torchrun" else 1))
         return {**_phases(mode, run_dir, log_path, old, t_kill, regain), **extra}
     finally:
         _end(p, run_dir, log)
