@@ -11,8 +11,8 @@ steps), same kill (rank 1 SIGKILLed), at two moments (issue 23: the cold path be
   (whether it was is recorded per run and counted in the table).
 
 Rows, each against torchrun's own restart at the same moment, same run: (a) `unbroken run`,
-standby ready; (b) `unbroken run --no-prewarm` (a bare standby agent, fresh worker
-interpreters); (c) `unbroken run`, a failure before the standby is ready (the failed
+standby ready; (b) `unbroken run --no-prewarm` (a bare standby agent, which forks its fork
+server at the restart and the workers from it; fresh interpreters before issue 23 item 2); (c) `unbroken run`, a failure before the standby is ready (the failed
 attempt's agent is kept and restarts only the workers; column "kept": how many runs did);
 (d) `unbroken run --no-standby` (nothing held while training, fresh workers; since issue
 23 the running agent is kept and restarts them, as torchrun does). The anchor is ``torchrun --standalone --max-restarts 1`` (restarts the
@@ -38,6 +38,13 @@ The load of each restarted rank is also split by where its time went: its CPU-se
 threads), and its main thread's time running, waiting for a CPU (run queue) and blocked
 (the rest), from the worker's own counters: like for like whatever else the box runs
 (issue 23).
+
+Memory once back where it was: the PSS of the job's processes up to the restarted attempt
+(no standby waiting for a later one), for every row (issue 23 item 2).
+
+``--first-step`` measures instead the job's start: seconds from ``unbroken run
+--standby-start launch|beat`` (with and without ``--no-prewarm``) to the first step on every
+rank, interleaved (issue 23 item 1: what starting the standby with the attempt costs).
 
 regain = the sum = K -> back where it was. Modes run interleaved (order rotated per repeat),
 so machine load hits all alike; the table shows medians and each mode's regain over the
