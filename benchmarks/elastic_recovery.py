@@ -11,8 +11,8 @@ steps), same kill (rank 1 SIGKILLed), at two moments (issue 23: the cold path be
   (whether it was is recorded per run and counted in the table).
 
 Rows, each against torchrun's own restart at the same moment, same run: (a) `unbroken run`,
-standby ready; (b) `unbroken run --no-prewarm` (a bare standby agent, fresh worker
-interpreters); (c) `unbroken run`, a failure before the standby is ready (the failed
+standby ready; (b) `unbroken run --no-prewarm` (a bare standby agent, which forks its fork
+server at the restart and the workers from it; fresh interpreters before issue 23 item 2); (c) `unbroken run`, a failure before the standby is ready (the failed
 attempt's agent is kept and restarts only the workers; column "kept": how many runs did);
 (d) `unbroken run --no-standby` (nothing held while training, fresh workers; since issue
 23 the running agent is kept and restarts them, as torchrun does). The anchor is ``torchrun --standalone --max-restarts 1`` (restarts the
@@ -38,6 +38,13 @@ The load of each restarted rank is also split by where its time went: its CPU-se
 threads), and its main thread's time running, waiting for a CPU (run queue) and blocked
 (the rest), from the worker's own counters: like for like whatever else the box runs
 (issue 23).
+
+Memory once back where it was: the PSS of the job's processes up to the restarted attempt
+(no standby waiting for a later one), for every row (issue 23 item 2).
+
+``--first-step`` measures instead the job's start: seconds from ``unbroken run
+--standby-start launch|beat`` (with and without ``--no-prewarm``) to the first step on every
+rank, interleaved (issue 23 item 1: what starting the standby with the attempt costs).
 
 regain = the sum = K -> back where it was. Modes run interleaved (order rotated per repeat),
 so machine load hits all alike; the table shows medians and each mode's regain over the
@@ -173,7 +180,8 @@ def standby_cost(run_dir: str, attempt: int) -> dict[str, float]:
     }
 
 
-def one(mode: list[str], moment: str, work: str, kill_at: int) -> dict[str, float]:
+def _start(mode: list[str], work: str) -> tuple[subprocess.Popen[bytes], str, str, Any]:
+    """Start the job under ``mode``: (process, run dir, log path, open log file)."""
     run_dir = os.path.join(work, "run")
     os.makedirs(run_dir)
     script = [
@@ -223,6 +231,61 @@ def one(mode: list[str], moment: str, work: str, kill_at: int) -> dict[str, floa
     p = subprocess.Popen(
         argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
+    return p, run_dir, log_path, log
+
+
+def _end(p: subprocess.Popen[bytes], run_dir: str, log: Any) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+    kill_matching(events.ENV_RUN_DIR, run_dir, timeout=5)
+    p.wait()
+    log.close()
+
+
+def first_step(start: str, work: str, extra: list[str]) -> dict[str, float]:
+    """Issue 23 item 1: seconds from ``unbroken run --standby-start START`` to the job's
+    first step on every rank (the slower rank's ``startup`` mark), and to the next
+    attempt's standby being ready."""
+    t0 = time.time()
+    p, run_dir, _log_path, log = _start(["unbroken", "--standby-start", start, *extra], work)
+    try:
+        out: dict[str, float] = {}
+        deadline = t0 + 120.0
+        while "ready" not in out:
+            ev = events.load_events(run_dir)
+            ups = [e for e in ev if e["event"] == "startup" and e.get("attempt") == 0]
+            if len(ups) >= 2 and "first_step" not in out:
+                out["first_step"] = max(e["first_step"] for e in ups) - t0
+                out["standby_up_at_first_step"] = float(_standby_ready(run_dir))
+            ready = [e["t"] for e in ev if e["event"] == "standby" and e.get("attempt") == 1]
+            if ready and "first_step" in out:
+                out["ready"] = ready[0] - t0
+            if time.time() > deadline:
+                raise _Failed("no first step / standby in 120 s", work)
+            _alive(p, work, "before the first step")
+            time.sleep(0.02)
+        return out
+    finally:
+        _end(p, run_dir, log)
+
+
+def job_memory(run_dir: str, attempt: int) -> dict[str, float]:
+    """PSS (MB) of the job's processes up to ``attempt`` (agent, a kept agent born for an
+    earlier attempt, fork server, launchers, workers; not a standby waiting for a later
+    attempt) once it is back where it was: the memory a restart leaves behind, like for like
+    (issue 23 item 2)."""
+    got = [
+        c[1]
+        for pid in pids_with_env(events.ENV_RUN_DIR, run_dir)
+        if int(environ_of(pid).get(events.ENV_ATTEMPT) or 0) <= attempt
+        for c in [_proc_cost(pid)]
+        if c is not None
+    ]
+    return {"job_pss_mb": sum(got), "job_procs": float(len(got))}
+
+
+def one(mode: list[str], moment: str, work: str, kill_at: int) -> dict[str, float]:
+    p, run_dir, log_path, log = _start(mode, work)
     prewarm = mode[0] == "unbroken" and "--no-standby" not in mode
     wait_ready = prewarm and moment == "late"
     extra: dict[str, float] = {}
@@ -251,13 +314,10 @@ def one(mode: list[str], moment: str, work: str, kill_at: int) -> dict[str, floa
                 raise _Failed(f"no progress {HUNG_AFTER:g} s after the kill (hung)", work)
             _alive(p, work, "after the kill")
             time.sleep(0.01)
+        extra.update(job_memory(run_dir, 0 if mode[0] == "torchrun" else 1))
         return {**_phases(mode, run_dir, log_path, old, t_kill, regain), **extra}
     finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-        kill_matching(events.ENV_RUN_DIR, run_dir, timeout=5)
-        p.wait()
-        log.close()
+        _end(p, run_dir, log)
 
 
 def _phases(
@@ -397,6 +457,11 @@ def report(res: dict[str, list[dict[str, float]]], failed: dict[str, list[str]])
     for name, xs in res.items():
         if xs and all(k in xs[0] for k in LOAD_SPLIT):
             print(f"| {name} | " + " | ".join(f"{_med(xs, k):.2f}" for k in LOAD_SPLIT) + " |")
+    print("\nPSS of the job's processes once back where it was (agent, fork server, launchers,")
+    print("workers of the restarted attempt; no waiting standby), median MB:")
+    for name, xs in res.items():
+        if xs and "job_pss_mb" in xs[0]:
+            print(f"  {name}: {_med(xs, 'job_pss_mb'):.0f} ({_med(xs, 'job_procs'):.0f} processes)")
     for name, xs in res.items():
         cost = [x for x in xs if "standby_rss_mb" in x]
         if cost:
@@ -424,6 +489,36 @@ def report(res: dict[str, list[dict[str, float]]], failed: dict[str, list[str]])
     return {"anchor": anchor, "ratios": ratios}
 
 
+def first_steps(repeats: int, json_path: str | None) -> None:
+    """The job's start with its next standby started at launch vs after the first beats."""
+    load0 = os.getloadavg()
+    print(f"load average: {load0}", flush=True)
+    cases = {
+        f"{start}{' --no-prewarm' if extra else ''}": (start, extra)
+        for extra in ([], ["--no-prewarm"])
+        for start in ("launch", "beat")
+    }
+    res: dict[str, list[dict[str, float]]] = {k: [] for k in cases}
+    names = list(cases)
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeats):
+            for i, name in enumerate(names[r % len(names) :] + names[: r % len(names)]):
+                start, extra = cases[name]
+                got = first_step(start, os.path.join(tmp, f"{r}-{i}"), extra)
+                res[name].append(got)
+                print(f"repeat {r} {name}: " + " ".join(f"{k} {v:.2f}" for k, v in got.items()))
+    load1 = os.getloadavg()
+    print("\n| --standby-start | first step on every rank (median) | per repeat | standby ready |")
+    print("|---|---|---|---|")
+    for name, xs in res.items():
+        per = " / ".join(f"{x['first_step']:.2f}" for x in xs)
+        print(f"| {name} | {_med(xs, 'first_step'):.2f} | {per} | {_med(xs, 'ready'):.2f} |")
+    print(f"\nload average before {load0}, after {load1}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"first_step": res, "load": [load0, load1]}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
@@ -441,7 +536,16 @@ def main() -> None:
         default=None,
         help="comma-separated letters of the rows to run (e.g. 'b,d'; the anchors always run)",
     )
+    ap.add_argument(
+        "--first-step",
+        action="store_true",
+        help="only issue 23 item 1: the job's first step with --standby-start launch vs beat "
+        "(default and --no-prewarm standbys), interleaved",
+    )
     a = ap.parse_args()
+    if a.first_step:
+        first_steps(a.repeats, a.json)
+        return
     modes = dict(MODES)
     if a.modes:
         keep = {f"({x.strip()})" for x in a.modes.split(",")}

@@ -169,9 +169,12 @@ def test_no_standby_holds_nothing_and_restarts_the_workers_in_the_running_agent(
     _assert_nothing_left(job)
 
 
-def test_no_prewarm_restarts_from_a_bare_standby_agent_with_fresh_workers(tmp_path):
-    """issue 23 (cold path): --no-prewarm still starts the next attempt's agent ahead (torch
-    and torchrun imported, no fork server): only the workers start as fresh interpreters."""
+def test_no_prewarm_holds_a_bare_agent_and_forks_the_restarted_workers_on_demand(tmp_path):
+    """issue 23 item 2 (cold path): --no-prewarm holds only a bare agent for the next attempt
+    while the job trains (torch and torchrun imported, no fork server, nothing preloaded);
+    at the restart that agent forks a fork server (sharing its imported torch) which forks
+    the restarted workers: the ranks of a node do not each import torch again.
+    (Before item 2 the restarted workers were fresh interpreters: ``via == "spawn"``.)"""
     stop = tmp_path / "stop"
     with h.jobs() as start:
         job = start(
@@ -183,6 +186,8 @@ def test_no_prewarm_restarts_from_a_bare_standby_agent_with_fresh_workers(tmp_pa
             lambda: [e for e in job.events("standby") if e["attempt"] == 1], 90, "standby", job
         )
         beats = h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=2), 90, "step 8", job)
+        held = h.pids_of(job, attempt=1)
+        assert len(held) == 1, held  # the bare agent only: no fork server while training
         os.kill(beats[1].pid, signal.SIGKILL)
         back = max(b.step for b in beats) + 2
         h.wait_until(lambda: h.live_beats(job, 1, back, ranks=2), 90, "the restarted ranks", job)
@@ -193,13 +198,75 @@ def test_no_prewarm_restarts_from_a_bare_standby_agent_with_fresh_workers(tmp_pa
     assert sb["fork_server"] is False, sb
     launches = job.events("launch")
     assert [e["prewarmed"] is not None for e in launches] == [True, True], launches
-    assert "--bare" in launches[1]["argv"]
-    exits = job.events("worker_exit")
-    assert {e["via"] for e in exits} == {"spawn"}, exits
+    assert "--bare" in launches[1]["argv"] and launches[1]["agent_pid"] == held[0]
+    exits = [e for e in job.events("worker_exit") if e["attempt"] == 1]
+    assert len(exits) == 2 and {e["via"] for e in exits} == {"zygote"}, exits
     (f,) = job.events("failure")
     assert (f["fault"], f["action"]) == ("process", "restart"), f
     steps = h.metric_steps(str(tmp_path / "metrics.jsonl"))[-1]
     _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=2)
+    _assert_nothing_left(job)
+
+
+def _gated_job(start, tmp_path, standby_start: str) -> h.Job:
+    """2 ranks held before their process group until ``tmp_path/gate`` exists; they stop
+    when ``tmp_path/stop`` does."""
+    return start(
+        str(tmp_path / "run"),
+        ["--nproc-per-node", "2", "--standby-start", standby_start],
+        _script_args(
+            tmp_path,
+            10_000,
+            save_every=5,
+            stop_file=tmp_path / "stop",
+            start_gate=tmp_path / "gate",
+        ),
+    )
+
+
+def test_standby_started_at_launch_exists_before_the_first_beat_and_takes_an_agent_loss(
+    tmp_path,
+):
+    """issue 23 item 1 (cold path): with --standby-start launch the next attempt's standby is
+    started with the attempt, before any rank has beaten; when the attempt's agent is lost
+    before the first beat, the restart is run by that standby (not a cold agent started
+    then), and the job finishes bit-identical with nothing left."""
+    gate, stop = tmp_path / "gate", tmp_path / "stop"
+    with h.jobs() as start:
+        job = _gated_job(start, tmp_path, "launch")
+        standby = h.wait_until(lambda: h.pids_of(job, attempt=1), 90, "the standby", job)
+        (first,) = h.wait_until(lambda: job.events("launch"), 90, "the first launch", job)
+        assert not h.live_beats(job, 0, 1, ranks=1)  # no rank has beaten (the gate is shut)
+        os.kill(first["agent_pid"], signal.SIGKILL)
+        h.wait_until(lambda: len(job.events("launch")) == 2, 90, "the restart", job)
+        gate.write_text("")
+        h.wait_until(lambda: h.live_beats(job, 1, 8, ranks=2), 90, "step 8", job)
+        stop.write_text("")
+        assert job.wait(120) == 0, job.output()[-3000:]
+
+    (f,) = job.events("failure")
+    assert f["kind"] == "agent_lost", f  # (filed as a lost node: relaunched)
+    second = job.events("launch")[1]
+    assert second["agent_pid"] in standby and not second["kept"], (second, standby)
+    steps = h.metric_steps(str(tmp_path / "metrics.jsonl"))[-1]
+    _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=2)
+    _assert_nothing_left(job)
+
+
+def test_standby_start_beat_waits_for_every_rank_to_beat(tmp_path):
+    """issue 23 item 1: --standby-start beat (auto's choice on a node without a spare CPU
+    for the standby: its imports would slow the job's own start) starts no standby before
+    every local rank has beaten, and one after."""
+    gate, stop = tmp_path / "gate", tmp_path / "stop"
+    with h.jobs() as start:
+        job = _gated_job(start, tmp_path, "beat")
+        h.wait_until(lambda: job.events("standby"), 90, "the first attempt's agent", job)
+        h.wait_until(lambda: len(h.pids_of(job, attempt=0)) >= 4, 90, "the workers", job)
+        assert not h.pids_of(job, attempt=1)  # gate shut: nobody beat, no standby yet
+        gate.write_text("")
+        h.wait_until(lambda: h.pids_of(job, attempt=1), 90, "the standby after the beats", job)
+        stop.write_text("")
+        assert job.wait(120) == 0, job.output()[-3000:]
     _assert_nothing_left(job)
 
 

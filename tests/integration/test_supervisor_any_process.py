@@ -49,7 +49,8 @@ def _launcher_of(job: h.Job, rank: int, worker: int) -> int:
         ("worker", []),
         ("launcher", []),
         ("fork server", []),
-        ("launcher", ["--no-prewarm"]),  # its worker a fresh interpreter, not a fork
+        # its worker a fresh interpreter, not a fork (--no-prewarm forks since issue 23 item 2)
+        ("launcher", ["--no-standby"]),
     ],
 )
 def test_any_process_of_a_rank_killed_is_a_process_fault_that_restarts_it(tmp_path, victim, mode):

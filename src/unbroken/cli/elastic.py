@@ -150,9 +150,18 @@ RUN_FLAGS: tuple[ConfigFlag, ...] = (
         ("--no-prewarm",),
         RunConfig,
         "prewarm",
-        "start every worker as a fresh interpreter instead of forking it from the standby's "
-        "fork server (the next attempt's agent is still started ahead; see --no-standby)",
+        "hold no fork server ahead: the next attempt's agent is started ahead bare (torch "
+        "imported, about half the standby's memory) and forks the restarted workers from "
+        "its own imports at the restart (see --no-standby for fresh interpreters)",
         action="store_false",
+    ),
+    F(
+        ("--standby-start",),
+        RunConfig,
+        "standby_start",
+        "when the next attempt's standby starts: launch (with the attempt), beat (once "
+        "every local rank has beaten: never competes with the attempt's start-up), auto "
+        "(launch when the node has nproc-per-node + 4 CPUs, else beat)",
     ),
     F(
         ("--no-standby",),

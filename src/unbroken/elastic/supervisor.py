@@ -52,6 +52,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+STANDBY_STARTS = ("auto", "launch", "beat")
+"""The values of ``RunConfig.standby_start``."""
+
 
 @dataclass(frozen=True)
 class WatchdogConfig:
@@ -111,12 +114,21 @@ class RunConfig:
     does not even run its SIGTERM handler), so this only bounds a flush of local state."""
     prewarm: bool = True
     """Fork the workers from the standby's fork server, which imported ``preload`` ahead
-    (see ``launch.standby``); False starts every worker as a fresh interpreter."""
+    (see ``launch.standby``). False holds only a bare agent ahead (torch and torchrun
+    imported, no fork server) that forks its fork server when it takes over, at the
+    restart: the workers are forked from its imported torch instead of each importing it
+    (issue 23 item 2), and nothing more is held while the job trains."""
     standby: bool = True
     """Keep the next attempt's torchrun agent started ahead, torch imported (with
     ``prewarm``: and its fork server). False holds nothing ahead while the job trains (no
     memory, no CPU) and starts fresh worker interpreters: a rank's failure restarts them in
     the running agent (as torchrun does), the loss of the agent costs a fresh one."""
+    standby_start: str = "auto"
+    """When the next attempt's standby starts: ``launch`` (with the attempt, ready soonest),
+    ``beat`` (once every local rank has beaten: its imports never compete with the
+    attempt's own start-up), ``auto``: ``launch`` when the node has a CPU for each local
+    rank, the attempt's agent and fork server and the standby's two (``nproc + 4``), else
+    ``beat`` (issue 23 item 1: measured in benchmarks/RESULTS.md)."""
     preload: tuple[str, ...] = DEFAULT_PRELOAD
     """Modules the pre-warmed agent imports before forking workers (add your heavy imports:
     they are then free at every restart). A module that fails to import is skipped."""
@@ -132,6 +144,11 @@ class RunConfig:
             raise ValueError("no training command: use `unbroken run [options] -- train.py ARGS`")
         if self.nproc_per_node < 1:
             raise ValueError(f"nproc_per_node={self.nproc_per_node} must be >= 1")
+        if self.standby_start not in STANDBY_STARTS:
+            raise ValueError(
+                f"standby_start={self.standby_start!r} (--standby-start) is not one of "
+                f"{', '.join(STANDBY_STARTS)}"
+            )
         for name in ("preflight_max_wait", "shutdown_timeout", "stop_grace"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} is negative; pass seconds >= 0")
@@ -195,6 +212,7 @@ class Supervisor:
         self._memory: str | None = None  # the memory tier's directory, when this agent owns it
         self._kept: Standby | None = None
         """The last attempt's agent, kept for the next one (see ``_agent_for``)."""
+        self._at_launch = self._standby_at_launch()
 
     # --- bookkeeping ---------------------------------------------------------------------
 
@@ -320,7 +338,14 @@ class Supervisor:
             preload=self.cfg.preload,
             echo=self.cfg.echo,
             fork_server=self.cfg.prewarm and self.cfg.standby,
+            on_demand=not self.cfg.prewarm and self.cfg.standby,
         )
+
+    def _standby_at_launch(self) -> bool:
+        """Start the next attempt's standby with the attempt (``RunConfig.standby_start``)."""
+        if self.cfg.standby_start != "auto":
+            return self.cfg.standby_start == "launch"
+        return len(os.sched_getaffinity(0)) >= self.cfg.nproc_per_node + 4
 
     def _agent_for(self, number: int) -> tuple[Standby | None, list[Standby]]:
         """The agent for attempt ``number`` and the ones not taken (closed once the attempt
@@ -378,14 +403,18 @@ class Supervisor:
     def _maybe_prewarm(
         self, att: Attempt, beats: list[heartbeat.BeatRecord], t_up: float | None, now: float
     ) -> None:
-        """Start the next attempt's standby once this attempt trains (every local rank beat,
+        """Start the next attempt's standby: with the attempt when the node has a CPU for
+        it (``_standby_at_launch``), else once this attempt trains (every local rank beat,
         or 30 s after its workers appeared), so that its imports do not slow this attempt's
-        start-up."""
-        if not self.cfg.standby or self._standby is not None or t_up is None:
+        start-up (issue 23 item 1)."""
+        if not self.cfg.standby or self._standby is not None:
             return
-        if (
-            len({b.rank for b in beats if b.started}) >= self.cfg.nproc_per_node
-            or now - t_up > 30.0
+        if self._at_launch or (
+            t_up is not None
+            and (
+                len({b.rank for b in beats if b.started}) >= self.cfg.nproc_per_node
+                or now - t_up > 30.0
+            )
         ):
             self._standby = self._new_standby(att.number + 1)
 

@@ -23,6 +23,8 @@ every K steps (issue 25), into the directory ``unbroken run`` names in ``UNBROKE
 ``--stop-file PATH``: the job finishes after the first step at which PATH exists (the ranks
 agree on that step by an all-reduce), so a test decides when it has seen enough.
 ``--ignore-sigterm``: the worker ignores SIGTERM (it ends only by torchrun's SIGKILL).
+``--start-gate PATH``: every rank waits for PATH to exist before it joins the process group
+(so a test knows that no rank has beaten yet).
 ``startup`` also carries ``cpu_start``/``cpu_restored`` (this process's CPU-seconds, all
 threads), ``run_*``/``runq_*`` (its main thread's seconds on a CPU and waiting for one,
 ``/proc/self/schedstat``): the load's own cost, apart from the box's load.
@@ -30,7 +32,7 @@ threads), ``run_*``/``runq_*`` (its main thread's seconds on a CPU and waiting f
     torchrun ... elastic_train.py --ckpt DIR --metrics FILE --steps N [--save-every K]
         [--sleep S] [--raise-at STEP] [--ckpt-kind unbroken|file] [--linger S]
         [--stderr-noise TEXT] [--stop-file PATH] [--refuse-restore] [--memory-every K]
-        [--ignore-sigterm]
+        [--ignore-sigterm] [--start-gate PATH]
 """
 
 from __future__ import annotations
@@ -134,6 +136,7 @@ def main() -> None:
     ap.add_argument("--refuse-restore", action="store_true")
     ap.add_argument("--memory-every", type=int, default=None)
     ap.add_argument("--ignore-sigterm", action="store_true")  # until torchrun's SIGKILL
+    ap.add_argument("--start-gate", default=None)
     a = ap.parse_args()
     if a.stderr_noise:
         print(a.stderr_noise, file=sys.stderr, flush=True)
@@ -147,6 +150,9 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, signal.SIG_IGN if a.ignore_sigterm else on_sigterm)
     install()  # stack dumps work from here on: a hang in init_process_group included
+    gate_deadline = time.monotonic() + 300
+    while a.start_gate and not os.path.exists(a.start_gate) and time.monotonic() < gate_deadline:
+        time.sleep(0.05)  # a test's gate (polled: it opens when the test has seen enough)
     dist.init_process_group("gloo")
     t_pg = time.time()
     rank = dist.get_rank()

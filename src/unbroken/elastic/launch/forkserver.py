@@ -122,12 +122,20 @@ def _preload(names: list[str], stop: Any = None) -> dict[str, str]:
 
 
 def start_server(
-    name: str, key: str, log: str | None, preload: list[str], t0: float, rng: Any
+    name: str,
+    key: str,
+    log: str | None,
+    preload: list[str],
+    t0: float,
+    rng: Any,
+    event: str = "standby",
 ) -> int | None:
     """Fork the fork server for this agent (the calling process); returns its pid once it
     listens on the abstract name ``name``, None if it could not start (the launchers then
     start fresh interpreters). In the forked server this never returns: it serves, and
-    inside each worker it forks it runs the worker's script and exits as the script does."""
+    inside each worker it forks it runs the worker's script and exits as the script does.
+    ``event``: what the server appends once its preloads are imported (``standby``: the
+    standby is ready; ``fork_server``: one forked on demand at a restart)."""
     agent = os.getpid()
     ready_r, ready_w = os.pipe()
     sys.stdout.flush()
@@ -137,7 +145,7 @@ def start_server(
         os.close(ready_r)
         set_title(f"{FORKSERVER_TITLE}{agent}]", "ub-forkserver")
         try:
-            zygote = _Zygote(name, key, agent, log, preload, t0, ready_w)
+            zygote = _Zygote(name, key, agent, log, preload, t0, ready_w, event)
         except BaseException as e:  # noqa: BLE001 - said in the log; the agent falls back
             print(f"fork server: cannot start: {e}", flush=True)
             os._exit(1)
@@ -230,8 +238,10 @@ class _Zygote:
         preload: list[str],
         t0: float,
         ready: int,
+        event: str = "standby",
     ) -> None:
         self.agent = agent
+        self.event = event
         self.me = os.getpid()
         self.key = key.encode()
         self.refused: str | None = None
@@ -287,7 +297,7 @@ class _Zygote:
         self._pending = skipped.split(", ") if skipped else []
         self._check_cuda()
         attempt_event(
-            "standby",
+            self.event,
             seconds=round(time.perf_counter() - t0, 3),
             preload=names,
             failed=failed,

@@ -13,9 +13,13 @@ waits for the next order: the supervisor keeps it for the next attempt when no f
 standby is ready (:meth:`Standby.reuse`; issue 23: only the workers restart).
 
 With ``unbroken run --no-prewarm`` the standby is *bare* (``--bare``): the agent is started
-ahead all the same, but without a fork server. Any failure to pre-warm falls back to the
-plain path: no standby -> a fresh ``python -m torch.distributed.run``; no fork server -> the
-launcher starts a fresh ``python -u SCRIPT``.
+ahead all the same, but holds no fork server while the job trains. With ``--on-demand``
+(``--no-prewarm``'s) it forks its fork server when its first order comes, before torchrun
+runs: the server starts with the agent's torch already imported (shared pages), imports the
+preloads until the launchers ask for workers, and forks them (issue 23 item 2: the ranks of
+a node do not each import torch again at a restart). Any failure to pre-warm falls back to
+the plain path: no standby -> a fresh ``python -m torch.distributed.run``; no fork server ->
+the launcher starts a fresh ``python -u SCRIPT`` (always, with ``--no-standby``).
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ __all__ = ["Standby"]
 
 
 BARE = "--bare"
-"""The standby's first argument when it starts no fork server."""
+"""The standby's first argument when it starts no fork server ahead."""
+ON_DEMAND = "--on-demand"
+"""After ``BARE``: fork the fork server at the first order (the preloads follow)."""
 TITLE_ROOM = " " * 1024
 """The standby's last argument: blank room in its argv for the titles of the workers its
 fork server forks (a title is written over the argv strings, see ``worker.set_title``)."""
@@ -62,10 +68,12 @@ class Standby:
         preload: Sequence[str],
         echo: bool,
         fork_server: bool = True,
+        on_demand: bool = False,
     ) -> None:
-        """``fork_server=False``: a bare standby (``unbroken run --no-prewarm``): the agent
-        is started ahead with torch and torchrun imported, its workers start as fresh
-        interpreters (no fork server, nothing preloaded for them)."""
+        """``fork_server=False``: a bare standby: the agent is started ahead with torch and
+        torchrun imported, no fork server while it waits. ``on_demand`` (``unbroken run
+        --no-prewarm``): it forks one at its first order, which forks the workers; without
+        (``--no-standby``) its workers start as fresh interpreters."""
         self.number = number
         self.run_dir = run_dir
         self.token = uuid.uuid4().hex
@@ -74,7 +82,14 @@ class Standby:
         """The agent of an earlier attempt, kept for this one (see :meth:`reuse`)."""
         self.fork_server = fork_server
         """Its workers are forked by its fork server (False: a bare standby)."""
-        self.argv = [sys.executable, "-m", __name__, *([BARE] if not fork_server else preload)]
+        head = [] if fork_server else [BARE, ON_DEMAND] if on_demand else [BARE]
+        self.argv = [
+            sys.executable,
+            "-m",
+            __name__,
+            *head,
+            *(preload if fork_server or on_demand else ()),
+        ]
         self.agent = Agent(
             number,
             run_dir,
@@ -141,6 +156,8 @@ def main(argv: list[str]) -> None:
     pdeathsig(signal.SIGKILL)  # a standby dies with its supervisor
     preload = [m for m in argv if m.strip()]  # not the TITLE_ROOM
     bare = preload[:1] == [BARE]
+    on_demand = bare and preload[1:2] == [ON_DEMAND]
+    preload = preload[2:] if on_demand else [] if bare else preload
     t0 = time.perf_counter()
     import torch
 
@@ -173,6 +190,9 @@ def main(argv: list[str]) -> None:
         pdeathsig(0)  # from here on this is a torchrun agent and lives like one
         req = json.loads(line)
         os.environ.update(req["env"])
+        if on_demand and server is None:  # once, before torchrun started a thread
+            on_demand = False
+            server = start_server(name, key, log, preload, time.perf_counter(), rng, "fork_server")
         if server is not None:
             os.environ[ENV_ZYGOTE] = f"{name} {server} {key}"
         sys.argv = ["torchrun", *req["argv"]]
