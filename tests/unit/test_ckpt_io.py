@@ -362,3 +362,54 @@ def test_a_cold_file_is_read_ahead_in_large_requests_once_each(tmp_path, monkeyp
     size = os.path.getsize(os.path.join(d, big))
     mine = [(o, n) for s, o, n in asked if s == size]
     assert mine == [(o, min(64 << 20, size - o)) for o in range(0, size, 64 << 20)]
+
+
+def test_restore_copies_bytes_exactly_into_every_kind_of_live_tensor(tmp_path, monkeypatch) -> None:
+    """issue 23 item 1: the copy of verified bytes into the live tensors. Contiguous CPU
+    tensors of the stored dtype are copied as bytes in up to two threads, each call
+    single-threaded, never through ``Tensor.copy_`` (torch splits each copy over its
+    intra-op threads, which spin against each other on a busy box: 0.54-0.57 vs 0.37-0.42
+    CPU-s per 2 GiB at load 6, ``RESULTS.md``); anything else (a transposed live tensor)
+    still goes through ``copy_``. Every dtype lands bit-exact, a tied weight too, and the
+    live tensors' version counters move as an in-place copy's would, so autograd still
+    names a graph recorded before the restore."""
+    m = torch.nn.Linear(64, 3000)  # 768 KB weight; with the rest > 16 MiB: two threads
+    m.register_buffer("bf", torch.randn(5, 7).to(torch.bfloat16))
+    m.register_buffer("c", torch.randn(6, dtype=torch.complex64))
+    m.register_buffer("mask", torch.rand(9) > 0.5)
+    m.register_buffer("scalar", torch.tensor(3.5, dtype=torch.float64))
+    m.register_buffer("empty", torch.zeros(0, 4))
+    m.register_buffer("big", torch.randn(5 << 20))
+    m.register_buffer("t", torch.randn(40, 30))
+    tied = torch.nn.ModuleDict({"a": m, "b": torch.nn.Linear(64, 3000)})
+    tied["b"].weight = m.weight
+    Checkpointer(str(tmp_path), TrainState(model=tied)).save(1)
+    want = {k: v.clone() for k, v in tied.state_dict().items()}
+
+    a, b = torch.nn.Linear(64, 3000), torch.nn.Linear(64, 3000)
+    b.weight = a.weight
+    live = torch.nn.ModuleDict({"a": a, "b": b})
+    for name, v in m.named_buffers():
+        a.register_buffer(name, torch.zeros_like(v))
+    a.t = torch.zeros(30, 40).t()  # live but transposed: not contiguous
+    loss = (a.weight * 2).sum()  # saves nothing; (w ** 2) saves w
+    saved = (a.weight**2).sum()
+    calls: list[tuple[int, ...]] = []
+    copy_ = torch.Tensor.copy_
+
+    def spy(self: torch.Tensor, src: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+        if self.data_ptr() != src.data_ptr():  # load_state_dict then copies each onto itself
+            calls.append(tuple(self.shape))
+        return copy_(self, src, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    assert Checkpointer(str(tmp_path), TrainState(model=live)).restore() == 1
+    monkeypatch.undo()
+    got = live.state_dict()
+    assert got.keys() == want.keys()
+    assert all(identical(got[k], want[k]) for k in want)
+    assert b.weight is a.weight and not a.t.is_contiguous()
+    assert calls == [(40, 30)]  # the transposed one only
+    loss.backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
