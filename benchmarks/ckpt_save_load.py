@@ -457,11 +457,7 @@ def parts_table(b: Bench, repeats: int) -> dict[str, Any]:
     }
     try:
         for name, fn in parts.items():
-            walls, cpus = [], []
-            for _ in range(repeats):
-                walls.append(timed(fn))
-                cpus.append(LAST_CPU[0])
-            out[name] = {"wall": statistics.median(walls), "cpu": statistics.median(cpus)}
+            out[name] = median_timed(fn, repeats)
     finally:
         torch.set_num_threads(threads)
     md_table(
@@ -501,14 +497,16 @@ def restore_phases(b: Bench, repeats: int) -> dict[str, Any]:
             store.step_dir(step), ver.manifest, targets, views=ver.tensors
         ),
     }
-    out: dict[str, Any] = {}
-    for name, fn in phases.items():
-        walls, cpus = [], []
-        for _ in range(repeats):
-            walls.append(timed(fn))
-            cpus.append(LAST_CPU[0])
-        out[name] = {"wall": statistics.median(walls), "cpu": statistics.median(cpus)}
-    return out
+    return {name: median_timed(fn, repeats) for name, fn in phases.items()}
+
+
+def median_timed(fn: Callable[[], Any], repeats: int) -> dict[str, float]:
+    """Median wall and CPU seconds of ``repeats`` :func:`timed` calls of ``fn``."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        walls.append(timed(fn))
+        cpus.append(LAST_CPU[0])
+    return {"wall": statistics.median(walls), "cpu": statistics.median(cpus)}
 
 
 # --- report -------------------------------------------------------------------------------------
