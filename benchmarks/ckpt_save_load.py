@@ -26,7 +26,7 @@ Every contender writes the same state to the same disk. Like for like (issue 23)
   Checkpointer also hashes every byte (xxh3), computes per-tensor statistics and commits
   atomically; torch.save does not fsync, as people use it);
 * cold restore: the checkpoint's files evicted first, then ``Checkpointer.restore()``
-  (verifies every checksum and statistic, then copies into the live model and optimizer) vs
+  (verifies every checksum, then copies into the live model and optimizer) vs
   ``dcp.load`` into the live tensors (verifies nothing) vs ``torch.load``; warm restore: the
   same right after, the files in the page cache (as after a crash on the same node);
 * regression row: save >= 0.9x the write ceiling, cold restore >= 0.9x the cold read
@@ -446,6 +446,7 @@ def parts_table(b: Bench, repeats: int) -> dict[str, Any]:
         for x, t in zip(bufs, flat, strict=True):
             x.copy_(t)
 
+    out = restore_phases(b, repeats)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # CPU per byte, not the box's share of two cores
     parts = {
@@ -454,20 +455,15 @@ def parts_table(b: Bench, repeats: int) -> dict[str, Any]:
         "manifest version 3, none since)": lambda: [tensor_stats(t) for t in flat],
         "memcpy of the state into preallocated buffers": copy,
     }
-    out: dict[str, Any] = {}
     try:
         for name, fn in parts.items():
-            walls, cpus = [], []
-            for _ in range(repeats):
-                walls.append(timed(fn))
-                cpus.append(LAST_CPU[0])
-            out[name] = {"wall": statistics.median(walls), "cpu": statistics.median(cpus)}
+            out[name] = median_timed(fn, repeats)
     finally:
         torch.set_num_threads(threads)
     md_table(
         [
-            f"per-byte work of a verified save, one thread ({b.nbytes / 2**30:.2f} GiB, "
-            f"median of {repeats})",
+            f"per-byte work of a verified save (one thread) and restore phases (the box's "
+            f"threads) ({b.nbytes / 2**30:.2f} GiB, median of {repeats})",
             "CPU-seconds",
             "wall s",
             "GB/s of one core",
@@ -478,6 +474,39 @@ def parts_table(b: Bench, repeats: int) -> dict[str, Any]:
         ],
     )
     return out
+
+
+def restore_phases(b: Bench, repeats: int) -> dict[str, Any]:
+    """CPU-seconds and wall seconds of a warm restore's two per-byte phases, apart: verify
+    (``load_verified``: every data file's xxh3 over its mapping, files in parallel; the
+    small files' checks) and the copy of the verified views into the live model and
+    optimizer (``tensor_io.fill``, here into scratch tensors faulted in first, as live ones
+    are), at the box's thread count, on the last round's checkpoint (in the page cache)."""
+    from unbroken.ckpt.store import Store
+    from unbroken.ckpt.tensor_io import fill
+    from unbroken.ckpt.verify import load_verified
+
+    store = Store(b.p("ub"))
+    step = store.steps()[-1]
+    ver = load_verified(store, step)  # its files in the page cache now
+    # scratch tensors, faulted in (zeros): the copy costs what it costs into the live ones
+    targets = {k: torch.zeros_like(v) for k, v in ver.tensors.items()}
+    phases = {
+        "restore phase: verify (load_verified), warm": lambda: load_verified(store, step),
+        "restore phase: copy into the live tensors (tensor_io.fill)": lambda: fill(
+            store.step_dir(step), ver.manifest, targets, views=ver.tensors
+        ),
+    }
+    return {name: median_timed(fn, repeats) for name, fn in phases.items()}
+
+
+def median_timed(fn: Callable[[], Any], repeats: int) -> dict[str, float]:
+    """Median wall and CPU seconds of ``repeats`` :func:`timed` calls of ``fn``."""
+    walls, cpus = [], []
+    for _ in range(repeats):
+        walls.append(timed(fn))
+        cpus.append(LAST_CPU[0])
+    return {"wall": statistics.median(walls), "cpu": statistics.median(cpus)}
 
 
 # --- report -------------------------------------------------------------------------------------

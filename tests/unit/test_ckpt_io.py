@@ -278,3 +278,138 @@ def test_a_save_records_tensor_checksums_not_statistics(tmp_path, capsys) -> Non
     got, blob = _restore(str(tmp_path), torch.ones_like(t))
     assert got == 1 and torch.equal(blob.t, t * 0)
     assert (tmp_path / "corrupt-step-00000002-bad-manifest").is_dir()
+
+
+def test_a_damaged_last_data_file_leaves_every_live_tensor_untouched(tmp_path) -> None:
+    """issue 23 item 1 (all or nothing on the faster restore): a bit flipped in the tensor
+    data of the LAST data file of the newest step (every other file intact) changes no
+    live byte: with no older step the live state stays bit-identical, with one the older
+    step is restored bit-exact (model, optimizer, counters, RNG)."""
+    from ckptkit import small_state, snapshot, train
+
+    st, m, opt = small_state()
+    train(st, m, opt, 2)
+    Checkpointer(str(tmp_path / "two"), st).save()
+    older = snapshot(st)
+    train(st, m, opt, 2)
+    for name in ("one", "two"):
+        Checkpointer(str(tmp_path / name), st).save()
+        d = step_dir(str(tmp_path / name), 4)
+        files = data_files(d)
+        assert len(files) >= 2  # the writer's two threads write two files
+        flip(os.path.join(d, files[-1]), os.path.getsize(os.path.join(d, files[-1])) // 2)
+    live, _, _ = small_state(seed=5)
+    before = snapshot(live)
+    ck = Checkpointer(str(tmp_path / "one"), live, allow_fresh_start=True)
+    assert ck.restore() is None
+    assert identical(snapshot(live), before)
+    assert (tmp_path / "one" / "corrupt-step-00000004-checksum").is_dir()
+    assert Checkpointer(str(tmp_path / "two"), live).restore() == 2
+    assert identical(snapshot(live), older)
+
+
+def test_no_byte_of_a_data_file_is_parsed_before_its_checksum_passed(tmp_path, monkeypatch) -> None:
+    """issue 23 item 1: a restore (and ``ckpt verify``) with no statistics to compute reads
+    each data file in one checksum pass first and parses its zip records (to locate the
+    tensors) only after the checksum matched: no scattered reads of a cold file ahead of
+    its sequential pass, and no parse of unverified bytes."""
+    from unbroken.ckpt import tensor_io
+
+    hashed: set[int] = set()
+    early: list[str] = []
+    pass_, entries = tensor_io._checksum_pass, tensor_io._zip_entries
+
+    def checksum_pass(fd: int, mm: Any, *a: Any) -> str:
+        out = pass_(fd, mm, *a)
+        hashed.add(id(mm))
+        return out
+
+    def zip_entries(blob: memoryview) -> Any:
+        if id(blob.obj) not in hashed:
+            early.append(repr(blob.obj))
+        return entries(blob)
+
+    monkeypatch.setattr(tensor_io, "_checksum_pass", checksum_pass)
+    monkeypatch.setattr(tensor_io, "_zip_entries", zip_entries)
+    t = _big(1 << 16)
+    _save(str(tmp_path), t)
+    got, blob = _restore(str(tmp_path), torch.zeros_like(t))
+    assert got == 1 and torch.equal(blob.t, t)
+    assert main(["ckpt", "verify", str(tmp_path), "--no-progress"]) == 0
+    assert hashed and not early
+
+
+def test_a_cold_file_is_read_ahead_in_large_requests_once_each(tmp_path, monkeypatch) -> None:
+    """issue 23 item 1: the checksum pass keeps the disk busy with read-ahead requests of
+    64 MiB (16 MiB requests cost 0.80-0.85 CPU-s per cold 2 GiB against 0.43-0.63, and
+    ran no faster: ``RESULTS.md``), each byte of the file requested once, in order."""
+    from unbroken.ckpt import tensor_io
+
+    t = _big((72 << 20) // 4)
+    d = _save(str(tmp_path), t)
+    asked: list[tuple[int, int, int]] = []  # (size of the file, offset, length)
+    advise = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            asked.append((os.fstat(fd).st_size, offset, length))
+        advise(fd, offset, length, advice)
+
+    monkeypatch.setattr(tensor_io.os, "posix_fadvise", spy)
+    got, blob = _restore(str(tmp_path), torch.zeros_like(t))
+    assert got == 1 and torch.equal(blob.t, t)
+    (big,) = [n for n in data_files(d) if os.path.getsize(os.path.join(d, n)) > (64 << 20)]
+    size = os.path.getsize(os.path.join(d, big))
+    mine = [(o, n) for s, o, n in asked if s == size]
+    assert mine == [(o, min(64 << 20, size - o)) for o in range(0, size, 64 << 20)]
+
+
+def test_restore_copies_bytes_exactly_into_every_kind_of_live_tensor(tmp_path, monkeypatch) -> None:
+    """issue 23 item 1: the copy of verified bytes into the live tensors. Contiguous CPU
+    tensors of the stored dtype are copied as bytes in up to two threads, each call
+    single-threaded, never through ``Tensor.copy_`` (torch splits each copy over its
+    intra-op threads, which spin against each other on a busy box: 0.54-0.57 vs 0.37-0.42
+    CPU-s per 2 GiB at load 6, ``RESULTS.md``); anything else (a transposed live tensor)
+    still goes through ``copy_``. Every dtype lands bit-exact, a tied weight too, and the
+    live tensors' version counters move as an in-place copy's would, so autograd still
+    names a graph recorded before the restore."""
+    m = torch.nn.Linear(64, 3000)  # 768 KB weight; with the rest > 16 MiB: two threads
+    m.register_buffer("bf", torch.randn(5, 7).to(torch.bfloat16))
+    m.register_buffer("c", torch.randn(6, dtype=torch.complex64))
+    m.register_buffer("mask", torch.rand(9) > 0.5)
+    m.register_buffer("scalar", torch.tensor(3.5, dtype=torch.float64))
+    m.register_buffer("empty", torch.zeros(0, 4))
+    m.register_buffer("big", torch.randn(5 << 20))
+    m.register_buffer("t", torch.randn(40, 30))
+    tied = torch.nn.ModuleDict({"a": m, "b": torch.nn.Linear(64, 3000)})
+    tied["b"].weight = m.weight
+    Checkpointer(str(tmp_path), TrainState(model=tied)).save(1)
+    want = {k: v.clone() for k, v in tied.state_dict().items()}
+
+    a, b = torch.nn.Linear(64, 3000), torch.nn.Linear(64, 3000)
+    b.weight = a.weight
+    live = torch.nn.ModuleDict({"a": a, "b": b})
+    for name, v in m.named_buffers():
+        a.register_buffer(name, torch.zeros_like(v))
+    a.t = torch.zeros(30, 40).t()  # live but transposed: not contiguous
+    loss = (a.weight * 2).sum()  # saves nothing; (w ** 2) saves w
+    saved = (a.weight**2).sum()
+    calls: list[tuple[int, ...]] = []
+    copy_ = torch.Tensor.copy_
+
+    def spy(self: torch.Tensor, src: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+        if self.data_ptr() != src.data_ptr():  # load_state_dict then copies each onto itself
+            calls.append(tuple(self.shape))
+        return copy_(self, src, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
+    assert Checkpointer(str(tmp_path), TrainState(model=live)).restore() == 1
+    monkeypatch.undo()
+    got = live.state_dict()
+    assert got.keys() == want.keys()
+    assert all(identical(got[k], want[k]) for k in want)
+    assert b.weight is a.weight and not a.t.is_contiguous()
+    assert calls == [(40, 30)]  # the transposed one only
+    loss.backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
