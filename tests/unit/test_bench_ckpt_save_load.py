@@ -93,4 +93,6 @@ def test_smoke_run_reports_ceilings_anchors_and_the_regression_row(tmp_path) -> 
         "dcp.async_save",
     }
     assert all(len(v["runs"]) == 2 for v in stall.values())  # warm-up + 1, for every one
-    assert len(res["parts"]) == 3 and all(v["cpu"] > 0 for v in res["parts"].values())
+    assert len(res["parts"]) == 5 and all(v["cpu"] > 0 for v in res["parts"].values())
+    # issue 23 item 2: a warm restore's two per-byte phases, CPU apart (the cause of a miss)
+    assert sum(k.startswith("restore phase: ") for k in res["parts"]) == 2
