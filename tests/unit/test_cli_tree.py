@@ -137,6 +137,7 @@ def test_each_flag_sets_its_own_field(cmd, flags) -> None:
         "--ckpt-dir": "c",
         "--data": "d",
         "--gpu-min-free": 0.5,
+        "--standby-start": "launch",  # a choice: twice the default is no value
     }
     acts = _actions(cmd)
     want: Any
