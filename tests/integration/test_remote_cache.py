@@ -1043,6 +1043,53 @@ def test_the_padded_last_batch_downloads_nothing_again(endpoint: str, tmp_path: 
     assert [[s["__key__"] for s in b] for b in ld3] == whole[-1:]
 
 
+def test_a_read_that_waited_for_its_download_queues_no_second_fetch(
+    endpoint: str, local_ds: str, tmp_path: Any
+) -> None:
+    """issue 22 round 4 (test_the_padded_last_batch_downloads_nothing_again failed about half
+    the time): a reader that waits for its unit's download pins the unit when that download
+    ends, and queues no second fetch of it. That fetch ran after the read; once the unit had
+    been evicted meanwhile (read, next needed an epoch later) it downloaded it again, for
+    nothing, and the next reservation evicted it again."""
+    _upload(endpoint, local_ds, "data", "again")
+    kw: dict[str, Any] = {"seed": 0, "shuffle_window": WINDOW, "rank": 0, "world_size": 1}
+    ds = StreamingDataset("s3://data/again", cache=_cache(endpoint, tmp_path / "c"), **kw)
+    cache = ds.cache
+    assert cache is not None
+    st = cache._proc()
+    uid = int(cache.plan(0).uid[0])  # read at position 0
+    calls: list[int] = []
+    gate = threading.Event()
+    real = st.pool._fn
+
+    def counted(u: int, prio: int) -> str:
+        if u == uid:
+            calls.append(prio)
+            if len(calls) == 1:
+                gate.wait(20)  # the first download starts once the reader waits for it
+        return real(u, prio)
+
+    st.pool._fn = counted
+    cache.advance(0, np.arange(16))  # registers the reader, queues the unit's download
+    pins: list[Any] = []
+    reader = threading.Thread(
+        target=lambda: pins.append(cache.open(0, uid - cache.src_dir[0].base, lambda: "shard"))
+    )
+    reader.start()
+    deadline = time.monotonic() + 20
+    while not any(w == uid for _, _, w in cache.live_readers()):
+        assert time.monotonic() < deadline, "the reader never waited for its unit"
+        time.sleep(0.005)
+    gate.set()
+    reader.join(20)
+    assert len(pins) == 1
+    pins[0].close()
+    while st.pool.busy(uid):  # a second fetch queued before open() returned ends here
+        assert time.monotonic() < deadline, "the unit's fetch never ended"
+        time.sleep(0.005)
+    assert calls == [0], f"fetches of unit {uid} (their priorities): {calls}"
+
+
 # --- issue 22 item 1 (round 4): the fetcher waits on events, not on a clock -------------------
 
 

@@ -442,6 +442,12 @@ class RemoteCache:
                         status = fut.result()  # a failed download raises here, naming the URL
                         if status == "noroom":
                             self._unpin_all()
+                        # pin what that fetch brought in before asking again: a fetch queued
+                        # now runs after this read, and once the unit is evicted (read, next
+                        # needed an epoch later) downloads it again for nothing
+                        pin = self._try_pin(uid)
+                        if pin is not None:
+                            return pin
                     fut = st.pool.submit(uid, self._abs(*st.pos))
                 pin = self._try_pin(uid)
                 if pin is not None:
