@@ -368,8 +368,7 @@ def _node_loss_text(f: dict[str, Any], how: str, lost: int | None, ok: bool) -> 
     elif f["replica_step"] is None:
         why = (
             f"node {keeper} held no replica of node {f['lost_node']}'s rank at a step of "
-            "its own slots (its two replica slots and the publish that waits for the previous "
-            "round must keep one: a defect of the peer replica)"
+            "its own slots (one replica slot: ARCHITECTURE.md, the memory tier, 'Known gap')"
         )
     else:
         why = f"the replica of step {f['replica_step']} was not used"
