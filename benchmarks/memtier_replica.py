@@ -11,8 +11,7 @@ steps with two Checkpointers that both publish every step (``memory_every_steps=
 with the peer replica off, one with it on. The median of the per-block ratios of rank 0's
 step time (load drifts slower than a pair of blocks): overhead = on / off - 1. Also: the
 loop's publish stall (``last_blocked_seconds``, the replica adds only a thread wake-up to
-it), the replica rounds completed and the publishes that waited for the previous step's
-round (issue 25 item 1). The load average is printed (the box is shared).
+it), and the replica rounds completed. The load average is printed (the box is shared).
 """
 
 from __future__ import annotations
@@ -96,9 +95,6 @@ def _rank(rank: int, world: int, a: dict[str, Any]) -> None:
         "replica_step": replica.received if replica is not None else None,
         "replica_stopped": replica.stopped if replica is not None else "no replica",
         "drained": drained,
-        # issue 25 item 1: publishes that waited for the previous step's round, and how long
-        "round_waits": on._memory.round_waits.count if on._memory is not None else 0,
-        "round_waited_ms": on._memory.round_waits.seconds * 1e3 if on._memory is not None else 0,
         "load": os.getloadavg(),
     }
     with open(os.path.join(a["tmp"], f"rank{rank}.json"), "w") as f:
