@@ -84,31 +84,6 @@ def test_publish_then_read_is_exact_and_alternates_slots(tier: str) -> None:
     assert stat.S_IMODE(os.stat(os.path.dirname(p1)).st_mode) == 0o700
 
 
-def test_a_kept_step_is_never_overwritten(tier: str) -> None:
-    """issue 25 item 1 (21): once the peer replica stopped, the step last held on both
-    sides is kept (``SlotStore.keep``): publishes rewrite the other slot, so the kept step
-    stays loadable bit-exact; unkept, the slots alternate again."""
-    st = _state()
-    store = SlotStore(tier, rank=0)
-    _publish(store, st, 1)
-    kept = {k: t.clone() for k, t in _live(st).items()}
-    _publish(store, st, 2)
-    store.keep = 1
-    for step in (3, 4, 5):
-        st.step += 1
-        for t in _live(st).values():
-            t.add_(1)  # each step's state differs
-        _publish(store, st, step)
-        steps = sorted(h.step for h in map(store.head, range(2)) if h is not None)
-        assert steps == [1, step], steps
-    one = next(i for i in range(2) if store.head(i).step == 1)  # type: ignore[union-attr]
-    assert _same(store.read(one).tensors, kept)
-    store.keep = None
-    _publish(store, st, 6)
-    steps = sorted(h.step for h in map(store.head, range(2)) if h is not None)
-    assert steps == [5, 6], steps
-
-
 def test_nothing_published_reads_none(tier: str) -> None:
     snap, bad = SlotStore(tier, rank=3).newest()
     assert snap is None and {b.reason for b in bad} == {"missing"}

@@ -193,10 +193,9 @@ def test_two_tiers_optimum_and_what_it_buys():
 
 
 def test_memory_statement_counts_the_peer_replica():
-    """issue 25 peer replica item 4 and item 1: the plan states the memory the tier takes
-    per rank: its two slots, and with the peer replica (several nodes) two slots of one
-    peer's state more (the second replica slot keeps the last complete replica while the
-    next one is in flight): 4x the per-rank state."""
+    """issue 25 peer replica item 4: the plan states the memory the tier takes per rank:
+    its two slots, and with the peer replica (several nodes) one peer's slot more: 3x the
+    per-rank state."""
     from dataclasses import replace
 
     p = planner.memory_plan(
@@ -204,7 +203,7 @@ def test_memory_statement_counts_the_peer_replica():
     )
     text = planner.format_memory_plan(replace(p, memory_bytes=2 << 30))
     assert "it holds 2.00 GiB per rank (2 slots)" in text, text
-    assert "4.00 GiB per rank with the peer replica (4x the per-rank state)" in text, text
+    assert "3.00 GiB per rank with the peer replica (3x the per-rank state)" in text, text
 
 
 def test_plan_measures_the_memory_tier_from_the_run(tmp_path, capsys):

@@ -258,10 +258,7 @@ class Checkpointer:
         """The memory tier alone: the live tensors copied straight into a slot in the loop,
         the slot's checksum and header written by the tier's thread (issue 25 speed item
         3); a publish while the previous one is still checksummed waits for it."""
-        if memory.published == step:
-            return
-        if memory.disabled:
-            memory.skip()  # its peer replica's round still runs (empty): rounds stay paired
+        if memory.published == step or memory.disabled:
             return
         self.state.check_saveable()
         self.wait(memory=False)
@@ -321,8 +318,6 @@ class Checkpointer:
         if self._memory is not None:  # first: the memory tier is what a crash resumes from
             self._memory.publish(job, self.state)
         path, total = self._saver.commit(job)
-        if self._memory is not None:
-            self._memory.committed(job.step)
         dt = time.perf_counter() - job.t0
         self._last_save_time = time.monotonic()
         self._stuck = _StuckStep()

@@ -312,9 +312,6 @@ class SlotStore:
         self._generation = 0
         self._pending: Pending | None = None
         self.on_complete: Callable[[str, int, int], None] | None = None
-        self.keep: int | None = None
-        """A step a publish must not overwrite (the step last held on both sides of a peer
-        replica that stopped: what a loss of the peer's node restores; ``MemoryTier``)."""
 
     def slot_path(self, i: int) -> str:
         return os.path.join(self.rank_dir, f"slot-{i}")
@@ -348,10 +345,7 @@ class SlotStore:
                 self._generation = max(
                     (h.generation for h in map(self.head, range(SLOTS)) if h), default=0
                 )
-        i = 0 if self._newest is None else 1 - self._newest
-        if self.keep is not None and (h := self.head(i)) is not None and h.step == self.keep:
-            i = 1 - i  # the newest is rewritten instead: the kept step stays
-        return i
+        return 0 if self._newest is None else 1 - self._newest
 
     def publish(
         self,
@@ -687,24 +681,6 @@ def _check(tree: Any, rng: Any, tensors: Mapping[str, torch.Tensor], meta: Any, 
 # --- the Checkpointer's side: publish a save's snapshot, restore the newest agreed step -----
 
 
-@dataclass
-class _Waits:
-    """Publishes that waited for ``what`` and the seconds they waited (part of the publish
-    stall ``unbroken plan`` reads); the first one is logged."""
-
-    what: str
-    count: int = 0
-    seconds: float = 0.0
-
-    def timed(self, block: Callable[[], object]) -> None:
-        t0 = time.perf_counter()
-        block()
-        self.count += 1
-        self.seconds += time.perf_counter() - t0
-        if self.count == 1:
-            log.info("memory tier: a publish waited %.3f s for %s", self.seconds, self.what)
-
-
 class MemoryTier:
     """Publishes each snapshot of a :class:`~unbroken.ckpt.Checkpointer` into this rank's
     slots and restores from them (C-TIERS). ``root`` is the checkpoint root the slots
@@ -729,14 +705,8 @@ class MemoryTier:
         self.via_peer: int | None = None  # the step the last restore took from peer replicas
         self._finisher: ThreadPoolExecutor | None = None  # checksums and headers, off the loop
         self._finishing: Future[None] | None = None
-        self.waits = _Waits(  # publishes that waited for the previous one's checksum
-            "the previous one's checksum (the checksum of a slot takes longer than K steps here)"
-        )
-        self.round_waits = _Waits(  # ... for the previous one's replica round
-            "the previous step's peer replica round (a round takes longer than K steps "
-            "here; counted as stall, `unbroken plan` reads it)"
-        )
-        self._pinned = False  # a stopped replica's last common step was kept (once)
+        self.waits = 0  # publishes that waited for the previous one's checksum
+        self.waited = 0.0  # seconds they waited
 
     def _meta(self, job: Job, state: TrainState) -> dict[str, Any]:
         return {
@@ -758,7 +728,6 @@ class MemoryTier:
         shows in the publish's stall, which ``unbroken plan`` turns into a larger K. A
         failure (tmpfs full) turns the tier off with one WARNING, never stops training."""
         if self.disabled is not None:
-            self.skip()
             return
         if any(isinstance(t, DTensor) for t in job.tensors.values()):
             self.disabled = (
@@ -766,10 +735,8 @@ class MemoryTier:
                 "keep yet; the disk tier alone protects this job"
             )
             log.warning("memory tier off: %s", self.disabled)
-            self.skip()
             return
         self.wait()
-        self._await_round()
         try:
             pending = self.store.begin(
                 job.step, job.tree, job.rng, job.tensors, self._meta(job, state)
@@ -784,39 +751,6 @@ class MemoryTier:
         if self._finisher is None:
             self._finisher = ThreadPoolExecutor(1, thread_name_prefix="unbroken-memtier")
         self._finishing = self._finisher.submit(self._finish, pending)
-
-    def skip(self) -> None:
-        """A publish that writes no slot (the tier is off): the peer replica still runs
-        its round, empty, so every rank's rounds stay paired (the peers' publishes wait
-        for their rounds)."""
-        if self.replica is not None:
-            self.replica.offer(None)
-
-    def _await_round(self) -> None:
-        """Issue 25 item 1: a publish does not run ahead of the peer replica by more than
-        one round. The publish of step s waits until the round of the step published
-        before it completed (sent, and the peer's copy received into the replica slot that
-        did not hold the newest), so the step before the newest is held by every rank at
-        every moment: a node lost mid-round, or a sender that fell behind, leaves a step
-        to restore. The wait is part of the publish's stall (``unbroken plan`` reads it),
-        counted in ``round_waits`` and logged once. A round cannot hang
-        for ever: a dead peer fails it at once, a stuck one at the group's timeout; then
-        replicating stops and the step last held on both sides is kept (``SlotStore.keep``)
-        until a disk step is as new."""
-        rep = self.replica
-        if rep is None:
-            return
-        if not rep.drain(0):
-            self.round_waits.timed(rep.drain)
-        if rep.stopped is not None and not self._pinned:
-            self._pinned = True
-            self.store.keep = rep.received
-
-    def committed(self, step: int) -> None:
-        """The disk tier committed ``step``: a step kept for a stopped replica that is not
-        newer is of no more use (a restore prefers the disk step)."""
-        if self.store.keep is not None and step >= self.store.keep:
-            self.store.keep = None
 
     def replicate(self, replica: Any) -> None:
         """Send every slot that becomes complete to ``replica`` (a ``PeerReplica``), from
@@ -833,7 +767,6 @@ class MemoryTier:
 
     def _off(self, step: int, e: OSError) -> None:
         self.disabled = str(e)
-        self.skip()  # this publish's round, empty
         log.warning(
             "memory tier off after a failed publish of step %d (%s); the disk tier "
             "alone protects this job from now on",
@@ -846,7 +779,16 @@ class MemoryTier:
         if fut is None:
             return
         if not fut.done():
-            self.waits.timed(fut.result)
+            t0 = time.perf_counter()
+            fut.result()
+            self.waits += 1
+            self.waited += time.perf_counter() - t0
+            if self.waits == 1:
+                log.info(
+                    "memory tier: a publish waited %.3f s for the previous one's checksum "
+                    "(the checksum of a slot takes longer than K steps here)",
+                    self.waited,
+                )
         fut.result()
 
     def _mine(self) -> tuple[dict[int, int], list[str]]:
@@ -894,7 +836,7 @@ class MemoryTier:
                 self.comm, self.store, sorted(mine), disk_newest, ok
             )
             local += peer if self.comm.rank == 0 else []
-            if ok:  # a transfer, even a failed one, may have rewritten an own slot
+            if self.via_peer is not None:
                 mine, _ = self._mine()
         gathered = self.comm.gather((sorted(mine), local))
         held = [h for h, _ in gathered]

@@ -3,23 +3,19 @@ loss loses <= K steps too (issue 25 peer replica; C-TIERS; design in ARCHITECTUR
 memory tier").
 
 Placement is a ring by ``jump`` (the ranks per node: ``$LOCAL_WORLD_SIZE``, or
-``$UNBROKEN_MEMORY_JUMP``): rank ``r`` sends to ``(r + jump) % W`` and keeps the copies of
-rank ``(r - jump) % W`` as ``<memory dir>/replica-of-<src>-slot-{0,1}``, two slot files in the
-own slots' format. Transfers run over a gloo group of their own (never the training group,
-never the checkpoint's), in a background thread: the loop only counts a *round* per publish.
-Every rank runs the same rounds (one per publish, on every rank: a publish that cannot write
-its slot offers an empty round), so each round pairs a send with a receive; a thread that
-fell behind sends nothing in its stale rounds, only its newest slot.
+``$UNBROKEN_MEMORY_JUMP``): rank ``r`` sends to ``(r + jump) % W`` and keeps the copy of rank
+``(r - jump) % W`` as ``<memory dir>/replica-of-<src>``, one slot file in the own slots'
+format. Transfers run over a gloo group of their own (never the training group, never the
+checkpoint's), in a background thread: the loop only counts a *round* per publish. Every rank
+runs the same rounds (one per publish, on every rank), so each round pairs a send with a
+receive; a thread that fell behind sends nothing in its stale rounds, only its newest slot.
 
-The receiver writes into the replica slot that does *not* hold the newest replica it
-received complete (issue 25 item 1): it invalidates that slot's header first, receives the
-payload into the file, verifies the header and the payload's xxh3-128 (the sender's slot must
-have been complete and unchanged while it was sent) and writes the header last: a node lost
-mid-transfer, or a slot overwritten under the sender, leaves the previous replica, never a
-wrong one. With the memory tier's publish waiting for the previous round
-(``MemoryTier.publish``), the step before the newest is then held by every rank at every
-moment. Any failure of the peer (gone, a protocol fault, tmpfs full) stops replicating with
-one WARNING until the next rendezvous (the next worker processes).
+The receiver invalidates the replica's header first, receives the payload into the file,
+verifies the header and the payload's xxh3-128 (the sender's slot must have been complete and
+unchanged while it was sent) and writes the header last: a node lost mid-transfer, or a slot
+overwritten under the sender, leaves no replica, never a wrong one. Any failure of the peer
+(gone, a protocol fault, tmpfs full) stops replicating with one WARNING until the next
+rendezvous (the next worker processes).
 
 On restore (:meth:`PeerReplica.fill`, collective), every rank lists its own slots' steps and
 the replicas it keeps; the newest step every rank can load is chosen and each rank that lacks
@@ -52,7 +48,7 @@ from unbroken.ckpt.collectives import Comm
 from unbroken.ckpt.memtier import HEADER_BYTES, SLOTS, SlotDamaged, SlotStore, _read_head
 from unbroken.common.fs import PrivateDirError, open_private
 
-__all__ = ["JUMP_ENV", "PREFIX", "PeerReplica", "jump", "replica_path"]
+__all__ = ["JUMP_ENV", "PREFIX", "PeerReplica", "jump"]
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +60,7 @@ _MAGIC = 0x55425250  # "UBRP": the first word of every round's size message
 _TAG_SIZE, _TAG_HEAD, _TAG_BODY = 0x5501, 0x5502, 0x5503  # background rounds
 _TAG_FILL = 0x5511  # restore transfers (+0, +1, +2), never mixed with a round
 _MIN_BYTES = HEADER_BYTES + 8
-_NAME = re.compile(rf"({PREFIX}|rank-)(0|[1-9][0-9]{{0,8}})(?:-slot-([01]))?")
+_NAME = re.compile(rf"({PREFIX}|rank-)(0|[1-9][0-9]{{0,8}})")
 
 
 def jump(world: int) -> int:
@@ -81,11 +77,6 @@ def jump(world: int) -> int:
                 raise ValueError(f"${name}={raw!r} must be a positive integer")
             return value
     return world
-
-
-def replica_path(directory: str, src: int, i: int) -> str:
-    """Replica slot ``i`` of rank ``src``'s state in the memory directory ``directory``."""
-    return os.path.join(directory, f"{PREFIX}{src}-slot-{i}")
 
 
 def _wait(works: Sequence[Any]) -> None:
@@ -215,11 +206,10 @@ class PeerReplica:
         self.group = group
         self.dst = (self.rank + step_jump) % self.world
         self.src = (self.rank - step_jump) % self.world
-        self.paths = [replica_path(directory, self.src, i) for i in range(SLOTS)]
+        self.path = os.path.join(directory, f"{PREFIX}{self.src}")
         self.expect: dict[str, Any] = {}  # what the peer's slot header must name
         self.stopped: str | None = None  # why replicating stopped (logged once)
-        self.received: int | None = None  # the step of the newest complete replica kept
-        self._newest: int | None = None  # the replica slot holding it (never received into)
+        self.received: int | None = None  # the step of the replica kept now (tests, logs)
         self._cv = threading.Condition()
         self._rounds = 0  # publishes not yet sent
         self._done = 0
@@ -243,10 +233,8 @@ class PeerReplica:
 
     # --- publishing: one round per publish, in the background --------------------------------
 
-    def offer(self, path: str | None) -> None:
-        """A slot became complete (``path``): send it in the background. Never waits.
-        ``None``: a publish that wrote no slot (the tier is off): an empty round keeps every
-        rank's rounds paired."""
+    def offer(self, path: str) -> None:
+        """A slot became complete (``path``): send it in the background. Never waits."""
         with self._cv:
             if self.stopped is not None or self.group is None:
                 return
@@ -261,8 +249,7 @@ class PeerReplica:
             self._cv.notify()
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every offered slot's round ran or replicating stopped (True), or
-        ``timeout`` passed (False)."""
+        """Wait until every offered slot's round ran (True), or ``timeout`` passed."""
         with self._cv:
             return self._cv.wait_for(
                 lambda: self._done >= self._offered or self.stopped is not None, timeout
@@ -285,10 +272,9 @@ class PeerReplica:
                 dist.destroy_process_group(group)
 
     def remove(self) -> None:
-        """Delete the replicas this rank keeps (a clean end: the disk tier holds as much)."""
-        for path in self.paths:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        """Delete the replica this rank keeps (a clean end: the disk tier holds as much)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
 
     def _run(self) -> None:
         while True:
@@ -350,7 +336,7 @@ class PeerReplica:
             dist.irecv(theirs, self.src, group=self.group, tag=_TAG_SIZE),
         ])  # fmt: skip
         magic, _step, size = (int(v) for v in theirs.tolist())
-        if magic != _MAGIC or (size and _fits(self.paths[0], size) is not None):
+        if magic != _MAGIC or (size and _fits(self.path, size) is not None):
             # the stream cannot be resynchronised: stop (the disk tier remains)
             raise ValueError(f"rank {self.src} sent a bad size message ({magic:#x}, {size})")
         return size
@@ -362,23 +348,11 @@ class PeerReplica:
                 dist.irecv(body, self.src, group=self.group, tag=_TAG_BODY),
             ])  # fmt: skip
 
-        i = self._target()
         try:
-            self.received = receive_slot(self.paths[i], size, recv, self._expect()).step
-            self._newest = i
-        except SlotDamaged as e:  # overwritten under the sender, or tampered: the other stays
+            self.received = receive_slot(self.path, size, recv, self._expect()).step
+        except SlotDamaged as e:  # overwritten under the sender, or tampered: no replica
+            self.received = None
             log.info("memory-tier replica of rank %d not kept: %s", self.src, e)
-
-    def _target(self) -> int:
-        """The replica slot to receive into: never the one holding the newest replica
-        received complete. Before the first receive of this process, the newest verified
-        one on file (step, then generation) is kept."""
-        if self._newest is None:
-            heads = [_check(p) for p in self.paths]
-            good = [(h.step, h.generation, i) for i, h in enumerate(heads) if h is not None]
-            if good:
-                self.received, _gen, self._newest = max(good)
-        return 0 if self._newest is None else 1 - self._newest
 
     def _expect(self) -> dict[str, Any]:
         return {**self.expect, "rank": self.src, "world": self.world}
@@ -388,23 +362,21 @@ class PeerReplica:
     def held(self) -> dict[tuple[int, int], str]:
         """(rank, step) -> file, for every copy of another rank's state in this directory
         that this process answers for (names with a rank ``x`` of this local rank's
-        residue): the replicas (``replica-of-<x>-slot-<i>``, this rank's own included) and the slots
+        residue): the replicas (``replica-of-<x>``, this rank's own included) and the slots
         of other ranks' directories (``rank-<x>``: the node's ranks were renumbered at the
         new rendezvous). Headers verified, this job's and naming ``x``."""
         lws = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
         local = int(os.environ.get("LOCAL_RANK", "0") or 0)
-        out: dict[tuple[int, int], tuple[str, int]] = {}
+        out: dict[tuple[int, int], str] = {}
         try:
             names = os.listdir(self.directory)
         except OSError:
-            return {}
+            return out
         for name in sorted(names):
             m = _NAME.fullmatch(name)
             if m is None or int(m.group(2)) >= self.world or int(m.group(2)) % lws != local:
                 continue
             x = int(m.group(2))
-            if (m.group(1) == PREFIX) != (m.group(3) is not None):
-                continue  # rank-<x>-slot-<i> or replica-of-<x>: not a name this writes
             if m.group(1) == PREFIX:
                 paths = [os.path.join(self.directory, name)]
             elif x != self.rank:
@@ -415,10 +387,8 @@ class PeerReplica:
             for path in paths:
                 head = _check(path)
                 if head is not None and all(head.meta.get(k) == v for k, v in want.items()):
-                    got = out.get((x, head.step))
-                    if got is None or head.generation > got[1]:  # one step twice: the newer
-                        out[(x, head.step)] = (path, head.generation)
-        return {k: path for k, (path, _gen) in out.items()}
+                    out.setdefault((x, head.step), path)
+        return out
 
     def fill(
         self, comm: Comm, store: SlotStore, own: Sequence[int], disk_newest: int | None, ok: bool
@@ -440,24 +410,21 @@ class PeerReplica:
             owns[q] | ({s for (x, s) in holder if x == q} if gathered[q][2] else set())
             for q in range(self.world)
         ]
-        notes: list[str] = []
-        for s in sorted(set.intersection(*loadable), reverse=True):  # the same on every rank
-            need = [q for q in range(self.world) if s not in owns[q]]
-            if not need:
-                break  # the own slots hold it: nothing to send
-            if disk_newest is not None and s < disk_newest:
-                notes.append(f"peer replica step {s} is older than disk step {disk_newest}")
-                break
-            why = self._transfer(store, s, {q: holder[(q, s)] for q in need})
-            bad = [(q, w) for q, w in enumerate(comm.gather(why)) if w]
-            if not bad:
-                notes.append(
-                    f"memory tier missing on rank(s) {need[:8]}: their copies on other nodes used"
-                )
-                return s, notes
-            q, w = bad[0]  # the next older step every rank can load (a second replica slot)
-            notes.append(f"peer replica of rank {q} (step {s}) is damaged: {w}")
-        return None, notes
+        common = set.intersection(*loadable)
+        if not common:
+            return None, []
+        s = max(common)
+        need = [q for q in range(self.world) if s not in owns[q]]
+        if not need:
+            return None, []  # the own slots hold it: nothing to send
+        if disk_newest is not None and s < disk_newest:
+            return None, [f"peer replica step {s} is older than disk step {disk_newest}"]
+        why = self._transfer(store, s, {q: holder[(q, s)] for q in need})
+        bad = [(q, w) for q, w in enumerate(comm.gather(why)) if w]
+        if bad:
+            q, w = bad[0]
+            return None, [f"peer replica of rank {q} (step {s}) is damaged: {w}"]
+        return s, [f"memory tier missing on rank(s) {need[:8]}: their copies on other nodes used"]
 
     def _transfer(self, store: SlotStore, step: int, plan: dict[int, int]) -> str | None:
         """Send each replica this rank keeps for a rank in ``plan`` (rank -> holder); receive

@@ -328,7 +328,7 @@ class MemoryPlan:
     """First-order goodput with the disk tier alone at Young's interval."""
     memory_bytes: int | None = None
     """What the memory tier holds per rank (two slots), when measured; with the peer
-    replica (several nodes) each rank also keeps two slots of one peer's state: 2x that."""
+    replica (several nodes) each rank also keeps one peer's slot: 1.5x that."""
 
 
 def _waste(c_m: float, t_m: float, c: float, t_d: float, f: float, m: float, r: float) -> float:
@@ -404,7 +404,7 @@ def _bytes(n: int) -> str:
 def format_memory_plan(p: MemoryPlan) -> str:
     held = (
         f"; it holds {_bytes(p.memory_bytes)} per rank (2 slots), "
-        f"{_bytes(p.memory_bytes * 2)} per rank with the peer replica (4x the per-rank "
+        f"{_bytes(p.memory_bytes * 3 // 2)} per rank with the peer replica (3x the per-rank "
         "state)"
         if p.memory_bytes
         else ""
