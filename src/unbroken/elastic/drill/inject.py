@@ -539,7 +539,7 @@ def _freeze_at_a_replica(
     is in flight leaves no replica; a sender that fell behind can leave one older than both
     of the survivor's own slots: both fall back to the disk tier by design (ARCHITECTURE.md,
     "Known gap"), which is not what this fault proves, so it is injected at a moment it
-    cannot hit that gap (as tests/integration/test_memtier_node_loss.py does). Replica at
+    cannot hit that gap. Replica at
     the survivor's *newest* step: even if the survivor completes one more step after the
     freeze (the victim's part of it already sent), the replica's step stays in its slots.
     Only the workers are frozen: a frozen supervisor would stop its liveness ticks and the
