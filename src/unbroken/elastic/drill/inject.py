@@ -491,10 +491,8 @@ def _held(where: str) -> tuple[list[int], list[int] | None]:
         return sorted({h.step for p in paths if (h := slot_header(p)) is not None}, reverse=True)
 
     replicas = glob.glob(os.path.join(glob.escape(where), REPLICA_PREFIX + "*"))
-    # a replica may become a directory of slots (a second replica slot): both are read
-    files = [f for r in replicas for f in (glob.glob(os.path.join(r, "*")) or [r])]
     own = steps(glob.glob(os.path.join(glob.escape(where), "rank-*", "slot-*")))
-    return own, steps(files) if replicas else None
+    return own, steps(replicas) if replicas else None
 
 
 def _removable(where: str) -> str:
