@@ -12,7 +12,8 @@ checkpoint: ``dcp.load``, ``torch.load`` and DCP's tools read it.
 Reading never goes through DCP and never unpickles anything: item locations (file, byte
 range, chunk offsets and sizes) come from our JSON manifest (:mod:`unbroken.ckpt.manifest`).
 Each data file is memory-mapped read-only (opened with ``O_NOFOLLOW``) and checksummed in
-one sequential pass that keeps read-ahead in flight (a cold file is read while it is hashed)
+one sequential pass behind the kernel's sequential read-ahead (a cold file is read while it
+is hashed)
 and (for the statistics a version-3 manifest records, ``ckpt verify --deep``) computes each
 tensor's statistics on the way; files in parallel threads. Every stored
 chunk is then a zero-copy view of its storage record, located through the zip central
@@ -445,27 +446,38 @@ def _map(directory: str, name: str, want: FileEntry) -> mmap.mmap | None:
         os.close(fd)
 
 
-# Bytes per read-ahead request (and per checksum call outside tensor data), and read-ahead
-# kept in flight in front of the checksum. Measured on this box (2 files of 1 GiB, cold, in
-# parallel, 3 rotated rounds, issue 23 item 1): 16 MiB requests 64 MiB ahead cost 0.80-0.85
-# CPU-s and 2.28-2.39 s; 64 MiB requests 256 MiB ahead 0.43-0.63 CPU-s and 1.81-2.19 s (the
-# hasher no longer catches up with pages still being read and faults on them one by one).
+# Bytes per checksum call outside tensor data (a bound on each piece the hasher is given).
 _WINDOW = 64 << 20
-_AHEAD = 256 << 20
+
+
+def _read_sequentially(fd: int, mm: mmap.mmap) -> None:
+    """Ask the kernel for its sequential read-ahead on ``fd``'s file and on the mapping
+    ``mm``: page faults read ahead of the hasher in large folios, in a window twice the
+    device's ``read_ahead_kb`` (``POSIX_FADV_SEQUENTIAL``), each next window started before
+    the hasher reaches it. Not ``POSIX_FADV_WILLNEED``: Linux reads at most
+    max(read_ahead_kb, max_sectors_kb) per call (8 MiB of every 64 MiB asked, on this box)
+    and in 4 KiB pages. Measured, 2 x 1 GiB cold in 2 threads, 5 rotated rounds (issue 23,
+    ``RESULTS.md``): 1.96 s and 0.43-0.61 CPU-s against 2.40 s and 0.61-0.72 CPU-s with
+    64 MiB WILLNEED requests, and 2.04 s for ``read()`` of 64 MiB (the ceiling's way)."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    if hasattr(mmap, "MADV_SEQUENTIAL"):
+        mm.madvise(mmap.MADV_SEQUENTIAL)
 
 
 def _checksum_pass(
     fd: int, mm: mmap.mmap | None, size: int, segments: list[tuple[int, int, Stats]]
 ) -> str:
-    """The checksum of the mapped file, in one sequential pass that keeps :data:`_AHEAD`
-    bytes of read-ahead in flight (a cold file is read while it is hashed), folding each
-    of ``segments`` (``start, end, statistics``: tensor data, sorted, disjoint) into its
+    """The checksum of the mapped file, in one sequential pass behind the kernel's
+    read-ahead (:func:`_read_sequentially`: a cold file is read while it is hashed), folding
+    each of ``segments`` (``start, end, statistics``: tensor data, sorted, disjoint) into its
     statistics chunk by chunk while the chunk is in the CPU cache."""
     h = hasher()
     if mm is None:
         return str(h.hexdigest())
+    _read_sequentially(fd, mm)
     mv = memoryview(mm)
-    issued = pos = 0
+    pos = 0
     try:
         for start, end, acc in [*segments, (size, size, None)]:
             while pos < end or pos < start:
@@ -473,12 +485,8 @@ def _checksum_pass(
                     n = min(_WINDOW, start - pos)
                 else:
                     n = min(acc.chunk_bytes if acc else _WINDOW, end - pos)
-                while issued < min(size, pos + n + _AHEAD):  # GIL released: I/O overlaps
-                    k = min(_WINDOW, size - issued)
-                    os.posix_fadvise(fd, issued, k, os.POSIX_FADV_WILLNEED)
-                    issued += k
                 piece = mv[pos : pos + n]
-                h.update(piece)
+                h.update(piece)  # GIL released: the other files' passes run meanwhile
                 if pos >= start and acc is not None:
                     acc.add(piece)
                 pos += n
