@@ -137,6 +137,7 @@ def big_state(gib: float, repeats: int, tmp: str) -> dict[str, Any]:
         disk.wait()
         writes.append(disk.last_save_seconds or 0.0)
     disk.close()
+    out["disk_stalls_s"] = [round(x, 3) for x in stalls]  # the first: buffers allocated
     out["disk_stall_s"] = statistics.median(stalls[1:])
     out["disk_write_s"] = statistics.median(writes[1:])
 
@@ -151,6 +152,7 @@ def big_state(gib: float, repeats: int, tmp: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         mem.wait()
         pub_bg.append(time.perf_counter() - t0)
+    out["publish_stalls_s"] = [round(x, 3) for x in pub_stall]  # the first: slot 0 created
     out["publish_stall_s"] = statistics.median(pub_stall[1:])
     out["publish_background_s"] = statistics.median(pub_bg[1:])
     out["slot_bytes"] = sum(os.path.getsize(mem._memory.store.slot_path(i)) for i in range(2))
@@ -247,6 +249,8 @@ def _summary(res: dict[str, Any]) -> None:
             f"{b['publish_background_s']:.3f} s "
             f"({b['state_bytes'] / b['publish_background_s'] / 1e9:.2f} GB/s); disk write "
             f"{b['disk_write_s']:.2f} s\n"
+            f"each publish's stall {b['publish_stalls_s']} s, each async save's "
+            f"{b['disk_stalls_s']} s\n"
             f"restore: memory {b['restore_memory_s']:.3f} s vs warm disk "
             f"{b['restore_disk_warm_s']:.3f} s: {b['restore_speedup']:.1f}x (goal >= 5x); cold "
             f"disk {b['restore_disk_cold_s']:.3f} s\n"
