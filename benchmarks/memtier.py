@@ -5,9 +5,11 @@ takes.
         --gib 2 --repeats 3 --json memtier.json
 
 1. Demo model at K = 1: the demo's TinyGPT (vocab 96, ctx 32, batch 16, AdamW, one thread)
-   trained in alternating blocks of ``--block`` steps with a Checkpointer without triggers
-   (tier off) and with ``memory_every_steps=1, async_save=True`` (tier on); the median of
-   the per-block ratios (load drifts slower than a pair of blocks). Overhead = on / off - 1.
+   trained in rotating blocks of ``--block`` steps with a Checkpointer without triggers
+   (tier off), with ``memory_every_steps=1, async_save=True`` (tier on), and with the
+   floor (each step only copies the state's tensors into a tmpfs slot mapping and hashes
+   it: what any K = 1 publish costs the loop); the median of the per-block ratios (load
+   drifts slower than a round of blocks). Overhead = on / off - 1, floor = floor / off - 1.
 2. A ``--gib`` GiB state (4096x4096 float32 layers + AdamW moments, as
    benchmarks/ckpt_save_load.py): per publish, what the loop waits for (the snapshot copy:
    ``last_blocked_seconds``: since issue 25 speed item 3, the copy of the live tensors
@@ -43,9 +45,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ckpt_save_load import evict, make_state, state_bytes
 
 from unbroken.ckpt import Checkpointer, TrainState
+from unbroken.ckpt.memtier import _Mapped
+from unbroken.ckpt.save import encode
 from unbroken.demo.model import TinyGPT
 
 warnings.filterwarnings("ignore", message="torch.distributed is")
+
+
+def _shm(tmp: str) -> str:
+    """Where the tier's slots go: tmpfs as in a job (``/dev/shm/unbroken-<uid>``, the
+    default), not the disk under ``tmp``: a shared mapping of a disk file is written back
+    (before issue 25 item 2's run the demo part measured a tier on the disk)."""
+    if os.path.exists("/dev/shm"):
+        return os.path.join("/dev/shm", f"unbroken-{os.geteuid()}")
+    return os.path.join(tmp, "unbroken-bench")
 
 
 def _load() -> str:
@@ -67,12 +80,12 @@ def demo_overhead(blocks: int, block: int, tmp: str) -> dict[str, Any]:
         st,
         async_save=True,
         memory_every_steps=1,
-        memory_dir=os.path.join(tmp, "unbroken-bench", "demo"),
+        memory_dir=os.path.join(_shm(tmp), "bench-memtier-demo"),
     )
 
     cpu: dict[int, float] = {}
 
-    def run(ck: Checkpointer) -> float:
+    def run(ck: Checkpointer | _Floor) -> float:
         t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(block):
             model(x, x).backward()
@@ -85,13 +98,20 @@ def demo_overhead(blocks: int, block: int, tmp: str) -> dict[str, Any]:
         return (time.perf_counter() - t0) / block
 
     run(on), run(off)  # warm-up: buffers, slots, allocator
-    ratios, t_off, t_on, cpu_ratios = [], [], [], []
+    floor = _Floor(st, os.path.join(_shm(tmp), "bench-memtier-floor"))
+    run(floor)
+    ratios, t_off, t_on, cpu_ratios, floor_ratios, floor_cpu = [], [], [], [], [], []
+    arms: list[Checkpointer | _Floor] = [off, on, floor]
     for i in range(blocks):
-        pair = (run(off), run(on)) if i % 2 == 0 else tuple(reversed((run(on), run(off))))
-        t_off.append(pair[0])
-        t_on.append(pair[1])
-        ratios.append(pair[1] / pair[0])
+        took = {}
+        for ck in arms[i % 3 :] + arms[: i % 3]:  # the order rotates
+            took[id(ck)] = run(ck)
+        t_off.append(took[id(off)])
+        t_on.append(took[id(on)])
+        ratios.append(took[id(on)] / took[id(off)])
         cpu_ratios.append(cpu[id(on)] / cpu[id(off)])
+        floor_ratios.append(took[id(floor)] / took[id(off)])
+        floor_cpu.append(cpu[id(floor)] / cpu[id(off)])
     assert on._memory is not None
     slot_bytes = sum(
         os.path.getsize(on._memory.store.slot_path(i))
@@ -99,19 +119,53 @@ def demo_overhead(blocks: int, block: int, tmp: str) -> dict[str, Any]:
         if os.path.exists(on._memory.store.slot_path(i))
     )
     stall = on.last_blocked_seconds or 0.0
+    planned = getattr(on._memory, "planned", 0)  # (0 before the plan existed)
     on.close()
     off.close()
+    for name in ("bench-memtier-floor", "bench-memtier-demo"):
+        shutil.rmtree(os.path.join(_shm(tmp), name), ignore_errors=True)
     return {
         "step_off_ms": statistics.median(t_off) * 1e3,
         "step_on_ms": statistics.median(t_on) * 1e3,
         "overhead_pct": (statistics.median(ratios) - 1) * 100,
         "cpu_overhead_pct": (statistics.median(cpu_ratios) - 1) * 100,
+        "floor_pct": (statistics.median(floor_ratios) - 1) * 100,
+        "floor_cpu_pct": (statistics.median(floor_cpu) - 1) * 100,
+        "planned": planned,
         "stall_ms": stall * 1e3,
         "slot_bytes": slot_bytes,
         "state_bytes": state_bytes(model, opt),
         "blocks": blocks,
         "block": block,
     }
+
+
+class _Floor:
+    """What any K = 1 publish must do in the loop, and nothing else: copy the state's
+    tensors into a slot mapping on the tier's file system and hash it (two mappings, in
+    turn); no state_dict, no JSON, no header."""
+
+    def __init__(self, st: TrainState, directory: str) -> None:
+        live = encode(st)[3]
+        sig = tuple((k, t.dtype, t.shape) for k, t in live.items())
+        self.srcs = [t for t in live.values() if t.numel()]
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+        self.maps = [
+            _Mapped(os.open(os.path.join(directory, f"slot-{i}"), flags, 0o600), sig, 0)
+            for i in range(2)
+        ]
+        self.i = 0
+
+    def maybe_save(self) -> None:
+        self.i ^= 1
+        m = self.maps[self.i]
+        with torch.no_grad():
+            torch._foreach_copy_(m.views, self.srcs)
+        m.digest()
+
+    def wait(self) -> None:
+        pass
 
 
 # --- 2-4. a large state ------------------------------------------------------------------
@@ -121,9 +175,7 @@ def big_state(gib: float, repeats: int, tmp: str) -> dict[str, Any]:
     model, opt = make_state(gib)
     st = TrainState(model=model, optimizer=opt, capture_rng=False)
     nbytes = state_bytes(model, opt)
-    tier = os.path.join(tmp, "unbroken-bench", "big")
-    if os.path.exists("/dev/shm"):
-        tier = os.path.join("/dev/shm", f"unbroken-{os.geteuid()}", "bench-memtier")
+    tier = os.path.join(_shm(tmp), "bench-memtier")
     root = os.path.join(tmp, "ckpt")
     out: dict[str, Any] = {"state_bytes": nbytes, "tier_dir": tier}
 
@@ -137,6 +189,7 @@ def big_state(gib: float, repeats: int, tmp: str) -> dict[str, Any]:
         disk.wait()
         writes.append(disk.last_save_seconds or 0.0)
     disk.close()
+    out["disk_stalls_s"] = [round(x, 3) for x in stalls]  # the first: buffers allocated
     out["disk_stall_s"] = statistics.median(stalls[1:])
     out["disk_write_s"] = statistics.median(writes[1:])
 
@@ -151,6 +204,7 @@ def big_state(gib: float, repeats: int, tmp: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         mem.wait()
         pub_bg.append(time.perf_counter() - t0)
+    out["publish_stalls_s"] = [round(x, 3) for x in pub_stall]  # the first: slot 0 created
     out["publish_stall_s"] = statistics.median(pub_stall[1:])
     out["publish_background_s"] = statistics.median(pub_bg[1:])
     out["slot_bytes"] = sum(os.path.getsize(mem._memory.store.slot_path(i)) for i in range(2))
@@ -237,7 +291,9 @@ def _summary(res: dict[str, Any]) -> None:
         print(
             f"\ndemo model, K=1: step {d['step_off_ms']:.2f} ms off, {d['step_on_ms']:.2f} ms "
             f"on: overhead {d['overhead_pct']:+.1f}% wall, {d['cpu_overhead_pct']:+.1f}% CPU (goal <= 2%); "
-            f"stall {d['stall_ms']:.2f} ms"
+            f"stall {d['stall_ms']:.2f} ms; the floor (copy + hash only) "
+            f"{d['floor_pct']:+.1f}% wall, {d['floor_cpu_pct']:+.1f}% CPU; planned publishes "
+            f"{d['planned']}"
         )
     if "big" in res:
         b = res["big"]
@@ -247,6 +303,8 @@ def _summary(res: dict[str, Any]) -> None:
             f"{b['publish_background_s']:.3f} s "
             f"({b['state_bytes'] / b['publish_background_s'] / 1e9:.2f} GB/s); disk write "
             f"{b['disk_write_s']:.2f} s\n"
+            f"each publish's stall {b['publish_stalls_s']} s, each async save's "
+            f"{b['disk_stalls_s']} s\n"
             f"restore: memory {b['restore_memory_s']:.3f} s vs warm disk "
             f"{b['restore_disk_warm_s']:.3f} s: {b['restore_speedup']:.1f}x (goal >= 5x); cold "
             f"disk {b['restore_disk_cold_s']:.3f} s\n"

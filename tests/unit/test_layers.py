@@ -83,6 +83,7 @@ INNER: dict[str, Table] = {
                 "unbroken.ckpt.collectives",
                 "unbroken.ckpt.load",
                 "unbroken.ckpt.lock",
+                "unbroken.ckpt.memplan",
                 "unbroken.ckpt.memtier",
                 "unbroken.ckpt.per_rank",
                 "unbroken.ckpt.replica",

@@ -49,7 +49,7 @@ from unbroken.ckpt.snapshot import Snapshotter
 from unbroken.ckpt.state import TrainState
 from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint, RestoreRefused, Store
 from unbroken.ckpt.verify import load_verified
-from unbroken.common.audit import state_audit
+from unbroken.common.audit import StateAudit, state_audit
 from unbroken.common.config import configure
 from unbroken.common.text import printable
 
@@ -109,6 +109,8 @@ class Checkpointer:
             if self.config.memory_every_steps
             else None
         )
+        if self._memory is not None:  # the drill's state audit needs every snapshot's state
+            self._memory.planning = not isinstance(self._audit, StateAudit)
         if self._memory is not None and self.config.memory_replica:  # collective: a group
             from unbroken.ckpt.replica import PeerReplica
 
@@ -263,8 +265,9 @@ class Checkpointer:
         self.state.check_saveable()
         self.wait(memory=False)
         t0 = time.perf_counter()
-        job = self._saver.snapshot(step, None, disk=False)
-        memory.publish(job, self.state, background=True)
+        if not memory.publish_planned(step, self.state):  # the state changed, or no plan yet
+            job = self._saver.snapshot(step, None, disk=False)
+            memory.publish(job, self.state, background=True)
         self.last_blocked_seconds = time.perf_counter() - t0
         self._memory_stalls.append(self.last_blocked_seconds)
 

@@ -46,6 +46,7 @@ from unbroken.ckpt.bounds import Budget, load_json
 from unbroken.ckpt.collectives import Comm
 from unbroken.ckpt.load import Loader, NotLoaded
 from unbroken.ckpt.manifest import CheckpointManifest, TensorEntry, torch_dtype
+from unbroken.ckpt.memplan import Plan
 from unbroken.ckpt.save import Job
 from unbroken.ckpt.schema import check_state
 from unbroken.ckpt.state import TrainState
@@ -142,6 +143,7 @@ def _pad(n: int) -> int:
 
 
 _HEADER_ZEROS = memoryview(bytes(HEADER_BYTES))
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 _SPACES = b" " * 65536
 
 
@@ -217,9 +219,14 @@ class _Mapped:
     the mapping: no per-tensor Python work, no intermediate buffer (issue 25 item 3)."""
 
     def __init__(
-        self, fd: int, sig: tuple[tuple[str, torch.dtype, torch.Size], ...], blob: int
+        self,
+        fd: int,
+        sig: tuple[tuple[str, torch.dtype, torch.Size], ...],
+        blob: int,
+        *,
+        populate: bool = False,
     ) -> None:
-        self.sig = sig
+        self.sig, self.blob = sig, blob
         self.room = blob + max(4096, blob // 2)
         self.room += _pad(8 + self.room)  # the tensors start 64-byte aligned
         offsets, end = [], 8 + self.room
@@ -231,7 +238,11 @@ class _Mapped:
         os.ftruncate(fd, 0)  # every byte the layout does not write (padding) is zero
         os.ftruncate(fd, HEADER_BYTES + end)
         os.posix_fallocate(fd, 0, HEADER_BYTES + end)  # tmpfs full: ENOSPC here, not SIGBUS
+        self.head_len = 0  # header bytes that may be non-zero (the file is zero from here)
         self.mm = mmap.mmap(fd, HEADER_BYTES + end, flags=mmap.MAP_SHARED)
+        if populate:  # the page faults of a first copy, taken here (off the loop)
+            with contextlib.suppress(OSError):  # a kernel before 5.14: faults on first copy
+                self.mm.madvise(_MADV_POPULATE_WRITE)
         self.views = [
             torch.frombuffer(self.mm, dtype=torch.uint8, count=n, offset=HEADER_BYTES + off)
             .view(dt)
@@ -371,6 +382,22 @@ class SlotStore:
         """The first half of :meth:`publish`: invalidate the slot that does not hold the
         newest complete step, and copy the snapshot into it. Until :meth:`finish`, that
         slot is torn and the other one is the newest complete."""
+        sig = tuple((k, t.dtype, t.shape) for k, t in tensors.items())
+        srcs = [t for t in tensors.values() if t.numel()]
+        return self.begin_rendered(step, self._json.tree(tree), rng, sig, srcs, meta)
+
+    def begin_rendered(
+        self,
+        step: int,
+        state_json: bytes,
+        rng: Any,
+        sig: tuple[tuple[str, torch.dtype, torch.Size], ...],
+        srcs: list[torch.Tensor],
+        meta: Mapping[str, Any] | None = None,
+    ) -> Pending:
+        """:meth:`begin` of a state already rendered: its JSON, its codec-encoded RNG, the
+        key table ``sig`` (key, dtype, shape) and the tensors with elements, in its order
+        (issue 25 item 2: a publish from a plan, ``ckpt/memplan.py``)."""
         if not isinstance(step, int) or not 0 <= step < _MAX_STEP:
             raise ValueError(f"step={step!r} must be a non-negative integer")
         if self._pending is not None:
@@ -385,15 +412,14 @@ class SlotStore:
             raise ValueError(f"memory-tier meta of {len(meta_raw)} bytes exceeds {_MAX_META}")
         fd = self._open_slot(i)
         os.pwrite(fd, bytes(_HEAD.size), 0)  # invalidate first: a torn slot never verifies
-        sig = tuple((k, t.dtype, t.shape) for k, t in tensors.items())
-        if self._table is None or self._table[0] != sig:
+        if self._table is None or (self._table[0] is not sig and self._table[0] != sig):
             table = {
                 k: {"dtype": str(dt).removeprefix("torch."), "shape": list(shape)}
                 for k, dt, shape in sig
             }
             self._table = (sig, json.dumps(table).encode())
         blob = b"".join(
-            (b'{"state": ', self._json.tree(tree), b', "rng": ', self._json.rng(rng),
+            (b'{"state": ', state_json, b', "rng": ', self._json.rng(rng),
              b', "tensors": ', self._table[1], b"}")
         )  # fmt: skip
         m = self._maps.get(i)
@@ -401,7 +427,7 @@ class SlotStore:
             if m is not None:
                 m.close()
             m = self._maps[i] = _Mapped(fd, sig, len(blob))
-        m.fill(blob, [t for t in tensors.values() if t.numel()])
+        m.fill(blob, srcs)
         self._pending = Pending(i, step, meta_raw, m)
         return self._pending
 
@@ -416,13 +442,27 @@ class SlotStore:
             digest = p.mapped.digest()
             gen = self._generation + 1
             head = _pack(p.step, gen, p.mapped.end, digest, p.meta)
-            # the header last, in one system call (a SIGKILL cannot cut it in two), over the
-            # whole header area: a shorter meta than the last one leaves no stale byte
-            os.pwrite(self._fds[p.slot], head + _HEADER_ZEROS[len(head) :], 0)
+            # the header last, in one system call (a SIGKILL cannot cut it in two), zeros
+            # over what a longer header left: a shorter meta leaves no stale byte
+            tail = max(0, p.mapped.head_len - len(head))
+            os.pwrite(self._fds[p.slot], head + _HEADER_ZEROS[:tail], 0)
+            p.mapped.head_len = len(head)
         finally:
             self._pending = None
         self._complete(p.slot, p.step, gen)
         return self.slot_path(p.slot)
+
+    def prepare(self, p: Pending) -> None:
+        """After ``p`` completed: map the other slot with ``p``'s layout and fault its pages
+        in, so the next publish's copy is a copy (issue 25 item 2: a 2 GiB slot's first
+        copy took 1.4 s here against 0.5 s for later ones, its page faults; and the
+        allocation 0.3-0.4 s). Only a slot this process has not mapped yet; never the one
+        holding the newest complete step (``p``'s)."""
+        i = 1 - p.slot
+        if i in self._maps or self._newest != p.slot or self._pending is not None:
+            return
+        m = p.mapped
+        self._maps[i] = _Mapped(self._open_slot(i), m.sig, m.blob, populate=True)
 
     def _complete(self, i: int, step: int, gen: int) -> None:
         """Slot ``i`` now holds ``step`` complete (its header is written): the one place
@@ -707,13 +747,18 @@ class MemoryTier:
         self._finishing: Future[None] | None = None
         self.waits = 0  # publishes that waited for the previous one's checksum
         self.waited = 0.0  # seconds they waited
+        self.planning = True  # publish from a plan when the state allows (ckpt/memplan.py)
+        self.planned = 0  # publishes made from a plan
+        self._plan: Plan | None = None
+        self._replan_at = 0  # a plan refused: the full publish count at which to try again
+        self._full = 0  # full publishes (a snapshot job)
 
-    def _meta(self, job: Job, state: TrainState) -> dict[str, Any]:
+    def _meta(self, state: TrainState, layouts: dict[str, Any]) -> dict[str, Any]:
         return {
             "root": self.root,
             "world": self.comm.world,
             "components": sorted(state.components),
-            "layouts": schema.describe(state.components, job.sd["components"]),
+            "layouts": layouts,
             "generators": schema.generators(state),
             "created": time.time(),
         }
@@ -736,21 +781,61 @@ class MemoryTier:
             )
             log.warning("memory tier off: %s", self.disabled)
             return
+        meta = self._meta(state, schema.describe(state.components, job.sd["components"]))
         self.wait()
         try:
-            pending = self.store.begin(
-                job.step, job.tree, job.rng, job.tensors, self._meta(job, state)
-            )
+            pending = self.store.begin(job.step, job.tree, job.rng, job.tensors, meta)
         except OSError as e:
             self._off(job.step, e)
             return
-        self.published = job.step
+        self._end_publish(pending, background)
+        if background and self.planning:
+            self._replan(state, job)
+
+    def publish_planned(self, step: int, state: TrainState) -> bool:
+        """Publish ``step`` from the plan the last full publish built (issue 25 item 2:
+        ``ckpt/memplan.py``), as :meth:`publish` with ``background``. False when there is
+        no plan or the state changed since (the caller then publishes a snapshot job)."""
+        plan = self._plan
+        if plan is None or self.disabled is not None:
+            return False
+        got = plan.render()
+        if got is None:
+            self._plan = None
+            return False
+        meta = self._meta(state, got.layouts)
+        self.wait()
+        try:
+            pending = self.store.begin_rendered(
+                step, got.state_json, got.rng, plan.sig, plan.srcs, meta
+            )
+        except OSError as e:
+            self._off(step, e)
+            return True
+        self.planned += 1
+        self._end_publish(pending, True)
+        return True
+
+    def _replan(self, state: TrainState, job: Job) -> None:
+        """A plan from the full publish ``job``; a state a plan cannot follow is tried
+        again 64 full publishes later (building one costs about a full publish's walk)."""
+        self._full += 1
+        if self._full < self._replan_at:
+            return
+        self._plan = Plan.build(state, job)
+        if self._plan is None:
+            self._replan_at = self._full + 64
+
+    def _end_publish(self, pending: Pending, background: bool) -> None:
+        """The copy is in the slot: complete it here (a small slot) or in the tier's
+        thread."""
+        self.published = pending.step
         if not background or pending.mapped.end < BACKGROUND_BYTES:
             self._finish(pending)  # hashing a small slot costs less than the hand-off
             return
         if self._finisher is None:
             self._finisher = ThreadPoolExecutor(1, thread_name_prefix="unbroken-memtier")
-        self._finishing = self._finisher.submit(self._finish, pending)
+        self._finishing = self._finisher.submit(self._finish, pending, True)
 
     def replicate(self, replica: Any) -> None:
         """Send every slot that becomes complete to ``replica`` (a ``PeerReplica``), from
@@ -759,9 +844,11 @@ class MemoryTier:
         replica.expect = {"root": self.root}
         self.store.on_complete = lambda path, step, generation: replica.offer(path)
 
-    def _finish(self, pending: Pending) -> None:
+    def _finish(self, pending: Pending, prepare: bool = False) -> None:
         try:
             self.store.finish(pending)
+            if prepare:
+                self.store.prepare(pending)
         except OSError as e:
             self._off(pending.step, e)
 
