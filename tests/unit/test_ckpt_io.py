@@ -413,3 +413,64 @@ def test_restore_copies_bytes_exactly_into_every_kind_of_live_tensor(tmp_path, m
     loss.backward()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         saved.backward()
+
+
+def test_two_writer_threads_write_one_stream_while_the_other_hashes(tmp_path, monkeypatch) -> None:
+    """issue 23 (save at the disk's limit): with 2 writer threads one thread writes the data
+    files one after the other (one stream: this disk's best write, measured) while the other
+    hashes the same pieces (file and tensor checksums, in file order); the checksums are
+    those of the bytes on disk, and the checkpoint restores bit for bit."""
+    import threading
+
+    import xxhash
+
+    from unbroken.ckpt import tensor_io
+    from unbroken.ckpt.stats import tensor_bytes
+
+    writes: list[tuple[int, str]] = []  # (thread, file) of each write of a data file
+    hashed: set[int] = set()  # threads that hashed
+    real_write, real_hasher = os.write, tensor_io.hasher
+
+    def spy_write(fd: int, data: Any) -> int:
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if name.endswith(".distcp"):
+            writes.append((threading.get_ident(), name))
+        return real_write(fd, data)
+
+    class SpyHasher:
+        def __init__(self) -> None:
+            self.h = real_hasher()
+
+        def update(self, data: Any) -> None:
+            hashed.add(threading.get_ident())
+            self.h.update(data)
+
+        def hexdigest(self) -> str:
+            return str(self.h.hexdigest())
+
+    monkeypatch.setattr(tensor_io.os, "write", spy_write)
+    monkeypatch.setattr(tensor_io, "hasher", SpyHasher)
+    src = {f"t{i}": _big(1 << 21, seed=i) for i in range(6)}  # 8 MiB each, 6 items, 2 files
+    ck = Checkpointer(str(tmp_path), TrainState(extras={"b": Blob(src)}), io_threads=2)
+    ck.save(1)
+    ck.close()
+    monkeypatch.undo()
+    writers = {t for t, _ in writes}
+    fds = [name for _, name in writes]
+    assert len(writers) == 1 and len(set(fds)) == 2, (writers, set(fds))
+    first = fds.index(fds[-1])  # the second file starts after the first one's last write
+    assert fds[:first] == [fds[0]] * first and fds[first:] == [fds[-1]] * (len(fds) - first)
+    assert hashed - writers, "the data was hashed on the writing thread"
+    d = step_dir(str(tmp_path), 1)
+    m = read_manifest(d)
+    for k, v in src.items():
+        raw = tensor_bytes(v)
+        assert raw is not None
+        assert m["tensors"][f"components/extra.b/t/{k}"]["checksum"] == xxhash.xxh3_128_hexdigest(
+            raw
+        )
+    for name, f in m["files"].items():
+        with open(os.path.join(d, name), "rb") as fh:
+            assert xxhash.xxh3_128_hexdigest(fh.read()) == f["checksum"], name
+    got, blob = _restore(str(tmp_path), {k: torch.zeros_like(v) for k, v in src.items()})
+    assert got == 1 and identical(blob.t, src)
