@@ -1058,23 +1058,41 @@ def test_a_read_that_waited_for_its_download_queues_no_second_fetch(
     assert cache is not None
     st = cache._proc()
     uid = int(cache.plan(0).uid[0])  # read at position 0
-    calls: list[int] = []
+    calls: list[tuple[int, str, bool]] = []  # (priority, result, began after open() returned)
     gate = threading.Event()
+    opened = threading.Event()
     real = st.pool._fn
 
     def counted(u: int, prio: int) -> str:
+        late = opened.is_set()
+        if u == uid and not calls:
+            gate.wait(20)  # the first download starts once the reader waits for it
+        res = real(u, prio)
         if u == uid:
-            calls.append(prio)
-            if len(calls) == 1:
-                gate.wait(20)  # the first download starts once the reader waits for it
-        return real(u, prio)
+            calls.append((prio, res, late))
+        return res
+
+    touch = cache.registration.touch
+
+    def slow_reader(*a: Any, **k: Any) -> None:
+        # the reader is preempted right after it said what it waits for, until the unit's
+        # download ended (a loaded box: this failed ~1 run in 20 before the loop pinned first)
+        touch(*a, **k)
+        if k.get("want") == uid:
+            end = time.monotonic() + 20
+            while st.pool.busy(uid) and time.monotonic() < end:
+                time.sleep(0.005)
 
     st.pool._fn = counted
+    cache.registration.touch = slow_reader  # type: ignore[method-assign]
     cache.advance(0, np.arange(16))  # registers the reader, queues the unit's download
+
+    def read() -> None:
+        pins.append(cache.open(0, uid - cache.src_dir[0].base, lambda: "shard"))
+        opened.set()
+
     pins: list[Any] = []
-    reader = threading.Thread(
-        target=lambda: pins.append(cache.open(0, uid - cache.src_dir[0].base, lambda: "shard"))
-    )
+    reader = threading.Thread(target=read)
     reader.start()
     deadline = time.monotonic() + 20
     while not any(w == uid for _, _, w in cache.live_readers()):
@@ -1087,7 +1105,7 @@ def test_a_read_that_waited_for_its_download_queues_no_second_fetch(
     while st.pool.busy(uid):  # a second fetch queued before open() returned ends here
         assert time.monotonic() < deadline, "the unit's fetch never ended"
         time.sleep(0.005)
-    assert calls == [0], f"fetches of unit {uid} (their priorities): {calls}"
+    assert calls == [(0, "done", False)], f"fetches of unit {uid} (prio, result, late): {calls}"
 
 
 # --- issue 22 item 1 (round 4): the fetcher waits on events, not on a clock -------------------

@@ -435,6 +435,16 @@ class RemoteCache:
             last = t0
             nap = 0.001
             while True:
+                # pin first, ask for a fetch only when that fails: a fetch queued once the unit
+                # is in runs after this read, and once the unit is evicted (read, next needed
+                # an epoch later) downloads it again for nothing
+                pin = self._try_pin(uid)
+                if pin is not None:
+                    st.pool.drop_queued(only=uid)  # asked for just before the download ended
+                    if fut is not None and fut.done() and not fut.cancelled() and fut.exception():
+                        pin.release()  # the fetch this read waited for failed after its
+                        fut.result()  # commit (its event log refused): say so, naming why
+                    return pin
                 now = time.monotonic()
                 own = now >= delegate or not self.fetcher_alive()
                 if own and (fut is None or fut.done()):
@@ -442,16 +452,10 @@ class RemoteCache:
                         status = fut.result()  # a failed download raises here, naming the URL
                         if status == "noroom":
                             self._unpin_all()
-                        # pin what that fetch brought in before asking again: a fetch queued
-                        # now runs after this read, and once the unit is evicted (read, next
-                        # needed an epoch later) downloads it again for nothing
-                        pin = self._try_pin(uid)
-                        if pin is not None:
-                            return pin
+                        if status in ("done", "present"):
+                            fut = None
+                            continue  # pin what it brought in before asking again
                     fut = st.pool.submit(uid, self._abs(*st.pos))
-                pin = self._try_pin(uid)
-                if pin is not None:
-                    return pin
                 mark = (self.locks.heartbeat(d.name, shard), self.units.index.generation(), status)
                 if mark != seen:
                     seen, last = mark, now

@@ -59,11 +59,11 @@ class Pool:
         with self._cond:
             return uid in self._tasks
 
-    def drop_queued(self, keep: int = -1) -> None:
-        """Forget the tasks not started yet (except unit ``keep``)."""
+    def drop_queued(self, keep: int = -1, only: int = -1) -> None:
+        """Forget the tasks not started yet (except unit ``keep``; only unit ``only``)."""
         with self._cond:
             for uid, (fut, _, seq) in list(self._tasks.items()):
-                if seq >= 0 and uid != keep:
+                if seq >= 0 and uid != keep and only in (-1, uid):
                     del self._tasks[uid]
                     fut.cancel()
 
