@@ -63,7 +63,7 @@ from unbroken.ckpt.bounds import TooCostly, pickle_cost
 from unbroken.ckpt.collectives import Comm
 from unbroken.ckpt.manifest import DTYPES, CheckpointManifest, Chunk, FileEntry, TensorEntry
 from unbroken.ckpt.stats import STATS_ALGO, Stats, tensor_bytes
-from unbroken.common.fs import HashingWriter, checksum_bytes, hasher
+from unbroken.common.fs import checksum_bytes, hasher
 
 __all__ = [
     "ChecksumError",
@@ -184,36 +184,52 @@ class _Hashing:
             raise self.error
 
 
-class _DataFile(HashingWriter):
-    """A new file (``O_NOFOLLOW``, not fsynced on close) whose bytes ``hashing`` hashes
-    into its checksum, in order: :meth:`write` copies what it is given before queueing it
-    (a caller may reuse its buffer), :meth:`write_held` does not (the caller's bytes stay
-    unchanged until the hashing is closed). The checksum: :attr:`hash`, once closed."""
+class _DataFile:
+    """A new file (``O_NOFOLLOW``: a symlink planted at its name is refused) whose bytes
+    :class:`_Hashing` hashes into :attr:`hash` in order; :meth:`write` copies what it is
+    given before queueing it (a caller may reuse its buffer), :meth:`write_held` does not
+    (the caller's bytes stay unchanged until the hashing is closed)."""
 
     def __init__(self, path: str, hashing: _Hashing) -> None:
-        super().__init__(path, fsync=False)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.fd = os.open(path, flags, 0o666)
         self.hashing = hashing
-
-    @property
-    def hash(self) -> Any:
-        return self._h
+        self.hash = hasher()
+        self.size = 0
 
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
         return self.write_held(bytes(mv) if self.hashing.threaded else mv)
 
-    def writev(self, bufs: list[Any]) -> int:
-        return sum(map(self.write, bufs))
-
     def write_held(self, b: Any, *also: Any) -> int:
         """Write ``b`` whole; hash it into this file's checksum and into each of ``also``."""
         mv = memoryview(b).cast("B")
-        self.hashing.update((self._h, *also), mv)
-        n, fd = 0, self.fileno()
+        self.hashing.update((self.hash, *also), mv)
+        n = 0
         while n < len(mv):  # writes may be short
-            n += os.write(fd, mv[n:])
+            n += os.write(self.fd, mv[n:])
         self.size += n
         return n
+
+    def tell(self) -> int:
+        return self.size
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def flush(self) -> None:
+        pass
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class _Capture:
