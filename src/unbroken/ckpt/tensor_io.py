@@ -36,7 +36,6 @@ import math
 import mmap
 import os
 import pickle
-import queue
 import stat
 import struct
 import sys
@@ -63,7 +62,7 @@ from unbroken.ckpt.bounds import TooCostly, pickle_cost
 from unbroken.ckpt.collectives import Comm
 from unbroken.ckpt.manifest import DTYPES, CheckpointManifest, Chunk, FileEntry, TensorEntry
 from unbroken.ckpt.stats import STATS_ALGO, Stats, tensor_bytes
-from unbroken.common.fs import checksum_bytes, hasher
+from unbroken.common.fs import HashingWriter, checksum_bytes, hasher
 
 __all__ = [
     "ChecksumError",
@@ -102,7 +101,7 @@ class _HashingFileSystem(FileSystem):
 
     def __init__(self) -> None:
         super().__init__()
-        self.written: dict[str, tuple[int, Any]] = {}  # name -> (size, its file hasher)
+        self.written: dict[str, tuple[int, str]] = {}
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
 
@@ -112,16 +111,8 @@ class _HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as s:
                 yield s
             return
-        # DCP's own files (``.metadata``): hashed as written. The data files: _Writer.
-        with self.data_file(str(path), _Hashing(None)) as w:
-            yield w
-
-    @contextlib.contextmanager
-    def data_file(self, path: str, hashing: _Hashing) -> Iterator[_DataFile]:
-        """A new file at ``path`` whose bytes ``hashing`` hashes; its size and (once
-        ``hashing`` is closed) checksum land in :attr:`written`. Not fsynced here: data
-        files by their writer (sync_files=True), the directory at commit."""
-        w = _DataFile(path, hashing)
+        # Data files are fsynced by their writer (sync_files=True); the directory at commit.
+        w = HashingWriter(str(path), fsync=False)
         try:
             yield w
         except BaseException as e:
@@ -133,103 +124,7 @@ class _HashingFileSystem(FileSystem):
         finally:
             w.close()
             with self._lock:
-                self.written[os.path.basename(path)] = (w.size, w.hash)
-
-    def digests(self) -> dict[str, tuple[int, str]]:
-        """:attr:`written` with each checksum as hex (every :class:`_Hashing` closed)."""
-        return {k: (n, str(h.hexdigest())) for k, (n, h) in self.written.items()}
-
-
-class _Hashing:
-    """Hashes written pieces in the order they were written: on ``thread`` (a writer thread
-    writes while this one hashes the same bytes: two cores on one stream), or inline when
-    ``thread`` is None. A piece queued must stay unchanged until :meth:`close`: tensor
-    storage (held by the view), or bytes."""
-
-    def __init__(self, thread: str | None) -> None:
-        self.error: BaseException | None = None
-        self._q: queue.SimpleQueue[tuple[tuple[Any, ...], Any] | None] = queue.SimpleQueue()
-        self._t: threading.Thread | None = None
-        if thread is not None:
-            self._t = threading.Thread(target=self._run, name=thread, daemon=True)
-            self._t.start()
-
-    @property
-    def threaded(self) -> bool:
-        return self._t is not None
-
-    def update(self, hashers: tuple[Any, ...], piece: Any) -> None:
-        if self._t is None:
-            for h in hashers:
-                h.update(piece)
-        else:
-            self._q.put((hashers, piece))
-
-    def _run(self) -> None:
-        while (job := self._q.get()) is not None:
-            if self.error is None:  # after a failure, drain only: close() raises it
-                try:
-                    for h in job[0]:
-                        h.update(job[1])  # xxhash releases the GIL
-                except BaseException as e:  # noqa: BLE001 - raised by close()
-                    self.error = e
-
-    def close(self) -> None:
-        """Wait until every queued piece is hashed; raise the hashing's error, if any."""
-        if self._t is not None:
-            self._q.put(None)
-            self._t.join()
-            self._t = None
-        if self.error is not None:
-            raise self.error
-
-
-class _DataFile:
-    """A new file (``O_NOFOLLOW``: a symlink planted at its name is refused) whose bytes
-    :class:`_Hashing` hashes into :attr:`hash` in order; :meth:`write` copies what it is
-    given before queueing it (a caller may reuse its buffer), :meth:`write_held` does not
-    (the caller's bytes stay unchanged until the hashing is closed)."""
-
-    def __init__(self, path: str, hashing: _Hashing) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        self.fd = os.open(path, flags, 0o666)
-        self.hashing = hashing
-        self.hash = hasher()
-        self.size = 0
-
-    def write(self, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        return self.write_held(bytes(mv) if self.hashing.threaded else mv)
-
-    def write_held(self, b: Any, *also: Any) -> int:
-        """Write ``b`` whole; hash it into this file's checksum and into each of ``also``."""
-        mv = memoryview(b).cast("B")
-        self.hashing.update((self.hash, *also), mv)
-        n = 0
-        while n < len(mv):  # writes may be short
-            n += os.write(self.fd, mv[n:])
-        self.size += n
-        return n
-
-    def tell(self) -> int:
-        return self.size
-
-    def fileno(self) -> int:
-        return self.fd
-
-    def flush(self) -> None:
-        pass
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+                self.written[os.path.basename(str(path))] = (w.size, w.digest)
 
 
 class _Capture:
@@ -311,25 +206,26 @@ class _WriteBack:
 _KICK = 32 << 20
 
 
-def _write_tensor(w: _DataFile, t: torch.Tensor, kick: Callable[[int], None]) -> Any:
+def _write_tensor(w: HashingWriter, t: torch.Tensor, kick: Callable[[int], None]) -> str:
     """``torch.save(t)``'s bytes into ``w``, the storage written straight from ``t`` in
-    :data:`_SLICE` pieces, each hashed (by ``w``'s hashing, possibly on another thread)
-    into the file's checksum and the tensor's own; ``kick(bytes written)`` after each.
-    Returns the tensor's checksum (:func:`tensor_checksum`), or its hasher whose hex is
-    that once the hashing is closed."""
+    :data:`_SLICE` pieces, each hashed into the file's checksum and the tensor's own, then
+    written; ``kick(bytes written)`` after each. Returns the tensor's checksum
+    (:func:`tensor_checksum`)."""
     framing = _framing(t)
     data = tensor_bytes(t) if framing is not None else None
     if framing is None or data is None or len(data) != t.nbytes:
-        torch.save(t, w)  # type: ignore[arg-type]  # _DataFile is a binary file
+        torch.save(t, w)  # type: ignore[arg-type]  # HashingWriter is a binary file
         return tensor_checksum(t)
     head, tail = framing
     own = hasher()
     w.write(head)
     for i in range(0, len(data), _SLICE):
-        w.write_held(data[i : i + _SLICE], own)  # a view of t: held until hashed
+        piece = data[i : i + _SLICE]
+        own.update(piece)  # while the piece is in the CPU cache
+        w.write(piece)
         kick(w.tell())
     w.write(tail)
-    return own
+    return str(own.hexdigest())
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
@@ -346,13 +242,7 @@ def tensor_checksum(t: torch.Tensor) -> str:
 class _Writer(FileSystemWriter):
     """DCP's file layout and metadata, with our own per-file writer: tensors written
     straight (:func:`_write_tensor`), each file hashed as written (no statistics since
-    manifest version 4: issue 23 item 2).
-
-    Threads come in pairs: one writes a stream (its share of the data files, one after
-    the other) while the other hashes the same pieces (the file's and each tensor's
-    checksum). On this box's virtual disk one stream writes faster than two and costs less
-    CPU (issue 23, RESULTS.md), and the two checksums cost a core-half of the write's CPU:
-    2 threads = 1 stream + its hasher. One thread writes and hashes inline."""
+    manifest version 4: issue 23 item 2)."""
 
     def __init__(self, path: str, thread_count: int) -> None:
         super().__init__(
@@ -360,15 +250,15 @@ class _Writer(FileSystemWriter):
         )
         self.fs: _HashingFileSystem = _HashingFileSystem()
         self.locations: list[ItemLocation] = []
-        self.checksums: dict[str, Any] = {}  # fqn -> hex, or its hasher until hashed
+        self.checksums: dict[str, str] = {}
 
     def _write_data(self, planner: Any, file_queue: Any) -> torch.futures.Future[list[WriteResult]]:
         jobs = []
         while not file_queue.empty():
             jobs.append(file_queue.get_nowait())
-        streams = max(1, min(len(jobs), self.thread_count // 2))
-        shares = [jobs[i::streams] for i in range(streams)]
-        tasks = [functools.partial(self._write_stream, planner, share) for share in shares]
+        tasks: list[Callable[[], list[WriteResult]]] = [
+            functools.partial(self._write_file, planner, *job) for job in jobs
+        ]
         results: list[WriteResult] = []
         if len(tasks) == 1:
             results = tasks[0]()
@@ -376,51 +266,29 @@ class _Writer(FileSystemWriter):
             with ThreadPoolExecutor(len(tasks)) as pool:
                 for part in pool.map(lambda f: f(), tasks):
                     results += part
-        self.checksums = {
-            k: v if isinstance(v, str) else str(v.hexdigest()) for k, v in self.checksums.items()
-        }
         fut: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         fut.set_result(results)
         return fut
 
-    def _write_stream(self, planner: Any, jobs: list[Any]) -> list[Any]:
-        """``jobs``' files, one after the other, hashed on a thread of their own (inline
-        with one writer thread). The files are fsynced after the last one is written: an
-        fsync between two files would leave the disk idle while it waits for a tail."""
-        hashing = _Hashing("ub-ckpt-hash" if self.thread_count >= 2 else None)
-        out: list[Any] = []
-        try:
-            with contextlib.ExitStack() as stack:
-                files = []
-                for path, name, items in jobs:
-                    files.append(stack.enter_context(self.fs.data_file(str(path), hashing)))
-                    out += self._write_file(planner, files[-1], name, items)
-                if self.sync_files:
-                    for w in files:
-                        os.fsync(w.fileno())
-        except BaseException:
-            with contextlib.suppress(BaseException):  # the write's error is the one to see
-                hashing.close()
-            raise
-        hashing.close()  # every checksum complete
-        return out
-
-    def _write_file(self, planner: Any, w: _DataFile, name: str, items: list[Any]) -> list[Any]:
+    def _write_file(self, planner: Any, path: Any, name: str, items: list[Any]) -> list[Any]:
         out = []
-        kick = _WriteBack(w.fileno())
-        for wi in items:
-            if w.tell() % _ALIGN:  # zeros between items: DCP reads each item's range
-                w.write(bytes(_ALIGN - w.tell() % _ALIGN))
-            offset = w.tell()
-            data = planner.resolve_data(wi)
-            if wi.type == WriteItemType.BYTE_IO:
-                w.write(data.getbuffer())
-            else:
-                got = _write_tensor(w, data.detach().cpu(), kick)
-                if wi.type == WriteItemType.TENSOR:
-                    self.checksums[wi.index.fqn] = got
-            length = w.tell() - offset
-            out.append(WriteResult(wi.index, length, _StorageInfo(name, offset, length)))
+        with self.fs.create_stream(path, "wb") as w:
+            kick = _WriteBack(w.fileno())
+            for wi in items:
+                if w.tell() % _ALIGN:  # zeros between items: DCP reads each item's range
+                    w.write(bytes(_ALIGN - w.tell() % _ALIGN))
+                offset = w.tell()
+                data = planner.resolve_data(wi)
+                if wi.type == WriteItemType.BYTE_IO:
+                    w.write(data.getbuffer())
+                else:
+                    got = _write_tensor(w, data.detach().cpu(), kick)
+                    if wi.type == WriteItemType.TENSOR:
+                        self.checksums[wi.index.fqn] = got
+                length = w.tell() - offset
+                out.append(WriteResult(wi.index, length, _StorageInfo(name, offset, length)))
+            if self.sync_files:
+                os.fsync(w.fileno())
         return out
 
     def finish(self, metadata: Any, results: list[list[Any]]) -> None:
@@ -524,7 +392,7 @@ def write_tensors(
         }
         for k, v in tensors.items()
     }
-    written = {k: v for k, v in writer.fs.digests().items() if not k.endswith(".tmp")}
+    written = {k: v for k, v in writer.fs.written.items() if not k.endswith(".tmp")}
     return written, writer.locations, meta
 
 
