@@ -85,6 +85,12 @@ def test_smoke_run_reports_ceilings_anchors_and_the_regression_row(tmp_path) -> 
     assert "| cold restore vs the cold read ceiling |" in proc.stdout
     verdicts = [ln for ln in proc.stdout.splitlines() if ln.endswith(("| PASS |", "| FAIL |"))]
     assert len(verdicts) == 4
+    # issue 23 (save helper): the save's ratios also paired within each round (the same
+    # round's ceiling and anchor, minutes apart at most), beside the ratio of medians
+    paired = res["paired"]
+    assert set(paired) == {"save_vs_write_ceiling", "save_vs_dcp_save_equal_threads"}
+    assert all(len(v["rounds"]) == 3 and v["median"] > 0 for v in paired.values())
+    assert "paired per round" in proc.stdout
     stall = res["stall"]
     assert set(stall) == {
         "copy into preallocated buffers (floor)",
