@@ -20,11 +20,10 @@ any local network address ... EADDRINUSE"). So:
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 import tempfile
-from collections.abc import Iterator
+
+from unbroken.elastic.rendezvous import reserved_port
 
 __all__ = ["group_file", "join_group", "reserved_port"]
 
@@ -43,13 +42,3 @@ def join_group(rank: int, world: int, rdzv: str, backend: str = "gloo") -> None:
     import torch.distributed as dist
 
     dist.init_process_group(backend, init_method=f"file://{rdzv}", rank=rank, world_size=world)
-
-
-@contextlib.contextmanager
-def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
-    """A port on ``host`` that no other socket gets for the block, except one that binds it
-    by number with ``SO_REUSEADDR`` (what a server does): see the module docstring."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
-        yield int(s.getsockname()[1])

@@ -18,11 +18,13 @@ notes" > elastic > the rendezvous store.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import math
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -30,7 +32,7 @@ from typing import Any
 from unbroken.common.text import printable
 from unbroken.elastic.faults import STOP_EXITS
 
-__all__ = ["Coordinator", "RendezvousConfig", "free_port", "is_local_host"]
+__all__ = ["Coordinator", "RendezvousConfig", "free_port", "is_local_host", "reserved_port"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,21 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port on ``host`` that no other socket gets for the block, except a server that
+    binds it by number with ``SO_REUSEADDR`` (the hosting supervisor's store does): it stays
+    bound here, with ``SO_REUSEADDR`` and never listening, so the kernel gives it neither to
+    a ``bind`` to port 0 nor to a ``connect``'s ephemeral port. Use it where a port must be
+    named before its server starts (an ``--rdzv-endpoint`` several supervisors are given):
+    :func:`free_port`'s number is free only at the moment it returns, and until the server
+    binds it any process on the box can take it (``EADDRINUSE``)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        yield int(s.getsockname()[1])
 
 
 def is_local_host(host: str) -> bool:

@@ -20,6 +20,7 @@ layout: ARCHITECTURE.md, "Design notes" > elastic > the drill.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -59,7 +60,7 @@ from unbroken.elastic.drill.plan import (
     plan_faults,
 )
 from unbroken.elastic.drill.report import DrillReport
-from unbroken.elastic.rendezvous import free_port
+from unbroken.elastic.rendezvous import reserved_port
 
 __all__ = [
     "ENV_TOKEN",
@@ -386,7 +387,8 @@ def _drilled_run(cfg: DrillConfig, name: str, specs: list[FaultSpec], env: dict[
     ckpt = os.path.join(job, cfg.ckpt_subdir)
     command = _fill(cfg.command, job)
     env = {**env, ENV_AUDIT: _audit_dir(job)}
-    port = None if name == "single" else free_port()
+    hold = contextlib.ExitStack()  # the two-node runs' rendezvous port, held to the end
+    port = None if name == "single" else hold.enter_context(reserved_port())
     # the elastic run may shrink to one node; the nodes run waits for a replacement
     nnodes = "2" if name == "nodes" else "1:2"
 
@@ -426,6 +428,7 @@ def _drilled_run(cfg: DrillConfig, name: str, specs: list[FaultSpec], env: dict[
                 log.error("drill: node %s still running at the end; killing it", n.name)
                 n.kill()
             n.close()
+        hold.close()
     return run
 
 
