@@ -102,3 +102,31 @@ def test_smoke_run_reports_ceilings_anchors_and_the_regression_row(tmp_path) -> 
     assert len(res["parts"]) == 5 and all(v["cpu"] > 0 for v in res["parts"].values())
     # issue 23 item 2: a warm restore's two per-byte phases, CPU apart (the cause of a miss)
     assert sum(k.startswith("restore phase: ") for k in res["parts"]) == 2
+
+
+@pytest.mark.slow
+def test_save_only_runs_the_save_its_ceilings_and_the_anchor_and_judges_paired(tmp_path) -> None:
+    """issue 23 (save goals on a disk whose speed moves 2-3x between rounds): ``--only save``
+    times the save, every write ceiling and dcp.save at unbroken's thread count and nothing
+    else, and its verdict is the median of the per-round ratios."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--gib", "0.02", "--repeats", "3", "--warmup", "0",
+         "--only", "save", "--dir", str(tmp_path / "d"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    t = res["threads"]
+    ceilings = {f"ceil_write_{s}{wb}" for s in sorted({1, t}) for wb in ("", "_wb")}
+    for r in res["rounds"]:
+        assert {k for k in r if not k.endswith("_cpu")} == {"ub_save", f"dcp_save_t{t}", *ceilings}
+    assert set(res["ratios"]) == {
+        "save_vs_write_ceiling",
+        "save_vs_dcp_save_equal_threads",
+        "dcp_save_equal_threads_vs_write_ceiling",
+    }
+    verdicts = [ln for ln in proc.stdout.splitlines() if "paired per round" in ln]
+    assert len(verdicts) == 2 and all(ln.endswith((" PASS", " FAIL")) for ln in verdicts)
