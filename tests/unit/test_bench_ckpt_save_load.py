@@ -23,6 +23,20 @@ def _bench():
     return mod
 
 
+def _run(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """The benchmark on a tiny state, 3 timed rounds: its output and its JSON."""
+    out = tmp_path / "r.json"
+    argv = [sys.executable, SCRIPT, "--gib", "0.02", "--repeats", "3", *args]
+    proc = subprocess.run(
+        [*argv, "--dir", str(tmp_path / "d"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc, json.loads(out.read_text())
+
+
 def _fs_type(path: str) -> str:
     out = subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True)
     return out.stdout.strip()
@@ -56,16 +70,7 @@ def test_smoke_run_reports_ceilings_anchors_and_the_regression_row(tmp_path) -> 
     """issue 23 item 1: dcp.save at unbroken's thread count and at its default, random-bytes
     write and cold read ceilings, cold and warm restores, rotated rounds, the stall anchors,
     and a PASS/FAIL regression row."""
-    out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--gib", "0.02", "--repeats", "3", "--warmup", "1",
-         "--stall", "1", "--parts", "--dir", str(tmp_path / "d"), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    res = json.loads(out.read_text())
+    proc, res = _run(tmp_path, "--warmup", "1", "--stall", "1", "--parts")
     t = res["threads"]
     assert t >= 1
     assert len(res["rounds"]) == 3
@@ -109,16 +114,7 @@ def test_save_only_runs_the_save_its_ceilings_and_the_anchor_and_judges_paired(t
     """issue 23 (save goals on a disk whose speed moves 2-3x between rounds): ``--only save``
     times the save, every write ceiling and dcp.save at unbroken's thread count and nothing
     else, and its verdict is the median of the per-round ratios."""
-    out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--gib", "0.02", "--repeats", "3", "--warmup", "0",
-         "--only", "save", "--dir", str(tmp_path / "d"), "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    res = json.loads(out.read_text())
+    proc, res = _run(tmp_path, "--warmup", "0", "--only", "save")
     t = res["threads"]
     ceilings = {f"ceil_write_{s}{wb}" for s in sorted({1, t}) for wb in ("", "_wb")}
     for r in res["rounds"]:
