@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rankkit import group_file, join_group
 from unbroken.ckpt import Checkpointer, TrainState
 from unbroken.common.fs import checksum_bytes
 
@@ -138,7 +139,7 @@ def _ranked_saver(rank: int, root: str, store: str, want: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    join_group(rank, 2, store)
     try:
         h = Blob(torch.zeros(5))
         st, m, opt = small_state(extras={"h": h})
@@ -162,7 +163,7 @@ def build_ranked_root(root: str) -> dict[int, dict[str, Any]]:
     ``extra.h`` different (saved per rank, ``rank<r>/`` keys). Returns rank 0's state of
     each step (restored at world size 1, rank 0 takes rank 0's copy)."""
     work = os.path.dirname(os.path.abspath(root))
-    store, want = os.path.join(work, "pg-store"), os.path.join(work, "rank0-states.pkl")
+    store, want = group_file(work), os.path.join(work, "rank0-states.pkl")
     ctx = mp.get_context("fork")  # no re-import of torch: ~1 s for both ranks
     procs = [ctx.Process(target=_ranked_saver, args=(r, root, store, want)) for r in range(2)]
     for p in procs:
@@ -180,12 +181,10 @@ def build_ranked_root(root: str) -> dict[int, dict[str, Any]]:
 
 def spawn_two(worker: Callable[..., None], job: dict[str, Any]) -> None:
     """Run ``worker(rank, 2, job)`` on two spawned ranks (fresh interpreters), ``job`` given
-    a free rendezvous port."""
+    ``rdzv``, a fresh rendezvous file under ``job["out"]`` (``rankkit.join_group``)."""
     import torch.multiprocessing as tmp_mp
 
-    from unbroken.elastic.rendezvous import free_port
-
-    job = {**job, "port": free_port()}
+    job = {**job, "rdzv": group_file(job["out"])}
     tmp_mp.start_processes(worker, args=(2, job), nprocs=2, start_method="spawn", join=True)
 
 

@@ -20,13 +20,13 @@ import pytest
 import torch
 
 from datakit import S3_TEST_CREDS
+from storekit import moto_endpoint
 from unbroken.ckpt import ArchiveConfig, Checkpointer, TrainState
 from unbroken.ckpt.archive.remote import Archive, ArchiveError, fetch_newest_valid
 from unbroken.ckpt.archive.uploader import BackgroundUploader
-from unbroken.elastic.rendezvous import free_port
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
 _CREDS = S3_TEST_CREDS
 
@@ -37,13 +37,8 @@ def endpoint() -> Iterator[str]:
         for k, v in _CREDS.items():
             mp.setenv(k, v)
         mp.setattr(logging.getLogger("werkzeug"), "level", logging.ERROR)  # one line per request
-        port = free_port()
-        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.stop()
+        with moto_endpoint() as ep:  # port 0: the server's own, read once it listens
+            yield ep
 
 
 def _options(endpoint: str) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp_mp
 
-from unbroken.elastic.rendezvous import free_port
+from rankkit import group_file, join_group
 
 pytestmark = pytest.mark.slow
 
@@ -85,8 +85,7 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
 
     from unbroken.ckpt import Checkpointer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, job["rdzv"])
     try:
         out: dict[str, Any] = {}
         step: int | None
@@ -145,13 +144,15 @@ def _start_ranks(fn: Any, world: int, job: dict[str, Any], method: str = "fork")
     iterated in another order on another rank before a collective) by the collective
     fall-back test below (``method="spawn"``) and the torchrun tests (tests/drill); the
     ranks' exit through interpreter shutdown (gloo threads) by test_ckpt_preempt_ranks.py."""
+    here = job.get("out") or os.path.dirname(job["root"])  # the test's tmp dir
+    job = {**job, "rdzv": group_file(here)}
     tmp_mp.start_processes(
         _rank, args=(fn, world, job), nprocs=world, start_method=method, join=True
     )
 
 
 def _run(world: int, job: dict[str, Any], fn: Any = None, method: str = "fork") -> None:
-    _start_ranks(fn or _worker, world, {**job, "port": free_port()}, method)
+    _start_ranks(fn or _worker, world, job, method)
 
 
 def _results(out: str, mode: str, world: int) -> list[dict[str, Any]]:
@@ -247,8 +248,7 @@ def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
 
     from unbroken.ckpt import Checkpointer, TrainState
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, job["rdzv"])
     try:
         mesh = init_device_mesh("cpu", (world,))
 
@@ -326,9 +326,9 @@ def _fsdp_worker(rank: int, world: int, job: dict[str, Any]) -> None:
 
 def test_fsdp2_saved_on_2_loads_on_1_and_3(tmp_path) -> None:
     root = str(tmp_path / "ck")
-    _start_ranks(_fsdp_worker, 2, {"mode": "save", "root": root, "port": free_port()})
+    _start_ranks(_fsdp_worker, 2, {"mode": "save", "root": root})
     for w in (1, 3):
-        _start_ranks(_fsdp_worker, w, {"mode": "load", "root": root, "port": free_port()})
+        _start_ranks(_fsdp_worker, w, {"mode": "load", "root": root})
         for r in range(w):
             got = open(os.path.join(root, f"fsdp-load-w{w}-r{r}")).read()
             assert got == "True 4 True 4", (w, r)
@@ -337,8 +337,7 @@ def test_fsdp2_saved_on_2_loads_on_1_and_3(tmp_path) -> None:
 def _rank0_only_worker(rank: int, world: int, job: dict[str, Any]) -> None:
     from unbroken.ckpt import Checkpointer, TrainState
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, job["rdzv"])
     try:
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 4)
@@ -358,7 +357,7 @@ def _rank0_only_worker(rank: int, world: int, job: dict[str, Any]) -> None:
 
 def test_rank0_only_checkpointing_does_not_involve_other_ranks(tmp_path) -> None:
     root = str(tmp_path / "ck")
-    job = {"root": root, "port": free_port()}
+    job = {"root": root}
     _start_ranks(_rank0_only_worker, 2, job)
     assert sorted(os.listdir(root)) == ["step-00000001", "step-00000002", "step-00000003"]
 
@@ -409,8 +408,7 @@ def _ranked_worker(rank: int, world: int, job: dict[str, Any]) -> None:
 
     from unbroken.ckpt import Checkpointer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, job["rdzv"])
     warnings: list[str] = []
 
     class _Keep(logging.Handler):

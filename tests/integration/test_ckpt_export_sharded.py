@@ -14,9 +14,9 @@ import torch.distributed.tensor  # imported once, before the ranks fork
 import torch.multiprocessing as tmp_mp
 from safetensors.torch import load_file
 
+from rankkit import group_file, join_group
 from unbroken.ckpt import Checkpointer, TrainState
 from unbroken.cli import main
-from unbroken.elastic.rendezvous import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -44,15 +44,14 @@ class _ShardedModel:
         self.sd = dict(sd)
 
 
-def _worker(rank: int, root: str, port: int) -> None:
+def _worker(rank: int, root: str, rdzv: str) -> None:
     """A rank forked from the test process (torch, DTensor and unbroken are imported there
     already: a spawned rank would import them again, ~5 CPU-s each, for nothing this proves)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     torch.set_num_threads(1)  # a forked child must not enter the parent's OpenMP pool
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join_group(rank, WORLD, rdzv)
     try:
         mesh = init_device_mesh("cpu", (WORLD,))
         sd = {
@@ -71,7 +70,11 @@ def _worker(rank: int, root: str, port: int) -> None:
 def test_export_consolidates_a_checkpoint_sharded_over_two_ranks(tmp_path, capsys) -> None:
     root = str(tmp_path / "ckpt")
     tmp_mp.start_processes(
-        _worker, args=(root, free_port()), nprocs=WORLD, start_method="fork", join=True
+        _worker,
+        args=(root, group_file(str(tmp_path))),
+        nprocs=WORLD,
+        start_method="fork",
+        join=True,
     )
     d = os.path.join(root, "step-00000005")
     assert {f"__{r}_0.distcp" for r in range(WORLD)} <= set(os.listdir(d))  # one file per rank

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unbroken.elastic.rendezvous import free_port
+from rankkit import group_file, join_group
 
 pytestmark = pytest.mark.slow
 
@@ -38,11 +38,10 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _worker(rank: int, port: int, root: str, out: str) -> None:
+def _worker(rank: int, rdzv: str, root: str, out: str) -> None:
     from unbroken.ckpt import Checkpointer, TrainState
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    join_group(rank, WORLD, rdzv)
     torch.manual_seed(0)
     model = torch.nn.Linear(32, 32)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -79,8 +78,8 @@ def test_sigterm_on_one_rank_stops_all_ranks_at_the_same_step(tmp_path) -> None:
 
     root, out = str(tmp_path / "ckpt"), str(tmp_path)
     ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, root, out)) for r in range(WORLD)]
+    rdzv = group_file(out)
+    procs = [ctx.Process(target=_worker, args=(r, rdzv, root, out)) for r in range(WORLD)]
     for p in procs:
         p.start()
     for p in procs:

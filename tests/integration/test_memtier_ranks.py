@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ckptkit import flip, report_and_exit, spawn_two
+from rankkit import join_group
 
 pytestmark = pytest.mark.slow
 
@@ -39,8 +39,7 @@ class _PerRank:
 def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
     from unbroken.ckpt import Checkpointer, TrainState
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, job["rdzv"])
     torch.manual_seed(0 if job["mode"] == "train" else 99)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

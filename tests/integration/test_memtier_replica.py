@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp_mp
 
 from ckptkit import flip, report_and_exit, spawn_two
-from unbroken.elastic.rendezvous import free_port
+from rankkit import group_file, join_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -54,13 +54,11 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
     from unbroken.ckpt import Checkpointer, TrainState
 
     # one rank per "node", each node its own memory directory
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]), LOCAL_WORLD_SIZE="1", LOCAL_RANK="0"
-    )
+    os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
     lines = _Lines()
     logging.getLogger("unbroken").addHandler(lines)
     logging.getLogger("unbroken").setLevel(logging.INFO)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, job["rdzv"])
     torch.manual_seed(0 if job["mode"] == "train" else 99)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -211,12 +209,10 @@ def test_a_replica_older_than_the_disk_tier_is_not_used(tmp_path) -> None:
 def _gone_worker(rank: int, world: int, job: dict[str, Any]) -> None:
     from unbroken.ckpt import Checkpointer, TrainState
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]), LOCAL_WORLD_SIZE="1", LOCAL_RANK="0"
-    )
+    os.environ.update(LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
     lines = _Lines()
     logging.getLogger("unbroken").addHandler(lines)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, job["rdzv"])
     model = torch.nn.Linear(4, 3)
     st = TrainState(model=model, seed=1)
     tier = job["tiers"][rank]
@@ -252,7 +248,7 @@ def test_when_the_peer_is_gone_the_sender_logs_once_and_stops(tmp_path) -> None:
     stops replicating (until the next rendezvous: a new process)."""
     tiers = [str(tmp_path / f"unbroken-{n}" / "job") for n in "AB"]
     job: dict[str, Any] = {"root": str(tmp_path / "ckpt"), "tiers": tiers, "out": str(tmp_path)}
-    job["port"] = free_port()
+    job["rdzv"] = group_file(job["out"])
     ctx = tmp_mp.start_processes(
         _gone_worker, args=(2, job), nprocs=2, start_method="spawn", join=False
     )

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from datakit import ids_collate
+from rankkit import group_file, join_group
 from unbroken.data.stream.dataset import Source, StreamingDataset
 from unbroken.data.stream.loader import StatefulLoader
 from unbroken.data.stream.order import Partition
-from unbroken.elastic.rendezvous import free_port
 
 # num_workers=3 on a 2-core runner is deliberate (worker-count changes)
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
@@ -186,7 +186,7 @@ def test_global_sequence_is_independent_of_layout(stream_data, kind):
 def _rank_main(
     rank: int,
     world: int,
-    port: int,
+    rdzv: str,
     spec: Any,
     batch: int,
     stop: int | None,
@@ -195,8 +195,7 @@ def _rank_main(
 ) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, rdzv)
     try:
         # rank and world size from torch.distributed
         ds = StreamingDataset(spec, seed=SEED, shuffle_window=WINDOW)
@@ -224,11 +223,11 @@ def _launch(
     world: int, spec: Any, batch: int, stop: int | None, state_path: str, tmp: str, tag: str
 ) -> list[dict[str, Any]]:
     ctx = mp.get_context("fork")
-    port = free_port()
+    rdzv = group_file(tmp)
     outs = [os.path.join(tmp, f"{tag}-{r}.json") for r in range(world)]
     procs = [
         ctx.Process(
-            target=_rank_main, args=(r, world, port, spec, batch, stop, state_path, outs[r])
+            target=_rank_main, args=(r, world, rdzv, spec, batch, stop, state_path, outs[r])
         )
         for r in range(world)
     ]

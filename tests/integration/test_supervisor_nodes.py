@@ -10,6 +10,8 @@ import time
 import elastic_harness as h
 import pytest
 
+from rankkit import reserved_port
+
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -78,8 +80,7 @@ def _check_log(tmp_path) -> list[dict]:
 
 
 def test_whole_node_lost_training_continues_on_the_other(tmp_path):
-    port = h.free_port()
-    with h.jobs() as start:
+    with reserved_port() as port, h.jobs() as start:
         a = _start_node(start, tmp_path, "A", port)
         b = _start_node(start, tmp_path, "B", port)
         _wait_world(tmp_path, 2, a)
@@ -98,8 +99,7 @@ def test_whole_node_lost_training_continues_on_the_other(tmp_path):
 
 @pytest.mark.slow
 def test_agent_killed_on_one_node_both_rejoin(tmp_path):
-    port = h.free_port()
-    with h.jobs() as start:
+    with reserved_port() as port, h.jobs() as start:
         # A rendezvous waits up to 60 s for the second node (default 5 s): on a loaded box
         # B's agent (first, or relaunched after the kill) can take longer than 5 s, A would
         # train alone meanwhile and torchrun would restart it to let B in, a second failure
@@ -130,8 +130,7 @@ def test_agent_killed_on_one_node_both_rejoin(tmp_path):
 
 @pytest.mark.slow
 def test_spare_node_replaces_a_lost_one(tmp_path):
-    port = h.free_port()
-    with h.jobs() as start:
+    with reserved_port() as port, h.jobs() as start:
         a = _start_node(start, tmp_path, "A", port)
         b = _start_node(start, tmp_path, "B", port)
         _wait_world(tmp_path, 2, a)
@@ -162,9 +161,8 @@ def test_late_node_scale_up_is_membership_not_a_failure(tmp_path, stubborn):
     (fault ``membership``) with the time it cost. ``ignores-sigterm``: A's worker outlives
     torchrun's 30 s grace, so torchrun SIGKILLs its launcher, which never reports (it was
     recorded as process/killed, and node B then restarted as its "peer")."""
-    port = h.free_port()
     extra = ["--ignore-sigterm"] if stubborn else []
-    with h.jobs() as start:
+    with reserved_port() as port, h.jobs() as start:
         a = _start_node(start, tmp_path, "A", port, extra=extra)
         _wait_world(tmp_path, 1, a)  # A trains alone (min 1 node)
         t_join = time.time()

@@ -14,6 +14,7 @@ import time
 import elastic_harness as h
 import pytest
 
+from rankkit import reserved_port
 from unbroken.common.events import load_events
 from unbroken.elastic.preflight import PreflightConfig, run_preflight, wait_until_healthy
 
@@ -99,7 +100,10 @@ def test_rendezvous_endpoint_must_accept_connections():
         assert _check(
             PreflightConfig(rdzv_endpoint=f"127.0.0.1:{port}", timeout=2), "rendezvous"
         ).ok
-    r = _check(PreflightConfig(rdzv_endpoint=f"127.0.0.1:{port}", timeout=2), "rendezvous")
+    # Bound but never listening: refused, and no other process can start listening on it
+    # meanwhile (a closed port can be taken before the check connects: task "ports").
+    with reserved_port() as port:
+        r = _check(PreflightConfig(rdzv_endpoint=f"127.0.0.1:{port}", timeout=2), "rendezvous")
     assert not r.ok and "refused" in r.detail.lower()
 
 

@@ -29,7 +29,6 @@ from unbroken.common.procs import (
     proc_state,
 )
 from unbroken.elastic import heartbeat
-from unbroken.elastic.rendezvous import free_port  # noqa: F401 - used as h.free_port
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "elastic_train.py")
 
