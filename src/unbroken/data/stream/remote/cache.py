@@ -184,6 +184,8 @@ class RemoteCache:
             biggest = int(self.unit_bytes.max()) if self.unit_bytes.size else 1
             need = self.min_limit()[0]
             self.prefetch_shards = plan.default_depth(window, self.limit, need, biggest)
+        for d in self.dirs:  # before any download thread or fork (fetch.import_request_path)
+            fetch.import_request_path(d.url, d.options, self.config)
         sweep_stats(self.cache_dir)
         self.units.sweep()  # what dead downloads left (a run killed, a fetcher ended mid-GET)
         if wrote:
