@@ -1195,13 +1195,13 @@ sys.exit(0)  # multiprocessing ends its daemonic children (SIGTERM) on the way o
 
 
 def _slow_dataset(endpoint: str, tmp_path: Any, prefix: str) -> DatasetManifest:
-    """Shards of ~0.5 MB (8 body chunks of the proxy: seconds each behind a slow proxy)."""
+    """Shards of ~1 MB (16 body chunks of the proxy: seconds each behind a slow proxy)."""
     from unbroken.data.prepare.pack import pack
 
     rng = np.random.default_rng(7)
     src = str(tmp_path / "slow-src")
-    samples = ({"__key__": f"k{i:03d}", "bin": rng.bytes(250_000)} for i in range(8))
-    pack(samples, src, shard_size=500_000, workers=1, fsync=False, progress=False)
+    samples = ({"__key__": f"k{i:03d}", "bin": rng.bytes(500_000)} for i in range(8))
+    pack(samples, src, shard_size=1_000_000, workers=1, fsync=False, progress=False)
     _upload(endpoint, src, "data", prefix)
     return DatasetManifest.load(src)
 
@@ -1228,7 +1228,9 @@ def test_a_fetcher_ended_with_its_reader_mid_download_leaves_no_temporary(
     m = _slow_dataset(endpoint, tmp_path, "exitmid")
     cache = str(tmp_path / "cache")
     with FaultProxy(endpoint) as proxy:
-        proxy.delay_body_s = 0.5  # 64 KiB per 0.5 s: a shard takes seconds to arrive
+        # 64 KiB per 0.2 s: a shard takes ~3 s to arrive, and a stopped download sees its
+        # next bytes (where it stops) well within the 2 s an exit waits for it
+        proxy.delay_body_s = 0.2
         r = subprocess.run(
             [sys.executable, "-c", _EXIT_MID_DOWNLOAD, "s3://data/exitmid", proxy.endpoint, cache],
             env={**os.environ, **_CREDS},
