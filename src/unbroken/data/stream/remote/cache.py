@@ -60,6 +60,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _PLANS = 4  # epoch plans kept per process
+_STOP_S = 2.0  # s a process on its way out waits for its downloads to abort
 T = TypeVar("T")
 
 
@@ -113,9 +114,9 @@ class _Proc:
         import multiprocessing.util as mpu
 
         if multiprocessing.parent_process() is not None:
-            mpu.Finalize(self, self.pool.stop, args=(2.0,), exitpriority=100)
+            mpu.Finalize(self, self.pool.stop, args=(_STOP_S,), exitpriority=100)
         else:
-            atexit.register(self.pool.stop, 2.0)
+            atexit.register(self.pool.stop, _STOP_S)
 
 
 class RemoteCache:
@@ -183,7 +184,10 @@ class RemoteCache:
             biggest = int(self.unit_bytes.max()) if self.unit_bytes.size else 1
             need = self.min_limit()[0]
             self.prefetch_shards = plan.default_depth(window, self.limit, need, biggest)
+        for d in self.dirs:  # before any download thread or fork (fetch.import_request_path)
+            fetch.import_request_path(d.url, d.options, self.config)
         sweep_stats(self.cache_dir)
+        self.units.sweep()  # what dead downloads left (a run killed, a fetcher ended mid-GET)
         if wrote:
             self.units.make_room(self._next_use)
 
@@ -514,6 +518,15 @@ class RemoteCache:
         st = self._proc()
         if 0 <= want < self.unit_bytes.size and not st.pool.busy(want):
             st.pool.submit(want, self._abs(epoch, pos) - 1)  # ahead of everything
+
+    def leave(self) -> None:
+        """This process is done with the cache (a fetcher on its way out): end its downloads
+        in flight as an exit does (their temporaries and reservations removed), then remove
+        what dead downloads left in units nobody holds (:meth:`UnitStore.sweep`)."""
+        st = self._state
+        if st is not None and st.pid == os.getpid():
+            st.pool.stop(_STOP_S)
+        self.units.sweep()
 
     def fetch_path(self, suffix: str) -> str:
         """``<cache_dir>/.fetch/<dataset><suffix>``: the fetcher's lock, log and doorbell."""

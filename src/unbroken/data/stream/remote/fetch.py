@@ -15,12 +15,14 @@ The cache calls only :func:`open_store`, :func:`load_remote_manifest` and
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from unbroken.common.fs import checksum_file
-from unbroken.common.objstore import ObjectStore, StoreOptions
+from unbroken.common.objstore import ObjectStore, StoreOptions, route_of
 from unbroken.common.objstore import open_store as _open_store
 from unbroken.data.manifest import DatasetManifest, join_path
 from unbroken.data.prepare.stage import RemoteStorageError, fetch_verified
@@ -31,6 +33,7 @@ __all__ = [
     "RemoteStorageError",
     "check_files",
     "download_unit",
+    "import_request_path",
     "load_remote_manifest",
     "open_store",
     "with_timeouts",
@@ -60,7 +63,32 @@ def with_timeouts(url: str, opts: Any, timeout: float) -> dict[str, Any]:
 def open_store(url: str, options: dict[str, Any], config: CacheConfig) -> ObjectStore:
     """The object store of a remote dataset root (``options``: its storage options, with
     timeouts); requests retried ``config.retries`` times from ``config.backoff_s``."""
-    so = StoreOptions(
+    return _open_store(url, options, _store_options(config))
+
+
+def import_request_path(url: str, options: dict[str, Any], config: CacheConfig) -> None:
+    """Import now, in the calling thread, the modules :func:`open_store` imports on its first
+    call. A reader process forks its DataLoader workers and its fetcher while its own
+    download threads may be opening their first store; a fork while one of them is inside an
+    import leaves the child that module half made, its import lock held by a thread the
+    child does not have: the child hangs at its first use of it, or gets "cannot import name
+    'ObstoreStore' from partially initialized module" (seen in a DataLoader worker, issue 22
+    tmpleft). Nothing is opened or started here (obstore's runtime starts at a request)."""
+    if route_of(url, options, _store_options(config)).kind == "obstore":
+        for name in ("obstore.store", "unbroken.common.objstore._obstore"):
+            importlib.import_module(name)
+    else:
+        import fsspec
+
+        importlib.import_module("unbroken.common.objstore._fsspec")
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
+        # its implementation (s3fs, gcsfs, ...); one missing is the first download's to report
+        with contextlib.suppress(ImportError, ValueError):
+            fsspec.get_filesystem_class(protocol)
+
+
+def _store_options(config: CacheConfig) -> StoreOptions:
+    return StoreOptions(
         retries=config.retries,
         backoff_s=config.backoff_s,
         timeout=config.timeout,
@@ -72,7 +100,6 @@ def open_store(url: str, options: dict[str, Any], config: CacheConfig) -> Object
         part_bytes=_PART,
         concurrency=2,
     )
-    return _open_store(url, options, so)
 
 
 def load_remote_manifest(url: str, config: CacheConfig) -> DatasetManifest:

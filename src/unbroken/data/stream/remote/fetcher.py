@@ -3,12 +3,13 @@ unbroken.data.stream.remote.fetcher``, or forked).
 
 Started by the first reader of a :class:`~unbroken.data.stream.remote.cache.RemoteCache` that
 finds none running: forked from it (milliseconds, everything imported; daemonic, gone with
-its parent), or, from a DataLoader worker (which may not fork children), a fresh interpreter
+its parent, whose exit sends it SIGTERM), or, from a DataLoader worker (which may not fork children), a fresh interpreter
 whose state - the pickled cache (manifests, order, config; no torch, no transform) - comes
 over a pipe into its stdin, never through a file others could replace. It holds
 ``<cache_dir>/.fetch/<dataset>.lock`` while it runs, so there is one per node and dataset,
 prefetches for every live reader, fetches first what a reader waits for, and exits 10-12.5 s
-after the last reader is gone. Between those it sleeps on a doorbell the readers ring
+after the last reader is gone (or at SIGTERM), ending its downloads in flight and removing
+what dead downloads left on its way out. Between those it sleeps on a doorbell the readers ring
 (:mod:`unbroken.data.stream.remote.readers`): its CPU follows the readers' progress and the
 downloads, not the wall clock. Downloads run here rather than in the DataLoader workers
 because a worker busy decoding holds the GIL and starves the I/O threads of its own process.
@@ -16,12 +17,15 @@ because a worker busy decoding holds the GIL and starves the I/O threads of its 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from unbroken.common.fs import open_private
@@ -131,13 +135,42 @@ def _serve(cache: RemoteCache, idle_exit: float) -> None:
         return
     bell = Doorbell(cache.fetch_path(".wake"))
     try:
-        cache.events.write("fetcher", state="start")
-        _loop(cache, bell, idle_exit)
+        with _stop_on_sigterm(bell) as stop:
+            try:
+                cache.events.write("fetcher", state="start")
+                _loop(cache, bell, idle_exit, stop)
+                cache.events.write("fetcher", state="stop", sigterm=stop.is_set())
+            finally:
+                cache.leave()  # often the run's last process: nothing of a download stays
     finally:
         bell.close()
 
 
-def _loop(cache: RemoteCache, bell: Doorbell, idle_exit: float) -> None:
+@contextlib.contextmanager
+def _stop_on_sigterm(bell: Doorbell) -> Iterator[threading.Event]:
+    """An event set (and the loop woken) by SIGTERM: how multiprocessing ends a forked
+    fetcher, a daemonic child, when the reader that forked it exits. Dying of it would leave
+    the downloads in flight as they are (a temporary file, a reservation) with nobody to
+    clean them up before the next run; the loop returns instead and
+    :meth:`RemoteCache.leave` ends them. A second SIGTERM ends the process at once."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop  # (serve() run in a thread: only the main thread takes signals)
+        return
+
+    def on_term(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        stop.set()
+        bell.ring()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _loop(cache: RemoteCache, bell: Doorbell, idle_exit: float, stop: threading.Event) -> None:
     """Sleep on the doorbell; on each ring (a reader reached the position written into its
     record, or waits for a unit; a download of ours ended) serve what the readers need now and
     write each one's next wake position. Timed wakes only: a check every ``idle_exit / 4``
@@ -149,7 +182,7 @@ def _loop(cache: RemoteCache, bell: Doorbell, idle_exit: float) -> None:
     tick = idle_exit / 4
     backoff = _RETRY_FIRST
     timed = True  # the first pass plans for every reader
-    while os.path.isdir(cache.cache_dir):
+    while not stop.is_set() and os.path.isdir(cache.cache_dir):
         recs = cache.reader_records()
         now = time.monotonic()
         if recs:

@@ -4,8 +4,9 @@ the budget admits one (evicting others), commits it, or gives its room back.
 A unit is one shard and its index, ``<cache_dir>/<dir>/<name>`` where ``<dir>`` is the first
 16 hex digits of its dataset's fingerprint. Every change is a read-modify-write of the shared
 index (:class:`~unbroken.data.stream.remote.index.SharedIndex`) made while the unit's lock is
-held exclusively; what a dead process left (a reservation, partial files) is cleaned up by the
-next one that finds its lock free.
+held exclusively; what a dead process left (a reservation, partial files, temporaries) is
+cleaned up by the next one that finds its lock free: one reserving room, or one opening the
+cache or leaving it as a fetcher (:meth:`UnitStore.sweep`).
 """
 
 from __future__ import annotations
@@ -246,16 +247,14 @@ class UnitStore:
                 m = load_manifest(local)
             except (OSError, ValueError):
                 continue
-            names = {}
-            for k, s in enumerate(m.shards):
-                names[s.name] = names[s.index] = k
+            names = _unit_of_name(m)
             complete = set()
             for k, s in enumerate(m.shards):
                 if self.complete(self.files(did, k) or []):
                     rows.append((did, k, s.bytes + s.index_bytes, FOUND, 0))
                     complete.add(k)
             for f in os.listdir(local):
-                base = f[len(".tmp-") :].rsplit(".", 1)[0] if is_temp_name(f) else f
+                base = _published_name(f)
                 unit = names.get(base)
                 if unit is None or (f == base and unit in complete):
                     continue
@@ -277,7 +276,37 @@ class UnitStore:
         finally:
             close_fd(fd)
 
-    def _clean_reserved(self, rec: np.ndarray, skip: tuple[int, int]) -> tuple[np.ndarray, bool]:
+    def sweep(self) -> None:
+        """Remove what dead downloads left, wherever no live process holds the unit: their
+        reservations (:meth:`_clean_reserved`) and every temporary of a unit of this
+        process's datasets, whether or not a record names it. Run when a cache is opened and
+        when a fetcher exits: a reservation is otherwise cleaned only by the next
+        :meth:`reserve` of another unit, a temporary without one only by the next download
+        of its unit, and neither may come before the run ends (issue 22: a fetcher ended
+        with its parent left ``.tmp-shard-000006.tar.idx.*`` after the last download of the
+        run)."""
+        with self.index.locked() as (gen, rec):
+            rec, changed = self._clean_reserved(rec, None)
+            if changed:
+                self.index.write(gen + 1, rec)
+        for did, m in self.manifests.items():
+            local = os.path.join(self.cache_dir, dir_name(did))
+            try:
+                names = os.listdir(local)
+            except FileNotFoundError:
+                continue
+            units = _unit_of_name(m)
+            found: dict[int, list[str]] = {}
+            for f in names:
+                unit = units.get(_published_name(f)) if is_temp_name(f) else None
+                if unit is not None:
+                    found.setdefault(unit, []).append(os.path.join(local, f))
+            for unit, paths in sorted(found.items()):
+                self._discard_if_free(did, unit, paths)
+
+    def _clean_reserved(
+        self, rec: np.ndarray, skip: tuple[int, int] | None
+    ) -> tuple[np.ndarray, bool]:
         """Reservations whose downloader died (its unit lock is free): a unit it completed
         is found (verified when first used), anything partial is deleted."""
         changed = False
@@ -291,13 +320,12 @@ class UnitStore:
                 if not try_flock(fd, fcntl.LOCK_EX):
                     continue  # still downloading
                 files = self.files(did, shard) or []
+                # its temporaries whether or not the unit is complete: none is part of it
+                self.unlink([(p, 0) for p in self.temps(did, shard)])
                 if self.complete(files):
                     rec[k, 3], rec[k, 4] = FOUND, 0
                 else:
                     self.unlink(files)
-                    for p in self.temps(did, shard):
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(p)
                     keep[k] = False
                     self.events.write(
                         "discard", dir=dir_name(did), shard=shard, file="partial download"
@@ -306,3 +334,17 @@ class UnitStore:
             finally:
                 close_fd(fd)
         return rec[keep], changed
+
+
+def _unit_of_name(m: DatasetManifest) -> dict[str, int]:
+    """{file name: unit} of a dataset's shards and indexes."""
+    out = {}
+    for k, s in enumerate(m.shards):
+        out[s.name] = out[s.index] = k
+    return out
+
+
+def _published_name(name: str) -> str:
+    """The name a temporary (``.tmp-<name>.<suffix>``, :func:`~unbroken.common.fs.temp_sibling`)
+    is renamed to; any other name as it is."""
+    return name[len(".tmp-") :].rsplit(".", 1)[0] if is_temp_name(name) else name
