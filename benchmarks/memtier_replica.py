@@ -32,15 +32,15 @@ import torch.multiprocessing as tmp_mp
 
 from unbroken.ckpt import Checkpointer, TrainState
 from unbroken.demo.model import TinyGPT
-from unbroken.elastic.rendezvous import free_port
 
 warnings.filterwarnings("ignore", message="torch.distributed is")
 
 
 def _rank(rank: int, world: int, a: dict[str, Any]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a["port"]), UNBROKEN_MEMORY_JUMP="1")
+    os.environ.update(UNBROKEN_MEMORY_JUMP="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a file store: no port picked ahead that another process could take first (EADDRINUSE)
+    dist.init_process_group("gloo", init_method=f"file://{a['rdzv']}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = TinyGPT(96, ctx=32)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -112,7 +112,8 @@ def main() -> None:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        args = {"tmp": tmp, "port": free_port(), "blocks": a.blocks, "block": a.block}
+        rdzv = os.path.join(tempfile.mkdtemp(prefix="rdzv-", dir=tmp), "store")
+        args = {"tmp": tmp, "rdzv": rdzv, "blocks": a.blocks, "block": a.block}
         print(f"load average before: {os.getloadavg()}", file=sys.stderr)
         tmp_mp.start_processes(_rank, args=(2, args), nprocs=2, start_method="spawn", join=True)
         res = []
