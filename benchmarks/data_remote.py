@@ -410,6 +410,10 @@ class TreeCPU:
         with self.lock:
             return sum(self.seen.values())
 
+    def by_pid(self) -> dict[int, float]:
+        with self.lock:
+            return dict(self.seen)
+
 
 def proc_cpu(pid: int) -> float:
     """utime + stime of process ``pid`` (all its threads) in seconds; 0 when it is gone."""
@@ -484,6 +488,10 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
     cpu.stop.set()
     if name == "unbroken":
         events.poll(force=True)
+        keep = os.environ.get("UNBROKEN_BENCH_EVENTS")
+        if keep:  # the whole event log and the per-process CPU, to explain an outlier epoch
+            with open(keep, "w") as f:
+                json.dump({"t_end": t_end, "cpu_by_pid": cpu.by_pid(), "events": events.all()}, f)
         for e, ep in enumerate(epochs):
             ep.update(downloads_by_cause(events.all(), t_end.get(e - 1, 0.0), t_end[e], e))
     out: dict[str, Any] = {"epochs": epochs, "peak_cache_bytes": peak[0]}
@@ -559,6 +567,9 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--rounds", type=int, default=3, help="rounds over the loaders (median)")
     ap.add_argument("--prepare-only", action="store_true", help="make the data, then stop")
+    ap.add_argument(
+        "--events", default=None, help="keep unbroken's cache event log of each round here"
+    )
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--child", nargs=4, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -601,6 +612,9 @@ def main() -> int:
                     "AWS_ENDPOINT_URL": endpoint,
                     "UNBROKEN_BENCH_SERVER_PID": str(srv.pid),
                 }
+                if a.events:
+                    os.makedirs(a.events, exist_ok=True)
+                    env["UNBROKEN_BENCH_EVENTS"] = os.path.join(a.events, f"round{rnd}-{name}.json")
                 r = subprocess.run(
                     [
                         sys.executable,
