@@ -52,7 +52,13 @@ from unbroken.ckpt.schema import check_state
 from unbroken.ckpt.state import TrainState
 from unbroken.ckpt.verify import Verified
 from unbroken.common import memdir
-from unbroken.common.fs import PrivateDirError, open_private, private_dir
+from unbroken.common.fs import (
+    PrivateDirError,
+    close_lock_fd,
+    open_lock_fd,
+    open_private,
+    private_dir,
+)
 from unbroken.common.memdir import ENV
 
 __all__ = [
@@ -333,11 +339,11 @@ class SlotStore:
         if self._lock_fd is not None:
             return
         path = os.path.join(self.rank_dir, "lock")
-        fd = open_private(path, os.O_RDWR | os.O_CREAT)
+        fd = open_lock_fd(path)  # not kept by a DataLoader worker forked from this rank
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
+            close_lock_fd(fd)
             raise TierBusy(
                 f"{self.rank_dir}: another live process publishes into this memory tier "
                 "(its lock is held); stop it, or give this job another directory "
@@ -569,7 +575,7 @@ class SlotStore:
             os.close(fd)
         self._fds.clear()
         if self._lock_fd is not None:
-            os.close(self._lock_fd)
+            close_lock_fd(self._lock_fd)
             self._lock_fd = None
 
     def remove(self) -> None:

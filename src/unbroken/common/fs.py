@@ -12,6 +12,7 @@ import contextlib
 import errno
 import os
 import stat
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import IO, Any
@@ -26,6 +27,7 @@ __all__ = [
     "atomic_write_bytes",
     "checksum_bytes",
     "checksum_file",
+    "close_lock_fd",
     "fsync_dir",
     "ensure_out_dir",
     "hasher",
@@ -33,6 +35,7 @@ __all__ = [
     "is_remote",
     "is_temp_name",
     "local_path",
+    "open_lock_fd",
     "open_private",
     "private_dir",
     "temp_sibling",
@@ -325,3 +328,50 @@ def open_private(path: str, flags: int, *, mode: int = 0o600) -> int:
         os.close(fd)
         raise
     return fd
+
+
+# --- descriptors of lock files: never inherited by a forked child ----------------------------
+
+_LOCK_FDS: set[int] = set()
+_LOCK_FDS_GUARD = threading.Lock()
+
+
+def open_lock_fd(path: str, flags: int = os.O_RDWR | os.O_CREAT) -> int:
+    """:func:`open_private` for a file this process ``flock``-s: the descriptor is closed in
+    any child forked from this process (a DataLoader worker, a forked fetcher) at the fork.
+
+    A ``flock`` belongs to the open file description, which a fork shares with the child: a
+    child's copy keeps the lock, taken before the fork or after it through the parent's
+    descriptor, for as long as the child lives, and every other process waits on it (issue
+    22: a worker forked while a download thread wrote the cache's event log stopped the
+    node's downloads). Opening and recording, and :func:`close_lock_fd`'s closing and
+    forgetting, are one step with respect to fork (a lock taken across it), so no child
+    gets a descriptor between the two."""
+    with _LOCK_FDS_GUARD:
+        fd = open_private(path, flags)
+        _LOCK_FDS.add(fd)
+    return fd
+
+
+def close_lock_fd(fd: int) -> None:
+    """Close a descriptor from :func:`open_lock_fd` (its locks go with it). Nothing in a
+    forked child, where the fork closed it already (the number may name another file now)."""
+    with _LOCK_FDS_GUARD:
+        if fd in _LOCK_FDS:
+            _LOCK_FDS.discard(fd)
+            os.close(fd)
+
+
+def _close_lock_fds_in_child() -> None:
+    for fd in _LOCK_FDS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _LOCK_FDS.clear()
+    _LOCK_FDS_GUARD.release()
+
+
+os.register_at_fork(
+    before=_LOCK_FDS_GUARD.acquire,
+    after_in_parent=_LOCK_FDS_GUARD.release,
+    after_in_child=_close_lock_fds_in_child,
+)

@@ -28,21 +28,14 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import xxhash
 
-from unbroken.common.fs import is_remote, open_private, private_dir
+from unbroken.common.fs import close_lock_fd, is_remote, open_lock_fd, private_dir
 from unbroken.data.manifest import DatasetManifest, join_path
 from unbroken.data.stream.config import CacheConfig, DatasetConfig
 from unbroken.data.stream.order import NEVER, DatasetOrder, EpochPlan
 from unbroken.data.stream.remote import fetch, fetcher, plan
 from unbroken.data.stream.remote.events import EventLog
 from unbroken.data.stream.remote.index import dir_id, dir_name, write_private
-from unbroken.data.stream.remote.locks import (
-    Pin,
-    PinnedShard,
-    UnitLocks,
-    close_fd,
-    open_fd,
-    try_flock,
-)
+from unbroken.data.stream.remote.locks import Pin, PinnedShard, UnitLocks, try_flock
 from unbroken.data.stream.remote.pool import Pool
 from unbroken.data.stream.remote.probe import WaitSlot, sweep_stats
 from unbroken.data.stream.remote.readers import Registration, live_readers, reader_records
@@ -537,7 +530,11 @@ class RemoteCache:
 
     def hold_fetch_lock(self) -> bool:
         """Become this node's fetcher of the dataset (held until this process exits)."""
-        return try_flock(open_fd(self.fetch_lock_path()), fcntl.LOCK_EX)
+        fd = open_lock_fd(self.fetch_lock_path())
+        if try_flock(fd, fcntl.LOCK_EX):
+            return True
+        close_lock_fd(fd)
+        return False
 
     def fetcher_alive(self) -> bool:
         """Whether a fetcher process serves this dataset on this node (it holds its lock);
@@ -548,14 +545,14 @@ class RemoteCache:
             return st.fetcher_up
         st.fetcher_checked = now
         try:
-            fd = open_private(self.fetch_lock_path(), os.O_RDONLY)
+            fd = open_lock_fd(self.fetch_lock_path(), os.O_RDONLY)
         except FileNotFoundError:
             st.fetcher_up = False
         else:
             try:
                 st.fetcher_up = not try_flock(fd, fcntl.LOCK_SH)
             finally:
-                os.close(fd)
+                close_lock_fd(fd)
         if not st.fetcher_up and self.config.fetch_process and now > st.fetcher_spawned + 5.0:
             st.fetcher_spawned = now
             fetcher.spawn(self)
@@ -604,7 +601,7 @@ class RemoteCache:
             )
             return "done"
         finally:
-            close_fd(fd)
+            close_lock_fd(fd)
 
     def _verify_found(self, d: _Dir, shard: int, files: Files) -> bool:
         """Files of a unit found on disk (not downloaded by a verified fetch, or changed

@@ -11,26 +11,48 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import time
 from typing import Any
 
-from unbroken.common.fs import open_private
+from unbroken.common.fs import close_lock_fd, open_lock_fd
 from unbroken.data.stream.remote.index import read_private
+from unbroken.data.stream.remote.locks import try_flock
 
-__all__ = ["EVENTS_MAX", "EventLog", "read_events"]
+__all__ = ["EVENTS_MAX", "LOCK_WAIT_S", "EventLog", "read_events"]
 
 EVENTS_MAX = 32 << 10
 """Bytes of ``.events`` before it is rotated to ``.events.1``."""
+
+LOCK_WAIT_S = 5.0
+"""Seconds a line waits for the log's lock before it is dropped."""
+
+log = logging.getLogger(__name__)
+
+
+def _lock(fd: int) -> bool:
+    """``flock(fd, LOCK_EX)`` within :data:`LOCK_WAIT_S`; whether it was taken."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    nap = 0.0005
+    while not try_flock(fd, fcntl.LOCK_EX):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(nap)
+        nap = min(nap * 2, 0.02)
+    return True
 
 
 class EventLog:
     def __init__(self, cache_dir: str) -> None:
         self.path = os.path.join(cache_dir, ".events")
+        self._dropped = 0
 
     def write(self, kind: str, **fields: Any) -> None:
         """Append one line (one ``O_APPEND`` write: lines of several processes never
-        interleave); rotate first when it would pass :data:`EVENTS_MAX`."""
+        interleave); rotate first when it would pass :data:`EVENTS_MAX`. The log's lock is
+        waited for at most :data:`LOCK_WAIT_S` (a process stopped while writing holds it):
+        the line is dropped then, with one WARNING; a download never waits on its log."""
         line = (
             json.dumps(
                 {"t": round(time.time(), 6), "ev": kind, "pid": os.getpid(), **fields},
@@ -39,9 +61,11 @@ class EventLog:
             + "\n"
         ).encode()
         for _ in range(8):  # another writer rotated it between our open and our lock: again
-            fd = open_private(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+            fd = open_lock_fd(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                if not _lock(fd):
+                    self._drop(kind)
+                    return
                 here = os.fstat(fd)
                 try:
                     now = os.lstat(self.path)
@@ -55,7 +79,17 @@ class EventLog:
                 os.write(fd, line)
                 return
             finally:
-                os.close(fd)
+                close_lock_fd(fd)
+
+    def _drop(self, kind: str) -> None:
+        self._dropped += 1
+        if self._dropped == 1:
+            log.warning(
+                "%s: its lock was held by another process for %g s (one stopped with "
+                "SIGSTOP?); a %r event was not logged (later ones are dropped the same way "
+                "while it lasts, silently)",
+                self.path, LOCK_WAIT_S, kind,
+            )  # fmt: skip
 
     def size(self) -> int:
         """Bytes the log holds now (both files)."""

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from unbroken.common.fs import open_private, temp_sibling
+from unbroken.common.fs import close_lock_fd, open_lock_fd, open_private, temp_sibling
 from unbroken.data.manifest import MAX_MANIFEST_BYTES, DatasetManifest, read_bounded
-from unbroken.data.stream.remote.locks import close_fd, open_fd, try_flock
+from unbroken.data.stream.remote.locks import try_flock
 
 __all__ = [
     "FOUND",
@@ -133,7 +133,7 @@ class _ProcessLock:
     def __init__(self, path: str) -> None:
         self.pid = os.getpid()
         self.rlock = threading.RLock()
-        self.fd = open_fd(path)
+        self.fd = open_lock_fd(path)
         self.depth = 0  # nested holds by the thread that has the rlock: flock once
 
 
@@ -235,9 +235,9 @@ class SharedIndex:
         try:
             if self._gen_fd < 0 or os.fstat(self._gen_fd).st_nlink == 0:
                 if self._gen_fd >= 0:
-                    close_fd(self._gen_fd)
+                    close_lock_fd(self._gen_fd)
                     self._gen_fd = -1
-                self._gen_fd = open_fd(self.path, os.O_RDONLY)
+                self._gen_fd = open_lock_fd(self.path, os.O_RDONLY)
             head = os.pread(self._gen_fd, 16, 0)
         except OSError:
             return 0

@@ -5,8 +5,8 @@
 :class:`Pin`): no unit is fetched twice at once, an open unit is never evicted, and the
 kernel drops the lock of a process that dies. The files are empty; their mtime is the
 heartbeat of a download in progress. Every descriptor opened here is closed in a forked
-child (a DataLoader worker) right after the fork: an inherited lock would otherwise hold the
-unit for as long as the child lives.
+child (a DataLoader worker) at the fork (:func:`~unbroken.common.fs.open_lock_fd`): an
+inherited lock would otherwise hold the unit for as long as the child lives.
 """
 
 from __future__ import annotations
@@ -18,34 +18,9 @@ import threading
 import time
 from typing import Any
 
-from unbroken.common.fs import open_private
+from unbroken.common.fs import close_lock_fd, open_lock_fd
 
-__all__ = ["Pin", "PinnedShard", "UnitLocks", "close_fd", "open_fd", "try_flock"]
-
-_FDS: set[int] = set()
-
-
-def open_fd(path: str, flags: int = os.O_RDWR | os.O_CREAT) -> int:
-    """A lock or registration file (a fixed name: never followed, 0600), closed in a child
-    after a fork."""
-    fd = open_private(path, flags)
-    _FDS.add(fd)
-    return fd
-
-
-def close_fd(fd: int) -> None:
-    _FDS.discard(fd)
-    os.close(fd)
-
-
-def _close_inherited() -> None:
-    for fd in list(_FDS):
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    _FDS.clear()
-
-
-os.register_at_fork(after_in_child=_close_inherited)
+__all__ = ["Pin", "PinnedShard", "UnitLocks", "try_flock"]
 
 
 def try_flock(fd: int, how: int) -> bool:
@@ -72,7 +47,7 @@ class Pin:
             return  # an inherited pin: the fork hook closed the child's copy already
         # LOCK_UN acts on the open file description, for every process sharing it.
         fcntl.flock(fd, fcntl.LOCK_UN)
-        close_fd(fd)
+        close_lock_fd(fd)
 
 
 class PinnedShard:
@@ -111,14 +86,14 @@ class UnitLocks:
         return os.path.join(self.dir, f"{dir_name}-{shard}")
 
     def open(self, dir_name: str, shard: int) -> int:
-        return open_fd(self.path(dir_name, shard))
+        return open_lock_fd(self.path(dir_name, shard))
 
     def pin(self, dir_name: str, shard: int) -> Pin | None:
         """A shared lock on the unit, or None when someone holds it exclusively."""
         fd = self.open(dir_name, shard)
         if try_flock(fd, fcntl.LOCK_SH):
             return Pin(fd)
-        close_fd(fd)
+        close_lock_fd(fd)
         return None
 
     def heartbeat(self, dir_name: str, shard: int) -> int:
@@ -144,7 +119,7 @@ class UnitLocks:
             fd = self.open(dir_name, shard)
             if try_flock(fd, fcntl.LOCK_SH):  # nobody holds it: nothing to wake on
                 fcntl.flock(fd, fcntl.LOCK_UN)
-                close_fd(fd)
+                close_lock_fd(fd)
                 time.sleep(secs)
                 return
             ev = self._wakers[key] = threading.Event()
@@ -158,7 +133,7 @@ class UnitLocks:
                 finally:
                     ev.set()
                     with contextlib.suppress(OSError):
-                        close_fd(fd)
+                        close_lock_fd(fd)
 
             threading.Thread(target=waker, name="unbroken-cache-wake", daemon=True).start()
         if ev.wait(secs):

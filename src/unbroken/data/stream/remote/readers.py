@@ -22,8 +22,8 @@ import struct
 import time
 from typing import Any
 
-from unbroken.common.fs import open_private
-from unbroken.data.stream.remote.locks import open_fd, try_flock
+from unbroken.common.fs import close_lock_fd, open_lock_fd, open_private
+from unbroken.data.stream.remote.locks import try_flock
 
 __all__ = ["Doorbell", "Registration", "live_readers", "reader_records", "ring", "set_wake"]
 
@@ -53,7 +53,7 @@ class Registration:
         if self._fd < 0 or self._pid != os.getpid():
             self._pid = os.getpid()
             self._rung = (-2, -2)
-            self._fd = open_fd(os.path.join(self.path_base, f"{self._pid}-{self.key}"))
+            self._fd = open_lock_fd(os.path.join(self.path_base, f"{self._pid}-{self.key}"))
             fcntl.flock(self._fd, fcntl.LOCK_SH)  # alive while held
             os.pwrite(self._fd, struct.pack("<3q", -1, -1, -1), 32)
         os.pwrite(self._fd, struct.pack("<4q", self.ds_id, epoch, pos, time.monotonic_ns()), 0)
@@ -97,7 +97,7 @@ def reader_records(
     for name in names:
         path = os.path.join(rdir, name)
         try:
-            fd = open_private(path, os.O_RDWR)
+            fd = open_lock_fd(path, os.O_RDWR)
         except OSError:
             continue
         try:
@@ -107,7 +107,7 @@ def reader_records(
                 continue
             raw = os.pread(fd, _RECORD.size, 0)
         finally:
-            os.close(fd)
+            close_lock_fd(fd)
         if len(raw) != _RECORD.size:
             continue
         rid, epoch, pos, beat, want, we, wp = _RECORD.unpack(raw)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from unbroken.common.fs import is_temp_name
+from unbroken.common.fs import close_lock_fd, is_temp_name
 from unbroken.data.manifest import DatasetManifest
 from unbroken.data.stream.remote.events import EventLog
 from unbroken.data.stream.remote.index import (
@@ -32,7 +32,7 @@ from unbroken.data.stream.remote.index import (
     load_manifest,
     stamp,
 )
-from unbroken.data.stream.remote.locks import UnitLocks, close_fd, try_flock
+from unbroken.data.stream.remote.locks import UnitLocks, try_flock
 from unbroken.data.stream.remote.plan import bookkeeping_bytes
 
 __all__ = ["Files", "NextUse", "UnitStore"]
@@ -206,14 +206,14 @@ class UnitStore:
             row = int(ready[j])
             fd = self.locks.open(dir_name(int(rec[row, 0])), int(rec[row, 1]))
             if not try_flock(fd, fcntl.LOCK_EX):
-                close_fd(fd)  # open by a reader (or being evicted): not a candidate
+                close_lock_fd(fd)  # open by a reader (or being evicted): not a candidate
                 continue
             held.append((row, fd))
             freed += int(rec[row, 2])
             if freed >= short:
                 return held
         for _, fd in held:
-            close_fd(fd)
+            close_lock_fd(fd)
         return None
 
     def _evict(self, rec: np.ndarray, victims: list[tuple[int, int]], epoch: int) -> np.ndarray:
@@ -225,7 +225,7 @@ class UnitStore:
             try:
                 self.unlink(self.files(did, shard) or [])
             finally:
-                close_fd(vfd)
+                close_lock_fd(vfd)
             drop[row] = True
             self.events.write(
                 "evict", dir=dir_name(did), shard=shard, bytes=int(rec[row, 2]), epoch=epoch
@@ -274,7 +274,7 @@ class UnitStore:
                     )
             return True
         finally:
-            close_fd(fd)
+            close_lock_fd(fd)
 
     def sweep(self) -> None:
         """Remove what dead downloads left, wherever no live process holds the unit: their
@@ -332,7 +332,7 @@ class UnitStore:
                     )
                 changed = True
             finally:
-                close_fd(fd)
+                close_lock_fd(fd)
         return rec[keep], changed
 
 
