@@ -92,3 +92,27 @@ def test_the_fetchers_doorbell_wakes_it_and_is_never_followed(tmp_path: Any) -> 
         pass
     ring(path)  # a regular file at the name: nothing written
     assert os.path.getsize(path) == 0
+
+
+def test_a_registration_a_scan_removed_is_made_again(tmp_path: Any) -> None:
+    """issue 22 (an epoch 5-7x slower now and then, seen under load with the fetcher's own
+    log): a scan of ``.readers`` removes a record whose lock it can take (a dead reader's).
+    A reader between creating its record and locking it looks dead: its record was removed,
+    and it went on writing position, heartbeat and the unit it waited for into a file
+    nobody saw. The fetcher served only the other worker; this one fetched every unit
+    itself after ``grace_s``. The reader's next register() or touch() makes it again."""
+    from unbroken.data.stream.remote.readers import Registration, reader_records
+
+    os.makedirs(tmp_path / ".readers", mode=0o700)
+    reg = Registration(str(tmp_path), 7, "k", str(tmp_path / "no-bell"))
+    reg.register(0, 5)
+    [(name, *_)] = reader_records(str(tmp_path), 7, 60.0)
+    os.unlink(tmp_path / ".readers" / name)  # what the scan did in that window
+    assert reader_records(str(tmp_path), 7, 60.0) == []
+    reg.touch(want=9)  # waiting for unit 9: the fetcher must see it
+    [(_, e, p, want, _)] = reader_records(str(tmp_path), 7, 60.0)
+    assert (e, p, want) == (0, 5, 9)
+    os.unlink(tmp_path / ".readers" / name)
+    reg.register(0, 6)
+    [(_, e, p, want, _)] = reader_records(str(tmp_path), 7, 60.0)
+    assert (e, p) == (0, 6)

@@ -43,19 +43,41 @@ class Registration:
         self._pid = -1
         self._fd = -1
         self._rung = (-2, -2)  # the fetcher's wake position this reader last rang for
+        self._where = (-1, -1)  # (epoch, position) last registered
+        self._want = -1  # the unit this reader waits for (-1: none)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pid": -1, "_fd": -1, "_rung": (-2, -2)}
+        return {**self.__dict__, "_pid": -1, "_fd": -1, "_rung": (-2, -2), "_want": -1}
+
+    def _ensure(self) -> bool:
+        """Make this process's record when it has none: at first use, after a fork, and
+        when its file was removed. A scan (:func:`reader_records`) removes a record whose
+        lock it can take, taking it for a dead reader's; a reader between creating its file
+        and locking it is one, and it must not go on writing into a file nobody reads
+        (issue 22: the fetcher then served only the other worker, and this one fetched
+        each unit itself after ``grace_s``). Whether the record was made afresh."""
+        if self._fd >= 0 and self._pid == os.getpid():
+            if os.fstat(self._fd).st_nlink:
+                return False
+            close_lock_fd(self._fd)  # removed under us: made again below
+        self._pid = os.getpid()
+        self._rung = (-2, -2)
+        path = os.path.join(self.path_base, f"{self._pid}-{self.key}")
+        while True:
+            fd = open_lock_fd(path)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # alive while held
+            if os.fstat(fd).st_nlink:  # linked once locked: no scan can remove it now
+                break
+            close_lock_fd(fd)
+        os.pwrite(fd, struct.pack("<3q", -1, -1, -1), 32)
+        self._fd = fd
+        return True
 
     def register(self, epoch: int, pos: int) -> None:
         """This reader is at ``pos`` of ``epoch``; rings the fetcher when it has reached the
         position the fetcher asked to hear about (once per such position)."""
-        if self._fd < 0 or self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._rung = (-2, -2)
-            self._fd = open_lock_fd(os.path.join(self.path_base, f"{self._pid}-{self.key}"))
-            fcntl.flock(self._fd, fcntl.LOCK_SH)  # alive while held
-            os.pwrite(self._fd, struct.pack("<3q", -1, -1, -1), 32)
+        self._ensure()
+        self._where = (epoch, pos)
         os.pwrite(self._fd, struct.pack("<4q", self.ds_id, epoch, pos, time.monotonic_ns()), 0)
         raw = os.pread(self._fd, _WAKE.size, _WAKE_AT)
         at = _WAKE.unpack(raw) if len(raw) == _WAKE.size else (-1, -1)
@@ -65,13 +87,19 @@ class Registration:
 
     def touch(self, want: int | None = None) -> None:
         """Heartbeat while waiting; ``want``: the unit this reader waits for (-1: none; a
-        unit rings the fetcher)."""
-        if self._fd >= 0 and self._pid == os.getpid():
-            os.pwrite(self._fd, struct.pack("<q", time.monotonic_ns()), 24)
-            if want is not None:
-                os.pwrite(self._fd, struct.pack("<q", want), 32)
-                if want >= 0:
-                    ring(self.bell)
+        unit rings the fetcher). Nothing before this process's first :meth:`register`."""
+        if self._fd < 0 or self._pid != os.getpid():
+            return
+        if want is not None:
+            self._want = want
+        fresh = self._ensure()
+        if fresh:
+            os.pwrite(self._fd, struct.pack("<3q", self.ds_id, *self._where), 0)
+        os.pwrite(self._fd, struct.pack("<q", time.monotonic_ns()), 24)
+        if want is not None or fresh:
+            os.pwrite(self._fd, struct.pack("<q", self._want), 32)
+            if self._want >= 0:
+                ring(self.bell)
 
     def leave(self) -> None:
         """Stop counting as a reader (epoch -1) until the next :meth:`register`."""
