@@ -56,21 +56,25 @@ class Registration:
         and locking it is one, and it must not go on writing into a file nobody reads
         (issue 22: the fetcher then served only the other worker, and this one fetched
         each unit itself after ``grace_s``). Whether the record was made afresh."""
-        if self._fd >= 0 and self._pid == os.getpid():
-            if os.fstat(self._fd).st_nlink:
-                return False
-            close_lock_fd(self._fd)  # removed under us: made again below
-        self._pid = os.getpid()
-        self._rung = (-2, -2)
-        path = os.path.join(self.path_base, f"{self._pid}-{self.key}")
-        while True:
-            fd = open_lock_fd(path)
-            fcntl.flock(fd, fcntl.LOCK_SH)  # alive while held
-            if os.fstat(fd).st_nlink:  # linked once locked: no scan can remove it now
-                break
-            close_lock_fd(fd)
+        old = self._fd if self._pid == os.getpid() else -1
+        if old >= 0 and os.fstat(old).st_nlink:
+            return False
+        path = os.path.join(self.path_base, f"{os.getpid()}-{self.key}")
+        try:
+            while True:
+                fd = open_lock_fd(path)
+                fcntl.flock(fd, fcntl.LOCK_SH)  # alive while held
+                if os.fstat(fd).st_nlink:  # linked once locked: no scan can remove it now
+                    break
+                close_lock_fd(fd)
+        except OSError:
+            if old < 0:
+                raise  # the first record: the cache directory is not usable
+            return False  # made again later; the cache directory itself is going away
         os.pwrite(fd, struct.pack("<3q", -1, -1, -1), 32)
-        self._fd = fd
+        if old >= 0:
+            close_lock_fd(old)
+        self._pid, self._fd, self._rung = os.getpid(), fd, (-2, -2)
         return True
 
     def register(self, epoch: int, pos: int) -> None:
