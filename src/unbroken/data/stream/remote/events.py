@@ -18,7 +18,7 @@ from typing import Any
 
 from unbroken.common.fs import close_lock_fd, open_lock_fd
 from unbroken.data.stream.remote.index import read_private
-from unbroken.data.stream.remote.locks import try_flock
+from unbroken.data.stream.remote.locks import flock_within
 
 __all__ = ["EVENTS_MAX", "LOCK_WAIT_S", "EventLog", "read_events"]
 
@@ -29,18 +29,6 @@ LOCK_WAIT_S = 5.0
 """Seconds a line waits for the log's lock before it is dropped."""
 
 log = logging.getLogger(__name__)
-
-
-def _lock(fd: int) -> bool:
-    """``flock(fd, LOCK_EX)`` within :data:`LOCK_WAIT_S`; whether it was taken."""
-    deadline = time.monotonic() + LOCK_WAIT_S
-    nap = 0.0005
-    while not try_flock(fd, fcntl.LOCK_EX):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(nap)
-        nap = min(nap * 2, 0.02)
-    return True
 
 
 class EventLog:
@@ -63,7 +51,7 @@ class EventLog:
         for _ in range(8):  # another writer rotated it between our open and our lock: again
             fd = open_lock_fd(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
             try:
-                if not _lock(fd):
+                if not flock_within(fd, fcntl.LOCK_EX, LOCK_WAIT_S):
                     self._drop(kind)
                     return
                 here = os.fstat(fd)

@@ -28,7 +28,7 @@ import xxhash
 
 from unbroken.common.fs import close_lock_fd, open_lock_fd, open_private, temp_sibling
 from unbroken.data.manifest import MAX_MANIFEST_BYTES, DatasetManifest, read_bounded
-from unbroken.data.stream.remote.locks import try_flock
+from unbroken.data.stream.remote.locks import flock_within
 
 __all__ = [
     "FOUND",
@@ -185,17 +185,13 @@ class SharedIndex:
                 f"than {self.timeout:g}s; the cache cannot be updated"
             )
         try:
-            if pl.depth == 0:
-                nap = 0.0005
-                while not try_flock(pl.fd, fcntl.LOCK_EX):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"{self.cache_dir}/.lock: held by another process for more than "
-                            f"{self.timeout:g}s (a reader stopped with SIGSTOP?); the cache "
-                            "cannot be updated"
-                        )
-                    time.sleep(nap)
-                    nap = min(nap * 2, 0.02)
+            left = deadline - time.monotonic()
+            if pl.depth == 0 and not flock_within(pl.fd, fcntl.LOCK_EX, left):
+                raise RuntimeError(
+                    f"{self.cache_dir}/.lock: held by another process for more than "
+                    f"{self.timeout:g}s (a reader stopped with SIGSTOP?); the cache "
+                    "cannot be updated"
+                )
             pl.depth += 1
             try:
                 yield self._read()

@@ -20,7 +20,7 @@ from typing import Any
 
 from unbroken.common.fs import close_lock_fd, open_lock_fd
 
-__all__ = ["Pin", "PinnedShard", "UnitLocks", "try_flock"]
+__all__ = ["Pin", "PinnedShard", "UnitLocks", "flock_within", "try_flock"]
 
 
 def try_flock(fd: int, how: int) -> bool:
@@ -30,6 +30,19 @@ def try_flock(fd: int, how: int) -> bool:
         return True
     except BlockingIOError:
         return False
+
+
+def flock_within(fd: int, how: int, seconds: float) -> bool:
+    """``flock`` waited for at most ``seconds`` (a lock cannot be waited for with a timeout:
+    polled, 0.5 ms doubling to 20 ms); whether it was taken."""
+    deadline = time.monotonic() + seconds
+    nap = 0.0005
+    while not try_flock(fd, how):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(nap)
+        nap = min(nap * 2, 0.02)
+    return True
 
 
 class Pin:
