@@ -338,7 +338,8 @@ _LOCK_FDS_GUARD = threading.Lock()
 
 def open_lock_fd(path: str, flags: int = os.O_RDWR | os.O_CREAT) -> int:
     """:func:`open_private` for a file this process ``flock``-s: the descriptor is closed in
-    any child forked from this process (a DataLoader worker, a forked fetcher) at the fork.
+    any child forked from this process (a DataLoader worker, a forked fetcher) at the fork
+    (T-FORK-LOCK).
 
     A ``flock`` belongs to the open file description, which a fork shares with the child: a
     child's copy keeps the lock, taken before the fork or after it through the parent's
