@@ -25,7 +25,8 @@ dataset's size, 2 DataLoader workers, batches of 256, shuffle on, the same decod
 
 CPU: the loader's whole process tree (the loader process, its DataLoader workers and any
 fetcher process: every process of the child's session, read from ``/proc/<pid>/stat`` every
-50 ms, the largest utime + stime seen per pid), per epoch, and per GB downloaded; the moto
+50 ms, the largest utime + stime seen per pid, less the CPU of the benchmark's own measuring
+threads: this sampler and the cache watcher), per epoch, and per GB downloaded; the moto
 server's CPU per epoch too (it shares the box's cores with the loader).
 
 Per epoch: samples/s over the whole epoch (its first batch included: an epoch that waits for
@@ -381,12 +382,15 @@ class _TarSamples(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
 class TreeCPU:
     """CPU seconds of every process in this session (the loader, its DataLoader workers,
     any fetcher), from ``/proc/<pid>/stat`` every 50 ms: the largest utime + stime seen per
-    pid, so a worker that exited still counts (up to its last 50 ms)."""
+    pid, so a worker that exited still counts (up to its last 50 ms). :meth:`total` leaves
+    out the CPU of the measuring threads themselves (this sampler and the cache watcher,
+    booked into :attr:`own` by the thread that spent it): the measurement is no loader's."""
 
     def __init__(self) -> None:
         self.sid = os.getsid(0)
         self.tick = os.sysconf("SC_CLK_TCK")
         self.seen: dict[int, float] = {}
+        self.own = 0.0
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -409,12 +413,19 @@ class TreeCPU:
 
     def _run(self) -> None:
         while not self.stop.wait(0.05):
+            t0 = time.thread_time()
             self._sample()
+            self.book(time.thread_time() - t0)
+
+    def book(self, secs: float) -> None:
+        """``secs`` of CPU spent measuring (by the calling thread)."""
+        with self.lock:
+            self.own += secs
 
     def total(self) -> float:
         self._sample()
         with self.lock:
-            return sum(self.seen.values())
+            return sum(self.seen.values()) - self.own
 
     def by_pid(self) -> dict[int, float]:
         with self.lock:
@@ -452,11 +463,13 @@ def child(name: str, endpoint: str, limit: int, cache: str) -> dict[str, Any]:
             t0 = time.thread_time()
             peak[0] = max(peak[0], dir_bytes(cache))
             events.poll()
-            stop.wait(max(0.002, WATCH_IDLE * (time.thread_time() - t0)))
+            spent = time.thread_time() - t0
+            cpu.book(spent)
+            stop.wait(max(0.002, WATCH_IDLE * spent))
 
+    cpu = TreeCPU()
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    cpu = TreeCPU()
     ld = make_loader(name, endpoint, cache, limit)
     epochs = []
     t_end: dict[int, float] = {}
