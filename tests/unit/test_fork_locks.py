@@ -11,6 +11,7 @@ open in another thread, keep the child alive, and ask a third process to take th
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import subprocess
@@ -31,14 +32,34 @@ _TAKE = (
 )
 
 
-def _open_in_this_process(path: str) -> bool:
+def _fds_of(path: str) -> int:
+    """How many descriptors of ``path`` this process holds."""
+    n = 0
     for name in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{name}") == path:
-                return True
-        except OSError:
-            continue
-    return False
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{name}") == path
+    return n
+
+
+class _Holder:
+    """Another process holding ``path``'s lock until :meth:`release` (told by a line, not by
+    end-of-file: a forked child may hold a copy of the pipe's write end)."""
+
+    def __init__(self, path: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _TAKE + "sys.stdin.readline()\n", path],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        assert self.proc.stdout.readline() == "taken\n"
+
+    def release(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        self.proc.wait(timeout=60)
 
 
 def _wait(cond: Callable[[], bool], what: str, limit: float = 30.0) -> None:
@@ -58,12 +79,7 @@ class _Child:
         self.pid = os.fork()
         if self.pid == 0:  # the child: no Python-level cleanup, no pytest
             try:
-                n = sum(
-                    1
-                    for name in os.listdir("/proc/self/fd")
-                    if _readlink(f"/proc/self/fd/{name}") == path
-                )
-                os.write(w, str(n).encode())
+                os.write(w, str(_fds_of(path)).encode())
                 os.read(self.go_r, 1)
             finally:
                 os._exit(0)
@@ -76,13 +92,6 @@ class _Child:
         os.waitpid(self.pid, 0)
         os.close(self.go_r)
         os.close(self.go_w)
-
-
-def _readlink(p: str) -> str:
-    try:
-        return os.readlink(p)
-    except OSError:
-        return ""
 
 
 def _another_process_takes(path: str) -> subprocess.CompletedProcess[str]:
@@ -98,24 +107,14 @@ def test_a_worker_forked_while_the_event_log_is_written_holds_no_lock(tmp_path: 
     path = log.path
     # another process holds the log's lock, so this process's writer waits inside write(),
     # the log open, as a download thread did when its parent forked a DataLoader worker
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _TAKE + "sys.stdin.readline()\n", path],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert holder.stdout is not None and holder.stdin is not None
-    assert holder.stdout.readline() == "taken\n"
+    holder = _Holder(path)
     writer = threading.Thread(target=log.write, args=("download",), kwargs={"shard": 7})
     writer.start()
-    _wait(lambda: _open_in_this_process(path), "the writer never opened the log")
+    _wait(lambda: _fds_of(path) > 0, "the writer never opened the log")
     child = _Child(path)
     try:
         assert child.held == 0, "the forked child inherited the event log's descriptor"
-        # (a line, not end-of-file: the child holds a copy of the pipe's write end)
-        holder.stdin.write("go\n")
-        holder.stdin.flush()  # the holder exits, the parent's writer takes the lock and finishes
-        holder.wait(timeout=60)
+        holder.release()  # the parent's writer takes the lock and finishes
         writer.join(timeout=60)
         assert not writer.is_alive()
         # the child still lives; the lock must be free for everyone else
@@ -184,20 +183,11 @@ def test_a_line_waits_for_a_stopped_writer_only_so_long(
     monkeypatch.setattr(events, "LOCK_WAIT_S", 0.3)
     log = EventLog(str(tmp_path))
     log.write("first")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _TAKE + "sys.stdin.readline()\n", log.path],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert holder.stdout is not None and holder.stdin is not None
-    assert holder.stdout.readline() == "taken\n"
+    holder = _Holder(log.path)
     t0 = time.monotonic()
     log.write("dropped")
     assert time.monotonic() - t0 < 30
     assert "was not logged" in caplog.text
-    holder.stdin.write("go\n")
-    holder.stdin.flush()
-    holder.wait(timeout=60)
+    holder.release()
     log.write("after")
     assert [e["ev"] for e in read_events(str(tmp_path))] == ["first", "after"]

@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 class EventLog:
     def __init__(self, cache_dir: str) -> None:
         self.path = os.path.join(cache_dir, ".events")
-        self._dropped = 0
+        self._warned = False  # of a dropped line
 
     def write(self, kind: str, **fields: Any) -> None:
         """Append one line (one ``O_APPEND`` write: lines of several processes never
@@ -70,8 +70,8 @@ class EventLog:
                 close_lock_fd(fd)
 
     def _drop(self, kind: str) -> None:
-        self._dropped += 1
-        if self._dropped == 1:
+        if not self._warned:
+            self._warned = True
             log.warning(
                 "%s: its lock was held by another process for %g s (one stopped with "
                 "SIGSTOP?); a %r event was not logged (later ones are dropped the same way "
