@@ -404,3 +404,43 @@ def test_the_other_slot_is_mapped_and_faulted_in_off_the_loop(tmp_path, monkeypa
     assert snap is not None and snap.step == 2 and snap.path == store.slot_path(1)
     del snap
     ck.close()
+
+
+_DIES = """
+import sys
+sys.path.insert(0, {tests!r})
+from ckptkit import small_state, train
+from unbroken.ckpt import Checkpointer
+st, m, opt = small_state(0)
+ck = Checkpointer({root!r}, st, every_steps=5, memory_every_steps=1, memory_dir={tier!r})
+ck.restore()
+for _ in range(5):
+    train(st, m, opt, 1)
+    ck.maybe_save()
+ck.wait()
+if {fail!r}:
+    raise RuntimeError("a peer's collective failed")  # unhandled: the at-exit flush runs
+"""
+
+
+@pytest.mark.parametrize("fail", [True, False])
+def test_a_process_dying_of_an_exception_keeps_its_slots(tmp_path, fail) -> None:
+    """Memory step 5 == disk step 5. A clean end removes the slots (the disk tier holds as
+    much); an end by an unhandled exception is a crash, whose restart needs them (a survivor
+    of a lost peer keeps its own slots and the replica it holds for the lost rank): the
+    at-exit flush keeps them, as a SIGKILL would."""
+    import subprocess
+    import sys
+
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = _DIES.format(tests=tests, root=root, tier=tier, fail=fail)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == (1 if fail else 0), proc.stderr
+    assert ("a peer's collective failed" in proc.stderr) == fail
+    slots = [os.path.join(tier, "rank-0", f"slot-{i}") for i in range(2)]
+    assert any(os.path.exists(s) for s in slots) == fail, os.listdir(tmp_path)
+    if fail:
+        st, _, _, ck = _ckpt(root, tier, seed=1)
+        assert ck.restore() == 5 and ck.restored_tier == "memory"
+        ck.close()

@@ -118,7 +118,8 @@ class Checkpointer:
             if replica is not None:
                 self._memory.replicate(replica)
         # the slots go when the job ends with the disk tier holding as much (close(), or a
-        # checkpointer dropped without it); a crash leaves them for the restart
+        # checkpointer dropped without it); a crash (a SIGKILL, or an exit on an unhandled
+        # exception: _flush_at_exit) leaves them for the restart
         self._memory_done = (
             weakref.finalize(self, _close_memory, self._memory, self.store)
             if self._memory is not None
@@ -349,6 +350,11 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the in-flight save and pending uploads; re-raise a background error."""
+        self._close(crashed=False)
+
+    def _close(self, *, crashed: bool) -> None:
+        """:meth:`close`; ``crashed``: the process ends on an unhandled exception, so the
+        memory tier is kept for its restart as a SIGKILL would leave it (C-TIERS)."""
         try:
             self.wait()
         finally:
@@ -358,13 +364,14 @@ class Checkpointer:
             if self._uploader is not None:
                 self._uploader.close()
                 self._uploader = None
-            if self._memory_done is not None:
-                self._memory_done()  # once
+            done = self._memory_done.detach() if self._memory_done is not None else None
+            if done is not None:  # once
+                _close_memory(self._memory, self.store, crashed=crashed)  # type: ignore[arg-type]
             self._lock.release()
 
     def _flush_quietly(self) -> None:
         try:
-            self.close()
+            self._close(crashed=_dying_of_an_exception())
         except BaseException as e:  # noqa: BLE001 - at interpreter exit, report and move on
             log.error("checkpoint flush at exit failed: %s", e)
 
@@ -672,9 +679,15 @@ def _open_archive(cfg: ArchiveConfig | None) -> tuple[Any, Any]:
     return archive, BackgroundUploader(archive)
 
 
-def _close_memory(memory: MemoryTier, store: Store) -> None:
+def _close_memory(memory: MemoryTier, store: Store, *, crashed: bool = False) -> None:
     steps = store.steps()
-    memory.close(steps[-1] if steps else None)
+    memory.close(steps[-1] if steps else None, crashed=crashed)
+
+
+def _dying_of_an_exception() -> bool:
+    """At interpreter exit: whether the main thread ended on an unhandled exception (the
+    interpreter sets ``sys.last_exc`` / ``sys.last_value`` as it prints the traceback)."""
+    return any(getattr(sys, n, None) is not None for n in ("last_exc", "last_value"))
 
 
 def _flush_at_exit(ref: weakref.ref[Checkpointer]) -> None:

@@ -975,9 +975,13 @@ class MemoryTier:
             del snap  # the views of the mapping go with it
         return None if got is None else got.text
 
-    def close(self, disk_newest: int | None) -> None:
+    def close(self, disk_newest: int | None, *, crashed: bool = False) -> None:
         """End of the job: the slots are removed when the disk tier holds everything they
-        hold (nothing to lose), else kept for a resume and their place logged."""
+        hold (nothing to lose), else kept for a resume and their place logged. ``crashed``
+        (the process ends on an unhandled exception, e.g. a collective failed with a lost
+        peer): kept whatever the disk holds, as a SIGKILL leaves them: the restart restores
+        from memory, and the replica this rank keeps may be a lost node's only copy in
+        memory."""
         try:
             self.wait()
         finally:
@@ -987,6 +991,13 @@ class MemoryTier:
             if self.replica is not None:  # after the last completion: its round is offered
                 self.replica.close()
             self.store.close()
+        if crashed:
+            log.info(
+                "memory tier kept at %s for the restart: the process ends on an unhandled "
+                "exception (this process published step %s; the disk tier's newest: %s)",
+                self.store.rank_dir, self.published, disk_newest,
+            )  # fmt: skip
+            return
         if self.published is not None and (disk_newest is None or disk_newest < self.published):
             log.info(
                 "memory tier kept at %s: it holds step %d, newer than the disk tier's %s",
