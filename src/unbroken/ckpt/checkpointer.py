@@ -365,8 +365,9 @@ class Checkpointer:
                 self._uploader.close()
                 self._uploader = None
             done = self._memory_done.detach() if self._memory_done is not None else None
-            if done is not None:  # once
-                _close_memory(self._memory, self.store, crashed=crashed)  # type: ignore[arg-type]
+            if done is not None:  # once: the finalizer's own call, told how the process ends
+                _, close_memory, args, _ = done
+                close_memory(*args, crashed=crashed)
             self._lock.release()
 
     def _flush_quietly(self) -> None:
