@@ -51,11 +51,11 @@ class Registration:
 
     def _ensure(self) -> bool:
         """Make this process's record when it has none: at first use, after a fork, and
-        when its file was removed (D-NODE-READERS). A scan (:func:`reader_records`) removes a record whose
-        lock it can take, taking it for a dead reader's; a reader between creating its file
-        and locking it is one, and it must not go on writing into a file nobody reads
-        (issue 22: the fetcher then served only the other worker, and this one fetched
-        each unit itself after ``grace_s``). Whether the record was made afresh."""
+        when its file was removed (D-NODE-READERS). A scan (:func:`reader_records`) removes
+        a record whose lock it can take, taking it for a dead reader's; a reader between
+        creating its file and locking it is one, and it must not go on writing into a file
+        nobody reads (issue 22: the fetcher then served only the other worker, and this one
+        fetched each unit itself after ``grace_s``). Whether the record was made afresh."""
         old = self._fd if self._pid == os.getpid() else -1
         if old >= 0 and os.fstat(old).st_nlink:
             return False
