@@ -9,6 +9,7 @@ signatures), so nothing here trusts the client under test to verify itself.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import signal
@@ -728,29 +729,67 @@ def _local(tmp_path: Any, data: bytes) -> str:
     return str(p)
 
 
-@pytest.mark.parametrize("route", ["http", "s3-fsspec"])
-def test_throttling_and_a_truncated_body_are_retried_on_every_route(
-    endpoint: str, bucket: str, tmp_path: Any, route: str
+# Where each route's objects lie under a static Range server's root, and the URL that reaches
+# them: GCS's XML path is /<bucket>/<object>; Azure's emulator mode (Azurite's well-known account)
+# is /devstoreaccount1/<container>/<blob>.
+_STATIC = {
+    "http": ("", None),
+    "gs": ("bkt", "gs://bkt/ds"),
+    "az": ("devstoreaccount1/ctr", "az://ctr/ds"),
+}
+
+
+@pytest.mark.parametrize("route", ["http", "gs", "az", "s3-fsspec"])
+def test_every_route_retries_throttling_and_truncation_and_refuses_missing_and_long_objects(
+    endpoint: str,
+    bucket: str,
+    tmp_path: Any,
+    route: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """issue 22 "How to show it" (every scheme's error path): besides S3 on obstore (the
-    tests above), an ``http://`` URL (obstore's HTTP store) and S3 through fsspec (s3fs):
-    503 throttling and a body cut short are answered with retries (the proxy counts them),
-    a store that keeps refusing is a RemoteStorageError naming the URL, no file left."""
+    tests above), an ``http://`` URL (obstore's HTTP store), ``gs://`` (obstore's GCS store,
+    pointed at the server by a service-account file's ``gcs_base_url``, as object_store's own
+    tests do), ``az://`` (obstore's Azure store in emulator mode) and S3 through fsspec
+    (s3fs): 503 throttling and a body cut short are answered with retries (the proxy counts
+    them); a missing object is FileNotFoundError and an object longer than recorded is
+    refused, each naming the URL; a store that keeps refusing is a RemoteStorageError naming
+    the URL; no file is left but the good ones."""
     data = os.urandom(3 * MiB + 11)
     digest = checksum_bytes(data)
     out = tmp_path / "out"
     out.mkdir()
+    objects = {"obj": data, "long": data + b"x" * 100}
     with contextlib.ExitStack() as stack:
-        if route == "http":
-            (tmp_path / "www" / "ds").mkdir(parents=True)
-            (tmp_path / "www" / "ds" / "obj").write_bytes(data)
-            upstream = stack.enter_context(RangeHTTPServer(str(tmp_path / "www"))).url
-        else:
-            _plant(endpoint, bucket, "obj", data)
+        if route == "s3-fsspec":
+            for key, body in objects.items():
+                _plant(endpoint, bucket, key, body)
             upstream = endpoint
+        else:
+            root = tmp_path / "www" / _STATIC[route][0] / "ds"
+            root.mkdir(parents=True)
+            for key, body in objects.items():
+                (root / key).write_bytes(body)
+            upstream = stack.enter_context(RangeHTTPServer(str(tmp_path / "www"))).url
         proxy = stack.enter_context(FaultProxy(upstream))
+        so: dict[str, Any] | None = None
+        opts = OPTS
         if route == "http":
-            url, so, opts = f"{proxy.endpoint}/ds", None, OPTS
+            url = f"{proxy.endpoint}/ds"
+        elif route == "gs":
+            url = str(_STATIC[route][1])
+            sa = tmp_path / "service-account.json"
+            sa.write_text(
+                json.dumps(
+                    {"gcs_base_url": proxy.endpoint, "disable_oauth": True}
+                    | dict.fromkeys(("client_email", "private_key", "private_key_id"), "")
+                )
+            )
+            so = {"token": str(sa)}
+        elif route == "az":
+            url = str(_STATIC[route][1])
+            monkeypatch.setenv("AZURE_STORAGE_USE_EMULATOR", "true")
+            monkeypatch.setenv("AZURITE_BLOB_STORAGE_URL", proxy.endpoint)
         else:
             url = f"s3://{bucket}/ds"
             so = {
@@ -760,13 +799,17 @@ def test_throttling_and_a_truncated_body_are_retried_on_every_route(
             }
             opts = StoreOptions(**{**OPTS.__dict__, "client": "fsspec"})
         store = open_store(url, so, opts)
-        assert store.kind == ("obstore" if route == "http" else "fsspec")
+        assert store.kind == ("fsspec" if route == "s3-fsspec" else "obstore")
         for i, fault in enumerate((Fault("503", 2), Fault("truncate", 1))):
             proxy.faults.append(fault)
             n0 = len(_gets(proxy))
             store.get_file("obj", str(out / f"ok{i}"), size=len(data), checksum=digest)
             assert (out / f"ok{i}").read_bytes() == data
             assert fault.hits == fault.times and len(_gets(proxy)) - n0 > fault.times
+        with pytest.raises(FileNotFoundError, match=f"{url}/nope"):
+            store.get_file("nope", str(out / "nope"), size=len(data), checksum=digest)
+        with pytest.raises(ObjectMismatch, match=f"{url}/long: .*longer than"):
+            store.get_file("long", str(out / "long"), size=len(data), checksum=digest)
         proxy.faults.append(Fault("503", 1000))
         with pytest.raises(
             RemoteStorageError, match=f"{url}/obj: .*(503|reduce your request rate)"

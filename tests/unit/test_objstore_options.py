@@ -107,7 +107,7 @@ def test_botocore_profiles_go_to_fsspec_unless_keys_are_given(
     assert route_of("s3://b").kind == "obstore"  # instance / web-identity credentials
 
 
-def test_gcs_azure_http_mapping(tmp_path: Any) -> None:
+def test_gcs_azure_http_mapping(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     sa = tmp_path / "sa.json"
     sa.write_text("{}")
     assert route_of("gs://b/x", {"token": str(sa), "project": "p"}).config == {
@@ -115,6 +115,14 @@ def test_gcs_azure_http_mapping(tmp_path: Any) -> None:
     }
     assert route_of("gs://b", {"token": "anon"}).config == {"skip_signature": True}
     assert route_of("gs://b", {"token": "google_default"}).kind == "fsspec"
+    assert "allow_http" not in route_of("gs://b", {"token": str(sa)}).client
+    emu = tmp_path / "emulator.json"  # object_store's test credentials: a local endpoint
+    emu.write_text('{"gcs_base_url": "http://127.0.0.1:4443", "disable_oauth": true}')
+    assert route_of("gs://b", {"token": str(emu)}).client["allow_http"] is True
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(emu))
+    assert route_of("gs://b").client["allow_http"] is True
+    emu.write_bytes(b"\xff not json")  # obstore's to report, not ours to crash on
+    assert "allow_http" not in route_of("gs://b").client
     az = route_of("az://c/x", {"account_name": "acc", "account_key": "k", "sas_token": "s"})
     assert az.config == {"account_name": "acc", "account_key": "k", "sas_key": "s"}
     assert route_of("az://c", {"connection_string": "x"}).kind == "fsspec"

@@ -8,8 +8,10 @@ Which path a URL takes (:func:`plan_route`):
   ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``/``AWS_DEFAULT_REGION``,
   ``AWS_ENDPOINT_URL``, web identity, container and instance credentials;
   ``GOOGLE_APPLICATION_CREDENTIALS``/``GOOGLE_SERVICE_ACCOUNT``; ``AZURE_STORAGE_ACCOUNT_NAME``,
-  ``AZURE_STORAGE_ACCOUNT_KEY``, ...) and from ``storage_options`` written for s3fs / gcsfs /
-  adlfs (:data:`S3FS_KEYS` lists what maps where);
+  ``AZURE_STORAGE_ACCOUNT_KEY``, ``AZURE_STORAGE_USE_EMULATOR``, ...) and from
+  ``storage_options`` written for s3fs / gcsfs / adlfs (:data:`S3FS_KEYS` lists what maps
+  where); plain HTTP only where the user named an ``http://`` endpoint (S3's
+  ``endpoint_url``, a service-account file's ``gcs_base_url``, Azure's emulator);
 * fsspec for every other scheme, and for any ``storage_options`` key obstore has no
   equivalent for (``profile``, ``s3_additional_kwargs``, ...), and for S3 when credentials
   live only in a botocore profile (``AWS_PROFILE`` or ``~/.aws/credentials``, which obstore
@@ -20,6 +22,7 @@ Which path a URL takes (:func:`plan_route`):
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -214,13 +217,30 @@ def _gcs(so: dict[str, Any], client: dict[str, Any], retry: dict[str, Any]) -> R
     token = so.pop("token", None)
     if so:
         return _fsspec(f"gcsfs storage_options {sorted(so)} have no obstore equivalent")
-    if token is None:
-        return Route("obstore", {}, client, retry)
     if token == "anon":
         return Route("obstore", {"skip_signature": True}, client, retry)
-    if isinstance(token, str) and os.path.isfile(token):
-        return Route("obstore", {"service_account": token}, client, retry)
-    return _fsspec("gcsfs token other than a service-account file or 'anon'")
+    if token is not None and not (isinstance(token, str) and os.path.isfile(token)):
+        return _fsspec("gcsfs token other than a service-account file or 'anon'")
+    env = os.environ.get("GOOGLE_SERVICE_ACCOUNT") or os.environ.get(
+        "GOOGLE_APPLICATION_CREDENTIALS"
+    )
+    if _plain_http_base(token or env):  # the user named a plain-HTTP endpoint: allow it
+        client["allow_http"] = True
+    return Route("obstore", {} if token is None else {"service_account": token}, client, retry)
+
+
+def _plain_http_base(service_account: str | None) -> bool:
+    """The service-account file names a plain-HTTP ``gcs_base_url`` (a local emulator, as
+    object_store's own tests use). A file that is not readable JSON is obstore's to report."""
+    if not service_account:
+        return False
+    try:
+        with open(service_account, "rb") as f:
+            doc = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return False
+    base = doc.get("gcs_base_url") if isinstance(doc, dict) else None
+    return isinstance(base, str) and base.startswith("http://")
 
 
 def _azure(so: dict[str, Any], client: dict[str, Any], retry: dict[str, Any]) -> Route:
