@@ -58,6 +58,10 @@ WORKER = textwrap.dedent("""
         inner()
     if what == "sleep":
         time.sleep(60)
+    if what == "errfile":  # the @record error file, as torch writes it (in place), then fail
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            f.write(sys.argv[2])
+        sys.exit(1)
 """)
 
 
@@ -576,3 +580,26 @@ def test_only_torchruns_own_closing_line_names_a_stopped_worker(tmp_path):
     agent.proc.wait(timeout=60)
     agent.close()
     assert set(agent.closing) == {111}, agent.console()
+
+
+@pytest.mark.parametrize("served", [True, False], ids=["forked", "fresh interpreter"])
+def test_only_a_whole_error_file_reaches_torchrun(tmp_path, agent, served):
+    """torchrun parses a failed rank's ``@record`` error file and dies of a JSONDecodeError
+    when it is empty or cut short (torch writes it in place; a worker stopped mid-write
+    leaves it so): the kept agent of ``--no-standby`` was lost that way. The launcher hands
+    torchrun the worker's file once the worker has ended, and only when it is whole."""
+    whole = json.dumps({"message": {"message": "boom", "extraInfo": {"py_callstack": "tb"}}})
+    for i, (written, handed) in enumerate([(whole, True), ("", False), (whole[:20], False)]):
+        d = tmp_path / str(i)
+        d.mkdir()
+        target = d / "error.json"
+        zygote = agent[0] if served else None
+        r = Run(d, zygote, "errfile", written, TORCHELASTIC_ERROR_FILE=str(target))
+        assert r.wait() == 1
+        assert r.exits()[0]["via"] == ("zygote" if served else "spawn")
+        assert sorted(os.listdir(d / "cwd")) == [] and not (d / "error.json.worker").exists()
+        if handed:
+            assert target.read_text() == whole
+        else:
+            assert not target.exists()
+            assert "is not a whole JSON object" in r.err.read_text()

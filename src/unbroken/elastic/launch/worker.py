@@ -14,7 +14,14 @@ so it is up in milliseconds. It
    (rank, worker pid, exit code or signal, whether it had been told to stop, ``via``),
    which tells the supervisor at once whether a rank *failed* or was stopped;
 4. exits the way the worker did (same code, or the same signal), so torchrun's view and its
-   failure summary are unchanged.
+   failure summary are unchanged;
+5. hands torchrun the worker's ``@record`` error file only when it is whole: the worker
+   writes it to a side path (``TORCHELASTIC_ERROR_FILE`` + ``.worker``), and this launcher
+   moves it into place once the worker has ended, or drops it when it is not a JSON object.
+   torch writes that file in place, unguarded, and its agent parses it when the rank exits:
+   a worker stopped while writing it (a SIGTERM from the agent as a peer died, a SIGKILL)
+   left an empty file, and the agent died of the JSONDecodeError instead of restarting the
+   workers (seen as a kept agent lost, issue 23's cold path).
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ uid) and the key it asks of every request (64 hex digits, see ``forkserver``).""
 _FORWARD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 _STOPS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 _MAX_ANSWER = 4096
+ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+_SIDE = ".worker"
+_MAX_ERROR_FILE = 4 << 20  # a traceback and a message; torch writes far less
 
 _child: int | None = None
 """The worker's pid as reported (signals go only to :data:`_worker`, proven ours)."""
@@ -309,6 +319,47 @@ def _append(path: str, line: bytes) -> None:
         os.close(fd)
 
 
+def _error_file_aside() -> str | None:
+    """Point the worker's ``@record`` error file at its side path; the path torchrun reads."""
+    path = os.environ.get(ENV_ERROR_FILE)
+    if path:
+        os.environ[ENV_ERROR_FILE] = path + _SIDE
+    return path or None
+
+
+def _hand_over_error_file(path: str) -> None:
+    """Move the worker's error file to ``path`` if it is a JSON object, else remove it."""
+    side = path + _SIDE
+    try:
+        fd = os.open(side, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return  # none written (or not a file we would follow)
+    data = b""
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            while len(data) <= _MAX_ERROR_FILE and (chunk := os.read(fd, 1 << 20)):
+                data += chunk
+    except OSError:
+        data = b""
+    finally:
+        os.close(fd)
+    try:
+        whole = len(data) <= _MAX_ERROR_FILE and isinstance(json.loads(data), dict)
+    except (ValueError, RecursionError):
+        whole = False
+    try:
+        if whole:
+            os.replace(side, path)
+            return
+        os.unlink(side)
+    except OSError:
+        return
+    _say(
+        f"the worker's error file {side} is not a whole JSON object ({len(data)} bytes: cut "
+        "short as the worker was stopped, most likely); removed, torchrun reports the exit alone"
+    )
+
+
 def main(args: list[str]) -> None:
     exec_ = args[:1] == ["--exec"]
     module = args[:1] == ["-m"]
@@ -318,6 +369,7 @@ def main(args: list[str]) -> None:
         os._exit(2)
     for s in _FORWARD:
         signal.signal(s, _on_signal)
+    error_file = _error_file_aside()
     zygote = os.environ.get(ENV_ZYGOTE)
     status = None
     via = "spawn"
@@ -327,6 +379,8 @@ def main(args: list[str]) -> None:
     if status is None:
         via = "spawn"
         status = _spawn(argv, module, exec_)
+    if error_file:
+        _hand_over_error_file(error_file)
     code = _record(status, via)
     sys.stdout.flush()
     sys.stderr.flush()
