@@ -29,6 +29,7 @@ from unbroken.ckpt.memtier import (
     TierBusy,
     _pack,
     default_dir,
+    payload_digest,
 )
 from unbroken.ckpt.save import encode
 from unbroken.common.fs import PrivateDirError
@@ -119,6 +120,69 @@ def test_bit_flip_falls_back_to_the_other_slot_then_to_none(tier: str, where: st
     assert snap is None and sorted(b.reason for b in bad) == ["checksum", "checksum"]
 
 
+def test_the_payload_digest_is_a_digest_of_part_digests_and_catches_a_flip_in_any_part(
+    tier: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slot format 2: the payload's digest is the xxh3-128 of the xxh3-128 of every
+    DIGEST_PART bytes (hashed in threads; the same whatever the thread count). Parts made
+    small here so the test state spans many: a flipped byte in any part, the last one's
+    end included, fails the slot."""
+    import xxhash
+
+    from unbroken.ckpt import memtier
+
+    monkeypatch.setattr(memtier, "DIGEST_PART", 4096)
+    data = os.urandom(5 * 4096 + 17)
+    by_hand = xxhash.xxh3_128_digest(
+        b"".join(xxhash.xxh3_128_digest(data[a : a + 4096]) for a in range(0, len(data), 4096))
+    )
+    assert payload_digest(memoryview(data)) == by_hand
+    assert payload_digest(memoryview(data[:100])) == xxhash.xxh3_128_digest(
+        xxhash.xxh3_128_digest(data[:100])
+    )
+    st = _state()
+    store = SlotStore(tier, rank=0)
+    older = _publish(store, st, 1)
+    newer = _publish(store, st, 2)
+    size = os.path.getsize(newer)
+    assert size - HEADER_BYTES > 4 * 4096  # several parts
+    for at in (HEADER_BYTES + 4096 + 1, HEADER_BYTES + 2 * 4096 - 1, size - 1):
+        flip(newer, at)
+        snap, bad = SlotStore(tier, rank=0).newest()
+        assert snap is not None and snap.step == 1 and [b.reason for b in bad] == ["checksum"]
+        flip(newer, at)  # back
+    snap, _ = SlotStore(tier, rank=0).newest()
+    assert snap is not None and snap.step == 2 and older != newer
+
+
+def test_a_format_1_slot_is_refused_by_its_version_and_the_other_slot_used(tier: str) -> None:
+    """A slot a format-1 publisher left (one xxh3 stream over the payload) is not read
+    as format 2: its version names it, and the restore takes the other slot or disk."""
+    import struct
+
+    import xxhash
+
+    from unbroken.ckpt import memtier
+
+    st = _state()
+    store = SlotStore(tier, rank=0)
+    _publish(store, st, 1)
+    newer = _publish(store, st, 2)
+    with open(newer, "rb") as f:
+        raw = f.read()
+    (meta_len,) = struct.unpack_from("<I", raw, 12)
+    meta = raw[memtier._HEAD.size : memtier._HEAD.size + meta_len]
+    payload = raw[HEADER_BYTES:]
+    fields = (memtier.MAGIC, 1, meta_len, 2, 9, len(payload), xxhash.xxh3_128_digest(payload))
+    body = memtier._HEAD.pack(*fields, 0)[:-8] + meta
+    head = memtier._HEAD.pack(*fields, xxhash.xxh3_64_intdigest(body)) + meta
+    with open(newer, "r+b") as f:
+        f.write(head)
+    snap, bad = SlotStore(tier, rank=0).newest()
+    assert snap is not None and snap.step == 1
+    assert [(b.reason, "format version 1" in str(b)) for b in bad] == [("bad-header", True)]
+
+
 def test_truncated_or_grown_slot_is_torn(tier: str) -> None:
     st = _state()
     store = SlotStore(tier, rank=0)
@@ -148,9 +212,7 @@ def test_after_a_fallback_the_next_publish_keeps_the_good_slot(tier: str) -> Non
 
 def _forge(path: str, payload: bytes, *, step: int = 9, gen: int = 99, meta: bytes = b"{}") -> None:
     """A crafted slot: a correct header (checksums recomputed) over ``payload``."""
-    import xxhash
-
-    head = _pack(step, gen, len(payload), xxhash.xxh3_128_digest(payload), meta)
+    head = _pack(step, gen, len(payload), payload_digest(memoryview(payload)), meta)
     with open(path, "wb") as f:
         f.write(head + bytes(HEADER_BYTES - len(head)) + payload)
     os.chmod(path, 0o600)

@@ -77,9 +77,15 @@ log = logging.getLogger(__name__)
 
 
 MAGIC = b"UBSLOT\r\n"
-VERSION = 1
-# magic, version, meta length, step, generation, payload length, payload xxh3-128, header xxh3-64
+VERSION = 2
+# magic, version, meta length, step, generation, payload length, payload digest, header xxh3-64
 _HEAD = struct.Struct("<8sIIqqQ16sQ")
+DIGEST_PART = 64 << 20
+"""The payload's digest (format 2) is the xxh3-128 of the xxh3-128s of its consecutive
+``DIGEST_PART``-byte parts, which hash in parallel: a 2.06 GiB slot in one xxh3 stream over its
+tmpfs mapping took 0.29 s, in two threads 0.16 s (format 1 was the one stream). The digest
+depends on the bytes only, never on how many threads computed it."""
+_DIGEST_THREADS = 2
 HEADER_BYTES = 64 << 10
 """Bytes reserved at the start of a slot for the header and its meta JSON."""
 _MAX_META = HEADER_BYTES - _HEAD.size
@@ -151,6 +157,32 @@ def _pad(n: int) -> int:
 _HEADER_ZEROS = memoryview(bytes(HEADER_BYTES))
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 _SPACES = b" " * 65536
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _digest_pool() -> ThreadPoolExecutor:
+    """This process's hashing threads (a forked child makes its own: the parent's threads
+    are not in it)."""
+    global _pool
+    if _pool is None or _pool[0] != os.getpid():
+        _pool = (os.getpid(), ThreadPoolExecutor(_DIGEST_THREADS, "unbroken-slot-hash"))
+    return _pool[1]
+
+
+def payload_digest(payload: memoryview) -> bytes:
+    """A slot payload's digest (see :data:`DIGEST_PART`); xxh3 releases the GIL."""
+    parts = [payload[a : a + DIGEST_PART] for a in range(0, len(payload), DIGEST_PART)]
+    try:
+        if len(parts) > 1:
+            digests = list(_digest_pool().map(xxhash.xxh3_128_digest, parts))
+        else:
+            digests = [xxhash.xxh3_128_digest(payload)]
+        return xxhash.xxh3_128_digest(b"".join(digests))
+    finally:
+        for p in parts:
+            p.release()
 
 
 def _dumps(obj: Any) -> bytes:
@@ -272,9 +304,9 @@ class _Mapped:
             torch._foreach_copy_(self.views, tensors)
 
     def digest(self) -> bytes:
-        """The payload's xxh3-128 (one call: the GIL is released while it hashes)."""
-        with memoryview(self.mm) as whole:
-            return xxhash.xxh3_128_digest(whole[HEADER_BYTES:])
+        """The payload's digest (:func:`payload_digest`)."""
+        with memoryview(self.mm) as whole, whole[HEADER_BYTES:] as payload:
+            return payload_digest(payload)
 
     def close(self) -> None:
         self.views.clear()  # the views export the mapping's buffer
@@ -637,7 +669,7 @@ def _read_slot(fd: int, path: str) -> MemorySnapshot:
     mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     payload = memoryview(mm)[HEADER_BYTES:]
     try:
-        if xxhash.xxh3_128_digest(payload) != head.digest:
+        if payload_digest(payload) != head.digest:
             raise SlotDamaged(path, "checksum", "payload checksum mismatch (torn or bit rot)")
         if len(payload) < 8:
             raise SlotDamaged(path, "bad-payload", "no key table")

@@ -11,7 +11,7 @@ runs the same rounds (one per publish, on every rank), so each round pairs a sen
 receive; a thread that fell behind sends nothing in its stale rounds, only its newest slot.
 
 The receiver invalidates the replica's header first, receives the payload into the file,
-verifies the header and the payload's xxh3-128 (the sender's slot must have been complete and
+verifies the header and the payload's digest (the sender's slot must have been complete and
 unchanged while it was sent) and writes the header last: a node lost mid-transfer, or a slot
 overwritten under the sender, leaves no replica, never a wrong one. Any failure of the peer
 (gone, a protocol fault, tmpfs full) stops replicating with one WARNING until the next
@@ -42,10 +42,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 
 from unbroken.ckpt.collectives import Comm
-from unbroken.ckpt.memtier import HEADER_BYTES, SLOTS, SlotDamaged, SlotStore, _read_head
+from unbroken.ckpt.memtier import (
+    HEADER_BYTES,
+    SLOTS,
+    SlotDamaged,
+    SlotStore,
+    _read_head,
+    payload_digest,
+)
 from unbroken.common.fs import PrivateDirError, open_private
 
 __all__ = ["JUMP_ENV", "PREFIX", "PeerReplica", "jump"]
@@ -147,8 +153,8 @@ def receive_slot(
             del body
             raw = head_buf.numpy().tobytes()
             head = _head_of(raw, path, size)
-            with memoryview(mm) as whole:
-                if xxhash.xxh3_128_digest(whole[HEADER_BYTES:]) != head.digest:
+            with memoryview(mm) as whole, whole[HEADER_BYTES:] as payload:
+                if payload_digest(payload) != head.digest:
                     raise SlotDamaged(path, "checksum", "payload checksum mismatch in transfer")
         other = [k for k, v in expect.items() if head.meta.get(k) != v]
         if other:
