@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from unbroken import MetricLog, global_ids
 from unbroken.ckpt import Checkpointer, TrainState
 from unbroken.data import StatefulLoader, StreamingDataset
-from unbroken.elastic import beat
+from unbroken.elastic import beat, finishing
 
 
 class CharLSTM(torch.nn.Module):
@@ -76,6 +76,7 @@ def main() -> None:
                 print(f"step {state.step} loss {loss.item():.4f}", flush=True)
             if state.step == a.steps:
                 break
+    finishing()  # the final save and exit get --shutdown-timeout, not --hang-timeout
     ckpt.close()
     if rank == 0:
         torch.save(model.module.state_dict(), os.path.join(a.out, "model.pt"))

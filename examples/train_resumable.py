@@ -16,7 +16,7 @@ import torch
 from unbroken import MetricLog
 from unbroken.ckpt import Checkpointer, TrainState
 from unbroken.data import DevicePrefetcher, StatefulLoader, StreamingDataset, pack
-from unbroken.elastic import beat
+from unbroken.elastic import beat, finishing
 
 
 def decode(sample: dict) -> torch.Tensor:  # runs in the loader's worker processes
@@ -69,6 +69,7 @@ def main(run: str, steps: int = 300) -> None:
             beat(state.step)
             if state.step >= steps:
                 break
+    finishing()  # the final save and exit get --shutdown-timeout, not --hang-timeout
     ckpt.close()
     print(f"done at step {state.step}; loss {loss.item():.4f}")
 

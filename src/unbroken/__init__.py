@@ -26,6 +26,7 @@ _LAZY = {
     "DevicePrefetcher": "unbroken.data",
     "StepTimer": "unbroken.data",
     "beat": "unbroken.elastic",
+    "finishing": "unbroken.elastic",
 }
 
 
@@ -42,7 +43,7 @@ if TYPE_CHECKING:  # the type checker sees what __getattr__ resolves at run time
         StepTimer,
         StreamingDataset,
     )
-    from unbroken.elastic import beat
+    from unbroken.elastic import beat, finishing
 
 
 __all__ = [
@@ -60,4 +61,5 @@ __all__ = [
     "DevicePrefetcher",
     "StepTimer",
     "beat",
+    "finishing",
 ]

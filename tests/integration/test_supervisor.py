@@ -389,6 +389,28 @@ def test_sigstop_worker_is_a_hang_with_stack_dumps(tmp_path):
     _assert_nothing_left(job)
 
 
+def test_ranks_that_said_their_loop_ended_are_not_hung_while_they_save_and_exit(tmp_path):
+    """After the last step the ranks call ``finishing()`` and take more than twice the hang
+    timeout to exit (a final save, a slow teardown): no hang, no restart; the finish timeout
+    is ``--shutdown-timeout``. Before, the node-loss drill's ranks were declared hung 4 s
+    after their last beat while they tore down, and the stack-dump request killed them."""
+    hang_s, steps = 5.0, 4
+    with h.jobs() as start:
+        job = start(
+            str(tmp_path / "run"),
+            ["--nproc-per-node", "2", "--hang-timeout", str(hang_s), "--shutdown-timeout", "60"],
+            _script_args(tmp_path, steps, save_every=2, final_wait=2.2 * hang_s),
+        )
+        assert job.wait(120) == 0, job.output()[-3000:]
+    assert job.events("hang") == [] and job.events("failure") == [], job.output()[-3000:]
+    assert [e["attempt"] for e in job.events("launch")] == [0]
+    beats = job.beats(0)
+    assert len(beats) == 2 and all(b.step == steps and b.finished >= b.t for b in beats), beats
+    assert all(e["exitcode"] == 0 for e in job.events("worker_exit")), job.events("worker_exit")
+    _assert_continuous(str(tmp_path / "metrics.jsonl"), steps)
+    _assert_nothing_left(job)
+
+
 def test_same_exception_at_same_step_twice_stops_with_report(tmp_path):
     with h.jobs() as start:
         job = start(

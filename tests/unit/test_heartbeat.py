@@ -57,8 +57,9 @@ def test_beats_from_a_real_process_and_catch_up_mark(tmp_path):
     p = _child(tmp_path, 50, "exit", **env)
     p.wait(10)
     (b,) = heartbeat.read_beats(str(tmp_path), 3)
-    assert (b.pid, b.rank, b.attempt, b.step, b.seq) == (p.pid, 0, 3, 50, 50)
-    assert abs(time.time() - b.t) < 10
+    # 50 beats, then finishing() at interpreter exit
+    assert (b.pid, b.rank, b.attempt, b.step, b.seq) == (p.pid, 0, 3, 50, 51)
+    assert abs(time.time() - b.t) < 10 and b.finished >= b.t
     (c,) = [e for e in events.load_events(str(tmp_path)) if e["event"] == "caught_up"]
     assert (c["step"], c["attempt"]) == (40, 3)
 
@@ -154,3 +155,71 @@ def test_a_hang_is_dated_by_the_hung_ranks_last_beat():
     never = rec("r2.beat", me, 2, 0, seq=0, step=-1, t=0.0)  # stuck before its first beat
     assert heartbeat.hang_began([never, waiting], [never]) == 100.04
     assert heartbeat.hang_began([never], [never]) is None
+
+
+def test_a_rank_that_said_its_loop_ended_gets_the_finish_timeout_from_then():
+    """A rank saving and exiting after its last step is not a hang until the finish timeout
+    (``--shutdown-timeout``, at least ``--hang-timeout``) has passed since it said so (the
+    node-loss drill's kept ranks were declared hung 4 s after their last beat while they
+    tore down, and the dump request killed them with -SIGUSR2)."""
+    rec, me = heartbeat.BeatRecord, os.getpid()
+    ending = rec("r0.beat", me, 0, 0, seq=21, step=20, t=100.0, finished=101.0)
+    training = rec("r1.beat", me, 1, 0, seq=20, step=20, t=100.0)
+    now = 106.0  # 6 s after both last beat: past a 4 s hang timeout
+    assert heartbeat.stalled([ending, training], now, 4.0, finish_timeout=30.0) == [training]
+    assert heartbeat.stalled([ending], 131.5, 4.0, finish_timeout=30.0) == [ending]
+    assert heartbeat.stalled([ending], 104.5, 4.0) == []  # never less than the hang timeout
+    assert heartbeat.stalled([ending], 105.5, 4.0) == [ending]
+    assert heartbeat.hang_began([ending], [ending]) == 101.0
+
+
+_ENDING = textwrap.dedent("""
+    import faulthandler, os, signal, sys
+    from unbroken.elastic import beat, finishing, heartbeat
+    beat(1)
+    beat(2)
+    finishing()
+    print("finished", flush=True)
+    sys.stdin.readline()  # the parent has read the beacon
+    beat(3)  # training again: finishing() is taken back
+    print("beat", flush=True)
+    sys.stdin.readline()
+    # What the interpreter's finalization does: faulthandler restores what it found. A
+    # request for stacks arriving then is ignored instead of killing the process.
+    faulthandler.unregister(heartbeat.DUMP_SIGNAL)
+    os.kill(os.getpid(), heartbeat.DUMP_SIGNAL)
+    print("alive", flush=True)
+""")
+
+
+def test_finishing_is_recorded_taken_back_by_a_beat_and_a_late_dump_request_is_harmless(
+    tmp_path,
+):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
+    env.update({events.ENV_RUN_DIR: str(tmp_path), events.ENV_ATTEMPT: "0", "RANK": "0"})
+    p = subprocess.Popen(
+        [sys.executable, "-c", _ENDING],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert p.stdin is not None and p.stdout is not None
+    try:
+        assert p.stdout.readline().strip() == "finished"
+        (b,) = heartbeat.read_beats(str(tmp_path), 0)
+        assert (b.step, b.seq) == (2, 3) and b.finished >= b.t > 0, b
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "beat"
+        (b,) = heartbeat.read_beats(str(tmp_path), 0)
+        assert (b.step, b.finished) == (3, 0.0), b
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "alive"
+        assert p.wait(30) == 0
+    finally:
+        p.kill()
+        p.wait(10)
+    (b,) = heartbeat.read_beats(str(tmp_path), 0)
+    assert b.step == 3 and b.finished >= b.t, b  # its interpreter's exit said finishing() too

@@ -135,7 +135,9 @@ RUN_FLAGS: tuple[ConfigFlag, ...] = (
         ("--shutdown-timeout",),
         RunConfig,
         "shutdown_timeout",
-        "on SIGTERM, seconds the job gets to save before it is killed",
+        "on SIGTERM, seconds the job gets to save before it is killed; also the time a "
+        "worker that said its loop ended (finishing()) gets to save and exit (at least "
+        "--hang-timeout)",
         unit=" s",
     ),
     F(

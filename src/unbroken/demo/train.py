@@ -37,7 +37,7 @@ from unbroken.data.prepare.pack import pack
 from unbroken.data.stream.dataset import StreamingDataset
 from unbroken.data.stream.loader import StatefulLoader
 from unbroken.demo.model import TinyGPT, synthetic_corpus
-from unbroken.elastic import beat
+from unbroken.elastic import beat, finishing
 
 __all__ = ["CTX", "collate_tokens", "main", "prepare_data"]
 
@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         _train_step(a, r, batches, rank, world, die)
         r.ckpt.maybe_save()
         beat(r.state.step)  # progress for the supervisor's hang watchdog (no-op without one)
+    finishing()  # the final save and the teardown get --shutdown-timeout, not --hang-timeout
     final = r.state.step not in r.ckpt.store.steps()
     if world > 1:  # saving is collective: every rank must take the same branch
         box = [final]

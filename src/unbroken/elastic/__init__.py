@@ -1,10 +1,12 @@
 """Lifeline 2b: keep a torchrun job alive unattended (`unbroken run`, `unbroken preflight`).
 
-In the training loop, only two calls matter, both no-ops when not run under ``unbroken run``::
+In the training loop, only three calls matter, all no-ops when not run under ``unbroken run``::
 
-    from unbroken.elastic import beat, mark
+    from unbroken.elastic import beat, finishing, mark
     beat(step)                                  # every step: progress for the hang watchdog
     mark("loaded", step=s, seconds=dt)          # after a restore (Checkpointer does this)
+    finishing()                                 # after the loop: the final save and exit
+                                                # get --shutdown-timeout, not --hang-timeout
 
 A SIGTERM handler of your own calls ``peer_failed()`` first: when it returns a reason, a
 rank of the job died and no collective (so no save) can finish; exit at once.
@@ -24,7 +26,7 @@ from unbroken.elastic.faults import (
     Rule,
     classify,
 )
-from unbroken.elastic.heartbeat import beat, install
+from unbroken.elastic.heartbeat import beat, finishing, install
 from unbroken.elastic.planner import daly_interval, expected_goodput, plan, young_interval
 from unbroken.elastic.preflight import CheckResult, PreflightConfig, run_preflight
 from unbroken.elastic.rendezvous import RendezvousConfig
@@ -47,6 +49,7 @@ __all__ = [
     "classify",
     "daly_interval",
     "expected_goodput",
+    "finishing",
     "install",
     "mark",
     "peer_failed",

@@ -1,15 +1,23 @@
 """Progress beacons from the training loop, and the hang watchdog that reads them.
 
 :func:`beat` costs well under a microsecond of Python work and no system call: each process
-owns one 64-byte file mapped into memory (``MAP_SHARED``) in
+owns one 72-byte file mapped into memory (``MAP_SHARED``) in
 ``RUN_DIR/beats/a<attempt>/r<rank>-p<pid>.beat``, and a beat is one ``pack_into``. The page
 cache makes the bytes visible to the supervisor at once (:func:`read_beats`,
 :func:`stalled`), and they survive the process being SIGKILLed.
 
+After its last step a process calls :func:`finishing` (and does so by itself at interpreter
+exit): from then on it saves and exits, and the watchdog gives it the finish timeout
+(``unbroken run --shutdown-timeout``, at least ``--hang-timeout``) from that moment instead of
+the hang timeout from its last beat. Its final save and teardown are not a hang, however
+long the last step's beat is behind them.
+
 The first beat (or :func:`install`) also registers :mod:`faulthandler` on
 :data:`DUMP_SIGNAL`, which writes every thread's Python stack to
 ``RUN_DIR/stacks/a<attempt>-r<rank>-p<pid>.txt`` when the supervisor asks
-(:func:`request_stack_dumps`) before killing a hung worker group.
+(:func:`request_stack_dumps`) before killing a hung worker group. The signal is ignored
+under that handler, so a request that comes while the interpreter finalizes (faulthandler
+is gone by then and restores what it found) cannot kill the process with ``-SIGUSR2``.
 
 Both directories are 0700 and both files 0600, opened without following symlinks
 (T-SHARED-NODE). A beacon's pid is only a claim: the supervisor signals it only when that
@@ -20,6 +28,7 @@ The beacon layout: ARCHITECTURE.md, "Design notes" > elastic > heartbeats.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import logging
@@ -27,6 +36,7 @@ import mmap
 import os
 import signal
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import IO
@@ -40,6 +50,7 @@ __all__ = [
     "BeatRecord",
     "beat",
     "beat_dir",
+    "finishing",
     "hang_began",
     "install",
     "read_beats",
@@ -55,9 +66,9 @@ DUMP_SIGNAL = signal.SIGUSR2
 """Signal on which a worker writes its Python stacks (``faulthandler``)."""
 
 _MAGIC = b"UBHB"
-_VERSION = 1
+_VERSION = 2
 _HEAD = struct.Struct("<4sIqqq")
-_BODY = struct.Struct("<QqdQ")
+_BODY = struct.Struct("<QqddQ")  # seq, step, time of the last beat, time of finishing(), seq
 _SIZE = _HEAD.size + _BODY.size
 _NO_TARGET = 1 << 62
 
@@ -71,7 +82,7 @@ def stack_dir(run_dir: str) -> str:
 
 
 class _Beacon:
-    __slots__ = ("mm", "seq", "target", "rank", "local_rank", "_stack_file")
+    __slots__ = ("mm", "seq", "step", "t", "target", "rank", "local_rank", "_stack_file")
 
     def __init__(
         self, run_dir: str, attempt: int, rank: int, target: int, local_rank: int = 0
@@ -85,6 +96,8 @@ class _Beacon:
             f.flush()
             self.mm = mmap.mmap(f.fileno(), _SIZE)  # the mapping outlives the file object
         self.seq = 0
+        self.step = -1
+        self.t = 0.0
         self.target = target
         self.rank = rank
         self.local_rank = local_rank
@@ -94,7 +107,12 @@ class _Beacon:
         self._stack_file: IO[str] = os.fdopen(
             open_private(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w"
         )
+        if threading.current_thread() is threading.main_thread():
+            # what faulthandler restores when the interpreter finalizes: a late request
+            # for stacks is then ignored instead of killing a process that is exiting
+            signal.signal(DUMP_SIGNAL, signal.SIG_IGN)
         faulthandler.register(DUMP_SIGNAL, file=self._stack_file, all_threads=True, chain=False)
+        atexit.register(finishing)
 
     def caught_up(self, step: int) -> None:
         self.target = _NO_TARGET
@@ -152,9 +170,23 @@ def beat(step: int) -> None:
         if b is None:
             return
     b.seq += 1
-    _pack(b.mm, 32, b.seq, step, _now(), b.seq)
+    b.step, b.t = step, _now()
+    _pack(b.mm, 32, b.seq, step, b.t, 0.0, b.seq)
     if step >= b.target:
         b.caught_up(step)
+
+
+def finishing() -> None:
+    """Say that the loop has ended: this process now saves and exits. The watchdog then
+    waits the finish timeout (``--shutdown-timeout``, at least ``--hang-timeout``) from now
+    instead of the hang timeout from the last beat. Call it after the last step; it also
+    runs at interpreter exit. No-op when unsupervised or before the first beat; the next
+    :func:`beat` takes it back."""
+    b = _beacon
+    if b is None or b.seq == 0:
+        return
+    b.seq += 1
+    _pack(b.mm, 32, b.seq, b.step, b.t, _now(), b.seq)
 
 
 @dataclass(frozen=True)
@@ -167,6 +199,8 @@ class BeatRecord:
     step: int
     t: float
     """Unix time of the last beat (0.0 if none yet)."""
+    finished: float = 0.0
+    """Unix time the process said its loop ended (:func:`finishing`); 0.0 while it trains."""
 
     @property
     def started(self) -> bool:
@@ -186,9 +220,11 @@ def _read_one(path: str) -> BeatRecord | None:
         magic, version, pid, rank, attempt = _HEAD.unpack_from(data, 0)
         if magic != _MAGIC or version != _VERSION:
             return None
-        seq, step, t, seq2 = _BODY.unpack_from(data, _HEAD.size)
+        seq, step, t, finished, seq2 = _BODY.unpack_from(data, _HEAD.size)
         if seq == seq2:
-            return BeatRecord(path, pid, rank, attempt, seq, step if seq else -1, t if seq else 0.0)
+            if not seq:
+                return BeatRecord(path, pid, rank, attempt, 0, -1, 0.0)
+            return BeatRecord(path, pid, rank, attempt, seq, step, t, finished)
     return None  # writer too busy to catch a consistent copy; try at the next poll
 
 
@@ -203,16 +239,31 @@ def read_beats(run_dir: str, attempt: int) -> list[BeatRecord]:
     return sorted((r for r in recs if r is not None), key=lambda r: (r.rank, r.pid))
 
 
-def stalled(beats: list[BeatRecord], now: float, hang_timeout: float) -> list[BeatRecord]:
-    """Live, started beacons whose last beat is older than ``hang_timeout`` seconds."""
-    return [b for b in beats if b.started and now - b.t > hang_timeout and is_alive(b.pid)]
+def _since(b: BeatRecord) -> float:
+    """When the beacon last made progress: its last beat, or its :func:`finishing`."""
+    return b.finished or b.t
+
+
+def stalled(
+    beats: list[BeatRecord], now: float, hang_timeout: float, finish_timeout: float = 0.0
+) -> list[BeatRecord]:
+    """Live, started beacons whose last beat is older than ``hang_timeout`` seconds, or
+    that said :func:`finishing` more than ``max(hang_timeout, finish_timeout)`` s ago."""
+    finish = max(hang_timeout, finish_timeout)
+    return [
+        b
+        for b in beats
+        if b.started
+        and now - _since(b) > (finish if b.finished else hang_timeout)
+        and is_alive(b.pid)
+    ]
 
 
 def hang_began(beats: list[BeatRecord], hung: list[BeatRecord]) -> float | None:
-    """When the hang began: the last beat of the hung ranks (a healthy rank may beat once
-    more, then wait in the collective), else the last beat of any rank (hung before their
-    first beat); None when nothing beat at all."""
-    started = [b.t for b in hung if b.started] or [b.t for b in beats if b.started]
+    """When the hang began: the last beat (or finishing) of the hung ranks (a healthy rank
+    may beat once more, then wait in the collective), else the last beat of any rank (hung
+    before their first beat); None when nothing beat at all."""
+    started = [_since(b) for b in hung if b.started] or [b.t for b in beats if b.started]
     return max(started) if started else None
 
 

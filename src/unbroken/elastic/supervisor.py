@@ -107,7 +107,9 @@ class RunConfig:
     preflight_max_wait: float = 3600.0
     """Seconds to keep waiting for a healthy pre-flight before exiting with code 6."""
     shutdown_timeout: float = 30.0
-    """On SIGTERM: seconds the workers get to save before they are killed."""
+    """On SIGTERM: seconds the workers get to save before they are killed. Also the finish
+    timeout: seconds a worker that said its loop ended (``finishing()``, or its interpreter
+    exiting) gets to save and exit before it is a hang (at least ``hang_timeout``)."""
     stop_grace: float = 1.0
     """When a rank failed: seconds the other ranks get to exit after SIGTERM before they
     are SIGKILLed. They cannot finish a collective with the dead rank (a rank stuck in one
@@ -557,7 +559,7 @@ class Supervisor:
         w = self.cfg.watchdog
         for b in mine:
             st.installed.setdefault(b.path, now)
-        hung = heartbeat.stalled(mine, now, w.hang_timeout)
+        hung = heartbeat.stalled(mine, now, w.hang_timeout, self.cfg.shutdown_timeout)
         if hung:
             return hung
         return [b for b in mine if not b.started and now - st.installed[b.path] > w.startup_timeout]
@@ -606,10 +608,18 @@ class Supervisor:
         stacks = heartbeat.request_stack_dumps(
             self.run_dir, beats, self.cfg.watchdog.dump_grace, (ENV_TOKEN, att.token)
         )
-        detail = (
-            f"ranks {ranks} made no progress for {now - t_fail:.1f} s "
-            f"(--hang-timeout {self.cfg.watchdog.hang_timeout:g} s) at step {step}"
-        )
+        if all(b.finished for b in hung):
+            limit = max(self.cfg.watchdog.hang_timeout, self.cfg.shutdown_timeout)
+            detail = (
+                f"ranks {ranks} said their loop ended and have not exited for "
+                f"{now - t_fail:.1f} s (--shutdown-timeout, at least --hang-timeout: "
+                f"{limit:g} s) at step {step}"
+            )
+        else:
+            detail = (
+                f"ranks {ranks} made no progress for {now - t_fail:.1f} s "
+                f"(--hang-timeout {self.cfg.watchdog.hang_timeout:g} s) at step {step}"
+            )
         self._event(
             "hang",
             attempt=att.number,

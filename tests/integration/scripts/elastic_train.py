@@ -25,6 +25,8 @@ agree on that step by an all-reduce), so a test decides when it has seen enough.
 ``--ignore-sigterm``: the worker ignores SIGTERM (it ends only by torchrun's SIGKILL).
 ``--start-gate PATH``: every rank waits for PATH to exist before it joins the process group
 (so a test knows that no rank has beaten yet).
+After the loop every rank calls ``finishing()``; ``--final-wait S`` then makes it take S more
+seconds before it exits (a final save or teardown longer than ``--hang-timeout``).
 ``startup`` also carries ``cpu_start``/``cpu_restored`` (this process's CPU-seconds, all
 threads), ``run_*``/``runq_*`` (its main thread's seconds on a CPU and waiting for one,
 ``/proc/self/schedstat``): the load's own cost, apart from the box's load.
@@ -69,7 +71,7 @@ from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E40
 
 from unbroken.common.fs import atomic_write_bytes  # noqa: E402
 from unbroken.common.metrics import MetricLog  # noqa: E402
-from unbroken.elastic import beat, install, mark, peer_failed  # noqa: E402
+from unbroken.elastic import beat, finishing, install, mark, peer_failed  # noqa: E402
 
 T_IMPORTED = time.time()
 
@@ -137,6 +139,7 @@ def main() -> None:
     ap.add_argument("--memory-every", type=int, default=None)
     ap.add_argument("--ignore-sigterm", action="store_true")  # until torchrun's SIGKILL
     ap.add_argument("--start-gate", default=None)
+    ap.add_argument("--final-wait", type=float, default=0.0)  # after finishing(): a slow end
     a = ap.parse_args()
     if a.stderr_noise:
         print(a.stderr_noise, file=sys.stderr, flush=True)
@@ -200,6 +203,8 @@ def main() -> None:
             while time.time() < end:
                 time.sleep(0.05)
         raise
+    finishing()
+    time.sleep(a.final_wait)  # a final save or teardown longer than --hang-timeout
     dist.barrier()
     if metrics is not None:
         metrics.close()
