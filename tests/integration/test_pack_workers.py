@@ -113,9 +113,20 @@ unbroken.data.{call}
 """
 
 
-def _kill_when(cmd: str, out: str, suffix: str, count: int, timeout: float = 60) -> None:
-    """Run ``cmd`` in its own process group; SIGKILL the group once ``count`` committed files
-    ending in ``suffix`` exist in ``out``."""
+def _recorded(out: str, state: str) -> int:
+    """How many finished shards the run's state file in ``out`` records (what a resume
+    reuses; a shard's files can exist before the parent records it)."""
+    try:
+        with open(os.path.join(out, state), "rb") as f:
+            return len(json.load(f)["shards"])
+    except FileNotFoundError:
+        return 0
+
+
+def _kill_when(cmd: str, out: str, state: str, count: int, timeout: float = 60) -> None:
+    """Run ``cmd`` in its own process group; SIGKILL the group once its state file in
+    ``out`` records ``count`` finished shards. (Counting committed ``.idx`` files instead
+    killed a loaded run whose parent had recorded only one of four: nothing to reuse.)"""
     p = subprocess.Popen(
         [sys.executable, "-c", cmd],
         start_new_session=True,
@@ -125,8 +136,7 @@ def _kill_when(cmd: str, out: str, suffix: str, count: int, timeout: float = 60)
     t0 = time.monotonic()
     try:
         while True:
-            done = [n for n in os.listdir(out) if n.endswith(suffix)] if os.path.isdir(out) else []
-            if len(done) >= count:
+            if _recorded(out, state) >= count:
                 break
             if p.poll() is not None:
                 raise AssertionError(f"child ended before the kill: {p.stderr.read().decode()}")  # type: ignore[union-attr]
@@ -147,7 +157,10 @@ def test_pack_resumes_after_sigkill(tmp_path: str) -> None:
     _tree(src, 240)
     call = f"prepare.pack.pack({src!r}, {out!r}, shard_size=30_000, workers=2, progress=False)"
     _kill_when(
-        _SLOW_CHILD.format(writer="tar.writer.TarShardWriter", call=call), out, ".tar.idx", 4
+        _SLOW_CHILD.format(writer="tar.writer.TarShardWriter", call=call),
+        out,
+        ".unbroken-pack.json",
+        3,
     )
     assert not os.path.exists(os.path.join(out, "dataset.json"))  # never looks complete
     res = pack(src, out, shard_size=30_000, workers=2, progress=False)
@@ -165,7 +178,10 @@ def test_tokenize_resumes_after_sigkill(tmp_path: str) -> None:
     tokenize(src, ref, train_bpe_vocab=400, workers=1, **kw)  # also trains tok.json
     call = f"tokens.tokenizer.tokenize({src!r}, {out!r}, workers=2, **{kw!r})"
     _kill_when(
-        _SLOW_CHILD.format(writer="tokens.shard.TokenShardWriter", call=call), out, ".bin.idx", 3
+        _SLOW_CHILD.format(writer="tokens.shard.TokenShardWriter", call=call),
+        out,
+        ".unbroken-tokenize.json",
+        3,
     )
     assert not os.path.exists(os.path.join(out, "dataset.json"))
     res = tokenize(src, out, workers=2, **kw)

@@ -185,8 +185,13 @@ def test_late_node_scale_up_is_membership_not_a_failure(tmp_path, stubborn):
             with open(path) as f:
                 assert json.load(f)["restarts"] == 0, job.run_dir
     recs = a.recoveries()
-    assert [r["fault"] for r in recs] == ["membership"], recs
-    assert recs[0]["relaunch"] is not None and recs[0]["load"] is not None, recs
+    # One change per restart torchrun made: on a loaded box B can miss the round A's restart
+    # opened, and torchrun restarts A's workers once more when B is in (seen in CI: a
+    # second launcher stopped 0.08 s after it started, both "closing signal" lines in
+    # torchrun's own log).
+    assert recs and {r["fault"] for r in recs} == {"membership"}, recs
+    assert len(recs) == len(changes), (recs, changes)
+    assert recs[0]["relaunch"] is not None and recs[-1]["load"] is not None, recs
     assert "recovery phases" in a.output() and "membership" in a.output()
     recs = _check_log(tmp_path)
     assert recs[-1]["world_size"] == 2
