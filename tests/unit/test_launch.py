@@ -582,6 +582,33 @@ def test_only_torchruns_own_closing_line_names_a_stopped_worker(tmp_path):
     assert set(agent.closing) == {111}, agent.console()
 
 
+def test_the_error_file_hand_over_follows_no_link_blocks_on_no_fifo_and_bounds_its_read(tmp_path):
+    """The side path is in the attempt's private directory, but what is found there is
+    still untrusted: a symlink is not followed (its target stays as it was and nothing
+    reaches torchrun's path), a FIFO does not block the launcher, an oversized file is not
+    read whole; the last two are removed."""
+    from unbroken.elastic.launch import worker
+
+    path = str(tmp_path / "error.json")
+    side = path + ".worker"
+    target = tmp_path / "elsewhere.json"
+    target.write_text('{"message": "not the worker\'s"}')
+    os.symlink(target, side)
+    worker._hand_over_error_file(path)
+    assert not os.path.exists(path) and os.path.islink(side)
+    assert target.read_text() == '{"message": "not the worker\'s"}'
+    os.unlink(side)
+
+    os.mkfifo(side)  # no writer: a blocking open or read would never return
+    worker._hand_over_error_file(path)
+    assert not os.path.exists(path) and not os.path.lexists(side)
+
+    with open(side, "w") as f:  # a JSON object larger than the bound
+        f.write('{"x": "' + "a" * (worker._MAX_ERROR_FILE + 10) + '"}')
+    worker._hand_over_error_file(path)
+    assert not os.path.exists(path) and not os.path.lexists(side)
+
+
 @pytest.mark.parametrize("served", [True, False], ids=["forked", "fresh interpreter"])
 def test_only_a_whole_error_file_reaches_torchrun(tmp_path, agent, served):
     """torchrun parses a failed rank's ``@record`` error file and dies of a JSONDecodeError
