@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import stat
-import struct
 import subprocess
 import time
 from datetime import timedelta
@@ -14,6 +13,8 @@ from datetime import timedelta
 import elastic_harness as h
 import pytest
 from torch.distributed import TCPStore
+
+from unbroken.elastic import heartbeat
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -51,13 +52,16 @@ def test_malformed_store_values_neither_crash_nor_finish_the_run(tmp_path):
 
 
 def _plant_beat(run_dir: str, attempt: int, pid: int, rank: int, step: int, t: float) -> str:
-    """A beacon file in heartbeat's layout naming ``pid``, last beat at ``t``."""
+    """A beacon file in heartbeat's current layout naming ``pid``, last beat at ``t``; the
+    supervisor's reader takes it (a beacon of an old layout would be ignored, and the test
+    could not fail)."""
     d = os.path.join(run_dir, "beats", f"a{attempt}")
     path = os.path.join(d, f"r{rank}-p{pid}.beat")
-    head = struct.pack("<4sIqqq", b"UBHB", 1, pid, rank, attempt)
-    body = struct.pack("<QqdQ", 7, step, t, 7)
+    head = heartbeat._HEAD.pack(heartbeat._MAGIC, heartbeat._VERSION, pid, rank, attempt)
+    body = heartbeat._BODY.pack(7, step, t, 0.0, 7)
     with open(path, "wb") as f:
         f.write(head + body)
+    assert any(b.path == path and b.pid == pid for b in heartbeat.read_beats(run_dir, attempt))
     return path
 
 
