@@ -53,6 +53,12 @@ WORKER = textwrap.dedent("""
     if what == "kill":
         os.kill(os.getpid(), 9)
     if what == "raise":
+        import atexit
+        from unbroken.ckpt.checkpointer import _dying_of_an_exception
+        # what the Checkpointer's exit hook asks (C-TIERS: the memory tier is kept for a
+        # restart when the process ends on an unhandled exception)
+        atexit.register(lambda: print("dying of an exception:", _dying_of_an_exception(),
+                                      file=sys.stderr, flush=True))
         def inner():
             raise ValueError("boom in the worker")
         inner()
@@ -267,6 +273,22 @@ def test_preloads_skipped_for_a_waiting_launcher_are_imported_when_idle(tmp_path
         assert p.stdin is not None
         p.stdin.close()
         p.wait(10)
+
+
+@pytest.mark.parametrize("via", ["zygote", "spawn"])
+def test_a_worker_ending_on_an_exception_is_seen_so_at_exit_on_both_paths(tmp_path, agent, via):
+    """A forked worker's unhandled exception leaves what the interpreter leaves
+    (``sys.last_exc`` / ``sys.last_value``), so exit hooks see a crash, not a clean end: the
+    Checkpointer then keeps the memory tier (and a lost peer's replica) for the restart. A
+    fork server that only printed the traceback made a crash look clean, and the slots were
+    removed when the disk held the same step (the node-loss drill restored from disk)."""
+    name, _ = agent
+    r = Run(tmp_path, name if via == "zygote" else None, "raise")
+    assert r.wait() == 1
+    err = r.err.read_text()
+    assert "ValueError: boom in the worker" in err and "dying of an exception: True" in err, err
+    (e,) = r.exits()
+    assert (e["exitcode"], e["via"]) == (1, via)
 
 
 @pytest.mark.parametrize("zygote", [None, "unbroken-test-nobody-listens 1 " + "0" * 64])

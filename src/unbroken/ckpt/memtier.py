@@ -1036,6 +1036,10 @@ class MemoryTier:
                 self.store.rank_dir, self.published, disk_newest,
             )  # fmt: skip
             return
+        log.info(
+            "memory tier removed from %s: the disk tier holds step %s, this process published "
+            "%s (a clean end)", self.store.rank_dir, disk_newest, self.published,
+        )  # fmt: skip
         self.store.remove()
         if self.replica is not None:
             self.replica.remove()

@@ -509,15 +509,21 @@ def _run_worker(req: dict[str, Any], rng: Any) -> None:
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:  # noqa: BLE001 - reported exactly as the interpreter would
-        # What `python SCRIPT` prints: the traceback from the script's own frames on, not
-        # through this fork server and runpy. Then exit 1 through the normal shutdown.
+        # What `python SCRIPT` does: print the traceback from the script's own frames on
+        # (not through this fork server and runpy), leave the exception where exit hooks
+        # look for it (the Checkpointer keeps the memory tier for a restart when it finds
+        # one), then exit 1 through the normal shutdown.
         tb = e.__traceback__
         while tb is not None and (
             tb.tb_frame.f_code.co_filename in _OUR_FILES
             or "runpy" in tb.tb_frame.f_code.co_filename
         ):
             tb = tb.tb_next
-        sys.excepthook(type(e), e.with_traceback(tb), tb)  # the hook prints __traceback__
+        e = e.with_traceback(tb)
+        sys.last_type, sys.last_value, sys.last_traceback = type(e), e, tb
+        if sys.version_info >= (3, 12):
+            sys.last_exc = e
+        sys.excepthook(type(e), e, tb)  # the hook prints __traceback__
         raise SystemExit(1) from None
 
 
