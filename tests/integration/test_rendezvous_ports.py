@@ -74,6 +74,17 @@ def _only_port(port: int) -> socket.socket:
     return s
 
 
+def _goes_to_no_other_socket(port: int, taken: int) -> None:
+    """Neither a ``connect`` nor a ``bind`` to port 0 (on any address) gets ``port``."""
+    with _only_port(port) as other, pytest.raises(OSError) as e:
+        other.connect(("127.0.0.1", taken))
+    assert e.value.errno == errno.EADDRNOTAVAIL
+    for addr in ("127.0.0.1", ""):
+        with _only_port(port) as other, pytest.raises(OSError) as e:
+            other.bind((addr, 0))
+        assert e.value.errno == errno.EADDRINUSE
+
+
 def test_a_reserved_port_goes_to_no_other_socket_but_its_server(taken: int) -> None:
     """Task "ports" item 2: a port from ``free_port()`` goes to the next ``connect`` that
     the kernel lets have it, and the supervisor then cannot host its store there; a port
@@ -87,13 +98,37 @@ def test_a_reserved_port_goes_to_no_other_socket_but_its_server(taken: int) -> N
             Coordinator("127.0.0.1", picked, "ports", "A", connect_timeout=1.0)
 
     with reserved_port() as port:
-        with _only_port(port) as other, pytest.raises(OSError) as e:
-            other.connect(("127.0.0.1", taken))
-        assert e.value.errno == errno.EADDRNOTAVAIL
-        with _only_port(port) as other, pytest.raises(OSError) as e:
-            other.bind(("127.0.0.1", 0))
-        assert e.value.errno == errno.EADDRINUSE
+        _goes_to_no_other_socket(port, taken)
         coord = Coordinator("127.0.0.1", port, "ports", "A", connect_timeout=5.0)
         assert (coord.hosting, coord.port) == (True, port)
         joined = Coordinator("127.0.0.1", port, "ports", "B", connect_timeout=5.0)
         assert not joined.hosting and set(coord.peers()) == {"B"}
+
+
+def test_the_agent_holds_rank_0s_master_port_until_its_worker_hosts_the_store(taken: int) -> None:
+    """The workers' ``MASTER_PORT`` under ``unbroken run`` (torch's agent-shared store is off,
+    see ``attempt_env``): rank 0's agent picks it and publishes it, and rank 0's worker binds
+    it seconds later. torch's ``get_free_port()`` closes it in between, and another process
+    took it (three node-loss drills on one box: EADDRINUSE in ``init_process_group``). The
+    agent of ``unbroken run`` (:mod:`unbroken.elastic.launch.agent`) keeps it bound until the
+    next round picks another: no ``connect`` and no ``bind`` to port 0 gets it, and the
+    worker's store (``env://`` rank 0) is hosted on it."""
+    from torch.distributed.elastic.rendezvous import api
+
+    from unbroken.elastic.launch import agent
+
+    agent.hold_master_port()
+    agent.hold_master_port()  # twice is once
+    info = api.RendezvousStoreInfo.build(0, dist.HashStore(), local_addr="127.0.0.1")
+    port = info.master_port
+    _goes_to_no_other_socket(port, taken)
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    store.set("k", "v")
+    assert TCPStore("127.0.0.1", port, is_master=False).get("k") == b"v"
+    # the next round (a restart) holds a new port and lets the old one go
+    nxt = api.RendezvousStoreInfo.build(0, dist.HashStore(), local_addr="127.0.0.1").master_port
+    assert nxt != port
+    del store
+    with _only_port(port) as other:
+        other.bind(("127.0.0.1", 0))
+        assert other.getsockname()[1] == port

@@ -28,6 +28,13 @@ def _assert_continuous(path: str, steps: int, world: int | None = None) -> None:
         assert losses == h.reference_losses(steps, world)
 
 
+def _assert_master_port_held(job: h.Job, attempts: int) -> None:
+    """Rank 0 of every attempt found its MASTER_PORT held by the agent until it hosted the
+    group's store (a fresh agent, a standby, a kept agent: no other socket could take it)."""
+    held = [(e["attempt"], e["master_port_held"]) for e in job.events("startup") if e["rank"] == 0]
+    assert held == [(n, True) for n in range(attempts)], held
+
+
 def _assert_nothing_left(job: h.Job) -> None:
     assert not h.pids_of(job), "processes of the job outlived its supervisor"
     assert not h.empty_dumps(job.run_dir), "empty stack-dump files left behind"
@@ -164,6 +171,7 @@ def test_no_standby_holds_nothing_and_restarts_the_workers_in_the_running_agent(
     assert [e["attempt"] for e in job.events("standby")] == [0], job.events("standby")
     exits = job.events("worker_exit")
     assert {e["via"] for e in exits} == {"spawn"}, exits
+    _assert_master_port_held(job, attempts=2)
     steps = h.metric_steps(str(tmp_path / "metrics.jsonl"))[-1]
     _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=2)
     _assert_nothing_left(job)
@@ -196,6 +204,7 @@ def test_no_prewarm_holds_a_bare_agent_and_forks_the_restarted_workers_on_demand
 
     (sb,) = [e for e in job.events("standby") if e["attempt"] == 1]
     assert sb["fork_server"] is False, sb
+    _assert_master_port_held(job, attempts=2)
     launches = job.events("launch")
     assert [e["prewarmed"] is not None for e in launches] == [True, True], launches
     assert "--bare" in launches[1]["argv"] and launches[1]["agent_pid"] == held[0]

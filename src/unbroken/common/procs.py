@@ -93,13 +93,18 @@ def environ_of(pid: int) -> dict[str, str]:
     return out
 
 
-_AGENT_MARKS = ("torch.distributed.run", "unbroken.elastic.launch.standby")
+_AGENT_MARKS = (
+    "torch.distributed.run",
+    "unbroken.elastic.launch.standby",
+    "unbroken.elastic.launch.agent",
+)
 
 
 def agent_of(worker_pid: int) -> int | None:
     """The torchrun agent above a worker. Under ``unbroken run`` a worker's parent is the
     attempt's fork server (a forked copy of the agent) or its launcher; the agent is the
-    nearest ancestor that runs torchrun (a standby, or ``python -m torch.distributed.run``)
+    nearest ancestor that runs torchrun (a standby, ``python -m unbroken.elastic.launch.agent``
+    or ``python -m torch.distributed.run``)
     and whose own parent does not."""
 
     def runs_torchrun(pid: int) -> bool:

@@ -27,7 +27,8 @@ agree on that step by an all-reduce), so a test decides when it has seen enough.
 (so a test knows that no rank has beaten yet).
 After the loop every rank calls ``finishing()``; ``--final-wait S`` then makes it take S more
 seconds before it exits (a final save or teardown longer than ``--hang-timeout``).
-``startup`` also carries ``cpu_start``/``cpu_restored`` (this process's CPU-seconds, all
+``startup`` also carries ``master_port_held`` (rank 0: ``MASTER_PORT`` was held for it until
+it hosted the group's store; None on other ranks), ``cpu_start``/``cpu_restored`` (this process's CPU-seconds, all
 threads), ``run_*``/``runq_*`` (its main thread's seconds on a CPU and waiting for one,
 ``/proc/self/schedstat``): the load's own cost, apart from the box's load.
 
@@ -59,9 +60,11 @@ def _sched() -> tuple[float, float]:
 SCHED_START = _sched()
 
 import argparse  # noqa: E402 - the start time is taken before the imports it measures
+import errno  # noqa: E402
 import io  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
 import sys  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -74,6 +77,19 @@ from unbroken.common.metrics import MetricLog  # noqa: E402
 from unbroken.elastic import beat, finishing, install, mark, peer_failed  # noqa: E402
 
 T_IMPORTED = time.time()
+
+
+def _master_port_held() -> bool | None:
+    """Rank 0, before it hosts the group's store: whether ``MASTER_PORT`` is held (by the
+    agent of ``unbroken run``) so that no other socket can take it first; None elsewhere."""
+    if os.environ.get("RANK") != "0" or "MASTER_PORT" not in os.environ:
+        return None
+    with socket.socket() as s:  # no SO_REUSEADDR: any socket bound to the port refuses it
+        try:
+            s.bind(("", int(os.environ["MASTER_PORT"])))
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
 
 
 class _FileCkpt:
@@ -156,6 +172,7 @@ def main() -> None:
     gate_deadline = time.monotonic() + 300
     while a.start_gate and not os.path.exists(a.start_gate) and time.monotonic() < gate_deadline:
         time.sleep(0.05)  # a test's gate (polled: it opens when the test has seen enough)
+    held = _master_port_held()
     dist.init_process_group("gloo")
     t_pg = time.time()
     rank = dist.get_rank()
@@ -190,6 +207,7 @@ def main() -> None:
     if rank != 0 and int(start[0]) >= 0:  # these ranks "loaded" through the broadcast
         mark("loaded", step=int(start[0]), seconds=time.perf_counter() - t0)
     times = {"t_start": T_START, "imported": T_IMPORTED, "pg": t_pg, "restored": time.time()}
+    times.update(master_port_held=held)
     times.update(cpu_start=CPU_START, cpu_restored=time.process_time())
     sched = _sched()
     times.update(run_start=SCHED_START[0], run_restored=sched[0])

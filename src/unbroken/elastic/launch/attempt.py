@@ -13,7 +13,8 @@ records it as what it is (issue 23: no failure).
 
 The agent is either a pre-warmed :class:`~.standby.Standby` (torch already imported, with a
 fork server for the workers, see :mod:`.forkserver`) or, as the fallback, a fresh
-``python -m torch.distributed.run``. Either way torchrun starts the launcher
+``python -m unbroken.elastic.launch.agent`` (torchrun with rank 0's ``MASTER_PORT`` held,
+:mod:`.agent`). Either way torchrun starts the launcher
 (:mod:`.worker`) per rank, which reports how its rank ended (``worker_exit`` events) and
 forwards stop signals.
 
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
     from unbroken.elastic.launch.standby import Standby
 
 __all__ = [
+    "AGENT_MODULE",
     "DEFAULT_PRELOAD",
     "ENV_TOKEN",
     "LAUNCHER",
@@ -73,6 +75,9 @@ log = logging.getLogger(__name__)
 ENV_TOKEN = "UNBROKEN_ATTEMPT_TOKEN"
 """Inherited by every process of an attempt; the supervisor kills by it (see procs)."""
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
+AGENT_MODULE = "unbroken.elastic.launch.agent"
+"""A fresh agent (no standby): ``python -m torch.distributed.run`` with rank 0's
+``MASTER_PORT`` held (:mod:`.agent`)."""
 DEFAULT_PRELOAD = (
     "torch",
     "torch.distributed",
@@ -266,7 +271,7 @@ class Attempt:
             if standby is not None:
                 standby.close()
             self.token = uuid.uuid4().hex
-            self.argv = [sys.executable, "-m", "torch.distributed.run", *targv]
+            self.argv = [sys.executable, "-m", AGENT_MODULE, *targv]
             env = attempt_env(run_dir, number, self.token, nproc)
             env.update(extra)
             self._agent = Agent(number, run_dir, self.argv, env, echo, stdin=subprocess.DEVNULL)

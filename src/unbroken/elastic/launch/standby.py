@@ -18,7 +18,8 @@ ahead all the same, but holds no fork server while the job trains. With ``--on-d
 runs: the server starts with the agent's torch already imported (shared pages), imports the
 preloads until the launchers ask for workers, and forks them (issue 23 item 2: the ranks of
 a node do not each import torch again at a restart). Any failure to pre-warm falls back to
-the plain path: no standby -> a fresh ``python -m torch.distributed.run``; no fork server ->
+the plain path: no standby -> a fresh agent (``python -m unbroken.elastic.launch.agent``,
+torchrun with rank 0's ``MASTER_PORT`` held, :mod:`.agent`); no fork server ->
 the launcher starts a fresh ``python -u SCRIPT`` (always, with ``--no-standby``).
 """
 
@@ -165,6 +166,9 @@ def main(argv: list[str]) -> None:
     from torch.distributed.run import main as torchrun
 
     from unbroken.common import events
+    from unbroken.elastic.launch.agent import hold_master_port
+
+    hold_master_port()  # rank 0's MASTER_PORT stays bound until its worker hosts the store
 
     # The fork server starts now, before the go order, and imports the workers' modules
     # itself: the agent needs only torch and torchrun, so a cold restart (no standby ready)
