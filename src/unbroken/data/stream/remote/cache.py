@@ -507,9 +507,10 @@ class RemoteCache:
         return e0, p0, max(e for e, _ in regs)
 
     def demand(self, want: int, epoch: int, pos: int) -> None:
-        """A reader at ``pos`` of ``epoch`` waits for unit ``want``: fetch it first."""
+        """A reader at ``pos`` of ``epoch`` waits for unit ``want``: fetch it first (a unit
+        already queued by the prefetch plan moves ahead; one downloading is left to finish)."""
         st = self._proc()
-        if 0 <= want < self.unit_bytes.size and not st.pool.busy(want):
+        if 0 <= want < self.unit_bytes.size:
             st.pool.submit(want, self._abs(epoch, pos) - 1)  # ahead of everything
 
     def leave(self) -> None:
