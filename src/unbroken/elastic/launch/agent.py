@@ -9,6 +9,9 @@ store): ``init_process_group`` then failed with EADDRINUSE (seen with three node
 on one box). :func:`hold_master_port` keeps that port bound by the agent (``SO_REUSEADDR``,
 never listening) until the next round picks another: the kernel gives it to no ``bind`` to
 port 0 and no ``connect``, and the worker's store (``SO_REUSEADDR`` too) binds it all the same.
+A process that binds it on purpose with ``SO_REUSEADDR`` still can (as it can take the port
+torch leaves free): held against accidents, not against an attacker on the node (README,
+"Security model").
 
 The standby (:mod:`.standby`) calls it before it runs torchrun in-process; without a standby
 ``unbroken run`` starts ``python -m unbroken.elastic.launch.agent TORCHRUN_ARGS``, which is
