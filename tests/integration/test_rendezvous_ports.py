@@ -122,6 +122,8 @@ def test_the_agent_holds_rank_0s_master_port_until_its_worker_hosts_the_store(ta
     info = api.RendezvousStoreInfo.build(0, dist.HashStore(), local_addr="127.0.0.1")
     port = info.master_port
     _goes_to_no_other_socket(port, taken)
+    with pytest.raises(ConnectionRefusedError):  # held, not served: nothing to talk to there
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     store.set("k", "v")
     assert TCPStore("127.0.0.1", port, is_master=False).get("k") == b"v"
