@@ -206,8 +206,8 @@ def main() -> None:
         dist.broadcast(p.data, 0)
     if rank != 0 and int(start[0]) >= 0:  # these ranks "loaded" through the broadcast
         mark("loaded", step=int(start[0]), seconds=time.perf_counter() - t0)
-    times = {"t_start": T_START, "imported": T_IMPORTED, "pg": t_pg, "restored": time.time()}
-    times.update(master_port_held=held)
+    times: dict[str, Any] = {"t_start": T_START, "imported": T_IMPORTED, "pg": t_pg}
+    times.update(restored=time.time(), master_port_held=held)
     times.update(cpu_start=CPU_START, cpu_restored=time.process_time())
     sched = _sched()
     times.update(run_start=SCHED_START[0], run_restored=sched[0])
@@ -237,7 +237,7 @@ def train(
     ckpt: Any,
     first: int,
     preempted: list[int],
-    times: dict[str, float],
+    times: dict[str, Any],
 ) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     state = getattr(ckpt, "state", None)
