@@ -11,6 +11,7 @@ import os
 import socket
 import struct
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -134,3 +135,28 @@ def test_the_agent_holds_rank_0s_master_port_until_its_worker_hosts_the_store(ta
     with _only_port(port) as other:
         other.bind(("127.0.0.1", 0))
         assert other.getsockname()[1] == port
+
+
+def test_where_no_port_can_be_held_the_agent_takes_torchs_free_port(monkeypatch) -> None:
+    """A host where no IPv4 socket binds (IPv6 only; not this box, so its bind is made to
+    fail): the rendezvous still gets a port, torch's own, held by nobody as before."""
+    from torch.distributed.elastic.rendezvous import api
+
+    from unbroken.elastic.launch import agent
+
+    class NoIPv4(socket.socket):
+        def bind(self, address: Any) -> None:
+            if address == ("", 0):  # the hold's bind; torch's ("localhost", 0) goes through
+                raise OSError(errno.EAFNOSUPPORT, "Address family not supported by protocol")
+            super().bind(address)
+
+    agent.hold_master_port()
+    for held in agent._held:  # what an earlier test held: let go, as a new round would
+        held.close()
+    agent._held.clear()
+    monkeypatch.setattr(agent.socket, "socket", NoIPv4)
+    port = api.get_free_port()
+    monkeypatch.undo()
+    assert 0 < port < 65536 and not agent._held
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # not held: torch's port, free once it returned

@@ -23,23 +23,26 @@ from __future__ import annotations
 
 import socket
 import sys
+from collections.abc import Callable
 
 __all__ = ["hold_master_port", "main"]
 
 _held: list[socket.socket] = []
+_torchs: list[Callable[[], int]] = []  # torch's own get_free_port, where a hold fails
 
 
 def _held_free_port() -> int:
     """A port no other socket of this node gets while it is held: bound here with
-    ``SO_REUSEADDR`` on every address and never listening. The previous round's port is let
-    go (its workers are gone, or have bound it)."""
+    ``SO_REUSEADDR`` on every IPv4 address and never listening. The previous round's port is
+    let go (its workers are gone, or have bound it). Where no such socket can be bound (a
+    host without IPv4), torch's own free port, as before."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("", 0))
     except OSError:
         s.close()
-        raise
+        return _torchs[0]()
     while _held:
         _held.pop().close()
     _held.append(s)
@@ -51,9 +54,12 @@ def hold_master_port() -> bool:
     (idempotent); False where this torch has nothing to replace."""
     from torch.distributed.elastic.rendezvous import api
 
-    if not callable(getattr(api, "get_free_port", None)):
+    own = getattr(api, "get_free_port", None)
+    if not callable(own):
         return False
-    api.get_free_port = _held_free_port
+    if own is not _held_free_port:
+        _torchs[:] = [own]
+        api.get_free_port = _held_free_port
     return True
 
 
