@@ -32,7 +32,14 @@ from typing import Any
 from unbroken.common.text import printable
 from unbroken.elastic.faults import STOP_EXITS
 
-__all__ = ["Coordinator", "RendezvousConfig", "free_port", "is_local_host", "reserved_port"]
+__all__ = [
+    "Coordinator",
+    "RendezvousConfig",
+    "free_port",
+    "held_socket",
+    "is_local_host",
+    "reserved_port",
+]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +95,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def held_socket(host: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket bound to a port of the OS's choosing on ``host`` ("" for every IPv4
+    address) with ``SO_REUSEADDR``, never listening: while it is open the kernel gives that
+    port neither to a ``bind`` to port 0 nor to a ``connect``'s ephemeral port, and a server
+    with ``SO_REUSEADDR`` still binds it by number (see :func:`reserved_port`)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
 @contextlib.contextmanager
 def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
     """A port on ``host`` that no other socket gets for the block, except a server that
@@ -97,9 +119,7 @@ def reserved_port(host: str = "127.0.0.1") -> Iterator[int]:
     named before its server starts (an ``--rdzv-endpoint`` several supervisors are given):
     :func:`free_port`'s number is free only at the moment it returns, and until the server
     binds it any process on the box can take it (``EADDRINUSE``)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
+    with held_socket(host) as s:
         yield int(s.getsockname()[1])
 
 

@@ -25,6 +25,8 @@ import socket
 import sys
 from collections.abc import Callable
 
+from unbroken.elastic.rendezvous import held_socket
+
 __all__ = ["hold_master_port", "main"]
 
 _held: list[socket.socket] = []
@@ -36,12 +38,9 @@ def _held_free_port() -> int:
     ``SO_REUSEADDR`` on every IPv4 address and never listening. The previous round's port is
     let go (its workers are gone, or have bound it). Where no such socket can be bound (a
     host without IPv4), torch's own free port, as before."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("", 0))
+        s = held_socket("")
     except OSError:
-        s.close()
         return _torchs[0]()
     while _held:
         _held.pop().close()
