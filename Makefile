@@ -23,17 +23,18 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests benchmarks examples
 	$(BIN)/mypy src tests
 
-# Four test processes on CI's 2 cores: the end-to-end tests wait on real processes (torchrun's
-# grace, hang timeouts, restarts) for part of their time, which more processes fill (the whole
-# suite, same box: 982 s with 2, 727 s with 3 on a fast hour; 912 s with 3, 863 s with 4 back
-# to back on 2026-12-03, 1025 tests: benchmarks/RESULTS.md). Each file stays on one process, so a
+# Three test processes on CI's 2 cores: the end-to-end tests wait on real processes (torchrun's
+# grace, hang timeouts, restarts) for part of their time, which a third process fills (the whole
+# suite, same box: 982 s with 2, 727 s with 3 on a fast hour; four, tried on 2026-12-03, was not
+# shown faster: 863 and 983 s against 912 and 928 s with three, benchmarks/RESULTS.md, and each
+# test runs longer beside three others). Each file stays on one process, so a
 # module's shared fixtures (a reference run, a moto server) are built once, and the suite runs
 # as it must anyway: on a loaded box. TEST_WORKERS=0: one process.
 # --no-loadscope-reorder: files go out in collection order (tests/drill, integration, unit), the
 # long end-to-end files first and the many short unit files last, so the processes finish
 # together; xdist's default sends the files with the most tests first, which left the few-test
 # drill files (minutes each) for the end, one process running them while the other idled.
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 3
 XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 $(XDIST) tests
