@@ -58,10 +58,11 @@ def test_sigkill_at_random_instants_never_tears(tmp_path, async_save: bool) -> N
     save_s = time.perf_counter() - t0
     kills, restored = 0, []
     last = 0
+    window = 3 * save_s
     while kills < 50:
         p = ctx.Process(target=_saver, args=(root, last, async_save))
         p.start()
-        time.sleep(rnd.uniform(0.0, 3 * save_s))
+        time.sleep(rnd.uniform(0.0, window))
         os.kill(cast(int, p.pid), signal.SIGKILL)
         p.join()
         kills += 1
@@ -72,6 +73,9 @@ def test_sigkill_at_random_instants_never_tears(tmp_path, async_save: bool) -> N
         assert not [n for n in names if n.startswith("corrupt-")], names
         if step is None:  # killed before the first commit: nothing may be visible
             assert not [n for n in names if n.startswith("step-")], names
+            # the child saves slower than the probe did (a loaded box: CI once restored only
+            # 13 of 50): widen the window, so that most kills still land after a commit
+            window *= 1.5
             continue
         assert torch.all(c.t == float(step)), f"checkpoint {step} holds another step's data"
         assert step >= last
