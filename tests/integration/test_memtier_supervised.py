@@ -24,7 +24,7 @@ def test_sigkill_under_unbroken_run_restores_from_the_agents_memory_tier(tmp_pat
     """issue 25 item 1: `unbroken run` creates the private per-job memory directory at
     launch, names it to the workers (UNBROKEN_MEMORY_TIER), a worker SIGKILLed under it
     restarts from memory with steps lost <= K, the recovery record names the tier and the
-    steps lost, and the directory is removed when the job ends."""
+    steps lost, and the directory is removed when the job ends, by the agent."""
     steps = 30
     with h.jobs() as start:
         job = start(
@@ -56,6 +56,9 @@ def test_sigkill_under_unbroken_run_restores_from_the_agents_memory_tier(tmp_pat
     assert rec["tier"] == "memory" and rec["step_at_failure"] >= 12, rec
     assert 0 <= rec["steps_lost"] <= 1, rec  # K = 1
     assert "from the memory tier" in job.output()
+    # the workers leave the directory to the agent (memdir.AGENT_ENV), however they end
+    left = [(e["attempt"], e["memory_tier_left_to_agent"]) for e in job.events("startup")]
+    assert left == [(0, True), (1, True)], left
     # bit-identical to an uninterrupted run, every step logged once
     assert h.metric_steps(str(tmp_path / "metrics.jsonl")) == list(range(1, steps + 1))
     losses = [r["loss"] for r in h.metrics(str(tmp_path / "metrics.jsonl"))]

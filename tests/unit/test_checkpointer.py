@@ -89,11 +89,18 @@ def test_retention_keep_last_and_keep_every_ignores_foreign_files(tmp_path) -> N
 
 
 def test_every_seconds_triggers(tmp_path) -> None:
+    """Not due before ``every_seconds`` have passed since the Checkpointer started, due
+    after: polled until it saves, so a slow box cannot fail it."""
     st, m, opt = _state()
-    ck = Checkpointer(str(tmp_path), st, every_seconds=0.5)
-    assert not ck.maybe_save()
-    time.sleep(0.6)
-    assert ck.maybe_save()
+    ck = Checkpointer(str(tmp_path), st, every_seconds=1.0)
+    start = ck._last_save_time
+    deadline = time.monotonic() + 60
+    while not ck.maybe_save():
+        assert time.monotonic() < deadline, "every_seconds=1.0 never triggered a save"
+        time.sleep(0.05)
+    assert time.monotonic() - start >= 1.0
+    ck.wait()
+    assert ck.store.steps() == [0]
 
 
 def _flip(path: str) -> None:

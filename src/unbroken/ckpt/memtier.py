@@ -1009,7 +1009,9 @@ class MemoryTier:
 
     def close(self, disk_newest: int | None, *, crashed: bool = False) -> None:
         """End of the job: the slots are removed when the disk tier holds everything they
-        hold (nothing to lose), else kept for a resume and their place logged. ``crashed``
+        hold (nothing to lose), else kept for a resume and their place logged; kept in a
+        directory the node's agent removes when the job ends (``unbroken run``: a worker
+        cannot tell a loop that caught a failure and exited 1 from a clean end). ``crashed``
         (the process ends on an unhandled exception, e.g. a collective failed with a lost
         peer): kept whatever the disk holds, as a SIGKILL leaves them: the restart restores
         from memory, and the replica this rank keeps may be a lost node's only copy in
@@ -1029,6 +1031,12 @@ class MemoryTier:
                 "exception (this process published step %s; the disk tier's newest: %s)",
                 self.store.rank_dir, self.published, disk_newest,
             )  # fmt: skip
+            return
+        if memdir.agent_removes(self.store.directory):
+            log.info(
+                "memory tier kept at %s: the node's agent removes it when the job ends",
+                self.store.rank_dir,
+            )
             return
         if self.published is not None and (disk_newest is None or disk_newest < self.published):
             log.info(

@@ -7,7 +7,8 @@ without ``unbroken run``; the run directory and run id under it), so two jobs of
 never share a directory and a restarted job finds its own.
 
 ``unbroken run`` (the node's agent) creates the directory at launch, names it to the
-workers in :data:`ENV` and removes it when the job ends (:func:`remove`); the checkpoint
+workers in :data:`ENV` (and :data:`AGENT_ENV`) and removes it when the job ends
+(:func:`remove`), so its workers never remove their slots (:func:`agent_removes`); the checkpoint
 layer's :mod:`unbroken.ckpt.memtier` keeps the slots in it. Standard library and xxhash
 only: the supervisor imports this without torch.
 """
@@ -25,11 +26,29 @@ import xxhash
 
 from unbroken.common.fs import PrivateDirError, private_dir
 
-__all__ = ["ENV", "PrivateDirError", "create", "job_dir", "remove", "user_root"]
+__all__ = [
+    "AGENT_ENV",
+    "ENV",
+    "PrivateDirError",
+    "agent_removes",
+    "create",
+    "job_dir",
+    "remove",
+    "user_root",
+]
 
 ENV = "UNBROKEN_MEMORY_TIER"
 """Environment variable naming the job's memory-tier directory (set by ``unbroken run``)."""
+AGENT_ENV = "UNBROKEN_MEMORY_TIER_AGENT"
+"""Set by ``unbroken run`` to the same path as :data:`ENV` when its agent created the
+directory and removes it when the job ends (a directory the user named is not)."""
 SHM = "/dev/shm"
+
+
+def agent_removes(path: str) -> bool:
+    """Whether the node's agent removes ``path`` when the job ends: then a worker keeps its
+    slots however it ends (a loop that catches a failure and exits 1 looks clean to it)."""
+    return bool(path) and os.environ.get(ENV) == path == os.environ.get(AGENT_ENV)
 
 
 def user_root() -> str:

@@ -842,8 +842,10 @@ class Supervisor:
 
     def _own_memory_tier(self) -> str | None:
         """Create the job's private memory-tier directory on this node and name it to the
-        workers (every process started from here inherits the environment); a crashed
-        worker's slots wait there for its successor (issue 25). A directory the user named
+        workers (every process started from here inherits the environment) as removed by
+        this agent when the job ends (:func:`~unbroken.common.memdir.agent_removes`: the
+        workers keep their slots however they end); a crashed worker's slots wait there for
+        its successor (issue 25). A directory the user named
         (``$UNBROKEN_MEMORY_TIER``) is used as given and never removed. Returns the path."""
         given = os.environ.get(memdir.ENV)
         if given:
@@ -855,7 +857,7 @@ class Supervisor:
             log.warning("no memory-tier directory for the workers (%s)", e)
             return None
         self._memory = path
-        os.environ[memdir.ENV] = path
+        os.environ[memdir.ENV] = os.environ[memdir.AGENT_ENV] = path
         return path
 
     def _drop_memory_tier(self, env_before: str | None) -> None:
@@ -864,6 +866,7 @@ class Supervisor:
             return
         if env_before is None:
             os.environ.pop(memdir.ENV, None)
+        os.environ.pop(memdir.AGENT_ENV, None)
         try:
             memdir.remove(self._memory)
         except OSError as e:

@@ -28,7 +28,8 @@ agree on that step by an all-reduce), so a test decides when it has seen enough.
 After the loop every rank calls ``finishing()``; ``--final-wait S`` then makes it take S more
 seconds before it exits (a final save or teardown longer than ``--hang-timeout``).
 ``startup`` also carries ``master_port_held`` (rank 0: ``MASTER_PORT`` was held for it until
-it hosted the group's store; None on other ranks), ``cpu_start``/``cpu_restored`` (this process's CPU-seconds, all
+it hosted the group's store; None on other ranks), ``memory_tier_left_to_agent`` (the
+memory tier's directory is the agent's, removed by it when the job ends; None: none named), ``cpu_start``/``cpu_restored`` (this process's CPU-seconds, all
 threads), ``run_*``/``runq_*`` (its main thread's seconds on a CPU and waiting for one,
 ``/proc/self/schedstat``): the load's own cost, apart from the box's load.
 
@@ -72,6 +73,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
+from unbroken.common import memdir  # noqa: E402
 from unbroken.common.fs import atomic_write_bytes  # noqa: E402
 from unbroken.common.metrics import MetricLog  # noqa: E402
 from unbroken.elastic import beat, finishing, install, mark, peer_failed  # noqa: E402
@@ -208,6 +210,8 @@ def main() -> None:
         mark("loaded", step=int(start[0]), seconds=time.perf_counter() - t0)
     times: dict[str, Any] = {"t_start": T_START, "imported": T_IMPORTED, "pg": t_pg}
     times.update(restored=time.time(), master_port_held=held)
+    tier = os.environ.get(memdir.ENV, "")
+    times.update(memory_tier_left_to_agent=memdir.agent_removes(tier) if tier else None)
     times.update(cpu_start=CPU_START, cpu_restored=time.process_time())
     sched = _sched()
     times.update(run_start=SCHED_START[0], run_restored=sched[0])
