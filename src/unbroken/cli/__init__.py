@@ -14,7 +14,9 @@ Exit codes (every command):
      unreadable path, a file that is not what the command reads
   130 interrupted (Ctrl-C)
   unbroken run adds 3 same failure twice, 4 restart budget used up, 5 no progress,
-  6 pre-flight never healthy, 7 preempted (rerun the same command to resume).
+  6 pre-flight never healthy, 7 preempted (rerun the same command to resume), 8 the
+  checkpoint refused the job's configuration at restore (RestoreRefused: world size,
+  shapes; not retried).
 An error is one line on stderr (``unbroken: error: ...``), never a traceback (``--verbose``
 adds the traceback of an unexpected one).
 """
@@ -140,9 +142,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"unbroken: error: {bad}", file=sys.stderr)
         return 2
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # unbroken's own INFO lines (what a command is doing); other libraries' (botocore's
+    # credential lookup on every S3 call) only with --verbose
+    logging.getLogger("unbroken").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if getattr(args, "data_cmd", None) in PREP_COMMANDS and not args.verbose:
         # These commands print their summary on stdout; the library's INFO line says the same.
         logging.getLogger("unbroken.data").setLevel(logging.WARNING)

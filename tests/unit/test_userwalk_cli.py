@@ -1,0 +1,176 @@
+"""A new user walking README.md with the real `unbroken` command: what the README's
+"Command line" section promises matches `--help`, and the mistakes a user makes first (a
+wrong option value, the wrong file, a directory of their own) get one line that names the
+option, the value and the fix - and lose nothing."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from storekit import moto_endpoint
+from unbroken.cli import build_parser, main
+
+README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+
+
+def _readme_section(title: str) -> str:
+    with open(README, encoding="utf-8") as f:
+        text = f.read()
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _subparser(path: list[str]) -> argparse.ArgumentParser:
+    p = build_parser()
+    for name in path:
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        p = subs[0].choices[name]
+    return p
+
+
+def _table_rows() -> list[tuple[list[str], set[str]]]:
+    """(command path, flags) of each row of README's command table."""
+    rows = []
+    for line in _readme_section("Command line").splitlines():
+        m = re.match(r"\| `unbroken ((?:[a-z]+ ?)+)(.*?)` \|", line)
+        if m:
+            path = m.group(1).split()
+            rows.append((path, set(re.findall(r"--[a-z][a-z0-9-]*", m.group(2)))))
+    return rows
+
+
+def _err(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_every_option_readme_documents_is_an_option_of_that_command() -> None:
+    rows = _table_rows()
+    assert len(rows) >= 18, rows
+    for path, flags in rows:
+        have = {s for a in _subparser(path)._actions for s in a.option_strings}
+        assert flags <= have, f"unbroken {' '.join(path)}: README documents {flags - have}"
+
+
+def test_help_lists_every_exit_code_readme_lists() -> None:
+    codes = re.findall(r"^\| (\d+(?:-\d+)?) \|", _readme_section("Command line"), re.M)
+    wanted = set()
+    for c in codes:
+        lo, _, hi = c.partition("-")
+        wanted |= set(range(int(lo), int(hi or lo) + 1))
+    assert wanted == {0, 1, 2, 3, 4, 5, 6, 7, 8, 130}
+    epilog = build_parser().epilog or ""
+    said = {
+        int(n) for n in re.findall(r"(?:^|\s|,\s)(\d+)\s+[a-z]", epilog.split("exit codes:")[1])
+    }
+    assert wanted <= said, f"`unbroken --help` does not explain exit codes {wanted - said}"
+
+
+def test_demo_refuses_a_directory_holding_files_it_did_not_write(tmp_path, capsys) -> None:
+    """`unbroken demo --dir D` empties D first: a user's own directory must survive it."""
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / "train.py").write_text("precious")
+    assert main(["demo", "--dir", str(mine), "--steps", "20"]) == 2
+    err = _err(capsys)
+    assert (mine / "train.py").read_text() == "precious"
+    assert "--dir" in err and str(mine) in err and "train.py" in err and "new directory" in err
+    # an earlier demo's directory is fine (the step count is refused after that check,
+    # before anything is removed)
+    demo = tmp_path / "demo-run"
+    for d in ("data", "reference", "killed"):
+        (demo / d).mkdir(parents=True)
+    assert main(["demo", "--dir", str(demo), "--steps", "0"]) == 2
+    assert "steps=0" in _err(capsys) and (demo / "data").is_dir()
+
+
+@pytest.mark.parametrize("cmd", ["preflight", "run"])
+def test_a_malformed_endpoint_is_bad_input_naming_the_option(cmd, capsys) -> None:
+    with pytest.raises(SystemExit) as e:  # argparse: its usage, then one error line
+        main([cmd, "--rdzv-endpoint", "nonsense", *(["--", "train.py"] if cmd == "run" else [])])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and "--rdzv-endpoint" in err and "'nonsense'" in err
+    assert "HOST:PORT" in err
+
+
+def test_preflight_with_nothing_to_check_says_what_to_pass(capsys) -> None:
+    assert main(["preflight"]) == 2
+    err = _err(capsys)
+    assert "nothing to check" in err and "--ckpt-dir" in err
+
+
+def test_min_free_bytes_takes_a_size_like_every_other_size_option(tmp_path, capsys) -> None:
+    d = str(tmp_path / "c")
+    assert main(["preflight", "--ckpt-dir", d, "--min-free-bytes", "1KiB"]) == 0
+    assert "ok    ckpt_dir" in capsys.readouterr().out
+    assert main(["preflight", "--ckpt-dir", d, "--min-free-bytes", "1000000TB"]) == 1
+    assert "FAIL  ckpt_dir" in capsys.readouterr().out
+
+
+def test_a_bad_fault_rule_regex_names_the_option(capsys) -> None:
+    assert main(["run", "--fault-rule", "process=(", "--", "train.py"]) == 2
+    err = _err(capsys)
+    assert "--fault-rule 'process=('" in err and "regex" in err
+
+
+def _flat(tmp_path, dtype=np.uint32) -> str:
+    path = str(tmp_path / "train.bin")
+    np.arange(4096, dtype=dtype).tofile(path)
+    return path
+
+
+def test_index_of_a_flat_file_needs_its_vocabulary_or_width(tmp_path, capsys) -> None:
+    """A uint32 file indexed as the default uint16 would hand the loop every token split in
+    two; README's synopsis requires --meta or --vocab-size, and so does the command."""
+    path = _flat(tmp_path)
+    assert main(["data", "index", path]) == 2
+    err = _err(capsys)
+    assert path in err and "--meta" in err and "--vocab-size" in err and "--dtype" in err
+    assert not os.path.exists(path + ".idx")
+    assert main(["data", "index", path, "--dtype", "uint32"]) == 0
+    assert os.path.exists(path + ".idx")
+
+
+def test_index_with_a_missing_meta_names_the_option_and_the_fix(tmp_path, capsys) -> None:
+    path = _flat(tmp_path)
+    assert main(["data", "index", path, "--meta", str(tmp_path / "meta.pkl")]) == 2
+    err = _err(capsys)
+    assert "--meta" in err and "meta.pkl" in err and "--vocab-size" in err
+
+
+def test_tokenize_of_a_flat_token_file_without_from_bin_says_from_bin(tmp_path, capsys) -> None:
+    path = _flat(tmp_path, np.uint16)
+    assert main(["data", "index", path, "--vocab-size", "5000"]) == 0
+    capsys.readouterr()
+    out = str(tmp_path / "tok")
+    assert main(["data", "tokenize", path, out, "--train-bpe", "300"]) == 2
+    err = _err(capsys)
+    assert path in err and "--from-bin" in err and "UnicodeDecodeError" not in err
+    assert not os.path.exists(out)
+
+
+@pytest.mark.timeout(120)
+def test_an_s3_command_prints_one_line_not_the_sdks_info(tmp_path) -> None:
+    """The CLI logs unbroken's INFO, not botocore's credential lookups on every S3 call."""
+    with moto_endpoint() as ep:
+        env = {
+            **os.environ,
+            "AWS_ACCESS_KEY_ID": "k",
+            "AWS_SECRET_ACCESS_KEY": "s",
+            "AWS_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": ep,
+        }
+        cmd = [sys.executable, "-m", "unbroken.cli", "data", "stage", "s3://nob/tok"]
+        r = subprocess.run(
+            [*cmd, str(tmp_path / "x")], env=env, capture_output=True, text=True, timeout=100
+        )
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("unbroken: error: s3://nob/tok"), lines
