@@ -9,9 +9,28 @@ from unbroken.cli._args import Sub, add_command
 __all__ = ["add_demo"]
 
 
-def _demo(a: argparse.Namespace) -> int:
-    from unbroken import demo
+# what an earlier demo leaves in its directory (run_demo empties it first)
+_DEMO_ENTRIES = frozenset({"data", "reference", "killed"})
 
+
+def _demo(a: argparse.Namespace) -> int:
+    import os
+
+    from unbroken import demo
+    from unbroken.common.text import printable
+
+    # the demo removes its directory first: never one that holds anything else (`--dir .`)
+    if os.path.isdir(a.dir):
+        foreign = sorted(set(os.listdir(a.dir)) - _DEMO_ENTRIES)
+        if foreign:
+            shown = ", ".join(printable(n) for n in foreign[:3]) + (" ..." if foreign[3:] else "")
+            raise ValueError(
+                f"--dir {printable(a.dir)} holds files the demo did not write ({shown}), and "
+                "the demo empties its directory first; pass a new directory (or an earlier "
+                "demo's)"
+            )
+    elif os.path.exists(a.dir):
+        raise ValueError(f"--dir {printable(a.dir)} is not a directory; pass a new directory")
     return demo.run_demo(a.dir, steps=a.steps, seed=a.seed)
 
 
