@@ -183,7 +183,10 @@ def test_unknown_verb_and_missing_arguments_are_usage_errors(capsys):
             "bad.jsonl:2: not a JSON line",
         ),
         # a file is a flat token file since issue 21 (data index FILE.bin): refused by its size
-        (["data", "index", "{junk}"], "is not a whole number of uint16 tokens"),
+        (
+            ["data", "index", "{junk}", "--dtype", "uint16"],
+            "is not a whole number of uint16 tokens",
+        ),
         (["run", "--run-dir", "{out}/r", "--", "{missing}"], "does-not-exist"),
     ],
 )

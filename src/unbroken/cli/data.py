@@ -195,6 +195,19 @@ def _index(a: argparse.Namespace) -> int:
     if os.path.isfile(a.dir):
         from unbroken.data.tokens.flat import index_flat
 
+        if a.meta is None and a.vocab_size is None and a.dtype is None:
+            # the width would be a guess (uint16), and a uint32 file read as uint16 hands
+            # the loop every token split in two
+            raise ValueError(
+                f"{printable(a.dir)}: a flat token file needs its vocabulary to know its "
+                "token width; pass --meta meta.pkl (nanoGPT's), --vocab-size N, or --dtype "
+                "uint16|uint32"
+            )
+        if a.meta is not None and not os.path.isfile(a.meta):
+            raise ValueError(
+                f"--meta {printable(a.meta)}: no such file; pass the meta.pkl written with "
+                f"{printable(os.path.basename(a.dir))}, or --vocab-size N"
+            )
         m = index_flat(a.dir, vocab_size=a.vocab_size, meta=a.meta, dtype=a.dtype)
         _say(
             f"indexed {printable(a.dir)} in place: {m.shards[0].tokens} {m.dtype} tokens, "
@@ -212,6 +225,8 @@ def _index(a: argparse.Namespace) -> int:
 
 
 def _tokenize(a: argparse.Namespace) -> int:
+    import os
+
     from unbroken.data.tokens.tokenizer import tokenize
 
     if a.from_bin:
@@ -226,6 +241,19 @@ def _tokenize(a: argparse.Namespace) -> int:
         )
         return 0
 
+    if os.path.isfile(a.src) and a.src.endswith(".bin"):
+        # token ids, not text: read as JSONL it fails on its first bytes, saying nothing useful
+        index = (
+            ""
+            if os.path.isfile(a.src + ".dataset.json")
+            else (
+                f"index it once (`unbroken data index {printable(a.src)} --meta meta.pkl`), then "
+            )
+        )
+        raise ValueError(
+            f"{printable(a.src)} is a flat token file, not text: {index}pass --from-bin "
+            "(with --seq-len N) to cut it into token shards"
+        )
     r = tokenize(
         a.src,
         a.out,
