@@ -23,8 +23,10 @@ __all__ = [
     "add_command",
     "add_config_flags",
     "at_least",
+    "byte_count",
     "config_default",
     "config_kwargs",
+    "host_port",
     "size",
 ]
 
@@ -77,13 +79,26 @@ def add_command(
 
 def size(text: str) -> int:
     """An argparse type: ``"256MB"`` -> 256_000_000, ``"1GiB"`` -> 1_073_741_824 (> 0)."""
-    try:
-        n = parse_size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 256MB or 1GiB") from None
+    n = byte_count(text)
     if n <= 0:
         raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive, like 256MB")
     return n
+
+
+def byte_count(text: str) -> int:
+    """An argparse type: a size like :func:`size`, or 0 (a threshold that is off)."""
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size like 256MB or 1GiB") from None
+
+
+def host_port(text: str) -> str:
+    """An argparse type: ``HOST:PORT`` with a numeric port (0: a free one)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT, like 127.0.0.1:29500")
+    return text
 
 
 def at_least(lo: float, kind: type = int) -> Callable[[str], Any]:

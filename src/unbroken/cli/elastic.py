@@ -15,9 +15,11 @@ from unbroken.cli._args import (
     Sub,
     add_command,
     add_config_flags,
+    byte_count,
     config_kwargs,
+    host_port,
 )
-from unbroken.elastic.faults import RestartPolicy
+from unbroken.elastic.faults import RestartPolicy, Rule
 from unbroken.elastic.preflight import PreflightConfig
 from unbroken.elastic.rendezvous import RendezvousConfig
 from unbroken.elastic.supervisor import RunConfig, WatchdogConfig
@@ -42,6 +44,7 @@ RUN_FLAGS: tuple[ConfigFlag, ...] = (
         "endpoint",
         "HOST:PORT of the rendezvous store, hosted by the supervisor on HOST (port 0: a free "
         "port; multi-node needs a fixed port)",
+        type=host_port,
     ),
     F(("--run-id",), RendezvousConfig, "run_id", "job name shared by all nodes"),
     F(("--node",), RendezvousConfig, "node", "this node's name", shown="HOSTNAME-PID"),
@@ -93,7 +96,8 @@ RUN_FLAGS: tuple[ConfigFlag, ...] = (
         ("--min-free-bytes",),
         PreflightConfig,
         "min_free_bytes",
-        "free space needed before the first checkpoint",
+        "free space needed before the first checkpoint (a size: 512MiB, 10GB)",
+        type=byte_count,
         unit=" bytes",
     ),
     F(
@@ -192,13 +196,15 @@ PREFLIGHT_FLAGS: tuple[ConfigFlag, ...] = (
         PreflightConfig,
         "rdzv_endpoint",
         "HOST:PORT that must accept connections",
+        type=host_port,
     ),
     F(("--nproc-per-node",), PreflightConfig, "gpus", "GPUs needed when CUDA is present", type=int),
     F(
         ("--min-free-bytes",),
         PreflightConfig,
         "min_free_bytes",
-        "free space the checkpoint root needs",
+        "free space the checkpoint root needs (a size: 512MiB, 10GB)",
+        type=byte_count,
         unit=" bytes",
     ),
     F(
@@ -228,10 +234,22 @@ def run_config(a: argparse.Namespace) -> RunConfig:
         policy=RestartPolicy(**config_kwargs(RestartPolicy, RUN_FLAGS, a)),
         preflight=PreflightConfig(**config_kwargs(PreflightConfig, RUN_FLAGS, a)),
         preload=(*DEFAULT_PRELOAD, *a.preload),
-        rules=(*(faults.parse_rule(r) for r in a.fault_rule), *faults.DEFAULT_RULES),
+        rules=(*(_rule(r) for r in a.fault_rule), *faults.DEFAULT_RULES),
         torchrun_args=tuple(a.torchrun_arg),
         **config_kwargs(RunConfig, RUN_FLAGS, a),
     )
+
+
+def _rule(spec: str) -> Rule:
+    """``--fault-rule CLASS=REGEX``; a refusal names the option and the value given."""
+    from unbroken.elastic import faults
+
+    try:
+        return faults.parse_rule(spec)
+    except ValueError as e:
+        if str(e).startswith("--fault-rule"):
+            raise
+        raise ValueError(f"--fault-rule {spec!r}: {e}") from None
 
 
 def preflight_config(a: argparse.Namespace) -> PreflightConfig:
@@ -253,7 +271,13 @@ def _run(a: argparse.Namespace) -> int:
 def _preflight(a: argparse.Namespace) -> int:
     from unbroken.elastic import preflight
 
-    results = preflight.run_preflight(preflight_config(a))
+    cfg = preflight_config(a)
+    if not (cfg.ckpt_dir or cfg.data or cfg.rdzv_endpoint or cfg.gpus is not None):
+        # every check would be skipped, and "all ok" would be a check that never ran
+        raise ValueError(
+            "nothing to check: pass --ckpt-dir, --data, --rdzv-endpoint and/or --nproc-per-node"
+        )
+    results = preflight.run_preflight(cfg)
     print(preflight.format_results(results))
     return 0 if all(r.ok for r in results) else 1
 
