@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--vocab", type=int, default=512)
     a = p.parse_args()
+    os.makedirs(a.out, exist_ok=True)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo")

@@ -71,7 +71,7 @@ def main(run: str, steps: int = 300) -> None:
                 break
     finishing()  # the final save and exit get --shutdown-timeout, not --hang-timeout
     ckpt.close()
-    print(f"done at step {state.step}; loss {loss.item():.4f}")
+    print(f"done at step {state.step}")  # a restart after the last step trains no step
 
 
 if __name__ == "__main__":

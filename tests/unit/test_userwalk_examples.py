@@ -1,0 +1,64 @@
+"""The examples/ a new user runs first, run as their docstrings say: the README's loop started
+again after it finished (what a restart after a kill at the end does), and the stock DDP
+loop into an output directory that does not exist yet."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.timeout(120)
+def test_train_resumable_started_again_after_its_last_step_exits_cleanly(tmp_path, capsys):
+    """Killed after its final checkpoint (or simply run twice), the restart restores the last
+    step, trains no step, and must still finish - not die on the loss it never computed."""
+    example = _load("train_resumable")
+    run = str(tmp_path / "run")
+    example.main(run, steps=50)
+    example.main(run, steps=50)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "done at step 50", out
+
+
+@pytest.mark.timeout(120)
+def test_ddp_stock_writes_into_an_output_directory_it_creates(tmp_path):
+    """Its docstring's `torchrun ... examples/ddp_stock.py --data corpus.txt --out run`
+    (env:// rendezvous of one rank, as torchrun sets it)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 40)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    out = tmp_path / "run"
+    script = os.path.join(EXAMPLES, "ddp_stock.py")
+    args = ["--data", str(corpus), "--out", str(out), "--steps", "2"]
+    r = subprocess.run(
+        [sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=100
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (out / "model.pt").is_file()
