@@ -174,3 +174,31 @@ def test_an_s3_command_prints_one_line_not_the_sdks_info(tmp_path) -> None:
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("unbroken: error: s3://nob/tok"), lines
+
+
+def test_every_command_readme_spells_is_a_command_of_this_release() -> None:
+    """README's commands, in prose and in code blocks: no old spelling (`unbroken stage`
+    prints a deprecation note), no command that does not exist."""
+    with open(README, encoding="utf-8") as f:  # less the sentence about the old spellings
+        text = re.sub(r"The old spellings `[^`]*`", "", f.read())
+    spelled = re.findall(r"`unbroken ([a-z][a-z-]*)(?: ([a-z][a-z-]*))?", text)
+    spelled += re.findall(r"^\s*unbroken ([a-z][a-z-]*)(?: ([a-z][a-z-]*))?", text, re.M)
+    top = _subs_of([])
+    assert len(spelled) > 40
+    for cmd, sub in spelled:
+        if cmd in ("trusts",):  # prose: "What unbroken trusts"
+            continue
+        assert cmd in top, f"README spells `unbroken {cmd}`: no such command"
+        if cmd in ("data", "ckpt") and sub:
+            assert sub in _subs_of([cmd]), f"README spells `unbroken {cmd} {sub}`"
+
+
+def _subs_of(path: list[str]) -> set[str]:
+    p = _subparser(path)
+    return set([a for a in p._actions if isinstance(a, argparse._SubParsersAction)][0].choices)
+
+
+def test_verify_deep_help_says_what_it_rechecks() -> None:
+    """README: --deep re-checks every tensor's own checksum (manifest v4) or statistics."""
+    deep = [a for a in _subparser(["ckpt", "verify"])._actions if "--deep" in a.option_strings]
+    assert "checksum" in (deep[0].help or "") and "v4" in (deep[0].help or "")

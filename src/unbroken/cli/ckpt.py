@@ -86,8 +86,9 @@ def add_ckpt(sub: Sub) -> None:
     p.add_argument(
         "--deep",
         action="store_true",
-        help="also recompute every tensor's sum and norm and compare them with the manifest's "
-        "(restore skips this: they are computed from the bytes the checksums already cover)",
+        help="also recompute every tensor's own checksum (manifest v4) or sum and norm (v1-3) "
+        "and compare them with the manifest's (restore skips all but legacy statistics: "
+        "they derive from the bytes the file checksums already cover)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -519,8 +519,14 @@ def _add_drill_plan(p: argparse.ArgumentParser) -> None:
 
 def _add_drill_runs(p: argparse.ArgumentParser) -> None:
     """Where the drilled script keeps its state, and the limits of each run."""
-    p.add_argument("--ckpt-subdir", default="ckpt", help="Checkpointer root under {dir}")
-    p.add_argument("--metrics-file", default="metrics.jsonl", help="MetricLog file under {dir}")
+    p.add_argument(
+        "--ckpt-subdir", default="ckpt", help="Checkpointer root under {dir} (default: ckpt)"
+    )
+    p.add_argument(
+        "--metrics-file",
+        default="metrics.jsonl",
+        help="MetricLog file under {dir} (default: metrics.jsonl)",
+    )
     p.add_argument(
         "--ckpt-every",
         type=int,
