@@ -202,3 +202,29 @@ def test_verify_deep_help_says_what_it_rechecks() -> None:
     """README: --deep re-checks every tensor's own checksum (manifest v4) or statistics."""
     deep = [a for a in _subparser(["ckpt", "verify"])._actions if "--deep" in a.option_strings]
     assert "checksum" in (deep[0].help or "") and "v4" in (deep[0].help or "")
+
+
+def _bullet(text: str, start: str) -> str:
+    """The README paragraph (bullet) that starts with ``start``."""
+    i = text.index(start)
+    return text[i : text.find("\n* ", i + 1) if "\n* " in text[i:] else len(text)]
+
+
+@pytest.mark.parametrize(
+    "start,config",
+    [
+        ("* **Options**", "unbroken.ckpt.config:CheckpointConfig"),
+        ("* **Options**", "unbroken.ckpt:ArchiveConfig"),
+        ("The loader's\noptions live in", "unbroken.data.stream.config:LoaderConfig"),
+    ],
+)
+def test_readme_option_lists_name_every_field_of_their_config(start, config) -> None:
+    import dataclasses
+    import importlib
+
+    mod, _, name = config.partition(":")
+    cls = getattr(importlib.import_module(mod), name)
+    with open(README, encoding="utf-8") as f:
+        para = _bullet(f.read(), start)
+    missing = [f.name for f in dataclasses.fields(cls) if f"`{f.name}`" not in para]
+    assert not missing, f"README's list of {name} options lacks {missing}"
