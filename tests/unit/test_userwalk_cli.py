@@ -228,3 +228,16 @@ def test_readme_option_lists_name_every_field_of_their_config(start, config) -> 
         para = _bullet(f.read(), start)
     missing = [f.name for f in dataclasses.fields(cls) if f"`{f.name}`" not in para]
     assert not missing, f"README's list of {name} options lacks {missing}"
+
+
+@pytest.mark.parametrize("flag", ["--reference", "--reference-w2"])
+def test_drill_reference_that_is_not_a_directory_names_the_option(flag, tmp_path, capsys):
+    """A mistyped --reference was read as a run that logged nothing."""
+    missing = str(tmp_path / "no-such-run")
+    script = tmp_path / "train.py"
+    script.write_text("")
+    argv = ["drill", "--dir", str(tmp_path / "d"), flag, missing, "--", str(script), "{dir}"]
+    assert main(argv) == 2
+    err = _err(capsys)
+    assert f"{flag} {missing}" in err and "no such directory" in err and "reference-w" in err
+    assert not os.path.exists(tmp_path / "d")

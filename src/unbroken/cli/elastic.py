@@ -404,9 +404,21 @@ def _add_plan(sub: Sub) -> None:
 
 
 def _drill(a: argparse.Namespace) -> int:
+    import os
+
+    from unbroken.common.text import printable
     from unbroken.elastic.drill import runner as drill
     from unbroken.elastic.supervisor import require_script
 
+    for flag, ref, sub in (
+        ("--reference", a.reference, "reference-w1"),
+        ("--reference-w2", a.reference_w2, "reference-w2"),
+    ):
+        if ref is not None and not os.path.isdir(ref):  # else read as a run that logged nothing
+            raise ValueError(
+                f"{flag} {printable(ref)}: no such directory; pass the {sub} directory of an "
+                f"earlier drill of the same command (DRILL_DIR/{sub})"
+            )
     command = _command(a)
     faults = tuple(f.strip() for f in a.faults.split(",") if f.strip()) if a.faults else None
     opts = dict(
