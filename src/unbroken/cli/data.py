@@ -64,7 +64,8 @@ def _add_index(ds: Sub) -> None:
         "index tar shards or a flat token file (nanoGPT's train.bin) in place",
         "unbroken data index ./webdataset-shards\n  unbroken data index data/train.bin --meta data/meta.pkl",
         "DIR: write <shard>.tar.idx for every *.tar in DIR and a dataset.json. FILE (a flat "
-        "uint16/uint32 token file): write FILE.idx (checksums) and FILE.dataset.json beside it; "
+        "uint16/uint32 token file; its width from --meta, --vocab-size or --dtype, one of them "
+        "required): write FILE.idx (checksums) and FILE.dataset.json beside it; "
         "StreamingDataset(FILE, seq_len=...) then reads it in place. Nothing is modified or "
         "copied. meta.pkl is read without unpickling code (only its vocab_size).",
         func=_index,
@@ -78,7 +79,7 @@ def _add_index(ds: Sub) -> None:
         "--dtype",
         choices=("uint16", "uint32"),
         default=None,
-        help="flat file: token dtype (default: from the vocabulary, else uint16)",
+        help="flat file: token dtype (default: from the vocabulary, uint16 up to 65,536 ids)",
     )
 
 
