@@ -82,6 +82,11 @@ def test_demo_refuses_a_directory_holding_files_it_did_not_write(tmp_path, capsy
     err = _err(capsys)
     assert (mine / "train.py").read_text() == "precious"
     assert "--dir" in err and str(mine) in err and "train.py" in err and "new directory" in err
+    # a directory of one's own that holds only `data/` is not a demo's either
+    (mine / "train.py").unlink()
+    (mine / "data").mkdir()
+    assert main(["demo", "--dir", str(mine), "--steps", "20"]) == 2
+    assert "data" in _err(capsys) and (mine / "data").is_dir()
     # an earlier demo's directory is fine (the step count is refused after that check,
     # before anything is removed)
     demo = tmp_path / "demo-run"

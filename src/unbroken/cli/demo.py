@@ -10,7 +10,8 @@ __all__ = ["add_demo"]
 
 
 # what an earlier demo leaves in its directory (run_demo empties it first)
-_DEMO_ENTRIES = frozenset({"data", "reference", "killed"})
+_DEMO_RUNS = frozenset({"reference", "killed"})
+_DEMO_ENTRIES = _DEMO_RUNS | {"data"}
 
 
 def _demo(a: argparse.Namespace) -> int:
@@ -21,7 +22,10 @@ def _demo(a: argparse.Namespace) -> int:
 
     # the demo removes its directory first: never one that holds anything else (`--dir .`)
     if os.path.isdir(a.dir):
-        foreign = sorted(set(os.listdir(a.dir)) - _DEMO_ENTRIES)
+        entries = set(os.listdir(a.dir))
+        # a demo's directory holds its runs (a lone `data/` may be the user's own)
+        mine = entries <= _DEMO_ENTRIES and (not entries or bool(entries & _DEMO_RUNS))
+        foreign = [] if mine else sorted(entries - _DEMO_RUNS)
         if foreign:
             shown = ", ".join(printable(n) for n in foreign[:3]) + (" ..." if foreign[3:] else "")
             raise ValueError(
