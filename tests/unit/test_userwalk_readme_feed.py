@@ -28,7 +28,7 @@ def _snippet() -> str:
 @pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 def test_the_feed_snippet_leaves_a_timeline_for_data_report(tmp_path, stream_data, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    steps = []
+    steps: list[object] = []
 
     class State:
         step = 0
