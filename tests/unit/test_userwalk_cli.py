@@ -246,3 +246,39 @@ def test_drill_reference_that_is_not_a_directory_names_the_option(flag, tmp_path
     err = _err(capsys)
     assert f"{flag} {missing}" in err and "no such directory" in err and "reference-w" in err
     assert not os.path.exists(tmp_path / "d")
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["data", "pack", "in.jsonl", "out", "--workers", "0"], "--workers"),
+        (["data", "index", "shards", "--workers", "0"], "--workers"),
+        (
+            ["data", "tokenize", "in.jsonl", "out", "--train-bpe", "300", "--workers", "0"],
+            "--workers",
+        ),
+        (["data", "tokenize", "in.jsonl", "out", "--seq-len", "-3"], "--seq-len"),
+        (["data", "stage", "src", "dst", "--workers", "0"], "--workers"),
+        (["data", "inspect", "d", "--epochs", "0"], "--epochs"),
+        (["data", "inspect", "d", "--seq-len", "0"], "--seq-len"),
+        (["data", "inspect", "d", "--shuffle-window", "0"], "--shuffle-window"),
+        (["data", "bench", "d", "--batch-size", "0"], "--batch-size"),
+        (["data", "bench", "d", "--num-workers", "-1"], "--num-workers"),
+        (["data", "bench", "d", "--batches", "1"], "--batches"),
+        (["data", "report", "r", "--num-workers", "0"], "--num-workers"),
+        (["run", "--nproc-per-node", "0", "--", "train.py"], "--nproc-per-node"),
+        (["run", "--max-restarts", "-1", "--", "train.py"], "--max-restarts"),
+        (["preflight", "--nproc-per-node", "-1"], "--nproc-per-node"),
+        (["drill", "--ckpt-every", "0", "--", "train.py", "{dir}"], "--ckpt-every"),
+    ],
+)
+def test_a_count_out_of_range_is_refused_naming_its_option(
+    argv, flag, tmp_path, capsys, monkeypatch
+):
+    """Each was accepted (`tokenize --workers 0` ran) or refused naming the library's keyword
+    (`nproc_per_node=0`) instead of the option the user typed."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and f"argument {flag}" in err, err

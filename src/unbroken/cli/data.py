@@ -41,7 +41,9 @@ def _add_pack(ds: Sub) -> None:
     p.add_argument("src", help="input directory tree or .jsonl file")
     p.add_argument("out", help="output directory")
     p.add_argument("--shard-size", type=size, default=256 << 20, help="target tar size (256MiB)")
-    p.add_argument("--workers", type=int, default=None, help="processes (default: CPU count)")
+    p.add_argument(
+        "--workers", type=at_least(1), default=None, help="processes (default: CPU count)"
+    )
     p.add_argument(
         "--allow-partial",
         action="store_true",
@@ -71,7 +73,9 @@ def _add_index(ds: Sub) -> None:
         func=_index,
     )
     p.add_argument("dir", help="directory of .tar shards, or a flat token file")
-    p.add_argument("--workers", type=int, default=None, help="processes (default: CPU count)")
+    p.add_argument(
+        "--workers", type=at_least(1), default=None, help="processes (default: CPU count)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--vocab-size", type=at_least(1), default=None, help="flat file: vocabulary")
     p.add_argument("--meta", default=None, help="flat file: nanoGPT meta.pkl with vocab_size")
@@ -111,7 +115,9 @@ def _add_tokenize(ds: Sub) -> None:
     )
     p.add_argument("--field", default="text", help="JSON field holding the text (default: text)")
     p.add_argument("--member", default="txt", help="tar member holding the text (default: txt)")
-    p.add_argument("--seq-len", type=int, default=None, help="pack into sequences of this length")
+    p.add_argument(
+        "--seq-len", type=at_least(1), default=None, help="pack into sequences of this length"
+    )
     p.add_argument("--shard-size", type=size, default=256 << 20, help="max token bytes/shard")
     p.add_argument(
         "--dtype",
@@ -126,7 +132,9 @@ def _add_tokenize(ds: Sub) -> None:
         help="SRC is a flat token file indexed by `unbroken data index`: cut its ids into "
         "token shards as they are (no tokenizer); same windows at --seq-len",
     )
-    p.add_argument("--workers", type=int, default=None, help="processes (default: CPU count)")
+    p.add_argument(
+        "--workers", type=at_least(1), default=None, help="processes (default: CPU count)"
+    )
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (faster, not durable)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -143,7 +151,7 @@ def _add_stage(ds: Sub) -> None:
     )
     p.add_argument("url", help="dataset root: local path or fsspec URL")
     p.add_argument("local_dir", help="local destination directory")
-    p.add_argument("--workers", type=int, default=8, help="parallel transfers (default: 8)")
+    p.add_argument("--workers", type=at_least(1), default=8, help="parallel transfers (default: 8)")
     p.add_argument(
         "--ranks-local",
         action="store_true",
@@ -313,14 +321,16 @@ def _add_inspect(ds: Sub) -> None:
     )
     p.add_argument("dir", help="local dataset directory (holds dataset.json)")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default: 0)")
-    p.add_argument("--epochs", type=int, default=3, help="epochs to inspect (default: 3)")
+    p.add_argument("--epochs", type=at_least(1), default=3, help="epochs to inspect (default: 3)")
     p.add_argument(
         "--shuffle-window",
-        type=int,
+        type=at_least(1),
         default=None,
         help="samples per window (default: StreamingDataset's)",
     )
-    p.add_argument("--seq-len", type=int, default=None, help="token datasets: tokens/sequence")
+    p.add_argument(
+        "--seq-len", type=at_least(1), default=None, help="token datasets: tokens/sequence"
+    )
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
 
 
@@ -366,10 +376,12 @@ def _add_bench(ds: Sub) -> None:
         metavar="JSON",
         help='remote URL: fsspec options, e.g. \'{"endpoint_url": "http://..."}\'',
     )
-    p.add_argument("--batch-size", type=int, default=32, help="samples per batch (default: 32)")
+    p.add_argument(
+        "--batch-size", type=at_least(1), default=32, help="samples per batch (default: 32)"
+    )
     p.add_argument(
         "--num-workers",
-        type=int,
+        type=at_least(0),
         default=None,
         help="DataLoader workers to evaluate (default: cores - 1)",
     )
@@ -391,13 +403,15 @@ def _add_bench(ds: Sub) -> None:
         "'package.module:function' or 'path/to/train.py:function' (a function "
         "defined in your training script; its __main__ block does not run)",
     )
-    p.add_argument("--seq-len", type=int, default=None, help="token datasets: tokens/sequence")
+    p.add_argument(
+        "--seq-len", type=at_least(1), default=None, help="token datasets: tokens/sequence"
+    )
     p.add_argument(
         "--device",
         default=None,
         help="device for the pin and H2D stages (default: cuda when available)",
     )
-    p.add_argument("--batches", type=int, default=50, help="batches to time (default: 50)")
+    p.add_argument("--batches", type=at_least(2), default=50, help="batches to time (default: 50)")
     p.add_argument(
         "--max-seconds",
         type=float,
@@ -461,7 +475,7 @@ def _add_report(ds: Sub) -> None:
     p.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/data_report.png)")
     p.add_argument(
         "--num-workers",
-        type=int,
+        type=at_least(1),
         default=None,
         help="workers of the run, to relate a sawtooth period to (default: from "
         "the timeline header)",

@@ -15,6 +15,7 @@ from unbroken.cli._args import (
     Sub,
     add_command,
     add_config_flags,
+    at_least,
     byte_count,
     config_kwargs,
     host_port,
@@ -36,7 +37,7 @@ RUN_FLAGS: tuple[ConfigFlag, ...] = (
         "events.jsonl, recovery.jsonl, logs, beats, stack dumps go here",
     ),
     F(("--nnodes",), RendezvousConfig, "nnodes", "N or MIN:MAX nodes"),
-    F(("--nproc-per-node",), RunConfig, "nproc_per_node", "workers per node"),
+    F(("--nproc-per-node",), RunConfig, "nproc_per_node", "workers per node", type=at_least(1)),
     F(("-m", "--module"), RunConfig, "module", "SCRIPT is a module name", action="store_true"),
     F(
         ("--rdzv-endpoint",),
@@ -48,7 +49,7 @@ RUN_FLAGS: tuple[ConfigFlag, ...] = (
     ),
     F(("--run-id",), RendezvousConfig, "run_id", "job name shared by all nodes"),
     F(("--node",), RendezvousConfig, "node", "this node's name", shown="HOSTNAME-PID"),
-    F(("--max-restarts",), RestartPolicy, "max_restarts", "restart budget"),
+    F(("--max-restarts",), RestartPolicy, "max_restarts", "restart budget", type=at_least(0)),
     F(
         ("--backoff",),
         RestartPolicy,
@@ -198,7 +199,13 @@ PREFLIGHT_FLAGS: tuple[ConfigFlag, ...] = (
         "HOST:PORT that must accept connections",
         type=host_port,
     ),
-    F(("--nproc-per-node",), PreflightConfig, "gpus", "GPUs needed when CUDA is present", type=int),
+    F(
+        ("--nproc-per-node",),
+        PreflightConfig,
+        "gpus",
+        "GPUs needed when CUDA is present",
+        type=at_least(1),
+    ),
     F(
         ("--min-free-bytes",),
         PreflightConfig,
@@ -541,7 +548,7 @@ def _add_drill_runs(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--ckpt-every",
-        type=int,
+        type=at_least(1),
         default=None,
         help="steps between checkpoints (default: inferred from the reference)",
     )
