@@ -282,3 +282,24 @@ def test_a_count_out_of_range_is_refused_naming_its_option(
         main(argv)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and f"argument {flag}" in err, err
+
+
+def _readme_command_lines(verb: str) -> list[str]:
+    """Lines of README's code blocks that run ``unbroken VERB`` (comments cut)."""
+    with open(README, encoding="utf-8") as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+    lines = [ln.split("#")[0].strip() for b in blocks for ln in b.splitlines()]
+    return [ln for ln in lines if ln.startswith(f"unbroken {verb} ")]
+
+
+def test_readme_run_commands_make_a_valid_supervisor_config() -> None:
+    """What the user copies from README must get past the config's own checks (the first
+    example asked for --nnodes 1:2 without the fixed rendezvous port that needs)."""
+    import shlex
+
+    from unbroken.cli.elastic import run_config
+
+    lines = _readme_command_lines("run")
+    assert lines
+    for ln in lines:
+        run_config(build_parser().parse_args(shlex.split(ln)[1:]))
