@@ -303,3 +303,31 @@ def test_readme_run_commands_make_a_valid_supervisor_config() -> None:
     assert lines
     for ln in lines:
         run_config(build_parser().parse_args(shlex.split(ln)[1:]))
+
+
+def _one_checkpoint(root: str) -> None:
+    import torch
+
+    from unbroken.ckpt import Checkpointer, TrainState
+
+    m = torch.nn.Linear(4, 2)
+    st = TrainState(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+    st.step = 1
+    ck = Checkpointer(root, st, quiet=True)
+    ck.save()
+    ck.close()
+
+
+def test_export_to_a_directory_or_into_the_checkpoint_says_where_to_write(tmp_path, capsys):
+    """`--to DIR` failed after the whole read, naming a temporary file; `--to` inside the
+    root wrote into a committed step, which `ckpt verify` then still called intact."""
+    root = str(tmp_path / "ckpt")
+    _one_checkpoint(root)
+    assert main(["ckpt", "export", root, "--to", str(tmp_path)]) == 2
+    err = _err(capsys)
+    assert f"--to {tmp_path}" in err and "is a directory" in err and ".safetensors" in err
+    inside = os.path.join(root, "step-00000001", "model.safetensors")
+    assert main(["ckpt", "export", root, "--to", inside]) == 2
+    err = _err(capsys)
+    assert "--to" in err and "inside the checkpoint root" in err
+    assert not os.path.exists(inside)

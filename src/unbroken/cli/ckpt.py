@@ -32,7 +32,25 @@ def _verify(a: argparse.Namespace) -> int:
 
 
 def _export(a: argparse.Namespace) -> int:
+    import os
+
     from unbroken.ckpt.export import export_safetensors
+    from unbroken.common.text import printable
+
+    # checked before the checkpoint is read and verified (minutes for a large one)
+    if os.path.isdir(a.to):
+        raise ValueError(
+            f"--to {printable(a.to)} is a directory; pass a file path, e.g. "
+            f"{printable(os.path.join(a.to, 'model.safetensors'))}"
+        )
+    if "://" not in a.dir:
+        root, to = os.path.realpath(a.dir), os.path.realpath(a.to)
+        if os.path.commonpath([root, to]) == root:
+            # committed steps are immutable (and verify ignores files it did not write)
+            raise ValueError(
+                f"--to {printable(a.to)} is inside the checkpoint root {printable(a.dir)}; "
+                "write the export outside it"
+            )
 
     print(
         export_safetensors(
