@@ -108,7 +108,7 @@ def get_lr(it):
 
 X, Y = get_batch("train")  # fetch the very first batch
 t0 = time.time()
-while True:
+while iter_num <= a.max_iters:  # tested first: a run restored at its end trains no step
     lr = get_lr(iter_num)
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
@@ -145,8 +145,6 @@ while True:
     metrics.log(iter_num, loss=loss.item(), ids=batches.take_ids(), world_size=ddp_world_size)
     ckpt.maybe_save(iter_num, final=iter_num > a.max_iters)  # the last step is always saved
     beat(iter_num)
-    if iter_num > a.max_iters:
-        break
 
 if ddp:
     destroy_process_group()

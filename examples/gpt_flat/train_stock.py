@@ -99,7 +99,7 @@ def get_lr(it):
 
 X, Y = get_batch("train")  # fetch the very first batch
 t0 = time.time()
-while True:
+while iter_num <= a.max_iters:  # tested first: a run restored at its end trains no step
     lr = get_lr(iter_num)
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
@@ -133,8 +133,6 @@ while True:
             f"iter {iter_num}: loss {loss.item() * gradient_accumulation_steps:.4f}, {dt * 1000:.0f}ms"
         )
     iter_num += 1
-    if iter_num > a.max_iters:
-        break
 
 if ddp:
     destroy_process_group()

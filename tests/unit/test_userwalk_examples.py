@@ -62,3 +62,29 @@ def test_ddp_stock_writes_into_an_output_directory_it_creates(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert (out / "model.pt").is_file()
+
+
+@pytest.mark.timeout(240)
+def test_gpt_flat_started_again_after_its_last_step_trains_no_step_more(tmp_path):
+    """nanoGPT tests `iter_num > max_iters` after the step: restored from its final
+    checkpoint, it trained (and saved) one step more on every restart, so a restart after
+    the final save ended elsewhere than the uninterrupted run."""
+    from unbroken.cli import main
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    gpt = os.path.join(EXAMPLES, "gpt_flat")
+    prep = [os.path.join(gpt, "prepare.py"), "--input", str(corpus), "--out", str(data)]
+    subprocess.run([sys.executable, *prep], check=True, capture_output=True, timeout=60)
+    for split in ("train", "val"):
+        assert main(["data", "index", f"{data}/{split}.bin", "--meta", f"{data}/meta.pkl"]) == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    argv = [os.path.join(gpt, "train.py"), "--data-dir", str(data), "--out-dir", str(out)]
+    argv += ["--max-iters", "4", "--eval-interval", "100", "--eval-iters", "1"]
+    for _ in range(2):
+        r = subprocess.run(
+            [sys.executable, *argv], env=env, capture_output=True, text=True, timeout=100
+        )
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(os.listdir(out / "ckpt")) == ["step-00000005"]
