@@ -331,3 +331,13 @@ def test_export_to_a_directory_or_into_the_checkpoint_says_where_to_write(tmp_pa
     err = _err(capsys)
     assert "--to" in err and "inside the checkpoint root" in err
     assert not os.path.exists(inside)
+
+
+def test_python_dash_m_unbroken_is_the_unbroken_command() -> None:
+    """`python -m unbroken` works where the console script is not on PATH (a venv not
+    activated, a container with only the interpreter)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "unbroken", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: unbroken") and "exit codes:" in out.stdout
