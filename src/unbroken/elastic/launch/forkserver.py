@@ -11,7 +11,8 @@ modules and appends a ``standby`` event.
 Who may talk to it (T-SHARED-NODE): ``UNBROKEN_ZYGOTE`` is ``NAME PID KEY``; the server
 serves only a peer of this uid (``SO_PEERCRED``) whose request carries KEY, and every
 request is parsed bounded (8 MiB, 5 s) inside one ``try``: a bad one is logged to
-``zygote.log``, refused with one generic line, and the server serves on. A forked worker
+``zygote.log`` (a peer without the key at most once a minute: anyone can connect),
+refused with one generic line, and the server serves on. A forked worker
 starts as a fresh interpreter would (RNGs, ``OMP_NUM_THREADS``); any failure to pre-warm
 falls back to a fresh ``python -u SCRIPT``.
 
@@ -169,8 +170,19 @@ _REQUEST_SECONDS = 5.0
 _REFUSED = json.dumps({"refused": "request refused (the fork server's zygote.log says why)"})
 
 
+_QUIET_SECONDS = 60.0
+"""Refusals of peers that did not prove the key are logged once per this many seconds (with
+how many more there were): anyone on the node can connect, tens of thousands of times a
+second, and ``zygote.log`` must not fill the run directory's disk for them."""
+
+
 class _Refused(Exception):
-    """A request the server does not serve (logged; the client learns nothing of why)."""
+    """A request the server does not serve (logged; the client learns nothing of why).
+    ``proven``: the peer held the key (one of our launchers: always logged)."""
+
+    def __init__(self, why: str, proven: bool = False) -> None:
+        super().__init__(why)
+        self.proven = proven
 
 
 def _parse_request(body: bytes) -> dict[str, Any]:
@@ -250,6 +262,8 @@ class _Zygote:
         self._preload = (preload, t0)
         self.interp_env = {k: v for k, v in os.environ.items() if k.startswith("PYTHON")}
         self.conns: dict[int, socket.socket] = {}  # worker pid -> its launcher's connection
+        self._quiet_until = 0.0  # unproven refusals are only counted until then
+        self._unlogged = 0
         # Stay up through the signals meant for the agent's process group; the supervisor
         # ends this process by SIGKILL or it leaves once the agent and its workers are gone.
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -389,7 +403,7 @@ class _Zygote:
             req = self._request(conn, fds)
         except Exception as e:  # noqa: BLE001 - no request, however malformed, ends the server
             why = e if isinstance(e, _Refused) else f"{type(e).__name__}: {e}"
-            print(f"fork server: refused a request: {why}", flush=True)
+            self._log_refusal(str(why), isinstance(e, _Refused) and e.proven)
             for fd in fds:
                 os.close(fd)
             with contextlib.suppress(OSError):
@@ -397,6 +411,18 @@ class _Zygote:
             conn.close()
             return None
         return self._fork(conn, fds, req)
+
+    def _log_refusal(self, why: str, proven: bool) -> None:
+        """One line per refusal of a launcher; at most one per ``_QUIET_SECONDS`` for peers
+        that did not prove the key, saying how many went unlogged before it."""
+        now = time.monotonic()
+        if not proven and now < self._quiet_until:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more refused, not logged)" if self._unlogged else ""
+        print(f"fork server: refused a request: {why}{more}", flush=True)
+        if not proven:
+            self._quiet_until, self._unlogged = now + _QUIET_SECONDS, 0
 
     def _request(self, conn: socket.socket, fds: list[int]) -> dict[str, Any]:
         """Read and check one request (its stdio descriptors land in ``fds``)."""
@@ -417,7 +443,7 @@ class _Zygote:
         if not hmac.compare_digest(req.pop("key").encode(), self.key):
             raise _Refused(f"pid {pid} of this uid does not hold the attempt's key")
         if len(fds) != 3:
-            raise _Refused(f"pid {pid}: expected 3 stdio descriptors, got {len(fds)}")
+            raise _Refused(f"pid {pid}: expected 3 stdio descriptors, got {len(fds)}", True)
         differ = sorted(
             k
             for k in set(req["env"]) | set(self.interp_env)
@@ -427,7 +453,7 @@ class _Zygote:
         # ...): with other values a fork would not be what `python SCRIPT` gives.
         why = self.refused or (f"{', '.join(differ)} differ" if differ else None)
         if why:
-            raise _Refused(f"pid {pid}: {why}; it starts a fresh interpreter")
+            raise _Refused(f"pid {pid}: {why}; it starts a fresh interpreter", True)
         conn.settimeout(None)
         return req
 
