@@ -20,6 +20,7 @@ import os
 import shutil
 import stat
 import sys
+import tempfile
 from typing import Any
 
 import xxhash
@@ -32,6 +33,7 @@ __all__ = [
     "PrivateDirError",
     "agent_removes",
     "create",
+    "fallback",
     "job_dir",
     "remove",
     "user_root",
@@ -69,6 +71,13 @@ def create(path: str) -> str:
     if os.path.basename(parent).startswith("unbroken-"):
         private_dir(parent, purpose="memory-tier directory")
     return private_dir(path, purpose="memory-tier directory")
+
+
+def fallback() -> str:
+    """A new private directory of an unpredictable name in /dev/shm
+    (``unbroken-<uid>-<random>``, 0700, made with ``mkdtemp``), for a job whose
+    :func:`user_root` another user took first: nobody can take a name before it exists."""
+    return tempfile.mkdtemp(prefix=f"unbroken-{os.geteuid()}-", dir=SHM)
 
 
 def remove(path: str) -> None:

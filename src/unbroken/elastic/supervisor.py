@@ -853,9 +853,20 @@ class Supervisor:
         path = memdir.job_dir(f"unbroken run {self.run_dir} {self.cfg.rdzv.run_id}")
         try:
             memdir.create(path)
-        except (OSError, memdir.PrivateDirError) as e:  # no /dev/shm: the tier picks its own
-            log.warning("no memory-tier directory for the workers (%s)", e)
-            return None
+        except (OSError, memdir.PrivateDirError) as e:
+            # Another user may have taken the predictable name first (/dev/shm is everyone's):
+            # a name nobody can know in advance instead, or no directory without /dev/shm.
+            try:
+                path = memdir.fallback()
+            except OSError as e2:
+                log.warning("no memory-tier directory for the workers (%s; %s)", e, e2)
+                return None
+            log.warning(
+                "%s; the memory tier of this run uses %s instead (a new one at each start: "
+                "a restart after this supervisor was killed finds no memory slots)",
+                e,
+                path,
+            )
         self._memory = path
         os.environ[memdir.ENV] = os.environ[memdir.AGENT_ENV] = path
         return path
