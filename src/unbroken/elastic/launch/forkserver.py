@@ -437,7 +437,11 @@ class _Zygote:
             conn, _ = self.listener.accept()
         except OSError:
             return
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except OSError:
+            conn.close()  # gone already
+            return
         pid, uid, _gid = struct.unpack("3i", creds)
         p = _Pending(conn, pid)
         if uid != os.getuid():
