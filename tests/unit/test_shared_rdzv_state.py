@@ -64,6 +64,7 @@ def test_a_planted_pickle_is_refused_and_runs_nothing(guarded, tmp_path):
     marker = str(tmp_path / "ran")
     h = _handler(store, "planted")
     h.next_rendezvous()
+    state = agent._load_state(base64.b64decode(store.get("torch.rendezvous.planted")))
     store.set("torch.rendezvous.planted", base64.b64encode(pickle.dumps(_Mkdir(marker))).decode())
     deadline = time.monotonic() + 10.0  # the handler serves a cached state for 1 s
     with pytest.raises(RendezvousStateError) as e:
@@ -72,6 +73,9 @@ def test_a_planted_pickle_is_refused_and_runs_nothing(guarded, tmp_path):
             time.sleep(0.02)
     assert not os.path.exists(marker)
     assert "refused" in str(e.value.__cause__) and "posix.mkdir" in str(e.value.__cause__)
+    # a state torch accepts again, so that shutdown() can stop the keep-alive thread
+    store.set("torch.rendezvous.planted", base64.b64encode(pickle.dumps(state)).decode())
+    h.shutdown()
 
 
 @pytest.mark.parametrize(
