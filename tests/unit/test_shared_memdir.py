@@ -55,3 +55,36 @@ def test_the_fix_for_another_users_directory_is_not_chmod(tmp_path):
         private_dir(str(d), purpose="memory-tier directory")
     assert "owned by uid 65534" in str(e.value) and "chmod" not in str(e.value)
     assert "remove" in str(e.value) and "another path" in str(e.value)
+
+
+def test_the_next_start_of_the_run_reuses_the_directory_a_killed_one_left(tmp_path, shm):
+    """A SIGKILLed supervisor leaves its memory tier (its restart restores from the slots);
+    with a name of chance the next start made another one, and the old one, slots and all,
+    stayed in /dev/shm (RAM) for good. The run's ``start`` event names it: the next start
+    of the same run directory takes it again while it is still a private directory of ours."""
+    taken = shm / f"unbroken-{os.geteuid()}"
+    taken.mkdir()
+    os.chmod(taken, 0o777)
+    run = str(tmp_path / "run")
+    first = Supervisor(RunConfig(("train.py",), run_dir=run))
+    private_dir(run)
+    path = first._own_memory_tier()
+    assert path is not None
+    first._event("start", memory_tier=path)  # what run() records; then it is SIGKILLed
+    for var in (memdir.ENV, memdir.AGENT_ENV):  # the next supervisor is a new process
+        del os.environ[var]
+    (shm / os.path.basename(path) / "slot").write_bytes(b"x")
+    again = Supervisor(RunConfig(("train.py",), run_dir=run))
+    try:
+        assert again._own_memory_tier() == path
+    finally:
+        again._drop_memory_tier(None)
+    assert not os.path.exists(path)
+    # gone, or planted as a symlink: a new one, the planted name untouched
+    os.symlink(str(tmp_path), path)
+    third = Supervisor(RunConfig(("train.py",), run_dir=run))
+    try:
+        got = third._own_memory_tier()
+        assert got not in (None, path) and os.path.islink(path)
+    finally:
+        third._drop_memory_tier(None)

@@ -15,6 +15,7 @@ only: the supervisor imports this without torch.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -73,11 +74,23 @@ def create(path: str) -> str:
     return private_dir(path, purpose="memory-tier directory")
 
 
-def fallback() -> str:
-    """A new private directory of an unpredictable name in /dev/shm
-    (``unbroken-<uid>-<random>``, 0700, made with ``mkdtemp``), for a job whose
-    :func:`user_root` another user took first: nobody can take a name before it exists."""
-    return tempfile.mkdtemp(prefix=f"unbroken-{os.geteuid()}-", dir=SHM)
+def fallback(last: str | None = None) -> str:
+    """A private directory of an unpredictable name in /dev/shm (``unbroken-<uid>-<random>``,
+    0700, made with ``mkdtemp``), for a job whose :func:`user_root` another user took first:
+    nobody can take a name before it exists. ``last``: the one an earlier start of the job
+    made (a killed agent leaves it, slots and all), taken again while it is still a
+    private directory of this user there; anything else there is left alone."""
+    prefix = f"unbroken-{os.geteuid()}-"
+    if last and os.path.dirname(last) == SHM and os.path.basename(last).startswith(prefix):
+        try:
+            st = os.lstat(last)
+        except OSError:
+            pass
+        else:
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+                with contextlib.suppress(PrivateDirError):
+                    return private_dir(last, purpose="memory-tier directory")
+    return tempfile.mkdtemp(prefix=prefix, dir=SHM)
 
 
 def remove(path: str) -> None:

@@ -856,14 +856,19 @@ class Supervisor:
         except (OSError, memdir.PrivateDirError) as e:
             # Another user may have taken the predictable name first (/dev/shm is everyone's):
             # a name nobody can know in advance instead, or no directory without /dev/shm.
+            last = [
+                e.get("memory_tier")
+                for e in load_events(self.run_dir)
+                if e["event"] == "start" and isinstance(e.get("memory_tier"), str)
+            ]
             try:
-                path = memdir.fallback()
+                path = memdir.fallback(last[-1] if last else None)
             except OSError as e2:
                 log.warning("no memory-tier directory for the workers (%s; %s)", e, e2)
                 return None
             log.warning(
-                "%s; the memory tier of this run uses %s instead (a new one at each start: "
-                "a restart after this supervisor was killed finds no memory slots)",
+                "%s; the memory tier of this run uses %s instead (the next start of this "
+                "run directory takes it again)",
                 e,
                 path,
             )
