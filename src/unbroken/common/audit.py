@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import xxhash
+
+from unbroken.common.fs import open_private, private_dir
 
 __all__ = ["ENV_AUDIT", "StateAudit", "fingerprint", "read_audit", "state_audit"]
 
@@ -103,10 +106,14 @@ class StateAudit:
             "t": round(time.time(), 4),
             "leaves": leaves,
         }
-        os.makedirs(self.root, exist_ok=True)
+        private_dir(self.root, purpose="state audit directory")
         # one write of one line in append mode: records of successive attempts never mix
-        with open(os.path.join(self.root, f"rank-{rank}.jsonl"), "a", encoding="utf-8") as f:
-            f.write(json.dumps(rec) + "\n")
+        path = os.path.join(self.root, f"rank-{rank}.jsonl")
+        fd = open_private(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        try:
+            os.write(fd, (json.dumps(rec) + "\n").encode())
+        finally:
+            os.close(fd)
 
     def saved(self, step: int, sd: Mapping[str, Any], rng: Any) -> None:
         self._write("saved", step, fingerprint(sd, rng))
@@ -142,7 +149,9 @@ def state_audit(state: Any, comm: Any) -> StateAudit | _Off:
 
 
 def read_audit(root: str) -> dict[int, list[dict[str, Any]]]:
-    """``{rank: records in file order}``; torn or damaged lines are skipped."""
+    """``{rank: records in file order}``; torn or damaged lines (a record without an
+    integer rank and step, or leaves) are skipped, and so is a name that is not a regular
+    file (never read through a symlink, never blocking on a FIFO)."""
     out: dict[int, list[dict[str, Any]]] = {}
     try:
         names = os.listdir(root)
@@ -151,15 +160,24 @@ def read_audit(root: str) -> dict[int, list[dict[str, Any]]]:
     for name in sorted(names):
         if not (name.startswith("rank-") and name.endswith(".jsonl")):
             continue
+        try:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        with open(fd, encoding="utf-8", errors="replace") as f:
+            lines = f.readlines() if stat.S_ISREG(os.fstat(fd).st_mode) else []
         recs = []
-        with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(rec, dict) and isinstance(rec.get("leaves"), dict):
-                    recs.append(rec)
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if (
+                isinstance(rec, dict)
+                and isinstance(rec.get("leaves"), dict)
+                and all(type(rec.get(k)) is int for k in ("rank", "step"))
+            ):
+                recs.append(rec)
         if recs:
-            out[int(recs[0]["rank"])] = recs
+            out[recs[0]["rank"]] = recs
     return out

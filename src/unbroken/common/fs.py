@@ -296,17 +296,22 @@ def private_dir(path: str, *, purpose: str = "directory", closed: bool = False) 
         )
     uid = os.geteuid()
     mode = stat.S_IMODE(st.st_mode)
-    if st.st_uid != uid or mode & (0o077 if closed else _GROUP_OR_WORLD_WRITABLE):
-        owner = "this user" if st.st_uid == uid else f"uid {st.st_uid}"
+    if st.st_uid != uid:  # not ours to fix: only its owner (or root) can remove it
+        raise PrivateDirError(
+            f"{path}: the {purpose} is owned by uid {st.st_uid} with mode {mode:04o}, not by "
+            f"this user (uid {uid}); its owner could plant or replace files in it. Have it "
+            "removed (its owner or root), or pass another path"
+        )
+    if mode & (0o077 if closed else _GROUP_OR_WORLD_WRITABLE):
         could, fix = (
             ("read, plant or replace", "chmod 700")
             if closed
             else ("plant or replace", "chmod go-w")
         )
         raise PrivateDirError(
-            f"{path}: the {purpose} is owned by {owner} with mode {mode:04o}; other users could "
-            f"{could} files in it. Use a directory owned by uid {uid} that group and others "
-            f"cannot {'open' if closed else 'write'} ({fix} {path}), or pass another path"
+            f"{path}: the {purpose} is owned by this user with mode {mode:04o}; other users "
+            f"could {could} files in it. Use a directory owned by uid {uid} that group and "
+            f"others cannot {'open' if closed else 'write'} ({fix} {path}), or pass another path"
         )
     return path
 

@@ -15,11 +15,13 @@ only: the supervisor imports this without torch.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import stat
 import sys
+import tempfile
 from typing import Any
 
 import xxhash
@@ -32,6 +34,7 @@ __all__ = [
     "PrivateDirError",
     "agent_removes",
     "create",
+    "fallback",
     "job_dir",
     "remove",
     "user_root",
@@ -69,6 +72,25 @@ def create(path: str) -> str:
     if os.path.basename(parent).startswith("unbroken-"):
         private_dir(parent, purpose="memory-tier directory")
     return private_dir(path, purpose="memory-tier directory")
+
+
+def fallback(last: str | None = None) -> str:
+    """A private directory of an unpredictable name in /dev/shm (``unbroken-<uid>-<random>``,
+    0700, made with ``mkdtemp``), for a job whose :func:`user_root` another user took first:
+    nobody can take a name before it exists. ``last``: the one an earlier start of the job
+    made (a killed agent leaves it, slots and all), taken again while it is still a
+    private directory of this user there; anything else there is left alone."""
+    prefix = f"unbroken-{os.geteuid()}-"
+    if last and os.path.dirname(last) == SHM and os.path.basename(last).startswith(prefix):
+        try:
+            st = os.lstat(last)
+        except OSError:
+            pass
+        else:
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+                with contextlib.suppress(PrivateDirError):
+                    return private_dir(last, purpose="memory-tier directory")
+    return tempfile.mkdtemp(prefix=prefix, dir=SHM)
 
 
 def remove(path: str) -> None:

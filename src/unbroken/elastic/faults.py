@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from unbroken.common.text import printable
+
 __all__ = [
     "DEFAULT_RULES",
     "EXIT_BUDGET",
@@ -182,6 +184,14 @@ DEFAULT_RULES: tuple[Rule, ...] = (
         _P,
         r"Connection closed by peer|Connection reset by peer"
         r"|remote worker crashing|ncclRemoteError|Broken pipe",
+        signal_deaths=False,
+    ),
+    # A state planted in the store, refused by the agent (launch/agent.py): a restart on a
+    # fresh key, counted (a stranger who keeps writing ends in the restart budget's stop).
+    Rule(
+        "rendezvous_state",
+        _P,
+        r"rendezvous state read from the store is refused",
         signal_deaths=False,
     ),
     Rule(
@@ -490,7 +500,7 @@ def classify(ev: Evidence, rules: Sequence[Rule] = DEFAULT_RULES) -> Classificat
         text = "\n".join((primary.message, primary.traceback, primary.stderr_tail))
     for rule in rules:
         if rule.matches(text, sig):
-            reason = _reason(primary, rule)
+            reason = _reason(primary, rule, text)
             signature = None
             if rule.fault is _P and primary is not None and not primary.collateral:
                 signature = signature_of(primary)
@@ -511,8 +521,13 @@ def classify(ev: Evidence, rules: Sequence[Rule] = DEFAULT_RULES) -> Classificat
     )
 
 
-def _reason(primary: WorkerFailure | None, rule: Rule) -> str:
-    if primary is None:
+def _reason(primary: WorkerFailure | None, rule: Rule, text: str = "") -> str:
+    if primary is None:  # the console's line the rule matched says what torchrun died of
+        hit = rule.pattern and next(
+            (ln for ln in text.splitlines() if re.search(rule.pattern, ln)), None
+        )
+        if hit:
+            return f"{rule.name}: torchrun failed: {printable(hit.strip())}"[:400]
         return f"{rule.name}: torchrun failed (no worker failure reported)"
     what = primary.message or _last_exception_line(primary.stderr_tail)
     if primary.signal_name:

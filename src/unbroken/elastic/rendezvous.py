@@ -245,6 +245,15 @@ class Coordinator:
     def _k(self, name: str) -> str:
         return self._prefix + name
 
+    def _read(self, name: str) -> bytes | None:
+        """A key's value, None when it is not there, at once: a ``get`` would wait for a
+        missing key until the store's timeout (the join timeout), and anyone who reaches
+        the store can delete one. One ``compare_set`` that changes nothing: a missing key
+        with a non-empty expected value answers that value and stays missing; a present
+        one answers its own value (set to itself when it equals the marker)."""
+        raw = self._store.compare_set(self._k(name), _ABSENT, _ABSENT)
+        return None if raw == _ABSENT.encode() else raw
+
     @property
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
@@ -271,7 +280,8 @@ class Coordinator:
 
     def gen(self) -> int:
         """The restart generation (a malformed or decreasing value: the last good one)."""
-        got = self._gen_value(self._store.get(self._k("gen")))
+        raw = self._read("gen")
+        got = self._gen_value(b"" if raw is None else raw)
         if got is not None and got < self._gen:
             self._malformed("gen", str(got).encode(), f"went back from {self._gen}")
         elif got is not None:
@@ -293,15 +303,14 @@ class Coordinator:
 
     def peers(self) -> dict[str, float]:
         """Other nodes and the Unix time of their supervisors' last tick."""
-        raw = self._store.get(self._k("nodes"))
+        raw = self._read("nodes") or b""
         names = {n for n in raw.decode("utf-8", "replace").split("\n") if n}
         names.discard(self.node)
         out: dict[str, float] = {}
         for n in sorted(names)[:_MAX_PEERS]:
-            key = self._k(f"alive/{n}")
-            if not self._store.check([key]):  # a get would wait for it (join_timeout)
+            t = self._read(f"alive/{n}")
+            if t is None:
                 continue
-            t = self._store.get(key)
             try:
                 out[n] = float(t)
             except ValueError:
@@ -324,7 +333,7 @@ class Coordinator:
             waiting = [
                 n
                 for n, t in self.peers().items()
-                if now - t < silent_after and not self._store.check([self._k(f"done/{n}")])
+                if now - t < silent_after and self._read(f"done/{n}") is None
             ]
             if not waiting or time.monotonic() > deadline:
                 return waiting
@@ -336,9 +345,9 @@ class Coordinator:
     def get_stop(self) -> tuple[int, str] | None:
         """``(exit code, reason)`` once a supervisor stopped the job; None before, and for a
         value that is not ``<code> <reason>`` with a code a stop can carry (never 0)."""
-        if not self._store.check([self._k("stop")]):
+        raw = self._read("stop")
+        if raw is None:
             return None
-        raw = self._store.get(self._k("stop"))
         code, _, reason = raw.decode("utf-8", "replace").partition(" ")
         if not code.isdigit() or int(code) not in STOP_EXITS:
             self._malformed("stop", raw, f"not '<exit code {sorted(STOP_EXITS)}> <reason>'")
@@ -346,5 +355,7 @@ class Coordinator:
         return int(code), printable(reason[:2000])
 
 
+_ABSENT = "\0unbroken: no such key"
+"""The expected value :meth:`Coordinator._read` compares with: no value unbroken writes."""
 _MAX_PEERS = 4096
 """Node names read from ``nodes`` (a store anyone can append to) at the most."""

@@ -853,9 +853,25 @@ class Supervisor:
         path = memdir.job_dir(f"unbroken run {self.run_dir} {self.cfg.rdzv.run_id}")
         try:
             memdir.create(path)
-        except (OSError, memdir.PrivateDirError) as e:  # no /dev/shm: the tier picks its own
-            log.warning("no memory-tier directory for the workers (%s)", e)
-            return None
+        except (OSError, memdir.PrivateDirError) as e:
+            # Another user may have taken the predictable name first (/dev/shm is everyone's):
+            # a name nobody can know in advance instead, or no directory without /dev/shm.
+            last = [
+                e.get("memory_tier")
+                for e in load_events(self.run_dir)
+                if e["event"] == "start" and isinstance(e.get("memory_tier"), str)
+            ]
+            try:
+                path = memdir.fallback(last[-1] if last else None)
+            except OSError as e2:
+                log.warning("no memory-tier directory for the workers (%s; %s)", e, e2)
+                return None
+            log.warning(
+                "%s; the memory tier of this run uses %s instead (the next start of this "
+                "run directory takes it again)",
+                e,
+                path,
+            )
         self._memory = path
         os.environ[memdir.ENV] = os.environ[memdir.AGENT_ENV] = path
         return path

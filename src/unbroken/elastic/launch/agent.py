@@ -17,17 +17,31 @@ The standby (:mod:`.standby`) calls it before it runs torchrun in-process; witho
 ``unbroken run`` starts ``python -m unbroken.elastic.launch.agent TORCHRUN_ARGS``, which is
 ``python -m torch.distributed.run`` with the port held. Where torch has no
 ``rendezvous.api.get_free_port`` to replace (another version), torchrun runs as it is.
+
+:func:`guard_rendezvous_state`: torchrun's dynamic rendezvous keeps its state in the store
+as a pickle and reads it back with ``pickle.loads`` at every sync (join, keep-alive, each
+membership poll); the store has no authentication and listens on 127.0.0.1 by default, so
+any user of the node could run code as the job's user in its agent. The agents ``unbroken
+run`` starts load it with an unpickler that resolves only the state's own classes and
+check its shape: a planted state is refused (torchrun's ``RendezvousStateError``: the
+attempt fails, the next generation uses a fresh key), never run.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import io
+import pickle
 import socket
 import sys
 from collections.abc import Callable
+from typing import Any
 
+from unbroken.common.text import printable
 from unbroken.elastic.rendezvous import held_socket
 
-__all__ = ["hold_master_port", "main"]
+__all__ = ["guard_rendezvous_state", "hold_master_port", "main"]
 
 _held: list[socket.socket] = []
 _torchs: list[Callable[[], int]] = []  # torch's own get_free_port, where a hold fails
@@ -62,11 +76,96 @@ def hold_master_port() -> bool:
     return True
 
 
+_RDZV = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+_STATE_GLOBALS = frozenset(
+    {(_RDZV, "_RendezvousState"), (_RDZV, "_NodeDesc")}
+    | {("datetime", n) for n in ("datetime", "timezone", "timedelta")}
+)
+"""Every global a pickled rendezvous state names (its times are UTC-aware datetimes)."""
+
+
+class _StateUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _STATE_GLOBALS:
+            raise pickle.UnpicklingError(f"it names the global {module}.{name}")
+        return super().find_class(module, name)
+
+
+def _check_state(state: Any) -> None:
+    """Raise ``TypeError`` unless ``state`` has the shape torchrun writes."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    node_fields = {f.name for f in dataclasses.fields(dr._NodeDesc)}
+
+    def node(n: Any) -> bool:
+        return (
+            type(n) is dr._NodeDesc
+            and set(vars(n)) == node_fields
+            and type(n.addr) is str
+            and all(type(v) is int for v in (n.pid, n.local_id))
+        )
+
+    def when(t: Any) -> bool:
+        return type(t) is datetime.datetime
+
+    if type(state) is not dr._RendezvousState:
+        raise TypeError(f"a {type(state).__name__}, not a rendezvous state")
+    s = vars(state)
+    ok = (
+        set(s) == set(vars(dr._RendezvousState()))  # the fields this torch writes, no more
+        and type(s["round"]) is int
+        and all(type(s[k]) is bool for k in ("complete", "closed"))
+        and (s["deadline"] is None or when(s["deadline"]))
+        and type(s["participants"]) is dict
+        and all(node(n) and type(r) is int for n, r in s["participants"].items())
+        and all(
+            type(s[k]) is set and all(map(node, s[k])) for k in ("wait_list", "redundancy_list")
+        )
+        and type(s["last_heartbeats"]) is dict
+        and all(node(n) and when(t) for n, t in s["last_heartbeats"].items())
+    )
+    if not ok:
+        raise TypeError("its fields are not those torchrun writes")
+
+
+def _load_state(data: bytes) -> Any:
+    """``pickle.loads`` for torchrun's rendezvous state: only its own classes, checked."""
+    try:
+        state = _StateUnpickler(io.BytesIO(data)).load()
+        _check_state(state)
+    except Exception as e:  # noqa: BLE001 - whatever the bytes hold is a refusal
+        raise pickle.UnpicklingError(
+            f"the rendezvous state read from the store is refused ({printable(e)[:300]}): anyone "
+            "who reaches the store can write it; keep --rdzv-endpoint on a trusted network"
+        ) from None
+    return state
+
+
+class _StatePickle:
+    """``pickle`` as torchrun's dynamic rendezvous sees it: ``loads`` is :func:`_load_state`."""
+
+    PickleError = pickle.PickleError
+    dumps = staticmethod(pickle.dumps)
+    loads = staticmethod(_load_state)
+
+
+def guard_rendezvous_state() -> bool:
+    """Make torchrun's dynamic rendezvous load its state with :func:`_load_state`
+    (idempotent); False where this torch reads it some other way (nothing replaced)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    if getattr(dr, "pickle", None) is pickle:
+        dr.pickle = _StatePickle  # type: ignore[assignment]
+    return getattr(dr, "pickle", None) is _StatePickle
+
+
 def main() -> None:
-    """``python -m torch.distributed.run`` with :func:`hold_master_port`."""
+    """``python -m torch.distributed.run`` with :func:`hold_master_port` and
+    :func:`guard_rendezvous_state`."""
     from torch.distributed.run import main as torchrun
 
     hold_master_port()
+    guard_rendezvous_state()
     sys.argv[0] = "torchrun"
     torchrun()
 

@@ -11,7 +11,8 @@ modules and appends a ``standby`` event.
 Who may talk to it (T-SHARED-NODE): ``UNBROKEN_ZYGOTE`` is ``NAME PID KEY``; the server
 serves only a peer of this uid (``SO_PEERCRED``) whose request carries KEY, and every
 request is parsed bounded (8 MiB, 5 s) inside one ``try``: a bad one is logged to
-``zygote.log``, refused with one generic line, and the server serves on. A forked worker
+``zygote.log`` (a peer without the key at most once a minute: anyone can connect),
+refused with one generic line, and the server serves on. A forked worker
 starts as a fresh interpreter would (RNGs, ``OMP_NUM_THREADS``); any failure to pre-warm
 falls back to a fresh ``python -u SCRIPT``.
 
@@ -28,6 +29,7 @@ import gc
 import hmac
 import importlib
 import json
+import math
 import os
 import select
 import signal
@@ -169,8 +171,19 @@ _REQUEST_SECONDS = 5.0
 _REFUSED = json.dumps({"refused": "request refused (the fork server's zygote.log says why)"})
 
 
+_QUIET_SECONDS = 60.0
+"""Refusals of peers that did not prove the key are logged once per this many seconds (with
+how many more there were): anyone on the node can connect, tens of thousands of times a
+second, and ``zygote.log`` must not fill the run directory's disk for them."""
+
+
 class _Refused(Exception):
-    """A request the server does not serve (logged; the client learns nothing of why)."""
+    """A request the server does not serve (logged; the client learns nothing of why).
+    ``proven``: the peer held the key (one of our launchers: always logged)."""
+
+    def __init__(self, why: str, proven: bool = False) -> None:
+        super().__init__(why)
+        self.proven = proven
 
 
 def _parse_request(body: bytes) -> dict[str, Any]:
@@ -204,18 +217,44 @@ def _received_fds(anc: list[tuple[int, int, bytes]]) -> list[int]:
     return out
 
 
-def _recv_exactly(conn: socket.socket, size: int, deadline: float) -> bytes:
-    body = bytearray()
-    while len(body) < size:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise _Refused(f"request not sent within {_REQUEST_SECONDS:g} s")
-        conn.settimeout(left)
-        chunk = conn.recv(min(size - len(body), 1 << 20))
-        if not chunk:
-            raise _Refused("the client hung up mid-request")
-        body += chunk
-    return bytes(body)
+_MAX_PENDING = 256
+"""Requests read side by side at most; a connection beyond them is refused unread (its
+launcher then starts a fresh interpreter), so idle peers cannot exhaust descriptors."""
+
+
+class _Pending:
+    """A request being read: the server reads every pending one as its bytes arrive (a
+    peer that sends nothing holds up nobody) until it is whole or its time is up."""
+
+    def __init__(self, conn: socket.socket, pid: int) -> None:
+        self.conn = conn
+        self.pid = pid
+        self.deadline = time.monotonic() + _REQUEST_SECONDS
+        self.fds: list[int] = []
+        self.size: int | None = None
+        self.body = bytearray()
+
+    def read(self) -> bytes | None:
+        """Read what has arrived; the whole body once it is all there, else None."""
+        if self.size is None:  # the length and the stdio descriptors come in one sendmsg
+            msg, anc, _flags, _addr = self.conn.recvmsg(4, socket.CMSG_SPACE(3 * 4))
+            self.fds.extend(_received_fds(anc))
+            if len(msg) != 4:
+                raise _Refused(f"pid {self.pid}: request cut short")
+            (self.size,) = struct.unpack("!I", msg)
+            if self.size > _MAX_REQUEST:
+                raise _Refused(
+                    f"pid {self.pid}: a request of {self.size} bytes (at most {_MAX_REQUEST})"
+                )
+        while len(self.body) < self.size:
+            try:
+                chunk = self.conn.recv(min(self.size - len(self.body), 1 << 20))
+            except BlockingIOError:
+                return None
+            if not chunk:
+                raise _Refused(f"pid {self.pid}: the client hung up mid-request")
+            self.body += chunk
+        return bytes(self.body)
 
 
 class _Zygote:
@@ -250,6 +289,9 @@ class _Zygote:
         self._preload = (preload, t0)
         self.interp_env = {k: v for k, v in os.environ.items() if k.startswith("PYTHON")}
         self.conns: dict[int, socket.socket] = {}  # worker pid -> its launcher's connection
+        self.pending: dict[socket.socket, _Pending] = {}  # requests being read
+        self._quiet_until = 0.0  # unproven refusals are only counted until then
+        self._unlogged = 0
         # Stay up through the signals meant for the agent's process group; the supervisor
         # ends this process by SIGKILL or it leaves once the agent and its workers are gone.
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -329,19 +371,23 @@ class _Zygote:
         while True:
             if not self._agent_alive() and self.listener.fileno() >= 0:
                 self.listener.close()
-            if self.listener.fileno() < 0 and not self.conns:
+            if self.listener.fileno() < 0 and not self.conns and not self.pending:
                 return None
-            fds: list[Any] = [self.wake_r, *self.conns.values()]
+            fds: list[Any] = [self.wake_r, *self.conns.values(), *self.pending]
             if self.listener.fileno() >= 0:
                 fds.append(self.listener)
             if self.agent_fd is not None and self._agent_alive():
                 fds.append(self.agent_fd)
-            ready, _, _ = select.select(fds, [], [], 1.0)
-            if not ready:
+            due = min((p.deadline for p in self.pending.values()), default=math.inf)
+            wait = min(1.0, max(0.0, due - time.monotonic()))
+            ready, _, _ = select.select(fds, [], [], wait)
+            if not ready and not self.pending:
                 self._preload_one()
             for r in ready:
                 if r is self.listener:
-                    work = self._accept()
+                    self._accept()
+                elif r in self.pending:
+                    work = self._read(self.pending[r])
                     if work is not None:
                         return work
                 elif r == self.wake_r:
@@ -349,6 +395,11 @@ class _Zygote:
                         os.read(self.wake_r, 512)
                 elif isinstance(r, socket.socket):
                     self._launcher_gone(r)
+            now = time.monotonic()
+            for p in [p for p in self.pending.values() if p.deadline <= now]:
+                self._refuse(
+                    p, _Refused(f"pid {p.pid}: request not sent within {_REQUEST_SECONDS:g} s")
+                )
             self._reap()
 
     def _reap(self) -> None:
@@ -379,45 +430,74 @@ class _Zygote:
                 self.conns.pop(pid)
                 conn.close()
 
-    def _accept(self) -> dict[str, Any] | None:
+    def _accept(self) -> None:
+        """Take a connection: refused at once unless its peer is of this uid (nothing is
+        read from it), else its request is read as it arrives (:meth:`_read`)."""
         try:
             conn, _ = self.listener.accept()
         except OSError:
-            return None
-        fds: list[int] = []
+            return
         try:
-            req = self._request(conn, fds)
-        except Exception as e:  # noqa: BLE001 - no request, however malformed, ends the server
-            why = e if isinstance(e, _Refused) else f"{type(e).__name__}: {e}"
-            print(f"fork server: refused a request: {why}", flush=True)
-            for fd in fds:
-                os.close(fd)
-            with contextlib.suppress(OSError):
-                conn.sendall(_REFUSED.encode() + b"\n")
-            conn.close()
-            return None
-        return self._fork(conn, fds, req)
-
-    def _request(self, conn: socket.socket, fds: list[int]) -> dict[str, Any]:
-        """Read and check one request (its stdio descriptors land in ``fds``)."""
-        deadline = time.monotonic() + _REQUEST_SECONDS
-        conn.settimeout(_REQUEST_SECONDS)
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except OSError:
+            conn.close()  # gone already
+            return
         pid, uid, _gid = struct.unpack("3i", creds)
+        p = _Pending(conn, pid)
         if uid != os.getuid():
-            raise _Refused(f"connection from pid {pid} of uid {uid}")  # nothing read from it
-        msg, anc, _flags, _addr = conn.recvmsg(4, socket.CMSG_SPACE(3 * 4))
-        fds.extend(_received_fds(anc))
-        if len(msg) != 4:
-            raise _Refused(f"pid {pid}: request cut short")
-        (size,) = struct.unpack("!I", msg)
-        if size > _MAX_REQUEST:
-            raise _Refused(f"pid {pid}: a request of {size} bytes (at most {_MAX_REQUEST})")
-        req = _parse_request(_recv_exactly(conn, size, deadline))
+            self._refuse(p, _Refused(f"connection from pid {pid} of uid {uid}"))
+        elif len(self.pending) >= _MAX_PENDING:
+            self._refuse(p, _Refused(f"pid {pid}: {_MAX_PENDING} requests already being read"))
+        else:
+            conn.setblocking(False)
+            self.pending[conn] = p
+
+    def _read(self, p: _Pending) -> dict[str, Any] | None:
+        """Read what ``p``'s peer sent; once its request is whole and checked, fork (returns
+        the request inside the worker). Any error is a refusal: the server serves on."""
+        try:
+            body = p.read()
+            if body is None:
+                return None
+            req = self._check(p, body)
+        except Exception as e:  # noqa: BLE001 - no request, however malformed, ends the server
+            self._refuse(p, e)
+            return None
+        del self.pending[p.conn]
+        p.conn.setblocking(True)
+        return self._fork(p.conn, p.fds, req)
+
+    def _refuse(self, p: _Pending, e: Exception) -> None:
+        """Log why (bounded), close its descriptors, answer the one generic line, hang up."""
+        self.pending.pop(p.conn, None)
+        why = e if isinstance(e, _Refused) else f"{type(e).__name__}: {e}"
+        self._log_refusal(str(why), isinstance(e, _Refused) and e.proven)
+        for fd in p.fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            p.conn.send(_REFUSED.encode() + b"\n")  # one short line: never blocks the server
+        p.conn.close()
+
+    def _log_refusal(self, why: str, proven: bool) -> None:
+        """One line per refusal of a launcher; at most one per ``_QUIET_SECONDS`` for peers
+        that did not prove the key, saying how many went unlogged before it."""
+        now = time.monotonic()
+        if not proven and now < self._quiet_until:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more refused, not logged)" if self._unlogged else ""
+        print(f"fork server: refused a request: {why}{more}", flush=True)
+        if not proven:
+            self._quiet_until, self._unlogged = now + _QUIET_SECONDS, 0
+
+    def _check(self, p: _Pending, body: bytes) -> dict[str, Any]:
+        """The whole request checked: JSON of the right shape, the key, three stdio
+        descriptors, this interpreter's ``PYTHON*`` settings."""
+        req = _parse_request(body)
         if not hmac.compare_digest(req.pop("key").encode(), self.key):
-            raise _Refused(f"pid {pid} of this uid does not hold the attempt's key")
-        if len(fds) != 3:
-            raise _Refused(f"pid {pid}: expected 3 stdio descriptors, got {len(fds)}")
+            raise _Refused(f"pid {p.pid} of this uid does not hold the attempt's key")
+        if len(p.fds) != 3:
+            raise _Refused(f"pid {p.pid}: expected 3 stdio descriptors, got {len(p.fds)}", True)
         differ = sorted(
             k
             for k in set(req["env"]) | set(self.interp_env)
@@ -427,8 +507,7 @@ class _Zygote:
         # ...): with other values a fork would not be what `python SCRIPT` gives.
         why = self.refused or (f"{', '.join(differ)} differ" if differ else None)
         if why:
-            raise _Refused(f"pid {pid}: {why}; it starts a fresh interpreter")
-        conn.settimeout(None)
+            raise _Refused(f"pid {p.pid}: {why}; it starts a fresh interpreter", True)
         return req
 
     def _fork(
@@ -459,6 +538,10 @@ class _Zygote:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for c in (self.listener, conn, *self.conns.values()):
             c.close()
+        for p in self.pending.values():  # requests of others still being read
+            p.conn.close()
+            for held in p.fds:
+                os.close(held)
         for fd in (self.wake_r, self.wake_w, self.agent_fd):
             if fd is not None:
                 os.close(fd)

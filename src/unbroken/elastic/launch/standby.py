@@ -166,9 +166,10 @@ def main(argv: list[str]) -> None:
     from torch.distributed.run import main as torchrun
 
     from unbroken.common import events
-    from unbroken.elastic.launch.agent import hold_master_port
+    from unbroken.elastic.launch.agent import guard_rendezvous_state, hold_master_port
 
     hold_master_port()  # rank 0's MASTER_PORT stays bound until its worker hosts the store
+    guard_rendezvous_state()  # a state planted in the store is refused, never unpickled
 
     # The fork server starts now, before the go order, and imports the workers' modules
     # itself: the agent needs only torch and torchrun, so a cold restart (no standby ready)
