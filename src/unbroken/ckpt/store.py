@@ -52,12 +52,22 @@ __all__ = [
     "CorruptCheckpoint",
     "RestoreRefused",
     "Store",
+    "step_of",
 ]
 
 log = logging.getLogger(__name__)
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
+_STEP_RE = re.compile(r"^step-([0-9]{8,})$")
 _TMP_PREFIX = ".tmp-step-"
+
+
+def step_of(name: str) -> int | None:
+    """The step a directory named ``name`` holds, only when :meth:`Store.step_dir` writes
+    exactly that name: ``step-9``, a non-ASCII digit or a second spelling of a step are
+    someone else's (never two candidates for one step, nor one whose path does not exist)."""
+    m = _STEP_RE.match(name)
+    step = int(m.group(1)) if m else None
+    return step if step is not None and name == f"step-{step:08d}" else None
 
 
 class CorruptCheckpoint(CheckFailed):
@@ -134,23 +144,23 @@ class Store:
         """Committed steps, ascending. A ``step-N`` directory counts only with a manifest."""
         out = []
         for name in self._entries():
-            m = _STEP_RE.match(name)
-            if m and os.path.isfile(os.path.join(self.root, name, MANIFEST)):
-                out.append(int(m.group(1)))
+            step = step_of(name)
+            if step is not None and os.path.isfile(os.path.join(self.root, name, MANIFEST)):
+                out.append(step)
         return sorted(out)
 
     def candidates(self) -> list[int]:
         """Every ``step-N`` directory, ascending, committed or not: what restore() and
         ``ckpt verify`` examine (our commit never leaves one without a manifest, so such a
         directory is damage, reported and moved aside like any other)."""
-        return sorted(int(m.group(1)) for n in self._entries() if (m := _STEP_RE.match(n)))
+        return sorted(s for n in self._entries() if (s := step_of(n)) is not None)
 
     def uncommitted(self) -> list[str]:
         """``step-N`` directories without a manifest: never produced by our commit."""
         return sorted(
             n
             for n in self._entries()
-            if _STEP_RE.match(n) and not os.path.isfile(os.path.join(self.root, n, MANIFEST))
+            if step_of(n) is not None and not os.path.isfile(os.path.join(self.root, n, MANIFEST))
         )
 
     def temp_dirs(self) -> list[str]:
