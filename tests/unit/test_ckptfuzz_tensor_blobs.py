@@ -3,7 +3,8 @@
 A tensor record in a layout unbroken does not write is read with
 ``torch.load(weights_only=True)``, which runs no code but builds whatever its allow-list
 permits: ``torch.Size(bytearray(n))`` makes an 8·n-byte tuple from a 60-byte pickle, and a
-zip record stored deflated is inflated to the size its directory claims. Each case plants
+zip record stored deflated is inflated to the size its directory claims; and unbroken's own
+stand-in parse of ``data.pkl`` kept a copy of every call's arguments. Each case plants
 one in step 4 (every offset and checksum re-signed, as an attacker would), restores, and
 asserts step 2 loads bit-identical while the process's peak RSS stays under the bound
 ``2 * B + 256 MiB``. A blob in a foreign but honest layout (a transposed tensor) still loads.
@@ -24,6 +25,7 @@ import torch
 from test_ckpt_pickle import _evil_blob, _replace_blob
 
 from ckptkit import (
+    PROTO,
     STOP,
     build_root,
     identical,
@@ -53,6 +55,23 @@ def _size_of_bytearray(want: dict[int, Any]) -> bytes:
         + b"J"
         + struct.pack("<i", 1 << 26)
         + b"\x85R\x85R"
+        + STOP
+    )
+    return _evil_blob(torch.zeros(32, 16), pkl)
+
+
+def _calls_on_one_tuple(want: dict[int, Any]) -> bytes:
+    # OrderedDict(*t) 600 times, t a memoized tuple of 100,000 items: 800 KB per call's copy
+    pkl = (
+        PROTO
+        + b"("
+        + b"N" * 100_000
+        + b"t\x94"
+        + p_global("collections", "OrderedDict")
+        + b"\x94"
+        + b"00]("
+        + b"h\x01h\x00R" * 600
+        + b"e"
         + STOP
     )
     return _evil_blob(torch.zeros(32, 16), pkl)
@@ -92,6 +111,7 @@ def _transposed(want: dict[int, Any]) -> bytes:
 BOMBS: dict[str, Callable[[dict[int, Any]], bytes]] = {
     "size-of-bytearray": _size_of_bytearray,
     "deflated-storage": _deflated_storage,
+    "calls-on-one-tuple": _calls_on_one_tuple,
 }
 
 
