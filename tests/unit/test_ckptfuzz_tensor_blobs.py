@@ -7,7 +7,8 @@ zip record stored deflated is inflated to the size its directory claims; and unb
 stand-in parse of ``data.pkl`` kept a copy of every call's arguments. Each case plants
 one in step 4 (every offset and checksum re-signed, as an attacker would), restores, and
 asserts step 2 loads bit-identical while the process's peak RSS stays under the bound
-``2 * B + 256 MiB``. A blob in a foreign but honest layout (a transposed tensor) still loads.
+``2 * B + 256 MiB``. A blob in a foreign but honest layout (a transposed tensor, a view at
+an offset of a larger storage) still loads.
 """
 
 from __future__ import annotations
@@ -100,12 +101,23 @@ def _deflated_storage(want: dict[int, Any]) -> bytes:
     return out.getvalue()
 
 
-def _transposed(want: dict[int, Any]) -> bytes:
-    # honest: the same values, saved as a transposed view (not the layout unbroken writes)
-    w = want[4]["components"]["model"]["0.weight"]
-    buf = io.BytesIO()
-    torch.save(w.t().contiguous().t(), buf)
-    return buf.getvalue()
+def _honest(view: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict[int, Any]], bytes]:
+    """The same values saved as ``view(weight)``: not the layout unbroken writes."""
+
+    def blob(want: dict[int, Any]) -> bytes:
+        buf = io.BytesIO()
+        torch.save(view(want[4]["components"]["model"]["0.weight"]), buf)
+        return buf.getvalue()
+
+    return blob
+
+
+HONEST = {
+    "transposed": _honest(lambda w: w.t().contiguous().t()),
+    "at-a-storage-offset": _honest(
+        lambda w: torch.cat([torch.ones(7), w.flatten()])[7:].view(32, 16)
+    ),
+}
 
 
 BOMBS: dict[str, Callable[[dict[int, Any]], bytes]] = {
@@ -152,11 +164,14 @@ def test_a_crafted_tensor_blob_cannot_exhaust_memory(pristine, tmp_path, caplog,
     assert peak < bound, f"{bomb}: restore peaked at {peak / MiB:.0f} MiB, bound {bound / MiB:.0f}"
 
 
-def test_a_tensor_in_an_honest_foreign_layout_still_loads(pristine, tmp_path, caplog) -> None:
+@pytest.mark.parametrize("layout", sorted(HONEST))
+def test_a_tensor_in_an_honest_foreign_layout_still_loads(
+    pristine, tmp_path, caplog, layout
+) -> None:
     src, want = pristine
     root = str(tmp_path / "ck")
     shutil.copytree(src, root, symlinks=True)
-    _replace_blob(step_dir(root, 4), KEY, _transposed(want))
+    _replace_blob(step_dir(root, 4), KEY, HONEST[layout](want))
     got, state, _ = _restore(root, caplog)
     assert got == 4
     assert identical(state, want[4])
