@@ -17,6 +17,7 @@ import io
 import logging
 import shutil
 import struct
+import tracemalloc
 import zipfile
 from collections.abc import Callable
 from typing import Any
@@ -175,3 +176,34 @@ def test_a_tensor_in_an_honest_foreign_layout_still_loads(
     got, state, _ = _restore(root, caplog)
     assert got == 4
     assert identical(state, want[4])
+
+
+def _directory_bomb(n: int, zip64: bool) -> bytes:
+    """A zip of nothing but ``n`` 46-byte central-directory entries."""
+    entry = b"PK\x01\x02" + struct.pack(
+        "<6H3I5H2I", 20, 20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0
+    )
+    cd = entry * n
+    if not zip64:
+        return cd + b"PK\x05\x06" + struct.pack("<4H2IH", 0, 0, n, n, len(cd), 0, 0)
+    z64 = b"PK\x06\x06" + struct.pack("<QHHIIQQQQ", 44, 45, 45, 0, 0, n, n, len(cd), 0)
+    locator = b"PK\x06\x07" + struct.pack("<IQI", 0, len(cd), 1)
+    end = b"PK\x05\x06" + struct.pack("<4H2IH", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+    return cd + z64 + locator + end
+
+
+@pytest.mark.parametrize("zip64", [False, True], ids=["zip", "zip64"])
+def test_a_zip_directory_of_many_records_is_no_tensor_blob(zip64) -> None:
+    """A tensor blob's zip lists five records; one listing 50,000 made the reader build a
+    ZipInfo of ~400 bytes for each 46-byte entry (8x the file: 8 GiB for a 1 GiB chunk)."""
+    from unbroken.ckpt.tensor_io import _zip_entries
+
+    blob = _directory_bomb(50_000, zip64)
+    tracemalloc.start()
+    try:
+        got = _zip_entries(memoryview(blob))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert got == []
+    assert peak < len(blob), f"parsing a {len(blob)}-byte directory peaked at {peak} bytes"

@@ -642,12 +642,15 @@ def _zip_entries(blob: memoryview) -> list[zipfile.ZipInfo]:
 
     ``torch.save`` archives end in a plain end-of-central-directory record with no comment;
     those are read here directly (``zipfile.ZipFile`` costs ~0.1 ms per archive, per tensor
-    on every restore). Anything else (zip64, a comment, an odd layout) goes to zipfile."""
+    on every restore). Anything else (zip64, a comment, an odd layout) goes to zipfile.
+    A directory of more than :data:`_MAX_RECORDS` records is no tensor blob (empty)."""
     try:
         n = len(blob)
         eocd = n - 22
         if eocd >= 0 and bytes(blob[eocd : eocd + 4]) == b"PK\x05\x06":
             count, size, start = struct.unpack_from("<HII", blob, eocd + 10)
+            if count != 0xFFFF and count > _MAX_RECORDS:
+                return []
             if count != 0xFFFF and start != 0xFFFFFFFF and start + size <= eocd:
                 out, pos = [], start
                 for _ in range(count):
@@ -667,9 +670,18 @@ def _zip_entries(blob: memoryview) -> list[zipfile.ZipInfo]:
                 else:
                     return out
         with zipfile.ZipFile(_BlobView(blob)) as zf:
-            return zf.infolist()
+            infos = zf.infolist()
+        return infos if len(infos) <= _MAX_RECORDS else []
     except (zipfile.BadZipFile, ValueError, OSError, struct.error):
         return []
+
+
+_MAX_RECORDS = 64
+"""Records the zip of one tensor may list (``torch.save`` writes five). Each 46-byte entry
+of a directory costs a ~400-byte ``ZipInfo``: a crafted 1 GiB chunk of entries would cost
+8 GiB, so a longer directory is refused before it is parsed, and zipfile never reads more
+than :data:`_MAX_READ` at once."""
+_MAX_READ = 1 << 20  # zipfile reads a directory in one call; its tail search reads 64 KiB
 
 
 class _TensorPickle(pickle.Unpickler):
@@ -854,7 +866,8 @@ def _record_start(blob: memoryview, info: zipfile.ZipInfo) -> int | None:
 
 
 class _BlobView(io.RawIOBase):
-    """Seekable read-only file over a memoryview (zipfile reads only the central dir)."""
+    """Seekable read-only file over a memoryview (zipfile reads only the central dir, in
+    reads of at most :data:`_MAX_READ` bytes)."""
 
     def __init__(self, mv: memoryview) -> None:
         self.mv, self.pos = mv, 0
@@ -876,6 +889,8 @@ class _BlobView(io.RawIOBase):
 
     def read(self, n: int | None = -1) -> bytes:
         end = len(self.mv) if n is None or n < 0 else min(len(self.mv), self.pos + n)
+        if end - self.pos > _MAX_READ:  # a directory of more than _MAX_RECORDS entries
+            raise ValueError(f"a zip directory of {end - self.pos} bytes is no tensor blob's")
         data = bytes(self.mv[self.pos : end])
         self.pos = max(self.pos, end)
         return data
