@@ -50,3 +50,33 @@ def test_a_directory_only_named_like_a_step_is_not_one(pristine, tmp_path, name)
         ck.close()
     assert sorted(os.listdir(root)) == sorted(["step-00000006", name])
     assert sorted(os.listdir(foreign)) == sorted(os.listdir(os.path.join(src, "step-00000002")))
+
+
+@pytest.mark.parametrize("kind", ["symlink", "file"])
+def test_debris_named_like_retentions_own_never_fails_a_save(pristine, tmp_path, kind) -> None:
+    """Retention renamed step N to the fixed ``.tmp-step-N.deleting`` before deleting it: an
+    entry of that name the debris sweep cannot remove (a symlink, a file) made every save
+    that pruned step N raise ``NotADirectoryError`` after its commit."""
+    src, _ = pristine
+    root = str(tmp_path / "ck")
+    shutil.copytree(src, root, symlinks=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("keep\n")
+    debris = os.path.join(root, ".tmp-step-00000002.deleting")
+    if kind == "symlink":
+        os.symlink(str(elsewhere), debris)
+    else:
+        with open(debris, "w") as f:
+            f.write("x")
+
+    st, m, opt = small_state(seed=9)
+    ck = Checkpointer(root, st, keep_last=1)
+    try:
+        assert ck.restore() == 4
+        train(st, m, opt, 2)
+        ck.save()
+    finally:
+        ck.close()
+    assert [n for n in os.listdir(root) if n.startswith("step-")] == ["step-00000006"]
+    assert (elsewhere / "keep.txt").read_text() == "keep\n"

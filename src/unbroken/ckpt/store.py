@@ -321,8 +321,11 @@ class Store:
             keep |= {s for s in steps if s % keep_every == 0}
         gone = [s for s in steps if s not in keep]
         for s in gone:
-            # Rename first so a kill mid-delete never leaves a half-deleted "committed" step.
-            doomed = os.path.join(self.root, f"{_TMP_PREFIX}{s:08d}.deleting")
+            # Rename first so a kill mid-delete never leaves a half-deleted "committed" step;
+            # a name of its own, so no entry left there (debris, a file) is in the way.
+            doomed = os.path.join(
+                self.root, f"{_TMP_PREFIX}{s:08d}.deleting.{uuid.uuid4().hex[:8]}"
+            )
             os.rename(self.step_dir(s), doomed)
             shutil.rmtree(doomed, ignore_errors=True)
         if gone:
