@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 
 _STEP_RE = re.compile(r"^step-([0-9]{8,})$")
 _TMP_PREFIX = ".tmp-step-"
+_CORRUPT_RE = re.compile(r"^corrupt-step-([0-9]+)-(.+)$")
 
 
 def step_of(name: str) -> int | None:
@@ -162,6 +163,15 @@ class Store:
             for n in self._entries()
             if step_of(n) is not None and not os.path.isfile(os.path.join(self.root, n, MANIFEST))
         )
+
+    def quarantined(self) -> list[tuple[str, int, str]]:
+        """What :meth:`quarantine` moved aside, as ``(name, step, reason)``, by name."""
+        out = []
+        for name in sorted(self._entries()):
+            m = _CORRUPT_RE.match(name)
+            if m:
+                out.append((name, int(m.group(1)), m.group(2)))
+        return out
 
     def temp_dirs(self) -> list[str]:
         return sorted(n for n in self._entries() if n.startswith(_TMP_PREFIX))
