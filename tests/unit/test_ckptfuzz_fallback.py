@@ -51,3 +51,45 @@ def test_every_step_damaged_is_one_error_that_lists_them_on_every_attempt(
         "corrupt-step-00000002-no-manifest",
         "corrupt-step-00000004-checksum",
     ]
+
+
+def test_a_sparse_file_does_not_raise_the_memory_bound(pristine, tmp_path) -> None:
+    """The parse budget is 2 x the bytes on disk + 256 MiB; it was computed from the
+    apparent sizes of the step's files, so one sparse file of 1 TiB (no disk used) lifted
+    it to 2 TiB and a 20 MB manifest of empty lists (refused otherwise) was parsed at 500 MB.
+    """
+    src, _ = pristine
+    root = str(tmp_path / "ck")
+    shutil.copytree(src, root, symlinks=True)
+    d = step_dir(root, 4)
+    path = os.path.join(d, "manifest.json")
+    with open(path, "rb") as f:
+        raw = f.read()
+    with open(path, "wb") as f:  # not re-signed: it is parsed before its checksum is checked
+        f.write(
+            raw.replace(b'"data_state": null', b'"data_state": [' + b"[]," * 6_500_000 + b"[]]")
+        )
+    with open(os.path.join(d, "padding"), "wb") as f:
+        f.truncate(1 << 40)
+    on_disk = sum(
+        os.lstat(os.path.join(dp, n)).st_blocks * 512 for dp, _, ns in os.walk(root) for n in ns
+    )
+    bound = 2 * on_disk + 256 * 2**20
+
+    st, _, _ = small_state(seed=9)
+    ck = Checkpointer(root, st)
+    base = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS: the peak from here on
+    try:
+        assert ck.restore() == 2
+        peak = _status("VmHWM") - base
+    finally:
+        ck.close()
+    assert peak < bound, f"restore peaked at {peak >> 20} MiB, bound {bound >> 20} MiB"
+    assert os.path.isdir(os.path.join(root, "corrupt-step-00000004-too-large"))
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))

@@ -185,17 +185,21 @@ class Store:
         return CheckpointInfo(step, d, size, os.path.getmtime(os.path.join(d, MANIFEST)))
 
     def file_bytes(self, step: int) -> int:
-        """Bytes of the regular files in ``step``'s directory (symlinks not followed): what
-        justifies the memory a restore of it may spend (:class:`~.bounds.Budget`)."""
+        """Bytes on disk of the regular files in ``step``'s directory (symlinks not
+        followed): what justifies the memory a restore of it may spend
+        (:class:`~.bounds.Budget`). A sparse file counts the blocks it holds, not its
+        apparent size (a 1 TiB hole would lift the bound to 2 TiB), on a file system that
+        reports blocks (some FUSE mounts report none: there, the sizes)."""
         try:
             with os.scandir(self.step_dir(step)) as it:
-                return sum(
-                    e.stat(follow_symlinks=False).st_size
-                    for e in it
-                    if e.is_file(follow_symlinks=False)
-                )
+                sts = [
+                    e.stat(follow_symlinks=False) for e in it if e.is_file(follow_symlinks=False)
+                ]
         except OSError:
             return 0
+        if not any(st.st_blocks for st in sts):
+            return sum(st.st_size for st in sts)
+        return sum(min(st.st_size, st.st_blocks * 512) for st in sts)
 
     def has_foreign_content(self) -> bool:
         """True when the root holds anything at all (a sign it was meant to hold checkpoints)."""
