@@ -440,7 +440,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         if self._comm.rank == 0:
             self.store.remove_debris(is_stale=lambda p: not lock.writer_alive(p))
-        tried = _Tried()
+        tried = _Tried(moved=self.store.quarantined())
         candidates = [step] if step is not None else sorted(self.store.candidates(), reverse=True)
         candidates = self._comm.broadcast(candidates)
         memory = self._memory if step is None else None
@@ -518,6 +518,10 @@ class Checkpointer:
             raise RestoreRefused(refusal(s, why, self.store.root, len(tried.refused)), s)
         if self.store.has_foreign_content() and not self.config.allow_fresh_start:
             what = "; ".join(tried.texts) if tried.texts else "no step-N directory"
+            if tried.moved:  # e.g. every step, by the attempt before this restart
+                what += "; moved aside by an earlier restore: " + "; ".join(
+                    f"step {s}: {why} ({name})" for name, s, why in tried.moved[-8:]
+                )
             raise RuntimeError(
                 f"{self.store.root!r} is not empty but holds no valid checkpoint (tried: "
                 f"{what}); refusing to silently start from scratch. Pass "
@@ -621,6 +625,8 @@ class _Tried:
     refused: list[tuple[int, str]] = field(default_factory=list)
     memory: str = ""  # why the memory tier was not used (C-TIERS), when it is on
     skipped: list[str] = field(default_factory=list)  # newer copies skipped, and why
+    moved: list[tuple[str, int, str]] = field(default_factory=list)
+    """Steps quarantined before this restore began: ``(name, step, reason)``."""
 
     def line(self, tier: str = "disk") -> str:
         """Why newer copies were skipped, for the one restore line (C-TIERS)."""

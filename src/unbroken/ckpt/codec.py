@@ -193,7 +193,10 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor] | None = None) -> Any: 
         arr = np.frombuffer(base64.b64decode(obj["b64"]), dtype=np.dtype(obj["dtype"]))
         return arr.reshape(obj["shape"]).copy()
     if tag == "npscalar":
-        return np.dtype(obj["dtype"]).type(obj["value"])
+        dt = np.dtype(obj["dtype"])
+        if dt.kind in "OV":  # never written (JSON holds no such value); np.void(n) is n bytes
+            raise ValueError(f"a numpy scalar of dtype {dt.str!r} in checkpoint state")
+        return dt.type(obj["value"])
     raise ValueError(f"unknown tag {tag!r} in checkpoint state (written by a newer unbroken?)")
 
 

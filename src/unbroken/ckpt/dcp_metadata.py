@@ -11,7 +11,8 @@ How it is checked: pickle's own parser runs with a ``find_class`` that resolves 
 against an EXACT allow-list of ``(module, qualname)`` pairs (no prefixes, no dotted names)
 to an inert stand-in defined here. Nothing the file names is imported, constructed or
 called: ``REDUCE``/``NEWOBJ``/``BUILD`` only ever reach these stand-ins, whose methods
-just record their arguments. The result must be the stand-in of DCP's ``Metadata``.
+copy nothing (what a parse allocates stays what the opcode walk charged). The result must
+be the stand-in of DCP's ``Metadata``.
 """
 
 from __future__ import annotations
@@ -62,43 +63,39 @@ class UnsafeMetadata(ValueError):
 
 
 class _Stub:
-    """An instance of an allow-listed class. No code of ours runs when the pickle makes one
-    (``object.__new__``) or fills it (``BUILD`` updates its ``__dict__``): C speed, nothing
-    to call."""
+    """An instance of an allow-listed class. Pickle makes it with ``object.__new__`` and
+    hands ``BUILD``'s state to :meth:`__setstate__`, which keeps a reference: a dict update
+    would copy the state into every instance, so one memoized dict built into many stubs
+    would cost memory the file never paid for (T-BOUNDED)."""
 
+    __slots__ = ("state",)
     _name = ""
 
-
-class _TupleState(_Stub):
-    """For the one class DCP pickles with a tuple state (``TensorProperties``)."""
-
     def __setstate__(self, state: Any) -> None:
-        self.__dict__["state"] = state
+        self.state = state
 
 
 class _Call:
-    """An allow-listed callable: calling it builds an inert record."""
+    """An allow-listed callable: calling it yields its name. Nothing of the arguments is
+    kept (a call's ``*args`` is a copy: one memoized tuple passed to many calls would
+    cost memory the file never paid for)."""
 
     __slots__ = ("name",)
 
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def __call__(self, *args: Any) -> tuple[str, tuple[Any, ...]]:
-        return (self.name, args)
+    def __call__(self, *args: Any) -> str:
+        return self.name
 
 
 _STUB_TYPES: dict[tuple[str, str], type[_Stub]] = {
-    key: type(
-        key[1],
-        (_TupleState if key == (_MD, "TensorProperties") else _Stub,),
-        {"_name": f"{key[0]}.{key[1]}"},
-    )
+    key: type(key[1], (_Stub,), {"_name": f"{key[0]}.{key[1]}", "__slots__": ()})
     for key in _CLASSES
 }
-# torch.Size(list) is a tuple of ints: the builtin ``tuple`` builds the same inert value at
-# C speed (it is applied once or twice per stored chunk).
-_AS_TUPLE = frozenset({("torch", "Size")})
+# torch.Size(list): a call like the others (the builtin ``tuple`` would copy its argument,
+# e.g. 1 MiB of memoized bytes into an 8 MiB tuple, once per application).
+_CALLS = {key: _Call(f"{key[0]}.{key[1]}") for key in _CALLABLES | {("torch", "Size")}}
 
 
 class _Checker(pickle.Unpickler):
@@ -106,10 +103,8 @@ class _Checker(pickle.Unpickler):
         key = (module, name)
         if key in _STUB_TYPES:
             return _STUB_TYPES[key]
-        if key in _AS_TUPLE:
-            return tuple
-        if key in _CALLABLES:
-            return _Call(f"{module}.{name}")
+        if key in _CALLS:
+            return _CALLS[key]
         if key in _VALUES:
             return f"{module}.{name}"
         raise UnsafeMetadata(f"names {module}.{name}, which DCP metadata never holds")

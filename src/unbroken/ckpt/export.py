@@ -20,7 +20,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 import time
 from dataclasses import dataclass
 
@@ -49,8 +48,6 @@ __all__ = [
     "verify_report",
     "verify_steps",
 ]
-
-_CORRUPT_RE = re.compile(r"^corrupt-step-(\d+)-(.+)$")
 
 
 def _size(n: float) -> str:
@@ -121,10 +118,7 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
         for s in store.steps():
             info = store.info(s)
             local[s] = (info.size, info.mtime)
-        for name in sorted(os.listdir(store.root)):
-            m = _CORRUPT_RE.match(name)
-            if m:
-                notes.append(f"{name}: quarantined step {int(m.group(1))} ({m.group(2)})")
+        notes += [f"{n}: quarantined step {s} ({why})" for n, s, why in store.quarantined()]
         notes += [
             f"{n}: DAMAGED, no {MANIFEST} (restore() moves it aside; see `ckpt verify`)"
             for n in store.uncommitted()

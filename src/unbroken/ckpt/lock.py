@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -147,16 +148,29 @@ _DENIED = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 def _open(path: str) -> int:
     """The lock file, created if needed; read-only when that is all we may (flock needs no
-    write access, so another user's live writer is still seen)."""
+    write access, so another user's live writer is still seen). A fixed name in a root that
+    may come from elsewhere: never a symlink (the holder's record is written into it, which
+    would truncate the file it points to), never anything but a regular file (a FIFO would
+    block the open)."""
+    flags = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        if e.errno not in _DENIED:
-            raise
         try:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise e from None
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o644)
+        except OSError as e:
+            if e.errno not in _DENIED:
+                raise
+            try:
+                fd = os.open(path, os.O_RDONLY | flags)
+            except FileNotFoundError:
+                raise e from None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RuntimeError(f"{path} is a symlink, not a lock file; remove it") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RuntimeError(f"{path} is not a regular file; remove it")
+    return fd
 
 
 def _lock(root: str) -> _Held:

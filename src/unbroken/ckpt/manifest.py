@@ -23,6 +23,7 @@ import math
 import os
 import re
 import stat
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -67,6 +68,8 @@ DTYPES = (
     "complex128", "complex64",
     "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
 )  # fmt: skip
+MAX_DIMS = 64
+"""Dimensions a stored tensor may have (numpy's limit, which the chunk cover check uses)."""
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
 _HEX32_RE = re.compile(r"^[0-9a-f]{32}$")
 _CHECKSUM_KEY = "manifest_checksum"
@@ -288,9 +291,16 @@ class CheckpointManifest:
             d = load_json(raw, budget or Budget(len(raw)), where)
         except TooCostly as e:
             raise ManifestError(where, str(e).removeprefix(f"{where} "), "too-large") from e
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        except (ValueError, RecursionError) as e:  # also a number of over 4,300 digits
             raise ManifestError(where, f"not valid JSON ({e})") from e
-        return cls.from_dict(d, step=step, where=where)
+        try:
+            return cls.from_dict(d, step=step, where=where)
+        except ManifestError:
+            raise
+        except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as e:
+            # a check this module missed: still damage to every caller (the archive and
+            # `ckpt ls` catch ManifestError only), never a traceback
+            raise ManifestError(where, f"{type(e).__name__}: {e}") from e
 
     @classmethod
     def from_dict(cls, d: Any, *, step: int | None, where: str) -> CheckpointManifest:
@@ -411,7 +421,8 @@ class _Checker:
         """rank -> its state file, one per rank of ``world``."""
         ranks: dict[int, str] = {}
         for r, e in self.dict_(x, "ranks").items():
-            self.require(r.isdigit() and str(int(r)) == r, f"ranks has a non-rank key {r!r}")
+            ok = r.isascii() and r.isdigit() and str(int(r)) == r  # "²".isdigit(), not int()
+            self.require(ok, f"ranks has a non-rank key {r!r}")
             state = self.dict_(e, f"ranks[{r!r}]").get("state")
             self.require(
                 isinstance(state, str) and state in files,
@@ -435,10 +446,9 @@ class _Checker:
     def num(self, x: Any, what: str, optional: bool = False) -> float | None:
         if x is None and optional:
             return None
-        self.require(
-            isinstance(x, int | float) and not isinstance(x, bool), f"{what}={x!r} is not a number"
-        )
-        return float(x)
+        got = _float(x)
+        self.require(got is not None, f"{what}={_short(x)} is not a number")
+        return got
 
     def tensor_checksum(
         self, key: str, t: dict[str, Any], sharded: bool, version: int
@@ -507,7 +517,9 @@ class _Checker:
             bad(f".dtype={dtype!r} is not one of {', '.join(_TORCH_DTYPES)}")
         shape = _ints(t.get("shape"))
         if shape is None:
-            bad(f".shape={t.get('shape')!r} is not a list of integers >= 0")
+            bad(f".shape={_short(t.get('shape'))} is not a list of integers >= 0")
+        if len(shape) > MAX_DIMS:
+            bad(f".shape has {len(shape)} dimensions, more than {MAX_DIMS}")
         sharded = t.get("sharded", False)
         if type(sharded) is not bool:
             bad(f".sharded={sharded!r} is not true/false")
@@ -550,10 +562,10 @@ def _stats(stats: Any, sharded: bool, bad: Bad) -> dict[str, float] | None:
         bad(" is sharded but has stats")
     if type(stats) is not dict or stats.keys() != {"sum", "norm"}:
         bad(f".stats={stats!r} is not {{sum, norm}}")
-    for x in stats.values():
-        if type(x) not in (int, float):
-            bad(f".stats={stats!r} holds a non-number")
-    return {k: float(x) for k, x in stats.items()}
+    out = {k: _float(x) for k, x in stats.items()}
+    if any(x is None for x in out.values()):
+        bad(f".stats={_short(stats)} holds a non-number")
+    return {k: x for k, x in out.items() if x is not None}
 
 
 def _chunk(
@@ -634,6 +646,21 @@ def _cover_error(shape: tuple[int, ...], chunks: list[Chunk]) -> str | None:
     if total and count.min() != 1:
         return f"overlap and leave a gap in shape {list(shape)}"
     return None
+
+
+def _float(x: Any) -> float | None:
+    """``x`` as a float when it is a JSON number a float holds (an int past 1.8e308 is not)."""
+    if type(x) is float:
+        return x
+    if type(x) is int and -sys.float_info.max <= x <= sys.float_info.max:
+        return float(x)
+    return None
+
+
+def _short(x: Any) -> str:
+    """``repr(x)`` cut to 80 characters (a crafted field can be megabytes)."""
+    r = repr(x)
+    return r if len(r) <= 80 else f"{r[:77]}..."
 
 
 def _ints(x: Any) -> tuple[int, ...] | None:

@@ -173,6 +173,8 @@ def _fields(sd: Any, table: Mapping[str, Check], where: str, required: Iterable[
 
 
 def _short(x: Any) -> str:
+    if isinstance(x, str | bytes) and len(x) > 80:  # the repr of what is shown, not of all
+        x = x[:80]
     text = repr(x)
     return text if len(text) <= 80 else text[:77] + "..."
 

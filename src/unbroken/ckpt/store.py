@@ -52,12 +52,23 @@ __all__ = [
     "CorruptCheckpoint",
     "RestoreRefused",
     "Store",
+    "step_of",
 ]
 
 log = logging.getLogger(__name__)
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
+_STEP_RE = re.compile(r"^step-([0-9]{8,})$")
 _TMP_PREFIX = ".tmp-step-"
+_CORRUPT_RE = re.compile(r"^corrupt-step-([0-9]+)-(.+)$")
+
+
+def step_of(name: str) -> int | None:
+    """The step a directory named ``name`` holds, only when :meth:`Store.step_dir` writes
+    exactly that name: ``step-9``, a non-ASCII digit or a second spelling of a step are
+    someone else's (never two candidates for one step, nor one whose path does not exist)."""
+    m = _STEP_RE.match(name)
+    step = int(m.group(1)) if m else None
+    return step if step is not None and name == f"step-{step:08d}" else None
 
 
 class CorruptCheckpoint(CheckFailed):
@@ -134,24 +145,33 @@ class Store:
         """Committed steps, ascending. A ``step-N`` directory counts only with a manifest."""
         out = []
         for name in self._entries():
-            m = _STEP_RE.match(name)
-            if m and os.path.isfile(os.path.join(self.root, name, MANIFEST)):
-                out.append(int(m.group(1)))
+            step = step_of(name)
+            if step is not None and os.path.isfile(os.path.join(self.root, name, MANIFEST)):
+                out.append(step)
         return sorted(out)
 
     def candidates(self) -> list[int]:
         """Every ``step-N`` directory, ascending, committed or not: what restore() and
         ``ckpt verify`` examine (our commit never leaves one without a manifest, so such a
         directory is damage, reported and moved aside like any other)."""
-        return sorted(int(m.group(1)) for n in self._entries() if (m := _STEP_RE.match(n)))
+        return sorted(s for n in self._entries() if (s := step_of(n)) is not None)
 
     def uncommitted(self) -> list[str]:
         """``step-N`` directories without a manifest: never produced by our commit."""
         return sorted(
             n
             for n in self._entries()
-            if _STEP_RE.match(n) and not os.path.isfile(os.path.join(self.root, n, MANIFEST))
+            if step_of(n) is not None and not os.path.isfile(os.path.join(self.root, n, MANIFEST))
         )
+
+    def quarantined(self) -> list[tuple[str, int, str]]:
+        """What :meth:`quarantine` moved aside, as ``(name, step, reason)``, by name."""
+        out = []
+        for name in sorted(self._entries()):
+            m = _CORRUPT_RE.match(name)
+            if m:
+                out.append((name, int(m.group(1)), m.group(2)))
+        return out
 
     def temp_dirs(self) -> list[str]:
         return sorted(n for n in self._entries() if n.startswith(_TMP_PREFIX))
@@ -165,17 +185,21 @@ class Store:
         return CheckpointInfo(step, d, size, os.path.getmtime(os.path.join(d, MANIFEST)))
 
     def file_bytes(self, step: int) -> int:
-        """Bytes of the regular files in ``step``'s directory (symlinks not followed): what
-        justifies the memory a restore of it may spend (:class:`~.bounds.Budget`)."""
+        """Bytes on disk of the regular files in ``step``'s directory (symlinks not
+        followed): what justifies the memory a restore of it may spend
+        (:class:`~.bounds.Budget`). A sparse file counts the blocks it holds, not its
+        apparent size (a 1 TiB hole would lift the bound to 2 TiB), on a file system that
+        reports blocks (some FUSE mounts report none: there, the sizes)."""
         try:
             with os.scandir(self.step_dir(step)) as it:
-                return sum(
-                    e.stat(follow_symlinks=False).st_size
-                    for e in it
-                    if e.is_file(follow_symlinks=False)
-                )
+                sts = [
+                    e.stat(follow_symlinks=False) for e in it if e.is_file(follow_symlinks=False)
+                ]
         except OSError:
             return 0
+        if not any(st.st_blocks for st in sts):
+            return sum(st.st_size for st in sts)
+        return sum(min(st.st_size, st.st_blocks * 512) for st in sts)
 
     def has_foreign_content(self) -> bool:
         """True when the root holds anything at all (a sign it was meant to hold checkpoints)."""
@@ -311,8 +335,11 @@ class Store:
             keep |= {s for s in steps if s % keep_every == 0}
         gone = [s for s in steps if s not in keep]
         for s in gone:
-            # Rename first so a kill mid-delete never leaves a half-deleted "committed" step.
-            doomed = os.path.join(self.root, f"{_TMP_PREFIX}{s:08d}.deleting")
+            # Rename first so a kill mid-delete never leaves a half-deleted "committed" step;
+            # a name of its own, so no entry left there (debris, a file) is in the way.
+            doomed = os.path.join(
+                self.root, f"{_TMP_PREFIX}{s:08d}.deleting.{uuid.uuid4().hex[:8]}"
+            )
             os.rename(self.step_dir(s), doomed)
             shutil.rmtree(doomed, ignore_errors=True)
         if gone:

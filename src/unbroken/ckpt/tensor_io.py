@@ -46,7 +46,7 @@ import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -577,7 +577,7 @@ def _chunk_tensor(
                 warnings.filterwarnings("ignore", message="The given buffer is not writable")
                 flat = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=start)
             return flat.view(dtype).view(sizes)
-    _check_pickles(memoryview(mm)[c.offset : c.offset + c.length], path)
+    _check_foreign(memoryview(mm)[c.offset : c.offset + c.length], path, dtype)
     got = torch.load(
         io.BytesIO(mm[c.offset : c.offset + c.length]), map_location="cpu", weights_only=True
     )
@@ -642,12 +642,15 @@ def _zip_entries(blob: memoryview) -> list[zipfile.ZipInfo]:
 
     ``torch.save`` archives end in a plain end-of-central-directory record with no comment;
     those are read here directly (``zipfile.ZipFile`` costs ~0.1 ms per archive, per tensor
-    on every restore). Anything else (zip64, a comment, an odd layout) goes to zipfile."""
+    on every restore). Anything else (zip64, a comment, an odd layout) goes to zipfile.
+    A directory of more than :data:`_MAX_RECORDS` records is no tensor blob (empty)."""
     try:
         n = len(blob)
         eocd = n - 22
         if eocd >= 0 and bytes(blob[eocd : eocd + 4]) == b"PK\x05\x06":
             count, size, start = struct.unpack_from("<HII", blob, eocd + 10)
+            if count != 0xFFFF and count > _MAX_RECORDS:
+                return []
             if count != 0xFFFF and start != 0xFFFFFFFF and start + size <= eocd:
                 out, pos = [], start
                 for _ in range(count):
@@ -667,14 +670,29 @@ def _zip_entries(blob: memoryview) -> list[zipfile.ZipInfo]:
                 else:
                     return out
         with zipfile.ZipFile(_BlobView(blob)) as zf:
-            return zf.infolist()
+            infos = zf.infolist()
+        return infos if len(infos) <= _MAX_RECORDS else []
     except (zipfile.BadZipFile, ValueError, OSError, struct.error):
         return []
 
 
+_MAX_RECORDS = 64
+"""Records the zip of one tensor may list (``torch.save`` writes five). Each 46-byte entry
+of a directory costs a ~400-byte ``ZipInfo``: a crafted 1 GiB chunk of entries would cost
+8 GiB, so a longer directory is refused before it is parsed, and zipfile never reads more
+than :data:`_MAX_READ` at once."""
+_MAX_READ = 1 << 20  # zipfile reads a directory in one call; its tail search reads 64 KiB
+
+
 class _TensorPickle(pickle.Unpickler):
     """Parses the ``data.pkl`` of a ``torch.save`` blob against inert stand-ins: globals
-    resolve to their names (from a short exact list), calls to records; nothing runs."""
+    resolve to their names (from a short exact list), calls to records; nothing runs.
+
+    Only what ``torch.save`` of one tensor holds: at most :data:`_MAX_CALLS` calls (the
+    rebuild and its hooks' empty ``OrderedDict``), each of at most eight arguments, and one
+    storage. A call's arguments are a copy, so more would let one memoized tuple cost memory
+    the file never paid for; :func:`_check_foreign` relies on it to bound what ``torch.load``
+    builds from the same opcodes."""
 
     _CALLS = frozenset(
         {
@@ -684,22 +702,40 @@ class _TensorPickle(pickle.Unpickler):
         }
     )
 
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file)
+        self.calls = 0
+        self.pids: list[Any] = []
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in self._CALLS:
-            return lambda *args: (f"{module}.{name}", args)
+            return functools.partial(self._call, f"{module}.{name}")
         if (module == "torch" and (name.endswith("Storage") or name in DTYPES)) or (
             module,
             name,
         ) == ("torch.storage", "UntypedStorage"):
             return f"{module}.{name}"
-        raise pickle.UnpicklingError(f"{module}.{name}")
+        raise pickle.UnpicklingError(f"names {module}.{name}")
+
+    def _call(self, name: str, *args: Any) -> tuple[str, tuple[Any, ...]]:
+        self.calls += 1
+        if self.calls > _MAX_CALLS or len(args) > 8 or (name == "collections.OrderedDict" and args):
+            raise pickle.UnpicklingError(
+                f"calls {name} with {len(args)} argument(s) (call {self.calls})"
+            )
+        return (name, args)
 
     def persistent_load(self, pid: Any) -> Any:
+        self.pids.append(pid)
+        if len(self.pids) > 1:
+            raise pickle.UnpicklingError("references more than one storage")
         return ("pid", pid)
 
 
-# What the data.pkl of one torch.save'd tensor may cost to parse: ours cost ~10 KiB.
+# What the data.pkl of one torch.save'd tensor may cost to parse: ours cost ~3 KiB.
 _TENSOR_PICKLE_COST = 16 << 20
+_MAX_CALLS = 4
+_REBUILDS = ("torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3")
 
 
 def _parse_tensor_pickle(raw: bytes) -> Any:
@@ -711,22 +747,64 @@ def _parse_tensor_pickle(raw: bytes) -> Any:
         return None
 
 
-def _check_pickles(blob: memoryview, path: str) -> None:
-    """Before ``torch.load`` parses a foreign blob: every pickle in it within bounds
-    (torch's weights-only unpickler builds whatever the pickle describes)."""
+def _check_foreign(blob: memoryview, path: str, dtype: torch.dtype) -> None:
+    """Before ``torch.load`` parses a blob in a layout we do not write: it must be what
+    ``torch.save`` of one tensor writes, so what torch builds stays within the blob's bytes.
+    torch's weights-only unpickler runs no code but builds what its allow-list permits
+    (``torch.Size(bytearray(n))``: 8·n bytes from a 60-byte pickle) and inflates a record to
+    the size its directory claims. So: every zip record stored uncompressed inside the blob;
+    one ``data.pkl`` within :data:`_TENSOR_PICKLE_COST` that :class:`_TensorPickle` parses
+    to a rebuild of one storage; that storage's record exactly the bytes it declares.
+    Raises :class:`pickle.UnpicklingError` naming what is foreign."""
+
+    def refuse(what: str) -> NoReturn:
+        raise pickle.UnpicklingError(
+            f"{path}: {what}; a tensor blob in a foreign layout must be what torch.save of one "
+            "tensor writes (refused before torch.load(weights_only=True))"
+        )
+
+    records: dict[str, zipfile.ZipInfo] = {}
     for info in _zip_entries(blob):
-        if info.filename.endswith(".pkl"):
-            p = _record_start(blob, info)
-            raw = bytes(blob[p : p + info.file_size]) if p is not None else b""
-            try:
-                cost = pickle_cost(raw, info.filename)
-            except TooCostly as e:
-                raise ChecksumError(path, str(e)) from None
-            if cost > _TENSOR_PICKLE_COST:
-                raise ChecksumError(
-                    path, f"{info.filename} would cost {cost >> 20} MiB to parse; a tensor's "
-                    "costs a few KiB"
-                )  # fmt: skip
+        start = _record_start(blob, info)
+        if info.compress_type != zipfile.ZIP_STORED or start is None:
+            refuse(f"zip record {info.filename!r} is compressed or has no local header")
+        if start + info.file_size > len(blob) or info.filename in records:
+            refuse(f"zip record {info.filename!r} lies outside the blob or is listed twice")
+        records[info.filename] = info
+    pkls = [n for n in records if n.endswith(".pkl")]
+    if len(pkls) != 1 or not pkls[0].endswith("/data.pkl"):
+        refuse(f"holds the pickles {pkls}, not one data.pkl")
+    info = records[pkls[0]]
+    p = _record_start(blob, info) or 0
+    raw = bytes(blob[p : p + info.file_size])
+    try:
+        cost = pickle_cost(raw, info.filename)
+        if cost > _TENSOR_PICKLE_COST:
+            refuse(f"{info.filename} would cost {cost >> 20} MiB to parse; a tensor's costs KiB")
+        parser = _TensorPickle(io.BytesIO(raw))
+        top = parser.load()
+    except (TooCostly, pickle.UnpicklingError) as e:
+        refuse(f"{info.filename} {e}")
+    except Exception as e:  # noqa: BLE001 - a garbled pickle: pickle raises many types
+        refuse(f"{info.filename} is not a readable pickle ({type(e).__name__}: {e})")
+    pid = parser.pids[0] if parser.pids else None
+    if not (
+        type(top) is tuple
+        and top[0] in _REBUILDS
+        and type(pid) is tuple
+        and len(pid) == 5
+        and pid[0] == "storage"
+        and type(pid[2]) is str
+        and type(pid[4]) is int
+    ):
+        refuse(f"{info.filename} is not a rebuild of one stored tensor")
+    untyped = pid[1] == "torch.storage.UntypedStorage"
+    if not untyped and pid[1] != _storage_name(dtype):
+        refuse(f"{info.filename} names storage {pid[1]!r}, not one of {dtype}")
+    record = records.get(f"{info.filename.removesuffix('data.pkl')}data/{pid[2]}")
+    nbytes = pid[4] * (1 if untyped else dtype.itemsize)
+    if record is None or record.file_size != nbytes:
+        refuse(f"its storage {pid[2]!r} of {nbytes} bytes is not a record of that size")
 
 
 _STORAGE_NAMES: dict[torch.dtype, str | None] = {}
@@ -788,7 +866,8 @@ def _record_start(blob: memoryview, info: zipfile.ZipInfo) -> int | None:
 
 
 class _BlobView(io.RawIOBase):
-    """Seekable read-only file over a memoryview (zipfile reads only the central dir)."""
+    """Seekable read-only file over a memoryview (zipfile reads only the central dir, in
+    reads of at most :data:`_MAX_READ` bytes)."""
 
     def __init__(self, mv: memoryview) -> None:
         self.mv, self.pos = mv, 0
@@ -810,6 +889,8 @@ class _BlobView(io.RawIOBase):
 
     def read(self, n: int | None = -1) -> bytes:
         end = len(self.mv) if n is None or n < 0 else min(len(self.mv), self.pos + n)
+        if end - self.pos > _MAX_READ:  # a directory of more than _MAX_RECORDS entries
+            raise ValueError(f"a zip directory of {end - self.pos} bytes is no tensor blob's")
         data = bytes(self.mv[self.pos : end])
         self.pos = max(self.pos, end)
         return data

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from unbroken.ckpt.archive.io import (
 from unbroken.ckpt.bounds import MAX_MANIFEST
 from unbroken.ckpt.config import ArchiveConfig
 from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest, FileEntry
-from unbroken.ckpt.store import Store
+from unbroken.ckpt.store import Store, step_of
 from unbroken.common.config import configure
 from unbroken.common.errors import ObjectMismatch
 from unbroken.common.fs import (
@@ -65,7 +64,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
 _T = TypeVar("_T")
 
 
@@ -170,9 +168,9 @@ class Archive:
         out = set()
         for p in self._retry(self.url, "listing", ls):
             parts = p.rstrip("/").split("/")
-            m = _STEP_RE.match(parts[-2]) if len(parts) >= 2 else None
-            if m and parts[-1] == MANIFEST:
-                out.add(int(m.group(1)))
+            step = step_of(parts[-2]) if len(parts) >= 2 else None
+            if step is not None and parts[-1] == MANIFEST:
+                out.add(step)
         return sorted(out)
 
     def read_manifest(self, step: int) -> CheckpointManifest:
