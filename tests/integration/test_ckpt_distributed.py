@@ -546,3 +546,64 @@ def test_per_rank_state_survives_resize_is_refused_ddp_is_unwrapped(tmp_path) ->
         assert "extra.hidden" in warned and "extra.shared" in warned, warned
     finally:
         holder.close()
+
+
+class _Planted:
+    """A message that would run a command as the job's user if it were unpickled."""
+
+    def __init__(self, proof: str) -> None:
+        self.proof = proof
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.proof}",))
+
+
+def _send_raw(obj: Any, group: Any, broadcast: bool) -> None:
+    """What a process posing as a rank sends: the pickle, framed as the collective frames it."""
+    import pickle
+
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    n = torch.tensor([data.numel()], dtype=torch.int64)
+    if broadcast:
+        dist.broadcast(n, src=0, group=group)
+        dist.broadcast(data, src=0, group=group)
+        return
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+    dist.all_gather(sizes, n, group=group)
+    padded = torch.zeros(int(max(sizes)), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    dist.all_gather([torch.empty_like(padded) for _ in range(2)], padded, group=group)
+
+
+def _posing_worker(rank: int, world: int, job: dict[str, Any]) -> None:
+    from unbroken.ckpt.collectives import Comm
+
+    join_group(rank, world, job["rdzv"])
+    comm = Comm()
+    said = []
+    # round 1: rank 1 poses in a gather; round 2: rank 0 poses in a broadcast
+    for poser, call in ((1, "gather"), (0, "broadcast")):
+        if rank == poser:
+            _send_raw(_Planted(job["proof"]), comm.group, call == "broadcast")
+            continue
+        try:
+            got = comm.gather("mine") if call == "gather" else comm.broadcast("ok")
+            said.append(f"accepted {got!r}")
+        except RuntimeError as e:
+            said.append(str(e))
+    with open(os.path.join(job["out"], f"said-{rank}.json"), "w") as f:
+        json.dump(said, f)
+    comm.destroy()
+    dist.destroy_process_group()
+
+
+def test_a_message_from_a_process_posing_as_a_rank_runs_no_code(tmp_path) -> None:
+    """Whoever reaches the job's store can join its groups: what it sends into a
+    checkpoint collective is refused by rank, and nothing it names is called."""
+    proof = str(tmp_path / "ran")
+    _run(2, {"out": str(tmp_path), "proof": proof}, _posing_worker)
+    assert not os.path.exists(proof), "a peer's message ran a command"
+    for rank, poser in ((0, 1), (1, 0)):
+        (said,) = json.load(open(tmp_path / f"said-{rank}.json"))
+        assert f"from rank {poser} is refused" in said and "posix.system" in said, said
+        assert "trusted network" in said

@@ -661,7 +661,7 @@ class _WriterLock:
                 lease = lock.acquire(self.store.root)
             except Exception as e:  # noqa: BLE001 - RootLocked, not a dir, I/O: all ranks raise
                 err = e
-        err = self.comm.broadcast(err)
+        err = self.comm.broadcast(err, allow=(lock.RootLocked,))
         if err is not None:
             raise err
         self.held = True

@@ -1,19 +1,75 @@
-"""The checkpoint's collectives: over a dedicated gloo group, or no-ops for one process."""
+"""The checkpoint's collectives: over a dedicated gloo group, or no-ops for one process.
+
+A peer's message is untrusted input: the job's groups are made from a store without
+authentication, so whoever reaches it can pose as a rank. Messages travel as pickles in
+uint8 tensors (as ``broadcast_object_list`` sends them) but are read back by an unpickler
+that resolves no global except builtin exceptions and the classes the call names, within
+:data:`MAX_MESSAGE` bytes: a crafted message is refused by rank, never run.
+"""
 
 from __future__ import annotations
 
 import atexit
+import builtins
+import io
 import logging
+import pickle
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "is_dist"]
+__all__ = ["MAX_MESSAGE", "Comm", "is_dist", "read_message"]
 
 T = TypeVar("T")
 
 log = logging.getLogger(__name__)
+
+MAX_MESSAGE = 256 << 20
+"""Bytes one rank's message may take (the largest, per-tensor fingerprints of a rank's
+state, is tens of bytes per tensor)."""
+
+
+class _Message(pickle.Unpickler):
+    def __init__(self, data: bytes, allow: Iterable[type]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._allow = {(c.__module__, c.__qualname__): c for c in allow}
+
+    def find_class(self, module: str, name: str) -> Any:
+        cls = self._allow.get((module, name))
+        if cls is None and module == "builtins":
+            b = getattr(builtins, name, None)
+            cls = b if isinstance(b, type) and issubclass(b, BaseException) else None
+        if cls is None:
+            raise pickle.UnpicklingError(f"it names the global {module}.{name}")
+        return cls
+
+
+def read_message(data: bytes, rank: int, allow: Iterable[type] = ()) -> Any:
+    """Rank ``rank``'s message: plain data, builtin exceptions and the classes in
+    ``allow`` (a message naming any other global is refused, so it runs no code)."""
+    try:
+        return _Message(data, allow).load()
+    except Exception as e:  # noqa: BLE001 - whatever the bytes hold is a refusal
+        raise RuntimeError(
+            f"the checkpoint's message from rank {rank} is refused ({str(e)[:200]}): only "
+            "this job's own ranks may join its process groups; keep the rendezvous and "
+            "MASTER_ADDR endpoints on a trusted network"
+        ) from None
+
+
+def _length(n: int, rank: int) -> int:
+    if not 0 < n <= MAX_MESSAGE:
+        raise RuntimeError(
+            f"rank {rank} announced a checkpoint message of {n} bytes (at most {MAX_MESSAGE}): "
+            "not a message of this job's ranks; keep its endpoints on a trusted network"
+        )
+    return n
+
+
+def _encode(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=5)), dtype=torch.uint8)
 
 
 def _live(group: Any) -> Any:
@@ -62,22 +118,39 @@ class Comm:
     def world(self) -> int:
         return dist.get_world_size() if self.enabled else 1
 
-    def broadcast(self, obj: T) -> T:
-        """Rank 0's ``obj`` on every rank."""
+    def broadcast(self, obj: T, allow: Iterable[type] = ()) -> T:
+        """Rank 0's ``obj`` on every rank. ``allow``: the classes ``obj`` may hold besides
+        plain data and builtin exceptions (:func:`read_message`)."""
         if not self.enabled:
             return obj
-        box: list[Any] = [obj]
-        dist.broadcast_object_list(box, src=0, group=_live(self.group))
-        return box[0]
+        group = _live(self.group)
+        data = _encode(obj) if self.rank == 0 else torch.empty(0, dtype=torch.uint8)
+        n = torch.tensor([data.numel()], dtype=torch.int64)
+        dist.broadcast(n, src=0, group=group)
+        if self.rank != 0:
+            data = torch.empty(_length(int(n), 0), dtype=torch.uint8)
+        dist.broadcast(data, src=0, group=group)
+        return obj if self.rank == 0 else read_message(data.numpy().tobytes(), 0, allow)
 
-    def gather(self, obj: T) -> list[T]:
-        """Every rank's ``obj``, on every rank (collective decisions need all of them)."""
+    def gather(self, obj: T, allow: Iterable[type] = ()) -> list[T]:
+        """Every rank's ``obj``, on every rank (collective decisions need all of them);
+        ``allow`` as for :meth:`broadcast`."""
         if not self.enabled:
             return [obj]
         group = _live(self.group)
-        out: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
-        return out
+        world, me = dist.get_world_size(group), self.rank
+        data = _encode(obj)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+        lengths = [_length(int(s), r) for r, s in enumerate(sizes)]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8)
+        padded[: data.numel()] = data
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded, group=group)
+        return [
+            obj if r == me else read_message(p[:n].numpy().tobytes(), r, allow)
+            for r, (p, n) in enumerate(zip(parts, lengths, strict=True))
+        ]
 
     def any_of(self, *flags: bool) -> tuple[bool, ...]:
         """Each flag OR-ed over all ranks (one small all-reduce on the control group)."""

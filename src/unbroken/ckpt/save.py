@@ -116,7 +116,7 @@ class Saver:
         directory and the bytes written by all ranks. Raises on any rank's failure, on
         every rank, after removing the temporary directory."""
         err, mine = self._write(job)
-        reports = self.comm.gather(mine)
+        reports = self.comm.gather(mine, allow=(_Report,))
         failed = [(r, rep.error) for r, rep in enumerate(reports) if rep.error]
         if self.comm.rank == 0:
             if failed:

@@ -206,11 +206,22 @@ def global_ids(ids: Iterable[Any]) -> list[int]:
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return mine
-        parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, mine)
     except ImportError:  # pragma: no cover
         return mine
-    return _interleave(parts)
+    # Tensors, not all_gather_object: a peer's pickle would run whatever it names, and
+    # whoever reaches the job's store can pose as a peer.
+    on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64, device=on) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([len(mine)], dtype=torch.int64, device=on))
+    counts = [int(n) for n in sizes]
+    if not any(counts):
+        return []
+    padded = torch.zeros(max(counts), dtype=torch.int64, device=on)
+    padded[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    return _interleave([p[:n].tolist() for p, n in zip(parts, counts, strict=True)])
 
 
 def _interleave(parts: list[list[int]]) -> list[int]:

@@ -145,9 +145,9 @@ def _build(a: argparse.Namespace, rank: int, world: int) -> _Run:
     if rank == 0:
         vocab = prepare_data(data_dir, a.seed, CTX)
     if world > 1:
-        box = [vocab if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)  # also: the data is ready for every rank
-        vocab = int(box[0])  # type: ignore[arg-type]
+        n = torch.tensor([vocab if rank == 0 else 0])
+        dist.broadcast(n, src=0)  # also: the data is ready for every rank
+        vocab = int(n)
     torch.manual_seed(a.seed)
     model = TinyGPT(vocab, ctx=CTX)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
@@ -260,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     finishing()  # the final save and the teardown get --shutdown-timeout, not --hang-timeout
     final = r.state.step not in r.ckpt.store.steps()
     if world > 1:  # saving is collective: every rank must take the same branch
-        box = [final]
-        dist.broadcast_object_list(box, src=0)
-        final = bool(box[0])
+        flag = torch.tensor([int(final)])
+        dist.broadcast(flag, src=0)
+        final = bool(flag)
     if final:
         r.ckpt.save()
     r.metrics.close()
