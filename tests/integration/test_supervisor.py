@@ -111,6 +111,7 @@ def test_sigkill_worker_restarts_from_checkpoint_with_measured_phases(tmp_path):
     )
     _assert_continuous(str(tmp_path / "metrics.jsonl"), steps, world=2)
     assert "recovery phases (seconds)" in job.output()
+    assert "survive signal" not in job.output()  # no false alarm from a clean finish
     _assert_nothing_left(job)
 
 

@@ -75,6 +75,17 @@ def test_free_space_must_fit_one_more_checkpoint(tmp_path):
     assert not r.ok and "newest 8388608 MiB" in r.detail
 
 
+def test_only_names_the_checkpointer_writes_are_steps_to_make_room_for(tmp_path):
+    """`step-²` (isdigit, not int) and `step-9` (not `step-%08d`) are someone else's: no
+    probe crash, and their bytes are not one more checkpoint's."""
+    for name in ("step-\u00b2", "step-9"):
+        (tmp_path / name).mkdir()
+        with open(tmp_path / name / "blob", "wb") as f:
+            f.truncate(1 << 43)
+    r = _check(PreflightConfig(ckpt_dir=str(tmp_path), min_free_bytes=0), "ckpt_dir")
+    assert r.ok, r.detail
+
+
 def test_dataset_manifest_checked_against_the_shards(tmp_path):
     from unbroken.data.prepare.pack import pack
 

@@ -26,7 +26,7 @@ TOP: Table = [
     [("unbroken.data",), ("unbroken.ckpt",)],
     [("unbroken.elastic",)],
     [("unbroken.demo",)],
-    [("unbroken.cli",)],
+    [("unbroken.cli", "unbroken.__main__")],  # `python -m unbroken` is the CLI
 ]
 INNER: dict[str, Table] = {
     "unbroken.data": [
@@ -347,7 +347,7 @@ def _type_checking_imports(tree: ast.Module) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("package", ["unbroken", "unbroken.data"])
+@pytest.mark.parametrize("package", ["unbroken", "unbroken.data", "unbroken.elastic"])
 def test_every_lazy_name_is_imported_for_the_type_checker(package: str) -> None:
     """issue 24 item 10: a name a package resolves lazily (``__getattr__``) is also imported
     under ``if TYPE_CHECKING:`` from the module it resolves to, or mypy types it ``object``
@@ -359,3 +359,22 @@ def test_every_lazy_name_is_imported_for_the_type_checker(package: str) -> None:
     assert lazy  # the walk found the table
     assert _type_checking_imports(tree) == lazy
     assert set(lazy) <= set(importlib.import_module(package).__all__)
+
+
+def test_the_launch_modules_run_with_dash_m_load_only_when_run() -> None:
+    """``unbroken run`` starts ``python -m unbroken.elastic.launch.standby`` (and ``.agent``):
+    runpy imports the parent packages first, and one that imported the module itself made
+    runpy warn on every attempt ("found in sys.modules ... unpredictable behaviour")."""
+    import subprocess
+    import sys
+
+    code = "import sys, unbroken.elastic.launch; print(sorted(m for m in sys.modules if m.startswith('unbroken.elastic.launch.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    ran = subprocess.run(
+        [sys.executable, "-W", "always", "-m", "unbroken.elastic.launch.standby"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+    )
+    assert "found in sys.modules" not in ran.stderr, ran.stderr

@@ -16,7 +16,10 @@ Importing this package does not import torch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from unbroken.common.events import mark, peer_failed
+from unbroken.common.lazy import lazy_getattr
 from unbroken.elastic.faults import (
     DEFAULT_RULES,
     Action,
@@ -30,7 +33,20 @@ from unbroken.elastic.heartbeat import beat, finishing, install
 from unbroken.elastic.planner import daly_interval, expected_goodput, plan, young_interval
 from unbroken.elastic.preflight import CheckResult, PreflightConfig, run_preflight
 from unbroken.elastic.rendezvous import RendezvousConfig
-from unbroken.elastic.supervisor import RunConfig, Supervisor, WatchdogConfig, run
+
+# The supervisor loads on first use: it imports the launch modules, and importing them here
+# would put ``unbroken.elastic.launch.standby`` in sys.modules before ``python -m`` runs it
+# (runpy's RuntimeWarning on every attempt); a training loop importing ``beat`` needs none.
+_LAZY = {
+    "RunConfig": "unbroken.elastic.supervisor",
+    "Supervisor": "unbroken.elastic.supervisor",
+    "WatchdogConfig": "unbroken.elastic.supervisor",
+    "run": "unbroken.elastic.supervisor",
+}
+__getattr__ = lazy_getattr(__name__, _LAZY)
+
+if TYPE_CHECKING:  # the type checker sees what __getattr__ resolves at run time
+    from unbroken.elastic.supervisor import RunConfig, Supervisor, WatchdogConfig, run
 
 __all__ = [
     "DEFAULT_RULES",

@@ -137,7 +137,9 @@ try:
     os.unlink(probe)
     if back != data:
         out(False, "probe file read back differs from what was written")
-    steps = [n for n in names if n.startswith("step-") and n[5:].isdigit()]
+    # the names the Checkpointer writes, step-%08d (unbroken.ckpt.store.step_of) only
+    steps = [n for n in names if n[:5] == "step-" and n[5:].isascii() and n[5:].isdigit()
+             and n == "step-%08d" % int(n[5:])]
     newest = 0
     if steps:
         top = os.path.join(d, max(steps, key=lambda n: int(n[5:])))

@@ -50,6 +50,7 @@ from unbroken.common.procs import (
     environ_of,
     is_alive,
     kill_matching,
+    pids_with_env,
     signal_if_tagged,
 )
 from unbroken.elastic.faults import WorkerExit
@@ -492,7 +493,7 @@ class Attempt:
         released agent and its fork server stay: the next attempt has them)."""
         # A released agent's workers were killed when it was released.
         if not self._released and (
-            self.proc.poll() is None or kill_matching(ENV_TOKEN, self.token, timeout=0.0)
+            self.proc.poll() is None or pids_with_env(ENV_TOKEN, self.token)
         ):
             self.kill()
         self._read_exits()
