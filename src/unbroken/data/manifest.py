@@ -52,6 +52,24 @@ _READS = (1, 2)  # version 1: the fingerprint did not cover the indexes (see the
 _HEX128 = re.compile(r"[0-9a-f]{32}")
 _KINDS = ("tar", "tokens")
 _DTYPES = ("uint16", "uint32")
+_NAME_MAX = 255  # bytes of a file name (Linux NAME_MAX): a longer one is no file
+_COUNT = (0, 2**63 - 1)  # sizes and counts: what an int64 holds (numpy indexes with them)
+_TOKEN_ID = (-1, 2**32 - 1)  # eos_id: a uint32 id, or -1 (a flat file: no document ends)
+
+
+def _int(d: dict[str, Any], key: str, lo: int, hi: int, where: str = "") -> int:
+    """``d[key]`` as an int in ``[lo, hi]``: a JSON integer, nothing else (a float, a bool,
+    a string or a non-finite number is not converted), so every count fits an int64."""
+    v = d[key]
+    if type(v) is not int or not lo <= v <= hi:
+        shown = printable(repr(v))
+        shown = shown if len(shown) <= 40 else shown[:40] + "..."
+        raise ManifestError(f"{where}{key}={shown} is not an integer in [{lo}, {hi}]")
+    return v
+
+
+def _opt_int(d: dict[str, Any], key: str, lo: int, hi: int, where: str = "") -> int | None:
+    return None if d.get(key) is None else _int(d, key, lo, hi, where)
 
 
 def read_bounded(f: Any, limit: int, chunk: int = 4 << 20) -> bytes:
@@ -100,6 +118,11 @@ class ShardInfo:
     def __post_init__(self) -> None:
         for fname in ("name", "index"):
             v = getattr(self, fname)
+            if len(v.encode("utf-8", "surrogatepass")) > _NAME_MAX:
+                raise ManifestError(
+                    f"shard {fname} of {len(v):,} characters ({printable(v[:40])}...) is longer "
+                    f"than a file name can be ({_NAME_MAX} bytes)"
+                )
             # no control characters: names reach messages and terminals (issue 20 item 11)
             if not v or "/" in v or v in (".", "..") or printable(v) != v:
                 raise ManifestError(
@@ -108,6 +131,8 @@ class ShardInfo:
                 )
         if self.samples < 0 or self.bytes < 0 or self.index_bytes < 0:
             raise ManifestError(f"shard {self.name}: negative size or sample count")
+        if (self.documents or 0) < 0 or (self.tokens or 0) < 0:
+            raise ManifestError(f"shard {self.name}: negative documents or tokens")
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -115,6 +140,9 @@ class ShardInfo:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ShardInfo:
+        if not isinstance(d, dict):
+            raise ManifestError(f"a shard record is {type(d).__name__}, not an object")
+        where = f"shard {printable(d.get('name'))[:80]!r}: "
         for fname in ("checksum", "index_checksum"):
             v = d[fname]
             if not isinstance(v, str) or not _HEX128.fullmatch(v):
@@ -124,14 +152,14 @@ class ShardInfo:
                 )
         return cls(
             name=str(d["name"]),
-            samples=int(d["samples"]),
-            bytes=int(d["bytes"]),
+            samples=_int(d, "samples", *_COUNT, where),
+            bytes=_int(d, "bytes", *_COUNT, where),
             checksum=str(d["checksum"]),
             index=str(d["index"]),
-            index_bytes=int(d["index_bytes"]),
+            index_bytes=_int(d, "index_bytes", *_COUNT, where),
             index_checksum=str(d["index_checksum"]),
-            documents=None if d.get("documents") is None else int(d["documents"]),
-            tokens=None if d.get("tokens") is None else int(d["tokens"]),
+            documents=_opt_int(d, "documents", *_COUNT, where),
+            tokens=_opt_int(d, "tokens", *_COUNT, where),
         )
 
 
@@ -278,11 +306,11 @@ class DatasetManifest:
                 kind=str(d["kind"]),
                 shards=shards,
                 fingerprint=str(d["fingerprint"]),
-                num_samples=int(d["num_samples"]),
+                num_samples=_int(d, "num_samples", *_COUNT),
                 dtype=d.get("dtype"),
-                eos_id=None if d.get("eos_id") is None else int(d["eos_id"]),
-                seq_len=None if d.get("seq_len") is None else int(d["seq_len"]),
-                vocab_size=None if d.get("vocab_size") is None else int(d["vocab_size"]),
+                eos_id=_opt_int(d, "eos_id", *_TOKEN_ID),
+                seq_len=_opt_int(d, "seq_len", 1, _COUNT[1]),
+                vocab_size=_opt_int(d, "vocab_size", 1, 2**32),
                 extra=dict(d.get("extra") or {}),
             )
         except ManifestError as e:
@@ -351,6 +379,10 @@ class DatasetManifest:
             d = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ManifestError(f"{source}: malformed JSON ({e}); re-create the manifest") from None
+        except RecursionError:  # json recurses once per level of nesting
+            raise ManifestError(
+                f"{source}: JSON nested too deeply to be a dataset manifest; re-create it"
+            ) from None
         return cls.from_json(d, source=source)
 
     def save(self, root: str) -> str:

@@ -1,0 +1,243 @@
+"""Crafted ``dataset.json`` files (T-NO-WRONG-BYTE, T-BOUNDED): values an edit, a foreign tool
+or a hostile copy can hold *with a fingerprint that matches* (the fingerprint is a checksum,
+anyone can recompute it), so only the manifest's own checks stand between them and a reader.
+
+Every case must end in a ``ValueError`` (``ManifestError`` / ``ShardError``) that names the
+file and the offending value, or in the exact samples: never an ``OverflowError``,
+``RecursionError``, ``IndexError`` from deep inside, nor memory in proportion to a lied-about
+size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from datakit import build_tar_dataset, build_token_dataset
+from unbroken.data.manifest import DatasetManifest, ManifestError, ShardInfo, fingerprint
+from unbroken.data.stream.dataset import StreamingDataset
+from unbroken.data.tar.reader import ShardError
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def tar_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tar_dataset(str(tmp_path_factory.mktemp("tar") / "ds"), 24, shard_size=12_000)
+
+
+@pytest.fixture(scope="module")
+def tok_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = str(tmp_path_factory.mktemp("tok") / "ds")
+    return build_token_dataset(out, 3, 2000, seq_len=8, block_tokens=256)
+
+
+def _refingerprint(d: dict[str, Any]) -> None:
+    """Make the stored fingerprint and sample total match the edited fields, as a hostile
+    editor would; left alone when the edited fields do not parse at all."""
+    try:
+        shards = [ShardInfo.from_json(s) for s in d["shards"]]
+        d["fingerprint"] = fingerprint(
+            d["kind"],
+            shards,
+            seq_len=d.get("seq_len"),
+            dtype=d.get("dtype"),
+            eos_id=d.get("eos_id"),
+            vocab_size=d.get("vocab_size"),
+        )
+        d["num_samples"] = sum(s.samples for s in shards)
+    except Exception:  # noqa: BLE001 - a value the reader must refuse on its own
+        pass
+
+
+def _craft(src: str, dst: str, edit: Callable[[dict[str, Any]], None]) -> str:
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "dataset.json")
+    with open(path) as f:
+        d = json.load(f)
+    edit(d)
+    _refingerprint(d)
+    with open(path, "w") as f:
+        f.write(json.dumps(d))
+    return dst
+
+
+def _raw(src: str, dst: str, text: Callable[[str], str]) -> str:
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "dataset.json")
+    with open(path) as f:
+        old = f.read()
+    with open(path, "w") as f:
+        f.write(text(old))
+    return dst
+
+
+def _read_all(root: str, **kw: Any) -> list[Any]:
+    """The epoch's samples (its first 10,000 positions, for a count that lies)."""
+    ds = StreamingDataset(root, seed=0, **kw)
+    return ds.read(0, np.arange(min(ds.epoch_length, 10_000)))
+
+
+def _refused(root: str, *names: str, exc: type[Exception] = ValueError, **kw: Any) -> str:
+    """The dataset is refused with ``exc`` whose message names one of ``names``."""
+    with pytest.raises(exc) as ei:
+        _read_all(root, **kw)
+    msg = str(ei.value)
+    assert any(n in msg for n in names), f"{type(ei.value).__name__}: {msg}"
+    return msg
+
+
+# --- the JSON itself ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opener", ["[", '{"a":'])
+def test_deeply_nested_json_is_a_manifest_error_not_a_recursion_error(tar_root, tmp_path, opener):
+    closer = "]" if opener == "[" else "}"
+    root = _raw(tar_root, str(tmp_path / "d"), lambda _: opener * 100_000 + "1" + closer * 100_000)
+    with pytest.raises(ManifestError, match=r"dataset\.json.*nest"):
+        DatasetManifest.load(root)
+    _refused(root, "dataset.json")
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("samples", "Infinity"),
+        ("samples", "-Infinity"),
+        ("bytes", "Infinity"),
+        ("index_bytes", "NaN"),
+        ("num_samples", "Infinity"),
+    ],
+)
+def test_non_finite_numbers_are_refused_by_name(tar_root, tmp_path, field, value):
+    # Python's json reads the JavaScript literals Infinity/NaN; int() of them overflows.
+    pat = re.compile(rf'"{field}": -?\d+')
+    root = _raw(tar_root, str(tmp_path / "d"), lambda t: pat.sub(f'"{field}": {value}', t, 1))
+    with pytest.raises(ManifestError) as ei:
+        DatasetManifest.load(root)
+    assert "dataset.json" in str(ei.value) and field in str(ei.value), ei.value
+
+
+@pytest.mark.parametrize("field", ["eos_id", "seq_len", "vocab_size"])
+def test_non_finite_token_fields_are_refused_by_name(tok_root, tmp_path, field):
+    def edit(t: str) -> str:
+        d = json.loads(t)
+        d[field] = 0  # a placeholder the text edit below turns into Infinity
+        return json.dumps(d).replace(f'"{field}": 0', f'"{field}": Infinity')
+
+    root = _raw(tok_root, str(tmp_path / "d"), edit)
+    with pytest.raises(ManifestError) as ei:
+        DatasetManifest.load(root)
+    assert "dataset.json" in str(ei.value) and field in str(ei.value), ei.value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [3.7, True, "7", 2**63, 2**64 + 3, 10**40, -1],
+    ids=["float", "bool", "string", "2**63", "2**64+3", "10**40", "negative"],
+)
+def test_a_sample_count_of_the_wrong_type_or_range_is_refused(tar_root, tmp_path, value):
+    """A count is a JSON integer in [0, 2**63): a float, bool or string is not silently
+    truncated or converted, and a count no int64 holds never reaches numpy."""
+    root = _craft(
+        tar_root, str(tmp_path / "d"), lambda d: d["shards"][1].__setitem__("samples", value)
+    )
+    with pytest.raises(ManifestError) as ei:
+        DatasetManifest.load(root)
+    msg = str(ei.value)
+    assert "dataset.json" in msg and "samples" in msg, msg
+
+
+@pytest.mark.parametrize("field", ["documents", "tokens"])
+def test_negative_token_counts_are_refused(tok_root, tmp_path, field):
+    root = _craft(tok_root, str(tmp_path / "d"), lambda d: d["shards"][0].__setitem__(field, -3))
+    with pytest.raises(ManifestError, match=rf"dataset\.json.*{field}"):
+        DatasetManifest.load(root)
+
+
+def test_a_shard_name_longer_than_a_file_name_can_be_is_refused_unprinted(tar_root, tmp_path):
+    """A 100 kB name is no file name (NAME_MAX is 255 bytes); the error does not echo it."""
+    root = _craft(
+        tar_root, str(tmp_path / "d"), lambda d: d["shards"][0].__setitem__("name", "a" * 100_000)
+    )
+    with pytest.raises(ManifestError) as ei:
+        DatasetManifest.load(root)
+    assert "dataset.json" in str(ei.value) and len(str(ei.value)) < 2_000, str(ei.value)[:300]
+
+
+# --- counts that lie about the shards (fingerprint recomputed) --------------------------------
+
+
+@pytest.mark.parametrize("extra", [1, 5, 2**40])
+@pytest.mark.parametrize("verify", [True, False])
+def test_more_tar_samples_than_the_index_holds_is_refused_at_open(
+    tar_root, tmp_path, extra, verify
+):
+    """dataset.json's sample count of a shard must be its index's: a larger one reached
+    ``rows.take`` as an IndexError (or asked numpy for terabytes)."""
+    root = _craft(
+        tar_root,
+        str(tmp_path / "d"),
+        lambda d: d["shards"][0].__setitem__("samples", d["shards"][0]["samples"] + extra),
+    )
+    name = DatasetManifest.load(root).shards[0].name
+    msg = _refused(root, name, exc=ShardError, verify=verify)
+    assert "samples" in msg and "dataset.json" in msg, msg
+
+
+def test_fewer_tar_samples_than_the_index_holds_is_refused_too(tar_root, tmp_path):
+    root = _craft(
+        tar_root,
+        str(tmp_path / "d"),
+        lambda d: d["shards"][0].__setitem__("samples", d["shards"][0]["samples"] - 1),
+    )
+    _refused(root, DatasetManifest.load(root).shards[0].name)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_more_token_sequences_than_the_shard_holds_is_refused_at_open(tok_root, tmp_path, verify):
+    root = _craft(
+        tok_root,
+        str(tmp_path / "d"),
+        lambda d: d["shards"][1].__setitem__("samples", d["shards"][1]["samples"] + 3),
+    )
+    name = DatasetManifest.load(root).shards[1].name
+    msg = _refused(root, name, exc=ShardError, verify=verify)
+    assert "sequences" in msg and "dataset.json" in msg, msg
+
+
+@pytest.mark.parametrize("kw", [{"seq_len": 4}, {"windows": "random"}], ids=["seq_len", "random"])
+def test_a_token_count_that_lies_is_refused_at_open(tok_root, tmp_path, kw):
+    """With another seq_len, or random windows, the counts come from dataset.json's per-shard
+    ``tokens``: a larger one read past the end of the map (IndexError)."""
+    root = _craft(
+        tok_root,
+        str(tmp_path / "d"),
+        lambda d: d["shards"][0].__setitem__("tokens", d["shards"][0]["tokens"] + 500),
+    )
+    _refused(root, DatasetManifest.load(root).shards[0].name, **kw)
+
+
+def test_a_huge_seq_len_costs_no_memory_before_the_shards_refuse_it(tok_root, tmp_path):
+    """seq_len = 2**40 in dataset.json (fingerprint recomputed): no window of that length
+    exists in any shard, so the recorded sample counts are refused at open - before any
+    array of seq_len + 1 entries is allocated (that was an 8 TiB MemoryError)."""
+    root = _craft(tok_root, str(tmp_path / "d"), lambda d: d.__setitem__("seq_len", 2**40))
+    _refused(root, "tokens-000000.bin")
+
+
+def test_a_consistent_crafted_manifest_still_reads_exactly(tar_root, tmp_path):
+    """The checks refuse lies only: extra provenance and the fingerprint recomputed over the
+    same values change nothing that is read."""
+    want = _read_all(tar_root)
+    root = _craft(tar_root, str(tmp_path / "d"), lambda d: d.__setitem__("extra", {"x": [1]}))
+    got = _read_all(root)
+    assert [s["__key__"] for s in got] == [s["__key__"] for s in want]
+    assert all(bytes(a["bin"]) == bytes(b["bin"]) for a, b in zip(got, want, strict=True))
