@@ -357,11 +357,14 @@ class ShardIndex:
         strings = bytes(data[pos : pos + s])
         ms, ko, do, ds, eo = out
         # Structure a reader relies on: every sample has a member, string offsets ascend
-        # inside the string table, member data lies inside the tar. A format-1 index has no
+        # inside the string table, member data lies inside the tar, in order. A format-1 index has no
         # hash of its own, so this is all that stands between a damaged one and a reader.
         ok = ms[0] == 0 and ms[-1] == m and not bool((ms[1:] <= ms[:-1]).any())
         ok = ok and ko[0] == 0 and ko[-1] == eo[0] and eo[-1] == s
         ok = ok and not bool((np.diff(ko) < 0).any()) and not bool((np.diff(eo) < 0).any())
+        # members lie in the tar in order, so a sample's span (first member's start to last
+        # member's end) is never negative
+        ok = ok and not bool((np.diff(do) < 0).any())
         # offset <= tar and size <= tar - offset: the sum of two int64s can wrap negative
         tb = min(int(tar_bytes), 2**63 - 1)
         ok = ok and not bool((do > tb).any()) and not bool((ds > tb - do).any())
