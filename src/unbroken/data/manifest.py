@@ -33,6 +33,7 @@ from unbroken.common.text import printable
 __all__ = [
     "MANIFEST_NAME",
     "MAX_MANIFEST_BYTES",
+    "MAX_VOCAB",
     "DatasetManifest",
     "ManifestError",
     "ShardInfo",
@@ -54,7 +55,9 @@ _KINDS = ("tar", "tokens")
 _DTYPES = ("uint16", "uint32")
 _NAME_MAX = 255  # bytes of a file name (Linux NAME_MAX): a longer one is no file
 _COUNT = (0, 2**63 - 1)  # sizes and counts: what an int64 holds (numpy indexes with them)
-_TOKEN_ID = (-1, 2**32 - 1)  # eos_id: a uint32 id, or -1 (a flat file: no document ends)
+MAX_VOCAB = 1 << 32
+"""The largest vocabulary a token file holds: its ids are uint16 or uint32."""
+_TOKEN_ID = (-1, MAX_VOCAB - 1)  # eos_id: a uint32 id, or -1 (a flat file: no document ends)
 
 
 def _int(d: dict[str, Any], key: str, lo: int, hi: int, where: str = "") -> int:
@@ -310,7 +313,7 @@ class DatasetManifest:
                 dtype=d.get("dtype"),
                 eos_id=_opt_int(d, "eos_id", *_TOKEN_ID),
                 seq_len=_opt_int(d, "seq_len", 1, _COUNT[1]),
-                vocab_size=_opt_int(d, "vocab_size", 1, 2**32),
+                vocab_size=_opt_int(d, "vocab_size", 1, MAX_VOCAB),
                 extra=dict(d.get("extra") or {}),
             )
         except ManifestError as e:

@@ -33,7 +33,14 @@ import numpy as np
 import xxhash
 
 from unbroken.common.fs import atomic_write_bytes, checksum_bytes, hasher, local_path
-from unbroken.data.manifest import DatasetManifest, ManifestError, ShardInfo, read_bounded
+from unbroken.common.text import printable
+from unbroken.data.manifest import (
+    MAX_VOCAB,
+    DatasetManifest,
+    ManifestError,
+    ShardInfo,
+    read_bounded,
+)
 from unbroken.data.tokens.shard import (
     BLOCK_TOKENS,
     TOKEN_INDEX_SUFFIX,
@@ -88,8 +95,11 @@ def read_vocab_size(meta_path: str) -> int:
             f"are read, nothing that names code; {fix}"
         ) from None
     v = meta.get("vocab_size") if isinstance(meta, dict) else None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{path}: no positive integer 'vocab_size' in it (got {v!r}); {fix}")
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_VOCAB:
+        raise ValueError(
+            f"{path}: no positive integer 'vocab_size' up to {MAX_VOCAB:,} (uint32 ids) in "
+            f"it (got {printable(repr(v))[:80]}); {fix}"
+        )
     return v
 
 
