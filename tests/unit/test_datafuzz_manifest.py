@@ -241,3 +241,46 @@ def test_a_consistent_crafted_manifest_still_reads_exactly(tar_root, tmp_path):
     got = _read_all(root)
     assert [s["__key__"] for s in got] == [s["__key__"] for s in want]
     assert all(bytes(a["bin"]) == bytes(b["bin"]) for a, b in zip(got, want, strict=True))
+
+
+# --- file names that collide --------------------------------------------------------------
+
+
+def _name(i: int, field: str, to: str) -> Callable[[dict[str, Any]], None]:
+    def edit(d: dict[str, Any]) -> None:
+        d["shards"][i][field] = to
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "edit,bad",
+    [
+        (lambda d: _name(1, "index", d["shards"][0]["index"])(d), "shard-000000.tar.idx"),
+        (lambda d: _name(0, "index", d["shards"][0]["name"])(d), "shard-000000.tar"),
+        (lambda d: _name(1, "name", d["shards"][0]["index"])(d), "shard-000000.tar.idx"),
+        (_name(0, "index", "dataset.json"), "dataset.json"),
+        (_name(2, "name", "dataset.json"), "dataset.json"),
+        (_name(1, "name", ".tmp-shard-000001.tar.1234abcd"), ".tmp-"),
+        (_name(1, "index", ".tmp-x"), ".tmp-"),
+    ],
+    ids=[
+        "index-twice",
+        "index-is-its-shard",
+        "shard-is-an-index",
+        "index-is-manifest",
+        "shard-is-manifest",
+        "shard-is-a-temporary",
+        "index-is-a-temporary",
+    ],
+)
+def test_every_file_name_is_distinct_and_no_manifest_or_temporary(tar_root, tmp_path, edit, bad):
+    """Each name dataset.json lists is one file of its own: two records naming the same file
+    (staging and the node cache then write it twice, evict it under the other), a record
+    naming dataset.json itself (overwritten by the staged manifest), or a temporary's name
+    (removed as a dead download's by the next stage or cache opening) are refused."""
+    root = _craft(tar_root, str(tmp_path / "d"), edit)
+    with pytest.raises(ManifestError) as ei:
+        DatasetManifest.load(root)
+    msg = str(ei.value)
+    assert "dataset.json" in msg and bad in msg, msg

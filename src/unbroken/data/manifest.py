@@ -27,7 +27,7 @@ from typing import Any
 
 import fsspec
 
-from unbroken.common.fs import atomic_write_bytes, hasher, is_remote, local_path
+from unbroken.common.fs import atomic_write_bytes, hasher, is_remote, is_temp_name, local_path
 from unbroken.common.text import printable
 
 __all__ = [
@@ -219,9 +219,16 @@ class DatasetManifest:
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ManifestError(f"kind={self.kind!r} is not one of {_KINDS}")
-        names = [s.name for s in self.shards]
-        if len(set(names)) != len(names):
-            raise ManifestError("shard names in the manifest are not unique")
+        # One file per name: staging and the node cache write, verify and evict by name, and
+        # remove temporaries by their prefix
+        seen: set[str] = set()
+        for name in (n for s in self.shards for n in (s.name, s.index)):
+            if name in seen or name == MANIFEST_NAME or is_temp_name(name):
+                raise ManifestError(
+                    f"file name {name!r} is listed twice, or is {MANIFEST_NAME} or a "
+                    "temporary's (.tmp-*): every shard and index needs a file of its own"
+                )
+            seen.add(name)
         if self.num_samples != sum(s.samples for s in self.shards):
             raise ManifestError(
                 f"num_samples={self.num_samples} differs from the sum over shards "
