@@ -18,10 +18,12 @@ dataset.json.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
+import stat
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -39,6 +41,7 @@ __all__ = [
     "ShardInfo",
     "fingerprint",
     "join_path",
+    "open_regular",
     "read_bounded",
 ]
 
@@ -85,6 +88,20 @@ def read_bounded(f: Any, limit: int, chunk: int = 4 << 20) -> bytes:
             break
         buf += data
     return bytes(buf)
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file: opened without
+    blocking (a FIFO planted there would block ``open`` until a writer came) and refused when
+    it is a FIFO, a device (``/dev/zero`` reads without end) or a directory (T-BOUNDED)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or directory)", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class ManifestError(ValueError):
@@ -368,13 +385,21 @@ class DatasetManifest:
         ``storage_options`` go to fsspec, e.g. an S3 endpoint and credentials)."""
         path = root if root.endswith(".json") else join_path(root, MANIFEST_NAME)
         try:
-            with fsspec.open(path, "rb", **(storage_options or {})) as f:
-                raw = read_bounded(f, MAX_MANIFEST_BYTES + 1)
+            if is_remote(path):
+                with fsspec.open(path, "rb", **(storage_options or {})) as f:
+                    raw = read_bounded(f, MAX_MANIFEST_BYTES + 1)
+            else:
+                with os.fdopen(open_regular(local_path(path)), "rb") as f:
+                    raw = read_bounded(f, MAX_MANIFEST_BYTES + 1)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{path}: no dataset manifest; create one with `unbroken data pack`, "
                 "`unbroken data index` or `unbroken data tokenize`"
             ) from None
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            raise ManifestError(f"{path}: {e.strerror}; re-create the manifest") from None
         return cls.parse(raw, source=path)
 
     @classmethod

@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 
 from unbroken.common.fs import is_remote, local_path
-from unbroken.data.manifest import DatasetManifest
+from unbroken.data.manifest import DatasetManifest, open_regular
 from unbroken.data.stream.config import DatasetConfig
 from unbroken.data.stream.remote import RemoteCache, load_remote_manifest
 from unbroken.data.tar.reader import (
@@ -126,10 +126,10 @@ class Reader:
             return
         path = os.path.join(self.root, self.manifest.shards[0].index)
         try:
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(path), "rb") as f:
                 magic = f.read(8)
         except OSError:
-            return  # not there (yet): opening the shard reports it
+            return  # not there (yet), or no regular file: opening the shard reports it
         if index_format(magic) == 1:
             warn_unverified(self.root, path)
 

@@ -32,6 +32,7 @@ import numpy as np
 import xxhash
 
 from unbroken.common.fs import checksum_bytes, checksum_file
+from unbroken.data.manifest import open_regular
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -140,7 +141,7 @@ def read_index_file(
 ) -> bytes:
     """The bytes of an index file; with ``checksum`` (dataset.json's ``index_checksum``) they
     must hash to it, so an index edited or swapped after packing is refused by name."""
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:  # a regular file: read() ends at its size
         raw = f.read()
     if checksum is not None:
         got = checksum_bytes(raw)
@@ -382,7 +383,7 @@ class ShardIndex:
 
     @classmethod
     def load(cls, path: str) -> ShardIndex:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             return cls.from_bytes(f.read(), source=path)
 
 
@@ -399,7 +400,10 @@ def index_tar(path: str) -> ShardIndex:
     samples: list[tuple[str, list[tuple[str, int, int]]]] = []
     skipped = 0
     try:
-        with open(path, "rb") as f, tarfile.open(fileobj=_Capped(f, size), mode="r:") as tf:
+        with (
+            os.fdopen(open_regular(path), "rb") as f,
+            tarfile.open(fileobj=_Capped(f, size), mode="r:") as tf,
+        ):
             for ti in tf:
                 if not ti.isreg():
                     continue
@@ -590,7 +594,7 @@ class ShardReader:
         self._rows: np.ndarray | None = None
         self._planned = False
         self._first_done = False  # a first small read goes without the table
-        self._fd = os.open(path, os.O_RDONLY)
+        self._fd = open_regular(path)
         try:
             self._check()
         except BaseException:
