@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 from collections.abc import Callable
@@ -284,3 +285,81 @@ def test_every_file_name_is_distinct_and_no_manifest_or_temporary(tar_root, tmp_
         DatasetManifest.load(root)
     msg = str(ei.value)
     assert "dataset.json" in msg and bad in msg, msg
+
+
+# --- seeded: many field edits at once, fingerprint recomputed ----------------------------------
+
+_VALUES: list[Any] = [None, "", "x", -1, 0, 1, 2, 7, 8, 9, 2**31, 2**32, 2**32 + 1, 2**62]
+_VALUES += [2**63 - 1, 2**63, 1.5, True, [], {}, "uint16", "uint32", "tar", "tokens", "a" * 300]
+
+
+def _stream_holds(streams: list[np.ndarray], row: np.ndarray) -> bool:
+    """Whether ``row`` is a contiguous run of one shard's tokens (ids count up: unique)."""
+    for s in streams:
+        for h in np.flatnonzero(s == row[0]).tolist():
+            if h + len(row) <= len(s) and np.array_equal(s[h : h + len(row)], row):
+                return True
+    return False
+
+
+def test_seeded_field_edits_with_a_matching_fingerprint_read_true_bytes_or_fail_by_name(
+    tar_root, tok_root, tmp_path
+):
+    """800 seeded manifests, each with 1-3 fields of dataset.json or its shard records set to
+    an edge value (wrong type, off by one, 2**63, ...) and the fingerprint recomputed, read
+    through StreamingDataset (verify on / off, skip, another seq_len, random windows): a
+    ValueError (ManifestError, ShardError, ...) or samples made only of the packed bytes.
+    Before the fixes above this met IndexError, OverflowError and MemoryError."""
+    from unbroken.data.tokens.shard import TokenShard
+
+    roots = {k: shutil.copytree(r, str(tmp_path / k)) for k, r in (("tar", tar_root), ("tok", tok_root))}  # fmt: skip
+    pristine = {k: open(os.path.join(r, "dataset.json")).read() for k, r in roots.items()}
+    packed = {(s["__key__"], bytes(s["bin"])) for s in _read_all(roots["tar"])}
+    m = DatasetManifest.load(roots["tok"])
+    streams = [np.asarray(TokenShard(m.shard_path(roots["tok"], i)).tokens) for i in range(3)]
+    rng = random.Random(5)
+    tally = {"refused": 0, "read": 0}
+    for case in range(800):
+        kind = rng.choice(sorted(roots))
+        d = json.loads(pristine[kind])
+        what = []
+        for _ in range(rng.randint(1, 3)):
+            if rng.random() < 0.6:
+                i = rng.randrange(len(d["shards"]))
+                s = d["shards"][i]
+                key = rng.choice([*sorted(s), "documents", "tokens"])
+                v = rng.choice([*_VALUES, *(x.get(key) for x in d["shards"])])
+                if type(s.get(key)) is int and rng.random() < 0.5:
+                    v = s[key] + rng.choice([-1, 1, 100])
+                s[key] = v
+                what.append(f"shards[{i}].{key}={v!r}"[:60])
+            else:
+                key = rng.choice(["kind", "seq_len", "dtype", "eos_id", "vocab_size", "version"])
+                d[key] = rng.choice(_VALUES)
+                what.append(f"{key}={d[key]!r}"[:60])
+        _refingerprint(d)
+        with open(os.path.join(roots[kind], "dataset.json"), "w") as f:
+            f.write(json.dumps(d))
+        options: list[dict[str, Any]] = [{}, {"verify": False}, {"on_corrupt": "skip"}]
+        if kind == "tok":
+            options += [{"seq_len": 5}, {"windows": "random"}]
+        kw = rng.choice(options)
+        label = f"case {case}: {kind} {kw} {', '.join(what)}"
+        try:
+            got = _read_all(roots[kind], **kw)
+        except ValueError:
+            tally["refused"] += 1
+            continue
+        except Exception as e:
+            raise AssertionError(f"{label}: {type(e).__name__}: {e}") from e
+        for smp in got:
+            if kind == "tar":
+                ok = smp is None or (smp["__key__"], bytes(smp["bin"])) in packed
+            else:
+                ok = smp is None or _stream_holds(streams, np.asarray(smp))
+            assert ok, f"{label}: WRONG SAMPLE"
+        tally["read"] += 1
+    for k, r in roots.items():
+        with open(os.path.join(r, "dataset.json"), "w") as f:
+            f.write(pristine[k])
+    assert tally["refused"] > 500 and tally["read"] > 50, tally
