@@ -18,26 +18,30 @@ dataset.json.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
+import stat
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import fsspec
 
-from unbroken.common.fs import atomic_write_bytes, hasher, is_remote, local_path
+from unbroken.common.fs import atomic_write_bytes, hasher, is_remote, is_temp_name, local_path
 from unbroken.common.text import printable
 
 __all__ = [
     "MANIFEST_NAME",
     "MAX_MANIFEST_BYTES",
+    "MAX_VOCAB",
     "DatasetManifest",
     "ManifestError",
     "ShardInfo",
     "fingerprint",
     "join_path",
+    "open_regular",
     "read_bounded",
 ]
 
@@ -52,6 +56,26 @@ _READS = (1, 2)  # version 1: the fingerprint did not cover the indexes (see the
 _HEX128 = re.compile(r"[0-9a-f]{32}")
 _KINDS = ("tar", "tokens")
 _DTYPES = ("uint16", "uint32")
+_NAME_MAX = 255  # bytes of a file name (Linux NAME_MAX): a longer one is no file
+_COUNT = (0, 2**63 - 1)  # sizes and counts: what an int64 holds (numpy indexes with them)
+MAX_VOCAB = 1 << 32
+"""The largest vocabulary a token file holds: its ids are uint16 or uint32."""
+_TOKEN_ID = (-1, MAX_VOCAB - 1)  # eos_id: a uint32 id, or -1 (a flat file: no document ends)
+
+
+def _int(d: dict[str, Any], key: str, lo: int, hi: int, where: str = "") -> int:
+    """``d[key]`` as an int in ``[lo, hi]``: a JSON integer, nothing else (a float, a bool,
+    a string or a non-finite number is not converted), so every count fits an int64."""
+    v = d[key]
+    if type(v) is not int or not lo <= v <= hi:
+        shown = printable(repr(v))
+        shown = shown if len(shown) <= 40 else shown[:40] + "..."
+        raise ManifestError(f"{where}{key}={shown} is not an integer in [{lo}, {hi}]")
+    return v
+
+
+def _opt_int(d: dict[str, Any], key: str, lo: int, hi: int, where: str = "") -> int | None:
+    return None if d.get(key) is None else _int(d, key, lo, hi, where)
 
 
 def read_bounded(f: Any, limit: int, chunk: int = 4 << 20) -> bytes:
@@ -64,6 +88,20 @@ def read_bounded(f: Any, limit: int, chunk: int = 4 << 20) -> bytes:
             break
         buf += data
     return bytes(buf)
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of ``path``, which must be a regular file: opened without
+    blocking (a FIFO planted there would block ``open`` until a writer came) and refused when
+    it is a FIFO, a device (``/dev/zero`` reads without end) or a directory (T-BOUNDED)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file (a FIFO, device or directory)", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class ManifestError(ValueError):
@@ -100,6 +138,11 @@ class ShardInfo:
     def __post_init__(self) -> None:
         for fname in ("name", "index"):
             v = getattr(self, fname)
+            if len(v.encode("utf-8", "surrogatepass")) > _NAME_MAX:
+                raise ManifestError(
+                    f"shard {fname} of {len(v):,} characters ({printable(v[:40])}...) is longer "
+                    f"than a file name can be ({_NAME_MAX} bytes)"
+                )
             # no control characters: names reach messages and terminals (issue 20 item 11)
             if not v or "/" in v or v in (".", "..") or printable(v) != v:
                 raise ManifestError(
@@ -108,6 +151,8 @@ class ShardInfo:
                 )
         if self.samples < 0 or self.bytes < 0 or self.index_bytes < 0:
             raise ManifestError(f"shard {self.name}: negative size or sample count")
+        if (self.documents or 0) < 0 or (self.tokens or 0) < 0:
+            raise ManifestError(f"shard {self.name}: negative documents or tokens")
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -115,6 +160,9 @@ class ShardInfo:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ShardInfo:
+        if not isinstance(d, dict):
+            raise ManifestError(f"a shard record is {type(d).__name__}, not an object")
+        where = f"shard {printable(d.get('name'))[:80]!r}: "
         for fname in ("checksum", "index_checksum"):
             v = d[fname]
             if not isinstance(v, str) or not _HEX128.fullmatch(v):
@@ -124,14 +172,14 @@ class ShardInfo:
                 )
         return cls(
             name=str(d["name"]),
-            samples=int(d["samples"]),
-            bytes=int(d["bytes"]),
+            samples=_int(d, "samples", *_COUNT, where),
+            bytes=_int(d, "bytes", *_COUNT, where),
             checksum=str(d["checksum"]),
             index=str(d["index"]),
-            index_bytes=int(d["index_bytes"]),
+            index_bytes=_int(d, "index_bytes", *_COUNT, where),
             index_checksum=str(d["index_checksum"]),
-            documents=None if d.get("documents") is None else int(d["documents"]),
-            tokens=None if d.get("tokens") is None else int(d["tokens"]),
+            documents=_opt_int(d, "documents", *_COUNT, where),
+            tokens=_opt_int(d, "tokens", *_COUNT, where),
         )
 
 
@@ -188,9 +236,16 @@ class DatasetManifest:
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
             raise ManifestError(f"kind={self.kind!r} is not one of {_KINDS}")
-        names = [s.name for s in self.shards]
-        if len(set(names)) != len(names):
-            raise ManifestError("shard names in the manifest are not unique")
+        # One file per name: staging and the node cache write, verify and evict by name, and
+        # remove temporaries by their prefix
+        seen: set[str] = set()
+        for name in (n for s in self.shards for n in (s.name, s.index)):
+            if name in seen or name == MANIFEST_NAME or is_temp_name(name):
+                raise ManifestError(
+                    f"file name {name!r} is listed twice, or is {MANIFEST_NAME} or a "
+                    "temporary's (.tmp-*): every shard and index needs a file of its own"
+                )
+            seen.add(name)
         if self.num_samples != sum(s.samples for s in self.shards):
             raise ManifestError(
                 f"num_samples={self.num_samples} differs from the sum over shards "
@@ -278,11 +333,11 @@ class DatasetManifest:
                 kind=str(d["kind"]),
                 shards=shards,
                 fingerprint=str(d["fingerprint"]),
-                num_samples=int(d["num_samples"]),
+                num_samples=_int(d, "num_samples", *_COUNT),
                 dtype=d.get("dtype"),
-                eos_id=None if d.get("eos_id") is None else int(d["eos_id"]),
-                seq_len=None if d.get("seq_len") is None else int(d["seq_len"]),
-                vocab_size=None if d.get("vocab_size") is None else int(d["vocab_size"]),
+                eos_id=_opt_int(d, "eos_id", *_TOKEN_ID),
+                seq_len=_opt_int(d, "seq_len", 1, _COUNT[1]),
+                vocab_size=_opt_int(d, "vocab_size", 1, MAX_VOCAB),
                 extra=dict(d.get("extra") or {}),
             )
         except ManifestError as e:
@@ -330,13 +385,21 @@ class DatasetManifest:
         ``storage_options`` go to fsspec, e.g. an S3 endpoint and credentials)."""
         path = root if root.endswith(".json") else join_path(root, MANIFEST_NAME)
         try:
-            with fsspec.open(path, "rb", **(storage_options or {})) as f:
-                raw = read_bounded(f, MAX_MANIFEST_BYTES + 1)
+            if is_remote(path):
+                with fsspec.open(path, "rb", **(storage_options or {})) as f:
+                    raw = read_bounded(f, MAX_MANIFEST_BYTES + 1)
+            else:
+                with os.fdopen(open_regular(local_path(path)), "rb") as f:
+                    raw = read_bounded(f, MAX_MANIFEST_BYTES + 1)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{path}: no dataset manifest; create one with `unbroken data pack`, "
                 "`unbroken data index` or `unbroken data tokenize`"
             ) from None
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            raise ManifestError(f"{path}: {e.strerror}; re-create the manifest") from None
         return cls.parse(raw, source=path)
 
     @classmethod
@@ -351,6 +414,10 @@ class DatasetManifest:
             d = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ManifestError(f"{source}: malformed JSON ({e}); re-create the manifest") from None
+        except RecursionError:  # json recurses once per level of nesting
+            raise ManifestError(
+                f"{source}: JSON nested too deeply to be a dataset manifest; re-create it"
+            ) from None
         return cls.from_json(d, source=source)
 
     def save(self, root: str) -> str:

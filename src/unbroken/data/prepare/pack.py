@@ -183,12 +183,24 @@ def _load_state(out: str, config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     try:
         with open(os.path.join(out, _STATE), "rb") as f:
             st = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # json recurses per level of nesting
         return {}
     if not isinstance(st, dict) or st.get("config") != config:
         return {}
     shards = st.get("shards")
     return shards if isinstance(shards, dict) else {}
+
+
+def _reusable(rec: Any, plan: str) -> ShardInfo | None:
+    """The committed shard a state record names for this plan (verified before it is kept);
+    None for another plan or a damaged record: the shard is written again."""
+    if not isinstance(rec, dict) or rec.get("plan") != plan:
+        return None
+    try:
+        return ShardInfo.from_json(rec["info"])
+    except (KeyError, TypeError, ValueError):
+        log.info("damaged record in the pack state file; rewriting its shard")
+        return None
 
 
 def _save_state(out: str, config: dict[str, Any], shards: dict[str, dict[str, Any]]) -> None:
@@ -338,8 +350,7 @@ class _PackRun:
     def tasks(self, plans: Iterator[tuple[Any, str]]) -> Iterator[_Task]:
         for i, (payload, plan) in enumerate(plans):
             name = _shard_name(i)
-            rec = self.state.get(name)
-            reuse = ShardInfo.from_json(rec["info"]) if rec and rec.get("plan") == plan else None
+            reuse = _reusable(self.state.get(name), plan)
             self.plans_by_name[name] = plan
             if self.kind == "files":
                 self.input_bytes[i] = sum(m[2] for smp in payload for m in smp.members)

@@ -87,7 +87,8 @@ class _ChecksumMismatch(Exception):
 
 def _valid_local(path: str, f: _File) -> bool:
     try:
-        if os.path.getsize(path) != f.size:
+        # a regular file only: hashing a FIFO found there would block until a writer came
+        if not os.path.isfile(path) or os.path.getsize(path) != f.size:
             return False
         return checksum_file(path)[1] == f.checksum
     except OSError:
@@ -242,7 +243,7 @@ def _bytes_to_copy(files: list[_File], local_dir: str, url: str) -> int:
     need = 0
     for f in files:
         p = os.path.join(local_dir, f.name)
-        have = os.path.getsize(p) if os.path.exists(p) else -1
+        have = os.path.getsize(p) if os.path.isfile(p) else -1
         if have != f.size:
             need += f.size
     free = shutil.disk_usage(local_dir).free

@@ -32,6 +32,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from unbroken.common.config import configure
+from unbroken.common.text import printable
 from unbroken.data.feed.prefetch import map_tensors
 from unbroken.data.stream.config import LoaderConfig
 from unbroken.data.stream.dataset import StreamingDataset
@@ -439,12 +440,15 @@ class StatefulLoader:
         """Resume at the saved position: O(1), reads nothing (see the module docstring)."""
         ds = self.dataset
         try:
-            version = int(state["version"])
-            fp = str(state["fingerprint"])
-            seed = int(state["seed"])
-            epoch = int(state["epoch"])
-            consumed = int(state["samples_consumed"])
-            window = [int(w) for w in state.get("shuffle_window", ds.shuffle_window)]
+            version = _state_int(state, "version")
+            fp = printable(state["fingerprint"])
+            seed = _state_int(state, "seed", bounded=False)  # any seed DatasetConfig takes
+            epoch = _state_int(state, "epoch")
+            consumed = _state_int(state, "samples_consumed")
+            saved = state.get("shuffle_window", ds.shuffle_window)
+            if not isinstance(saved, list | tuple):
+                raise ValueError(f"shuffle_window={printable(repr(saved))[:80]} is not a list")
+            window = [_state_int({"shuffle_window": w}, "shuffle_window") for w in saved]
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(
                 f"not a StatefulLoader state dict (missing or bad field {e}); expected keys "
@@ -455,7 +459,7 @@ class StatefulLoader:
                 f"loader state version {version} is not supported (this unbroken writes "
                 f"{_STATE_VERSION})"
             )
-        windows = str(state.get("windows", "fixed"))
+        windows = printable(state.get("windows", "fixed"))
         if windows != ds.config.windows:
             raise ValueError(
                 f"the loader state was saved with windows={windows!r} but the dataset has "
@@ -574,6 +578,19 @@ def _epochs(loader: StatefulLoader) -> Generator[Any, None, None]:
         yield from loader
 
 
+def _state_int(state: dict[str, Any], key: str, *, bounded: bool = True) -> int:
+    """A field of a saved state as a non-negative int (below 2**63 when ``bounded``): a
+    checkpoint is a file, and a float, bool or string there is refused, not truncated into
+    a position the loop trains on."""
+    v = state[key]
+    if type(v) is not int or v < 0 or (bounded and v >= 2**63):
+        raise ValueError(
+            f"{key}={printable(repr(v))[:80]} is not an integer in [0, "
+            f"{'2**63)' if bounded else 'inf)'}"
+        )
+    return v
+
+
 def _check_xy(dataset: StreamingDataset, collate_fn: Any) -> None:
     if dataset.kind != "tokens":
         raise ValueError(
@@ -618,7 +635,7 @@ def _which_source(state: dict[str, Any], ds: StreamingDataset) -> str:
     if not isinstance(saved, list) or len(saved) != len(ds.sources):
         return ""
     diff = [
-        f"{src.root} ({old.get('fingerprint')} -> {new})"
+        f"{src.root} ({printable(old.get('fingerprint'))} -> {new})"
         for src, old, new in zip(ds.sources, saved, ds.source_fingerprints, strict=True)
         if isinstance(old, dict) and old.get("fingerprint") != new
     ]

@@ -20,7 +20,7 @@ import numpy as np
 import xxhash
 
 from unbroken.common.fs import is_remote, local_path
-from unbroken.data.manifest import DatasetManifest
+from unbroken.data.manifest import DatasetManifest, open_regular
 from unbroken.data.stream.config import DatasetConfig
 from unbroken.data.stream.remote import RemoteCache, load_remote_manifest
 from unbroken.data.tar.reader import (
@@ -126,10 +126,10 @@ class Reader:
             return
         path = os.path.join(self.root, self.manifest.shards[0].index)
         try:
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(path), "rb") as f:
                 magic = f.read(8)
         except OSError:
-            return  # not there (yet): opening the shard reports it
+            return  # not there (yet), or no regular file: opening the shard reports it
         if index_format(magic) == 1:
             warn_unverified(self.root, path)
 
@@ -157,6 +157,18 @@ class Reader:
                 f"dataset {self.root}: shard {info.name} cannot be opened ({e}); {self._fix(shard)}"
             ) from None
 
+    def _check_count(self, shard: int, what: str, recorded: int | None, found: int) -> None:
+        """dataset.json's count of ``what`` in ``shard`` must be the shard's own: the order
+        deals out the recorded counts, and one the shard does not hold would be read past
+        its end (checked with or without ``verify``: a count is no checksum, and it is free)."""
+        if recorded is not None and recorded != found:
+            info = self.manifest.shards[shard]
+            raise ShardError(
+                f"dataset {self.root}: shard {info.name}: dataset.json records {recorded} "
+                f"{what}, the shard and its index {info.index} hold {found}; dataset.json does "
+                f"not describe these files - {self._fix(shard)}"
+            )
+
     def __getstate__(self) -> dict[str, Any]:
         # Open files are per process; a worker started by spawn/forkserver reopens lazily.
         return {**self.__dict__, "_open": OrderedDict()}
@@ -179,6 +191,11 @@ class _TarReader(Reader):
     def _open_shard(self, shard: int) -> ShardReader:
         info = self.manifest.shards[shard]
         r = self._open_with(ShardReader, shard)
+        try:
+            self._check_count(shard, "samples", int(self.counts[shard]), r.index.num_samples)
+        except ShardError:
+            r.close()
+            raise
         if self.verify and (r.index.tar_bytes, r.index.tar_checksum) != (info.bytes, info.checksum):
             r.close()
             raise ShardError(
@@ -221,7 +238,9 @@ class _TokenReader(Reader):
                 xxhash.xxh3_128_hexdigest(f"{f}/seq_len={self.seq_len}".encode())
                 for f in (m.fingerprint, m.fingerprint_v1)
             )
-        self._span = np.arange(self.seq_len + 1, dtype=np.int64)
+        # made on first read, once a shard has shown windows this long exist (a seq_len in
+        # dataset.json is not trusted with an allocation)
+        self._span: np.ndarray | None = None
         # Random windows: shard s has max(0, tokens - seq_len) starts whose window fits in it.
         sizes = (
             [
@@ -247,6 +266,10 @@ class _TokenReader(Reader):
     def _open_shard(self, shard: int) -> TokenShard:
         info, m = self.manifest.shards[shard], self.manifest
         ts = self._open_with(TokenShard, shard)
+        self._check_count(shard, "tokens", info.tokens, ts.num_tokens)
+        self._check_count(shard, "documents", info.documents, ts.num_documents)
+        found = num_sequences(ts.num_tokens, self.seq_len)
+        self._check_count(shard, f"sequences of {self.seq_len}", int(self.counts[shard]), found)
         want = (m.dtype, m.eos_id, info.bytes, info.checksum)
         have = (ts.dtype.name, ts.eos_id, ts.tokens.nbytes, ts.checksum)
         if self.verify and have != want:
@@ -265,6 +288,8 @@ class _TokenReader(Reader):
         bad = ts.damaged(starts, self.seq_len + 1)  # None unless a block under them is damaged
         if bad is not None and self.on_corrupt == "raise":
             raise ts.error(int(starts[np.flatnonzero(bad)[0]]), self.seq_len + 1)
+        if self._span is None:
+            self._span = np.arange(self.seq_len + 1, dtype=np.int64)
         # One gather for the whole group, then rows; int64 like nanoGPT's get_batch.
         rows: list[Any] = list(np.asarray(ts.tokens[starts[:, None] + self._span], dtype=np.int64))
         if bad is not None:

@@ -32,6 +32,7 @@ import numpy as np
 import xxhash
 
 from unbroken.common.fs import checksum_bytes, checksum_file
+from unbroken.data.manifest import open_regular
 
 __all__ = [
     "INDEX_SUFFIX",
@@ -140,7 +141,7 @@ def read_index_file(
 ) -> bytes:
     """The bytes of an index file; with ``checksum`` (dataset.json's ``index_checksum``) they
     must hash to it, so an index edited or swapped after packing is refused by name."""
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:  # a regular file: read() ends at its size
         raw = f.read()
     if checksum is not None:
         got = checksum_bytes(raw)
@@ -357,12 +358,17 @@ class ShardIndex:
         strings = bytes(data[pos : pos + s])
         ms, ko, do, ds, eo = out
         # Structure a reader relies on: every sample has a member, string offsets ascend
-        # inside the string table, member data lies inside the tar. A format-1 index has no
+        # inside the string table, member data lies inside the tar, in order. A format-1 index has no
         # hash of its own, so this is all that stands between a damaged one and a reader.
         ok = ms[0] == 0 and ms[-1] == m and not bool((ms[1:] <= ms[:-1]).any())
         ok = ok and ko[0] == 0 and ko[-1] == eo[0] and eo[-1] == s
         ok = ok and not bool((np.diff(ko) < 0).any()) and not bool((np.diff(eo) < 0).any())
-        ok = ok and not bool((do + ds > tar_bytes).any())
+        # members lie in the tar in order, so a sample's span (first member's start to last
+        # member's end) is never negative
+        ok = ok and not bool((np.diff(do) < 0).any())
+        # offset <= tar and size <= tar - offset: the sum of two int64s can wrap negative
+        tb = min(int(tar_bytes), 2**63 - 1)
+        ok = ok and not bool((do > tb).any()) and not bool((ds > tb - do).any())
         if not ok:
             raise ShardError(f"{source}: index tables are inconsistent (damaged); {fix}")
         if not strings.isascii():  # every key and extension must decode on its own
@@ -377,7 +383,7 @@ class ShardIndex:
 
     @classmethod
     def load(cls, path: str) -> ShardIndex:
-        with open(path, "rb") as f:
+        with os.fdopen(open_regular(path), "rb") as f:
             return cls.from_bytes(f.read(), source=path)
 
 
@@ -394,11 +400,21 @@ def index_tar(path: str) -> ShardIndex:
     samples: list[tuple[str, list[tuple[str, int, int]]]] = []
     skipped = 0
     try:
-        with tarfile.open(path, "r:") as tf:
+        with (
+            os.fdopen(open_regular(path), "rb") as f,
+            tarfile.open(fileobj=_Capped(f, size), mode="r:") as tf,
+        ):
             for ti in tf:
                 if not ti.isreg():
                     continue
                 name = ti.name
+                try:
+                    name.encode()
+                except UnicodeEncodeError:  # tarfile keeps undecodable bytes as surrogates
+                    raise ShardError(
+                        f"{path}: member {ascii(name)} at byte {ti.offset} has a name that is "
+                        "not UTF-8; keys must be text - rename it and re-create the tar"
+                    ) from None
                 if "/" not in name and name.startswith("__") and name.endswith("__"):
                     continue  # webdataset metadata member
                 kv = split_member_name(name)
@@ -448,6 +464,31 @@ def index_tar(path: str) -> ShardIndex:
                 del spans
                 mv.release()
     return ShardIndex.build(samples, size, digest, hashes)
+
+
+class _Capped:
+    """A file for ``tarfile`` whose ``read(n)`` never asks for more than the bytes left:
+    tarfile reads a GNU long name or a PAX record with one read of the size its header
+    claims, and a buffered read allocates that size up front (T-BOUNDED)."""
+
+    def __init__(self, f: Any, size: int) -> None:
+        self._f, self._size = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        left = max(self._size - self._f.tell(), 0)
+        return bytes(self._f.read(left if n is None or n < 0 else min(n, left)))
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return int(self._f.seek(pos, whence))
+
+    def tell(self) -> int:
+        return int(self._f.tell())
+
+    def write(self, b: bytes) -> int:
+        raise OSError("read-only")  # tarfile's file protocol; "r:" never writes
+
+    def close(self) -> None:
+        pass  # the caller's ``with`` closes the file
 
 
 def verify_shard(path: str, index_path: str | None = None, *, checksum: str | None = None) -> None:
@@ -553,7 +594,7 @@ class ShardReader:
         self._rows: np.ndarray | None = None
         self._planned = False
         self._first_done = False  # a first small read goes without the table
-        self._fd = os.open(path, os.O_RDONLY)
+        self._fd = open_regular(path)
         try:
             self._check()
         except BaseException:

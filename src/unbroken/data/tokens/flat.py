@@ -22,6 +22,7 @@ extension code: plain dicts, lists, strings and numbers only), reads at most
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -33,7 +34,15 @@ import numpy as np
 import xxhash
 
 from unbroken.common.fs import atomic_write_bytes, checksum_bytes, hasher, local_path
-from unbroken.data.manifest import DatasetManifest, ManifestError, ShardInfo, read_bounded
+from unbroken.common.text import printable
+from unbroken.data.manifest import (
+    MAX_VOCAB,
+    DatasetManifest,
+    ManifestError,
+    ShardInfo,
+    open_regular,
+    read_bounded,
+)
 from unbroken.data.tokens.shard import (
     BLOCK_TOKENS,
     TOKEN_INDEX_SUFFIX,
@@ -76,8 +85,13 @@ def read_vocab_size(meta_path: str) -> int:
     one without a positive integer ``vocab_size`` is refused with an error naming it."""
     path = local_path(meta_path)
     fix = "pass the vocabulary size yourself (--vocab-size N / vocab_size=N)"
-    with open(path, "rb") as f:
-        raw = read_bounded(f, MAX_META_BYTES + 1)
+    try:
+        with os.fdopen(open_regular(path), "rb") as f:
+            raw = read_bounded(f, MAX_META_BYTES + 1)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        raise ValueError(f"{path}: cannot be read as a meta.pkl ({e.strerror}); {fix}") from None
     if len(raw) > MAX_META_BYTES:
         raise ValueError(f"{path}: larger than {MAX_META_BYTES:,} bytes: not read; {fix}")
     try:
@@ -88,8 +102,11 @@ def read_vocab_size(meta_path: str) -> int:
             f"are read, nothing that names code; {fix}"
         ) from None
     v = meta.get("vocab_size") if isinstance(meta, dict) else None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{path}: no positive integer 'vocab_size' in it (got {v!r}); {fix}")
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_VOCAB:
+        raise ValueError(
+            f"{path}: no positive integer 'vocab_size' up to {MAX_VOCAB:,} (uint32 ids) in "
+            f"it (got {printable(repr(v))[:80]}); {fix}"
+        )
     return v
 
 
@@ -102,13 +119,19 @@ def flat_manifest(path: str) -> DatasetManifest:
     is an error that says how to write it."""
     _, man = _sidecars(path)
     try:
-        with open(man, "rb") as f:
+        with os.fdopen(open_regular(man), "rb") as f:
             raw = read_bounded(f, 1 << 20)
     except FileNotFoundError:
         raise FileNotFoundError(
             f"{path}: a flat token file without its index; write it once (the tokens are not "
             f"copied): `unbroken data index {path} --meta meta.pkl` (or --vocab-size N), or "
             f"unbroken.data.index_flat({path!r}, meta=...)"
+        ) from None
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        raise ManifestError(
+            f"{man}: {e.strerror}; delete it and re-run `unbroken data index {path}`"
         ) from None
     m = DatasetManifest.parse(raw, source=man)
     name = os.path.basename(path)

@@ -29,7 +29,7 @@ from unbroken.common.fs import (
     checksum_bytes,
     checksum_file,
 )
-from unbroken.data.manifest import ShardInfo
+from unbroken.data.manifest import MAX_VOCAB, ShardInfo
 from unbroken.data.tar.reader import (
     CorruptSampleError,
     ShardError,
@@ -70,6 +70,11 @@ def dtype_for_vocab(vocab_size: int, requested: str | None = None) -> str:
     """
     if requested not in (None, "uint16", "uint32"):
         raise ValueError(f"dtype={requested!r} is not supported; pass uint16 or uint32")
+    if vocab_size > MAX_VOCAB:
+        raise ValueError(
+            f"vocabulary of {vocab_size} tokens is too large for uint32 token ids (max "
+            f"{MAX_VOCAB:,}); is the vocab_size right?"
+        )
     if requested == "uint16" and vocab_size > 1 << 16:
         raise ValueError(
             f"vocabulary of {vocab_size} tokens is too large for uint16 (max 65,536 ids); "

@@ -470,11 +470,11 @@ def _resume(out: str, config: dict[str, Any]) -> tuple[list[ShardInfo], int]:
     try:
         with open(os.path.join(out, _STATE), "rb") as f:
             st = json.load(f)
-        if st.get("config") != config:
+        if not isinstance(st, dict) or st.get("config") != config:
             log.info("%s: earlier tokenize state has other inputs/options; starting over", out)
             return [], 0
         shards = [ShardInfo.from_json(s) for s in st["shards"]]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # a damaged state file
         return [], 0
     for k, s in enumerate(shards):
         try:

@@ -109,11 +109,13 @@ def sweep_stats(cache_dir: str) -> None:
     """Remove the slot files of rank processes that are gone."""
     sdir = os.path.join(cache_dir, ".stats")
     for name in os.listdir(sdir):
-        if not name.isdigit():
+        if not (name.isascii() and name.isdigit()):
             continue
         try:
+            if int(name) <= 0:  # os.kill(0, 0) would ask about this process group
+                raise ProcessLookupError
             os.kill(int(name), 0)
-        except ProcessLookupError:
+        except (ProcessLookupError, OverflowError):  # gone, or a name no pid can be
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(sdir, name))
         except PermissionError:
