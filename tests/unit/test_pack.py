@@ -348,3 +348,35 @@ def test_output_path_that_is_a_file_and_index_of_a_file_are_errors(tmp_path: str
         index_directory(os.path.join(tmp_path, "nope"))
     assert main(["data", "pack", src, src, "--no-progress"]) == 2
     assert main(["data", "index", src]) == 2
+
+
+def test_a_pack_that_fails_before_it_writes_leaves_the_dataset_it_would_replace(
+    tmp_path: str,
+) -> None:
+    """Bad input is refused and loses nothing: a JSONL with a bad line packed into an
+    existing dataset leaves that dataset readable (its manifest goes only when a shard of
+    it is about to change)."""
+    good, bad = os.path.join(tmp_path, "in.jsonl"), os.path.join(tmp_path, "bad.jsonl")
+    with open(good, "w") as f:
+        f.writelines(json.dumps({"i": i}) + "\n" for i in range(50))
+    with open(bad, "w") as f:
+        f.write("not json\n")
+    out = os.path.join(tmp_path, "out")
+    pack(good, out, progress=False)
+    before = _files(out)
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
+        pack(bad, out, progress=False)
+    assert _files(out) == before
+    assert len(_read(out)) == 50
+
+
+def test_a_directory_is_not_packed_into_itself(tmp_path: str) -> None:
+    """`pack raw raw/out` would take its own shards as samples on the next run."""
+    src = os.path.join(tmp_path, "raw")
+    _tree(src, n=5)
+    for out in (src, os.path.join(src, "out")):
+        with pytest.raises(ValueError, match="inside the directory it packs") as e:
+            pack(src, out, progress=False)
+        assert out in str(e.value) and "outside" in str(e.value)
+    assert not os.path.exists(os.path.join(src, "out"))
+    assert not any(n.endswith(".tar") for n in os.listdir(src))

@@ -290,6 +290,16 @@ class _AsyncResult:
         return self._r.get()
 
 
+def _refuse_inside(src: str, out: str) -> None:
+    """A directory packed into itself would take its own shards as samples next time."""
+    s, o = os.path.realpath(src), os.path.realpath(out)
+    if os.path.commonpath([s, o]) == s:
+        raise ValueError(
+            f"pack output {out!r} is inside the directory it packs ({src!r}); pass an output "
+            "directory outside it"
+        )
+
+
 def _input_kind(src: str | Iterable[dict[str, Any]]) -> tuple[str, str, Iterable[dict[str, Any]]]:
     """(kind, path, items): ``files`` (a directory), ``jsonl`` (a file) or ``mem`` (dicts)."""
     if not isinstance(src, str | os.PathLike):
@@ -348,9 +358,15 @@ class _PackRun:
         self.done: dict[str, dict[str, Any]] = {}
 
     def tasks(self, plans: Iterator[tuple[Any, str]]) -> Iterator[_Task]:
+        intact = True  # what OUT held is a dataset until the first shard of it changes
         for i, (payload, plan) in enumerate(plans):
             name = _shard_name(i)
             reuse = _reusable(self.state.get(name), plan)
+            if intact and not reuse:
+                # Bad input found before this point (a malformed first line) loses nothing.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.out, MANIFEST_NAME))
+                intact = False
             self.plans_by_name[name] = plan
             if self.kind == "files":
                 self.input_bytes[i] = sum(m[2] for smp in payload for m in smp.members)
@@ -399,10 +415,9 @@ def pack(
         workers = 1 if kind == "mem" else min(os.cpu_count() or 1, 8)
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1")
+    if kind == "files":
+        _refuse_inside(path, out)
     ensure_out_dir(out)
-    # Whatever was complete before is no longer complete once we start changing shards.
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(out, MANIFEST_NAME))
     config = {"shard_size": shard_size, "kind": kind}
     state = _load_state(out, config)
 
@@ -413,6 +428,8 @@ def pack(
     with bar:
         _run_tasks(run.tasks(plans), workers, run.on_done)
     shards = [run.infos[i] for i in range(len(run.infos))]
+    with contextlib.suppress(FileNotFoundError):  # shards beyond the new input go next
+        os.unlink(os.path.join(out, MANIFEST_NAME))
     _cleanup(out, {s.name for s in shards})
     manifest = DatasetManifest.create("tar", shards, extra={"tool": "unbroken pack"})
     manifest.save(out)
