@@ -7,6 +7,7 @@ A plain module, not a conftest (see datakit.py)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import multiprocessing as mp
 import os
@@ -14,6 +15,7 @@ import pickle
 import shutil
 import struct
 import subprocess
+import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -292,6 +294,63 @@ def root_bytes(root: str) -> int:
     return sum(
         os.lstat(os.path.join(dp, n)).st_size for dp, _, names in os.walk(root) for n in names
     )
+
+
+def tensor_blob(t: torch.Tensor, pkl: bytes) -> bytes:
+    """A ``torch.save`` blob of ``t`` whose ``data.pkl`` is ``pkl``."""
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zin, zipfile.ZipFile(out, "w") as zout:
+        for info in zin.infolist():
+            data = pkl if info.filename.endswith("/data.pkl") else zin.read(info)
+            zout.writestr(info.filename, data)
+    return out.getvalue()
+
+
+def replace_blob(d: str, key: str, blob: bytes) -> None:
+    """Put ``blob`` in place of tensor ``key``'s item in its data file; every offset, size
+    and checksum in the manifest updated (re-signed), as an attacker would."""
+    m = read_manifest(d)
+    chunk = m["tensors"][key]["chunks"][0]
+    name = chunk["file"]
+    with open(os.path.join(d, name), "rb") as f:
+        data = f.read()
+    start, end = chunk["offset"], chunk["offset"] + chunk["length"]
+    new = data[:start] + blob + data[end:]
+    delta = len(blob) - chunk["length"]
+    for t in m["tensors"].values():
+        for c in t["chunks"]:
+            if c["file"] == name and c["offset"] > start:
+                c["offset"] += delta
+    chunk["length"] = len(blob)
+    m["files"][name] = {"size": len(new), "checksum": checksum_bytes(new)}
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(new)
+    edit_manifest(d, lambda x: x.update(m))
+
+
+def vm_status(key: str) -> int:
+    """``/proc/self/status``'s ``key`` (``VmRSS``, ``VmHWM``) in bytes."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def restore_here(root: str) -> tuple[int | None, dict[str, Any], int]:
+    """``restore()`` of ``small_state(seed=9)`` from ``root`` in this process: the restored
+    step, a snapshot of the live state, and the peak RSS (bytes) the restore added
+    (``/proc/self/clear_refs`` resets the peak; :func:`peak_rss` measures in a fresh one)."""
+    st, _, _ = small_state(seed=9)
+    ck = Checkpointer(root, st)
+    base = vm_status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS: the peak from here on
+    try:
+        got = ck.restore()
+        peak = vm_status("VmHWM") - base
+    finally:
+        ck.close()
+    return got, snapshot(st), peak
 
 
 _PEAK_CHILD = r"""

@@ -14,7 +14,6 @@ import io
 import logging
 import os
 import pickle
-import zipfile
 from collections.abc import Callable
 from typing import Any
 
@@ -27,21 +26,20 @@ from ckptkit import (
     STOP,
     build_root,
     copy_root,
-    edit_manifest,
     identical,
     p_call,
     p_global,
     p_stack_global,
     p_str,
-    read_manifest,
+    replace_blob,
     replace_file,
     small_state,
     snapshot,
     step_dir,
+    tensor_blob,
 )
 from unbroken.ckpt import Checkpointer
 from unbroken.ckpt.export import verify_steps
-from unbroken.common.fs import checksum_bytes
 
 MD = "torch.distributed.checkpoint.metadata"
 
@@ -172,40 +170,6 @@ def test_crafted_dcp_metadata_is_refused_and_never_run(pristine, tmp_path, caplo
     assert len(warns) == 1 and "metadata" in warns[0], warns
 
 
-def _evil_blob(t: torch.Tensor, pkl: bytes) -> bytes:
-    """A ``torch.save`` blob of ``t`` whose ``data.pkl`` is ``pkl``."""
-    buf = io.BytesIO()
-    torch.save(t, buf)
-    out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as zin, zipfile.ZipFile(out, "w") as zout:
-        for info in zin.infolist():
-            data = pkl if info.filename.endswith("/data.pkl") else zin.read(info)
-            zout.writestr(info.filename, data)
-    return out.getvalue()
-
-
-def _replace_blob(d: str, key: str, blob: bytes) -> None:
-    """Put ``blob`` in place of tensor ``key``'s item in its data file; every offset, size
-    and checksum in the manifest updated (re-signed), as an attacker would."""
-    m = read_manifest(d)
-    chunk = m["tensors"][key]["chunks"][0]
-    name = chunk["file"]
-    with open(os.path.join(d, name), "rb") as f:
-        data = f.read()
-    start, end = chunk["offset"], chunk["offset"] + chunk["length"]
-    new = data[:start] + blob + data[end:]
-    delta = len(blob) - chunk["length"]
-    for t in m["tensors"].values():
-        for c in t["chunks"]:
-            if c["file"] == name and c["offset"] > start:
-                c["offset"] += delta
-    chunk["length"] = len(blob)
-    m["files"][name] = {"size": len(new), "checksum": checksum_bytes(new)}
-    with open(os.path.join(d, name), "wb") as f:
-        f.write(new)
-    edit_manifest(d, lambda x: x.update(m))
-
-
 @pytest.mark.parametrize(
     "name",
     [
@@ -220,13 +184,13 @@ def test_crafted_tensor_pickle_is_refused_and_never_run(pristine, tmp_path, capl
     _control(
         PAYLOADS[name],
         tmp_path,
-        lambda pkl: torch.load(io.BytesIO(_evil_blob(weight, pkl)), weights_only=False),
+        lambda pkl: torch.load(io.BytesIO(tensor_blob(weight, pkl)), weights_only=False),
     )
     src, want = pristine
     root = str(tmp_path / "ck")
     copy_root(src, root)
     marker = str(tmp_path / "MARKER")
-    blob = _evil_blob(weight, PAYLOADS[name](marker))
-    _replace_blob(step_dir(root, 4), "components/model/0.weight", blob)
+    blob = tensor_blob(weight, PAYLOADS[name](marker))
+    replace_blob(step_dir(root, 4), "components/model/0.weight", blob)
     warns = _restore_falls_back(root, want, marker, caplog)
     assert len(warns) == 1 and "unreadable" in warns[0] and "weights_only" in warns[0], warns

@@ -1,4 +1,4 @@
-"""Crafted values in a rank's state file (helper ckptfuzz).
+"""Crafted values in a rank's state file.
 
 The state file is JSON whose tagged values the codec decodes before the schema checks run.
 A numpy scalar's dtype comes from the file: ``{"dtype": "V1", "value": 1073741824}`` made
@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from ckptkit import build_root, edit_state, identical, root_bytes, small_state, snapshot, step_dir
-from unbroken.ckpt import Checkpointer
+from ckptkit import build_root, edit_state, identical, restore_here, root_bytes, step_dir
 
 MiB = 1 << 20
 BOMB = {"__ub__": "npscalar", "dtype": "V1", "value": 1 << 30}
@@ -39,11 +38,6 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[int, A
     return r, build_root(r)
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
-
-
 @pytest.mark.parametrize("place", sorted(PLACES))
 def test_a_numpy_scalar_of_a_crafted_size_is_damage_not_memory(pristine, tmp_path, place) -> None:
     src, want = pristine
@@ -52,15 +46,7 @@ def test_a_numpy_scalar_of_a_crafted_size_is_damage_not_memory(pristine, tmp_pat
     edit_state(step_dir(root, 4), PLACES[place])
     bound = 2 * root_bytes(root) + 256 * MiB
 
-    st, _, _ = small_state(seed=9)
-    ck = Checkpointer(root, st)
-    base = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS: the peak from here on
-    try:
-        assert ck.restore() == 2
-        peak = _status("VmHWM") - base
-    finally:
-        ck.close()
-    assert identical(snapshot(st), want[2])
+    got, live, peak = restore_here(root)
+    assert got == 2
+    assert identical(live, want[2])
     assert peak < bound, f"restore peaked at {peak / MiB:.0f} MiB, bound {bound / MiB:.0f} MiB"

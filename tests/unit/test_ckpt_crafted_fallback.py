@@ -1,4 +1,4 @@
-"""Damage to every step of a root (helper ckptfuzz).
+"""Damage to every step of a root.
 
 One clear error that lists each step and why, never a traceback of another type; and the
 restart after it (a supervisor retries the worker) must still say why, though the first
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from ckptkit import build_root, flip, identical, small_state, snapshot, step_dir
+from ckptkit import build_root, flip, identical, restore_here, small_state, snapshot, step_dir
 from unbroken.ckpt import Checkpointer
 
 
@@ -76,20 +76,7 @@ def test_a_sparse_file_does_not_raise_the_memory_bound(pristine, tmp_path) -> No
     )
     bound = 2 * on_disk + 256 * 2**20
 
-    st, _, _ = small_state(seed=9)
-    ck = Checkpointer(root, st)
-    base = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS: the peak from here on
-    try:
-        assert ck.restore() == 2
-        peak = _status("VmHWM") - base
-    finally:
-        ck.close()
+    got, _, peak = restore_here(root)
+    assert got == 2
     assert peak < bound, f"restore peaked at {peak >> 20} MiB, bound {bound >> 20} MiB"
     assert os.path.isdir(os.path.join(root, "corrupt-step-00000004-too-large"))
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))

@@ -1,5 +1,5 @@
 """Crafted, re-signed manifest fields that made validation raise something other than
-:class:`ManifestError` (helper ckptfuzz).
+:class:`ManifestError`.
 
 ``restore()`` turns any exception of the verified reader into damage, but the archive
 (``parse_manifest``) and ``ckpt ls``/``inspect`` catch only ``ManifestError``: a rank key
@@ -106,7 +106,7 @@ def test_restore_falls_back_past_it_locally(pristine, tmp_path, caplog, name) ->
 @pytest.mark.parametrize("name", sorted(EDITS))
 def test_restore_from_the_archive_falls_back_past_it(pristine, tmp_path, caplog, name) -> None:
     src, want = pristine
-    url = f"memory://ckptfuzz-{uuid.uuid4().hex[:8]}"
+    url = f"memory://crafted-{uuid.uuid4().hex[:8]}"
     for s in (2, 4):
         Archive(url).upload(step_dir(src, s), s)
     with fsspec.open(f"{url}/step-00000004/manifest.json", "wb") as f:

@@ -1,4 +1,4 @@
-"""Crafted DCP ``.metadata`` pickles that copy one object many times (helper ckptfuzz).
+"""Crafted DCP ``.metadata`` pickles that copy one object many times.
 
 The opcode walk (``bounds.pickle_cost``) charges what each opcode allocates, but three
 steps of the stand-in parse used to copy an object the pickle built once and memoized:

@@ -1,4 +1,4 @@
-"""Crafted step-directory names in a checkpoint root (helper ckptfuzz).
+"""Crafted step-directory names in a checkpoint root.
 
 Our commit names a step ``step-%08d``. A directory whose name only looks like a step
 (unpadded ``step-9``, a non-ASCII digit ``step-٤``, a second spelling ``step-000000004``

@@ -1,4 +1,4 @@
-"""A checkpoint root's ``.lock`` is a fixed name in an untrusted directory (helper ckptfuzz).
+"""A checkpoint root's ``.lock`` is a fixed name in an untrusted directory.
 
 A root copied from elsewhere (or written by someone else) may hold a ``.lock`` that is a
 symlink or a FIFO. The writer lock opened it read-write following symlinks and wrote the

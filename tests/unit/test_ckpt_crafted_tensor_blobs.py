@@ -1,4 +1,4 @@
-"""Crafted ``torch.save`` blobs in a checkpoint's data file (helper ckptfuzz).
+"""Crafted ``torch.save`` blobs in a checkpoint's data file.
 
 A tensor record in a layout unbroken does not write is read with
 ``torch.load(weights_only=True)``, which runs no code but builds whatever its allow-list
@@ -24,7 +24,6 @@ from typing import Any
 
 import pytest
 import torch
-from test_ckpt_pickle import _evil_blob, _replace_blob
 
 from ckptkit import (
     PROTO,
@@ -32,20 +31,15 @@ from ckptkit import (
     build_root,
     identical,
     p_global,
+    replace_blob,
+    restore_here,
     root_bytes,
-    small_state,
-    snapshot,
     step_dir,
+    tensor_blob,
 )
-from unbroken.ckpt import Checkpointer
 
 MiB = 1 << 20
 KEY = "components/model/0.weight"  # [32, 16] float32
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
 def _size_of_bytearray(want: dict[int, Any]) -> bytes:
@@ -59,7 +53,7 @@ def _size_of_bytearray(want: dict[int, Any]) -> bytes:
         + b"\x85R\x85R"
         + STOP
     )
-    return _evil_blob(torch.zeros(32, 16), pkl)
+    return tensor_blob(torch.zeros(32, 16), pkl)
 
 
 def _calls_on_one_tuple(want: dict[int, Any]) -> bytes:
@@ -76,7 +70,7 @@ def _calls_on_one_tuple(want: dict[int, Any]) -> bytes:
         + b"e"
         + STOP
     )
-    return _evil_blob(torch.zeros(32, 16), pkl)
+    return tensor_blob(torch.zeros(32, 16), pkl)
 
 
 def _deflated_storage(want: dict[int, Any]) -> bytes:
@@ -136,18 +130,8 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[int, A
 
 def _restore(root: str, caplog: pytest.LogCaptureFixture) -> tuple[int | None, Any, int]:
     """The restored step, the live state, and the peak RSS the restore added."""
-    st, _, _ = small_state(seed=9)
-    ck = Checkpointer(root, st)
-    base = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS: the peak from here on
-    try:
-        with caplog.at_level(logging.WARNING, logger="unbroken"):
-            got = ck.restore()
-        peak = _status("VmHWM") - base
-    finally:
-        ck.close()
-    return got, snapshot(st), peak
+    with caplog.at_level(logging.WARNING, logger="unbroken"):
+        return restore_here(root)
 
 
 @pytest.mark.parametrize("bomb", sorted(BOMBS))
@@ -155,7 +139,7 @@ def test_a_crafted_tensor_blob_cannot_exhaust_memory(pristine, tmp_path, caplog,
     src, want = pristine
     root = str(tmp_path / "ck")
     shutil.copytree(src, root, symlinks=True)
-    _replace_blob(step_dir(root, 4), KEY, BOMBS[bomb](want))
+    replace_blob(step_dir(root, 4), KEY, BOMBS[bomb](want))
     bound = 2 * root_bytes(root) + 256 * MiB
 
     got, state, peak = _restore(root, caplog)
@@ -172,7 +156,7 @@ def test_a_tensor_in_an_honest_foreign_layout_still_loads(
     src, want = pristine
     root = str(tmp_path / "ck")
     shutil.copytree(src, root, symlinks=True)
-    _replace_blob(step_dir(root, 4), KEY, HONEST[layout](want))
+    replace_blob(step_dir(root, 4), KEY, HONEST[layout](want))
     got, state, _ = _restore(root, caplog)
     assert got == 4
     assert identical(state, want[4])
