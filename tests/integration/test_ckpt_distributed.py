@@ -607,3 +607,43 @@ def test_a_message_from_a_process_posing_as_a_rank_runs_no_code(tmp_path) -> Non
         (said,) = json.load(open(tmp_path / f"said-{rank}.json"))
         assert f"from rank {poser} is refused" in said and "posix.system" in said, said
         assert "trusted network" in said
+
+
+def _archive_typo_worker(rank: int, world: int, job: dict[str, Any]) -> None:
+    from unbroken.ckpt import ArchiveConfig, Checkpointer, TrainState
+
+    os.environ.update(job["env"])
+    join_group(rank, world, job["rdzv"])
+    st = TrainState(model=torch.nn.Linear(2, 2))
+    ck = Checkpointer(os.path.join(job["out"], "root"), st, archive=ArchiveConfig(job["url"]))
+    try:
+        ck.restore()
+        said = "restored"
+    except Exception as e:  # noqa: BLE001 - what each rank is told is the result
+        said = f"{type(e).__name__}: {e}"
+    with open(os.path.join(job["out"], f"said-{rank}.json"), "w") as f:
+        json.dump(said, f)
+    ck.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+def test_an_archive_rank_0_cannot_read_fails_every_rank_not_a_hang(tmp_path) -> None:
+    """Rank 0 lists the archive while the others wait in a broadcast: its failure (here a
+    bucket that does not exist) reaches them as an error instead of leaving them waiting
+    for the process group's timeout (30 min)."""
+    from storekit import moto_endpoint
+
+    with moto_endpoint() as ep:
+        env = {
+            "AWS_ACCESS_KEY_ID": "k",
+            "AWS_SECRET_ACCESS_KEY": "s",
+            "AWS_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": ep,
+        }
+        job = {"out": str(tmp_path), "env": env, "url": "s3://typo/run"}
+        _run(2, job, _archive_typo_worker)
+    said = [json.load(open(tmp_path / f"said-{r}.json")) for r in range(2)]
+    assert "bucket 'typo' does not exist" in said[0], said
+    assert said[1].startswith("RuntimeError: rank 0 could not fetch from the archive"), said
+    assert "bucket 'typo' does not exist" in said[1], said

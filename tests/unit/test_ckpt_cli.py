@@ -159,6 +159,11 @@ def test_chunk_assembly_matches_the_verified_reader(run: dict[str, Any]) -> None
 def test_bad_input_is_a_clear_error(tmp_path, capsys) -> None:
     rc, _, err = _run(["ckpt", "verify", str(tmp_path / "nope")], capsys)
     assert rc == 2 and "does not exist" in err
+    # a file where the root should be: said as it is, not "does not exist"
+    (tmp_path / "corpus.txt").write_text("text")
+    for verb in ("verify", "inspect", "ls"):
+        rc, out, err = _run(["ckpt", verb, str(tmp_path / "corpus.txt")], capsys)
+        assert rc == 2 and "corpus.txt" in err and "is a file, not a checkpoint directory" in err
     os.mkdir(tmp_path / "empty")
     # a checkpoint root without a checkpoint: the check failed (1), the message on stderr
     rc, out, err = _run(["ckpt", "inspect", str(tmp_path / "empty")], capsys)
@@ -168,3 +173,35 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys) -> None:
     # an archive that is not there is a bad argument, not an empty listing
     rc, out, err = _run(["ckpt", "ls", str(tmp_path / "empty"), "--archive", "no-such"], capsys)
     assert rc == 2 and "no-such" in err and "does not exist" in err and not out
+
+
+@pytest.mark.timeout(120)
+def test_an_archive_in_a_bucket_that_does_not_exist_is_named_not_listed_empty(
+    tmp_path, capsys, monkeypatch
+) -> None:
+    """`ckpt ls --archive s3://typo/run` said "0 remote" and exit 0: a typo'd bucket looked
+    like an archive nothing was uploaded to yet. An existing bucket without the prefix is
+    such an archive."""
+    import boto3
+    from s3fs import S3FileSystem
+
+    from storekit import moto_endpoint
+
+    os.mkdir(tmp_path / "root")
+    with moto_endpoint() as ep:
+        for k, v in {
+            "AWS_ACCESS_KEY_ID": "k",
+            "AWS_SECRET_ACCESS_KEY": "s",
+            "AWS_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": ep,
+        }.items():
+            monkeypatch.setenv(k, v)
+        boto3.client("s3", endpoint_url=ep).create_bucket(Bucket="real")
+        argv = ["ckpt", "ls", str(tmp_path / "root"), "--archive"]
+        try:
+            rc, out, err = _run([*argv, "s3://real/run"], capsys)
+            assert rc == 0 and "0 remote" in out, (out, err)
+            rc, out, err = _run([*argv, "s3://typo/run"], capsys)
+            assert rc == 2 and "s3://typo/run" in err and "bucket" in err and not out, (out, err)
+        finally:  # fsspec keeps the filesystem, and with it this server's endpoint, otherwise
+            S3FileSystem.clear_instance_cache()

@@ -497,12 +497,21 @@ class Checkpointer:
         """Node replaced or disk lost: the newest remote copy that verifies and applies."""
         older: int | None = None
         while self._archive is not None:
-            fetched = None
+            fetched: int | None = None
+            failed: Exception | None = None
             if self._comm.rank == 0:
                 from unbroken.ckpt.archive.remote import fetch_newest_valid
 
-                fetched = fetch_newest_valid(self._archive, self.store.root, older_than=older)
-            fetched = self._comm.broadcast(fetched)
+                try:
+                    fetched = fetch_newest_valid(self._archive, self.store.root, older_than=older)
+                except Exception as e:  # noqa: BLE001 - every rank raises it below
+                    failed = e
+            # the other ranks wait in this broadcast: rank 0's failure must reach them too
+            fetched, why = self._comm.broadcast((fetched, None if failed is None else str(failed)))
+            if failed is not None:
+                raise failed
+            if why is not None:
+                raise RuntimeError(f"rank 0 could not fetch from the archive: {why}")
             if fetched is None:
                 break
             if self._try(fetched, tried, where=f" (from {self._archive.url})"):

@@ -18,6 +18,7 @@ screen or start a line of its own (issue 20).
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import time
@@ -78,9 +79,21 @@ def _manifest(store: Store, step: int) -> CheckpointManifest:
         raise ValueError(f"cannot read the manifest of step {step} in {store.root!r}: {e}") from e
 
 
+def _require_root(root: str) -> None:
+    """Refuse a root that is not a directory, saying which way it is not."""
+    if os.path.isdir(root):
+        return
+    if os.path.lexists(root):
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            f"{root!r} is a file, not a checkpoint directory; pass the directory the "
+            "Checkpointer saves into (the one holding step-NNNNNNNN/)",
+        )
+    raise FileNotFoundError(f"checkpoint directory {root!r} does not exist")
+
+
 def _pick_step(store: Store, step: int | None) -> int:
-    if not os.path.isdir(store.root):
-        raise FileNotFoundError(f"checkpoint directory {store.root!r} does not exist")
+    _require_root(store.root)
     steps = store.steps()
     if not steps:
         raise CheckFailed(
@@ -113,8 +126,7 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
         archive, store = archive or directory, None
     else:
         store = Store(directory)
-        if not os.path.isdir(store.root):
-            raise FileNotFoundError(f"checkpoint directory {store.root!r} does not exist")
+        _require_root(store.root)
         for s in store.steps():
             info = store.info(s)
             local[s] = (info.size, info.mtime)
@@ -261,8 +273,7 @@ def verify_steps(
     from unbroken.ckpt.verify import load_verified
 
     store = Store(directory)
-    if not os.path.isdir(store.root):
-        raise FileNotFoundError(f"checkpoint directory {store.root!r} does not exist")
+    _require_root(store.root)
     steps = store.candidates()
     if step is not None:
         if step not in steps:

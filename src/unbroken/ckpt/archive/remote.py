@@ -75,6 +75,10 @@ class RemoteInfo:
     created: float | None
 
 
+_BUCKETED = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+"""fsspec protocols whose first path component is a bucket (or container)."""
+
+
 class Archive:
     """Remote copies of committed checkpoints under an fsspec ``url``.
 
@@ -171,7 +175,22 @@ class Archive:
             step = step_of(parts[-2]) if len(parts) >= 2 else None
             if step is not None and parts[-1] == MANIFEST:
                 out.add(step)
+        if not out:
+            self._require_bucket()
         return sorted(out)
+
+    def _require_bucket(self) -> None:
+        """An empty listing in a bucket that is not there is a typo'd URL, not an archive
+        nothing was uploaded to yet (a restore would start from scratch)."""
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        if self._local or not _BUCKETED & set(protocols):
+            return
+        bucket = self.root.split("/", 1)[0]
+        if not self._retry(self.url, "bucket check", lambda: self.fs.exists(bucket)):
+            raise FileNotFoundError(
+                f"{self.url}: the bucket {bucket!r} does not exist (or these credentials "
+                "cannot see it); check the URL and the endpoint"
+            )
 
     def read_manifest(self, step: int) -> CheckpointManifest:
         """The fully validated remote manifest of ``step`` (raises :class:`ArchiveError`)."""
