@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -241,6 +242,10 @@ class StatefulLoader:
         self._run: tuple[int, int, int] | None = None  # (run id, epoch, start) in flight
         self._run_steps = 0  # global steps of the run in flight
         self._delivered = 0
+        # The position before each of the last held_batches delivered batches: a held batch
+        # may belong to an earlier run (the epoch before), whose position _position cannot
+        # recompute from the run in flight.
+        self._before: deque[tuple[int, int]] = deque(maxlen=c.held_batches)
         self._ids = itertools.count()
         # A persistent DataLoader and the (epoch, start) its workers will run next.
         self._dl: DataLoader | None = None
@@ -252,6 +257,8 @@ class StatefulLoader:
     def _position(self, held: int = 0) -> tuple[int, int]:
         """(epoch, global samples consumed) after the batches delivered so far, less the
         last ``held`` of them (batches the loop holds, not consumed: the saved position)."""
+        if held and self._before:  # fewer delivered since the restore: the restored position
+            return self._before[-min(held, len(self._before))]
         if self._run is None:
             return self._epoch, self._start
         _, epoch, start = self._run
@@ -277,6 +284,7 @@ class StatefulLoader:
         if epoch != cur:
             self._run = None
             self._epoch, self._start = epoch, 0
+            self._before.clear()
 
     def forever(self) -> Endless:
         """Batches epoch after epoch, without end, for loops that draw with ``next(...)``
@@ -354,7 +362,7 @@ class StatefulLoader:
                 # makes (it depends only on the position; the transform's RNGs are seeded by
                 # it and this process's RNG states are put back).
                 batch = self._batch_here(epoch, start)
-                self._delivered += 1
+                self._deliver()
                 yield batch
                 if self._run is None or self._run[0] != run_id:
                     return  # load_state_dict / set_epoch replaced this run
@@ -372,7 +380,7 @@ class StatefulLoader:
                     batch = _as_tensors(batch)
                     if self._pin_here:
                         batch = map_tensors(lambda t: t.pin_memory(), batch)
-                self._delivered += 1
+                self._deliver()
                 yield batch
             if self._run is not None and self._run[0] == run_id:
                 self._epoch, self._start = epoch + 1, 0
@@ -387,6 +395,12 @@ class StatefulLoader:
             del it
             if rx is not None and rx is not self._rx:
                 rx.close()
+
+    def _deliver(self) -> None:
+        """Count one more batch delivered to the loop, remembering the position before it."""
+        if self._before.maxlen:
+            self._before.append(self._position())
+        self._delivered += 1
 
     def _first_here(self, epoch: int, start: int) -> bool:
         """Make the run's first batch in this process: only when workers are about to be
@@ -508,6 +522,7 @@ class StatefulLoader:
             )
         self._run = None
         self._epoch, self._start = epoch, consumed
+        self._before.clear()
 
     def stats(self) -> dict[str, int]:
         """Counters of the data path: ``corrupt_skipped``, damaged samples left out under
