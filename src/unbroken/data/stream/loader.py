@@ -431,7 +431,16 @@ class StatefulLoader:
     def state_dict(self) -> dict[str, Any]:
         """The position after the batches the loop consumed: those delivered, less the
         ``held_batches`` it still holds (LoaderConfig)."""
-        epoch, consumed = self._position(self.config.held_batches)
+        return self._state(self.config.held_batches)
+
+    def delivered_state_dict(self) -> dict[str, Any]:
+        """The position after every batch delivered, held ones included: where a new pass
+        continues (a DevicePrefetcher rewinds to it when it drops batches it pulled ahead;
+        rewound to :meth:`state_dict`, it would deliver the held batches twice)."""
+        return self._state(0)
+
+    def _state(self, held: int) -> dict[str, Any]:
+        epoch, consumed = self._position(held)
         ds = self.dataset
         sd: dict[str, Any] = {
             "version": _STATE_VERSION,
@@ -580,6 +589,9 @@ class Endless:
 
     def state_dict(self) -> dict[str, Any]:
         return self.loader.state_dict()
+
+    def delivered_state_dict(self) -> dict[str, Any]:
+        return self.loader.delivered_state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The loader resumes there; the next batch comes from the restored position."""
