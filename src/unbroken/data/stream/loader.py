@@ -37,7 +37,7 @@ from unbroken.common.text import printable
 from unbroken.data.feed.prefetch import map_tensors
 from unbroken.data.stream.config import LoaderConfig
 from unbroken.data.stream.dataset import StreamingDataset
-from unbroken.data.stream.order import mix_seed
+from unbroken.data.stream.order import Partition, mix_seed
 from unbroken.data.stream.transport import RingReceiver, RingSender, transport_available, worker_fds
 
 __all__ = ["Endless", "LoaderConfig", "StatefulLoader"]
@@ -564,13 +564,22 @@ class Endless:
         (e0, p0), now = self._taken, loader._position(loader.config.held_batches)
         self._taken = now
         out: list[int] = []
-        n = loader.dataset.epoch_length
+        ds, c = loader.dataset, loader.config
+        n, g = ds.epoch_length, c.batch_size * ds.world_size
         for epoch in range(e0, now[0] + 1):
             start = p0 if epoch == e0 else 0
-            end = min(now[1] if epoch == now[0] else n, n)
-            if end > start:
-                pos = np.arange(start, end, dtype=np.int64)
-                out += loader.dataset.sample_ids(epoch, pos).tolist()
+            # One rank taking the global batch: every rank's batches in one-rank order, the
+            # epoch's last step as last_batch makes it (padded, dropped or short).
+            part = Partition(start, n, g, 0, 1, c.last_batch)
+            steps = part.num_steps
+            if epoch == now[0]:
+                steps = min(steps, -(-(now[1] - start) // g))
+            full = min(steps, (n - start) // g)
+            pos = np.arange(start, start + full * g, dtype=np.int64)
+            if steps > full:
+                pos = np.concatenate([pos, part.batch_positions(full)])
+            if pos.size:
+                out += ds.sample_ids(epoch, pos).tolist()
         return out
 
     def __iter__(self) -> Endless:
