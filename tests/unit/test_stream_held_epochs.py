@@ -65,3 +65,30 @@ def test_take_ids_keeps_batches_held_across_an_epoch_end(data) -> None:
         next(it)
     ids = it.take_ids()  # epoch 0's first 5 batches (20 positions) consumed, 2 batches held
     assert ids == ds.sample_ids(0, np.arange(20)).tolist()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_closing_or_breaking_out_keeps_the_held_batch_unconsumed(data, workers) -> None:
+    """``Endless.close()`` "stops the workers, the position stays", and a ``break`` out of a
+    pass keeps the delivered position: a save after either still leaves the held batch
+    unconsumed, so the resumed run delivers it first."""
+    it = _loader(data, 1, workers).forever()
+    drawn = [next(it) for _ in range(3)]
+    before = it.state_dict()
+    it.close()
+    assert it.state_dict() == before
+    again = _loader(data, 1)
+    again.load_state_dict(before)
+    assert next(again.forever()) == drawn[-1]
+
+    loader = _loader(data, 1, workers)
+    held: Any = None
+    for i, batch in enumerate(loader):
+        held = batch
+        if i == 2:
+            before = loader.state_dict()
+            break
+    assert loader.state_dict() == before
+    again = _loader(data, 1)
+    again.load_state_dict(before)
+    assert next(iter(again)) == held
