@@ -217,7 +217,8 @@ class StatefulLoader:
         if c.xy:
             _check_xy(dataset, collate_fn)
         self._from_numpy = (tokens or c.xy) and not ring
-        self._pin_here = self._from_numpy and c.pin_memory
+        # without CUDA there is no pinned memory: batches come unpinned (as torch's DataLoader)
+        self._pin_here = self._from_numpy and c.pin_memory and torch.cuda.is_available()
         if c.xy:
             self.collate_fn: Callable[[list[Any]], Any] = _xy_tensors if ring else _xy_rows
         elif self._from_numpy:
