@@ -612,6 +612,20 @@ class Endless:
 
 def _epochs(loader: StatefulLoader) -> Generator[Any, None, None]:
     while True:
+        if loader.samples_consumed == 0 and not len(loader):
+            # every epoch gives this rank nothing: next() would spin through epochs forever
+            ds, c = loader.dataset, loader.config
+            smaller = (
+                f" or a batch_size of at most {ds.epoch_length // ds.world_size}"
+                if c.last_batch == "drop" and ds.epoch_length >= ds.world_size
+                else ""
+            )
+            raise ValueError(
+                f"StatefulLoader.forever(): an epoch of {ds.epoch_length} samples gives rank "
+                f"{ds.rank} of {ds.world_size} no batch with batch_size={c.batch_size}, "
+                f"last_batch={c.last_batch!r}, so next() would never return; pass "
+                f"last_batch='pad' (every rank gets full batches){smaller}"
+            )
         yield from loader
 
 
