@@ -122,7 +122,7 @@ class _InFlight:
     nbytes: int = 0
     copy_start: Any = None  # timing events, only when an observer is attached
     copy_end: Any = None
-    state: Any = _NO_STATE  # inner.state_dict() snapshot taken right after the pull
+    state: Any = _NO_STATE  # _snapshot() taken right after the pull
 
 
 class _CudaCopier:
@@ -416,7 +416,7 @@ class DevicePrefetcher:
             # delivered one, so a new pass neither skips nor repeats a batch.
             load = getattr(self._iterable, "load_state_dict", None)
             if load is not None:
-                load(copy.deepcopy(self._delivered_state))
+                load(copy.deepcopy(self._delivered_state[1]))
         self._exhausted = False
         self._done = False
         self._error = None
@@ -429,11 +429,14 @@ class DevicePrefetcher:
     # -- Stateful ------------------------------------------------------------------------
 
     def _snapshot(self) -> Any:
+        """(the state to save, the state a new pass continues from): they differ by the
+        batches the loop holds across a save (``StatefulLoader(held_batches=...)``)."""
         sd = getattr(self._iterable, "state_dict", None)
         if sd is None:
             return _NO_STATE
+        here = getattr(self._iterable, "delivered_state_dict", sd)
         # deepcopy: the loader may mutate the dict it returned as it advances.
-        return copy.deepcopy(sd())
+        return copy.deepcopy(sd()), copy.deepcopy(here())
 
     def state_dict(self) -> Any:
         """The wrapped loader's state as of the last batch delivered to the caller."""
@@ -446,7 +449,7 @@ class DevicePrefetcher:
             )
         if self._delivered_state is _NO_STATE:
             return sd()  # nothing pulled ahead of delivery: the live state is the one
-        return copy.deepcopy(self._delivered_state)
+        return copy.deepcopy(self._delivered_state[0])
 
     def load_state_dict(self, state: Any) -> None:
         """Forward to the wrapped loader; batches in flight belong to the old position."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
@@ -36,7 +37,7 @@ from unbroken.common.text import printable
 from unbroken.data.feed.prefetch import map_tensors
 from unbroken.data.stream.config import LoaderConfig
 from unbroken.data.stream.dataset import StreamingDataset
-from unbroken.data.stream.order import mix_seed
+from unbroken.data.stream.order import Partition, mix_seed
 from unbroken.data.stream.transport import RingReceiver, RingSender, transport_available, worker_fds
 
 __all__ = ["Endless", "LoaderConfig", "StatefulLoader"]
@@ -216,7 +217,8 @@ class StatefulLoader:
         if c.xy:
             _check_xy(dataset, collate_fn)
         self._from_numpy = (tokens or c.xy) and not ring
-        self._pin_here = self._from_numpy and c.pin_memory
+        # without CUDA there is no pinned memory: batches come unpinned (as torch's DataLoader)
+        self._pin_here = self._from_numpy and c.pin_memory and torch.cuda.is_available()
         if c.xy:
             self.collate_fn: Callable[[list[Any]], Any] = _xy_tensors if ring else _xy_rows
         elif self._from_numpy:
@@ -241,6 +243,10 @@ class StatefulLoader:
         self._run: tuple[int, int, int] | None = None  # (run id, epoch, start) in flight
         self._run_steps = 0  # global steps of the run in flight
         self._delivered = 0
+        # The position before each of the last held_batches delivered batches: a held batch
+        # may belong to an earlier run (the epoch before), whose position _position cannot
+        # recompute from the run in flight.
+        self._before: deque[tuple[int, int]] = deque(maxlen=c.held_batches)
         self._ids = itertools.count()
         # A persistent DataLoader and the (epoch, start) its workers will run next.
         self._dl: DataLoader | None = None
@@ -252,6 +258,8 @@ class StatefulLoader:
     def _position(self, held: int = 0) -> tuple[int, int]:
         """(epoch, global samples consumed) after the batches delivered so far, less the
         last ``held`` of them (batches the loop holds, not consumed: the saved position)."""
+        if held and self._before:  # fewer delivered since the restore: the restored position
+            return self._before[-min(held, len(self._before))]
         if self._run is None:
             return self._epoch, self._start
         _, epoch, start = self._run
@@ -277,6 +285,7 @@ class StatefulLoader:
         if epoch != cur:
             self._run = None
             self._epoch, self._start = epoch, 0
+            self._before.clear()
 
     def forever(self) -> Endless:
         """Batches epoch after epoch, without end, for loops that draw with ``next(...)``
@@ -354,7 +363,7 @@ class StatefulLoader:
                 # makes (it depends only on the position; the transform's RNGs are seeded by
                 # it and this process's RNG states are put back).
                 batch = self._batch_here(epoch, start)
-                self._delivered += 1
+                self._deliver()
                 yield batch
                 if self._run is None or self._run[0] != run_id:
                     return  # load_state_dict / set_epoch replaced this run
@@ -372,7 +381,7 @@ class StatefulLoader:
                     batch = _as_tensors(batch)
                     if self._pin_here:
                         batch = map_tensors(lambda t: t.pin_memory(), batch)
-                self._delivered += 1
+                self._deliver()
                 yield batch
             if self._run is not None and self._run[0] == run_id:
                 self._epoch, self._start = epoch + 1, 0
@@ -387,6 +396,12 @@ class StatefulLoader:
             del it
             if rx is not None and rx is not self._rx:
                 rx.close()
+
+    def _deliver(self) -> None:
+        """Count one more batch delivered to the loop, remembering the position before it."""
+        if self._before.maxlen:
+            self._before.append(self._position())
+        self._delivered += 1
 
     def _first_here(self, epoch: int, start: int) -> bool:
         """Make the run's first batch in this process: only when workers are about to be
@@ -417,7 +432,16 @@ class StatefulLoader:
     def state_dict(self) -> dict[str, Any]:
         """The position after the batches the loop consumed: those delivered, less the
         ``held_batches`` it still holds (LoaderConfig)."""
-        epoch, consumed = self._position(self.config.held_batches)
+        return self._state(self.config.held_batches)
+
+    def delivered_state_dict(self) -> dict[str, Any]:
+        """The position after every batch delivered, held ones included: where a new pass
+        continues (a DevicePrefetcher rewinds to it when it drops batches it pulled ahead;
+        rewound to :meth:`state_dict`, it would deliver the held batches twice)."""
+        return self._state(0)
+
+    def _state(self, held: int) -> dict[str, Any]:
+        epoch, consumed = self._position(held)
         ds = self.dataset
         sd: dict[str, Any] = {
             "version": _STATE_VERSION,
@@ -508,6 +532,7 @@ class StatefulLoader:
             )
         self._run = None
         self._epoch, self._start = epoch, consumed
+        self._before.clear()
 
     def stats(self) -> dict[str, int]:
         """Counters of the data path: ``corrupt_skipped``, damaged samples left out under
@@ -540,13 +565,22 @@ class Endless:
         (e0, p0), now = self._taken, loader._position(loader.config.held_batches)
         self._taken = now
         out: list[int] = []
-        n = loader.dataset.epoch_length
+        ds, c = loader.dataset, loader.config
+        n, g = ds.epoch_length, c.batch_size * ds.world_size
         for epoch in range(e0, now[0] + 1):
             start = p0 if epoch == e0 else 0
-            end = min(now[1] if epoch == now[0] else n, n)
-            if end > start:
-                pos = np.arange(start, end, dtype=np.int64)
-                out += loader.dataset.sample_ids(epoch, pos).tolist()
+            # One rank taking the global batch: every rank's batches in one-rank order, the
+            # epoch's last step as last_batch makes it (padded, dropped or short).
+            part = Partition(start, n, g, 0, 1, c.last_batch)
+            steps = part.num_steps
+            if epoch == now[0]:
+                steps = min(steps, -(-(now[1] - start) // g))
+            full = min(steps, (n - start) // g)
+            pos = np.arange(start, start + full * g, dtype=np.int64)
+            if steps > full:
+                pos = np.concatenate([pos, part.batch_positions(full)])
+            if pos.size:
+                out += ds.sample_ids(epoch, pos).tolist()
         return out
 
     def __iter__(self) -> Endless:
@@ -566,6 +600,9 @@ class Endless:
     def state_dict(self) -> dict[str, Any]:
         return self.loader.state_dict()
 
+    def delivered_state_dict(self) -> dict[str, Any]:
+        return self.loader.delivered_state_dict()
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The loader resumes there; the next batch comes from the restored position."""
         self.loader.load_state_dict(state)
@@ -575,6 +612,20 @@ class Endless:
 
 def _epochs(loader: StatefulLoader) -> Generator[Any, None, None]:
     while True:
+        if loader.samples_consumed == 0 and not len(loader):
+            # every epoch gives this rank nothing: next() would spin through epochs forever
+            ds, c = loader.dataset, loader.config
+            smaller = (
+                f" or a batch_size of at most {ds.epoch_length // ds.world_size}"
+                if c.last_batch == "drop" and ds.epoch_length >= ds.world_size
+                else ""
+            )
+            raise ValueError(
+                f"StatefulLoader.forever(): an epoch of {ds.epoch_length} samples gives rank "
+                f"{ds.rank} of {ds.world_size} no batch with batch_size={c.batch_size}, "
+                f"last_batch={c.last_batch!r}, so next() would never return; pass "
+                f"last_batch='pad' (every rank gets full batches){smaller}"
+            )
         yield from loader
 
 
