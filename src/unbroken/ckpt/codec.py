@@ -75,6 +75,10 @@ def _tensor_refs(
     return out
 
 
+def _npscalar(obj: np.generic) -> dict[str, Any]:
+    return {_TAG: "npscalar", "dtype": obj.dtype.str, "value": obj.item()}
+
+
 def _encode_mapping(
     obj: Mapping[Any, Any], tensors: dict[str, torch.Tensor] | None, path: tuple[str, ...]
 ) -> Any:
@@ -97,6 +101,8 @@ def encode(
     path: tuple[str, ...] = (),
 ) -> Any:
     """Encode ``obj``; tensors go into ``tensors`` under a path key, or inline when None."""
+    if isinstance(obj, np.floating):  # before float: np.float64 is one, and must stay np.float64
+        return _npscalar(obj)
     if obj is None or isinstance(obj, bool | int | float | str):
         return obj
     if isinstance(obj, torch.Tensor):
@@ -139,7 +145,7 @@ def encode(
             "b64": _b64(arr.tobytes()),
         }
     if isinstance(obj, np.generic):
-        return {_TAG: "npscalar", "dtype": obj.dtype.str, "value": obj.item()}
+        return _npscalar(obj)
     where = "/".join(path) or "<root>"
     raise TypeError(
         f"cannot checkpoint state at {where!r}: type {type(obj).__module__}.{type(obj).__qualname__} "
