@@ -242,7 +242,8 @@ def rekey(tree: Any, mapping: Mapping[str, str]) -> Any:
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-    return local.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    plain = local.detach().cpu().resolve_conj().resolve_neg()  # the values, not the memory
+    return plain.contiguous().reshape(-1).view(torch.uint8)
 
 
 def first_difference(a: Any, b: Any, path: str = "") -> str | None:

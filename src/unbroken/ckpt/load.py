@@ -281,7 +281,9 @@ class Loader:
         self._check_fit(ver, live, skip)
         tensors = ver.manifest.tensors
         targets = {  # what this rank's state references: live tensors, or new ones
-            k: live[k] if k in live else torch.empty(tensors[k].shape, dtype=tensors[k].torch_dtype)
+            k: live[k]
+            if k in live and _writable(live[k])
+            else torch.empty(tensors[k].shape, dtype=tensors[k].torch_dtype)
             for k in sorted(ver.needed)
         }
         plan = Plan(ver, self.state, targets, skip)
@@ -364,6 +366,15 @@ class Loader:
             if base != k and base in live:
                 live[k] = live.pop(base)
         return live
+
+
+def _writable(t: torch.Tensor) -> bool:
+    """Can ``t`` take the stored values in place? Not an expanded tensor (two elements at
+    one address: ``copy_`` refuses it, half-way through the fill); its component gets a
+    new tensor instead."""
+    if t.layout != torch.strided:
+        return True
+    return all(stride or size < 2 for stride, size in zip(t.stride(), t.shape, strict=True))
 
 
 @dataclass(frozen=True)
