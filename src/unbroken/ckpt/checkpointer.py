@@ -293,7 +293,7 @@ class Checkpointer:
             self._prepared.result()
         if memory and self._memory is not None:
             self._memory.wait()
-        fut, self._inflight = self._inflight, None
+        fut = self._inflight
         if fut is None:
             return None
         t0 = time.perf_counter()
@@ -301,6 +301,10 @@ class Checkpointer:
         try:
             return fut.result()
         finally:
+            # Forgotten only once finished: a wait interrupted (Ctrl-C) leaves the save in
+            # flight, and the next save must still wait before it reuses its buffers.
+            if fut.done() and self._inflight is fut:
+                self._inflight = None
             self.last_wait_seconds = time.perf_counter() - t0
             if not done and self.last_wait_seconds > 0.01:
                 log.info(
