@@ -16,21 +16,58 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
 from ckptkit import small_state, train
-from unbroken.ckpt import Checkpointer, read_checkpoint
+from unbroken.ckpt import Checkpointer, TrainState, read_checkpoint
 
 
-def _waiting(thread_id: int) -> bool:
-    """Is that thread inside ``Checkpointer.wait``?"""
+def _waiting(thread_id: int, module: str = "checkpointer") -> bool:
+    """Is that thread inside the ``wait`` of ``unbroken/ckpt/<module>.py``?"""
     frame = sys._current_frames().get(thread_id)
     while frame is not None:
-        if frame.f_code.co_name == "wait" and "checkpointer" in frame.f_code.co_filename:
+        code = frame.f_code
+        if code.co_name == "wait" and code.co_filename.endswith(f"ckpt/{module}.py"):
             return True
         frame = frame.f_back
     return False
+
+
+def _interrupt_when_waiting(main: int, module: str) -> threading.Thread:
+    """A real SIGINT to the main thread once it waits in ``module``'s ``wait``."""
+
+    def run() -> None:
+        deadline = time.monotonic() + 60
+        while not _waiting(main, module) and time.monotonic() < deadline:
+            time.sleep(0.001)  # polling the condition, not waiting for it to happen
+        signal.pthread_kill(main, signal.SIGINT)
+
+    helper = threading.Thread(target=run)
+    helper.start()
+    return helper
+
+
+def _open_when_waiting(main: int, module: str, gate: threading.Event) -> Callable[[], None]:
+    """Open ``gate`` once the main thread waits in ``module``'s ``wait`` or has gone past
+    the call (returned: the callable this returns); that callable joins the helper."""
+    past = threading.Event()
+
+    def run() -> None:
+        deadline = time.monotonic() + 60
+        while not (_waiting(main, module) or past.is_set()) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        gate.set()
+
+    helper = threading.Thread(target=run)
+    helper.start()
+
+    def done() -> None:
+        past.set()
+        helper.join()
+
+    return done
 
 
 def test_ctrl_c_while_waiting_then_save_keeps_each_step_its_own(tmp_path) -> None:
@@ -45,34 +82,18 @@ def test_ctrl_c_while_waiting_then_save_keeps_each_step_its_own(tmp_path) -> Non
     train(st, m, opt, 1)
 
     main = threading.get_ident()
-
-    def interrupt() -> None:
-        deadline = time.monotonic() + 60
-        while not _waiting(main) and time.monotonic() < deadline:
-            time.sleep(0.001)  # polling the condition, not waiting for it to happen
-        signal.pthread_kill(main, signal.SIGINT)
-
-    def release() -> None:
-        """Let step 2 be written once the handler's save waits for it (or has returned)."""
-        deadline = time.monotonic() + 60
-        while not (_waiting(main) or saved.is_set()) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        gate.set()
-
-    helper = threading.Thread(target=interrupt)
-    helper.start()
+    helper = _interrupt_when_waiting(main, "checkpointer")
     try:
         ck.save()  # step 3 waits for step 2: Ctrl-C lands here
         raise AssertionError("the interrupt did not arrive while save() waited")
     except KeyboardInterrupt:
         pass
     helper.join()
-    saved = threading.Event()
-    opener = threading.Thread(target=release)
-    opener.start()
-    ck.save()  # the handler's save of step 3
-    saved.set()
-    opener.join()
+    done = _open_when_waiting(main, "checkpointer", gate)
+    try:
+        ck.save()  # the handler's save of step 3
+    finally:
+        done()
     ck.close()
 
     got = read_checkpoint(str(tmp_path), 2)["components"]["model"]
@@ -81,3 +102,49 @@ def test_ctrl_c_while_waiting_then_save_keeps_each_step_its_own(tmp_path) -> Non
     got3 = read_checkpoint(str(tmp_path), 3)["components"]["model"]
     for k, v in m.state_dict().items():
         assert torch.equal(got3[k], v), k
+
+
+def test_ctrl_c_while_a_memory_publish_waits_then_save_succeeds(tmp_path) -> None:
+    """The memory tier's ``wait`` forgot the publish in flight the same way: the handler's
+    save then began a publish while the previous one was unfinished, and failed."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1500, 1500)  # 9 MB: its slot is checksummed in the tier's thread
+    st = TrainState(model=model)
+    ck = Checkpointer(
+        str(tmp_path / "ck"), st, every_steps=1000, memory_every_steps=1,
+        memory_dir=str(tmp_path / "mem"), quiet=True,
+    )  # fmt: skip
+
+    def step() -> None:
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        st.step += 1
+
+    step()
+    ck.maybe_save()  # step 1: the first publish
+    ck.wait()
+    memory = ck._memory
+    assert memory is not None and memory._finisher is not None
+    gate = threading.Event()
+    memory._finisher.submit(gate.wait)  # the tier's thread is busy until the gate opens
+    step()
+    ck.maybe_save()  # step 2: copied into its slot, its checksum queued behind the gate
+    step()
+    main = threading.get_ident()
+    helper = _interrupt_when_waiting(main, "memtier")
+    try:
+        ck.maybe_save()  # step 3's publish waits for step 2's: Ctrl-C lands here
+        raise AssertionError("the interrupt did not arrive while the publish waited")
+    except KeyboardInterrupt:
+        pass
+    helper.join()
+    want = model.weight.detach().clone()
+    done = _open_when_waiting(main, "memtier", gate)
+    try:
+        ck.save()  # the handler's save of step 3
+    finally:
+        done()
+    ck.close()
+    assert torch.equal(
+        read_checkpoint(str(tmp_path / "ck"), 3)["components"]["model"]["weight"], want
+    )
