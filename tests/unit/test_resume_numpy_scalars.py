@@ -8,9 +8,11 @@ refused as "the live state differs".
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from unbroken.ckpt import Checkpointer, TrainState
@@ -66,3 +68,44 @@ def test_numpy_scalars_restore_as_numpy_scalars_and_a_final_save_is_a_no_op(tmp_
         assert got == saved
     assert [type(v) for v in stats2.history] == [np.float64, np.float64]
     assert stats2.best.item() == stats.best.item()  # a python float has no .item()
+
+
+class _Phase(enum.IntEnum):
+    WARMUP = 0
+    MAIN = 1
+
+
+class _Schedule:
+    """A loop's phase as an ``IntEnum`` (an int): stored as the int, rebuilt on load."""
+
+    def __init__(self) -> None:
+        self.phase = _Phase.WARMUP
+        self.name = _Name("cosine")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"phase": self.phase, "name": self.name}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.phase, self.name = _Phase(sd["phase"]), _Name(sd["name"])
+
+
+class _Name(str):
+    """A str subclass, as an enum of names would be."""
+
+
+def test_int_and_str_subclasses_in_state_let_the_final_save_be_a_no_op(tmp_path) -> None:
+    """An ``IntEnum`` is saved as the int it is (no code from a file can rebuild the
+    class); comparing the live state with the step refused the loop's final ``save()`` as
+    "the live state differs" (``Phase vs int``). A bool is still not an int."""
+    torch.manual_seed(0)
+    sched = _Schedule()
+    sched.phase = _Phase.MAIN
+    st = TrainState(model=torch.nn.Linear(2, 2), extras={"schedule": sched})
+    st.step = 4
+    ck = Checkpointer(str(tmp_path), st, every_steps=4, quiet=True)
+    assert ck.maybe_save()
+    ck.save()  # the final save of the step just saved: a no-op
+    sched.phase = _Phase.WARMUP  # 0: a real change is still one
+    with pytest.raises(FileExistsError, match="phase"):
+        ck.save()
+    ck.close()

@@ -246,6 +246,14 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
     return plain.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _scalar_kind(x: Any) -> type:
+    """What ``x`` is saved as: an ``IntEnum`` its int, a ``str`` subclass its string (all a
+    checkpoint can hold of them); a bool stays a bool, a numpy scalar its numpy type."""
+    if isinstance(x, np.generic):
+        return type(x)
+    return next((k for k in (bool, int, float, str) if isinstance(x, k)), type(x))
+
+
 def first_difference(a: Any, b: Any, path: str = "") -> str | None:
     """The path of the first place where ``a`` and ``b`` (state dicts, as saved and as
     decoded) differ, bit for bit (NaN equals NaN; a tuple is not a list), or None."""
@@ -264,7 +272,7 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
             if d is not None:
                 return d
         return None
-    if type(a) is not type(b):
+    if type(a) is not type(b) and _scalar_kind(a) is not _scalar_kind(b):
         return f"{here} ({type(a).__name__} vs {type(b).__name__})"
     if isinstance(a, np.ndarray):
         same = a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
