@@ -109,3 +109,31 @@ def test_int_and_str_subclasses_in_state_let_the_final_save_be_a_no_op(tmp_path)
     with pytest.raises(FileExistsError, match="phase"):
         ck.save()
     ck.close()
+
+
+class _Arrays:
+    def __init__(self, a: np.ndarray) -> None:
+        self.a = a
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"a": self.a}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.a = sd["a"]
+
+
+@pytest.mark.parametrize(
+    "arr",
+    [np.array(["x", 1], dtype=object), np.zeros(2, dtype=[("x", "<f4"), ("y", "<i4")])],
+    ids=["object", "structured"],
+)
+def test_an_array_a_checkpoint_cannot_hold_is_refused_at_save(tmp_path, arr: np.ndarray) -> None:
+    """An object array was saved as its pointers (a structured one without its fields), and
+    every restore then called the step damaged: a run that saved and could never resume.
+    Refused where it is saved, naming the place, and nothing is committed."""
+    st = TrainState(model=torch.nn.Linear(2, 2), extras={"arrays": _Arrays(arr)})
+    ck = Checkpointer(str(tmp_path), st, quiet=True)
+    with pytest.raises(TypeError, match=r"extra\.arrays/a"):
+        ck.save(1)
+    ck.close()
+    assert ck.list() == []

@@ -79,6 +79,22 @@ def _npscalar(obj: np.generic) -> dict[str, Any]:
     return {_TAG: "npscalar", "dtype": obj.dtype.str, "value": obj.item()}
 
 
+def _ndarray(obj: np.ndarray, path: tuple[str, ...]) -> dict[str, Any]:
+    if obj.dtype.kind in "OV":  # pointers, or fields the dtype string does not name
+        raise TypeError(
+            f"cannot checkpoint state at {'/'.join(path) or '<root>'!r}: a numpy array of "
+            f"dtype {obj.dtype} (objects or record fields) has no plain bytes to save; return "
+            "plain arrays, lists or tensors from state_dict()"
+        )
+    arr = np.ascontiguousarray(obj)
+    return {
+        _TAG: "ndarray",
+        "dtype": arr.dtype.str,
+        "shape": list(arr.shape),
+        "b64": _b64(arr.tobytes()),
+    }
+
+
 def _encode_mapping(
     obj: Mapping[Any, Any], tensors: dict[str, torch.Tensor] | None, path: tuple[str, ...]
 ) -> Any:
@@ -137,13 +153,7 @@ def encode(
     if isinstance(obj, torch.device):
         return {_TAG: "device", "name": str(obj)}
     if isinstance(obj, np.ndarray):
-        arr = np.ascontiguousarray(obj)
-        return {
-            _TAG: "ndarray",
-            "dtype": arr.dtype.str,
-            "shape": list(arr.shape),
-            "b64": _b64(arr.tobytes()),
-        }
+        return _ndarray(obj, path)
     if isinstance(obj, np.generic):
         return _npscalar(obj)
     where = "/".join(path) or "<root>"
