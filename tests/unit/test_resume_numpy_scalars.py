@@ -81,12 +81,13 @@ class _Schedule:
     def __init__(self) -> None:
         self.phase = _Phase.WARMUP
         self.name = _Name("cosine")
+        self.tag = np.str_("run-1")  # a str too
 
     def state_dict(self) -> dict[str, Any]:
-        return {"phase": self.phase, "name": self.name}
+        return {"phase": self.phase, "name": self.name, "tag": self.tag}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.phase, self.name = _Phase(sd["phase"]), _Name(sd["name"])
+        self.phase, self.name, self.tag = _Phase(sd["phase"]), _Name(sd["name"]), sd["tag"]
 
 
 class _Name(str):

@@ -259,9 +259,9 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 def _scalar_kind(x: Any) -> type:
     """What ``x`` is saved as: an ``IntEnum`` its int, a ``str`` subclass its string (all a
     checkpoint can hold of them); a bool stays a bool, a numpy scalar its numpy type."""
-    if isinstance(x, np.generic):
+    if isinstance(x, np.generic) and not isinstance(x, str | bytes):  # np.str_ is saved a str
         return type(x)
-    return next((k for k in (bool, int, float, str) if isinstance(x, k)), type(x))
+    return next((k for k in (bool, int, float, str, bytes) if isinstance(x, k)), type(x))
 
 
 def first_difference(a: Any, b: Any, path: str = "") -> str | None:
