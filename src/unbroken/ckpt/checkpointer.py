@@ -137,6 +137,7 @@ class Checkpointer:
         self._prepared: Future[None] | None = None  # async: buffers allocated ahead
         self._last_save_time = time.monotonic()
         self._stuck = _StuckStep()
+        self._rolled_back: int | None = None  # restore(step) of an older step (_supersede)
         self.last_save_seconds: float | None = None
         self.last_blocked_seconds: float | None = None
         self.last_wait_seconds: float = 0.0
@@ -198,6 +199,8 @@ class Checkpointer:
         if self.preempted:
             self._final_save_and_exit(step)
         due = time_due or bool(every_steps and step % every_steps == 0)
+        if due:
+            self._supersede()
         if due and not os.path.exists(self.store.step_dir(step)):
             self.save(step)
             return True
@@ -225,6 +228,7 @@ class Checkpointer:
             raise ValueError(f"step={step!r} must be a non-negative integer")
         self.state.check_saveable()
         self.wait()
+        self._supersede()
         if os.path.exists(self.store.step_dir(step)):
             self._same_or_refuse(step)
             return self.store.step_dir(step)
@@ -238,6 +242,26 @@ class Checkpointer:
             return self._persist(job)
         self._inflight = self._pool.submit(self._persist, job)
         return self.store.step_dir(step)
+
+    def _supersede(self) -> None:
+        """The first save after ``restore(step)`` of an older step starts a trajectory of
+        its own: the newer steps of the one rolled back are moved aside (never deleted), so
+        neither a save is skipped as "already there" nor does a restart resume them."""
+        k, self._rolled_back = self._rolled_back, None
+        if k is None:
+            return
+        if self._comm.rank == 0:
+            newer = [s for s in self.store.steps() if s > k]
+            for s in newer:
+                self.store.quarantine(s, "superseded")
+            if newer:
+                log.warning(
+                    "training on from step %d, restored on request: the newer steps %s of "
+                    "the run rolled back are moved aside as corrupt-step-N-superseded (not "
+                    "deleted)",
+                    k, newer,
+                )  # fmt: skip
+        self._comm.barrier()
 
     def _same_or_refuse(self, step: int) -> None:
         """``step`` is committed: fine when it is the newest and holds the live state."""
@@ -293,7 +317,7 @@ class Checkpointer:
             self._prepared.result()
         if memory and self._memory is not None:
             self._memory.wait()
-        fut, self._inflight = self._inflight, None
+        fut = self._inflight
         if fut is None:
             return None
         t0 = time.perf_counter()
@@ -301,6 +325,10 @@ class Checkpointer:
         try:
             return fut.result()
         finally:
+            # Forgotten only once finished: a wait interrupted (Ctrl-C) leaves the save in
+            # flight, and the next save must still wait before it reuses its buffers.
+            if fut.done() and self._inflight is fut:
+                self._inflight = None
             self.last_wait_seconds = time.perf_counter() - t0
             if not done and self.last_wait_seconds > 0.01:
                 log.info(
@@ -455,6 +483,7 @@ class Checkpointer:
                 if got is not None:
                     return self._restored(got, t0, tried.refused, **_from_tier(memory, got, tried))
             if self._try(s, tried, requested=step is not None):
+                self._rolled_back = step  # None unless asked for: see _supersede
                 return self._restored(s, t0, tried.refused, skipped=tried.line())
         got = self._from_archive(tried)
         if got is not None:

@@ -75,6 +75,26 @@ def _tensor_refs(
     return out
 
 
+def _npscalar(obj: np.generic) -> dict[str, Any]:
+    return {_TAG: "npscalar", "dtype": obj.dtype.str, "value": obj.item()}
+
+
+def _ndarray(obj: np.ndarray, path: tuple[str, ...]) -> dict[str, Any]:
+    if obj.dtype.kind in "OV":  # pointers, or fields the dtype string does not name
+        raise TypeError(
+            f"cannot checkpoint state at {'/'.join(path) or '<root>'!r}: a numpy array of "
+            f"dtype {obj.dtype} (objects or record fields) has no plain bytes to save; return "
+            "plain arrays, lists or tensors from state_dict()"
+        )
+    arr = np.ascontiguousarray(obj)
+    return {
+        _TAG: "ndarray",
+        "dtype": arr.dtype.str,
+        "shape": list(arr.shape),
+        "b64": _b64(arr.tobytes()),
+    }
+
+
 def _encode_mapping(
     obj: Mapping[Any, Any], tensors: dict[str, torch.Tensor] | None, path: tuple[str, ...]
 ) -> Any:
@@ -97,6 +117,8 @@ def encode(
     path: tuple[str, ...] = (),
 ) -> Any:
     """Encode ``obj``; tensors go into ``tensors`` under a path key, or inline when None."""
+    if isinstance(obj, np.floating):  # before float: np.float64 is one, and must stay np.float64
+        return _npscalar(obj)
     if obj is None or isinstance(obj, bool | int | float | str):
         return obj
     if isinstance(obj, torch.Tensor):
@@ -131,15 +153,9 @@ def encode(
     if isinstance(obj, torch.device):
         return {_TAG: "device", "name": str(obj)}
     if isinstance(obj, np.ndarray):
-        arr = np.ascontiguousarray(obj)
-        return {
-            _TAG: "ndarray",
-            "dtype": arr.dtype.str,
-            "shape": list(arr.shape),
-            "b64": _b64(arr.tobytes()),
-        }
+        return _ndarray(obj, path)
     if isinstance(obj, np.generic):
-        return {_TAG: "npscalar", "dtype": obj.dtype.str, "value": obj.item()}
+        return _npscalar(obj)
     where = "/".join(path) or "<root>"
     raise TypeError(
         f"cannot checkpoint state at {where!r}: type {type(obj).__module__}.{type(obj).__qualname__} "
@@ -236,7 +252,16 @@ def rekey(tree: Any, mapping: Mapping[str, str]) -> Any:
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-    return local.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    plain = local.detach().cpu().resolve_conj().resolve_neg()  # the values, not the memory
+    return plain.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _scalar_kind(x: Any) -> type:
+    """What ``x`` is saved as: an ``IntEnum`` its int, a ``str`` subclass its string (all a
+    checkpoint can hold of them); a bool stays a bool, a numpy scalar its numpy type."""
+    if isinstance(x, np.generic) and not isinstance(x, str | bytes):  # np.str_ is saved a str
+        return type(x)
+    return next((k for k in (bool, int, float, str, bytes) if isinstance(x, k)), type(x))
 
 
 def first_difference(a: Any, b: Any, path: str = "") -> str | None:
@@ -257,7 +282,7 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
             if d is not None:
                 return d
         return None
-    if type(a) is not type(b):
+    if type(a) is not type(b) and _scalar_kind(a) is not _scalar_kind(b):
         return f"{here} ({type(a).__name__} vs {type(b).__name__})"
     if isinstance(a, np.ndarray):
         same = a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()

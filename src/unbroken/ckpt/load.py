@@ -33,9 +33,9 @@ import torch
 from unbroken.ckpt import codec, per_rank
 from unbroken.ckpt import rng as _rng
 from unbroken.ckpt.collectives import Comm
-from unbroken.ckpt.manifest import CheckpointManifest, split_key
+from unbroken.ckpt.manifest import CheckpointManifest, TensorEntry, split_key
 from unbroken.ckpt.say import say
-from unbroken.ckpt.state import TrainState, _ShardedModel, _ShardedOptimizer
+from unbroken.ckpt.state import _TENSOR_LOADERS, TrainState
 from unbroken.ckpt.store import CorruptCheckpoint, RestoreRefused, Store
 from unbroken.ckpt.tensor_io import fill
 from unbroken.ckpt.verify import Verified, check_fits, load_verified
@@ -45,8 +45,6 @@ from unbroken.common.text import printable
 __all__ = ["Loader", "NotLoaded", "Plan", "fit_problems", "refusal"]
 
 log = logging.getLogger(__name__)
-
-_TENSOR_LOADERS = (torch.nn.Module, torch.optim.Optimizer, _ShardedModel, _ShardedOptimizer)
 
 
 def _rng_problems(ver: Verified, state: TrainState) -> list[str]:
@@ -281,7 +279,9 @@ class Loader:
         self._check_fit(ver, live, skip)
         tensors = ver.manifest.tensors
         targets = {  # what this rank's state references: live tensors, or new ones
-            k: live[k] if k in live else torch.empty(tensors[k].shape, dtype=tensors[k].torch_dtype)
+            k: live[k]
+            if k in live and _takes(live[k], tensors[k])
+            else torch.empty(tensors[k].shape, dtype=tensors[k].torch_dtype)
             for k in sorted(ver.needed)
         }
         plan = Plan(ver, self.state, targets, skip)
@@ -364,6 +364,18 @@ class Loader:
             if base != k and base in live:
                 live[k] = live.pop(base)
         return live
+
+
+def _takes(t: torch.Tensor, stored: TensorEntry) -> bool:
+    """Can live ``t`` take the stored values in place? Not when it has another shape or
+    dtype (a plain ``Stateful`` whose state grows: ``fit_problems`` let it through), nor
+    when it is expanded (two elements at one address: ``copy_`` refuses it, half-way
+    through the fill); its component gets a new tensor instead."""
+    if tuple(t.shape) != stored.shape or t.dtype != stored.torch_dtype:
+        return False
+    if t.layout != torch.strided:
+        return True
+    return all(stride or size < 2 for stride, size in zip(t.stride(), t.shape, strict=True))
 
 
 @dataclass(frozen=True)

@@ -900,12 +900,12 @@ class MemoryTier:
 
     def wait(self) -> None:
         """Block until the publish in flight (if any) is complete."""
-        fut, self._finishing = self._finishing, None
+        fut = self._finishing
         if fut is None:
             return
         if not fut.done():
             t0 = time.perf_counter()
-            fut.result()
+            fut.result()  # a Ctrl-C here leaves it in flight: the next publish waits too
             self.waits += 1
             self.waited += time.perf_counter() - t0
             if self.waits == 1:
@@ -914,6 +914,7 @@ class MemoryTier:
                     "(the checksum of a slot takes longer than K steps here)",
                     self.waited,
                 )
+        self._finishing = None  # finished: forgotten only now
         fut.result()
 
     def _mine(self) -> tuple[dict[int, int], list[str]]:

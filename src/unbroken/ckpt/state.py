@@ -187,6 +187,11 @@ class _ShardedOptimizer:
         set_optimizer_state_dict(self.module, self.optimizer, sd)
 
 
+_TENSOR_LOADERS = (torch.nn.Module, torch.optim.Optimizer, _ShardedModel, _ShardedOptimizer)
+"""Components that torch's own code loads: tensors of the live shapes and dtypes only (any
+other ``Stateful`` takes what it was saved with, or refuses it itself)."""
+
+
 def _through_dcp(comps: dict[str, Any]) -> None:
     """Route sharded models, and the optimizers that go with them, through DCP's helpers.
     ``optimizer.<x>`` goes with ``model.<x>``, or with the only sharded model there is."""

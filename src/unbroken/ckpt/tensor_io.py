@@ -316,15 +316,18 @@ class _Writer(FileSystemWriter):
 
 
 class _CompactPlanner(DefaultSavePlanner):
-    """Hands DCP tensors whose storage is exactly their bytes (views and strided tensors are
-    compacted), so a reader can take the storage record as the tensor's data."""
+    """Hands DCP tensors whose storage is exactly their bytes (views, strided tensors and
+    conjugate or negative views are compacted), so a reader can take the storage record as
+    the tensor's data."""
 
     def resolve_data(self, write_item: Any) -> Any:
         obj = super().resolve_data(write_item)
         if isinstance(obj, torch.Tensor):
             obj = obj.detach()
             if (
-                not obj.is_contiguous()
+                obj.is_conj()  # a lazy view bit: the memory holds the unconjugated values
+                or obj.is_neg()
+                or not obj.is_contiguous()
                 or obj.storage_offset() != 0
                 or obj.untyped_storage().nbytes() != obj.numel() * obj.element_size()
             ):

@@ -37,6 +37,7 @@ from unbroken.ckpt.manifest import (
     component_of,
 )
 from unbroken.ckpt.schema import SchemaError, check_state
+from unbroken.ckpt.state import _TENSOR_LOADERS
 from unbroken.ckpt.stats import LEGACY_STATS_ALGO, STATS_ALGO, stats_close, stats_match
 from unbroken.ckpt.store import CorruptCheckpoint, Store
 from unbroken.ckpt.tensor_io import ChecksumError, read_tensors, tensor_checksum, verify_files
@@ -277,6 +278,9 @@ def check_fits(
     def strict(key: str) -> bool:  # modules load strictly: every key on both sides
         return isinstance(components.get(component_of(key)), torch.nn.Module)
 
+    def exact(key: str) -> bool:  # torch's loaders: the live shapes (a plain Stateful decides)
+        return isinstance(components.get(component_of(key)), _TENSOR_LOADERS)
+
     for k in sorted(v.needed):
         t = v.manifest.tensors[k]
         dst = live.get(k)
@@ -289,7 +293,9 @@ def check_fits(
                 )
             elif strict(k):
                 problems.append(f"{k}: {_desc(t.shape, t.dtype)} in the checkpoint, not live")
-        elif tuple(dst.shape) != t.shape or dst.dtype != t.torch_dtype:
+        elif (tuple(dst.shape) != t.shape or dst.dtype != t.torch_dtype) and (
+            t.sharded or exact(k)
+        ):
             problems.append(
                 f"{k}: {_desc(t.shape, t.dtype)} in the checkpoint, "
                 f"{_desc(dst.shape, dst.dtype)} live"
