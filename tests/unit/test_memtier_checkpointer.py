@@ -77,6 +77,7 @@ def test_crash_resumes_from_memory_losing_no_step(tmp_path, caplog, mode) -> Non
     want = snapshot(st)
     _crash(ck)
     st2, _, _, ck2 = _ckpt(root, tier, seed=1, async_save=async_save)
+    caplog.clear()  # only this restore's lines (an earlier one may have logged)
     with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
         assert ck2.restore() == 7
     assert ck2.restored_tier == "memory"
@@ -124,6 +125,7 @@ def test_damaged_slots_fall_back_to_the_older_slot_then_disk(tmp_path, caplog) -
     _crash(ck2)
     flip(older, os.path.getsize(older) - 11)
     *_, ck3 = _ckpt(root, tier, seed=1)
+    caplog.clear()  # only this restore's lines (an earlier one may have logged)
     with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
         assert ck3.restore() == 5
     assert ck3.restored_tier == "disk"
@@ -143,6 +145,7 @@ def test_memory_older_than_disk_is_skipped(tmp_path, caplog) -> None:
     root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
     crashed = _disk_step_after_memory(root, tier, 4)  # memory 3 and 4, disk 5
     *_, ck2 = _ckpt(root, tier, seed=1)
+    caplog.clear()  # only this restore's lines (an earlier one may have logged)
     with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
         assert ck2.restore() == 5
     line = _restored_lines(caplog)[0]
@@ -264,6 +267,7 @@ def test_one_line_names_tier_step_and_why_a_newer_tier_was_skipped(
         flip(newest, os.path.getsize(newest) - 11)
         flip(older, os.path.getsize(older) - 11)
     *_, ck2 = _ckpt(root, tier, seed=1)
+    caplog.clear()  # only this restore's lines (an earlier one may have logged)
     with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
         assert ck2.restore() == want_step
     assert ck2.restored_tier == want_tier
@@ -287,6 +291,7 @@ def test_disk_steps_skipped_for_damage_are_named_in_the_line(tmp_path, caplog) -
     victim = os.path.join(step_dir(root, 10), data_files(step_dir(root, 10))[0])
     flip(victim, os.path.getsize(victim) // 2)
     *_, ck2 = _ckpt(root, tier, seed=1)
+    caplog.clear()  # only this restore's lines (an earlier one may have logged)
     with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
         assert ck2.restore() == 9
     (line,) = _restored_lines(caplog)
@@ -362,6 +367,7 @@ def test_a_fresh_start_past_an_unusable_memory_step_is_a_warning_naming_it(
     for i in range(2):
         flip(slots.slot_path(i), os.path.getsize(slots.slot_path(i)) - 11)
     *_, ck2 = _ckpt(root, tier, seed=1)
+    caplog.clear()  # only this restore's lines (an earlier one may have logged)
     with caplog.at_level(logging.INFO, logger="unbroken.ckpt.checkpointer"):
         assert ck2.restore() is None
     warned = [
