@@ -35,6 +35,7 @@ from typing import Any
 from unbroken.common import events, memdir
 from unbroken.common.events import load_events
 from unbroken.common.fs import atomic_write_bytes, private_dir
+from unbroken.common.procs import proc_state
 from unbroken.elastic import faults, heartbeat, recovery
 from unbroken.elastic.faults import Action, Classification, Evidence, FaultClass, RestartPolicy
 from unbroken.elastic.launch.attempt import DEFAULT_PRELOAD, ENV_TOKEN, Attempt, worker_command
@@ -443,6 +444,9 @@ class Supervisor:
             failed = att.failure()
             if failed is not None:
                 return self._stop_group(att, failed, mine)
+            ended = att.ranks_ended()
+            if ended is not None and now - ended > self._agent_limit():
+                return self._agent_outlived(att, ended, now)
             self._membership(att, beats, mine, st)
             for b in beats:
                 self._max_step = max(self._max_step, b.step)
@@ -513,6 +517,30 @@ class Supervisor:
         # The failure happened when the first rank failed; torchrun's teardown of the others
         # (and its exit) is already part of the relaunch.
         return _Outcome(kind, rc, first.t if first else now, now, detail)
+
+    def _agent_limit(self) -> float:
+        """Seconds the agent may outlive all its ranks: the finish timeout, and on several
+        nodes at least torchrun's exit barrier (its agent waits there for the others)."""
+        limit = max(self.cfg.watchdog.hang_timeout, self.cfg.shutdown_timeout)
+        return max(limit, _EXIT_BARRIER) if self.cfg.rdzv.bounds[1] > 1 else limit
+
+    def _agent_outlived(self, att: Attempt, ended: float, now: float) -> _Outcome:
+        """Every rank of the node ended but the agent did not exit (stopped, or wedged in
+        its teardown): it can no longer do anything for the job, and nothing else would
+        end the run (no worker beacon is live). End it; the attempt ended as its ranks did."""
+        state = proc_state(att.proc.pid)
+        how = " (stopped: SIGSTOP)" if state in ("T", "t") else ""
+        detail = (
+            f"the torchrun agent (pid {att.proc.pid}){how} has not exited {now - ended:.1f} s "
+            f"after its ranks ended (--shutdown-timeout, at least --hang-timeout: "
+            f"{self._agent_limit():g} s); ended it"
+        )
+        log.warning("attempt %d: %s", att.number, detail)
+        att.kill()
+        clean = all(x.exitcode == 0 for x in att.exits)
+        out = self._ended(att, 0 if clean else 1, now)
+        out.detail = out.detail or detail
+        return out
 
     def _store_news(
         self, att: Attempt, coord: Coordinator, st: _Watch, now: float
@@ -936,6 +964,11 @@ class Supervisor:
             os.path.join(self.run_dir, "recovery.jsonl"), lines, mode=events.FILE_MODE
         )
         print(recovery.format_summary(summary), flush=True)
+
+
+_EXIT_BARRIER = 300.0
+"""Seconds torchrun's agent waits for the other nodes' agents after its workers succeeded
+(``LocalElasticAgent``'s ``exit_barrier_timeout``)."""
 
 
 def _signame(sig: int) -> str:

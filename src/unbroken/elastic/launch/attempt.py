@@ -375,6 +375,17 @@ class Attempt:
             vanished=True,
         )
 
+    def ranks_ended(self) -> float | None:
+        """When the last of this attempt's ranks ended, once every launcher it started has
+        reported its exit and none is alive (torchrun not restarting them); else None. The
+        agent should exit right after (see ``Supervisor._agent_outlived``)."""
+        if not self._launchers or self.restarting() or self.worker_pids():
+            return None
+        reported = {x.launcher: x.t for x in self.exits}
+        if not all(p in reported for p in self._launchers):
+            return None
+        return max(reported[p] for p in self._launchers)
+
     def restarting(self) -> bool:
         """torchrun is restarting its workers by itself (between the stop and the new ones)."""
         return self._agent_stop is not None
