@@ -500,7 +500,7 @@ def classify(ev: Evidence, rules: Sequence[Rule] = DEFAULT_RULES) -> Classificat
         text = "\n".join((primary.message, primary.traceback, primary.stderr_tail))
     for rule in rules:
         if rule.matches(text, sig):
-            reason = _reason(primary, rule, text)
+            reason = _reason(primary, rule.name, rule.pattern, text)
             signature = None
             if rule.fault is _P and primary is not None and not primary.collateral:
                 signature = signature_of(primary)
@@ -511,8 +511,8 @@ def classify(ev: Evidence, rules: Sequence[Rule] = DEFAULT_RULES) -> Classificat
                 signature=signature,
                 counts=rule.fault is not FaultClass.NODE_LOST,
             )
-    code = ev.exit_code
-    reason = f"exit code {code}" + (f" ({primary.signal_name})" if primary and sig else "")
+    # the worker's own status: torchrun's is None while its agent is kept for the restart
+    reason = _reason(primary, "unknown") if primary else f"exit code {ev.exit_code}"
     return _mk(
         _P,
         "unknown",
@@ -521,18 +521,19 @@ def classify(ev: Evidence, rules: Sequence[Rule] = DEFAULT_RULES) -> Classificat
     )
 
 
-def _reason(primary: WorkerFailure | None, rule: Rule, text: str = "") -> str:
+def _reason(
+    primary: WorkerFailure | None, name: str, pattern: str | None = None, text: str = ""
+) -> str:
+    """``name`` (the rule's) and what the primary failure said, else torchrun's line."""
     if primary is None:  # the console's line the rule matched says what torchrun died of
-        hit = rule.pattern and next(
-            (ln for ln in text.splitlines() if re.search(rule.pattern, ln)), None
-        )
+        hit = pattern and next((ln for ln in text.splitlines() if re.search(pattern, ln)), None)
         if hit:
-            return f"{rule.name}: torchrun failed: {printable(hit.strip())}"[:400]
-        return f"{rule.name}: torchrun failed (no worker failure reported)"
+            return f"{name}: torchrun failed: {printable(hit.strip())}"[:400]
+        return f"{name}: torchrun failed (no worker failure reported)"
     what = primary.message or _last_exception_line(primary.stderr_tail)
     if primary.signal_name:
         what = f"died of {primary.signal_name}" + (f": {what}" if what else "")
-    return f"{rule.name}: rank {primary.rank}: {what or f'exit code {primary.exitcode}'}"[:300]
+    return f"{name}: rank {primary.rank}: {what or f'exit code {primary.exitcode}'}"[:300]
 
 
 def _mk(

@@ -787,13 +787,14 @@ class Supervisor:
         ]
         for n, ev, c in self._failures:
             lines.append(f"  attempt {n}: step {ev.step}: [{c.fault.value}/{c.rule}] {c.reason}")
-        n, ev, _c = self._failures[-1]
+        n, ev, c = self._failures[-1]
         if ev.failures:
             f = ev.failures[0]
             lines += [
                 "",
                 f"last failure, rank {f.rank} (attempt {n}):",
-                (f.traceback or f.stderr_tail or f.message).rstrip()[-4000:],
+                # an exit code of its own may be all there is (sys.exit(3): no output)
+                (f.traceback or f.stderr_tail or f.message or c.reason).rstrip()[-4000:],
             ]
         lines += [
             "",
