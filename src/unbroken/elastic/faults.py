@@ -24,6 +24,7 @@ notes" > elastic > classifying failures.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import glob
@@ -409,18 +410,35 @@ def _inside(path: str, root: str) -> bool:
 
 
 _MAX_ERROR_FILE = 1 << 20
+_HEAD_MESSAGE = re.compile(rb'^\{\s*"message"\s*:\s*\{\s*"message"\s*:\s*"((?:[^"\\]|\\.)*)')
+"""The start of the message in torch's ``@record`` file (``{"message": {"message": ...``)."""
 
 
 def _read_error_file(path: str) -> tuple[str, str]:
     try:
         with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as fh:
-            data = json.loads(fh.read(_MAX_ERROR_FILE))
+            raw = fh.read(_MAX_ERROR_FILE + 1)
+        if len(raw) > _MAX_ERROR_FILE:  # a huge message: its start names the exception
+            return _message_head(raw[:_MAX_ERROR_FILE]), ""
+        data = json.loads(raw)
         m = data.get("message", {})
         if isinstance(m, dict):
             return str(m.get("message", "")), str(m.get("extraInfo", {}).get("py_callstack", ""))
         return str(m), ""
     except (OSError, ValueError, AttributeError):
         return "", ""
+
+
+def _message_head(head: bytes) -> str:
+    """The message's first characters from an error file cut at the read limit."""
+    m = _HEAD_MESSAGE.match(head)
+    if m is None:
+        return ""
+    text = m[1][:65536]
+    for cut in range(8):  # the limit may split an escape (\\uXXXX: up to 5 bytes)
+        with contextlib.suppress(ValueError):
+            return str(json.loads(b'"' + text[: len(text) - cut] + b'"'))
+    return ""
 
 
 @dataclass(frozen=True)
@@ -450,6 +468,8 @@ class Classification:
 
 
 _NUMS = re.compile(r"0x[0-9a-fA-F]+|\d{5,}")
+_MAX_LINE = 500
+"""Characters of an exception line a signature keeps (records, supervisor.json)."""
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -461,7 +481,8 @@ def signature_of(f: WorkerFailure) -> str:
     frames = _FRAME.findall(f.traceback or f.stderr_tail)
     user = [fr for fr in frames if "site-packages" not in fr[0] and "<frozen" not in fr[0]]
     where = f" @ {os.path.basename(user[-1][0])}:{user[-1][1]}" if user else ""
-    return _NUMS.sub("#", text.strip().splitlines()[-1] if text.strip() else text) + where
+    line = text.strip().splitlines()[-1] if text.strip() else text
+    return printable(_NUMS.sub("#", line[:_MAX_LINE])) + printable(where)
 
 
 def _last_exception_line(text: str) -> str:
@@ -530,7 +551,7 @@ def _reason(
         if hit:
             return f"{name}: torchrun failed: {printable(hit.strip())}"[:400]
         return f"{name}: torchrun failed (no worker failure reported)"
-    what = primary.message or _last_exception_line(primary.stderr_tail)
+    what = printable((primary.message or _last_exception_line(primary.stderr_tail))[:300])
     if primary.signal_name:
         what = f"died of {primary.signal_name}" + (f": {what}" if what else "")
     return f"{name}: rank {primary.rank}: {what or f'exit code {primary.exitcode}'}"[:300]

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from unbroken.common.tables import cell, render_table
+from unbroken.common.text import printable
 
 __all__ = [
     "MEMBERSHIP",
@@ -223,12 +224,12 @@ def format_summary(summary: RunSummary) -> str:
         (
             r.index,
             r.attempt,
-            r.fault,
+            printable(r.fault),  # the event log is a file: its text is escaped (common.text)
             r.step_at_failure,
-            r.tier or "-",
+            printable(r.tier or "-"),
             cell(r.steps_lost, "d"),
             *(cell(x, ".2f") for x in (r.detect, r.relaunch, r.load, r.catch_up, r.total)),
-            r.reason[:60],
+            printable(r.reason)[:60],
         )
         for r in summary.recoveries
     ]
