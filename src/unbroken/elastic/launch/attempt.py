@@ -27,6 +27,7 @@ with ``[rankN]:`` prefixes), ``RUN_DIR/attempts/<n>/torchelastic/`` (torchrun's
 
 from __future__ import annotations
 
+import codecs
 import collections
 import contextlib
 import logging
@@ -169,13 +170,19 @@ class Agent:
         out = self.proc.stdout
         if out is None:
             return
-        for raw in iter(out.readline, b""):
-            line = raw.decode("utf-8", "replace")
+        # A line is copied in pieces of at most _PIECE bytes: one without end (a worker's
+        # dump, a bar drawn with backspaces) would otherwise be held whole, and shown only
+        # when it ends. Only a piece that starts a line can be torchrun's own.
+        decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+        at_start = True
+        for raw in iter(lambda: out.readline(_PIECE), b""):
+            line = decode(raw)
+            starts, at_start = at_start, raw.endswith(b"\n")
             with self._lock:
                 self._log.write(raw)
                 self._log.flush()
                 self._tail.append(line)
-                said = _CLOSING.match(raw)
+                said = _CLOSING.match(raw) if starts else None
                 if said and int(said.group(1)) == self.proc.pid:
                     kept = list(self.closing.items())[-255:]
                     self.closing = {**dict(kept), int(said.group(2)): time.time()}
@@ -195,6 +202,9 @@ class Agent:
         with self._lock, contextlib.suppress(OSError):
             self._log.close()
 
+
+_PIECE = 8192
+"""Bytes of the console copied at a time (the tail keeps 600 of them at most)."""
 
 _CLOSING = re.compile(rb"[IWE]\d{4} [\d:.]+ +(\d+) .*\] Sending process (\d+) closing signal SIG")
 """torchrun's warning as it stops a worker (``multiprocessing/api.py``, ``_close``): its
