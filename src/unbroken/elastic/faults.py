@@ -580,7 +580,9 @@ class RestartPolicy:
     """Cap on the backoff (seconds)."""
     backoff_factor: float = 2.0
     no_progress_limit: int = 3
-    """Stop after this many restarts in a row that did not advance the checkpointed step."""
+    """Stop after this many restarts in a row that did not advance the checkpointed step
+    (restarts that use no budget, such as waiting for nodes, count here too: a lost node
+    that keeps failing the job must not restart it forever)."""
     same_failure_limit: int = 2
     """Stop when the same failure (signature and step) has happened this many times."""
 
@@ -641,8 +643,6 @@ class RestartTracker:
                     f"{c.signature}",
                     FaultClass.DETERMINISTIC,
                 )
-        if not c.counts:
-            return Decision(c.action, self._delay(), None, c.reason, c.fault)
         if progress is not None and (self.best_progress is None or progress > self.best_progress):
             self.best_progress = progress
             self.no_progress = 0
@@ -657,6 +657,8 @@ class RestartTracker:
                     f"step (still {self.best_progress})",
                     c.fault,
                 )
+        if not c.counts:  # no budget used, but guarded and backed off like any restart
+            return Decision(c.action, self._delay(), None, c.reason, c.fault)
         if self.restarts >= p.max_restarts:
             return Decision(
                 Action.STOP,
