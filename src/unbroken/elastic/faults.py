@@ -467,7 +467,9 @@ class Classification:
     """Whether the restart this causes uses the restart budget (waiting for nodes does not)."""
 
 
-_NUMS = re.compile(r"0x[0-9a-fA-F]+|\d{5,}")
+_NUMS = re.compile(r"0x[0-9a-fA-F]+|\d{5,}|(?<=process )\d+|(?<=pid )\d+|(?<=launcher )\d+")
+"""Numbers that differ between two attempts of the same bug: addresses, long numbers, and
+process ids of any length (a vanished launcher is described by its pid)."""
 _MAX_LINE = 500
 """Characters of an exception line a signature keeps (records, supervisor.json)."""
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
