@@ -1,5 +1,5 @@
-"""Faults of the torchrun agent itself under `unbroken run` (not of a worker): real torchrun
-on 127.0.0.1, real gloo workers, a real SIGSTOP of the agent process.
+"""Faults of the torchrun agent and of a rank's launcher under `unbroken run` (not of a
+worker): real torchrun on 127.0.0.1, real gloo workers, a real SIGSTOP of either process.
 
 A stopped agent cannot reap its workers or exit: the supervisor must not wait for it
 forever once every rank of the node has ended.
@@ -13,6 +13,9 @@ import time
 
 import elastic_harness as h
 import pytest
+
+from unbroken.common.procs import children_of, cmdline
+from unbroken.elastic.launch.worker import LAUNCHER_TITLE
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -41,5 +44,35 @@ def test_a_stopped_agent_whose_ranks_all_finished_does_not_hold_the_run_forever(
 
     assert job.events("failure") == [], job.events("failure")
     assert "agent" in job.output() and "has not exited" in job.output(), job.output()[-3000:]
+    assert h.metric_steps(str(tmp_path / "metrics.jsonl")) == list(range(1, steps + 1))
+    assert not h.pids_of(job), "processes of the job outlived its supervisor"
+
+
+def test_a_rank_whose_launcher_is_stopped_is_a_hang_once_its_worker_is_gone(tmp_path):
+    """SIGSTOP of a rank's launcher (the process torchrun started): the worker trains on,
+    finishes and exits, but its launcher cannot report it, and torchrun waits on the
+    launcher. Before, the supervisor waited forever (the worker's beacon is dead, so the
+    watchdog skipped it); now a worker of this attempt gone without a report for the hang
+    timeout is a hang: the attempt is ended and restarted, and the run finishes."""
+    steps, hang_s = 12, 6.0
+    with h.jobs() as start:
+        job = start(
+            str(tmp_path / "run"),
+            ["--nproc-per-node", "1", "--hang-timeout", str(hang_s)],
+            h.script_args(tmp_path, steps, save_every=4, sleep=0.2),
+        )
+        h.wait_until(lambda: h.live_beats(job, 0, 2, ranks=1), 90, "step 2", job)
+        (launch,) = job.events("launch")
+        (launcher,) = [
+            p for p in children_of(launch["agent_pid"]) if cmdline(p)[0].startswith(LAUNCHER_TITLE)
+        ]
+        os.kill(launcher, signal.SIGSTOP)
+        assert job.wait(90) == 0, job.output()[-3000:]
+
+    (hang,) = job.events("hang")
+    assert "launcher" in hang["detail"] and "ranks [0]" in hang["detail"], hang
+    assert hang["step"] == steps and hang["detail"].endswith(f"at step {steps}"), hang
+    (f,) = job.events("failure")
+    assert (f["fault"], f["rule"], f["kind"]) == ("process", "hang", "hang"), f
     assert h.metric_steps(str(tmp_path / "metrics.jsonl")) == list(range(1, steps + 1))
     assert not h.pids_of(job), "processes of the job outlived its supervisor"

@@ -35,7 +35,7 @@ from typing import Any
 from unbroken.common import events, memdir
 from unbroken.common.events import load_events
 from unbroken.common.fs import atomic_write_bytes, private_dir
-from unbroken.common.procs import proc_state
+from unbroken.common.procs import is_alive, proc_state
 from unbroken.elastic import faults, heartbeat, recovery
 from unbroken.elastic.faults import Action, Classification, Evidence, FaultClass, RestartPolicy
 from unbroken.elastic.launch.attempt import DEFAULT_PRELOAD, ENV_TOKEN, Attempt, worker_command
@@ -191,6 +191,10 @@ class _Watch:
     warned: bool = False
     installed: dict[str, float] = field(default_factory=dict)
     """Beacon -> when first seen (workers may restart)."""
+    owned: set[int] = field(default_factory=set)
+    """Worker pids seen alive carrying the attempt's token (a dead beacon counts only then)."""
+    gone: dict[int, float] = field(default_factory=dict)
+    """Such a worker -> when it was first seen gone while its launcher lived, unreported."""
     membership: tuple[int, set[int]] | None = None
     """After a membership change: (the step reached before it, the old workers' pids)
     until a new worker beats that step (``membership_caught_up``)."""
@@ -455,6 +459,9 @@ class Supervisor:
             hung = self._hung(mine, st, now)
             if hung:
                 return self._hang(att, mine, hung, now)
+            unreported = self._unreported(att, beats, mine, st, now)
+            if unreported:
+                return self._hang(att, mine, unreported, now, gone=True)
             # Until the workers exist, look often: workers_up ends the relaunch phase (and
             # the new workers' appearance ends a membership change's).
             up = st.t_up is not None and not att.restarting()
@@ -592,6 +599,30 @@ class Supervisor:
             return hung
         return [b for b in mine if not b.started and now - st.installed[b.path] > w.startup_timeout]
 
+    def _unreported(
+        self,
+        att: Attempt,
+        beats: list[heartbeat.BeatRecord],
+        mine: list[heartbeat.BeatRecord],
+        st: _Watch,
+        now: float,
+    ) -> list[heartbeat.BeatRecord]:
+        """Workers of this attempt gone for ``hang_timeout`` s while their launcher lives
+        and never reported it (a stopped launcher: torchrun waits on it, and a dead beacon
+        is no hang to ``stalled``). Only pids seen alive with the attempt's token count."""
+        st.owned.update(b.pid for b in mine)
+        reported = {x.pid for x in att.exits}
+        waiting = att.launcher_workers()
+        out = []
+        for b in beats:
+            if b.pid not in st.owned or b.pid not in waiting or b.pid in reported:
+                continue
+            if is_alive(b.pid):
+                continue
+            if now - st.gone.setdefault(b.pid, now) > self.cfg.watchdog.hang_timeout:
+                out.append(b)
+        return out
+
     def _stop_group(
         self, att: Attempt, failed: faults.WorkerExit, beats: list[heartbeat.BeatRecord]
     ) -> _Outcome:
@@ -626,17 +657,25 @@ class Supervisor:
         beats: list[heartbeat.BeatRecord],
         hung: list[heartbeat.BeatRecord],
         now: float,
+        gone: bool = False,
     ) -> _Outcome:
+        """``gone``: the ``hung`` workers ended, but their launchers never reported it."""
         began = heartbeat.hang_began(beats, hung)
         t_fail = began if began is not None else att.t_launch
         ranks = sorted({b.rank for b in hung})
         # The step is fixed now: a SIGSTOPped rank resumed for its stack dump may still beat
         # once before the kill, and the table must say what the message says.
-        step = max((b.step for b in beats), default=-1)
+        step = max((b.step for b in (*beats, *hung)), default=-1)  # hung: may be gone (``gone``)
         stacks = heartbeat.request_stack_dumps(
             self.run_dir, beats, self.cfg.watchdog.dump_grace, (ENV_TOKEN, att.token)
         )
-        if all(b.finished for b in hung):
+        if gone:
+            detail = (
+                f"ranks {ranks}: the worker ended and its launcher (the process torchrun "
+                f"started, stopped or wedged) has not reported it for "
+                f"{self.cfg.watchdog.hang_timeout:g} s (--hang-timeout) at step {step}"
+            )
+        elif all(b.finished for b in hung):
             limit = max(self.cfg.watchdog.hang_timeout, self.cfg.shutdown_timeout)
             detail = (
                 f"ranks {ranks} said their loop ended and have not exited for "

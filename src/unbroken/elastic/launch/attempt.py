@@ -203,6 +203,9 @@ class Agent:
             self._log.close()
 
 
+_LAUNCHER_OF = re.compile(re.escape(LAUNCHER_TITLE) + r"\d+, worker (\d+)\]")
+"""A launcher's title (``worker.set_title``): the pid of its worker."""
+
 _PIECE = 8192
 """Bytes of the console copied at a time (the tail keeps 600 of them at most)."""
 
@@ -312,6 +315,15 @@ class Attempt:
                 self._seen[pid] = time.time()
             if is_alive(pid):
                 out.append(pid)
+        return out
+
+    def launcher_workers(self) -> dict[int, int]:
+        """Worker pid -> its live launcher, as the launchers' titles name them."""
+        out = {}
+        for pid in self.worker_pids():
+            m = _LAUNCHER_OF.match(next(iter(cmdline(pid)), ""))
+            if m:
+                out[int(m[1])] = pid
         return out
 
     def _read_exits(self) -> None:
