@@ -46,3 +46,36 @@ def test_a_worker_exiting_3_at_the_same_step_twice_is_named_by_its_code(tmp_path
     assert "None" not in report, report
     last = report.split("last failure, rank 0 (attempt 1):\n", 1)[1].splitlines()[0]
     assert "exit code 3" in last, report
+
+
+_RAISE_10_MB = """\
+import time
+from torch.distributed.elastic.multiprocessing.errors import record
+from unbroken.elastic import beat
+
+@record
+def main():
+    for step in range(1, 5):
+        beat(step)
+        time.sleep(0.05)
+    raise ValueError("boom " + "x" * (10 << 20))
+
+main()
+"""
+
+
+def test_an_exception_with_a_10_mb_message_is_still_named(tmp_path):
+    """torch's ``@record`` file holds the message twice (20 MB): the launcher dropped it as
+    "not a whole JSON object" and the failure became "unknown: exit code 1" (signature
+    "exit 1"). Now the launcher hands torchrun a whole file with the message's start."""
+    script = tmp_path / "raise.py"
+    script.write_text(_RAISE_10_MB)
+    with h.jobs() as start:
+        job = start(str(tmp_path / "run"), [], [], script=str(script))
+        assert job.wait(120) == faults.EXIT_DETERMINISTIC, job.output()[-3000:]
+
+    first, second = job.events("failure")
+    assert first["rule"] == "exception" and "ValueError: boom xxx" in first["reason"], first
+    assert first["signature"].startswith("ValueError: boom xxx"), first["signature"][:100]
+    assert len(first["signature"]) < 1000 and second["signature"] == first["signature"]
+    assert "not a whole JSON object" not in job.output()

@@ -24,7 +24,6 @@ notes" > elastic > classifying failures.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import glob
@@ -409,36 +408,21 @@ def _inside(path: str, root: str) -> bool:
     return os.path.commonpath([real, top]) == top
 
 
-_MAX_ERROR_FILE = 1 << 20
-_HEAD_MESSAGE = re.compile(rb'^\{\s*"message"\s*:\s*\{\s*"message"\s*:\s*"((?:[^"\\]|\\.)*)')
-"""The start of the message in torch's ``@record`` file (``{"message": {"message": ...``)."""
+_MAX_ERROR_FILE = 4 << 20
+"""What the launcher hands torchrun at most (``launch.worker`` shortens a bigger file to
+the start of its message): a message of a few MB, twice in torch's file, is read whole."""
 
 
 def _read_error_file(path: str) -> tuple[str, str]:
     try:
         with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as fh:
-            raw = fh.read(_MAX_ERROR_FILE + 1)
-        if len(raw) > _MAX_ERROR_FILE:  # a huge message: its start names the exception
-            return _message_head(raw[:_MAX_ERROR_FILE]), ""
-        data = json.loads(raw)
+            data = json.loads(fh.read(_MAX_ERROR_FILE))
         m = data.get("message", {})
         if isinstance(m, dict):
             return str(m.get("message", "")), str(m.get("extraInfo", {}).get("py_callstack", ""))
         return str(m), ""
     except (OSError, ValueError, AttributeError):
         return "", ""
-
-
-def _message_head(head: bytes) -> str:
-    """The message's first characters from an error file cut at the read limit."""
-    m = _HEAD_MESSAGE.match(head)
-    if m is None:
-        return ""
-    text = m[1][:65536]
-    for cut in range(8):  # the limit may split an escape (\\uXXXX: up to 5 bytes)
-        with contextlib.suppress(ValueError):
-            return str(json.loads(b'"' + text[: len(text) - cut] + b'"'))
-    return ""
 
 
 @dataclass(frozen=True)
