@@ -408,7 +408,9 @@ def _inside(path: str, root: str) -> bool:
     return os.path.commonpath([real, top]) == top
 
 
-_MAX_ERROR_FILE = 1 << 20
+_MAX_ERROR_FILE = 4 << 20
+"""What the launcher hands torchrun at most (``launch.worker`` shortens a bigger file to
+the start of its message): a message of a few MB, twice in torch's file, is read whole."""
 
 
 def _read_error_file(path: str) -> tuple[str, str]:
@@ -449,7 +451,11 @@ class Classification:
     """Whether the restart this causes uses the restart budget (waiting for nodes does not)."""
 
 
-_NUMS = re.compile(r"0x[0-9a-fA-F]+|\d{5,}")
+_NUMS = re.compile(r"0x[0-9a-fA-F]+|\d{5,}|(?<=process )\d+|(?<=pid )\d+|(?<=launcher )\d+")
+"""Numbers that differ between two attempts of the same bug: addresses, long numbers, and
+process ids of any length (a vanished launcher is described by its pid)."""
+_MAX_LINE = 500
+"""Characters of an exception line a signature keeps (records, supervisor.json)."""
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -461,7 +467,8 @@ def signature_of(f: WorkerFailure) -> str:
     frames = _FRAME.findall(f.traceback or f.stderr_tail)
     user = [fr for fr in frames if "site-packages" not in fr[0] and "<frozen" not in fr[0]]
     where = f" @ {os.path.basename(user[-1][0])}:{user[-1][1]}" if user else ""
-    return _NUMS.sub("#", text.strip().splitlines()[-1] if text.strip() else text) + where
+    line = text.strip().splitlines()[-1] if text.strip() else text
+    return printable(_NUMS.sub("#", line[:_MAX_LINE])) + printable(where)
 
 
 def _last_exception_line(text: str) -> str:
@@ -500,7 +507,7 @@ def classify(ev: Evidence, rules: Sequence[Rule] = DEFAULT_RULES) -> Classificat
         text = "\n".join((primary.message, primary.traceback, primary.stderr_tail))
     for rule in rules:
         if rule.matches(text, sig):
-            reason = _reason(primary, rule, text)
+            reason = _reason(primary, rule.name, rule.pattern, text)
             signature = None
             if rule.fault is _P and primary is not None and not primary.collateral:
                 signature = signature_of(primary)
@@ -511,8 +518,8 @@ def classify(ev: Evidence, rules: Sequence[Rule] = DEFAULT_RULES) -> Classificat
                 signature=signature,
                 counts=rule.fault is not FaultClass.NODE_LOST,
             )
-    code = ev.exit_code
-    reason = f"exit code {code}" + (f" ({primary.signal_name})" if primary and sig else "")
+    # the worker's own status: torchrun's is None while its agent is kept for the restart
+    reason = _reason(primary, "unknown") if primary else f"exit code {ev.exit_code}"
     return _mk(
         _P,
         "unknown",
@@ -521,18 +528,19 @@ def classify(ev: Evidence, rules: Sequence[Rule] = DEFAULT_RULES) -> Classificat
     )
 
 
-def _reason(primary: WorkerFailure | None, rule: Rule, text: str = "") -> str:
+def _reason(
+    primary: WorkerFailure | None, name: str, pattern: str | None = None, text: str = ""
+) -> str:
+    """``name`` (the rule's) and what the primary failure said, else torchrun's line."""
     if primary is None:  # the console's line the rule matched says what torchrun died of
-        hit = rule.pattern and next(
-            (ln for ln in text.splitlines() if re.search(rule.pattern, ln)), None
-        )
+        hit = pattern and next((ln for ln in text.splitlines() if re.search(pattern, ln)), None)
         if hit:
-            return f"{rule.name}: torchrun failed: {printable(hit.strip())}"[:400]
-        return f"{rule.name}: torchrun failed (no worker failure reported)"
-    what = primary.message or _last_exception_line(primary.stderr_tail)
+            return f"{name}: torchrun failed: {printable(hit.strip())}"[:400]
+        return f"{name}: torchrun failed (no worker failure reported)"
+    what = printable((primary.message or _last_exception_line(primary.stderr_tail))[:300])
     if primary.signal_name:
         what = f"died of {primary.signal_name}" + (f": {what}" if what else "")
-    return f"{rule.name}: rank {primary.rank}: {what or f'exit code {primary.exitcode}'}"[:300]
+    return f"{name}: rank {primary.rank}: {what or f'exit code {primary.exitcode}'}"[:300]
 
 
 def _mk(
@@ -558,7 +566,9 @@ class RestartPolicy:
     """Cap on the backoff (seconds)."""
     backoff_factor: float = 2.0
     no_progress_limit: int = 3
-    """Stop after this many restarts in a row that did not advance the checkpointed step."""
+    """Stop after this many restarts in a row that did not advance the checkpointed step
+    (restarts that use no budget, such as waiting for nodes, count here too: a lost node
+    that keeps failing the job must not restart it forever)."""
     same_failure_limit: int = 2
     """Stop when the same failure (signature and step) has happened this many times."""
 
@@ -619,8 +629,6 @@ class RestartTracker:
                     f"{c.signature}",
                     FaultClass.DETERMINISTIC,
                 )
-        if not c.counts:
-            return Decision(c.action, self._delay(), None, c.reason, c.fault)
         if progress is not None and (self.best_progress is None or progress > self.best_progress):
             self.best_progress = progress
             self.no_progress = 0
@@ -635,6 +643,8 @@ class RestartTracker:
                     f"step (still {self.best_progress})",
                     c.fault,
                 )
+        if not c.counts:  # no budget used, but guarded and backed off like any restart
+            return Decision(c.action, self._delay(), None, c.reason, c.fault)
         if self.restarts >= p.max_restarts:
             return Decision(
                 Action.STOP,

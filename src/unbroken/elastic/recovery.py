@@ -10,6 +10,10 @@ Phases of failure *i* (attempt ``a`` failed, attempt ``a+1`` recovers):
     load      loaded(a+1) - workers_up(a+1)  interpreter, imports, process group, restore
     catch_up  caught_up(a+1) - loaded(a+1)   recompute the steps lost since the checkpoint
 
+When attempt ``a+1`` restored nothing (no ``loaded``: the failure came before the first
+checkpoint, or the job does not mark its restores), load is 0 and catch-up runs from
+``workers_up(a+1)``: its start-up is then part of recomputing the steps from the first.
+
 ``loaded``/``caught_up`` of several ranks: the slowest rank ends the phase. Each record
 also names the tier the restart restored from (``loaded``'s ``tier``: memory, disk,
 archive) and the steps lost (the step reached before the failure less the step restored).
@@ -33,6 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from unbroken.common.tables import cell, render_table
+from unbroken.common.text import printable
 
 __all__ = [
     "MEMBERSHIP",
@@ -131,6 +136,8 @@ def phases(events: Sequence[dict[str, Any]]) -> list[Recovery]:
         catch_up: float | None = None
         if loaded and caught:
             catch_up = max(0.0, caught["t"] - loaded["t"])
+        elif up and caught:  # nothing restored (a fresh start): every step is recomputed
+            load, catch_up = 0.0, max(0.0, caught["t"] - up["t"])
         elif (
             loaded
             and f.get("step") is not None
@@ -217,12 +224,12 @@ def format_summary(summary: RunSummary) -> str:
         (
             r.index,
             r.attempt,
-            r.fault,
+            printable(r.fault),  # the event log is a file: its text is escaped (common.text)
             r.step_at_failure,
-            r.tier or "-",
+            printable(r.tier or "-"),
             cell(r.steps_lost, "d"),
             *(cell(x, ".2f") for x in (r.detect, r.relaunch, r.load, r.catch_up, r.total)),
-            r.reason[:60],
+            printable(r.reason)[:60],
         )
         for r in summary.recoveries
     ]

@@ -35,6 +35,7 @@ from typing import Any
 from unbroken.common import events, memdir
 from unbroken.common.events import load_events
 from unbroken.common.fs import atomic_write_bytes, private_dir
+from unbroken.common.procs import is_alive, proc_state
 from unbroken.elastic import faults, heartbeat, recovery
 from unbroken.elastic.faults import Action, Classification, Evidence, FaultClass, RestartPolicy
 from unbroken.elastic.launch.attempt import DEFAULT_PRELOAD, ENV_TOKEN, Attempt, worker_command
@@ -190,6 +191,10 @@ class _Watch:
     warned: bool = False
     installed: dict[str, float] = field(default_factory=dict)
     """Beacon -> when first seen (workers may restart)."""
+    owned: set[int] = field(default_factory=set)
+    """Worker pids seen alive carrying the attempt's token (a dead beacon counts only then)."""
+    gone: dict[int, float] = field(default_factory=dict)
+    """Such a worker -> when it was first seen gone while its launcher lived, unreported."""
     membership: tuple[int, set[int]] | None = None
     """After a membership change: (the step reached before it, the old workers' pids)
     until a new worker beats that step (``membership_caught_up``)."""
@@ -443,6 +448,9 @@ class Supervisor:
             failed = att.failure()
             if failed is not None:
                 return self._stop_group(att, failed, mine)
+            ended = att.ranks_ended()
+            if ended is not None and now - ended > self._agent_limit():
+                return self._agent_outlived(att, ended, now)
             self._membership(att, beats, mine, st)
             for b in beats:
                 self._max_step = max(self._max_step, b.step)
@@ -451,6 +459,9 @@ class Supervisor:
             hung = self._hung(mine, st, now)
             if hung:
                 return self._hang(att, mine, hung, now)
+            unreported = self._unreported(att, beats, mine, st, now)
+            if unreported:
+                return self._hang(att, mine, unreported, now, gone=True)
             # Until the workers exist, look often: workers_up ends the relaunch phase (and
             # the new workers' appearance ends a membership change's).
             up = st.t_up is not None and not att.restarting()
@@ -514,6 +525,30 @@ class Supervisor:
         # (and its exit) is already part of the relaunch.
         return _Outcome(kind, rc, first.t if first else now, now, detail)
 
+    def _agent_limit(self) -> float:
+        """Seconds the agent may outlive all its ranks: the finish timeout, and on several
+        nodes at least torchrun's exit barrier (its agent waits there for the others)."""
+        limit = max(self.cfg.watchdog.hang_timeout, self.cfg.shutdown_timeout)
+        return max(limit, _EXIT_BARRIER) if self.cfg.rdzv.bounds[1] > 1 else limit
+
+    def _agent_outlived(self, att: Attempt, ended: float, now: float) -> _Outcome:
+        """Every rank of the node ended but the agent did not exit (stopped, or wedged in
+        its teardown): it can no longer do anything for the job, and nothing else would
+        end the run (no worker beacon is live). End it; the attempt ended as its ranks did."""
+        state = proc_state(att.proc.pid)
+        how = " (stopped: SIGSTOP)" if state in ("T", "t") else ""
+        detail = (
+            f"the torchrun agent (pid {att.proc.pid}){how} has not exited {now - ended:.1f} s "
+            f"after its ranks ended (--shutdown-timeout, at least --hang-timeout: "
+            f"{self._agent_limit():g} s); ended it"
+        )
+        log.warning("attempt %d: %s", att.number, detail)
+        att.kill()
+        clean = all(x.exitcode == 0 for x in att.exits)
+        out = self._ended(att, 0 if clean else 1, now)
+        out.detail = out.detail or detail
+        return out
+
     def _store_news(
         self, att: Attempt, coord: Coordinator, st: _Watch, now: float
     ) -> _Outcome | None:
@@ -564,6 +599,30 @@ class Supervisor:
             return hung
         return [b for b in mine if not b.started and now - st.installed[b.path] > w.startup_timeout]
 
+    def _unreported(
+        self,
+        att: Attempt,
+        beats: list[heartbeat.BeatRecord],
+        mine: list[heartbeat.BeatRecord],
+        st: _Watch,
+        now: float,
+    ) -> list[heartbeat.BeatRecord]:
+        """Workers of this attempt gone for ``hang_timeout`` s while their launcher lives
+        and never reported it (a stopped launcher: torchrun waits on it, and a dead beacon
+        is no hang to ``stalled``). Only pids seen alive with the attempt's token count."""
+        st.owned.update(b.pid for b in mine)
+        reported = {x.pid for x in att.exits}
+        waiting = att.launcher_workers()
+        out = []
+        for b in beats:
+            if b.pid not in st.owned or b.pid not in waiting or b.pid in reported:
+                continue
+            if is_alive(b.pid):
+                continue
+            if now - st.gone.setdefault(b.pid, now) > self.cfg.watchdog.hang_timeout:
+                out.append(b)
+        return out
+
     def _stop_group(
         self, att: Attempt, failed: faults.WorkerExit, beats: list[heartbeat.BeatRecord]
     ) -> _Outcome:
@@ -598,17 +657,25 @@ class Supervisor:
         beats: list[heartbeat.BeatRecord],
         hung: list[heartbeat.BeatRecord],
         now: float,
+        gone: bool = False,
     ) -> _Outcome:
+        """``gone``: the ``hung`` workers ended, but their launchers never reported it."""
         began = heartbeat.hang_began(beats, hung)
         t_fail = began if began is not None else att.t_launch
         ranks = sorted({b.rank for b in hung})
         # The step is fixed now: a SIGSTOPped rank resumed for its stack dump may still beat
         # once before the kill, and the table must say what the message says.
-        step = max((b.step for b in beats), default=-1)
+        step = max((b.step for b in (*beats, *hung)), default=-1)  # hung: may be gone (``gone``)
         stacks = heartbeat.request_stack_dumps(
             self.run_dir, beats, self.cfg.watchdog.dump_grace, (ENV_TOKEN, att.token)
         )
-        if all(b.finished for b in hung):
+        if gone:
+            detail = (
+                f"ranks {ranks}: the worker ended and its launcher (the process torchrun "
+                f"started, stopped or wedged) has not reported it for "
+                f"{self.cfg.watchdog.hang_timeout:g} s (--hang-timeout) at step {step}"
+            )
+        elif all(b.finished for b in hung):
             limit = max(self.cfg.watchdog.hang_timeout, self.cfg.shutdown_timeout)
             detail = (
                 f"ranks {ranks} said their loop ended and have not exited for "
@@ -759,13 +826,14 @@ class Supervisor:
         ]
         for n, ev, c in self._failures:
             lines.append(f"  attempt {n}: step {ev.step}: [{c.fault.value}/{c.rule}] {c.reason}")
-        n, ev, _c = self._failures[-1]
+        n, ev, c = self._failures[-1]
         if ev.failures:
             f = ev.failures[0]
             lines += [
                 "",
                 f"last failure, rank {f.rank} (attempt {n}):",
-                (f.traceback or f.stderr_tail or f.message).rstrip()[-4000:],
+                # an exit code of its own may be all there is (sys.exit(3): no output)
+                (f.traceback or f.stderr_tail or f.message or c.reason).rstrip()[-4000:],
             ]
         lines += [
             "",
@@ -936,6 +1004,11 @@ class Supervisor:
             os.path.join(self.run_dir, "recovery.jsonl"), lines, mode=events.FILE_MODE
         )
         print(recovery.format_summary(summary), flush=True)
+
+
+_EXIT_BARRIER = 300.0
+"""Seconds torchrun's agent waits for the other nodes' agents after its workers succeeded
+(``LocalElasticAgent``'s ``exit_barrier_timeout``)."""
 
 
 def _signame(sig: int) -> str:

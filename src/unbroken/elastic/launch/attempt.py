@@ -27,6 +27,7 @@ with ``[rankN]:`` prefixes), ``RUN_DIR/attempts/<n>/torchelastic/`` (torchrun's
 
 from __future__ import annotations
 
+import codecs
 import collections
 import contextlib
 import logging
@@ -169,13 +170,19 @@ class Agent:
         out = self.proc.stdout
         if out is None:
             return
-        for raw in iter(out.readline, b""):
-            line = raw.decode("utf-8", "replace")
+        # A line is copied in pieces of at most _PIECE bytes: one without end (a worker's
+        # dump, a bar drawn with backspaces) would otherwise be held whole, and shown only
+        # when it ends. Only a piece that starts a line can be torchrun's own.
+        decode = codecs.getincrementaldecoder("utf-8")("replace").decode
+        at_start = True
+        for raw in iter(lambda: out.readline(_PIECE), b""):
+            line = decode(raw)
+            starts, at_start = at_start, raw.endswith(b"\n")
             with self._lock:
                 self._log.write(raw)
                 self._log.flush()
                 self._tail.append(line)
-                said = _CLOSING.match(raw)
+                said = _CLOSING.match(raw) if starts else None
                 if said and int(said.group(1)) == self.proc.pid:
                     kept = list(self.closing.items())[-255:]
                     self.closing = {**dict(kept), int(said.group(2)): time.time()}
@@ -195,6 +202,12 @@ class Agent:
         with self._lock, contextlib.suppress(OSError):
             self._log.close()
 
+
+_LAUNCHER_OF = re.compile(re.escape(LAUNCHER_TITLE) + r"\d+, worker (\d+)\]")
+"""A launcher's title (``worker.set_title``): the pid of its worker."""
+
+_PIECE = 8192
+"""Bytes of the console copied at a time (the tail keeps 600 of them at most)."""
 
 _CLOSING = re.compile(rb"[IWE]\d{4} [\d:.]+ +(\d+) .*\] Sending process (\d+) closing signal SIG")
 """torchrun's warning as it stops a worker (``multiprocessing/api.py``, ``_close``): its
@@ -304,6 +317,15 @@ class Attempt:
                 out.append(pid)
         return out
 
+    def launcher_workers(self) -> dict[int, int]:
+        """Worker pid -> its live launcher, as the launchers' titles name them."""
+        out = {}
+        for pid in self.worker_pids():
+            m = _LAUNCHER_OF.match(next(iter(cmdline(pid)), ""))
+            if m:
+                out[int(m[1])] = pid
+        return out
+
     def _read_exits(self) -> None:
         if self._agent_stop is None and not self._stopping:
             # torchrun stopping its workers when nobody asked it to (a membership change),
@@ -374,6 +396,17 @@ class Attempt:
             via="?",
             vanished=True,
         )
+
+    def ranks_ended(self) -> float | None:
+        """When the last of this attempt's ranks ended, once every launcher it started has
+        reported its exit and none is alive (torchrun not restarting them); else None. The
+        agent should exit right after (see ``Supervisor._agent_outlived``)."""
+        if not self._launchers or self.restarting() or self.worker_pids():
+            return None
+        reported = {x.launcher: x.t for x in self.exits}
+        if not all(p in reported for p in self._launchers):
+            return None
+        return max(reported[p] for p in self._launchers)
 
     def restarting(self) -> bool:
         """torchrun is restarting its workers by itself (between the stop and the new ones)."""

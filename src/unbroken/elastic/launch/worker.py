@@ -30,6 +30,7 @@ import array
 import contextlib
 import json
 import os
+import re
 import resource
 import select
 import signal
@@ -327,8 +328,37 @@ def _error_file_aside() -> str | None:
     return path or None
 
 
+_HEAD_MESSAGE = re.compile(rb'^\{\s*"message"\s*:\s*\{\s*"message"\s*:\s*"((?:[^"\\]|\\.)*)')
+"""The start of the message in torch's ``@record`` file (``{"message": {"message": ...``)."""
+
+
+def _message_head(head: bytes, limit: int = 65536) -> str:
+    """The message's first characters (at most ``limit`` bytes of its JSON) from the start
+    of an error file too big to read whole; "" when it does not start as torch's does."""
+    m = _HEAD_MESSAGE.match(head)
+    if m is None:
+        return ""
+    text = m[1][:limit]
+    for cut in range(8):  # the limit may split an escape (\\uXXXX: up to 5 bytes)
+        with contextlib.suppress(ValueError):
+            return str(json.loads(b'"' + text[: len(text) - cut] + b'"'))
+    return ""
+
+
+def _shortened(data: bytes) -> bytes | None:
+    """A whole error file with the start of the message of one over the limit (a message
+    of many MB: torch writes it twice, with the call stack), else None."""
+    head = _message_head(data[:_MAX_ERROR_FILE])
+    if not head:
+        return None
+    note = f" [... cut by the launcher: its error file was over {_MAX_ERROR_FILE} bytes]"
+    info = {"py_callstack": "", "timestamp": str(int(time.time()))}
+    return json.dumps({"message": {"message": head + note, "extraInfo": info}}).encode()
+
+
 def _hand_over_error_file(path: str) -> None:
-    """Move the worker's error file to ``path`` if it is a JSON object, else remove it."""
+    """Move the worker's error file to ``path`` if it is a JSON object (one over the limit:
+    a whole one with the start of its message), else remove it."""
     side = path + _SIDE
     try:
         fd = os.open(side, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -347,7 +377,15 @@ def _hand_over_error_file(path: str) -> None:
         whole = len(data) <= _MAX_ERROR_FILE and isinstance(json.loads(data), dict)
     except (ValueError, RecursionError):
         whole = False
+    short = _shortened(data) if len(data) > _MAX_ERROR_FILE else None
     try:
+        if short is not None:
+            fd = os.open(side, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.write(fd, short)
+            finally:
+                os.close(fd)
+            whole = True
         if whole:
             os.replace(side, path)
             return
