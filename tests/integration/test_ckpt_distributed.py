@@ -632,15 +632,11 @@ def test_an_archive_rank_0_cannot_read_fails_every_rank_not_a_hang(tmp_path) -> 
     """Rank 0 lists the archive while the others wait in a broadcast: its failure (here a
     bucket that does not exist) reaches them as an error instead of leaving them waiting
     for the process group's timeout (30 min)."""
+    from datakit import S3_TEST_CREDS
     from storekit import moto_endpoint
 
     with moto_endpoint() as ep:
-        env = {
-            "AWS_ACCESS_KEY_ID": "k",
-            "AWS_SECRET_ACCESS_KEY": "s",
-            "AWS_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": ep,
-        }
+        env = {**S3_TEST_CREDS, "AWS_ENDPOINT_URL": ep}
         job = {"out": str(tmp_path), "env": env, "url": "s3://typo/run"}
         _run(2, job, _archive_typo_worker)
     said = [json.load(open(tmp_path / f"said-{r}.json")) for r in range(2)]

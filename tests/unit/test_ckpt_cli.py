@@ -185,16 +185,12 @@ def test_an_archive_in_a_bucket_that_does_not_exist_is_named_not_listed_empty(
     import boto3
     from s3fs import S3FileSystem
 
+    from datakit import S3_TEST_CREDS
     from storekit import moto_endpoint
 
     os.mkdir(tmp_path / "root")
     with moto_endpoint() as ep:
-        for k, v in {
-            "AWS_ACCESS_KEY_ID": "k",
-            "AWS_SECRET_ACCESS_KEY": "s",
-            "AWS_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": ep,
-        }.items():
+        for k, v in {**S3_TEST_CREDS, "AWS_ENDPOINT_URL": ep}.items():
             monkeypatch.setenv(k, v)
         boto3.client("s3", endpoint_url=ep).create_bucket(Bucket="real")
         argv = ["ckpt", "ls", str(tmp_path / "root"), "--archive"]

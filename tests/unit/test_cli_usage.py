@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+from datakit import S3_TEST_CREDS
 from storekit import moto_endpoint
 from unbroken.cli import build_parser, main
 
@@ -165,13 +166,7 @@ def test_tokenize_of_a_flat_token_file_without_from_bin_says_from_bin(tmp_path, 
 def test_an_s3_command_prints_one_line_not_the_sdks_info(tmp_path) -> None:
     """The CLI logs unbroken's INFO, not botocore's credential lookups on every S3 call."""
     with moto_endpoint() as ep:
-        env = {
-            **os.environ,
-            "AWS_ACCESS_KEY_ID": "k",
-            "AWS_SECRET_ACCESS_KEY": "s",
-            "AWS_REGION": "us-east-1",
-            "AWS_ENDPOINT_URL": ep,
-        }
+        env = {**os.environ, **S3_TEST_CREDS, "AWS_ENDPOINT_URL": ep}
         cmd = [sys.executable, "-m", "unbroken.cli", "data", "stage", "s3://nob/tok"]
         r = subprocess.run(
             [*cmd, str(tmp_path / "x")], env=env, capture_output=True, text=True, timeout=100
