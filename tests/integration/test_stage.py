@@ -59,6 +59,24 @@ def test_local_stage_verifies_skips_and_refetches(tmp_path: str) -> None:
     assert fixed.files_copied == 2 and _same(src, dst, m)
 
 
+def test_a_newer_version_staged_over_an_older_one_leaves_no_shard_of_the_old(
+    tmp_path: str,
+) -> None:
+    """Re-staging an updated dataset into the same directory is the usual workflow: the old
+    version's shards that the new one does not list go (they held disk space, and looked
+    like part of the dataset); a file the old manifest did not list is not ours and stays."""
+    old, new, dst = (os.path.join(tmp_path, n) for n in ("old", "new", "dst"))
+    m_old, m_new = _dataset(old, n=400), _dataset(new, n=100)
+    assert len(m_old.shards) > len(m_new.shards)
+    stage(old, dst, progress=False)
+    with open(os.path.join(dst, "notes.txt"), "w") as f:
+        f.write("mine")
+    stage(new, dst, progress=False)
+    want = {s.name for s in m_new.shards} | {s.index for s in m_new.shards}
+    assert set(os.listdir(dst)) == want | {"dataset.json", MARKER_NAME, "notes.txt"}
+    assert _same(new, dst, m_new)
+
+
 def test_corrupt_source_is_reported_naming_the_file(tmp_path: str) -> None:
     src, dst = os.path.join(tmp_path, "src"), os.path.join(tmp_path, "dst")
     m = _dataset(src)

@@ -226,6 +226,20 @@ def _wait_for_rank0(local_dir: str, fingerprint: str, timeout: float, url: str) 
         time.sleep(0.1)
 
 
+def _names(m: DatasetManifest) -> set[str]:
+    return {s.name for s in m.shards} | {s.index for s in m.shards}
+
+
+def _listed(local_dir: str) -> set[str]:
+    """The plain file names the dataset already staged in ``local_dir`` lists (none when
+    there is no readable manifest: then nothing there is known to be ours)."""
+    try:
+        names = _names(DatasetManifest.load(local_dir))
+    except Exception:  # noqa: BLE001 - damaged or absent: remove nothing
+        return set()
+    return {n for n in names if n == os.path.basename(n) and n not in ("", ".", "..")}
+
+
 def _start_over(local_dir: str, marker: str) -> None:
     """The directory is incomplete from here on: drop the completion marker and the
     temporaries of an interrupted staging."""
@@ -334,6 +348,7 @@ def stage(
         waited = _wait_for_rank0(local_dir, manifest.fingerprint, wait_timeout, url)
         return StageResult(url, local_dir, waited, manifest.total_bytes, 0, 0, 0, 0, True)
     marker = os.path.join(local_dir, MARKER_NAME)
+    before = _listed(local_dir)  # an older version staged here: its files go at the end
     _start_over(local_dir, marker)
     files = [_File(s.name, s.bytes, s.checksum) for s in manifest.shards]
     files += [_File(s.index, s.index_bytes, s.index_checksum) for s in manifest.shards]
@@ -354,6 +369,9 @@ def stage(
     stats = copier.stats
     manifest.save(local_dir)
     atomic_write_bytes(marker, manifest.fingerprint.encode(), fsync=fsync)
+    for name in before - _names(manifest):
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            os.unlink(os.path.join(local_dir, name))
     res = StageResult(
         url,
         local_dir,
