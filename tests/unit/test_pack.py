@@ -380,3 +380,22 @@ def test_a_directory_is_not_packed_into_itself(tmp_path: str) -> None:
         assert out in str(e.value) and "outside" in str(e.value)
     assert not os.path.exists(os.path.join(src, "out"))
     assert not any(n.endswith(".tar") for n in os.listdir(src))
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_pack_ends_its_workers_in_a_process_that_handles_sigterm(tmp_path: str) -> None:
+    """A caller with a SIGTERM handler of its own (a training process: the Checkpointer's
+    preemption flag) forks pack's workers with it; stopping them on an error then did
+    nothing and the pack hung in the pool's join for good."""
+    import signal
+
+    src = os.path.join(tmp_path, "in.jsonl")
+    with open(src, "w") as f:
+        f.writelines(json.dumps({"i": i, "pad": "x" * 2000}) + "\n" for i in range(3000))
+        f.write("not json\n")
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # noted, not obeyed
+    try:
+        with pytest.raises(ValueError, match=r"in\.jsonl:3001"):
+            pack(src, os.path.join(tmp_path, "out"), shard_size=1 << 20, workers=2, progress=False)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

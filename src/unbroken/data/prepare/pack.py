@@ -27,6 +27,7 @@ import logging
 import multiprocessing as mp
 import os
 import re
+import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -224,6 +225,13 @@ def _mp_context() -> Any:
     return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
 
 
+def _default_sigterm() -> None:
+    """Pool worker initializer: SIGTERM ends the worker. A caller's own handler (a training
+    process's preemption flag) is inherited through fork, and the pool's ``terminate()``
+    then stopped nothing: a failed pack hung in the join."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _run_tasks(
     tasks: Iterable[_Task], workers: int, on_done: Callable[[int, ShardInfo, bool], None]
 ) -> None:
@@ -246,7 +254,7 @@ def _run_tasks(
 
         inflight, close = 2, ex.shutdown
     else:
-        pool = _mp_context().Pool(workers)
+        pool = _mp_context().Pool(workers, initializer=_default_sigterm)
         submit = lambda t: _AsyncResult(pool.apply_async(_write_task, (t,)))  # noqa: E731
         inflight, close = 2 * workers, pool.terminate
     pending: collections.deque[Any] = collections.deque()
@@ -495,7 +503,7 @@ def index_directory(root: str, *, workers: int | None = None, progress: bool = T
                 shards.append(_index_one(p))
                 bar.update(shards[-1].bytes)
         else:
-            with _mp_context().Pool(workers) as pool:
+            with _mp_context().Pool(workers, initializer=_default_sigterm) as pool:
                 # imap keeps the name order; the bar moves as each shard's turn comes
                 shards = []
                 for info in pool.imap(_index_one, paths):
