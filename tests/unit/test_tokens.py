@@ -176,3 +176,27 @@ def test_rerun_with_other_seq_len_reuses_shards_and_recounts(tmp_path: str) -> N
     assert again.shards_written == 0 and again.shards_reused == len(fresh.manifest.shards)
     assert again.manifest == fresh.manifest
     assert again.manifest.fingerprint == fresh.manifest.fingerprint
+
+
+@pytest.mark.timeout(120)
+def test_tokenize_with_workers_ends_in_a_process_that_handles_sigterm(tmp_path: str) -> None:
+    """A training process (the Checkpointer's preemption flag) hands its SIGTERM handler to
+    tokenize's forked workers; the pool's terminate() then stopped nothing and tokenize hung in
+    the join, on success and on a bad line alike."""
+    import signal
+
+    small = _jsonl(os.path.join(tmp_path, "small.jsonl"), _docs(200))
+    tokenize(small, os.path.join(tmp_path, "bpe"), train_bpe_vocab=300, workers=1, progress=False)
+    good = _jsonl(os.path.join(tmp_path, "good.jsonl"), _docs(12_000))  # six chunks in flight
+    bad = os.path.join(tmp_path, "bad.jsonl")
+    with open(good) as f, open(bad, "w") as g:
+        g.write(f.read() + "not json\n")
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # noted, not obeyed
+    try:
+        kw: dict = dict(tokenizer=os.path.join(tmp_path, "bpe", "tokenizer.json"), workers=2)
+        res = tokenize(good, os.path.join(tmp_path, "out"), progress=False, **kw)
+        assert res.documents == 12_000
+        with pytest.raises(ValueError, match=r"bad\.jsonl:12001"):
+            tokenize(bad, os.path.join(tmp_path, "out2"), progress=False, **kw)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -21,6 +21,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import signal
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -182,6 +183,9 @@ _worker_enc: WordCacheEncoder | None = None
 
 def _worker_init(path: str) -> None:
     global _worker_enc
+    # SIGTERM ends a worker: a caller's own handler (a training process's preemption flag)
+    # is inherited through fork, and the pool's terminate() then stopped nothing.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_enc = WordCacheEncoder(load_tokenizer(path))
 
 
