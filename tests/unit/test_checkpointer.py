@@ -295,3 +295,50 @@ def test_metric_log_drops_entries_past_restored_step(tmp_path) -> None:
         ml2.log(2, loss=0.0)
     ml2.close()
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4]
+
+
+def test_close_gives_sigterm_back_to_the_handler_it_found(tmp_path) -> None:
+    """``save_on_sigterm`` installs a handler that only notes the signal for the next step;
+    after ``close()`` it stayed: a SIGTERM during the evaluation or upload that follows
+    training was swallowed, and the handler kept the closed Checkpointer alive."""
+    import signal
+
+    def mine(*_: object) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        st, _, _ = _state()
+        ck = Checkpointer(str(tmp_path), st, save_on_sigterm=True)
+        assert signal.getsignal(signal.SIGTERM) == ck._on_sigterm
+        ck.close()
+        assert signal.getsignal(signal.SIGTERM) is mine
+        # a handler the program installed after ours is its own: close leaves it
+        ck2 = Checkpointer(str(tmp_path), st, save_on_sigterm=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        ck2.close()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_checkpointer_made_outside_the_main_thread_says_why_sigterm_is_not_watched(
+    tmp_path,
+) -> None:
+    """Python lets only the main thread install a signal handler: ``save_on_sigterm`` in a
+    Checkpointer built in another thread raised signal's bare ValueError."""
+    st, _, _ = _state()
+    got: list[BaseException] = []
+
+    def build() -> None:
+        try:
+            Checkpointer(str(tmp_path), st, save_on_sigterm=True).close()
+        except BaseException as e:  # noqa: BLE001 - handed to the test's thread
+            got.append(e)
+
+    t = threading.Thread(target=build)
+    t.start()
+    t.join()
+    assert len(got) == 1 and isinstance(got[0], ValueError), got
+    msg = str(got[0])
+    assert "save_on_sigterm" in msg and "main thread" in msg, msg

@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -56,6 +57,7 @@ from unbroken.common.text import printable
 __all__ = ["Checkpointer"]
 
 log = logging.getLogger(__name__)
+_NOT_INSTALLED = object()  # Checkpointer._sigterm_found: no handler of ours to take back
 
 
 def _mark(event: str, **fields: Any) -> None:
@@ -94,6 +96,16 @@ class Checkpointer:
                 f"state must be an unbroken.ckpt.TrainState, got {type(state).__qualname__}"
             )
         self.config = configure(CheckpointConfig, config, overrides, owner="Checkpointer")
+        if (
+            self.config.save_on_sigterm
+            and threading.current_thread() is not threading.main_thread()
+        ):
+            raise ValueError(
+                "save_on_sigterm=True needs the Checkpointer built in the main thread (Python "
+                f"runs signal handlers there only; this is {threading.current_thread().name!r}):"
+                " build it in the main thread, or pass save_on_sigterm=False and set"
+                " ckpt.preempted = True from a SIGTERM handler of your own"
+            )
         self.store = Store(root)
         self.state = state
         # Checkpoint collectives get their own group: a background save must never
@@ -144,8 +156,9 @@ class Checkpointer:
         self.last_restore_seconds: float | None = None
         self.restored_tier: str | None = None  # "memory", "peer replica", "disk" or "archive"
         self.preempted = False
+        self._sigterm_found: Any = _NOT_INSTALLED  # the handler close() gives SIGTERM back to
         if self.config.save_on_sigterm:
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._sigterm_found = signal.signal(signal.SIGTERM, self._on_sigterm)
         atexit.register(_flush_at_exit, weakref.ref(self))
 
     @property
@@ -396,7 +409,17 @@ class Checkpointer:
             if done is not None:  # once: the finalizer's own call, told how the process ends
                 _, close_memory, args, _ = done
                 close_memory(*args, crashed=crashed)
+            self._give_sigterm_back()
             self._lock.release()
+
+    def _give_sigterm_back(self) -> None:
+        """SIGTERM to the handler found at construction, unless the program has installed
+        another since (that one is its own); only the main thread can (atexit runs there)."""
+        found, self._sigterm_found = self._sigterm_found, _NOT_INSTALLED
+        if found is _NOT_INSTALLED or threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if found is None else found)
 
     def _flush_quietly(self) -> None:
         try:
