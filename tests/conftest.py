@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -32,3 +33,27 @@ def stream_data(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str
         return built[name]
 
     return get
+
+
+_STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+
+
+@pytest.fixture(autouse=True)
+def _stop_signals_left_as_found() -> Iterator[None]:
+    """A test (or the code under test) that leaves a stop signal's handler or mask changed
+    breaks the later tests of its worker process (a SIGINT that no longer raised hung one for
+    300 s in CI) and, in a user's process, swallows the signal: restored, and the test errors."""
+    handlers = {s: signal.getsignal(getattr(signal, s)) for s in _STOP_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    changed = []
+    for s, h in handlers.items():
+        now = signal.getsignal(getattr(signal, s))
+        if now != h:
+            changed.append(f"{s} handler {h!r} -> {now!r}")
+            signal.signal(getattr(signal, s), h)
+    now_mask = signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    if now_mask != mask:
+        changed.append(f"blocked signals {sorted(mask)} -> {sorted(now_mask)}")
+    if changed:
+        pytest.fail("left changed: " + "; ".join(changed), pytrace=False)

@@ -149,7 +149,10 @@ def test_sigkill_of_each_process_of_rank_1_resumes_bit_identical(data, reference
     events = load_events(sup)
     fails = [e for e in events if e["event"] == "failure"]
     assert len(fails) == 1 and fails[0]["fault"] == "process", fails
-    assert {int(e["step"]) for e in events if e["event"] == "loaded"} == {10}
+    # killed at step 14: resumed from step 10 - or from 20 when the orphaned rank 1 (its
+    # launcher gone) trained on until torchrun stopped it, as a loaded box allows
+    loaded = {int(e["step"]) for e in events if e["event"] == "loaded"}  # one per rank
+    assert loaded in ([{10}] if kind == "worker" else [{10}, {20}]), loaded
     res = compare_runs(reference, run)
     assert res["identical"], res
     assert res["ids_logged"] and res["duplicated_steps"] == 0

@@ -35,18 +35,37 @@ def _waiting(thread_id: int, module: str = "checkpointer") -> bool:
     return False
 
 
-def _interrupt_when_waiting(main: int, module: str) -> threading.Thread:
-    """A real SIGINT to the main thread once it waits in ``module``'s ``wait``."""
+def _interrupt_when_waiting(main: int, module: str, gate: threading.Event) -> Callable[[], str]:
+    """A real SIGINT to the main thread once it waits in ``module``'s ``wait``. Should the
+    interrupt not end the wait within 60 s, ``gate`` is opened (the test then fails on its
+    own assertion instead of hanging); the callable this returns joins the helper and gives
+    the main thread's signal state as the kernel saw it then (empty when all went well)."""
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        raise AssertionError(f"SIGINT's handler is {signal.getsignal(signal.SIGINT)!r}")
+    native = threading.get_native_id()
+    seen: list[str] = []
 
     def run() -> None:
         deadline = time.monotonic() + 60
         while not _waiting(main, module) and time.monotonic() < deadline:
             time.sleep(0.001)  # polling the condition, not waiting for it to happen
         signal.pthread_kill(main, signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while _waiting(main, module) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if _waiting(main, module):
+            with open(f"/proc/self/task/{native}/status") as f:
+                seen.extend(ln.strip() for ln in f if ln.startswith(("Sig", "Shd")))
+            gate.set()
 
     helper = threading.Thread(target=run)
     helper.start()
-    return helper
+
+    def done() -> str:
+        helper.join()
+        return "; ".join(seen)
+
+    return done
 
 
 def _open_when_waiting(main: int, module: str, gate: threading.Event) -> Callable[[], None]:
@@ -82,13 +101,13 @@ def test_ctrl_c_while_waiting_then_save_keeps_each_step_its_own(tmp_path) -> Non
     train(st, m, opt, 1)
 
     main = threading.get_ident()
-    helper = _interrupt_when_waiting(main, "checkpointer")
+    interrupted = _interrupt_when_waiting(main, "checkpointer", gate)
     try:
         ck.save()  # step 3 waits for step 2: Ctrl-C lands here
-        raise AssertionError("the interrupt did not arrive while save() waited")
+        raise AssertionError(f"no interrupt while save() waited: {interrupted()}")
     except KeyboardInterrupt:
         pass
-    helper.join()
+    assert interrupted() == ""
     done = _open_when_waiting(main, "checkpointer", gate)
     try:
         ck.save()  # the handler's save of step 3
@@ -131,13 +150,13 @@ def test_ctrl_c_while_a_memory_publish_waits_then_save_succeeds(tmp_path) -> Non
     ck.maybe_save()  # step 2: copied into its slot, its checksum queued behind the gate
     step()
     main = threading.get_ident()
-    helper = _interrupt_when_waiting(main, "memtier")
+    interrupted = _interrupt_when_waiting(main, "memtier", gate)
     try:
         ck.maybe_save()  # step 3's publish waits for step 2's: Ctrl-C lands here
-        raise AssertionError("the interrupt did not arrive while the publish waited")
+        raise AssertionError(f"no interrupt while the publish waited: {interrupted()}")
     except KeyboardInterrupt:
         pass
-    helper.join()
+    assert interrupted() == ""
     want = model.weight.detach().clone()
     done = _open_when_waiting(main, "memtier", gate)
     try:
