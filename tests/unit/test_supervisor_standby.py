@@ -29,3 +29,20 @@ def test_an_unknown_standby_start_is_refused_by_name():
     """issue 23 item 1: the error names the option, the value and the choices."""
     with pytest.raises(ValueError, match=r"standby_start='soon' \(--standby-start\).*auto"):
         RunConfig(("x.py",), standby_start="soon")
+
+
+def test_a_run_directory_it_cannot_read_is_named_and_leaves_the_signals_as_found(tmp_path):
+    """The supervisor takes SIGINT and SIGTERM for the run; an events log it could not read
+    (here a directory in its place) raised before the handlers were given back, so the
+    caller's Ctrl-C stopped raising, and the error named a file descriptor ("Is a directory:
+    3"), not the file."""
+    import signal
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    (run / "events.jsonl").mkdir()
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises(OSError) as e:
+        Supervisor(RunConfig(("train.py",), run_dir=str(run))).run()
+    assert str(run / "events.jsonl") in str(e.value), e.value
+    assert {s: signal.getsignal(s) for s in before} == before

@@ -852,9 +852,6 @@ class Supervisor:
         # The log records argv and tracebacks, and the run's files steer signals (beacons):
         # refused unless private to this user (PrivateDirError names the directory and fix).
         private_dir(self.run_dir, purpose="run directory")
-        old = {}
-        if threading.current_thread() is threading.main_thread():
-            old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         first = 1 + max(
             (
                 e["attempt"]
@@ -865,6 +862,9 @@ class Supervisor:
         )
         code = faults.EXIT_ERROR
         env_before = os.environ.get(memdir.ENV)
+        old = {}
+        if threading.current_thread() is threading.main_thread():
+            old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             tier = self._own_memory_tier()
             r = self.cfg.rdzv
