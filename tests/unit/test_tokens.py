@@ -200,3 +200,29 @@ def test_tokenize_with_workers_ends_in_a_process_that_handles_sigterm(tmp_path: 
             tokenize(bad, os.path.join(tmp_path, "out2"), progress=False, **kw)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_train_bpe_of_another_size_trains_again_and_never_overwrites_a_given_tokenizer(
+    tmp_path: str,
+) -> None:
+    """A rerun with ``--train-bpe`` of another size silently reused the tokenizer trained by
+    the first run: the dataset came out with the old vocabulary. It now trains again (the
+    shards follow the new tokenizer); a tokenizer the user named is never overwritten."""
+    src = _jsonl(os.path.join(tmp_path, "c.jsonl"), _docs(300))
+    out = os.path.join(tmp_path, "out")
+    tokenize(src, out, train_bpe_vocab=300, seq_len=16, workers=1, progress=False)
+    tok_path = os.path.join(out, "tokenizer.json")
+    assert load_tokenizer(tok_path).get_vocab_size() == 300
+    tokenize(src, out, train_bpe_vocab=280, seq_len=16, workers=1, progress=False)
+    assert load_tokenizer(tok_path).get_vocab_size() == 280
+    m = DatasetManifest.load(out)
+    assert (
+        max(int(TokenShard(m.shard_path(out, i)).tokens.max()) for i in range(len(m.shards))) < 280
+    )
+
+    mine = os.path.join(tmp_path, "mine.json")
+    with open(tok_path, "rb") as f, open(mine, "wb") as g:
+        g.write(f.read())
+    with pytest.raises(ValueError, match=r"mine\.json.*280.*300"):
+        tokenize(src, out, tokenizer=mine, train_bpe_vocab=300, workers=1, progress=False)
+    assert load_tokenizer(mine).get_vocab_size() == 280

@@ -372,6 +372,10 @@ def _fill(
         bar.close()
 
 
+def _vocab_of(path: str) -> int:
+    return int(load_tokenizer(path).get_vocab_size(with_added_tokens=True))
+
+
 def _tokenizer_for(
     src: str,
     out: str,
@@ -387,8 +391,22 @@ def _tokenizer_for(
     if tokenizer is None and train_bpe_vocab is None:
         raise ValueError("pass a tokenizer (--tokenizer PATH) or --train-bpe VOCAB")
     if train_bpe_vocab is not None:
-        tokenizer = tokenizer or os.path.join(out, "tokenizer.json")
-        if not os.path.exists(tokenizer):
+        named, tokenizer = tokenizer is not None, tokenizer or os.path.join(out, "tokenizer.json")
+        had = _vocab_of(tokenizer) if os.path.exists(tokenizer) else None
+        if had is not None and had != train_bpe_vocab and named:
+            raise ValueError(
+                f"{tokenizer}: a tokenizer of vocabulary {had} is there, --train-bpe asks for "
+                f"{train_bpe_vocab}; it is not overwritten: drop --train-bpe to use it, or name "
+                "another --tokenizer path to train into"
+            )
+        if had != train_bpe_vocab:  # none yet, or one of another size (trained again)
+            if had is not None:
+                log.info(
+                    "%s: vocabulary %d, --train-bpe %d: training again",
+                    tokenizer,
+                    had,
+                    train_bpe_vocab,
+                )
             train_bpe((t for _, t in _iter_docs(src, field, member)), train_bpe_vocab, tokenizer)
     tok_path = str(tokenizer)
     tok = load_tokenizer(tok_path)
