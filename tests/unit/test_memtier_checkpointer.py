@@ -479,3 +479,24 @@ def test_slots_are_kept_unless_the_process_that_owns_them_ends_cleanly(
         st, _, _, ck = _ckpt(root, tier, seed=1)
         assert ck.restore() == 5 and ck.restored_tier == "memory"
         ck.close()
+
+
+def test_a_rollback_leaves_no_memory_step_of_the_abandoned_run_to_resume(tmp_path) -> None:
+    """``restore(5)`` on purpose (a loss spike) after steps 7 and 8 were published to the
+    memory tier: the run goes on from 5. The disk steps newer than 5 were moved aside at the
+    first save, but the memory slots of 7 and 8 stayed, and a crash then resumed the
+    abandoned run's step 8 (or, after one new publish, still 8, not the new 6)."""
+    root, tier = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-x" / "job")
+    *_, ck = _run(root, tier, 8)
+    _crash(ck)
+    st, m, opt, ck2 = _ckpt(root, tier, seed=1)
+    assert ck2.restore(5) == 5
+    train(st, m, opt, 1)
+    ck2.maybe_save()  # step 6 of the new trajectory, to memory
+    ck2.wait()
+    want = snapshot(st)
+    _crash(ck2)
+    st3, _, _, ck3 = _ckpt(root, tier, seed=2)
+    assert ck3.restore() == 6
+    assert identical(snapshot(st3), want)
+    ck3.close()

@@ -259,10 +259,13 @@ class Checkpointer:
     def _supersede(self) -> None:
         """The first save after ``restore(step)`` of an older step starts a trajectory of
         its own: the newer steps of the one rolled back are moved aside (never deleted), so
-        neither a save is skipped as "already there" nor does a restart resume them."""
+        neither a save is skipped as "already there" nor does a restart resume them; the
+        memory tier's slots of those steps are invalidated (a crash resumed them)."""
         k, self._rolled_back = self._rolled_back, None
         if k is None:
             return
+        if self._memory is not None:  # each rank's slots of the abandoned steps, too
+            self._memory.drop_newer(k)
         if self._comm.rank == 0:
             newer = [s for s in self.store.steps() if s > k]
             for s in newer:
@@ -302,6 +305,7 @@ class Checkpointer:
             return
         self.state.check_saveable()
         self.wait(memory=False)
+        self._supersede()
         t0 = time.perf_counter()
         if not memory.publish_planned(step, self.state):  # the state changed, or no plan yet
             job = self._saver.snapshot(step, None, disk=False)

@@ -587,6 +587,20 @@ class SlotStore:
             self._generation = max(self._generation, good[0].generation)
         return (good[0] if good else None), bad
 
+    def drop_newer(self, step: int) -> list[int]:
+        """Invalidate the slots holding a step newer than ``step`` (a run rolled back to
+        it: they are another trajectory's); returns those steps. The publisher's call."""
+        self._take_lock()
+        dropped = []
+        for i in range(SLOTS):
+            h = self.head(i)
+            if h is not None and h.step > step:
+                os.pwrite(self._open_slot(i), bytes(_HEAD.size), 0)  # as a torn slot
+                dropped.append(h.step)
+                if self._newest == i:
+                    self._newest = None
+        return dropped
+
     def forget(self) -> None:
         """Drop this store's mappings and what it knows of its slots (a slot is about to be
         written from outside: the peer replica's restore, ``ckpt/replica.py``)."""
@@ -874,6 +888,16 @@ class MemoryTier:
         if self._finisher is None:
             self._finisher = ThreadPoolExecutor(1, thread_name_prefix="unbroken-memtier")
         self._finishing = self._finisher.submit(self._finish, pending, True)
+
+    def drop_newer(self, step: int) -> None:
+        """The slots of steps newer than ``step`` invalidated (:meth:`SlotStore.drop_newer`),
+        once the publish in flight is complete."""
+        self.wait()
+        dropped = self.store.drop_newer(step)
+        if dropped:
+            log.info("memory tier: steps %s of the run rolled back invalidated", dropped)
+        if self.published is not None and self.published > step:
+            self.published = None
 
     def replicate(self, replica: Any) -> None:
         """Send every slot that becomes complete to ``replica`` (a ``PeerReplica``), from
