@@ -893,7 +893,15 @@ class MemoryTier:
         """The slots of steps newer than ``step`` invalidated (:meth:`SlotStore.drop_newer`),
         once the publish in flight is complete."""
         self.wait()
-        dropped = self.store.drop_newer(step)
+        try:
+            dropped = self.store.drop_newer(step)
+        except (OSError, TierBusy) as e:
+            log.error(
+                "memory tier: the slots of steps after %d (the run rolled back) could not be "
+                "invalidated (%s); a restart may resume them: remove %s",
+                step, e, self.store.rank_dir,
+            )  # fmt: skip
+            return
         if dropped:
             log.info("memory tier: steps %s of the run rolled back invalidated", dropped)
         if self.published is not None and self.published > step:
