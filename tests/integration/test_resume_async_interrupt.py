@@ -16,8 +16,9 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
+import pytest
 import torch
 
 from ckptkit import small_state, train
@@ -35,13 +36,29 @@ def _waiting(thread_id: int, module: str = "checkpointer") -> bool:
     return False
 
 
+@pytest.fixture
+def gate() -> Iterator[threading.Event]:
+    """Holds a checkpoint thread until opened; opened at the end whatever happened (a thread
+    left waiting on it hung the worker process later, in a Checkpointer's finalizer)."""
+    event = threading.Event()
+    yield event
+    event.set()
+
+
+@pytest.fixture(autouse=True)
+def _sigint_raises() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt during these tests: a process started with SIGINT
+    ignored (a background job of a shell: ``cmd &``) has no Python handler for it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _interrupt_when_waiting(main: int, module: str, gate: threading.Event) -> Callable[[], str]:
     """A real SIGINT to the main thread once it waits in ``module``'s ``wait``. Should the
     interrupt not end the wait within 60 s, ``gate`` is opened (the test then fails on its
     own assertion instead of hanging); the callable this returns joins the helper and gives
     the main thread's signal state as the kernel saw it then (empty when all went well)."""
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        raise AssertionError(f"SIGINT's handler is {signal.getsignal(signal.SIGINT)!r}")
     native = threading.get_native_id()
     seen: list[str] = []
 
@@ -89,12 +106,11 @@ def _open_when_waiting(main: int, module: str, gate: threading.Event) -> Callabl
     return done
 
 
-def test_ctrl_c_while_waiting_then_save_keeps_each_step_its_own(tmp_path) -> None:
+def test_ctrl_c_while_waiting_then_save_keeps_each_step_its_own(tmp_path, gate) -> None:
     st, m, opt = small_state()
     ck = Checkpointer(str(tmp_path), st, async_save=True, keep_last=None, quiet=True)
     train(st, m, opt, 2)
     want = {k: v.clone() for k, v in m.state_dict().items()}
-    gate = threading.Event()
     assert ck._pool is not None
     ck._pool.submit(gate.wait)  # the checkpoint thread is busy until the gate opens
     ck.save()  # step 2: queued behind the gate, its snapshot taken
@@ -123,7 +139,7 @@ def test_ctrl_c_while_waiting_then_save_keeps_each_step_its_own(tmp_path) -> Non
         assert torch.equal(got3[k], v), k
 
 
-def test_ctrl_c_while_a_memory_publish_waits_then_save_succeeds(tmp_path) -> None:
+def test_ctrl_c_while_a_memory_publish_waits_then_save_succeeds(tmp_path, gate) -> None:
     """The memory tier's ``wait`` forgot the publish in flight the same way: the handler's
     save then began a publish while the previous one was unfinished, and failed."""
     torch.manual_seed(0)
@@ -144,7 +160,6 @@ def test_ctrl_c_while_a_memory_publish_waits_then_save_succeeds(tmp_path) -> Non
     ck.wait()
     memory = ck._memory
     assert memory is not None and memory._finisher is not None
-    gate = threading.Event()
     memory._finisher.submit(gate.wait)  # the tier's thread is busy until the gate opens
     step()
     ck.maybe_save()  # step 2: copied into its slot, its checksum queued behind the gate
