@@ -393,14 +393,16 @@ def _tokenizer_for(
     if train_bpe_vocab is not None:
         named, tokenizer = tokenizer is not None, tokenizer or os.path.join(out, "tokenizer.json")
         had = _vocab_of(tokenizer) if os.path.exists(tokenizer) else None
-        if had is not None and had != train_bpe_vocab and named:
+        # a smaller one may be this very request on a corpus with fewer merges: kept
+        other = had is not None and had > train_bpe_vocab
+        if other and named:
             raise ValueError(
                 f"{tokenizer}: a tokenizer of vocabulary {had} is there, --train-bpe asks for "
                 f"{train_bpe_vocab}; it is not overwritten: drop --train-bpe to use it, or name "
                 "another --tokenizer path to train into"
             )
-        if had != train_bpe_vocab:  # none yet, or one of another size (trained again)
-            if had is not None:
+        if had is None or other:  # none yet, or one of a larger vocabulary (trained again)
+            if other:
                 log.info(
                     "%s: vocabulary %d, --train-bpe %d: training again",
                     tokenizer,
