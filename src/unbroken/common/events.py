@@ -18,11 +18,9 @@ ARCHITECTURE.md, "Design notes" > common > the event log.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
-import stat
 import time
 from typing import Any
 
@@ -118,13 +116,9 @@ def private_subdir(run_dir: str, *parts: str) -> str:
 
 
 def _read_fixed(path: str) -> bytes:
-    """A fixed name's bytes, never through a symlink (``ELOOP``: an ``OSError``)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory or FIFO in its place
-        os.close(fd)
-        why = "not a regular file: remove it, or use another run directory"
-        raise OSError(errno.EINVAL, why, path)
-    with os.fdopen(fd, "rb") as f:
+    """A fixed name's bytes: a regular file of this user's, never through a symlink, never
+    blocking on a FIFO (:func:`.open_private`; each refusal an ``OSError`` naming the path)."""
+    with os.fdopen(open_private(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
         return f.read()
 
 

@@ -372,10 +372,6 @@ def _fill(
         bar.close()
 
 
-def _vocab_of(path: str) -> int:
-    return int(load_tokenizer(path).get_vocab_size(with_added_tokens=True))
-
-
 def _tokenizer_for(
     src: str,
     out: str,
@@ -390,28 +386,30 @@ def _tokenizer_for(
     when asked and none exists yet."""
     if tokenizer is None and train_bpe_vocab is None:
         raise ValueError("pass a tokenizer (--tokenizer PATH) or --train-bpe VOCAB")
+    tok = None
     if train_bpe_vocab is not None:
         named, tokenizer = tokenizer is not None, tokenizer or os.path.join(out, "tokenizer.json")
-        had = _vocab_of(tokenizer) if os.path.exists(tokenizer) else None
+        tok = load_tokenizer(tokenizer) if os.path.exists(tokenizer) else None
+        had = None if tok is None else int(tok.get_vocab_size(with_added_tokens=True))
         # a smaller one may be this very request on a corpus with fewer merges: kept
-        other = had is not None and had > train_bpe_vocab
-        if other and named:
-            raise ValueError(
-                f"{tokenizer}: a tokenizer of vocabulary {had} is there, --train-bpe asks for "
-                f"{train_bpe_vocab}; it is not overwritten: drop --train-bpe to use it, or name "
-                "another --tokenizer path to train into"
-            )
-        if had is None or other:  # none yet, or one of a larger vocabulary (trained again)
-            if other:
-                log.info(
-                    "%s: vocabulary %d, --train-bpe %d: training again",
-                    tokenizer,
-                    had,
-                    train_bpe_vocab,
+        if had is not None and had > train_bpe_vocab:
+            if named:
+                raise ValueError(
+                    f"{tokenizer}: a tokenizer of vocabulary {had} is there, --train-bpe asks "
+                    f"for {train_bpe_vocab}; it is not overwritten: drop --train-bpe to use it, "
+                    "or name another --tokenizer path to train into"
                 )
-            train_bpe((t for _, t in _iter_docs(src, field, member)), train_bpe_vocab, tokenizer)
+            log.info(
+                "%s: vocabulary %d, --train-bpe %d: training again", tokenizer, had, train_bpe_vocab
+            )
+            tok = None
+        if tok is None:  # none yet, or one of a larger vocabulary
+            tok = train_bpe(
+                (t for _, t in _iter_docs(src, field, member)), train_bpe_vocab, tokenizer
+            )
     tok_path = str(tokenizer)
-    tok = load_tokenizer(tok_path)
+    if tok is None:
+        tok = load_tokenizer(tok_path)
     vocab = int(tok.get_vocab_size(with_added_tokens=True))
     dt = dtype_for_vocab(vocab, dtype)
     cands = (eos_token,) if eos_token else _EOS_CANDIDATES
