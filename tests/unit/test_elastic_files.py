@@ -152,3 +152,26 @@ def test_an_error_file_named_by_the_console_is_read_only_inside_the_log_dir(tmp_
     )
     (f,) = collect_worker_failures(console, str(log_dir))
     assert "secret" not in f.message
+
+
+def test_the_events_log_read_refuses_a_fifo_a_symlink_and_a_directory_by_name(tmp_path):
+    """The run directory is private, but what is in it is still untrusted: a FIFO in the
+    events log's place must not block the supervisor, a symlink is not followed, a directory
+    is named (it was "Is a directory: 3")."""
+    import os
+
+    import pytest
+
+    from unbroken.common.events import EVENTS_FILE, load_events
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    log = run / EVENTS_FILE
+    target = tmp_path / "elsewhere.jsonl"
+    target.write_text('{"event": "launch", "t": 1, "attempt": 7}\n')
+    for plant in (lambda: os.mkfifo(log), lambda: os.symlink(target, log), lambda: log.mkdir()):
+        plant()
+        with pytest.raises(OSError) as e:
+            load_events(str(run))
+        assert str(log) in str(e.value), e.value
+        (log.rmdir if log.is_dir() and not log.is_symlink() else log.unlink)()
