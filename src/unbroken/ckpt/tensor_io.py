@@ -1050,22 +1050,12 @@ _PIECE = 32 << 20  # bytes per copy call, so two threads share a large tensor
 
 def _as_bytes(dst: torch.Tensor, src: torch.Tensor) -> tuple[np.ndarray, np.ndarray] | None:
     """Both tensors' bytes as numpy arrays over their memory, when a byte copy is exactly
-    ``dst.copy_(src)``: plain contiguous CPU tensors of one dtype and shape, ``dst`` not an
-    inference tensor (torch refuses to write those outside inference mode)."""
-    if not all(
-        type(t) in (torch.Tensor, torch.nn.Parameter)
-        and t.device.type == "cpu"
-        and t.layout == torch.strided
-        and t.is_contiguous()
-        for t in (dst, src)
-    ):
+    ``dst.copy_(src)`` (:func:`_byte_views`) and ``dst`` is a writable CPU tensor."""
+    views = _byte_views(dst, src) if dst.device.type == "cpu" else None
+    d = tensor_bytes(dst) if views is not None else None
+    if views is None or d is None or d.readonly:
         return None
-    if dst.dtype != src.dtype or dst.shape != src.shape or dst.is_inference():
-        return None
-    d, s = tensor_bytes(dst), tensor_bytes(src)
-    if d is None or s is None or d.readonly or len(d) != len(s):
-        return None
-    return np.frombuffer(d, np.uint8), np.frombuffer(s, np.uint8)
+    return np.frombuffer(d, np.uint8), views[1]
 
 
 def _copy_all(plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -1075,17 +1065,22 @@ def _copy_all(plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     intra-op threads, which spin against each other on a busy box (2 GiB from the mapped
     files into the live tensors at load 6, issue 23 item 1: ``copy_`` 0.54-0.57 CPU-s and
     1.2-2.2 s, numpy in two threads 0.37-0.42 CPU-s and 0.77-1.34 s). The version counters
-    of the live tensors move as ``copy_``'s would (autograd still sees the change)."""
+    of the live tensors move as ``copy_``'s would (autograd still sees the change). Live
+    tensors on an accelerator are filled through pinned buffers (:func:`_copy_through_pinned`)
+    past :data:`_PARALLEL_BYTES` per device."""
     pieces: list[tuple[np.ndarray, np.ndarray]] = []
+    far: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     moved = []
     for dst, src in plan:
         both = _as_bytes(dst, src)
-        if both is None:
+        if both is not None:
+            d, s = both
+            pieces += [(d[i : i + _PIECE], s[i : i + _PIECE]) for i in range(0, len(d), _PIECE)]
+            moved.append(dst)
+        elif dst.device.type != "cpu" and _byte_views(dst, src) is not None:
+            far.setdefault(dst.device, []).append((dst, src))
+        else:
             dst.copy_(src)
-            continue
-        d, s = both
-        pieces += [(d[i : i + _PIECE], s[i : i + _PIECE]) for i in range(0, len(d), _PIECE)]
-        moved.append(dst)
     if sum(len(d) for d, _ in pieces) < _PARALLEL_BYTES:
         for d, s in pieces:
             np.copyto(d, s)
@@ -1094,3 +1089,85 @@ def _copy_all(plan: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             list(pool.map(lambda p: np.copyto(*p), pieces))
     if moved:
         torch.autograd.graph.increment_version(moved)
+    for device, pairs in far.items():
+        if sum(src.nbytes for _, src in pairs) >= _PARALLEL_BYTES:
+            _copy_through_pinned(pairs, device)
+            continue
+        for dst, src in pairs:  # a ring of pinned buffers would cost more than it saves
+            dst.copy_(src)
+
+
+def _byte_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, np.ndarray] | None:
+    """``dst``'s bytes (a flat uint8 view, on its device) and ``src``'s (numpy, on the
+    host), when a byte copy is exactly ``dst.copy_(src)``: plain contiguous tensors of one
+    dtype and shape, ``src`` on the CPU, ``dst`` not an inference tensor."""
+    if not all(
+        type(t) in (torch.Tensor, torch.nn.Parameter)
+        and t.layout == torch.strided
+        and t.is_contiguous()
+        for t in (dst, src)
+    ):
+        return None
+    if dst.dtype != src.dtype or dst.shape != src.shape or dst.is_inference():
+        return None
+    s = tensor_bytes(src) if src.device.type == "cpu" else None
+    if s is None:
+        return None
+    d = dst.detach().reshape(-1).view(torch.uint8)
+    return (d, np.frombuffer(s, np.uint8)) if d.numel() == len(s) else None
+
+
+_STAGE_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def _copy_through_pinned(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device
+) -> None:
+    """``dst.copy_(src)`` for every pair (:func:`_byte_views` serves each; ``dst`` on
+    ``device``), in pieces of :data:`_PIECE` bytes through a ring of pinned host buffers:
+    host threads fill the buffers (a memcpy with the GIL released, the mapped file's pages
+    already resident from the checksum pass) while the device's copy engine drains the
+    filled ones on a side stream. ``Tensor.copy_`` of pageable memory is one synchronous
+    copy through the driver's own staging, one piece at a time (8.3 GB/s of the H200
+    machine's 55 GB/s pinned, ``RESULTS.md``). A buffer is refilled only after the event
+    behind its last copy. On the CPU (the tests) the same ring runs with plain buffers and
+    synchronous copies. Returns when every copy has landed."""
+    pieces: list[tuple[torch.Tensor, np.ndarray]] = []
+    for dst, src in pairs:
+        d, s = _byte_views(dst, src)  # type: ignore[misc]
+        pieces += [(d[i : i + _PIECE], s[i : i + _PIECE]) for i in range(0, len(s), _PIECE)]
+    cuda = device.type == "cuda"
+    ring = max(2, min(_STAGE_THREADS + 2, len(pieces)))
+    size = max(len(s) for _, s in pieces)
+    bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(ring)]
+    host = [b.numpy() for b in bufs]
+    landed: list[Any] = [None] * ring  # the event behind each buffer's last copy
+    stream = torch.cuda.Stream(device) if cuda else None
+    if stream is not None:  # the live tensors may still be in use by queued kernels
+        stream.wait_stream(torch.cuda.current_stream(device))
+    with ThreadPoolExecutor(min(_STAGE_THREADS, ring)) as pool:
+        filled: dict[int, Any] = {}
+
+        def stage(i: int) -> None:
+            b = i % ring
+            if landed[b] is not None:
+                landed[b].synchronize()
+            s = pieces[i][1]
+            filled[i] = pool.submit(np.copyto, host[b][: len(s)], s)
+
+        for i in range(ring - 1):
+            stage(i)
+        for i, (d, s) in enumerate(pieces):
+            filled.pop(i).result()
+            b = i % ring
+            if stream is None:
+                d.copy_(bufs[b][: len(s)])
+            else:
+                with torch.cuda.stream(stream):
+                    d.copy_(bufs[b][: len(s)], non_blocking=True)
+                    landed[b] = torch.cuda.Event()
+                    landed[b].record(stream)
+            if i + ring - 1 < len(pieces):
+                stage(i + ring - 1)  # the buffer of piece i - 1, whose copy is queued
+    if stream is not None:
+        stream.synchronize()
