@@ -1113,7 +1113,10 @@ def _byte_views(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, np.
     s = tensor_bytes(src) if src.device.type == "cpu" else None
     if s is None:
         return None
-    d = dst.detach().reshape(-1).view(torch.uint8)
+    try:
+        d = dst.detach().reshape(-1).view(torch.uint8)
+    except (RuntimeError, TypeError, ValueError):  # e.g. a conjugate or negative view bit
+        return None
     return (d, np.frombuffer(s, np.uint8)) if d.numel() == len(s) else None
 
 
