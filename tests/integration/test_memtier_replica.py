@@ -84,6 +84,18 @@ def _worker(rank: int, world: int, job: dict[str, Any]) -> None:
         replica = ck._memory.replica  # type: ignore[union-attr]
         assert replica is not None and replica.drain(120), replica and replica.stopped
         out["replica"] = replica.received
+    elif job["mode"] == "rollback":  # an older step restored on purpose, one step on, saved
+        assert ck.restore(job["rollback_to"]) == job["rollback_to"]
+        # the crash below comes before the new step's replica round has run
+        ck._memory.replica._stop("the test's crash comes first")  # type: ignore[union-attr]
+        model(torch.ones(2, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        mine.v = torch.tensor([rank * 100.0 + 50])
+        st.step += 1
+        ck.save()
+        ck.wait()
+        out = {"state": [float(model.weight.detach().sum()), float(mine.v)]}
     else:
         got = ck.restore()
         out = {"step": got, "tier": ck.restored_tier, "lines": lines.lines}
@@ -204,6 +216,23 @@ def test_a_replica_older_than_the_disk_tier_is_not_used(tmp_path) -> None:
         assert got["state"] == trained[r]["5"], (r, got, trained[r])
     line = [x for x in _result(job["out"], "load", 0)["lines"] if "resumed from step" in x]
     assert line and "peer replica step 4 is older than disk step 5" in line[0], line
+
+
+def test_a_rollback_leaves_no_replica_of_the_abandoned_run_to_resume(tmp_path) -> None:
+    """``restore(5)`` on purpose after steps 6-8 were published and replicated on the other
+    node; one step on, saved as the new trajectory's 6 (disk and memory); then a crash
+    before 6's replica round ran. The own slots of 7 and 8 were invalidated at that save,
+    but each node's replica still held step 8 of the abandoned run, and the restart took it
+    from the peers over everyone's new 6: the replicas newer than the step rolled back to
+    must go at the same save."""
+    job, trained = _train(tmp_path, steps=8)
+    assert trained[0]["replica"] == 8 and trained[1]["replica"] == 8, trained
+    _run({**job, "mode": "rollback", "rollback_to": 5})
+    _run({**job, "mode": "load"})
+    for r in range(2):
+        got, want = _result(job["out"], "load", r), _result(job["out"], "rollback", r)
+        assert (got["step"], got["tier"]) == (6, "memory"), (r, got)
+        assert got["state"] == want["state"], (r, got, want)
 
 
 def _gone_worker(rank: int, world: int, job: dict[str, Any]) -> None:

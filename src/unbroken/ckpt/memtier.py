@@ -891,15 +891,19 @@ class MemoryTier:
 
     def drop_newer(self, step: int) -> None:
         """The slots of steps newer than ``step`` invalidated (:meth:`SlotStore.drop_newer`),
-        once the publish in flight is complete."""
+        and the peer replicas of them this rank keeps for others
+        (:meth:`~unbroken.ckpt.replica.PeerReplica.drop_newer`), once the publish in flight
+        is complete."""
         self.wait()
         try:
             dropped = self.store.drop_newer(step)
-        except (OSError, TierBusy) as e:
+            if self.replica is not None:
+                dropped += self.replica.drop_newer(step)
+        except (OSError, TierBusy, PrivateDirError) as e:
             log.error(
-                "memory tier: the slots of steps after %d (the run rolled back) could not be "
+                "memory tier: the copies of steps after %d (the run rolled back) could not be "
                 "invalidated (%s); a restart may resume them: remove %s",
-                step, e, self.store.rank_dir,
+                step, e, self.store.directory,
             )  # fmt: skip
             return
         if dropped:

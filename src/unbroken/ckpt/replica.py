@@ -367,17 +367,24 @@ class PeerReplica:
 
     def held(self) -> dict[tuple[int, int], str]:
         """(rank, step) -> file, for every copy of another rank's state in this directory
-        that this process answers for (names with a rank ``x`` of this local rank's
-        residue): the replicas (``replica-of-<x>``, this rank's own included) and the slots
-        of other ranks' directories (``rank-<x>``: the node's ranks were renumbered at the
-        new rendezvous). Headers verified, this job's and naming ``x``."""
+        that this process answers for (:meth:`_copies`; the first file of each)."""
+        out: dict[tuple[int, int], str] = {}
+        for x, step, path in self._copies():
+            out.setdefault((x, step), path)
+        return out
+
+    def _copies(self) -> Iterator[tuple[int, int, str]]:
+        """(rank, step, file) for every copy of another rank's state in this directory that
+        this process answers for (names with a rank ``x`` of this local rank's residue): the
+        replicas (``replica-of-<x>``, this rank's own included) and the slots of other
+        ranks' directories (``rank-<x>``: the node's ranks were renumbered at the new
+        rendezvous). Headers verified, this job's and naming ``x``."""
         lws = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
         local = int(os.environ.get("LOCAL_RANK", "0") or 0)
-        out: dict[tuple[int, int], str] = {}
         try:
             names = os.listdir(self.directory)
         except OSError:
-            return out
+            return
         for name in sorted(names):
             m = _NAME.fullmatch(name)
             if m is None or int(m.group(2)) >= self.world or int(m.group(2)) % lws != local:
@@ -393,8 +400,26 @@ class PeerReplica:
             for path in paths:
                 head = _check(path)
                 if head is not None and all(head.meta.get(k) == v for k, v in want.items()):
-                    out.setdefault((x, head.step), path)
-        return out
+                    yield x, head.step, path
+
+    def drop_newer(self, step: int) -> list[int]:
+        """Invalidate the copies this process answers for (:meth:`_copies`) of steps newer
+        than ``step`` (the run rolled back to it: they are another trajectory's), once the
+        rounds offered so far have run (none writes an older step after); returns those
+        steps. Raises OSError when a copy cannot be invalidated."""
+        self.drain()
+        dropped = []
+        for _, s, path in list(self._copies()):
+            if s > step:
+                fd = open_private(path, os.O_WRONLY | os.O_NONBLOCK)
+                try:
+                    os.pwrite(fd, bytes(HEADER_BYTES), 0)  # as a torn copy: never loaded
+                finally:
+                    os.close(fd)
+                dropped.append(s)
+        if self.received is not None and self.received > step:
+            self.received = None
+        return dropped
 
     def fill(
         self, comm: Comm, store: SlotStore, own: Sequence[int], disk_newest: int | None, ok: bool
