@@ -22,6 +22,8 @@ The state-dict schema: ARCHITECTURE.md, "Design notes" > ckpt > the state of a r
 
 from __future__ import annotations
 
+import json
+import random
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -225,6 +227,68 @@ def _unwrap(obj: Any) -> tuple[Any, set[str]]:
             return obj, synced
 
 
+class _Generator:
+    """A random generator as a component: ``torch.Generator`` (any device),
+    ``random.Random`` or ``np.random.Generator``, saved and restored whole, so an extra
+    stream (a sampler's, a dropout mask's, an augmentation's) goes on where it was."""
+
+    def __init__(self, name: str, g: Any) -> None:
+        self.name, self.g = name, g
+        self.kind = (
+            "torch" if isinstance(g, torch.Generator)
+            else "python" if isinstance(g, random.Random)
+            else "numpy"
+        )  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        g = self.g
+        if self.kind == "torch":
+            return {"kind": "torch", "state": g.get_state()}
+        if self.kind == "python":
+            version, internal, gauss_next = g.getstate()
+            return {"kind": "python", "version": version, "state": list(internal),
+                    "gauss_next": gauss_next}  # fmt: skip
+        bits = g.bit_generator.state  # big integers as decimal strings: JSON holds int64
+        return {"kind": "numpy", "state": json.dumps(bits)}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        saved = sd.get("kind") if isinstance(sd, Mapping) else None
+        if saved != self.kind:
+            raise ValueError(
+                f"component {self.name!r} was saved from a {saved!r} generator and this run "
+                f"registers a {self.kind!r} one: register the same kind as when saving"
+            )
+        try:
+            if self.kind == "torch":
+                state = sd["state"]
+                if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+                    raise TypeError(f"a uint8 tensor, not {type(state).__qualname__}")
+                self.g.set_state(state.cpu())
+            elif self.kind == "python":
+                self.g.setstate((sd["version"], tuple(sd["state"]), sd["gauss_next"]))
+            else:
+                bits = json.loads(sd["state"])
+                if bits.get("bit_generator") != type(self.g.bit_generator).__name__:
+                    raise ValueError(
+                        f"a {bits.get('bit_generator')!r} bit generator, this run has a "
+                        f"{type(self.g.bit_generator).__name__!r}"
+                    )
+                self.g.bit_generator.state = bits
+        except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+            raise ValueError(
+                f"component {self.name!r}: the saved {self.kind} generator state does not "
+                f"fit this generator ({type(e).__name__}: {e}); register the generator it "
+                "was saved from, or keep it out of the checkpoint"
+            ) from None
+
+
+def _as_component(name: str, obj: Any) -> Any:
+    """``obj`` as a component: a random generator wrapped (:class:`_Generator`)."""
+    if isinstance(obj, (torch.Generator, random.Random, np.random.Generator)):
+        return _Generator(name, obj)
+    return obj
+
+
 def _named(kind: str, obj: Any) -> dict[str, Any]:
     """``model=m`` -> {"model": m}; ``model={"g": g, "d": d}`` -> {"model.g": g, "model.d": d}."""
     if obj is None:
@@ -297,7 +361,9 @@ class TrainState:
         scaler: AMP ``torch.amp.GradScaler``.
         loader: the data loader (``unbroken.data.StatefulLoader`` or any ``Stateful``).
         metrics: ``unbroken.common.metrics.MetricLog`` so the log continues without a repeated segment.
-        extras: any further ``Stateful`` objects, by name (component ``extra.<name>``).
+        extras: any further ``Stateful`` objects, by name (component ``extra.<name>``),
+            and random generators of their own (``torch.Generator`` of any device,
+            ``random.Random``, ``np.random.Generator``), saved and restored whole.
             Per-rank by default: each rank saves and restores its own.
         values: plain values of the loop by name (``{"best_val_loss": float("inf")}``):
             JSON scalars, read and written as ``state.values[name]``, saved and restored
@@ -354,7 +420,7 @@ class TrainState:
         ):
             comps.update(_named(kind, obj))
         for name, obj in (extras or {}).items():
-            comps[f"extra.{name}"] = obj
+            comps[f"extra.{name}"] = _as_component(f"extra.{name}", obj)
         self.values = Values(values, registered=values is not None)
         if values is not None:
             comps["values"] = self.values
