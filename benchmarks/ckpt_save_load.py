@@ -350,7 +350,9 @@ class AsyncSaves:
         self.ck = Checkpointer(
             os.path.join(root, "ub-async"), self.st, async_save=True, keep_last=1
         )
-        self.stager = DefaultStager(StagingOptions(cuda, not cuda, cuda, cuda))
+        self.stager_options = StagingOptions(cuda, not cuda, cuda, cuda)
+        self.stager = DefaultStager(self.stager_options)
+        self.stager_renewed = 0  # saves that found the stager closed by the torch
         self.root, self.cuda, self.count = root, cuda, 0
         self.dcp_dirs: list[str] = []  # finished DCP checkpoints, oldest first
         self.failed: dict[str, str] = {}  # contender -> the error it raised
@@ -376,10 +378,23 @@ class AsyncSaves:
         self.count += 1
         path = os.path.join(self.root, f"dcpa{self.count}")
         w = FileSystemWriter(path, thread_count=self.ck.config.io_threads)
-        stager = self.stager if stage else None
+        stager = self._open_stager() if stage else None
         r = dcp.async_save(self.sd, storage_writer=w, async_stager=stager)
         done = r.upload_completion if hasattr(r, "upload_completion") else r
         return lambda: (done.result(), self.dcp_dirs.append(path))
+
+    def _open_stager(self) -> Any:
+        """The one ``DefaultStager`` every save reuses (torch 2.13's docstring: close it
+        after the last save), or a fresh one when this torch closed it after the last save
+        (2.11 did: its copy table emptied, the next stage raised ``KeyError``) - what such
+        a torch gives its users (noted in the table)."""
+        from torch.distributed.checkpoint.staging import DefaultStager
+
+        inner = getattr(self.stager, "_state_dict_stager", None)
+        if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
+            self.stager = DefaultStager(self.stager_options)
+            self.stager_renewed += 1
+        return self.stager
 
     def run(
         self, calls: int, timer: Callable[[Callable[[], Any]], float]

@@ -211,6 +211,12 @@ def ckpt_check(dev: torch.device, root: str, gib: float, saves: int) -> dict[str
         later = statistics.median(xs[1:]) if len(xs) > 1 else xs[0]
         out["stall"][name] = {"first": xs[0], "later": later, "x_floor": later / floor_s}
         print(f"    {name:<44} {xs[0]:8.3f} / {later:8.3f} s  {later / floor_s:6.2f}x")
+    out["stager_renewed"] = saver.stager_renewed
+    if saver.stager_renewed:
+        print(
+            f"    (DefaultStager made anew for {saver.stager_renewed} saves: this torch "
+            "closed the caller's stager after each save)"
+        )
     # load back into device tensors: cold (files evicted from the page cache), then warm
     target = {"model": model.state_dict(), "optim": opt.state_dict()}
 

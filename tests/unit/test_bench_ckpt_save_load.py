@@ -126,3 +126,25 @@ def test_save_only_runs_the_save_its_ceilings_and_the_anchor_and_judges_paired(t
     }
     verdicts = [ln for ln in proc.stdout.splitlines() if "paired per round" in ln]
     assert len(verdicts) == 2 and all(ln.endswith((" PASS", " FAIL")) for ln in verdicts)
+
+
+def test_async_anchor_survives_a_torch_that_closes_the_callers_stager(tmp_path) -> None:
+    """The H200 run (torch 2.11) stopped at DCP's ``DefaultStager`` reused across saves:
+    that torch closed the caller's stager after each save (its copy table emptied, the
+    next stage raised ``KeyError: <class 'type'>``). The benchmark now makes a fresh one
+    when it finds it closed, and says so; every contender still ran every round."""
+    import torch
+
+    b = _bench()
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    saver = b.AsyncSaves(model, opt, str(tmp_path), "floor")
+    try:
+        saver.stager.close()  # as torch 2.11's async_save did after a save
+        rows = saver.run(2, lambda fn: (fn(), 0.0)[1])
+    finally:
+        saver.close()
+    assert saver.failed == {} and saver.stager_renewed >= 1
+    assert all(len(v) == 2 for v in rows.values()), rows
