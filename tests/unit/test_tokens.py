@@ -226,3 +226,19 @@ def test_train_bpe_of_another_size_trains_again_and_never_overwrites_a_given_tok
     with pytest.raises(ValueError, match=r"mine\.json.*280.*260"):
         tokenize(src, out, tokenizer=mine, train_bpe_vocab=260, workers=1, progress=False)
     assert load_tokenizer(mine).get_vocab_size() == 280
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_shard_size_that_holds_no_document_is_refused_by_its_option_before_training(
+    tmp_path, size: int
+) -> None:
+    """A --shard-size too small for two tokens is named as the option the user typed, with
+    the smallest value that works, before a tokenizer is trained (which can take minutes)."""
+    src = tmp_path / "c.txt"
+    src.write_text("hello world\n" * 50)
+    out = tmp_path / "out"
+    with pytest.raises(
+        ValueError, match=rf"shard_size={size} bytes \(--shard-size\).*--shard-size 4 or more"
+    ):
+        tokenize(str(src), str(out), train_bpe_vocab=300, shard_size=size, progress=False)
+    assert not out.exists() or not any(out.iterdir())

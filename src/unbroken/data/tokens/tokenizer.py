@@ -25,7 +25,7 @@ import signal
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -248,6 +248,15 @@ def _ordered_map(
             yield item, fut.get()
 
 
+def _too_small(shard_size: int, dt: str) -> NoReturn:
+    least = 2 * np.dtype(dt).itemsize
+    raise ValueError(
+        f"shard_size={shard_size} bytes (--shard-size) holds fewer than 2 {dt} tokens: no "
+        f"document and its end-of-text token fit; pass --shard-size {least} or more (the "
+        "default is 256MiB)"
+    )
+
+
 def tokenize(
     src: str,
     out: str,
@@ -273,13 +282,15 @@ def tokenize(
     t0 = time.perf_counter()
     if seq_len is not None and seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 1 (or omitted for no packing)")
+    if shard_size < 4:  # two tokens of the narrowest dtype: found before any training
+        _too_small(shard_size, "uint16")
     ensure_out_dir(out)
     tok_path, vocab, dt, eos_id = _tokenizer_for(
         src, out, tokenizer, train_bpe_vocab, field, member, dtype, eos_token
     )
     capacity = shard_size // np.dtype(dt).itemsize
     if capacity < 2:
-        raise ValueError(f"shard_size={shard_size} holds no document; pass a larger value")
+        _too_small(shard_size, dt)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(out, MANIFEST_NAME))
     config = {
