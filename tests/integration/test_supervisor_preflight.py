@@ -180,3 +180,45 @@ def test_run_never_starts_while_preflight_fails(tmp_path):
     assert len(checks) >= 2 and not any(e["ok"] for e in checks)
     assert not [e for e in events if e["event"] == "launch"]
     assert "pre-flight failed" in job.output()
+
+
+def test_a_remote_dataset_is_checked_through_the_object_store(tmp_path, monkeypatch):
+    """``unbroken run --data s3://bucket/ds``: the manifest is read and every shard's size
+    listed through the object-store layer, credentials and endpoint from the environment
+    (the probe is a subprocess: it gets them as the job does). It failed as "not found"
+    before (the local path check), so a run on a remote dataset never started. A shard
+    missing or of another size is named."""
+    from datakit import S3_TEST_CREDS
+    from storekit import moto_endpoint
+    from unbroken.common.objstore import open_store
+    from unbroken.data.prepare.pack import pack
+
+    out = str(tmp_path / "ds")
+    samples = ({"__key__": f"s{i:04d}", "bin": os.urandom(500)} for i in range(40))
+    pack(samples, out, shard_size=12_000, workers=1, fsync=False, progress=False)
+    names = sorted(os.listdir(out))
+    for k, v in S3_TEST_CREDS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    with moto_endpoint() as ep:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", ep)
+        import boto3
+
+        boto3.client("s3", endpoint_url=ep).create_bucket(Bucket="data")
+        store = open_store("s3://data/ds")
+        for n in names:
+            with open(os.path.join(out, n), "rb") as f:
+                store.put_bytes(n, f.read())
+        r = _check(PreflightConfig(data="s3://data/ds"), "data")
+        assert r.ok and "shards present with the recorded sizes" in r.detail, r.detail
+        assert _check(PreflightConfig(data="s3://data/ds/dataset.json"), "data").ok
+        shard = next(n for n in names if n.endswith(".tar"))
+        store.put_bytes(shard, b"short")
+        r = _check(PreflightConfig(data="s3://data/ds"), "data")
+        assert not r.ok and f"{shard}: 5 bytes, manifest says" in r.detail, r.detail
+        store.delete([shard])
+        r = _check(PreflightConfig(data="s3://data/ds"), "data")
+        assert not r.ok and f"{shard}: no such object" in r.detail, r.detail
+        r = _check(PreflightConfig(data="s3://data/nope"), "data")
+        assert not r.ok and "FileNotFoundError" in r.detail and "nope" in r.detail, r.detail
+        store.close()

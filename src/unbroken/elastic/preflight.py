@@ -14,7 +14,9 @@ Checks (each -> :class:`CheckResult`):
   ``step-*`` checkpoint).
 - ``data``: the dataset path exists; if it holds ``dataset.json``, the manifest parses and
   every listed shard (and its offset index) exists with its recorded size. Checksums are
-  not re-read here: that costs a full pass over the data on every restart.
+  not re-read here: that costs a full pass over the data on every restart. A URL
+  (``s3://bucket/ds``) is checked the same way through the object-store layer (its manifest
+  parsed, one listing of the sizes), credentials and endpoint from the environment.
 - ``gpus``: when ``nvidia-smi`` is present: enough GPUs visible and each one's memory
   nearly free (memory held by a leftover process of the previous attempt is the usual
   reason a restart dies at once with OOM).
@@ -36,6 +38,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from unbroken.common.fs import is_remote
 from unbroken.common.tables import render_table
 
 __all__ = [
@@ -57,7 +60,8 @@ class PreflightConfig:
     ckpt_dir: str | None = None
     """Checkpoint root to probe (local or mounted path); None skips the storage check."""
     data: str | None = None
-    """Dataset directory or manifest to validate; None skips the check."""
+    """Dataset directory, manifest or URL (``s3://bucket/ds``: credentials and endpoint from
+    the environment) to validate; None skips the check."""
     min_free_bytes: int = 256 << 20
     """Free space required even before the first checkpoint exists (default 256 MiB)."""
     rdzv_endpoint: str | None = None
@@ -200,6 +204,42 @@ except (OSError, ValueError) as e:
 """
 
 
+# A remote dataset (``s3://``, ``gs://``, ``az://``, ``http(s)://``, any fsspec URL): its
+# manifest read and parsed, and every listed file's size compared with one listing, through
+# the object-store layer the loader uses, credentials and endpoint from the environment as
+# the job itself gets them. Not isolated (-I): it imports unbroken wherever the job does.
+_REMOTE_DATA_PROBE = r"""
+import sys
+sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # nothing in the cwd shadows
+import json
+url = sys.argv[1]
+def out(ok, detail):
+    print(json.dumps({"ok": ok, "detail": detail})); sys.exit(0)
+try:
+    from unbroken.common.objstore import open_store
+    from unbroken.data.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, DatasetManifest
+    root, name = url.rsplit("/", 1) if url.endswith(".json") else (url.rstrip("/"), MANIFEST_NAME)
+    store = open_store(root)
+    try:
+        raw = store.get_bytes(name, max_bytes=MAX_MANIFEST_BYTES)
+        m = DatasetManifest.parse(raw, source=root + "/" + name)
+        have = store.list_objects()
+    finally:
+        store.close()
+    bad = []
+    for s in m.shards:
+        for name, size in ((s.name, s.bytes), (s.index, s.index_bytes)):
+            if name and have.get(name) != size:
+                bad.append("%s: %s" % (name, "no such object" if name not in have
+                                       else "%d bytes, manifest says %d" % (have[name], size)))
+    if bad:
+        out(False, "%d of %d shards bad: %s" % (len(bad), len(m.shards), "; ".join(bad[:3])))
+    out(True, "%d shards present with the recorded sizes" % len(m.shards))
+except Exception as e:
+    out(False, "%s: %s" % (type(e).__name__, (str(e).splitlines() or [""])[0]))
+"""
+
+
 def _reap(p: subprocess.Popen[bytes]) -> None:
     try:
         p.communicate()
@@ -235,8 +275,11 @@ def _run_probe(argv: list[str], timeout: float) -> tuple[bool, str]:
     return True, out.decode("utf-8", "replace")
 
 
-def _json_probe(code: str, args: list[str], timeout: float) -> tuple[bool, str]:
-    ran, out = _run_probe([sys.executable, "-I", "-S", "-c", code, *args], timeout)
+def _json_probe(
+    code: str, args: list[str], timeout: float, isolated: bool = True
+) -> tuple[bool, str]:
+    flags = ["-I", "-S"] if isolated else []
+    ran, out = _run_probe([sys.executable, *flags, "-c", code, *args], timeout)
     if not ran:
         return False, out
     try:
@@ -301,6 +344,14 @@ def _check_rdzv(cfg: PreflightConfig) -> tuple[bool, str] | None:
         return False, f"{cfg.rdzv_endpoint}: {e}"
 
 
+def _check_data(cfg: PreflightConfig) -> tuple[bool, str] | None:
+    if cfg.data is None:
+        return None
+    if is_remote(cfg.data):
+        return _json_probe(_REMOTE_DATA_PROBE, [cfg.data], cfg.timeout, isolated=False)
+    return _json_probe(_DATA_PROBE, [cfg.data], cfg.timeout)
+
+
 def run_preflight(cfg: PreflightConfig) -> list[CheckResult]:
     """Run every configured check once (storage probes in subprocesses with timeouts)."""
     node = cfg.node or socket.gethostname()
@@ -317,10 +368,7 @@ def run_preflight(cfg: PreflightConfig) -> list[CheckResult]:
                 )
             ),
         ),
-        _timed(
-            "data",
-            lambda: None if cfg.data is None else _json_probe(_DATA_PROBE, [cfg.data], cfg.timeout),
-        ),
+        _timed("data", lambda: _check_data(cfg)),
         _timed("gpus", lambda: _check_gpus(cfg)),
         _timed("rendezvous", lambda: _check_rdzv(cfg)),
     ]
