@@ -33,3 +33,41 @@ def test_drill_on_the_readme_loop_passes_without_sample_ids(tmp_path, capsys) ->
     # issue 21 item 9: said as not checked (n/c), and the loader's position named
     assert checks["data order"]["detail"].startswith("not checked: no sample ids logged")
     assert checks["data order"]["skipped"] and "loader's position" in checks["data order"]["detail"]
+
+
+_NO_SAVE = """
+import os, sys, time
+import torch
+from unbroken import MetricLog
+from unbroken.ckpt import Checkpointer, TrainState
+out = sys.argv[1]
+metrics = MetricLog(os.path.join(out, "metrics.jsonl"))
+st = TrainState(model=torch.nn.Linear(2, 2), metrics=metrics)
+ck = Checkpointer(os.path.join(out, "ckpt"), st)
+st.step = ck.restore() or 0
+while st.step < 12:
+    st.step += 1
+    metrics.log(st.step, loss=1.0 / st.step)
+    SAVE
+"""
+
+
+@pytest.mark.parametrize("save", ["never", "last"])
+def test_a_script_that_never_saves_or_saves_only_its_last_step_is_told_what_to_do(
+    tmp_path, capsys, save: str
+) -> None:
+    """A first drill of a script that logs its steps but checkpoints nothing (or only its
+    last step) stops after the reference run with what to change in the script: the old
+    message said to pass --ckpt-every, which cannot help a script that never saves."""
+    script = tmp_path / "train.py"
+    line = "ck.save() if st.step == 12 else None" if save == "last" else "pass"
+    script.write_text(_NO_SAVE.replace("SAVE", line))
+    rc = main(
+        ["drill", "--dir", str(tmp_path / "d"), "--faults", "kill", "--", str(script), "{dir}"]
+    )
+    err = capsys.readouterr().err
+    assert rc != 0
+    if save == "never":
+        assert "saved no checkpoint into" in err and "maybe_save()" in err, err[-2000:]
+    else:
+        assert "saved only its last step (12)" in err and "--ckpt-every N" in err, err[-2000:]

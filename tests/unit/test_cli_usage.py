@@ -336,3 +336,24 @@ def test_python_dash_m_unbroken_is_the_unbroken_command() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: unbroken") and "exit codes:" in out.stdout
+
+
+@pytest.mark.parametrize("verb", ["run", "drill"])
+@pytest.mark.parametrize("first", ["python", "python3.11", "interpreter"])
+def test_a_python_interpreter_before_the_script_is_refused_with_the_command_to_type(
+    verb, first, tmp_path, capsys, monkeypatch
+):
+    """`unbroken run -- python train.py` (the habit of `accelerate launch` users): torchrun
+    runs the script with Python itself, so it tried to run the interpreter as Python source
+    (a venv's python: "SyntaxError: source code cannot contain null bytes" from every
+    worker, restarted by the policy). Refused before any process starts, with the command
+    without it."""
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    prog = sys.executable if first == "interpreter" else first
+    extra = ["{dir}"] if verb == "drill" else []
+    assert main([verb, "--", prog, "train.py", *extra]) == 2
+    err = capsys.readouterr().err
+    assert "a program, not a Python script" in err and "-- train.py ARGS" in err, err

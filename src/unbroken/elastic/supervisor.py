@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -161,11 +162,30 @@ def require_script(command: Sequence[str], module: bool, verb: str = "run") -> N
     """Refuse a training script that does not exist, before any process starts (torchrun
     would start, fail, and the restart policy would try again). ``verb`` names the command
     in the fix (``run`` or ``drill``)."""
+    if command and not module and _interpreter(command[0]):
+        rest = " ".join(command[1:2]) or "SCRIPT"
+        raise ValueError(
+            f"{command[0]}: a program, not a Python script: unbroken {verb} starts the "
+            f"script with Python itself, as torchrun does; use `unbroken {verb} [options] -- "
+            f"{rest} ARGS` (-m for a module name)"
+        )
     if command and not module and not os.path.isfile(command[0]):
         raise FileNotFoundError(
             f"{command[0]}: training script not found; use `unbroken {verb} [options] -- "
             "SCRIPT ARGS` with the path of a Python script, or -m for a module name"
         )
+
+
+def _interpreter(path: str) -> bool:
+    """``path`` names a Python interpreter (``python``, ``python3.11``, a venv's) or is a
+    compiled program (an ELF file), not a script: torchrun would run it as Python source."""
+    if re.fullmatch(r"python[0-9.]*", os.path.basename(path)):
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
 
 
 @dataclass

@@ -295,12 +295,21 @@ def _infer_schedule(cfg: DrillConfig, ref_dir: str) -> tuple[int, int]:
     audit = read_audit(_audit_dir(ref_dir)).get(0, [])
     saved = {int(r["step"]) for r in audit if r["event"] == "saved"}
     saved = saved or set(Store(os.path.join(ref_dir, cfg.ckpt_subdir)).steps())
+    where = os.path.join(ref_dir, cfg.ckpt_subdir)
+    if not saved:
+        raise RuntimeError(
+            f"the reference run saved no checkpoint into {where}: the drill kills the job "
+            "and resumes it from its checkpoints. Have the script save with unbroken's "
+            f"Checkpointer into {{dir}}/{cfg.ckpt_subdir} (Checkpointer(..., every_steps=N) "
+            "and ckpt.maybe_save() every step, a final save at the last), or name the "
+            "directory it saves into with --ckpt-subdir"
+        )
     regular = sorted(s for s in saved if s != steps)
     if not regular:
         raise RuntimeError(
-            f"cannot infer the checkpoint interval from {ref_dir}/"
-            f"{cfg.ckpt_subdir} (no checkpoint before the last step); pass "
-            "--ckpt-every"
+            f"cannot infer the checkpoint interval from {where}: the reference run saved "
+            f"only its last step ({steps}); save every N steps (every_steps=N and "
+            "ckpt.maybe_save() each step), or pass --ckpt-every N"
         )
     return steps, math.gcd(*regular)
 
