@@ -59,6 +59,115 @@ def test_codec_rejects_arbitrary_objects_with_the_path() -> None:
         codec.decode({"__ub__": "pickle", "x": 1})
 
 
+def test_counters_defaultdicts_and_sets_come_back_as_what_they_were(tmp_path) -> None:
+    """A component's state with a ``Counter`` or ``defaultdict(int)`` came back as a plain
+    dict, so the first count of a new key after the resume raised ``KeyError``; a set could
+    not be saved at all. Each comes back as its type (torch.save and DCP pickle them)."""
+    from collections import Counter, defaultdict
+
+    from unbroken.ckpt import Checkpointer
+
+    class Seen:
+        def __init__(self) -> None:
+            self.counts: Counter[str] = Counter()
+            self.by_len: defaultdict[int, list[str]] = defaultdict(list)
+            self.ids: set[str] = set()
+            self.kinds: frozenset[object] = frozenset()
+
+        def state_dict(self) -> dict:
+            return {
+                "counts": self.counts,
+                "by_len": self.by_len,
+                "ids": self.ids,
+                "kinds": self.kinds,
+            }
+
+        def load_state_dict(self, sd: dict) -> None:
+            self.counts, self.by_len, self.ids, self.kinds = (
+                sd["counts"],
+                sd["by_len"],
+                sd["ids"],
+                sd["kinds"],
+            )
+
+    a = Seen()
+    for w in ("ab", "c", "ab"):
+        a.counts[w] += 1
+        a.by_len[len(w)].append(w)
+        a.ids.add(w)
+    a.kinds = frozenset({"x", ("t", 1)})
+    Checkpointer(str(tmp_path), TrainState(extras={"seen": a})).save(1)
+    b = Seen()
+    Checkpointer(str(tmp_path), TrainState(extras={"seen": b})).restore()
+    assert type(b.counts) is Counter and b.counts == a.counts
+    assert (
+        type(b.by_len) is defaultdict and b.by_len.default_factory is list and b.by_len == a.by_len
+    )
+    assert (
+        type(b.ids) is set and b.ids == a.ids and type(b.kinds) is frozenset and b.kinds == a.kinds
+    )
+    b.counts["new"] += 1  # KeyError when it came back as a dict
+    b.by_len[9].append("x")
+
+
+def test_a_set_encodes_to_the_same_bytes_under_any_string_hashing() -> None:
+    """A set's order follows the process's string hashing (PYTHONHASHSEED): encoded as it
+    iterates, the same state saved by two runs differed, and a final save compared with an
+    existing step named a difference that is not there."""
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json; from unbroken.ckpt import codec; "
+        "print(json.dumps(codec.encode({'s': {'alpha', 'beta', 'gamma', 'delta', ('t', 1), 7}}, None)))"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={**__import__("os").environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2", "3")
+    }
+    assert len(outs) == 1, outs
+    assert codec.decode(json.loads(outs.pop()))["s"] == {
+        "alpha",
+        "beta",
+        "gamma",
+        "delta",
+        ("t", 1),
+        7,
+    }
+
+
+def test_crafted_counting_and_set_tags_are_refused_without_running_anything() -> None:
+    """The state file is untrusted: a defaultdict naming any factory but the plain types
+    (``os.system``), a set holding an unhashable item, a counter of no mapping: each a
+    ValueError (a damaged checkpoint: the fall-back), nothing imported or called."""
+    with pytest.raises(ValueError, match="defaultdict of 'system'"):
+        codec.decode({"__ub__": "defaultdict", "factory": "system", "map": {}})
+    with pytest.raises(ValueError, match="unhashable"):
+        codec.decode({"__ub__": "set", "items": [[1, 2]]})
+    with pytest.raises(ValueError, match="holds no mapping"):
+        codec.decode({"__ub__": "counter", "map": [1]})
+
+
+def test_a_defaultdict_of_a_lambda_is_saved_as_a_dict_and_said_once(caplog) -> None:
+    import logging
+    from collections import defaultdict
+
+    codec._told.discard("x")
+    with caplog.at_level(logging.WARNING, logger="unbroken"):
+        for _ in range(2):
+            back = codec.decode(codec.encode({"x": defaultdict(lambda: 0, a=1)}, None))
+    assert back == {"x": {"a": 1}} and type(back["x"]) is dict
+    said = [r.getMessage() for r in caplog.records if "defaultdict" in r.getMessage()]
+    assert len(said) == 1 and "'x'" in said[0], said
+
+
 def test_trainstate_rejects_non_stateful_and_names_it() -> None:
     with pytest.raises(TypeError, match="'extra.tokenizer'.*state_dict"):
         TrainState(model=torch.nn.Linear(2, 2), extras={"tokenizer": object()})

@@ -5,6 +5,7 @@
 allow-list of types, so loading a checkpoint can never execute code from it.
 
 Types: None, bool, int, float (NaN/inf kept), str, list, tuple, dict (any scalar keys),
+``Counter``, ``defaultdict`` (of a plain type), set and frozenset (of plain values),
 bytes, torch.Tensor, torch.dtype, torch.Size, torch.device, numpy arrays and scalars.
 Tagged values are JSON objects with the reserved key ``"__ub__"``.
 """
@@ -12,7 +13,9 @@ Tagged values are JSON objects with the reserved key ``"__ub__"``.
 from __future__ import annotations
 
 import base64
+import logging
 import operator
+from collections import Counter, defaultdict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -20,6 +23,8 @@ import numpy as np
 import torch
 
 __all__ = ["decode", "encode", "first_difference", "is_ref", "rekey", "tensor_keys"]
+
+log = logging.getLogger(__name__)
 
 _TAG = "__ub__"
 
@@ -111,6 +116,45 @@ def _encode_mapping(
     }
 
 
+# What a defaultdict may fill missing keys with: types whose call makes an empty value.
+_FACTORIES: dict[str, Any] = {f.__name__: f for f in (int, float, str, bool, list, dict, tuple, set, Counter)}  # fmt: skip
+_told: set[str] = set()
+
+
+def _encode_counting(
+    obj: Counter[Any] | defaultdict[Any, Any],
+    tensors: dict[str, torch.Tensor] | None,
+    path: tuple[str, ...],
+) -> Any:
+    """A ``Counter``, or a ``defaultdict`` filling with a type of :data:`_FACTORIES`, tagged
+    so that decoding gives its type back: restored as a plain dict, the first count of a new
+    key raised ``KeyError`` after the resume. A defaultdict of another factory (a lambda)
+    is saved as a dict, said once per path."""
+    items = _encode_mapping(dict(obj), tensors, path)
+    if isinstance(obj, Counter):
+        return {_TAG: "counter", "map": items}
+    name = getattr(obj.default_factory, "__name__", None)
+    if obj.default_factory is None or _FACTORIES.get(name or "") is not obj.default_factory:
+        where = "/".join(path) or "<root>"
+        if where not in _told:
+            _told.add(where)
+            log.warning(
+                "state at %r is a defaultdict of %r: saved as a plain dict (only the "
+                "factories %s are kept); its load_state_dict gets a dict",
+                where, obj.default_factory, sorted(_FACTORIES),
+            )  # fmt: skip
+        return items
+    return {_TAG: "defaultdict", "factory": name, "map": items}
+
+
+def _encode_set(obj: set[Any] | frozenset[Any], path: tuple[str, ...]) -> Any:
+    """A set of plain values, in an order that does not depend on the process's string
+    hashing (the same set encodes to the same bytes in every run)."""
+    items = [encode(v, None, path) for v in obj]
+    items.sort(key=lambda v: (type(v).__name__, repr(v)))
+    return {_TAG: "frozenset" if isinstance(obj, frozenset) else "set", "items": items}
+
+
 def encode(
     obj: Any,
     tensors: dict[str, torch.Tensor] | None,
@@ -130,6 +174,8 @@ def encode(
         tensors[key] = obj
         return {_TAG: "tensor", "key": key}
     if isinstance(obj, Mapping):
+        if type(obj) is not dict and isinstance(obj, Counter | defaultdict):
+            return _encode_counting(obj, tensors, path)
         return _encode_mapping(obj, tensors, path)
     if isinstance(obj, torch.Size):
         return {_TAG: "size", "items": list(obj)}
@@ -146,6 +192,13 @@ def encode(
             if _plain(obj)
             else [encode(v, tensors, (*path, str(i))) for i, v in enumerate(obj)]
         )
+    return _encode_leaf(obj, path)
+
+
+def _encode_leaf(obj: Any, path: tuple[str, ...]) -> Any:
+    """:func:`encode` of the types that hold no tensor to store apart."""
+    if isinstance(obj, set | frozenset):
+        return _encode_set(obj, path)
     if isinstance(obj, bytes | bytearray):
         return {_TAG: "bytes", "b64": _b64(bytes(obj))}
     if isinstance(obj, torch.dtype):
@@ -197,6 +250,22 @@ def decode(obj: Any, tensors: Mapping[str, torch.Tensor] | None = None) -> Any: 
         return out
     if tag == "tuple":
         return tuple(decode(v, tensors) for v in obj["items"])
+    if tag in ("counter", "defaultdict"):
+        mapping = decode(obj["map"], tensors)
+        if not isinstance(mapping, dict):
+            raise ValueError(f"a {tag} in checkpoint state holds no mapping")
+        if tag == "counter":
+            return Counter(mapping)
+        factory = _FACTORIES.get(obj.get("factory"))  # type: ignore[arg-type]
+        if factory is None:
+            raise ValueError(f"a defaultdict of {obj.get('factory')!r} in checkpoint state")
+        return defaultdict(factory, mapping)
+    if tag in ("set", "frozenset"):
+        try:
+            items = [decode(v, tensors) for v in obj["items"]]
+            return frozenset(items) if tag == "frozenset" else set(items)
+        except TypeError:  # an unhashable item: never written by encode
+            raise ValueError(f"a {tag} in checkpoint state holds an unhashable item") from None
     if tag == "size":
         return torch.Size(obj["items"])
     if tag == "bytes":
