@@ -476,3 +476,24 @@ def test_the_pinned_ring_lands_every_byte_of_every_tensor(monkeypatch) -> None:
     small, into = torch.randn(10, generator=g), torch.zeros(10)
     tensor_io._copy_through_pinned([(into, small)], torch.device("cpu"))
     assert identical(into, small)
+
+
+def test_the_pinned_ring_without_pinned_memory_still_copies_every_byte(monkeypatch) -> None:
+    """Pinned host memory can run out (a host whose locked memory the snapshot buffers
+    already hold): the restore then copies through pageable memory, as before the ring,
+    rather than fail."""
+    from unbroken.ckpt import tensor_io
+
+    real = torch.empty
+
+    def no_pinned(*a: Any, **k: Any) -> torch.Tensor:
+        if k.get("dtype") is torch.uint8 and "pin_memory" in k:
+            raise RuntimeError("CUDA error: out of memory")
+        return real(*a, **k)
+
+    src = torch.randn(5000)
+    dst = torch.zeros(5000)
+    monkeypatch.setattr(torch, "empty", no_pinned)
+    tensor_io._copy_through_pinned([(dst, src)], torch.device("cpu"))
+    monkeypatch.undo()
+    assert identical(dst, src)

@@ -33,6 +33,7 @@ import contextlib
 import errno
 import functools
 import io
+import logging
 import math
 import mmap
 import os
@@ -64,6 +65,8 @@ from unbroken.ckpt.collectives import Comm
 from unbroken.ckpt.manifest import DTYPES, CheckpointManifest, Chunk, FileEntry, TensorEntry
 from unbroken.ckpt.stats import STATS_ALGO, Stats, tensor_bytes
 from unbroken.common.fs import HashingWriter, checksum_bytes, hasher
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ChecksumError",
@@ -1142,7 +1145,13 @@ def _copy_through_pinned(
     cuda = device.type == "cuda"
     ring = max(2, min(_STAGE_THREADS + 2, len(pieces)))
     size = max(len(s) for _, s in pieces)
-    bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(ring)]
+    try:
+        bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=cuda) for _ in range(ring)]
+    except RuntimeError as e:  # no pinned memory to be had: the driver's own staging
+        log.info("restore: no pinned host buffers (%s); copying through pageable memory", e)
+        for dst, src in pairs:
+            dst.copy_(src)
+        return
     host = [b.numpy() for b in bufs]
     landed: list[Any] = [None] * ring  # the event behind each buffer's last copy
     stream = torch.cuda.Stream(device) if cuda else None
