@@ -104,6 +104,8 @@ BAD = [
     (LoaderConfig, {"prefetch_factor": 2}, "prefetch_factor=2 needs num_workers"),
     (LoaderConfig, {"num_workers": 2, "prefetch_factor": 0}, "prefetch_factor=0"),
     (LoaderConfig, {"persistent_workers": True}, "persistent_workers=True needs num_workers"),
+    # torch's own AssertionError "_SingleProcessDataLoaderIter requires timeout == 0" before
+    (LoaderConfig, {"timeout": 5}, "timeout=5 needs num_workers > 0"),
     (LoaderConfig, {"timeout": -1}, "timeout=-1"),
     (LoaderConfig, {"pin_memory": None}, "pin_memory=None"),
     (DatasetConfig, {"seed": -1}, "seed=-1"),

@@ -104,6 +104,14 @@ def test_last_batch_is_the_one_spelling_of_drop_last(stream_data):
         StatefulLoader(ds, batch_size=10, persistent_workers=True)
     with pytest.raises(TypeError, match="needs a StreamingDataset"):
         StatefulLoader([1, 2, 3], batch_size=1)  # type: ignore[arg-type]
+    # torch's DataLoader spellings of the order: named, with where the order is chosen
+    for kw in ({"shuffle": True}, {"sampler": None}, {"batch_sampler": None}):
+        with pytest.raises(
+            TypeError, match=rf"takes no {next(iter(kw))}: the order is the dataset's"
+        ):
+            StatefulLoader(ds, batch_size=10, **kw)
+    with pytest.raises(ValueError, match="timeout=5 needs num_workers > 0"):  # torch asserted
+        StatefulLoader(ds, batch_size=10, timeout=5)
 
 
 def test_state_counts_delivered_batches_not_prefetched_ones(stream_data):

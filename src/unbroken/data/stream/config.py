@@ -216,15 +216,17 @@ class LoaderConfig:
         check_choice(own, "on_dataset_change", self.on_dataset_change, ON_DATASET_CHANGE)
         check_count(own, "num_workers", self.num_workers, least=0)
         check_count(own, "prefetch_factor", self.prefetch_factor, none="torch's default")
-        if self.prefetch_factor is not None and self.num_workers == 0:
-            raise ValueError(
-                f"LoaderConfig.prefetch_factor={self.prefetch_factor} needs num_workers > 0 "
-                "(without workers nothing is prefetched); pass num_workers, or leave "
-                "prefetch_factor=None"
-            )
-        if self.persistent_workers and self.num_workers == 0:
-            raise ValueError("LoaderConfig.persistent_workers=True needs num_workers > 0")
         check_seconds(own, "timeout", self.timeout)
+        for name, default, why in (
+            ("prefetch_factor", None, "without workers nothing is prefetched"),
+            ("persistent_workers", False, "there are no workers to keep"),
+            ("timeout", 0, "it bounds the wait for a worker's batch"),
+        ):
+            if getattr(self, name) != default and self.num_workers == 0:
+                raise ValueError(
+                    f"LoaderConfig.{name}={getattr(self, name)!r} needs num_workers > 0 ({why}); "
+                    f"pass num_workers, or leave {name}={default!r}"
+                )
         check_count(own, "held_batches", self.held_batches, least=0)
         for name in ("pin_memory", "persistent_workers", "shm_transport", "xy"):
             check_flag(own, name, getattr(self, name))

@@ -196,6 +196,14 @@ class StatefulLoader:
                 "just before the last batch so every rank gets full batches; 'short' keeps a "
                 "short last batch)"
             )
+        order = sorted({"shuffle", "sampler", "batch_sampler"} & set(overrides))
+        if order:
+            raise TypeError(
+                f"StatefulLoader() takes no {', '.join(order)}: the order is the dataset's, "
+                "so that a resume can find its place in it - StreamingDataset(dir, seed=S) "
+                "shuffles (shard order per epoch, then within a window), shuffle=False keeps "
+                "the stored order; ranks split it by StreamingDataset(rank=, world_size=)"
+            )
         c = self.config = configure(LoaderConfig, config, overrides, owner="StatefulLoader")
         self.dataset = dataset
         ring = c.shm_transport and c.num_workers > 0 and transport_available()
