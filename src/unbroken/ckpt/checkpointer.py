@@ -52,6 +52,7 @@ from unbroken.ckpt.store import CheckpointInfo, CorruptCheckpoint, RestoreRefuse
 from unbroken.ckpt.verify import load_verified
 from unbroken.common.audit import StateAudit, state_audit
 from unbroken.common.config import configure
+from unbroken.common.fs import path_str
 from unbroken.common.text import printable
 
 __all__ = ["Checkpointer"]
@@ -89,8 +90,13 @@ class Checkpointer:
     """
 
     def __init__(
-        self, root: str, state: TrainState, config: CheckpointConfig | None = None, **overrides: Any
+        self,
+        root: str | os.PathLike[str],
+        state: TrainState,
+        config: CheckpointConfig | None = None,
+        **overrides: Any,
     ) -> None:
+        root = path_str(root)
         if not isinstance(state, TrainState):
             raise TypeError(
                 f"state must be an unbroken.ckpt.TrainState, got {type(state).__qualname__}"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from unbroken.common.config import check_count, check_flag, check_seconds
+from unbroken.common.fs import path_str
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -118,6 +119,7 @@ class CheckpointConfig:
         check_count(own, "keep_every", self.keep_every, none="only keep_last")
         check_count(own, "io_threads", self.io_threads)
         check_count(own, "memory_every_steps", self.memory_every_steps, none="memory tier off")
+        object.__setattr__(self, "memory_dir", path_str(self.memory_dir))  # a pathlib.Path too
         if self.memory_dir is not None and (
             not isinstance(self.memory_dir, str) or not self.memory_dir
         ):

@@ -41,7 +41,7 @@ from unbroken.ckpt.state import _TENSOR_LOADERS
 from unbroken.ckpt.stats import LEGACY_STATS_ALGO, STATS_ALGO, stats_close, stats_match
 from unbroken.ckpt.store import CorruptCheckpoint, Store
 from unbroken.ckpt.tensor_io import ChecksumError, read_tensors, tensor_checksum, verify_files
-from unbroken.common.fs import checksum_bytes
+from unbroken.common.fs import checksum_bytes, path_str
 
 __all__ = ["Verified", "check_fits", "load_verified", "read_checkpoint"]
 
@@ -227,13 +227,13 @@ def _decode_state(
     return tree, rng if m.world_size == world else None, frozenset(refs.seen)
 
 
-def read_checkpoint(root: str, step: int | None = None) -> dict[str, Any]:
+def read_checkpoint(root: str | os.PathLike[str], step: int | None = None) -> dict[str, Any]:
     """Verify and decode one checkpoint (default: the newest) without a TrainState.
     Returns the state dict as saved: ``counters``, ``components`` and ``rng``; tensors of a
     sharded checkpoint are assembled whole."""
     from unbroken.ckpt.tensor_io import fill
 
-    store = Store(root)
+    store = Store(path_str(root))
     steps = store.steps()
     if not steps:
         raise ValueError(f"{root!r} holds no committed checkpoint")

@@ -15,7 +15,7 @@ import stat
 import threading
 import uuid
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO, Any, TypeVar, overload
 
 import xxhash
 
@@ -48,6 +48,19 @@ _IOV_MAX = 1024  # buffers per writev call (POSIX guarantees at least 16; Linux 
 
 
 _FILE_SCHEME = "file://"
+
+
+_T = TypeVar("_T")
+
+
+@overload
+def path_str(p: os.PathLike[str]) -> str: ...
+@overload
+def path_str(p: _T) -> _T: ...
+def path_str(p: Any) -> Any:
+    """``p`` as a string when it is an ``os.PathLike`` (``pathlib.Path``), else unchanged
+    (a str, a URL, or a wrong type for the caller's own check to name)."""
+    return os.fspath(p) if isinstance(p, os.PathLike) else p
 
 
 def is_remote(url: str) -> bool:

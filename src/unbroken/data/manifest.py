@@ -29,7 +29,14 @@ from typing import Any
 
 import fsspec
 
-from unbroken.common.fs import atomic_write_bytes, hasher, is_remote, is_temp_name, local_path
+from unbroken.common.fs import (
+    atomic_write_bytes,
+    hasher,
+    is_remote,
+    is_temp_name,
+    local_path,
+    path_str,
+)
 from unbroken.common.text import printable
 
 __all__ = [
@@ -380,9 +387,12 @@ class DatasetManifest:
         return _fingerprint_v1(self.kind, self.shards, self.seq_len)
 
     @classmethod
-    def load(cls, root: str, storage_options: dict[str, Any] | None = None) -> DatasetManifest:
+    def load(
+        cls, root: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+    ) -> DatasetManifest:
         """Read ``<root>/dataset.json`` (root: a local dir, an fsspec URL, or the json path;
         ``storage_options`` go to fsspec, e.g. an S3 endpoint and credentials)."""
+        root = path_str(root)
         path = root if root.endswith(".json") else join_path(root, MANIFEST_NAME)
         try:
             if is_remote(path):

@@ -40,6 +40,7 @@ from unbroken.common.fs import (
     checksum_file,
     ensure_out_dir,
     is_temp_name,
+    path_str,
 )
 from unbroken.common.progress import Progress, progress_bar
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
@@ -397,8 +398,8 @@ class _PackRun:
 
 
 def pack(
-    src: str | Iterable[dict[str, Any]],
-    out: str,
+    src: str | os.PathLike[str] | Iterable[dict[str, Any]],
+    out: str | os.PathLike[str],
     *,
     shard_size: int = 256 << 20,
     workers: int | None = None,
@@ -415,6 +416,7 @@ def pack(
     JSONL line) or sample for bad input; with ``skip_bad`` malformed lines, unreadable files,
     symlink loops and non-UTF-8 names are skipped instead and counted in ``skipped``.
     """
+    src, out = path_str(src), path_str(out)
     if shard_size < _MIN_SHARD:
         raise ValueError(f"shard_size={shard_size} is below the minimum; pass >= {_MIN_SHARD}")
     t0 = time.perf_counter()
@@ -474,9 +476,12 @@ def _index_one(path: str) -> ShardInfo:
     )
 
 
-def index_directory(root: str, *, workers: int | None = None, progress: bool = True) -> PackResult:
+def index_directory(
+    root: str | os.PathLike[str], *, workers: int | None = None, progress: bool = True
+) -> PackResult:
     """Index every ``*.tar`` in ``root`` in place (e.g. webdataset shards) and write
     ``dataset.json``; the tar files are not modified. Shards are ordered by name."""
+    root = path_str(root)
     t0 = time.perf_counter()
     if not os.path.isdir(root):
         if not os.path.lexists(root):

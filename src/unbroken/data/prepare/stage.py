@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unbroken.common.errors import ObjectMismatch, RemoteStorageError
-from unbroken.common.fs import atomic_write_bytes, checksum_file, is_temp_name
+from unbroken.common.fs import atomic_write_bytes, checksum_file, is_temp_name, path_str
 from unbroken.common.objstore import ObjectStore, StoreOptions, open_store
 from unbroken.common.objstore.base import run_parallel
 from unbroken.common.progress import progress_bar
@@ -317,8 +317,8 @@ class _Copier:
 
 
 def stage(
-    url: str,
-    local_dir: str,
+    url: str | os.PathLike[str],
+    local_dir: str | os.PathLike[str],
     *,
     workers: int = 8,
     fsync: bool = False,
@@ -337,6 +337,7 @@ def stage(
     ``ranks_local``: only ``LOCAL_RANK`` 0 copies, the other local ranks wait (up to
     ``wait_timeout`` seconds) for its completion marker.
     """
+    url, local_dir = path_str(url), path_str(local_dir)
     if workers < 1:
         raise ValueError(f"workers={workers} must be >= 1")
     t0 = time.perf_counter()

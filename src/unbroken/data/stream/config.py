@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unbroken.common.config import check_choice, check_count, check_flag, check_seconds, parse_size
+from unbroken.common.fs import path_str
 from unbroken.data.stream.order import LAST_BATCH_POLICIES
 
 __all__ = [
@@ -68,6 +69,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         own = "CacheConfig"
+        object.__setattr__(self, "cache_dir", path_str(self.cache_dir))  # a pathlib.Path too
         if self.cache_dir is not None and (
             not isinstance(self.cache_dir, str) or not self.cache_dir
         ):

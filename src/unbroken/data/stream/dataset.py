@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import random
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset, get_worker_info
 
 from unbroken.common.config import configure
-from unbroken.common.fs import is_remote
+from unbroken.common.fs import is_remote, path_str
 from unbroken.data.stream.config import ON_CORRUPT, DatasetConfig
 from unbroken.data.stream.order import (
     DatasetOrder,
@@ -116,6 +117,7 @@ class Source:
     seq_len: int | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "root", path_str(self.root))  # a pathlib.Path too
         if not isinstance(self.root, str) or not self.root:
             raise ValueError(f"Source root={self.root!r} must be a non-empty path string")
         if not self.weight > 0:
@@ -154,8 +156,8 @@ def _resolve_rank(config: DatasetConfig) -> tuple[int, int]:
     return 0, 1
 
 
-def _as_sources(sources: str | Source | Sequence[str | Source]) -> list[Source]:
-    if isinstance(sources, (str, Source)):
+def _as_sources(sources: Any) -> list[Source]:
+    if isinstance(sources, (str, Source, os.PathLike)):
         sources = [sources]
     srcs = [s if isinstance(s, Source) else Source(s) for s in sources]
     if not srcs:
@@ -181,7 +183,7 @@ class StreamingDataset(IterableDataset):
 
     def __init__(
         self,
-        sources: str | Source | Sequence[str | Source],
+        sources: str | os.PathLike[str] | Source | Sequence[str | os.PathLike[str] | Source],
         config: DatasetConfig | None = None,
         *,
         transform: Callable[[Any], Any] | None = None,

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from unbroken.common.fs import atomic_write_bytes, checksum_bytes, hasher, local_path
+from unbroken.common.fs import atomic_write_bytes, checksum_bytes, hasher, local_path, path_str
 from unbroken.common.text import printable
 from unbroken.data.manifest import (
     MAX_VOCAB,
@@ -83,7 +83,7 @@ def read_vocab_size(meta_path: str) -> int:
     """``vocab_size`` from a nanoGPT ``meta.pkl``, without running code from it (module
     docstring): a file larger than :data:`MAX_META_BYTES`, one that names any global, or
     one without a positive integer ``vocab_size`` is refused with an error naming it."""
-    path = local_path(meta_path)
+    path = local_path(path_str(meta_path))
     fix = "pass the vocabulary size yourself (--vocab-size N / vocab_size=N)"
     try:
         with os.fdopen(open_regular(path), "rb") as f:
@@ -186,6 +186,7 @@ def index_flat(
     manifest beside the file records the same size, modification time, dtype and vocabulary,
     it is returned without reading the tokens again (one call per rank is fine).
     """
+    path = path_str(path)
     path = local_path(path)
     if vocab_size is None and meta is not None:
         vocab_size = read_vocab_size(meta)

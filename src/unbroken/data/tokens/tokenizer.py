@@ -35,6 +35,7 @@ from unbroken.common.fs import (
     ensure_out_dir,
     hasher,
     is_temp_name,
+    path_str,
 )
 from unbroken.common.progress import progress_bar
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
@@ -258,10 +259,10 @@ def _too_small(shard_size: int, dt: str) -> NoReturn:
 
 
 def tokenize(
-    src: str,
-    out: str,
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
     *,
-    tokenizer: str | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
     train_bpe_vocab: int | None = None,
     field: str = "text",
     member: str = "txt",
@@ -279,6 +280,7 @@ def tokenize(
     shards and resumes at the first document not yet in one. ``shard_size`` is the maximum
     bytes of token data per shard (whole documents only).
     """
+    src, out, tokenizer = path_str(src), path_str(out), path_str(tokenizer)
     t0 = time.perf_counter()
     if seq_len is not None and seq_len < 1:
         raise ValueError(f"seq_len={seq_len} must be >= 1 (or omitted for no packing)")
