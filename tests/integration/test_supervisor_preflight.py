@@ -222,3 +222,24 @@ def test_a_remote_dataset_is_checked_through_the_object_store(tmp_path, monkeypa
         r = _check(PreflightConfig(data="s3://data/nope"), "data")
         assert not r.ok and "FileNotFoundError" in r.detail and "nope" in r.detail, r.detail
         store.close()
+
+
+def test_a_dataset_over_plain_http_is_checked_a_head_per_file(tmp_path):
+    """Plain HTTP has no listing (the listing's PROPFIND was refused, 501, so a dataset
+    served over http:// never passed): each listed file's size comes from a HEAD."""
+    from storekit import RangeHTTPServer
+    from unbroken.data.prepare.pack import pack
+
+    out = tmp_path / "ds"
+    samples = ({"__key__": f"s{i:04d}", "bin": os.urandom(500)} for i in range(40))
+    pack(samples, str(out), shard_size=12_000, workers=1, fsync=False, progress=False)
+    with RangeHTTPServer(str(tmp_path)) as srv:
+        r = _check(PreflightConfig(data=f"{srv.url}/ds"), "data")
+        assert r.ok and "shards present with the recorded sizes" in r.detail, r.detail
+        shard = sorted(n for n in os.listdir(out) if n.endswith(".tar"))[1]
+        os.truncate(out / shard, 7)
+        r = _check(PreflightConfig(data=f"{srv.url}/ds"), "data")
+        assert not r.ok and f"{shard}: 7 bytes, manifest says" in r.detail, r.detail
+        os.unlink(out / shard)
+        r = _check(PreflightConfig(data=f"{srv.url}/ds"), "data")
+        assert not r.ok and f"{shard}: no such object" in r.detail, r.detail

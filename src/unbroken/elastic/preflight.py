@@ -16,7 +16,8 @@ Checks (each -> :class:`CheckResult`):
   every listed shard (and its offset index) exists with its recorded size. Checksums are
   not re-read here: that costs a full pass over the data on every restart. A URL
   (``s3://bucket/ds``) is checked the same way through the object-store layer (its manifest
-  parsed, one listing of the sizes), credentials and endpoint from the environment.
+  parsed, one listing of the sizes, or a HEAD per file over plain HTTP), credentials and
+  endpoint from the environment.
 - ``gpus``: when ``nvidia-smi`` is present: enough GPUs visible and each one's memory
   nearly free (memory held by a leftover process of the previous attempt is the usual
   reason a restart dies at once with OOM).
@@ -206,8 +207,8 @@ except (OSError, ValueError) as e:
 
 # A remote dataset (``s3://``, ``gs://``, ``az://``, ``http(s)://``, any fsspec URL): its
 # manifest read and parsed, and every listed file's size compared with one listing, through
-# the object-store layer the loader uses, credentials and endpoint from the environment as
-# the job itself gets them. Not isolated (-I): it imports unbroken wherever the job does.
+# the object-store layer the loader uses (one HEAD per file where the store cannot list:
+# plain HTTP), credentials and endpoint from the environment as the job itself gets them. Not isolated (-I): it imports unbroken wherever the job does.
 _REMOTE_DATA_PROBE = r"""
 import sys
 sys.path[:] = [p for p in sys.path if p not in ("", ".")]  # nothing in the cwd shadows
@@ -220,18 +221,22 @@ try:
     from unbroken.data.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, DatasetManifest
     root, name = url.rsplit("/", 1) if url.endswith(".json") else (url.rstrip("/"), MANIFEST_NAME)
     store = open_store(root)
+    bad = []
     try:
         raw = store.get_bytes(name, max_bytes=MAX_MANIFEST_BYTES)
         m = DatasetManifest.parse(raw, source=root + "/" + name)
-        have = store.list_objects()
+        if root.startswith(("http://", "https://")):  # no listing there: a HEAD per file
+            size_of = store.head
+        else:
+            size_of = store.list_objects().get
+        for s in m.shards:
+            for name, size in ((s.name, s.bytes), (s.index, s.index_bytes)):
+                got = size_of(name) if name else size
+                if got != size:
+                    bad.append("%s: %s" % (name, "no such object" if got is None
+                                           else "%d bytes, manifest says %d" % (got, size)))
     finally:
         store.close()
-    bad = []
-    for s in m.shards:
-        for name, size in ((s.name, s.bytes), (s.index, s.index_bytes)):
-            if name and have.get(name) != size:
-                bad.append("%s: %s" % (name, "no such object" if name not in have
-                                       else "%d bytes, manifest says %d" % (have[name], size)))
     if bad:
         out(False, "%d of %d shards bad: %s" % (len(bad), len(m.shards), "; ".join(bad[:3])))
     out(True, "%d shards present with the recorded sizes" % len(m.shards))
