@@ -75,6 +75,24 @@ def test_manifest_records_checksums_and_stats(tmp_path) -> None:
     assert w["shape"] == [32, 16] and w["dtype"] == "float32" and w["stats"] is None
 
 
+def test_an_explicit_step_is_the_counter_a_restore_brings_back(tmp_path) -> None:
+    """``save(7)`` with ``state.step`` still 0 once resumed at step 0 (the counter saved was
+    the stale one, the RNG streams were step 7's); the step given is now the step saved."""
+    st, m, opt = _state()
+    ck = Checkpointer(str(tmp_path), st)
+    ck.save(7)
+    man = json.loads((tmp_path / "step-00000007" / "manifest.json").read_text())
+    assert man["counters"]["step"] == 7 and st.step == 7
+    fresh, _, _ = _state(seed=1)
+    assert Checkpointer(str(tmp_path), fresh).restore() == 7 and fresh.step == 7
+    for bad in (-1, 2.0, True, "3"):
+        with pytest.raises(ValueError, match=rf"step={bad!r} must be a non-negative integer"):
+            ck.save(bad)  # type: ignore[arg-type]
+    assert st.step == 7  # a refused step leaves the counter alone
+    ck.save(torch.tensor(9))  # an integer 0-d tensor (a loop's counter on the CPU) is a step
+    assert ck.list()[-1].step == 9 and st.step == 9
+
+
 def test_retention_keep_last_and_keep_every_ignores_foreign_files(tmp_path) -> None:
     st, m, opt = _state()
     (tmp_path / "notes.txt").write_text("mine")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import operator
 import os
 import signal
 import sys
@@ -201,7 +202,7 @@ class Checkpointer:
         defaults to ``state.step``. A step that does not advance over several calls is
         warned about once (the loop's counter is not reaching ``state.step``). ``final=True``
         (the loop's last step) saves whatever the triggers say; a call on every rank."""
-        step = self.state.step if step is None else step
+        step = self._step(step)
         self._stuck.see(step)
         self._audit.step(step)
         self._raise_background_error()
@@ -242,9 +243,7 @@ class Checkpointer:
         (e.g. a final ``save()`` after ``maybe_save()`` saved that step; it costs one
         verified read) and a ``FileExistsError`` naming the first difference otherwise.
         """
-        step = self.state.step if step is None else step
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"step={step!r} must be a non-negative integer")
+        step = self._step(step)
         self.state.check_saveable()
         self.wait()
         self._supersede()
@@ -261,6 +260,23 @@ class Checkpointer:
             return self._persist(job)
         self._inflight = self._pool.submit(self._persist, job)
         return self.store.step_dir(step)
+
+    def _step(self, step: int | None) -> int:
+        """The step to save as; an explicit one also becomes ``state.step``, the counter a
+        restore brings back (``save(100)`` with ``state.step`` still 0 resumed at step 0,
+        with the RNG streams of step 100)."""
+        given = self.state.step if step is None else step
+        try:
+            n = operator.index(given)  # an int, numpy integer or integer 0-d tensor
+        except TypeError:
+            n = -1
+        if isinstance(given, bool) or n < 0:
+            raise ValueError(
+                f"step={given!r} must be a non-negative integer (the loop's optimizer-step "
+                "counter); pass an int or set state.step"
+            )
+        self.state.step = n
+        return n
 
     def _supersede(self) -> None:
         """The first save after ``restore(step)`` of an older step starts a trajectory of
