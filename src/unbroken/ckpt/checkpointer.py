@@ -36,7 +36,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 
@@ -197,7 +197,7 @@ class Checkpointer:
 
     # --- save -------------------------------------------------------------------------------
 
-    def maybe_save(self, step: int | None = None, *, final: bool = False) -> bool:
+    def maybe_save(self, step: SupportsIndex | None = None, *, final: bool = False) -> bool:
         """Save if ``every_steps``/``every_seconds`` (or a SIGTERM) says so; ``step``
         defaults to ``state.step``. A step that does not advance over several calls is
         warned about once (the loop's counter is not reaching ``state.step``). ``final=True``
@@ -234,7 +234,7 @@ class Checkpointer:
             self._prepared = self._pool.submit(self._snap.prepare, encode(self.state)[3])
         return False
 
-    def save(self, step: int | None = None) -> str:
+    def save(self, step: SupportsIndex | None = None) -> str:
         """Save the complete training state as ``step`` (default ``state.step``).
 
         Sync: returns the committed directory. Async: returns the directory it will have
@@ -261,7 +261,7 @@ class Checkpointer:
         self._inflight = self._pool.submit(self._persist, job)
         return self.store.step_dir(step)
 
-    def _step(self, step: int | None) -> int:
+    def _step(self, step: SupportsIndex | None) -> int:
         """The step to save as; an explicit one also becomes ``state.step``, the counter a
         restore brings back (``save(100)`` with ``state.step`` still 0 resumed at step 0,
         with the RNG streams of step 100)."""
