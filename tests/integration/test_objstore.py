@@ -816,3 +816,21 @@ def test_every_route_retries_throttling_and_truncation_and_refuses_missing_and_l
         ):
             store.get_file("obj", str(out / "bad"), size=len(data), checksum=digest)
     assert sorted(os.listdir(out)) == ["ok0", "ok1"]
+
+
+@pytest.mark.parametrize("client", ["auto", "fsspec"])
+def test_a_listing_in_a_bucket_that_does_not_exist_says_so_on_every_route(
+    endpoint: str, client: str
+) -> None:
+    """A typo'd bucket is not an empty store (a restore would start from scratch, a dataset
+    would look empty): obstore's 404 NoSuchBucket and s3fs's silent empty listing both
+    become a ``FileNotFoundError`` naming the bucket; an empty prefix of a real bucket is {}."""
+    typo = f"typo-{uuid.uuid4().hex[:8]}"
+    opts = StoreOptions(client=client, retries=0)
+    store = _store(endpoint, typo, options=opts)
+    assert store.kind == ("obstore" if client == "auto" else "fsspec")
+    with pytest.raises(FileNotFoundError, match=f"the bucket '{typo}' does not exist"):
+        store.list_objects()
+    real = f"real-{uuid.uuid4().hex[:8]}"
+    _raw(endpoint, "PUT", real)
+    assert _store(endpoint, real, options=opts).list_objects() == {}

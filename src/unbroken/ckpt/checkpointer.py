@@ -763,7 +763,7 @@ class _WriterLock:
 
 
 def _open_archive(cfg: ArchiveConfig | None) -> tuple[Any, Any]:
-    """The remote archive and its background uploader (fsspec: imported only when used)."""
+    """The remote archive and its background uploader (the object-store layer: imported only when used)."""
     if cfg is None:
         return None, None
     from unbroken.ckpt.archive.remote import Archive

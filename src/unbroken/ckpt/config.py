@@ -30,16 +30,17 @@ C = TypeVar("C", bound="DataclassInstance")
 
 @dataclass(frozen=True)
 class ArchiveConfig:
-    """Remote copies of committed checkpoints through fsspec (see :mod:`.archive.remote`).
+    """Remote copies of committed checkpoints through the object-store layer (see
+    :mod:`.archive.remote`).
 
     Uploads run in the background and never stop training; a restore that finds no valid
     local checkpoint downloads the newest verified remote one.
     """
 
     url: str
-    """fsspec URL of the archive root: ``s3://bucket/prefix``, ``file:///mnt/nfs/x``, ``memory://x``."""
+    """archive root: ``s3://bucket/prefix``, ``gs://``, ``az://``, ``file:///mnt/x``, ``memory://x``."""
     storage_options: Mapping[str, Any] = field(default_factory=dict, repr=False, hash=False)
-    """passed to the fsspec filesystem (endpoint, credentials); kept out of repr (secrets)."""
+    """s3fs-style options (endpoint, credentials), mapped to obstore; kept out of repr (secrets)."""
     every: int = 1
     """upload every K-th committed checkpoint (count of commits; 1 uploads each one)."""
     keep_last: int | None = None
@@ -58,13 +59,13 @@ class ArchiveConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
             raise ValueError(
-                f"ArchiveConfig.url={self.url!r} must be a non-empty fsspec URL string, e.g. "
+                f"ArchiveConfig.url={self.url!r} must be a non-empty URL string, e.g. "
                 "'s3://bucket/run'"
             )
         if not isinstance(self.storage_options, Mapping):
             raise ValueError(
                 f"ArchiveConfig.storage_options={self.storage_options!r} must be a mapping of "
-                "fsspec options, e.g. {'client_kwargs': {'endpoint_url': ...}}"
+                "storage options, e.g. {'client_kwargs': {'endpoint_url': ...}}"
             )
         # a copy: the caller's dict changing later must not change a frozen config
         object.__setattr__(self, "storage_options", dict(self.storage_options))

@@ -140,8 +140,8 @@ def format_listing(directory: str, *, archive: str | None = None) -> str:
     remote: dict[int, tuple[int, float | None]] = {}
     if archive is not None:
         arch = Archive(archive)
-        if not is_remote(archive) and not arch.fs.isdir(arch.root):
-            raise FileNotFoundError(f"archive directory {arch.root!r} does not exist")
+        if arch.local_root is not None and not os.path.isdir(arch.local_root):
+            raise FileNotFoundError(f"archive directory {arch.local_root!r} does not exist")
         for s in arch.steps():
             try:
                 rinfo = arch.info(s)

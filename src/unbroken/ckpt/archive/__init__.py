@@ -1,1 +1,1 @@
-"""Remote archive of committed checkpoints (fsspec): upload in the background, download verified."""
+"""Remote archive of committed checkpoints (the object-store layer): upload in the background, download verified."""

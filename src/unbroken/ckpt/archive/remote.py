@@ -1,5 +1,6 @@
-"""Remote copies of committed checkpoints through fsspec (``s3://``, ``gs://``, ``file://``,
-``memory://``, ...).
+"""Remote copies of committed checkpoints through the object-store layer
+(:mod:`unbroken.common.objstore`: obstore for ``s3://``, ``gs://``, ``az://``, ``http(s)://``;
+fsspec for ``file://``, ``memory://`` and any other scheme).
 
 Remote layout mirrors the local one::
 
@@ -20,7 +21,6 @@ remote object is detected, and :func:`fetch_newest_valid` falls back to an older
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -29,8 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
-
-import fsspec
 
 from unbroken.ckpt.archive.io import (
     ArchiveError,
@@ -45,12 +43,7 @@ from unbroken.ckpt.manifest import MANIFEST, CheckpointManifest, FileEntry
 from unbroken.ckpt.store import Store, step_of
 from unbroken.common.config import configure
 from unbroken.common.errors import ObjectMismatch
-from unbroken.common.fs import (
-    atomic_write_bytes,
-    fsync_dir,
-    is_local_fs,
-    private_dir,
-)
+from unbroken.common.fs import atomic_write_bytes, fsync_dir, private_dir
 from unbroken.common.objstore import StoreOptions, open_store
 from unbroken.common.objstore.base import run_parallel, share
 from unbroken.common.progress import progress_bar
@@ -75,16 +68,16 @@ class RemoteInfo:
     created: float | None
 
 
-_BUCKETED = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
-"""fsspec protocols whose first path component is a bucket (or container)."""
+class _NoBucket(Exception):
+    """Internal: the archive's bucket does not exist (no retry fixes it)."""
 
 
 class Archive:
-    """Remote copies of committed checkpoints under an fsspec ``url``.
+    """Remote copies of committed checkpoints under ``url``.
 
     Args:
-        url: any fsspec URL (``s3://bucket/prefix``, ``file:///mnt/nfs/x``, ``memory://x``),
-            or a whole :class:`~unbroken.ckpt.ArchiveConfig`.
+        url: ``s3://bucket/prefix``, ``gs://...``, ``az://...``, ``file:///mnt/nfs/x``,
+            ``memory://x`` or any fsspec URL, or a whole :class:`~unbroken.ckpt.ArchiveConfig`.
         **overrides: :class:`ArchiveConfig` fields to change, by name (``retries``,
             ``backoff_s``, ``threads``, ``storage_options`` ...: what each does, its unit
             and default).
@@ -95,32 +88,29 @@ class Archive:
         cfg = configure(ArchiveConfig, base, overrides, owner="Archive")
         self.config = cfg
         self.url = cfg.url.rstrip("/")
+        # every request goes through the object-store layer (obstore for s3/gs/az/http(s):
+        # listings, multipart PUTs, parallel ranged GETs, each file verified as its bytes pass)
+        so = StoreOptions(retries=cfg.retries, backoff_s=cfg.backoff_s)
         try:
-            self.fs, root = fsspec.core.url_to_fs(self.url, **cfg.storage_options)
-        except (ImportError, ValueError) as e:
-            raise ValueError(
-                f"cannot open archive {cfg.url!r}: {e}; install the fsspec backend for this "
-                "protocol (s3://: pip install 'unbroken[s3]')"
-            ) from e
-        self.root: str = root.rstrip("/")
-        self._local = is_local_fs(self.fs)
-        if self._local and os.path.lexists(self.root):
+            self._store = open_store(self.url, cfg.storage_options, so)
+        except ValueError as e:
+            raise ValueError(f"cannot open archive {cfg.url!r}: {e}") from e
+        #: the archive's directory when it is on a local or mounted filesystem, else None
+        self.local_root = self._store.local_root
+        if self.local_root is not None and os.path.lexists(self.local_root):
             # read or written, a local archive must be this user's alone: another user's
             # directory could hand us planted steps (issue 22 round 3 item 3); a missing one is
             # made 0700 by the first upload
-            private_dir(self.root, purpose="archive directory", closed=True)
-        # file transfers go through the object-store layer (obstore for s3/gs/az/http(s):
-        # multipart PUTs, parallel ranged GETs, each file verified as its bytes pass)
-        so = StoreOptions(retries=cfg.retries, backoff_s=cfg.backoff_s)
-        self._store = open_store(self.url, cfg.storage_options, so)
+            private_dir(self.local_root, purpose="archive directory", closed=True)
 
     def __repr__(self) -> str:
         return f"Archive({self.url!r})"
 
     # --- names ------------------------------------------------------------------------------
 
-    def _step_path(self, step: int) -> str:
-        return f"{self.root}/step-{step:08d}"
+    @staticmethod
+    def _step_key(step: int) -> str:
+        return f"step-{step:08d}"
 
     def step_url(self, step: int) -> str:
         return f"{self.url}/step-{step:08d}"
@@ -133,7 +123,7 @@ class Archive:
                 return fn()
             except Damaged as e:
                 raise ArchiveError(self.url, file, str(e), damaged=True) from e
-            except ArchiveError:
+            except (ArchiveError, _NoBucket):
                 raise
             except Exception as e:
                 if attempt == self.config.retries:
@@ -162,56 +152,44 @@ class Archive:
     def steps(self) -> list[int]:
         """Committed remote steps, ascending: ``step-N`` prefixes holding a manifest.json."""
 
-        def ls() -> list[str]:
-            self.fs.invalidate_cache(self.root)
+        def ls() -> dict[str, int]:
             try:
-                return list(self.fs.glob(f"{self.root}/step-*/{MANIFEST}"))
-            except FileNotFoundError:
-                return []
+                return self._store.list_objects()
+            except FileNotFoundError as e:
+                # a bucket that is not there is a typo'd URL, not an archive nothing was
+                # uploaded to yet (a restore would start from scratch): no retry fixes it
+                raise _NoBucket(str(e)) from None
 
         out = set()
-        for p in self._retry(self.url, "listing", ls):
-            parts = p.rstrip("/").split("/")
-            step = step_of(parts[-2]) if len(parts) >= 2 else None
-            if step is not None and parts[-1] == MANIFEST:
+        try:
+            keys = self._retry(self.url, "listing", ls)
+        except _NoBucket as e:
+            raise FileNotFoundError(str(e)) from None
+        for key in keys:
+            parts = key.split("/")
+            step = step_of(parts[0]) if len(parts) == 2 and parts[1] == MANIFEST else None
+            if step is not None:
                 out.add(step)
-        if not out:
-            self._require_bucket()
         return sorted(out)
-
-    def _require_bucket(self) -> None:
-        """An empty listing in a bucket that is not there is a typo'd URL, not an archive
-        nothing was uploaded to yet (a restore would start from scratch)."""
-        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
-        if self._local or not _BUCKETED & set(protocols):
-            return
-        bucket = self.root.split("/", 1)[0]
-        if not self._retry(self.url, "bucket check", lambda: self.fs.exists(bucket)):
-            raise FileNotFoundError(
-                f"{self.url}: the bucket {bucket!r} does not exist (or these credentials "
-                "cannot see it); check the URL and the endpoint"
-            )
 
     def read_manifest(self, step: int) -> CheckpointManifest:
         """The fully validated remote manifest of ``step`` (raises :class:`ArchiveError`)."""
         return self._manifest(step)[1]
 
     def _manifest(self, step: int) -> tuple[bytes, CheckpointManifest]:
-        path = f"{self._step_path(step)}/{MANIFEST}"
+        key = f"{self._step_key(step)}/{MANIFEST}"
 
         def get() -> bytes:
             try:
                 # one byte past the cap: a longer one is refused unread (T-BOUNDED)
-                return bytes(self.fs.cat_file(path, start=0, end=MAX_MANIFEST + 1))
+                return self._store.get_bytes(key, max_bytes=MAX_MANIFEST)
             except FileNotFoundError as e:
-                raise Damaged(f"{path} is missing: step {step} is not committed remotely") from e
+                raise Damaged(f"{key} is missing: step {step} is not committed remotely") from e
+            except ObjectMismatch:
+                raise Damaged(f"larger than the {MAX_MANIFEST >> 20} MiB cap") from None
 
-        raw = self._retry(path, "manifest download", get)
-        if len(raw) > MAX_MANIFEST:
-            raise ArchiveError(
-                self.url, path, f"larger than the {MAX_MANIFEST >> 20} MiB cap", damaged=True
-            )
-        return raw, parse_manifest(raw, step, self.url, path)
+        raw = self._retry(key, "manifest download", get)
+        return raw, parse_manifest(raw, step, self.url, key)
 
     def info(self, step: int) -> RemoteInfo:
         m = self.read_manifest(step)
@@ -233,9 +211,9 @@ class Archive:
 
     def _upload(self, snap: LocalSnapshot) -> None:
         step = snap.step
-        prefix = self._step_path(step)
+        prefix = self._step_key(step)
         mpath = f"{prefix}/{MANIFEST}"
-        if self._retry(mpath, "existence check", lambda: self._exists(mpath)):
+        if self._retry(mpath, "existence check", lambda: self._store.head(mpath) is not None):
             log.info("archive %s: step %d is already committed remotely; skipped", self.url, step)
             return
         t0 = time.perf_counter()
@@ -252,8 +230,9 @@ class Archive:
                 f"{len(bad)} uploaded file(s) missing or of the wrong size after upload "
                 f"(expected {want[bad[0]]} bytes, found {got.get(bad[0])}); not committing",
             )
+        # published atomically (a local filesystem: by rename), the step's commit marker
         self._retry(
-            mpath, "manifest upload", lambda: self._put_manifest(mpath, snap.manifest_bytes)
+            mpath, "manifest upload", lambda: self._store.put_bytes(mpath, snap.manifest_bytes)
         )
         dt = time.perf_counter() - t0
         total = sum(want.values())
@@ -266,44 +245,26 @@ class Archive:
             total / max(dt, 1e-9) / 1e6,
         )
 
-    def _exists(self, path: str) -> bool:
-        self.fs.invalidate_cache(path.rsplit("/", 1)[0])
-        return bool(self.fs.exists(path))
-
     def _sizes(self, prefix: str) -> dict[str, int]:
-        self.fs.invalidate_cache(prefix)
+        """``{name: size}`` of the objects under the step ``prefix``."""
         try:
-            found = self.fs.find(prefix, detail=True)
+            found = self._store.list_objects(prefix)
         except FileNotFoundError:
             return {}
         n = len(prefix) + 1
-        return {p[n:]: int(d.get("size") or 0) for p, d in found.items()}
+        return {k[n:]: size for k, size in found.items()}
 
     def _put_retrying(self, src: SourceFile, prefix: str) -> None:
-        rpath = f"{prefix}/{src.name}"
-        self._retry(rpath, "upload", partial(self._put, src, rpath))
+        key = f"{prefix}/{src.name}"
+        self._retry(key, "upload", partial(self._put, src, key))
 
-    def _key(self, rpath: str) -> str:
-        """``rpath`` (under :attr:`root`) as a key of the object-store layer's store."""
-        return rpath[len(self.root) + 1 :]
-
-    def _put(self, src: SourceFile, rpath: str) -> None:
-        """Upload one local file to ``rpath`` (multipart above the part size), hashing what is
+    def _put(self, src: SourceFile, key: str) -> None:
+        """Upload one local file to ``key`` (multipart above the part size), hashing what is
         read against the manifest: a mismatch aborts the upload before its last part."""
         try:
-            self._store.put_file(
-                self._key(rpath), src.fd, size=src.size, checksum=src.checksum, name=src.name
-            )
+            self._store.put_file(key, src.fd, size=src.size, checksum=src.checksum, name=src.name)
         except ObjectMismatch as e:
             raise Damaged(f"{e}; the local checkpoint is damaged and is not archived") from None
-
-    def _put_manifest(self, path: str, data: bytes) -> None:
-        if self._local:  # a local/shared filesystem write is not atomic: publish by rename
-            tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-            self.fs.pipe_file(tmp, data)
-            self.fs.mv(tmp, path)
-        else:  # object stores publish a PUT atomically
-            self.fs.pipe_file(path, data)
 
     # --- download -----------------------------------------------------------------------------
 
@@ -317,7 +278,7 @@ class Archive:
         """
         t0 = time.perf_counter()
         raw, m = self._manifest(step)
-        prefix = self._step_path(step)
+        prefix = self._step_key(step)
         files = m.files  # plain names only (validated): every path stays inside dest_dir
         have = self._retry(prefix, "listing", lambda: self._sizes(prefix))
         for name, f in sorted(files.items()):
@@ -347,9 +308,9 @@ class Archive:
         streams = share(self._store.options.concurrency, self.config.threads, len(files))
 
         def get(name: str) -> None:
-            rpath = f"{prefix}/{name}"
-            fetch = partial(self._get, rpath, dest_dir, name, files, tick, streams)
-            self._retry(rpath, "download", fetch)
+            key = f"{prefix}/{name}"
+            fetch = partial(self._get, key, dest_dir, name, files, tick, streams)
+            self._retry(key, "download", fetch)
 
         total = sum(f.size for f in files.values())
         with progress_bar(f"download step {step}", total=total, enabled=progress) as bar:
@@ -369,7 +330,7 @@ class Archive:
 
     def _get(
         self,
-        rpath: str,
+        key: str,
         dest_dir: str,
         name: str,
         files: dict[str, FileEntry],
@@ -382,7 +343,7 @@ class Archive:
         f = files[name]
         try:
             self._store.get_file(
-                self._key(rpath),
+                key,
                 os.path.join(dest_dir, name),
                 size=f.size,
                 checksum=f.checksum,
@@ -391,7 +352,7 @@ class Archive:
                 streams=streams,
             )
         except FileNotFoundError as e:
-            raise Damaged(f"{rpath} vanished during download") from e
+            raise Damaged(f"{key} vanished during download") from e
         except ObjectMismatch as e:
             raise Damaged(
                 f"checksum mismatch after download ({e.reason}): the remote copy is damaged"
@@ -415,18 +376,15 @@ class Archive:
             keep |= {s for s in steps if s % keep_every == 0}
         gone = [s for s in steps if s not in keep]
         for s in gone:
-            prefix = self._step_path(s)
+            prefix = self._step_key(s)
             self._retry(f"{prefix}/{MANIFEST}", "delete", partial(self._rm_step, prefix))
         if gone:
             log.info("archive %s: retention removed steps %s", self.url, gone)
         return gone
 
     def _rm_step(self, prefix: str) -> None:
-        with contextlib.suppress(FileNotFoundError):  # a retry after a partial delete
-            self.fs.rm_file(f"{prefix}/{MANIFEST}")
-        self.fs.invalidate_cache(prefix)
-        with contextlib.suppress(FileNotFoundError):
-            self.fs.rm(prefix, recursive=True)
+        self._store.delete([f"{prefix}/{MANIFEST}"])  # first: the step is not listed from here
+        self._store.delete_prefix(prefix)
 
 
 def fetch_newest_valid(

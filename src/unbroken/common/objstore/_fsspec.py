@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from unbroken.common.errors import ObjectMismatch, RemoteStorageError
 from unbroken.common.fs import hasher, is_local_fs, private_dir
-from unbroken.common.objstore.base import ObjectStore, PastEnd
+from unbroken.common.objstore.base import ObjectStore, PastEnd, no_bucket
 from unbroken.common.objstore.options import StoreOptions
 
 __all__ = ["FsspecStore"]
@@ -30,6 +30,8 @@ __all__ = ["FsspecStore"]
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _RANGE_REFUSED = ("InvalidRange", "not satisfiable", "416")
+_BUCKETED = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+"""fsspec protocols whose first path component is a bucket (or container)."""
 
 
 class FsspecStore(ObjectStore):
@@ -192,9 +194,34 @@ class FsspecStore(ObjectStore):
                 return {}
 
         n = len(root) + 1 if root else 0
-        return {
-            p[n:]: int(d.get("size") or 0) for p, d in self._call("listing", prefix, ls).items()
-        }
+        found = self._call("listing", prefix, ls)
+        if not found and self._bucketed() and not self._call("bucket check", "", self._has_bucket):
+            raise no_bucket(self.url)
+        return {p[n:]: int(d.get("size") or 0) for p, d in found.items()}
+
+    def _bucketed(self) -> bool:
+        fs = self._open()[0]
+        protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+        return not self.local and bool(_BUCKETED & set(protocols))
+
+    def _has_bucket(self, fs: Any) -> bool:
+        return bool(fs.exists(self._open()[1].split("/", 1)[0]))
+
+    def delete_prefix(self, prefix: str) -> None:
+        if not self.local:
+            super().delete_prefix(prefix)
+            return
+        path = self._path(prefix.strip("/"))
+
+        def rm(fs: Any) -> None:  # the files and the directories that held them
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(path, recursive=True)
+
+        self._call("delete", prefix, rm)
+
+    @property
+    def local_root(self) -> str | None:
+        return self._open()[1] if self.local else None
 
     def delete(self, keys: list[str]) -> None:
         for key in keys:

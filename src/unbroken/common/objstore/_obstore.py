@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from unbroken.common.errors import RemoteStorageError
-from unbroken.common.objstore.base import ObjectStore, PastEnd
+from unbroken.common.objstore.base import ObjectStore, PastEnd, missing_container
 from unbroken.common.objstore.options import Route, StoreOptions
 
 if TYPE_CHECKING:
@@ -191,7 +191,13 @@ class ObstoreStore(ObjectStore):
                     out[m["path"]] = int(m["size"])
             return out
 
-        return self._call("listing", prefix, ls)
+        try:
+            return self._call("listing", prefix, ls)
+        except RemoteStorageError as e:
+            missing = missing_container(self.url, str(e))
+            if missing is None:
+                raise
+            raise missing from None
 
     def delete(self, keys: list[str]) -> None:
         if (fb := self._forked()) is not None:

@@ -140,12 +140,24 @@ class ObjectStore:
 
     def list_objects(self, prefix: str = "") -> dict[str, int]:
         """Every object below ``prefix`` (a key prefix ending at a ``/`` boundary, ``""``:
-        all), recursively: ``{key: size}`` with keys relative to the root."""
+        all), recursively: ``{key: size}`` with keys relative to the root. A bucket (or
+        container) that does not exist is a ``FileNotFoundError`` that says so: a typo'd URL
+        is not an empty store."""
         raise NotImplementedError
 
     def delete(self, keys: list[str]) -> None:
         """Delete these objects; one already gone is not an error."""
         raise NotImplementedError
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every object below ``prefix`` (one already gone is not an error)."""
+        self.delete(sorted(self.list_objects(prefix)))
+
+    @property
+    def local_root(self) -> str | None:
+        """The directory this store's root is, when it is on a local (or mounted)
+        filesystem; None for an object store."""
+        return None
 
     def put_bytes(self, key: str, data: bytes) -> None:
         """Publish ``data`` at ``key`` atomically: readers see the old object or all of it."""
@@ -404,6 +416,26 @@ class ObjectStore:
         else:
             self._put_stream(key, chunks, size)
         return None
+
+
+_MISSING_CONTAINER = ("NoSuchBucket", "ContainerNotFound", "The specified bucket does not exist")
+"""What S3 (and its clones), Azure and GCS answer for a bucket or container that is not there."""
+
+
+def missing_container(url: str, reason: str) -> FileNotFoundError | None:
+    """The error for a listing of ``url`` refused because its bucket does not exist; None
+    when ``reason`` says something else."""
+    if not any(m in reason for m in _MISSING_CONTAINER):
+        return None
+    return no_bucket(url)
+
+
+def no_bucket(url: str) -> FileNotFoundError:
+    bucket = url.split("://", 1)[-1].split("/", 1)[0]
+    return FileNotFoundError(
+        f"{url}: the bucket {bucket!r} does not exist (or these credentials cannot see it); "
+        "check the URL and the endpoint"
+    )
 
 
 def share(concurrency: int, threads: int, files: int) -> int:
