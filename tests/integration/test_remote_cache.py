@@ -1364,3 +1364,50 @@ def test_a_download_thread_imports_nothing(
     )
     assert r.returncode == 0, r.stderr.decode()[-3000:]
     assert r.stdout.decode().strip() == "[]"
+
+
+_NO_FSSPEC_S3 = r"""
+import json, sys
+sys.modules["s3fs"] = sys.modules["aiobotocore"] = sys.modules["botocore"] = None  # no fsspec S3
+url, cache, endpoint = sys.argv[1:4]
+from unbroken.common.objstore import obstore_runtime_here
+from unbroken.data import StreamingDataset
+from unbroken.data.stream.config import CacheConfig
+opts = {"client_kwargs": {"endpoint_url": endpoint}}
+cfg = CacheConfig(cache_dir=cache, storage_options=opts, fetch_process=False, timeout=20)
+try:
+    ds = StreamingDataset(url, seed=1, shuffle_window=40, rank=0, world_size=1, cache=cfg)
+except FileNotFoundError as e:
+    print(json.dumps({"missing": str(e)}))
+    sys.exit(0)
+started = obstore_runtime_here()
+keys = sorted(s["__key__"] for b in ds.iter_batches(0, 0, 32) for s in b)
+print(json.dumps({"n": len(ds), "runtime_before_reading": started, "keys": keys}))
+"""
+
+
+def test_a_dataset_whose_scheme_fsspec_cannot_open_reads_its_manifest_through_obstore(
+    endpoint: str, local_ds: str, tmp_path: Any
+) -> None:
+    """A ``gs://`` dataset without gcsfs (here: ``s3://`` with s3fs and botocore unimportable)
+    still opens: its ``dataset.json`` is read through obstore in a fresh interpreter, so the
+    training process has not started obstore's runtime when it forks its workers, and every
+    sample comes back; a root with no manifest says so, naming it."""
+    _upload(endpoint, local_ds, "data", "noback")
+
+    def run(url: str, cache: str) -> dict[str, Any]:
+        proc = subprocess.run(
+            [sys.executable, "-c", _NO_FSSPEC_S3, url, cache, endpoint],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ, **_CREDS},
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+    got = run("s3://data/noback", str(tmp_path / "c"))
+    assert got["n"] == N and got["runtime_before_reading"] is False
+    assert got["keys"] == [f"k{i:05d}" for i in range(N)]
+    missing = run("s3://data/nothing-here", str(tmp_path / "c2"))["missing"]
+    assert "s3://data/nothing-here/dataset.json: no dataset manifest" in missing, missing

@@ -55,6 +55,28 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MANIFEST_NAME = "dataset.json"
+
+
+def manifest_bytes(store: Any) -> bytes:
+    """The bytes of ``dataset.json`` at the root of an object ``store``, unparsed: one GET
+    of at most :data:`MAX_MANIFEST_BYTES` + 1 bytes (a larger one is refused unread)."""
+    from unbroken.common.errors import ObjectMismatch
+
+    try:
+        return bytes(store.get_bytes(MANIFEST_NAME, max_bytes=MAX_MANIFEST_BYTES))
+    except FileNotFoundError:
+        raise no_manifest(store.url_of(MANIFEST_NAME)) from None
+    except ObjectMismatch as e:
+        raise ManifestError(f"{e}; re-create the manifest") from None
+
+
+def no_manifest(path: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"{path}: no dataset manifest; create one with `unbroken data pack`, "
+        "`unbroken data index` or `unbroken data tokenize`"
+    )
+
+
 MAX_MANIFEST_BYTES = 256 << 20
 """dataset.json files larger than this (about 900,000 shards) are refused without parsing."""
 _FORMAT = "unbroken-dataset"
@@ -402,15 +424,18 @@ class DatasetManifest:
                 with os.fdopen(open_regular(local_path(path)), "rb") as f:
                     raw = read_bounded(f, MAX_MANIFEST_BYTES + 1)
         except FileNotFoundError:
-            raise FileNotFoundError(
-                f"{path}: no dataset manifest; create one with `unbroken data pack`, "
-                "`unbroken data index` or `unbroken data tokenize`"
-            ) from None
+            raise no_manifest(path) from None
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
             raise ManifestError(f"{path}: {e.strerror}; re-create the manifest") from None
         return cls.parse(raw, source=path)
+
+    @classmethod
+    def from_store(cls, store: Any) -> DatasetManifest:
+        """Read ``dataset.json`` at the root of ``store`` (an
+        :class:`~unbroken.common.objstore.ObjectStore`) in one bounded GET."""
+        return cls.parse(manifest_bytes(store), source=store.url_of(MANIFEST_NAME))
 
     @classmethod
     def parse(cls, raw: bytes, *, source: str) -> DatasetManifest:

@@ -342,7 +342,10 @@ def stage(
         raise ValueError(f"workers={workers} must be >= 1")
     t0 = time.perf_counter()
     store = open_store(url, storage_options, StoreOptions(backoff_s=backoff_s))
-    manifest = DatasetManifest.load(url, storage_options)
+    if store.local_root is None:  # the same request path as the files
+        manifest = DatasetManifest.from_store(store)
+    else:  # a local one is opened as a regular file only (a FIFO planted there never blocks)
+        manifest = DatasetManifest.load(url)
     os.makedirs(local_dir, exist_ok=True)
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     if ranks_local and local_rank != 0:

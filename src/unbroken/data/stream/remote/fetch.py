@@ -8,7 +8,9 @@ backoff; a unit's two files (shard and index) are downloaded by
 dataset.json records + 1, hashed (xxh3-128) as they arrive and ``pwrite``-n into a temporary
 file renamed into place only on a match. ``dataset.json`` is read through fsspec, with
 retries: one request, in the rank process, which must not start obstore's runtime before it
-forks its DataLoader workers and the fetcher (that runtime does not survive a fork).
+forks its DataLoader workers and the fetcher (that runtime does not survive a fork). Where
+fsspec has no backend for the scheme (``gs://`` without gcsfs, ``az://`` without adlfs),
+that one request is made through obstore in a fresh interpreter instead.
 The cache calls only :func:`open_store`, :func:`load_remote_manifest` and
 :func:`download_unit`.
 """
@@ -17,6 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,7 +30,13 @@ from typing import Any
 from unbroken.common.fs import checksum_file
 from unbroken.common.objstore import ObjectStore, StoreOptions, route_of
 from unbroken.common.objstore import open_store as _open_store
-from unbroken.data.manifest import DatasetManifest, join_path
+from unbroken.data.manifest import (
+    MANIFEST_NAME,
+    DatasetManifest,
+    ManifestError,
+    join_path,
+    manifest_bytes,
+)
 from unbroken.data.prepare.stage import RemoteStorageError, fetch_verified
 from unbroken.data.stream.config import CacheConfig
 
@@ -106,6 +118,8 @@ def load_remote_manifest(url: str, config: CacheConfig) -> DatasetManifest:
     """``dataset.json`` at ``url``, retried like a shard; a store that does not answer raises
     :class:`RemoteStorageError` naming the URL."""
     opts = with_timeouts(url, config.storage_options, config.timeout)
+    if not _fsspec_serves(url) and route_of(url, opts, _store_options(config)).kind == "obstore":
+        return _manifest_in_child(url, opts, config)
     for attempt in range(config.retries + 1):
         try:
             return DatasetManifest.load(url, opts)
@@ -120,6 +134,79 @@ def load_remote_manifest(url: str, config: CacheConfig) -> DatasetManifest:
                 ) from e
             time.sleep(config.backoff_s * 2**attempt)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _fsspec_serves(url: str) -> bool:
+    """Whether fsspec has an implementation for ``url``'s scheme importable here."""
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(url.split("://", 1)[0] if "://" in url else "file")
+    except (ImportError, ValueError):
+        return False
+    return True
+
+
+_CHILD_EXIT = {3: FileNotFoundError, 4: ManifestError}
+
+
+def _manifest_in_child(url: str, opts: dict[str, Any], config: CacheConfig) -> DatasetManifest:
+    """``dataset.json`` through obstore, read by a fresh interpreter (this process must not
+    start obstore's runtime: it forks DataLoader workers next). Its bytes are parsed here,
+    as any manifest's: the child is trusted no more than the store."""
+    so = _store_options(config)
+    try:
+        payload = json.dumps(
+            {"opts": opts, "retries": so.retries, "backoff_s": so.backoff_s, "timeout": so.timeout}
+        )
+    except TypeError as e:
+        raise ValueError(
+            f"{url}: storage_options cannot be handed to the manifest reader ({e}); install "
+            "the fsspec backend for this scheme (gs://: gcsfs, az://: adlfs) or pass plain values"
+        ) from None
+    code = "from unbroken.data.stream.remote.fetch import _manifest_child; _manifest_child()"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    limit = (config.timeout + config.backoff_s * 2**config.retries) * (config.retries + 1) + 30
+    try:
+        p = subprocess.run(
+            [sys.executable, "-c", code, url],
+            input=payload.encode(),
+            capture_output=True,
+            timeout=limit,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        raise RemoteStorageError(
+            f"{join_path(url, MANIFEST_NAME)}: reading the manifest did not finish in "
+            f"{limit:.0f} s; the storage is unreachable or failing - check endpoint, "
+            "credentials and network",
+            url=url,
+        ) from None
+    if p.returncode == 0:
+        return DatasetManifest.parse(p.stdout, source=join_path(url, MANIFEST_NAME))
+    lines = p.stderr.decode("utf-8", "replace").strip().splitlines()
+    said = lines[-1] if lines else f"exit status {p.returncode}"
+    raise _CHILD_EXIT.get(p.returncode, RemoteStorageError)(said)
+
+
+def _manifest_child() -> None:
+    """The child of :func:`_manifest_in_child`: the manifest's bytes to stdout; exit 3 for
+    no manifest, 4 for one refused unread, 2 for a store that failed."""
+    url = sys.argv[1]
+    job = json.loads(sys.stdin.read())
+    so = StoreOptions(retries=job["retries"], backoff_s=job["backoff_s"], timeout=job["timeout"])
+    try:
+        raw = manifest_bytes(_open_store(url, job["opts"], so))
+    except (FileNotFoundError, ManifestError) as e:
+        code, said = (3 if isinstance(e, FileNotFoundError) else 4), str(e)
+    except Exception as e:  # noqa: BLE001 - the parent raises it, named
+        code, said = 2, f"{join_path(url, MANIFEST_NAME)}: {type(e).__name__}: {e}"
+    else:
+        sys.stdout.buffer.write(raw)
+        sys.stdout.flush()
+        return
+    print(" ".join(said.split()), file=sys.stderr)
+    sys.exit(code)
 
 
 def download_unit(
