@@ -108,3 +108,25 @@ def test_buffers_are_allocated_ahead_so_the_first_save_only_copies(tmp_path) -> 
     saved = read_checkpoint(str(tmp_path / "ck"))["components"]["model"]
     for k, v in m.state_dict().items():  # ...and holds this step's values, not zeros
         assert torch.equal(saved[k], v)
+
+
+def test_a_restore_allocates_the_buffers_ahead_of_the_first_save(tmp_path) -> None:
+    """A resumed job that calls ``save()`` itself (no ``maybe_save`` to prepare at a step
+    boundary) must not pay the buffers' allocation in its first save's stall either: the
+    restored state is complete, so the checkpoint thread allocates them right after it."""
+    st, m, opt = _setup()
+    _step(st, m, opt)
+    Checkpointer(str(tmp_path / "ck"), st).save()
+    st2, m2, opt2 = _setup(seed=1)
+    ck = Checkpointer(str(tmp_path / "ck"), st2, async_save=True)
+    assert ck._prepared is None
+    assert ck.restore() == 1 and ck._prepared is not None
+    ck._prepared.result()
+    buffers = dict(ck._snap._buffers)
+    assert ck._snap.allocated_bytes >= sum(p.numel() * 4 for p in m2.parameters()) * 3
+    _step(st2, m2, opt2)
+    ck.save()
+    assert all(ck._snap._buffers[k] is b for k, b in buffers.items())
+    ck.close()
+    saved = read_checkpoint(str(tmp_path / "ck"))["components"]["model"]
+    assert all(torch.equal(saved[k], v) for k, v in m2.state_dict().items())

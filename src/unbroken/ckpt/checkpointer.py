@@ -228,11 +228,15 @@ class Checkpointer:
         if mem and step % mem == 0 and self._memory is not None:
             self._publish(self._memory, step)
             return False
-        if self._pool is not None and self._prepared is None:
-            # First step boundary without a save: let the checkpoint thread allocate the
-            # snapshot buffers now (the optimizer state exists by now), not at the first save.
-            self._prepared = self._pool.submit(self._snap.prepare, encode(self.state)[3])
+        self._prepare_ahead()  # first step boundary without a save (the optimizer state exists)
         return False
+
+    def _prepare_ahead(self) -> None:
+        """Async: let the checkpoint thread allocate (pin, fault in) the snapshot buffers
+        while the loop trains, not at the first save: on a GPU that is seconds for a few GiB
+        (8.25 GiB: 3.5-6.2 s of ``cudaHostAlloc``, benchmarks/RESULTS.md "GPU checks")."""
+        if self._pool is not None and self._prepared is None:
+            self._prepared = self._pool.submit(self._snap.prepare, encode(self.state)[3])
 
     def save(self, step: SupportsIndex | None = None) -> str:
         """Save the complete training state as ``step`` (default ``state.step``).
@@ -662,6 +666,7 @@ class Checkpointer:
                 s, when, dt, tier, printable(why), quiet=self.config.quiet,
             )  # fmt: skip
         _mark("loaded", step=s, seconds=dt, tier=tier)
+        self._prepare_ahead()  # a resumed state is complete: the first save only copies
         return s
 
 
