@@ -28,7 +28,7 @@ def test_paths_are_accepted_wherever_a_path_string_is(tmp_path: Path) -> None:
     ck = Checkpointer(tmp_path / "ckpt", TrainState(model=m))
     ck.save(1)
     assert Checkpointer(tmp_path / "ckpt", TrainState(model=torch.nn.Linear(2, 2))).restore() == 1
-    assert read_checkpoint(tmp_path / "ckpt")["counters"]["step"] == 0
+    assert read_checkpoint(tmp_path / "ckpt")["counters"]["step"] == 1  # save(1) saved step 1
     assert CheckpointConfig(memory_dir=tmp_path / "mem").memory_dir == str(tmp_path / "mem")  # type: ignore[arg-type]
 
     pack(
