@@ -262,7 +262,30 @@ def ckpt_check(dev: torch.device, root: str, gib: float, saves: int) -> dict[str
         + ", ".join(f"{k} {v:.1f} GB/s" for k, v in rates.items()),
         flush=True,
     )
+    out["after_restore"] = _first_save_after_restore(dev, os.path.join(root, "ub-async"), st)
     return out
+
+
+def _first_save_after_restore(dev: torch.device, path: str, st: Any) -> dict[str, float]:
+    """A resumed job that calls ``save()`` itself: the async restore allocates the snapshot
+    buffers on the checkpoint thread right after it, so the first save's stall is the copy,
+    not the pinned allocation (the 'first' column above, for a Checkpointer that saves right
+    after it is built)."""
+    ck = Checkpointer(path, st, async_save=True)
+    try:
+        restore_s = _timed(ck.restore, dev)
+        ready_s = _timed(ck.wait, dev)  # the rest of the allocation, had the loop not waited
+        step = (ck.latest() or 0) + 1
+        first_s = _timed(lambda: ck.save(step), dev)
+        ck.wait()
+    finally:
+        ck.close()
+    print(
+        f"    first async save after a restore: stall {first_s:.3f} s (restore {restore_s:.3f} s, "
+        f"then buffers ready {ready_s:.3f} s later on the checkpoint thread)",
+        flush=True,
+    )
+    return {"restore_s": restore_s, "buffers_ready_s": ready_s, "first_save_stall_s": first_s}
 
 
 def _h2d_rates(dev: torch.device, nbytes: int) -> dict[str, float]:

@@ -37,6 +37,8 @@ def test_gpu_checks_smoke_run(tmp_path) -> None:
     }
     assert res["ckpt"]["load"]["unbroken_verified_s"] > 0
     assert res["ckpt"]["load"]["unbroken_verified_cold_s"] > 0  # issue 23: cold load too
+    after = res["ckpt"]["after_restore"]  # a resumed job's first save: buffers made ahead
+    assert after["first_save_stall_s"] > 0 and after["buffers_ready_s"] >= 0
     ring = res["ring"]  # the pinned-ring check's CPU run: same batches, copies intact
     assert ring["identical"] and ring["copies_intact"] and ring["batches"] == 12
     feed = res["feed"]
