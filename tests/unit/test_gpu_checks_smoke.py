@@ -44,3 +44,21 @@ def test_gpu_checks_smoke_run(tmp_path) -> None:
     feed = res["feed"]
     assert feed["rc"] == 0 and set(feed["results"]) == {"a", "b", "c", "d"}
     assert feed["pass"] is None  # no verdict on CPU
+
+
+def test_the_prepare_overlap_script_runs_on_cpu(tmp_path) -> None:
+    """``benchmarks/gpu_prepare_overlap.py --smoke``: the loop timed before, during and after
+    the checkpoint thread allocates the snapshot buffers (a GPU question; this keeps the
+    script from rotting)."""
+    out = tmp_path / "o.json"
+    script = os.path.join(os.path.dirname(SCRIPT), "gpu_prepare_overlap.py")
+    proc = subprocess.run(
+        [sys.executable, script, "--smoke", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["allocated_bytes"] >= res["state_gib"] * 2**30 * 0.99 > 0
+    assert set(res["median_step_s"]) == {"before", "during", "after"}
