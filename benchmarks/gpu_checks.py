@@ -180,10 +180,11 @@ def resume_check(dev: torch.device, root: str, smoke: bool) -> dict[str, Any]:
 # --- 2. checkpoint from device memory ----------------------------------------------------------
 
 
-def ckpt_check(dev: torch.device, root: str, gib: float, saves: int) -> dict[str, Any]:
+def big_state(dev: torch.device, gib: float) -> tuple[nn.Sequential, torch.optim.Optimizer]:
+    """About ``gib`` GiB of training state on ``dev``: square fp32 layers (8192 wide from
+    1 GiB, else 256) and AdamW's two moments, made by one step."""
     side = 8192 if gib >= 1 else 256
-    layer = side * side * 4
-    n = max(1, round(gib * (1 << 30) / (3 * layer)))
+    n = max(1, round(gib * (1 << 30) / (3 * side * side * 4)))
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(side, side, bias=False) for _ in range(n)]).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -191,6 +192,11 @@ def ckpt_check(dev: torch.device, root: str, gib: float, saves: int) -> dict[str
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()
     opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def ckpt_check(dev: torch.device, root: str, gib: float, saves: int) -> dict[str, Any]:
+    model, opt = big_state(dev, gib)
     # like for like (issue 23): no contender is pre-warmed; each one's first call is its
     # warm-up (shown, not in the median); the order rotates per round; DCP writes with
     # unbroken's writer-thread count; each save is finished before the next starts

@@ -24,13 +24,16 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 try:
     import unbroken  # noqa: F401
 except ImportError:  # the GPU machine's python3 has torch; not us
     sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+sys.path.insert(0, HERE)
+
+from gpu_checks import big_state  # noqa: E402
 
 from unbroken.ckpt import Checkpointer, TrainState  # noqa: E402
 
@@ -48,20 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny CPU run to check the script")
     a = p.parse_args(argv)
     if a.smoke:
-        dev, side, a.steps, a.gib = torch.device("cpu"), 64, 4, 0.001
+        dev, a.steps, a.gib = torch.device("cpu"), 4, 0.01
     elif not torch.cuda.is_available():
         print("gpu_prepare_overlap: no CUDA device; --smoke checks it on CPU", file=sys.stderr)
         return 2
     else:
-        dev, side = torch.device("cuda", torch.cuda.current_device()), 8192
-    layers = max(1, round(a.gib * (1 << 30) / (3 * side * side * 4)))
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(side, side, bias=False) for _ in range(layers)]).to(dev)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    for q in model.parameters():
-        q.grad = torch.randn_like(q) * 1e-3
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+        dev = torch.device("cuda", torch.cuda.current_device())
+    model, opt = big_state(dev, a.gib)  # the state gpu_checks.py [2] saves
+    side = model[0].weight.shape[0]
     x = torch.randn(side, side, device=dev)
     w = torch.randn(side, side, device=dev) / side**0.5
 
