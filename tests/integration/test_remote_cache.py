@@ -1380,6 +1380,9 @@ try:
 except FileNotFoundError as e:
     print(json.dumps({"missing": str(e)}))
     sys.exit(0)
+except ValueError as e:
+    print(json.dumps({"refused": str(e)}))
+    sys.exit(0)
 started = obstore_runtime_here()
 keys = sorted(s["__key__"] for b in ds.iter_batches(0, 0, 32) for s in b)
 print(json.dumps({"n": len(ds), "runtime_before_reading": started, "keys": keys}))
@@ -1395,13 +1398,13 @@ def test_a_dataset_whose_scheme_fsspec_cannot_open_reads_its_manifest_through_ob
     sample comes back; a root with no manifest says so, naming it."""
     _upload(endpoint, local_ds, "data", "noback")
 
-    def run(url: str, cache: str) -> dict[str, Any]:
+    def run(url: str, cache: str, **env: str) -> dict[str, Any]:
         proc = subprocess.run(
             [sys.executable, "-c", _NO_FSSPEC_S3, url, cache, endpoint],
             capture_output=True,
             text=True,
             timeout=180,
-            env={**os.environ, **_CREDS},
+            env={**os.environ, **_CREDS, **env},
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -1411,3 +1414,7 @@ def test_a_dataset_whose_scheme_fsspec_cannot_open_reads_its_manifest_through_ob
     assert got["keys"] == [f"k{i:05d}" for i in range(N)]
     missing = run("s3://data/nothing-here", str(tmp_path / "c2"))["missing"]
     assert "s3://data/nothing-here/dataset.json: no dataset manifest" in missing, missing
+    # a configuration obstore refuses is the user's to fix, not an outage to wait out (it was
+    # a RemoteStorageError, which the supervisor retries as one)
+    bad = run("s3://data/noback", str(tmp_path / "c3"), AWS_SKIP_SIGNATURE="maybe")["refused"]
+    assert "s3://data/noback: cannot configure obstore" in bad and "maybe" in bad, bad

@@ -5,6 +5,7 @@ tests/integration/test_objstore.py."""
 from __future__ import annotations
 
 import pickle
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -154,6 +155,31 @@ def test_errors_survive_pickling_with_their_url() -> None:
     assert r.url == "s3://b/k" and str(r) == "s3://b/k: down"
 
 
-def test_a_bad_obstore_configuration_is_refused_naming_the_url() -> None:
-    with pytest.raises(ValueError, match="s3://b/x: cannot configure obstore"):
-        open_store("s3://b/x", {"client_kwargs": {"region_name": 5}})
+def test_a_bad_obstore_configuration_is_refused_naming_the_url(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("AWS_SKIP_SIGNATURE", "maybe")  # what obstore reads and rejects
+    with pytest.raises(ValueError, match="s3://b/x: cannot configure obstore.*maybe"):
+        open_store("s3://b/x", {"key": "AK", "secret": "SK"})
+
+
+@pytest.mark.parametrize(
+    ("so", "named"),
+    [
+        ({"client_kwargs": {"endpoint_url": 5}}, "storage_options.client_kwargs.endpoint_url=5"),
+        ({"endpoint_url": ["http://h"]}, "storage_options.endpoint_url=['http://h']"),
+        ({"client_kwargs": {"region_name": 5}}, "storage_options.client_kwargs.region_name=5"),
+        ({"config_kwargs": {"connect_timeout": -5}}, "config_kwargs.connect_timeout=-5"),
+        ({"config_kwargs": {"read_timeout": "abc"}}, "config_kwargs.read_timeout='abc'"),
+        ({"config_kwargs": {"retries": {"max_attempts": 0}}}, "retries.max_attempts=0"),
+        ({"config_kwargs": {"retries": {"max_attempts": "3"}}}, "retries.max_attempts='3'"),
+    ],
+)
+def test_a_malformed_s3fs_option_is_refused_naming_it_and_its_value(
+    so: dict[str, Any], named: str
+) -> None:
+    """A value of the wrong type or range is a ValueError naming the option and the value
+    (before: an AttributeError from deep inside, a bare float() error, or a negative timeout
+    reaching obstore as "'timedelta' object is not an instance of 'str'")."""
+    with pytest.raises(ValueError, match=re.escape(named)):
+        route_of("s3://b/p", {"key": "AK", "secret": "SK", **so})

@@ -261,6 +261,12 @@ def _s3(so: dict[str, Any], client: dict[str, Any], retry: dict[str, Any]) -> Ro
     unknown += sorted(f"config_kwargs.s3.{k}" for k in s3cfg if k != "addressing_style")
     if unknown:
         return _fsspec(f"s3fs storage_options {unknown} have no obstore equivalent")
+    for k in ("endpoint_url", "region_name"):
+        for where, d in (("", so), ("client_kwargs.", ck)):
+            if d.get(k) is not None and not isinstance(d[k], str):
+                raise ValueError(
+                    f"storage_options.{where}{k}={d[k]!r} must be a string (a URL or a name)"
+                )
     for k, v in so.items():
         target = S3FS_KEYS.get(k)
         if target is not None and v is not None:
@@ -268,17 +274,7 @@ def _s3(so: dict[str, Any], client: dict[str, Any], retry: dict[str, Any]) -> Ro
     for k, v in ck.items():
         if v is not None:
             config[_CLIENT_KWARGS[k]] = v
-    if cfg.get("region_name"):
-        config["region"] = cfg["region_name"]
-    if "connect_timeout" in cfg:
-        client["connect_timeout"] = _seconds(cfg["connect_timeout"])
-    if "read_timeout" in cfg:
-        client["read_timeout"] = _seconds(cfg["read_timeout"])
-    attempts = (cfg.get("retries") or {}).get("max_attempts")
-    if attempts is not None:  # botocore counts the first attempt, obstore only retries
-        retry["max_retries"] = max(int(attempts) - 1, 0)
-    if s3cfg.get("addressing_style") in ("virtual", "path"):
-        config["virtual_hosted_style_request"] = s3cfg["addressing_style"] == "virtual"
+    _botocore_config(cfg, config, client, retry)
     if config.get("skip_signature") is not True:
         config.pop("skip_signature", None)
     if not _has_s3_credentials(config):
@@ -290,6 +286,25 @@ def _s3(so: dict[str, Any], client: dict[str, Any], retry: dict[str, Any]) -> Ro
     if endpoint.startswith("http://"):  # the user named a plain-HTTP endpoint: allow it
         client["allow_http"] = True
     return Route("obstore", config, client, retry)
+
+
+def _botocore_config(
+    cfg: dict[str, Any], config: dict[str, Any], client: dict[str, Any], retry: dict[str, Any]
+) -> None:
+    """botocore ``Config`` keywords (``config_kwargs``) into obstore's three option sets."""
+    if cfg.get("region_name"):
+        config["region"] = cfg["region_name"]
+    for name in ("connect_timeout", "read_timeout"):
+        if name in cfg:
+            check_seconds("storage_options", f"config_kwargs.{name}", cfg[name], positive=True)
+            client[name] = _seconds(cfg[name])
+    attempts = (cfg.get("retries") or {}).get("max_attempts")
+    if attempts is not None:  # botocore counts the first attempt, obstore only retries
+        check_count("storage_options", "config_kwargs.retries.max_attempts", attempts)
+        retry["max_retries"] = attempts - 1
+    style = (cfg.get("s3") or {}).get("addressing_style")
+    if style in ("virtual", "path"):
+        config["virtual_hosted_style_request"] = style == "virtual"
 
 
 def _has_s3_credentials(config: Mapping[str, Any]) -> bool:

@@ -147,7 +147,8 @@ def _fsspec_serves(url: str) -> bool:
     return True
 
 
-_CHILD_EXIT = {3: FileNotFoundError, 4: ManifestError}
+# what the child's exit status means; 2 (any other failure): RemoteStorageError
+_CHILD_EXIT = {3: FileNotFoundError, 4: ManifestError, 5: ValueError}
 
 
 def _manifest_in_child(url: str, opts: dict[str, Any], config: CacheConfig) -> DatasetManifest:
@@ -191,14 +192,16 @@ def _manifest_in_child(url: str, opts: dict[str, Any], config: CacheConfig) -> D
 
 def _manifest_child() -> None:
     """The child of :func:`_manifest_in_child`: the manifest's bytes to stdout; exit 3 for
-    no manifest, 4 for one refused unread, 2 for a store that failed."""
+    no manifest, 4 for one refused unread, 5 for a store configuration obstore refuses (not
+    an outage: a retry or a restart cannot mend it), 2 for a store that failed."""
     url = sys.argv[1]
     job = json.loads(sys.stdin.read())
     so = StoreOptions(retries=job["retries"], backoff_s=job["backoff_s"], timeout=job["timeout"])
     try:
         raw = manifest_bytes(_open_store(url, job["opts"], so))
-    except (FileNotFoundError, ManifestError) as e:
-        code, said = (3 if isinstance(e, FileNotFoundError) else 4), str(e)
+    except (FileNotFoundError, ValueError) as e:
+        code = 3 if isinstance(e, FileNotFoundError) else 4 if isinstance(e, ManifestError) else 5
+        said = str(e)
     except Exception as e:  # noqa: BLE001 - the parent raises it, named
         code, said = 2, f"{join_path(url, MANIFEST_NAME)}: {type(e).__name__}: {e}"
     else:
