@@ -16,7 +16,6 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
-
 _T = timedelta(seconds=10)
 
 
