@@ -33,7 +33,7 @@ def _env(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
 
 def test_s3fs_keys_map_to_obstore_config() -> None:
     """issue 22 item 1: key/secret/token, endpoint_url and region in client_kwargs, botocore
-    timeouts and max_attempts, addressing style, anon."""
+    timeouts and retries, addressing style, anon."""
     r = route_of(
         "s3://b/p",
         {
@@ -63,7 +63,14 @@ def test_s3fs_keys_map_to_obstore_config() -> None:
     assert r.client["allow_http"] is True  # the user named a plain-http endpoint
     assert r.client["connect_timeout"] == timedelta(seconds=2)
     assert r.client["read_timeout"] == timedelta(seconds=7)
-    assert r.retry["max_retries"] == 0  # botocore's 1 attempt = no retry
+    assert r.retry["max_retries"] == 1  # botocore's client max_attempts counts retries
+    for tries, retries in [
+        ({"max_attempts": 0}, 0),
+        ({"total_max_attempts": 1}, 0),  # counts the first attempt
+        ({"total_max_attempts": 4, "max_attempts": 9}, 3),  # and wins, as in botocore
+    ]:
+        r = route_of("s3://b/p", {"key": "AK", "secret": "SK", "config_kwargs": {"retries": tries}})
+        assert r.retry["max_retries"] == retries, tries
     assert route_of("s3://b", {"anon": True}).config == {"skip_signature": True}
     assert route_of("s3://b", {"endpoint_url": "https://x"}).config == {"endpoint": "https://x"}
     assert "allow_http" not in route_of("s3://b", {"endpoint_url": "https://x"}).client
@@ -171,7 +178,8 @@ def test_a_bad_obstore_configuration_is_refused_naming_the_url(
         ({"client_kwargs": {"region_name": 5}}, "storage_options.client_kwargs.region_name=5"),
         ({"config_kwargs": {"connect_timeout": -5}}, "config_kwargs.connect_timeout=-5"),
         ({"config_kwargs": {"read_timeout": "abc"}}, "config_kwargs.read_timeout='abc'"),
-        ({"config_kwargs": {"retries": {"max_attempts": 0}}}, "retries.max_attempts=0"),
+        ({"config_kwargs": {"retries": {"max_attempts": -1}}}, "retries.max_attempts=-1"),
+        ({"config_kwargs": {"retries": {"total_max_attempts": 0}}}, "total_max_attempts=0"),
         ({"config_kwargs": {"retries": {"max_attempts": "3"}}}, "retries.max_attempts='3'"),
     ],
 )

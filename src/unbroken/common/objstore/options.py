@@ -298,10 +298,15 @@ def _botocore_config(
         if name in cfg:
             check_seconds("storage_options", f"config_kwargs.{name}", cfg[name], positive=True)
             client[name] = _seconds(cfg[name])
-    attempts = (cfg.get("retries") or {}).get("max_attempts")
-    if attempts is not None:  # botocore counts the first attempt, obstore only retries
-        check_count("storage_options", "config_kwargs.retries.max_attempts", attempts)
-        retry["max_retries"] = attempts - 1
+    # botocore's client config: ``max_attempts`` counts the retries, ``total_max_attempts``
+    # the first attempt too, and wins when both are given; obstore counts retries
+    tries = dict(cfg.get("retries") or {})
+    for name, first in (("max_attempts", 0), ("total_max_attempts", 1)):
+        if tries.get(name) is not None:
+            check_count(
+                "storage_options", f"config_kwargs.retries.{name}", tries[name], least=first
+            )
+            retry["max_retries"] = tries[name] - first
     style = (cfg.get("s3") or {}).get("addressing_style")
     if style in ("virtual", "path"):
         config["virtual_hosted_style_request"] = style == "virtual"
