@@ -44,6 +44,13 @@ def _native_threads() -> int:
         return 0
 
 
+def _collect_if_threads_were_left() -> Iterator[None]:
+    before = _native_threads()
+    yield
+    if _native_threads() > before:
+        gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def _garbage_of_a_test_that_left_threads_is_collected() -> Iterator[None]:
     """A test that leaves more threads than it found gets its garbage collected at once.
@@ -53,10 +60,13 @@ def _garbage_of_a_test_that_left_threads_is_collected() -> Iterator[None]:
     inherited by every child a later test forks; a child that collects it segfaults (its
     destructor stops threads the child does not have): CI lost both DataLoader workers of a
     later test file so. A full collection only then costs nothing on the other tests."""
-    before = _native_threads()
-    yield
-    if _native_threads() > before:
-        gc.collect()
+    yield from _collect_if_threads_were_left()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _garbage_of_a_module_that_left_threads_is_collected() -> Iterator[None]:
+    """The same for what a test file's module-scoped fixtures leave when they end."""
+    yield from _collect_if_threads_were_left()
 
 
 _STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 from datetime import timedelta
 
 from torch.distributed import TCPStore
@@ -43,3 +45,73 @@ def test_a_child_forked_by_the_next_test_collects_its_garbage_and_lives() -> Non
         if os.WIFSIGNALED(status)
         else f"the forked child exited {os.WEXITSTATUS(status)}"
     )
+
+
+_LEAVES = """
+import gc
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+
+class _Cycle:
+    def __init__(self, store):
+        self.store, self.me = store, self
+
+
+@pytest.fixture(scope="module")
+def stores():
+    held = [_Cycle(TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10)))
+            for _ in range(3)]
+    gc.collect()
+    yield
+    held.clear()
+
+
+def test_uses_them(stores):
+    pass
+"""
+
+_FORKS = """
+import gc
+import os
+
+
+def test_fork():
+    pid = os.fork()
+    if pid == 0:
+        gc.collect()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status), f"signal {os.WTERMSIG(status)}"
+"""
+
+
+def test_what_a_module_fixture_leaves_is_collected_before_the_next_file(tmp_path) -> None:
+    """The module-scoped half of the guard: a file whose module fixture leaves store servers
+    in a cycle when it ends; the next file forks. With conftest.py the child lives; with the
+    module-scoped guard taken out of it, the child dies (the test can fail)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(here, "conftest.py")) as f:
+        conftest = f.read()
+    guard = '@pytest.fixture(autouse=True, scope="module")\n'
+    assert guard in conftest
+    outcomes = {}
+    for name, text in (("with", conftest), ("without", conftest.replace(guard, ""))):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "conftest.py").write_text(text)
+        (d / "test_a_leaves.py").write_text(_LEAVES)
+        (d / "test_b_forks.py").write_text(_FORKS)
+        r = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist"],
+            cwd=d,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path])},
+        )
+        outcomes[name] = (r.returncode, r.stdout[-1500:])
+    assert outcomes["with"][0] == 0, outcomes["with"][1]
+    assert outcomes["without"][0] == 1 and "signal 11" in outcomes["without"][1], outcomes
