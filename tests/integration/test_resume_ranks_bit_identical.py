@@ -45,8 +45,18 @@ class _Seen:
         self.count = sd["count"]
 
 
+RANK_LIMIT_S = 120.0
+"""A rank alive this long is stuck (a run takes about 8 s, 30 s on a loaded 2-core box)."""
+
+
 def _rank_main(rank: int, rdzv: str, root: str, out: str, die_at: int, async_save: bool) -> None:
+    import faulthandler
+
     import numpy as np
+
+    # CI once saw a straight run's ranks never exit (the test timed out at 300 s with no word
+    # from them): a stuck rank prints every thread's stack, then ends, so the test says where
+    faulthandler.dump_traceback_later(RANK_LIMIT_S, exit=True)
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -113,7 +123,13 @@ def _run(tmp: str, root: str, out: str, die_at: int, async_save: bool) -> list[i
         )
         for r in range(WORLD)
     ]
-    return [p.wait(timeout=300) for p in procs]
+    try:
+        return [p.wait(timeout=RANK_LIMIT_S + 30) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def _same(a: Any, b: Any, where: str = "") -> None:
