@@ -53,16 +53,15 @@ def _rank_main(rank: int, rdzv: str, root: str, out: str, die_at: int, async_sav
     import faulthandler
 
     import numpy as np
-
-    # CI once saw a straight run's ranks never exit (the test timed out at 300 s with no word
-    # from them): a stuck rank prints every thread's stack, then ends, so the test says where
-    faulthandler.dump_traceback_later(RANK_LIMIT_S, exit=True)
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from rankkit import join_group
     from unbroken.ckpt import Checkpointer, TrainState
 
+    # CI once saw a straight run's ranks never exit (the test timed out at 300 s with no word
+    # from them): a stuck rank prints every thread's stack, then ends, so the test says where
+    faulthandler.dump_traceback_later(RANK_LIMIT_S, exit=True)
     join_group(rank, WORLD, rdzv)
     torch.manual_seed(0)  # the same initial weights on both ranks
     model = torch.nn.Sequential(
