@@ -27,44 +27,44 @@ class _Cycle:
         self.me = self
 
 
-def test_a_store_server_left_in_a_reference_cycle() -> None:
-    # three: a child that collects one such store lived through it here, three never did
+def _stores_in_an_old_cycle() -> list[_Cycle]:
+    """Three store servers in reference cycles, old (as a test's objects are after a while):
+    clear the list and only a full collection frees them, which the parent may not run for
+    long. Three: a child that collects one such store lived through it here, three never did."""
     held = [_Cycle(TCPStore("127.0.0.1", 0, is_master=True, timeout=_T)) for _ in range(3)]
-    gc.collect()  # the cycle is old now (as the test's objects are after a while): only a
-    held.clear()  # full collection frees it, and the parent may not run one for long
+    gc.collect()
+    return held
 
 
-def test_a_child_forked_by_the_next_test_collects_its_garbage_and_lives() -> None:
+def _child_collects() -> str:
+    """Fork a child that runs a full collection: how it ended."""
     pid = os.fork()
     if pid == 0:
         gc.collect()
         os._exit(0)
     _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, (
-        f"the forked child died of signal {os.WTERMSIG(status)}"
-        if os.WIFSIGNALED(status)
-        else f"the forked child exited {os.WEXITSTATUS(status)}"
-    )
+    if os.WIFSIGNALED(status):
+        return f"the forked child died of signal {os.WTERMSIG(status)}"
+    return f"the forked child exited {os.WEXITSTATUS(status)}"
+
+
+def test_a_store_server_left_in_a_reference_cycle() -> None:
+    _stores_in_an_old_cycle().clear()
+
+
+def test_a_child_forked_by_the_next_test_collects_its_garbage_and_lives() -> None:
+    said = _child_collects()
+    assert said == "the forked child exited 0", said
 
 
 _LEAVES = """
-import gc
-from datetime import timedelta
-
 import pytest
-from torch.distributed import TCPStore
-
-
-class _Cycle:
-    def __init__(self, store):
-        self.store, self.me = store, self
+from test_fork_after_garbage import _stores_in_an_old_cycle
 
 
 @pytest.fixture(scope="module")
 def stores():
-    held = [_Cycle(TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10)))
-            for _ in range(3)]
-    gc.collect()
+    held = _stores_in_an_old_cycle()
     yield
     held.clear()
 
@@ -74,17 +74,12 @@ def test_uses_them(stores):
 """
 
 _FORKS = """
-import gc
-import os
+from test_fork_after_garbage import _child_collects
 
 
 def test_fork():
-    pid = os.fork()
-    if pid == 0:
-        gc.collect()
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status), f"signal {os.WTERMSIG(status)}"
+    said = _child_collects()
+    assert said == "the forked child exited 0", said
 """
 
 
@@ -92,7 +87,8 @@ def test_what_a_module_fixture_leaves_is_collected_before_the_next_file(tmp_path
     """The module-scoped half of the guard: a file whose module fixture leaves store servers
     in a cycle when it ends; the next file forks. With conftest.py the child lives; with the
     module-scoped guard taken out of it, the child dies (the test can fail)."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    unit = os.path.dirname(os.path.abspath(__file__))
+    here = os.path.dirname(unit)
     with open(os.path.join(here, "conftest.py")) as f:
         conftest = f.read()
     guard = '@pytest.fixture(autouse=True, scope="module")\n'
@@ -110,7 +106,7 @@ def test_what_a_module_fixture_leaves_is_collected_before_the_next_file(tmp_path
             capture_output=True,
             text=True,
             timeout=300,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join([here, *sys.path])},
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([here, unit, *sys.path])},
         )
         outcomes[name] = (r.returncode, r.stdout[-1500:])
     assert outcomes["with"][0] == 0, outcomes["with"][1]
