@@ -41,6 +41,8 @@ def test_gpu_checks_smoke_run(tmp_path) -> None:
     assert after["first_save_stall_s"] > 0 and after["buffers_ready_s"] >= 0
     ring = res["ring"]  # the pinned-ring check's CPU run: same batches, copies intact
     assert ring["identical"] and ring["copies_intact"] and ring["batches"] == 12
+    assert ring["registrations"] == ring["registrations_left_unmapped"] == 0  # no CUDA here
+    assert len(ring["step_ms"]) == 4  # with the ring's own pace
     feed = res["feed"]
     assert feed["rc"] == 0 and set(feed["results"]) == {"a", "b", "c", "d"}
     assert feed["pass"] is None  # no verdict on CPU

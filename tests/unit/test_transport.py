@@ -527,3 +527,56 @@ def test_pinned_slots_are_registered_once_and_reused_only_after_the_copy_event(m
     assert sorted(cuda.unregistered) == sorted(cuda.registered)
     assert not _transport._PINNED.dead and not _transport._PINNED.waiting
     sender.close()
+
+
+def _mapped(ptr: int) -> bool:
+    """Whether this process maps the byte at ``ptr`` (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+def test_a_receiver_dropped_without_close_ends_each_registration_before_its_memory_goes(
+    monkeypatch,
+):
+    """A persistent loader collected mid-epoch drops its receiver unclosed. CUDA keeps a
+    registration over memory that is unmapped under it, and a later pinned allocation at
+    that address fails ("resource already mapped": seen on the H200 in gpu_checks.py, the
+    feed check after the ring check). So the registration ends first - after a synchronize,
+    since a copy from the slot may still be queued - and then the memory is unmapped."""
+    cuda = _FakeCuda()
+    seen: list[tuple[str, int, bool]] = []
+    unregister = cuda.cudaHostUnregister
+
+    def recording_unregister(ptr: int) -> int:
+        seen.append(("unregister", ptr, _mapped(ptr)))
+        return unregister(ptr)
+
+    cuda.cudaHostUnregister = recording_unregister  # type: ignore[method-assign]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "check_error", lambda res: None if res == 0 else 1 / 0)
+    monkeypatch.setattr(torch.cuda, "Event", cuda.Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: seen.append(("sync", 0, True)))
+    fds = worker_fds(1, 16 << 20)
+    sender, receiver = RingSender(worker_id=0, fd_spec=fds[0]), RingReceiver(fds, pin=True)
+    rows = [torch.full((1000,), float(i)) for i in range(8)]
+    batches = [receiver.unpack(_cross(sender.collate(rows, default_collate))) for _ in range(2)]
+    assert len(cuda.registered) == 2
+    del batches
+    gc.collect()  # the batches' slots wait for their copy events (never done here)
+    del receiver  # no close(): what a collected persistent loader does
+    gc.collect()
+    assert seen == []  # the pending releases still hold the ring
+    cuda.events_done = True
+    RingReceiver(None, pin=True).unpack(None)  # the next loader's reap lets the ring go
+    gc.collect()
+    assert seen[0] == ("sync", 0, True)
+    assert sorted(p for what, p, _ in seen if what == "unregister") == sorted(cuda.registered)
+    assert all(mapped for _, _, mapped in seen), seen
+    assert not any(_mapped(p) for p in cuda.registered)  # and then it is unmapped
+    sender.close()

@@ -540,6 +540,10 @@ class _Mapped:
         self.refs: dict[int, Any] = {}  # slot index -> weakref on its live batch's buffer
         self.closed = False
         self.unmapped = False
+        # A ring collected unclosed (its persistent loader dropped mid-epoch) must not leave
+        # CUDA a registration over memory unmapped under it: a later pinned allocation at
+        # that address would fail with "resource already mapped".
+        self._drop = weakref.finalize(self, _unregister_and_unmap, mm, self.registered)
 
     def release(self, slot: int, value: int) -> None:
         self.refs.pop(slot, None)
@@ -551,13 +555,27 @@ class _Mapped:
         if not self.closed or self.refs or self.unmapped:
             return
         self.unmapped = True
-        for ptr in self.registered.values():
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-        self.registered.clear()
-        try:
-            self.mm.close()
-        except BufferError:  # pragma: no cover - a view escaped the slot's buffer
-            pass  # unmapped when the last view goes
+        # every copy from the slots is done (their events were waited for): no synchronize
+        _unregister(self.registered)
+        self._drop()
+
+
+def _unregister(registered: dict[int, int]) -> None:
+    for ptr in registered.values():
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    registered.clear()
+
+
+def _unregister_and_unmap(mm: mmap.mmap, registered: dict[int, int]) -> None:
+    """End the ring's CUDA registrations, then unmap it. Registrations still here when the
+    ring is collected unclosed may have copies queued: synchronize before ending them."""
+    if registered:
+        torch.cuda.synchronize()
+        _unregister(registered)
+    try:
+        mm.close()
+    except BufferError:  # a batch still views a slot: unmapped when the last view goes
+        pass
 
 
 class _PinnedReleases:
