@@ -544,6 +544,7 @@ class _Mapped:
         # CUDA a registration over memory unmapped under it: a later pinned allocation at
         # that address would fail with "resource already mapped".
         self._drop = weakref.finalize(self, _unregister_and_unmap, mm, self.registered)
+        self._drop.atexit = False  # an exiting process drops its mappings and CUDA together
 
     def release(self, slot: int, value: int) -> None:
         self.refs.pop(slot, None)
