@@ -65,6 +65,7 @@ sys.path.insert(0, HERE)
 from ckpt_save_load import AsyncSaves, evict  # noqa: E402
 
 from unbroken.ckpt import Checkpointer, TrainState  # noqa: E402
+from unbroken.common.procs import maps_address  # noqa: E402
 
 warnings.filterwarnings("ignore", message="torch.distributed is")
 
@@ -519,16 +520,7 @@ def _drop_loaders(loaders: list[Any], dev: torch.device) -> tuple[int, int]:
     del rings, loaders[:]
     gc.collect()
     _sync(dev)
-    return len(ptrs), sum(_still_registered(p) and not _mapped(p) for p in ptrs)
-
-
-def _mapped(ptr: int) -> bool:
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= ptr < hi:
-                return True
-    return False
+    return len(ptrs), sum(_still_registered(p) and not maps_address(p) for p in ptrs)
 
 
 def _still_registered(ptr: int) -> bool:

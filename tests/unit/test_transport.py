@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
+from unbroken.common.procs import maps_address
 from unbroken.data.stream import transport as _transport
 from unbroken.data.stream.dataset import StreamingDataset
 from unbroken.data.stream.loader import StatefulLoader
@@ -529,16 +530,6 @@ def test_pinned_slots_are_registered_once_and_reused_only_after_the_copy_event(m
     sender.close()
 
 
-def _mapped(ptr: int) -> bool:
-    """Whether this process maps the byte at ``ptr`` (``/proc/self/maps``)."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
-            if lo <= ptr < hi:
-                return True
-    return False
-
-
 def test_a_receiver_dropped_without_close_ends_each_registration_before_its_memory_goes(
     monkeypatch,
 ):
@@ -552,7 +543,7 @@ def test_a_receiver_dropped_without_close_ends_each_registration_before_its_memo
     unregister = cuda.cudaHostUnregister
 
     def recording_unregister(ptr: int) -> int:
-        seen.append(("unregister", ptr, _mapped(ptr)))
+        seen.append(("unregister", ptr, maps_address(ptr)))
         return unregister(ptr)
 
     cuda.cudaHostUnregister = recording_unregister  # type: ignore[method-assign]
@@ -561,7 +552,8 @@ def test_a_receiver_dropped_without_close_ends_each_registration_before_its_memo
     monkeypatch.setattr(torch.cuda, "check_error", lambda res: None if res == 0 else 1 / 0)
     monkeypatch.setattr(torch.cuda, "Event", cuda.Event)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: seen.append(("sync", 0, True)))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d: seen.append(("sync", d, True)))
     fds = worker_fds(1, 16 << 20)
     sender, receiver = RingSender(worker_id=0, fd_spec=fds[0]), RingReceiver(fds, pin=True)
     rows = [torch.full((1000,), float(i)) for i in range(8)]
@@ -575,8 +567,8 @@ def test_a_receiver_dropped_without_close_ends_each_registration_before_its_memo
     cuda.events_done = True
     RingReceiver(None, pin=True).unpack(None)  # the next loader's reap lets the ring go
     gc.collect()
-    assert seen[0] == ("sync", 0, True)
+    assert seen[:2] == [("sync", 0, True), ("sync", 1, True)]  # every device, first
     assert sorted(p for what, p, _ in seen if what == "unregister") == sorted(cuda.registered)
     assert all(mapped for _, _, mapped in seen), seen
-    assert not any(_mapped(p) for p in cuda.registered)  # and then it is unmapped
+    assert not any(maps_address(p) for p in cuda.registered)  # and then it is unmapped
     sender.close()

@@ -25,6 +25,7 @@ __all__ = [
     "environ_of",
     "is_alive",
     "kill_matching",
+    "maps_address",
     "parent_of",
     "pids_with_env",
     "proc_state",
@@ -46,6 +47,16 @@ def _stat(pid: int) -> list[bytes] | None:
     end = data.rfind(b")")
     fields = data[end + 1 :].split() if end >= 0 else []
     return fields if len(fields) >= 2 else None
+
+
+def maps_address(addr: int) -> bool:
+    """Whether this process has the byte at ``addr`` mapped (``/proc/self/maps``)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, _, hi = line.partition(" ")[0].partition("-")
+            if int(lo, 16) <= addr < int(hi, 16):
+                return True
+    return False
 
 
 def proc_state(pid: int) -> str | None:

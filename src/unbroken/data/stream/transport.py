@@ -571,7 +571,8 @@ def _unregister_and_unmap(mm: mmap.mmap, registered: dict[int, int]) -> None:
     """End the ring's CUDA registrations, then unmap it. Registrations still here when the
     ring is collected unclosed may have copies queued: synchronize before ending them."""
     if registered:
-        torch.cuda.synchronize()
+        for device in range(torch.cuda.device_count()):  # GC may run on any thread
+            torch.cuda.synchronize(device)
         _unregister(registered)
     try:
         mm.close()
