@@ -520,3 +520,24 @@ def test_hang_before_the_first_step_hits_startup_timeout_then_stops(tmp_path):
     f1, f2 = job.events("failure")
     assert (f1["rule"], f1["action"], f2["fault"]) == ("hang", "restart", "deterministic")
     assert "2 times before the first step: hang" in f2["reason"]
+
+
+def test_a_supervisor_killed_outright_takes_its_agents_and_workers_with_it(tmp_path):
+    """`kill -9` of `unbroken run` (the OOM killer, an operator) runs none of its clean-up.
+    Its agent, standby and workers must still end - with SIGTERM, so the ranks save on the
+    way out - instead of training on unsupervised, writing the checkpoints a rerun of the
+    job would write too. (One node: its agent also loses the rendezvous store the
+    supervisor hosts; test_supervisor_nodes.py kills a node whose peer hosts it.)"""
+    args = _script_args(tmp_path, 10_000, save_every=1000, stop_file=tmp_path / "stop")
+    with h.jobs() as start:
+        # one rank: elastic_train.py's own SIGTERM save is a single-rank one (its ranks do
+        # not agree on a stopping step); the library's save_on_sigterm is tested elsewhere
+        job = start(str(tmp_path / "run"), ["--nproc-per-node", "1"], args)
+        h.wait_until(lambda: h.live_beats(job, 0, 3, ranks=1), 90, "step 3", job)
+        h.wait_until(lambda: h.pids_of(job, attempt=1), 90, "the standby", job)
+        t_kill = time.time()
+        os.kill(job.proc.pid, signal.SIGKILL)
+        job.proc.wait(10)
+        h.wait_gone(job, 60, "the end of the job's processes after the kill")
+    saved = [e for e in job.events("saved") if e["t"] > t_kill]
+    assert [e["preempted"] for e in saved] == [True], saved  # the ranks saved on the way out

@@ -97,6 +97,27 @@ def test_whole_node_lost_training_continues_on_the_other(tmp_path):
     assert a.events("start")[0]["hosting"] is True
 
 
+def test_a_node_whose_supervisor_is_killed_outright_leaves_the_job(tmp_path):
+    """`kill -9` of node B's `unbroken run` alone: its agent, worker and standby must end
+    (the agent stops its worker as torchrun does on SIGTERM), not train on unsupervised in
+    A's rendezvous - which A hosts, so B's agent would not notice. A trains on alone."""
+    with reserved_port() as port, h.jobs() as start:
+        a = _start_node(start, tmp_path, "A", port)
+        b = _start_node(start, tmp_path, "B", port)
+        _wait_world(tmp_path, 2, a)
+        h.wait_until(lambda: len(h.pids_of(b)) >= 3, 60, "B's agent, worker, standby", b)
+        os.kill(b.proc.pid, 9)
+        b.proc.wait(10)
+        t_kill = time.time()
+        # B's worker may wait in a collective until A's hang timeout (15 s) breaks the group
+        h.wait_gone(b, 90, "the end of node B's processes")
+        _wait_world(tmp_path, 1, a, after=t_kill)
+        _stop(tmp_path)
+        assert a.wait(120) == 0, a.output()[-4000:]
+    recs = _check_log(tmp_path)
+    assert recs[-1]["world_size"] == 1 and any(r["world_size"] == 2 for r in recs)
+
+
 @pytest.mark.slow
 def test_agent_killed_on_one_node_both_rejoin(tmp_path):
     with reserved_port() as port, h.jobs() as start:

@@ -50,6 +50,8 @@ ENV_ATTEMPT = "UNBROKEN_ATTEMPT"
 """The attempt number (0, 1, ...) of the torchrun agent that started this worker."""
 ENV_CATCHUP = "UNBROKEN_CATCHUP_STEP"
 """The highest step reached before the last failure; beats at or past it end catch-up."""
+ENV_SUPERVISOR = "UNBROKEN_SUPERVISOR_PID"
+"""The pid of the ``unbroken run`` that started this agent: it ends with that process."""
 EVENTS_FILE = "events.jsonl"
 PEER_FAILED_FILE = "peer_failed"
 """Written into the attempt's directory (one line: why) before the supervisor stops the

@@ -22,6 +22,7 @@ from typing import Any, cast
 from unbroken.common import events
 from unbroken.common.metrics import read_metrics
 from unbroken.common.procs import (
+    cmdline,
     environ_of,
     kill_matching,
     parent_of,
@@ -188,6 +189,26 @@ def pids_of(job: Job, attempt: int | None = None) -> list[int]:
     if attempt is None:
         return pids
     return [p for p in pids if environ_of(p).get(events.ENV_ATTEMPT) == str(attempt)]
+
+
+def wait_gone(job: Job, timeout: float, what: str) -> None:
+    """Until no process of ``job`` lives (its supervisor may be gone); the failure names
+    what is left: pid, state, kernel wait channel, command line."""
+    try:
+        wait_until(lambda: not pids_of(job), timeout, what)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; left: {described(pids_of(job))}") from None
+
+
+def described(pids: list[int]) -> list[str]:
+    """``pid state wchan: command line`` of each live one, for a failure message."""
+    out = []
+    for p in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{p}/wchan") as f:
+                wchan = f.read()
+            out.append(f"{p} {proc_state(p)} {wchan}: {cmdline(p)[:160]}")
+    return out
 
 
 def zombies_below(root: int) -> list[int]:

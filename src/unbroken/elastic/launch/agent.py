@@ -33,15 +33,17 @@ import dataclasses
 import datetime
 import io
 import pickle
+import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from unbroken.common.text import printable
 from unbroken.elastic.rendezvous import held_socket
 
-__all__ = ["guard_rendezvous_state", "hold_master_port", "main"]
+__all__ = ["guard_rendezvous_state", "hold_master_port", "main", "shutdown_uninterrupted"]
 
 _held: list[socket.socket] = []
 _torchs: list[Callable[[], int]] = []  # torch's own get_free_port, where a hold fails
@@ -159,13 +161,55 @@ def guard_rendezvous_state() -> bool:
     return getattr(dr, "pickle", None) is _StatePickle
 
 
+_STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torchrun's
+
+
+def shutdown_uninterrupted() -> bool:
+    """Make torchrun's agent finish stopping its workers whatever signal comes meanwhile
+    (idempotent). ``LocalElasticAgent._shutdown`` runs ``PContext.close``: signal the
+    workers, wait, then stop the threads that copy their logs. A stop signal arriving in
+    between raises torchrun's ``SignalException`` out of the middle of it: the log threads
+    are never stopped, and the agent hangs at exit joining them, for good (seen: a
+    supervisor killed outright; its agent, shutting down after losing the rendezvous store,
+    got the SIGTERM of ``PR_SET_PDEATHSIG``). The shutdown runs with torchrun's stop
+    signals ignored - it is what they ask for - and their handlers back after it. False
+    where this torch has no such method to wrap."""
+    from torch.distributed.elastic.agent.server import local_elastic_agent as lea
+
+    cls = getattr(lea, "LocalElasticAgent", None)
+    own = getattr(cls, "_shutdown", None)
+    if cls is None or not callable(own):
+        return False
+    if getattr(own, "_uninterrupted", False):
+        return True
+
+    def _shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            return own(self, *args, **kwargs)  # signal handlers belong to the main thread
+        old = {s: signal.signal(s, signal.SIG_IGN) for s in _STOPS}
+        try:
+            return own(self, *args, **kwargs)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    _shutdown._uninterrupted = True  # type: ignore[attr-defined]
+    cls._shutdown = _shutdown
+    return True
+
+
 def main() -> None:
     """``python -m torch.distributed.run`` with :func:`hold_master_port` and
     :func:`guard_rendezvous_state`."""
     from torch.distributed.run import main as torchrun
 
+    from unbroken.elastic.launch.forkserver import die_with_supervisor
+
+    # were the supervisor killed outright, stop the workers as torchrun does on SIGTERM
+    die_with_supervisor(signal.SIGTERM)
     hold_master_port()
     guard_rendezvous_state()
+    shutdown_uninterrupted()
     sys.argv[0] = "torchrun"
     torchrun()
 

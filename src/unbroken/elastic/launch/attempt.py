@@ -105,6 +105,7 @@ def attempt_env(run_dir: str, number: int, token: str, nproc: int) -> dict[str, 
     env[events.ENV_RUN_DIR] = run_dir
     env[events.ENV_ATTEMPT] = str(number)
     env[ENV_TOKEN] = token
+    env[events.ENV_SUPERVISOR] = str(os.getpid())
     env.setdefault("PYTHONUNBUFFERED", "1")
     # With the agent-shared TCPStore (torch's default) a node that joins a later round
     # (a spare, or a node coming back) waits forever for MASTER_ADDR: rank 0 publishes

@@ -53,6 +53,21 @@ def pdeathsig(sig: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
+def die_with_supervisor(sig: int) -> None:
+    """:func:`pdeathsig` against the ``unbroken run`` that started this agent (its pid in the
+    environment), and ``sig`` at once if it is already gone (the kernel signals only a
+    death after the call). Without that pid (run by hand), nothing."""
+    from unbroken.common import events
+
+    try:
+        parent = int(os.environ.get(events.ENV_SUPERVISOR, ""))
+    except ValueError:
+        return
+    pdeathsig(sig)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), sig)
+
+
 def attempt_event(name: str, **fields: Any) -> None:
     """Append ``name`` to the run's event log with this process's pid and attempt."""
     from unbroken.common import events

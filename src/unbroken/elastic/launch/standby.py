@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 
 from unbroken.common import events
 from unbroken.elastic.launch.attempt import Agent, attempt_env, kill_attempt
-from unbroken.elastic.launch.forkserver import attempt_event, pdeathsig, start_server
+from unbroken.elastic.launch.forkserver import attempt_event, die_with_supervisor, start_server
 from unbroken.elastic.launch.worker import ENV_ZYGOTE
 
 __all__ = ["Standby"]
@@ -154,7 +154,7 @@ def main(argv: list[str]) -> None:
     """The standby process: import, fork the server, wait for a go order, be the agent;
     when torchrun returns, say so (``agent_idle``) and wait for the next order (a kept
     agent, see :meth:`Standby.go`)."""
-    pdeathsig(signal.SIGKILL)  # a standby dies with its supervisor
+    die_with_supervisor(signal.SIGKILL)  # a standby dies with its supervisor
     preload = [m for m in argv if m.strip()]  # not the TITLE_ROOM
     bare = preload[:1] == [BARE]
     on_demand = bare and preload[1:2] == [ON_DEMAND]
@@ -166,10 +166,15 @@ def main(argv: list[str]) -> None:
     from torch.distributed.run import main as torchrun
 
     from unbroken.common import events
-    from unbroken.elastic.launch.agent import guard_rendezvous_state, hold_master_port
+    from unbroken.elastic.launch.agent import (
+        guard_rendezvous_state,
+        hold_master_port,
+        shutdown_uninterrupted,
+    )
 
     hold_master_port()  # rank 0's MASTER_PORT stays bound until its worker hosts the store
     guard_rendezvous_state()  # a state planted in the store is refused, never unpickled
+    shutdown_uninterrupted()  # a stop signal cannot cut torchrun's shutdown short
 
     # The fork server starts now, before the go order, and imports the workers' modules
     # itself: the agent needs only torch and torchrun, so a cold restart (no standby ready)
@@ -192,7 +197,10 @@ def main(argv: list[str]) -> None:
         line = orders.readline()
         if not line:
             os._exit(0)  # the supervisor no longer needs this agent (the server follows)
-        pdeathsig(0)  # from here on this is a torchrun agent and lives like one
+        # From here on this is a torchrun agent: were the supervisor killed outright, it
+        # stops its workers as torchrun does on SIGTERM (they save on the way out) instead
+        # of training on unsupervised (a node's agent keeps its peers' rendezvous alive).
+        die_with_supervisor(signal.SIGTERM)
         req = json.loads(line)
         os.environ.update(req["env"])
         if on_demand and server is None:  # once, before torchrun started a thread
@@ -203,7 +211,7 @@ def main(argv: list[str]) -> None:
         sys.argv = ["torchrun", *req["argv"]]
         if not _workers_failed(torchrun, req["argv"]):
             return  # done: exit as `python -m torch.distributed.run` does
-        pdeathsig(signal.SIGKILL)  # idle again: nothing to do without the supervisor
+        die_with_supervisor(signal.SIGKILL)  # idle again: nothing to do without it
         attempt_event("agent_idle", rc=1)
 
 
