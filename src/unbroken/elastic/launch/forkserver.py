@@ -53,15 +53,17 @@ def pdeathsig(sig: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
-def die_with_supervisor(sig: int) -> None:
+def die_with_supervisor(sig: int, *, unsupervised_too: bool = False) -> None:
     """:func:`pdeathsig` against the ``unbroken run`` that started this agent (its pid in the
     environment), and ``sig`` at once if it is already gone (the kernel signals only a
-    death after the call). Without that pid (run by hand), nothing."""
+    death after the call). Without that pid (started by hand): against whatever parent it
+    has where ``unsupervised_too``, else none (an earlier one is cleared)."""
     from unbroken.common import events
 
     try:
         parent = int(os.environ.get(events.ENV_SUPERVISOR, ""))
     except ValueError:
+        pdeathsig(sig if unsupervised_too else 0)
         return
     pdeathsig(sig)
     if os.getppid() != parent:

@@ -154,7 +154,7 @@ def main(argv: list[str]) -> None:
     """The standby process: import, fork the server, wait for a go order, be the agent;
     when torchrun returns, say so (``agent_idle``) and wait for the next order (a kept
     agent, see :meth:`Standby.go`)."""
-    die_with_supervisor(signal.SIGKILL)  # a standby dies with its supervisor
+    die_with_supervisor(signal.SIGKILL, unsupervised_too=True)  # dies with its supervisor
     preload = [m for m in argv if m.strip()]  # not the TITLE_ROOM
     bare = preload[:1] == [BARE]
     on_demand = bare and preload[1:2] == [ON_DEMAND]
@@ -211,7 +211,7 @@ def main(argv: list[str]) -> None:
         sys.argv = ["torchrun", *req["argv"]]
         if not _workers_failed(torchrun, req["argv"]):
             return  # done: exit as `python -m torch.distributed.run` does
-        die_with_supervisor(signal.SIGKILL)  # idle again: nothing to do without it
+        die_with_supervisor(signal.SIGKILL, unsupervised_too=True)  # idle: useless alone
         attempt_event("agent_idle", rc=1)
 
 
