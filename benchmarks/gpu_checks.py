@@ -329,7 +329,6 @@ def _decode_image(sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
 
 
 def ring_check(dev: torch.device, root: str, smoke: bool) -> dict[str, Any]:
-
     from unbroken.data.prepare.pack import pack
     from unbroken.data.stream.dataset import StreamingDataset
     from unbroken.data.stream.loader import StatefulLoader
