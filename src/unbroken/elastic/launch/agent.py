@@ -43,7 +43,13 @@ from typing import Any
 from unbroken.common.text import printable
 from unbroken.elastic.rendezvous import held_socket
 
-__all__ = ["guard_rendezvous_state", "hold_master_port", "main", "shutdown_uninterrupted"]
+__all__ = [
+    "guard_rendezvous_state",
+    "guard_torchrun",
+    "hold_master_port",
+    "main",
+    "shutdown_uninterrupted",
+]
 
 _held: list[socket.socket] = []
 _torchs: list[Callable[[], int]] = []  # torch's own get_free_port, where a hold fails
@@ -198,18 +204,24 @@ def shutdown_uninterrupted() -> bool:
     return True
 
 
+def guard_torchrun() -> None:
+    """Everything an agent of ``unbroken run`` changes in torchrun, before it runs: rank 0's
+    ``MASTER_PORT`` held until its worker hosts the store, a rendezvous state planted in the
+    store refused (never unpickled), and a shutdown no stop signal cuts short."""
+    hold_master_port()
+    guard_rendezvous_state()
+    shutdown_uninterrupted()
+
+
 def main() -> None:
-    """``python -m torch.distributed.run`` with :func:`hold_master_port` and
-    :func:`guard_rendezvous_state`."""
+    """``python -m torch.distributed.run`` with :func:`guard_torchrun`."""
     from torch.distributed.run import main as torchrun
 
     from unbroken.elastic.launch.forkserver import die_with_supervisor
 
     # were the supervisor killed outright, stop the workers as torchrun does on SIGTERM
     die_with_supervisor(signal.SIGTERM)
-    hold_master_port()
-    guard_rendezvous_state()
-    shutdown_uninterrupted()
+    guard_torchrun()
     sys.argv[0] = "torchrun"
     torchrun()
 

@@ -166,15 +166,9 @@ def main(argv: list[str]) -> None:
     from torch.distributed.run import main as torchrun
 
     from unbroken.common import events
-    from unbroken.elastic.launch.agent import (
-        guard_rendezvous_state,
-        hold_master_port,
-        shutdown_uninterrupted,
-    )
+    from unbroken.elastic.launch.agent import guard_torchrun
 
-    hold_master_port()  # rank 0's MASTER_PORT stays bound until its worker hosts the store
-    guard_rendezvous_state()  # a state planted in the store is refused, never unpickled
-    shutdown_uninterrupted()  # a stop signal cannot cut torchrun's shutdown short
+    guard_torchrun()  # MASTER_PORT held, planted rendezvous state refused, shutdown whole
 
     # The fork server starts now, before the go order, and imports the workers' modules
     # itself: the agent needs only torch and torchrun, so a cold restart (no standby ready)
