@@ -58,6 +58,11 @@ _MAX_RING = 512 << 20
 # 4 KB: the ring 15% cheaper; 16-64 KB: 25-40% (benchmarks/RESULTS.md, issue 16).
 _SMALL = 4 << 10
 _PROBE = 64  # while the pipe is chosen, every _PROBE-th batch re-measures through the ring
+# Storages up to this size arrive as copies, not views of the slot: a loop that keeps each
+# batch's labels or ids (epoch metrics) would otherwise hold every slot, and every later batch
+# would take the stock path (measured: 2x the workers' CPU, half the samples/s). A batch's
+# ids of 2,048 int64 are 16 KiB; copying that costs ~1 us.
+_COPY_BELOW = 16 << 10
 _FD_TYPES: dict[type, Any] = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
 
 
@@ -221,12 +226,21 @@ class _Packing:
         return start <= ptr < start + self.slot.size
 
     def ref(self, t: torch.Tensor) -> tuple[Any, ...]:
-        """``t`` as arguments of :func:`_tensor_at`: bytes in this slot + its layout."""
+        """``t`` as arguments of :func:`_tensor_at`: its storage's bytes in this slot (offset,
+        size) + its layout."""
         if not _plain(t):
             raise _HandsOverFds
         ptr = t.data_ptr()
         if t.numel() and self.owns(ptr):  # collated into this slot: no copy
-            return (ptr - self.ring_ptr - self.base, t.dtype, tuple(t.shape), t.stride(), 0)
+            extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True)) + 1
+            return (
+                ptr - self.ring_ptr - self.base,
+                extent * t.element_size(),
+                t.dtype,
+                tuple(t.shape),
+                t.stride(),
+                0,
+            )
         st = t.untyped_storage()
         sptr, nbytes = st.data_ptr(), st.nbytes()
         off = self.tensors.get(sptr)
@@ -236,7 +250,7 @@ class _Packing:
             if nbytes:
                 ctypes.memmove(self.ring_ptr + off, sptr, nbytes)
             self.tensors[sptr] = off
-        return (off - self.base, t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+        return (off - self.base, nbytes, t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
 
 
 class _Pickler(ForkingPickler):
@@ -282,7 +296,9 @@ class _MeasurePickler(ForkingPickler):
             if st.data_ptr() not in self.m.seen:
                 self.m.seen.add(st.data_ptr())
                 self.m.tensor_bytes += st.nbytes() + _ALIGN
-            return _tensor_at, (0, obj.dtype, tuple(obj.shape), obj.stride(), 0)
+            # the largest offset a ring has: its pickled size is never short of the real one
+            args = (_MAX_RING, st.nbytes(), obj.dtype, tuple(obj.shape), obj.stride(), 0)
+            return _tensor_at, args
         if type(obj) in _FD_TYPES:
             raise _HandsOverFds
         return NotImplemented
@@ -326,6 +342,7 @@ class RingSender:
         self._want = 0  # bytes the last batch needed: the arena a collate starts from
         self._pipe_left = 0  # batches left on the pipe before the next probe of the ring
         self._packing: _Packing | None = None  # the slot a collate is writing into
+        self._said_held = False  # warned that the consumer holds every slot
         self._map: dict[Any, Any] = {
             **default_collate_fn_map,
             torch.Tensor: self._stack,
@@ -378,7 +395,19 @@ class RingSender:
         if best is not None or need <= 0:
             return best
         size = -(-(need + (need >> 2)) // _GRAIN) * _GRAIN
-        if len(self._slots) >= self.max_slots or self._top + size > self.ring_bytes:
+        if len(self._slots) >= self.max_slots:
+            if not self._said_held:
+                self._said_held = True
+                log.warning(
+                    "all %d slots of DataLoader worker %d's batch ring hold batches the "
+                    "training process has not freed (tensors it keeps, or batches queued by "
+                    "prefetch); until some are freed, batches take torch's slower per-tensor "
+                    "path. Keep copies (`t.clone()`) of batch tensors held across steps",
+                    self.max_slots,
+                    self._wid,
+                )
+            return None
+        if self._top + size > self.ring_bytes:
             return None
         s = _Slot(len(self._slots), self._top, size)
         self._slots.append(s)
@@ -511,13 +540,28 @@ _CTX = threading.local()  # the slot being unpickled, for _tensor_at
 
 
 def _tensor_at(
-    offset: int, dtype: torch.dtype, size: tuple[int, ...], stride: tuple[int, ...], elem: int
+    offset: int,
+    nbytes: int,
+    dtype: torch.dtype,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    elem: int,
 ) -> torch.Tensor:
-    """A tensor over the bytes of the slot being unpacked (no copy): ``offset`` bytes into
-    the slot, then ``elem`` elements into that storage; the layout is ``size``/``stride``."""
+    """A tensor whose storage is the ``nbytes`` at ``offset`` in the slot being unpacked,
+    ``elem`` elements into it, laid out as ``size``/``stride``: a view of the slot (no copy),
+    or of a copy of the storage when it is below ``_COPY_BELOW`` bytes (one copy per storage:
+    views of it still share it)."""
     slot = getattr(_CTX, "slot", None)
     if slot is None:
         raise RuntimeError("a batch-transport tensor reference unpickled outside its slot")
+    if nbytes < _COPY_BELOW:
+        copy = _CTX.copies.get((offset, nbytes))  # (an empty storage shares an offset)
+        if copy is None:
+            copy = torch.empty(nbytes, dtype=torch.uint8, pin_memory=_CTX.pin)
+            copy.numpy()[:] = slot[offset : offset + nbytes]
+            _CTX.copies[offset, nbytes] = copy
+        return copy.view(dtype).as_strided(size, stride, elem)
+    _CTX.used = True
     base = _CTX.base
     if base is None:
         base = _CTX.base = torch.from_numpy(slot)
@@ -642,13 +686,13 @@ class RingReceiver:
             ring = self._map(item)
         slot = np.frombuffer(ring.mm, np.uint8, item.size, item.offset)
         registered = self.pin and self._register(ring, item)
-        _CTX.slot, _CTX.base = slot, None
+        _CTX.slot, _CTX.base, _CTX.copies, _CTX.pin, _CTX.used = slot, None, {}, registered, False
         try:
             with memoryview(slot) as view, view[: item.nbytes] as src:  # type: ignore[arg-type]
                 batch = pickle.loads(src)
         finally:
-            used = _CTX.base is not None
-            _CTX.slot = _CTX.base = _CTX.views = None
+            used = _CTX.used
+            _CTX.slot = _CTX.base = _CTX.views = _CTX.copies = None
         value = item.seq + 1
         if not used:
             ring.release(item.slot, value)  # nothing views the slot: free it now
