@@ -557,8 +557,12 @@ def _tensor_at(
     if nbytes < _COPY_BELOW:
         copy = _CTX.copies.get((offset, nbytes))  # (an empty storage shares an offset)
         if copy is None:
-            copy = torch.empty(nbytes, dtype=torch.uint8, pin_memory=_CTX.pin)
-            copy.numpy()[:] = slot[offset : offset + nbytes]
+            src = slot[offset : offset + nbytes]
+            if _CTX.pin:
+                copy = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                copy.numpy()[:] = src
+            else:
+                copy = torch.from_numpy(src.copy())
             _CTX.copies[offset, nbytes] = copy
         return copy.view(dtype).as_strided(size, stride, elem)
     _CTX.used = True
