@@ -558,8 +558,8 @@ def _tensor_at(
         copy = _CTX.copies.get((offset, nbytes))  # (an empty storage shares an offset)
         if copy is None:
             src = slot[offset : offset + nbytes]
-            if _CTX.pin:
-                copy = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            if _CTX.pin or not nbytes:  # (from_numpy's empty tensor has stride 0: no view)
+                copy = torch.empty(nbytes, dtype=torch.uint8, pin_memory=_CTX.pin)
                 copy.numpy()[:] = src
             else:
                 copy = torch.from_numpy(src.copy())
