@@ -433,3 +433,34 @@ def test_a_local_archive_prune_leaves_no_directory_of_a_removed_step(tmp_path) -
         arch.upload(os.path.join(root, f"step-{step:08d}"), step)
     assert arch.prune(keep_last=1) == [2] and arch.steps() == [4]
     assert sorted(os.listdir(tmp_path / "arch")) == ["step-00000004"]
+
+
+def test_listing_the_steps_reads_one_level_and_heads_each_manifest(
+    endpoint: str, bucket: str, s3: Any, tmp_path
+) -> None:
+    """``steps()`` must not list every object of the archive: a step of a job on thousands of
+    ranks holds thousands of files, and a run that keeps its steps would page through all of
+    them (1,000 keys a page) before every restore and every retention pass. It lists the root
+    one level deep (with a delimiter) and asks each ``step-N/`` for its manifest by HEAD; a
+    step without one (an upload cut short), a deeper manifest, a foreign object or directory
+    are not steps."""
+    from storekit import FaultProxy
+
+    root = str(tmp_path / "ckpt")
+    _two_steps(root)
+    s3.pipe_file(f"{bucket}/run1/notes.txt", b"foreign")
+    s3.pipe_file(f"{bucket}/run1/step-00000009/__0_0.distcp", b"half an upload, no manifest")
+    s3.pipe_file(f"{bucket}/run1/step-00000011/deeper/manifest.json", b"{}")
+    s3.pipe_file(f"{bucket}/run1/logs/manifest.json", b"{}")
+    with FaultProxy(endpoint) as proxy:
+        arch = _archive(proxy.endpoint, bucket)
+        for step in (2, 4):
+            arch.upload(os.path.join(root, f"step-{step:08d}"), step)
+        n0 = len(proxy.requests)
+        assert arch.steps() == [2, 4]
+        sent = proxy.requests[n0:]
+    lists = [r for r in sent if r[0] == "GET" and "list-type" in r[1]]
+    assert len(lists) == 1 and "delimiter=%2F" in lists[0][1], sent
+    heads = sorted(r[1].split("?")[0].rsplit("/", 2)[-2] for r in sent if r[0] == "HEAD")
+    assert heads == ["step-00000002", "step-00000004", "step-00000009", "step-00000011"], sent
+    assert len(sent) == 5, sent

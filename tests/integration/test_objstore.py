@@ -834,3 +834,35 @@ def test_a_listing_in_a_bucket_that_does_not_exist_says_so_on_every_route(
     real = f"real-{uuid.uuid4().hex[:8]}"
     _raw(endpoint, "PUT", real)
     assert _store(endpoint, real, options=opts).list_objects() == {}
+    with pytest.raises(FileNotFoundError, match=f"the bucket '{typo}' does not exist"):
+        store.list_dirs()
+    assert _store(endpoint, real, options=opts).list_dirs() == []
+
+
+@pytest.mark.parametrize("route", ["obstore", "s3-fsspec", "local"])
+def test_list_dirs_names_one_level_below_a_prefix_and_no_objects(
+    route: str, endpoint: str, bucket: str, tmp_path: Any
+) -> None:
+    """The archive's step listing (one level, with a delimiter): the "directories" right below
+    the prefix, sorted; objects at that level and anything deeper are not named; a prefix
+    with nothing below it is empty, not an error."""
+    keys = ["a/x", "a/deep/y", "b/z", "top", "c-d/e/f", "sub/a/1", "sub/b/2", "sub/o"]
+    if route == "local":
+        local = tmp_path / "local"
+        local.mkdir(mode=0o700)
+        for k in keys:
+            (local / k).parent.mkdir(parents=True, exist_ok=True)
+            (local / k).write_bytes(b"1")
+        store = open_store(str(local), None, OPTS)
+    else:
+        for k in keys:
+            _plant(endpoint, bucket, k, b"1")
+        client = "auto" if route == "obstore" else "fsspec"
+        store = _store(
+            endpoint, bucket, options=StoreOptions(**{**OPTS.__dict__, "client": client})
+        )
+    assert store.kind == ("obstore" if route == "obstore" else "fsspec")
+    assert store.list_dirs() == ["a", "b", "c-d", "sub"]
+    assert store.list_dirs("sub") == store.list_dirs("sub/") == ["a", "b"]
+    assert store.list_dirs("a/deep") == []
+    assert store.list_dirs("nothing") == []

@@ -150,27 +150,35 @@ class Archive:
     # --- queries ------------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        """Committed remote steps, ascending: ``step-N`` prefixes holding a manifest.json."""
+        """Committed remote steps, ascending: ``step-N`` prefixes holding a manifest.json.
 
-        def ls() -> dict[str, int]:
+        One listing of the root's first level (with a delimiter) and a HEAD of each step's
+        manifest, in parallel: never a listing of every object, which for a job on thousands
+        of ranks keeping its steps is millions of keys, 1,000 a page."""
+
+        def ls() -> list[str]:
             try:
-                return self._store.list_objects()
+                return self._store.list_dirs()
             except FileNotFoundError as e:
                 # a bucket that is not there is a typo'd URL, not an archive nothing was
                 # uploaded to yet (a restore would start from scratch): no retry fixes it
                 raise _NoBucket(str(e)) from None
 
-        out = set()
         try:
-            keys = self._retry(self.url, "listing", ls)
+            names = self._retry(self.url, "listing", ls)
         except _NoBucket as e:
             raise FileNotFoundError(str(e)) from None
-        for key in keys:
-            parts = key.split("/")
-            step = step_of(parts[0]) if len(parts) == 2 and parts[1] == MANIFEST else None
-            if step is not None:
-                out.add(step)
-        return sorted(out)
+        candidates = sorted({s for s in map(step_of, names) if s is not None})
+
+        found: set[int] = set()
+
+        def check(step: int) -> None:
+            key = f"{self._step_key(step)}/{MANIFEST}"
+            if self._retry(key, "HEAD", partial(self._store.head, key)) is not None:
+                found.add(step)
+
+        run_parallel([partial(check, s) for s in candidates], self.config.threads, "unbroken-head")
+        return sorted(found)
 
     def read_manifest(self, step: int) -> CheckpointManifest:
         """The fully validated remote manifest of ``step`` (raises :class:`ArchiveError`)."""

@@ -199,6 +199,26 @@ class FsspecStore(ObjectStore):
             raise no_bucket(self.url)
         return {p[n:]: int(d.get("size") or 0) for p, d in found.items()}
 
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        base = self._path(prefix.strip("/"))
+
+        def ls(fs: Any) -> list[dict[str, Any]]:
+            fs.invalidate_cache(base)
+            try:
+                return list(fs.ls(base, detail=True))
+            except FileNotFoundError:
+                return []
+
+        found = self._call("listing", prefix, ls)
+        if not found and self._bucketed() and not self._call("bucket check", "", self._has_bucket):
+            raise no_bucket(self.url)
+        names = {
+            str(d["name"]).rstrip("/").rsplit("/", 1)[-1]
+            for d in found
+            if d.get("type") == "directory"
+        }
+        return sorted(names)
+
     def _bucketed(self) -> bool:
         fs = self._open()[0]
         protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)

@@ -199,6 +199,27 @@ class ObstoreStore(ObjectStore):
                 raise
             raise missing from None
 
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        if (fb := self._forked()) is not None:
+            return fb.list_dirs(prefix)
+        import obstore
+
+        base = prefix.strip("/")
+
+        def ls(s: Any) -> list[str]:
+            # object_store pages through the whole level (every continuation token) itself
+            res = obstore.list_with_delimiter(s, base or None)
+            n = len(base) + 1 if base else 0
+            return sorted(p.rstrip("/")[n:] for p in res["common_prefixes"])
+
+        try:
+            return self._call("listing", prefix, ls)
+        except RemoteStorageError as e:
+            missing = missing_container(self.url, str(e))
+            if missing is None:
+                raise
+            raise missing from None
+
     def delete(self, keys: list[str]) -> None:
         if (fb := self._forked()) is not None:
             return fb.delete(keys)

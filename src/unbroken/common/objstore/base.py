@@ -145,6 +145,13 @@ class ObjectStore:
         is not an empty store."""
         raise NotImplementedError
 
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        """The names of the "directories" one level below ``prefix`` (key prefixes up to the
+        next ``/``, as a listing with a delimiter gives them; objects there are left out),
+        sorted: one listing of that level, not of every object under it. A missing bucket is
+        a ``FileNotFoundError``, as for :meth:`list_objects`."""
+        raise NotImplementedError
+
     def delete(self, keys: list[str]) -> None:
         """Delete these objects; one already gone is not an error."""
         raise NotImplementedError
