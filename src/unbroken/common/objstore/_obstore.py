@@ -191,13 +191,7 @@ class ObstoreStore(ObjectStore):
                     out[m["path"]] = int(m["size"])
             return out
 
-        try:
-            return self._call("listing", prefix, ls)
-        except RemoteStorageError as e:
-            missing = missing_container(self.url, str(e))
-            if missing is None:
-                raise
-            raise missing from None
+        return self._listing(prefix, ls)
 
     def list_dirs(self, prefix: str = "") -> list[str]:
         if (fb := self._forked()) is not None:
@@ -212,6 +206,10 @@ class ObstoreStore(ObjectStore):
             n = len(base) + 1 if base else 0
             return sorted(p.rstrip("/")[n:] for p in res["common_prefixes"])
 
+        return self._listing(prefix, ls)
+
+    def _listing(self, prefix: str, ls: Callable[[Any], _T]) -> _T:
+        """``ls(store)``; a bucket (container) that does not exist said so, not a failure."""
         try:
             return self._call("listing", prefix, ls)
         except RemoteStorageError as e:
