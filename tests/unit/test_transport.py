@@ -223,6 +223,12 @@ def test_small_tensors_a_loop_keeps_do_not_hold_their_batchs_slot(ring):
     got["x"][0, 3] = -1.0
     assert got["tail"][0, 1] == -1.0 and got["t"][3, 0] == -1.0
     assert not receiver._rings[(0, 0)].refs  # nothing views the slot: released at once
+    edge = {
+        "at": torch.zeros(2048, dtype=torch.int64),
+        "over": torch.zeros(2049, dtype=torch.int64),
+    }
+    got = receiver.unpack(_cross(sender.pack(edge)))  # 16 KiB: a copy; 8 bytes more: a view
+    assert not _in_ring(got["at"], receiver) and _in_ring(got["over"], receiver)
 
 
 def test_a_ring_whose_slots_are_all_held_says_so_once(caplog):
