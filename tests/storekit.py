@@ -66,6 +66,7 @@ class Fault:
 @dataclass
 class _Stats:
     requests: list[tuple[str, str, str]] = field(default_factory=list)  # (method, path, range)
+    headers: list[dict[str, str]] = field(default_factory=list)  # of each request, in order
 
 
 class FaultProxy:
@@ -107,9 +108,17 @@ class FaultProxy:
         with self._lock:
             return list(self.stats.requests)
 
-    def _fault_for(self, method: str, path: str, rng: str) -> Fault | None:
+    @property
+    def headers(self) -> list[dict[str, str]]:
+        """The headers of each request in :attr:`requests` (names lower-cased)."""
+        with self._lock:
+            return list(self.stats.headers)
+
+    def _fault_for(self, h: http.server.BaseHTTPRequestHandler) -> Fault | None:
+        method, path, rng = h.command, h.path, h.headers.get("Range", "")
         with self._lock:
             self.stats.requests.append((method, path, rng))
+            self.stats.headers.append({k.lower(): v for k, v in h.headers.items()})
             for f in self.faults:
                 if f.hits < f.times and f.method in (None, method) and re.search(f.path, path):
                     f.hits += 1
@@ -119,7 +128,7 @@ class FaultProxy:
     def _handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
         n = int(h.headers.get("Content-Length") or 0)
         body = h.rfile.read(n) if n else b""
-        fault = self._fault_for(h.command, h.path, h.headers.get("Range", ""))
+        fault = self._fault_for(h)
         if fault is not None and fault.kind in ("503", "500"):
             msg = _SLOWDOWN if fault.kind == "503" else b"<Error><Code>InternalError</Code></Error>"
             h.send_response(int(fault.kind))

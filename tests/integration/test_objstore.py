@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -866,3 +867,34 @@ def test_list_dirs_names_one_level_below_a_prefix_and_no_objects(
     assert store.list_dirs("sub") == store.list_dirs("sub/") == ["a", "b"]
     assert store.list_dirs("a/deep") == []
     assert store.list_dirs("nothing") == []
+
+
+def test_an_unsigned_payload_is_sent_as_such_and_stored_byte_for_byte(
+    endpoint: str, bucket: str, proxy: FaultProxy, tmp_path: Any
+) -> None:
+    """``unsigned_payload`` (the default over HTTPS, as botocore; asked for here over HTTP by
+    s3fs's ``payload_signing_enabled=False``): every part goes out as ``UNSIGNED-PAYLOAD``,
+    not with its SHA-256, and the object reads back byte for byte; the default over HTTP
+    still signs each part's SHA-256."""
+    data = os.urandom(9 * MiB)  # two parts
+    src = tmp_path / "src"
+    src.write_bytes(data)
+    ck = checksum_bytes(data)
+    for signing in (False, None):
+        s3 = {} if signing is None else {"s3": {"payload_signing_enabled": signing}}
+        so = {"client_kwargs": {"endpoint_url": proxy.endpoint}, "config_kwargs": s3}
+        store = open_store(f"s3://{bucket}/ds", so, OPTS)
+        assert store.kind == "obstore"
+        n0 = len(proxy.requests)
+        store.put_file(f"u-{signing}", str(src), size=len(data), checksum=ck)
+        parts = [
+            h["x-amz-content-sha256"]
+            for (m, path, _), h in zip(proxy.requests[n0:], proxy.headers[n0:], strict=True)
+            if m == "PUT" and "partNumber=" in path
+        ]
+        assert len(parts) == 2, proxy.requests[n0:]
+        if signing is False:
+            assert parts == ["UNSIGNED-PAYLOAD"] * 2
+        else:
+            assert all(re.fullmatch(r"[0-9a-f]{64}", p) for p in parts), parts
+        assert _read(endpoint, bucket, f"u-{signing}") == data

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from unbroken.common.config import check_choice, check_count, check_seconds
+from unbroken.common.config import check_choice, check_count, check_flag, check_seconds
 
 __all__ = ["OBSTORE_SCHEMES", "S3FS_KEYS", "Route", "StoreOptions", "plan_route"]
 
@@ -135,6 +135,7 @@ _CONFIG_KWARGS = {
     "request_checksum_calculation",
     "max_pool_connections",
 }
+_S3_CONFIG = {"addressing_style", "payload_signing_enabled"}  # of config_kwargs["s3"]
 # adlfs keys -> AzureConfig keys
 _AZURE_KEYS: dict[str, str | None] = {
     "account_name": "account_name",
@@ -258,7 +259,7 @@ def _s3(so: dict[str, Any], client: dict[str, Any], retry: dict[str, Any]) -> Ro
     cfg = dict(so.get("config_kwargs") or {})
     unknown += sorted(f"config_kwargs.{k}" for k in cfg if k not in _CONFIG_KWARGS)
     s3cfg = dict(cfg.get("s3") or {})
-    unknown += sorted(f"config_kwargs.s3.{k}" for k in s3cfg if k != "addressing_style")
+    unknown += sorted(f"config_kwargs.s3.{k}" for k in s3cfg if k not in _S3_CONFIG)
     if unknown:
         return _fsspec(f"s3fs storage_options {unknown} have no obstore equivalent")
     for k in ("endpoint_url", "region_name"):
@@ -285,6 +286,18 @@ def _s3(so: dict[str, Any], client: dict[str, Any], retry: dict[str, Any]) -> Ro
     endpoint = endpoint or os.environ.get("AWS_ENDPOINT_URL", "")
     if endpoint.startswith("http://"):  # the user named a plain-HTTP endpoint: allow it
         client["allow_http"] = True
+    signing = s3cfg.get("payload_signing_enabled")
+    if signing is not None:
+        check_flag("storage_options", "config_kwargs.s3.payload_signing_enabled", signing)
+        config["unsigned_payload"] = not signing
+    elif not (
+        config.get("skip_signature")
+        or endpoint.startswith("http://")
+        or "AWS_UNSIGNED_PAYLOAD" in os.environ
+    ):
+        # botocore's rule for S3: the payload's SHA-256 is signed over plain HTTP only; over
+        # HTTPS, TLS protects the body. Signing costs a SHA-256 of every byte uploaded.
+        config["unsigned_payload"] = True
     return Route("obstore", config, client, retry)
 
 
