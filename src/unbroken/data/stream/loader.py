@@ -150,9 +150,10 @@ class StatefulLoader:
 
     With workers, the first batch of each run (an epoch, or the rest of one after a resume)
     is made in this process before the workers start - the same batch a worker would make -
-    so forking the workers overlaps the step that uses it (first batch of a resume: tens of
-    ms sooner); not with a ``worker_init_fn`` (the transform may depend on it), nor when
-    persistent workers already run that epoch.
+    so it does not wait for forking the workers and their start-up (first batch of a resume:
+    tens of ms sooner); the workers are started when the loop asks for the second batch.
+    Not with a ``worker_init_fn`` (the transform may depend on it), nor when persistent
+    workers already run that epoch.
 
     ``StatefulLoader(dataset, config=None, *, collate_fn=None, worker_init_fn=None,
     multiprocessing_context=None, generator=None, **overrides)``:
@@ -366,10 +367,10 @@ class StatefulLoader:
             ).num_batches()
             if batches and self._first_here(epoch, start):
                 # The run's first batch is made here, before the workers start: forking them
-                # and their start-up (tens of ms) then overlap the step that uses it instead
-                # of delaying it - most of the latency of a resume. Same batch as a worker
-                # makes (it depends only on the position; the transform's RNGs are seeded by
-                # it and this process's RNG states are put back).
+                # and their start-up (tens of ms; most of the latency of a resume) come when
+                # the loop asks for the second batch, not before the first. Same batch as a
+                # worker makes (it depends only on the position; the transform's RNGs are
+                # seeded by it and this process's RNG states are put back).
                 batch = self._batch_here(epoch, start)
                 self._deliver()
                 yield batch
