@@ -368,7 +368,7 @@ class StreamingDataset(IterableDataset):
         first: int = 0,
     ) -> Generator[Any, None, None]:
         """Batches ``first + worker_id, first + worker_id + num_workers, ...`` of this rank's
-        run (``first``: batches made elsewhere, e.g. by the loader while its workers start)."""
+        run (``first``: batches made elsewhere, e.g. by the loader before its workers start)."""
         if not 0 <= worker_id < num_workers:
             raise ValueError(f"worker_id={worker_id} num_workers={num_workers}")
         part = self.partition(start, batch_size, last_batch)
