@@ -4,7 +4,9 @@ step vs s3torchconnector's DCP ``S3StorageWriter`` / ``S3StorageReader`` on the 
 
 One committed step of ``--gib`` GiB (a model of random float32 tensors of 256 MiB each, saved
 once by ``Checkpointer`` under ``--root`` and kept) and one moto S3 server in its own process on
-127.0.0.1 (``data_remote.py``'s, with its byte counter). Per round, in rotated order:
+127.0.0.1 (``data_remote.py``'s, with its byte counter). ``--warmup`` untimed rounds first
+(default 1: a fresh server's first upload costs it about twice the CPU of later ones), then
+per round, in rotated order:
 
 * ``unbroken.upload``: ``Archive("s3://...").upload(step_dir, step)`` (the step read once
   before, untimed: a just-committed step is in the page cache, as s3torchconnector's tensors
@@ -197,6 +199,13 @@ def main() -> int:
     ap.add_argument("--root", default="/tmp/unbroken-bench-archive")
     ap.add_argument("--gib", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed rounds first (both clients, every operation): the fresh server's first "
+        "upload cost it ~2x the CPU of later ones, and round 0 always gave it to one client",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     os.environ.update(_CREDS)
@@ -210,6 +219,10 @@ def main() -> int:
         import s3fs
 
         s3fs.S3FileSystem(client_kwargs={"endpoint_url": endpoint}).mkdir(BUCKET)
+        for w in range(a.warmup):  # warm-up for all: not recorded
+            print(f"warm-up round {w + 1} of {a.warmup} (not counted):", flush=True)
+            scratch: dict[str, list[dict[str, float]]] = {op: [] for op in OPS}
+            run_round(endpoint, server.pid, step_dir, tensors, a.root, -1 - w, scratch)
         for rnd in range(a.rounds):
             run_round(endpoint, server.pid, step_dir, tensors, a.root, rnd, results)
     print(f"\nmedian over {a.rounds} rounds, {a.gib} GiB:")
