@@ -585,6 +585,62 @@ def downloads_by_cause(
 # --- driver ---------------------------------------------------------------------------------
 
 
+ANCHORS = ("mosaicml", "litdata", "s3torchconnector")
+
+
+def _per_gb(ep: dict[str, Any]) -> float:
+    return float(ep["cpu_s"]) / max(ep["bytes_downloaded"] / 1e9, 1e-9)
+
+
+def goals(results: dict[str, Any]) -> None:
+    """Issue 22's goals, per round and epoch, against the anchors of the same round: samples/s
+    >= 1.5x the fastest anchor, client CPU per GB <= 0.5x the leanest anchor's, downloads <=
+    1.1x the dataset, the cache never above its limit."""
+    ours = results.get("unbroken", {}).get("rounds", [])
+    anchors = [n for n in ANCHORS if n in results]
+    if not ours or not anchors:
+        return
+    size, limit = results["unbroken"]["dataset_bytes"], results["unbroken"]["cache_limit"]
+    print(
+        "\n| round, epoch | unbroken samples/s | best anchor | ratio (goal >= 1.5x) | "
+        "CPU per GB vs the leanest anchor (goal <= 0.5x) | downloaded (goal <= 1.1x) |"
+    )
+    print("|---|---|---|---|---|---|")
+    met = {"speed": 0, "cpu": 0, "bytes": 0}
+    n = 0
+    for rnd, r in enumerate(ours):
+        if "epochs" not in r:
+            continue
+        for e, ep in enumerate(r["epochs"]):
+            others = [
+                (name, results[name]["rounds"][rnd]["epochs"][e])
+                for name in anchors
+                if rnd < len(results[name]["rounds"]) and "epochs" in results[name]["rounds"][rnd]
+            ]
+            if not others:
+                continue
+            best, fast = max(others, key=lambda x: x[1]["samples_per_s"])
+            lean = min(_per_gb(o) for _, o in others)
+            speed = ep["samples_per_s"] / fast["samples_per_s"]
+            cpu = _per_gb(ep) / lean
+            down = ep["bytes_downloaded"] / size
+            n += 1
+            met["speed"] += speed >= 1.5
+            met["cpu"] += cpu <= 0.5
+            met["bytes"] += down <= 1.1
+            print(
+                f"| {rnd}, {e + 1} | {ep['samples_per_s']:,.0f} | {best} "
+                f"{fast['samples_per_s']:,.0f} | {speed:.2f}x | {cpu:.2f}x | {down:.2f}x |"
+            )
+    peak = max(r["peak_cache_bytes"] for r in ours if "epochs" in r)
+    print(
+        f"\ngoals met in epochs: samples/s {met['speed']} of {n}, CPU per GB {met['cpu']} of "
+        f"{n}, downloads {met['bytes']} of {n}; peak cache {peak / 1e6:,.1f} MB of "
+        f"{limit / 1e6:,.1f} MB ({'within' if peak <= limit else 'OVER'} the limit)",
+        flush=True,
+    )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", default=ROOT)
@@ -747,6 +803,7 @@ def main() -> int:
             summ["cache_limit_mb"] = results[name]["cache_limit"] / 1e6
             results[name]["summary"] = summ
             print(f"{name:>9}: " + ", ".join(f"{k} {v:,.2f}" for k, v in summ.items()))
+        goals(results)
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(results, f, indent=1)
