@@ -589,6 +589,7 @@ ANCHORS = ("mosaicml", "litdata", "s3torchconnector")
 
 
 def _per_gb(ep: dict[str, Any]) -> float:
+    """Client CPU-seconds per GB downloaded in one epoch."""
     return float(ep["cpu_s"]) / max(ep["bytes_downloaded"] / 1e9, 1e-9)
 
 
@@ -727,7 +728,7 @@ def main() -> int:
                         f"{ep['bytes_downloaded'] / size:.2f}x its dataset "
                         f"({ep['bytes_downloaded'] / 1e6:,.0f} MB, {ep['gets']} GETs), "
                         f"CPU {ep['cpu_s']:.1f} s "
-                        f"({ep['cpu_s'] / max(ep['bytes_downloaded'] / 1e9, 1e-9):.1f} s/GB), "
+                        f"({_per_gb(ep):.1f} s/GB), "
                         f"server (moto) CPU {ep.get('server_cpu_s', 0.0):.1f} s"
                         + (
                             f", of the client's: fetcher {ep['fetcher_cpu_s']:.2f} s"
@@ -784,9 +785,7 @@ def main() -> int:
             summ.update(
                 {
                     f"epoch{e + 1}_cpu_s_per_gb": statistics.median(
-                        r["epochs"][e]["cpu_s"]
-                        / max(r["epochs"][e]["bytes_downloaded"] / 1e9, 1e-9)
-                        for r in ok
+                        _per_gb(r["epochs"][e]) for r in ok
                     )
                     for e in range(EPOCHS)
                 }

@@ -195,8 +195,8 @@ class FsspecStore(ObjectStore):
 
         n = len(root) + 1 if root else 0
         found = self._call("listing", prefix, ls)
-        if not found and self._bucketed() and not self._call("bucket check", "", self._has_bucket):
-            raise no_bucket(self.url)
+        if not found:
+            self._check_bucket()
         return {p[n:]: int(d.get("size") or 0) for p, d in found.items()}
 
     def list_dirs(self, prefix: str = "") -> list[str]:
@@ -210,14 +210,20 @@ class FsspecStore(ObjectStore):
                 return []
 
         found = self._call("listing", prefix, ls)
-        if not found and self._bucketed() and not self._call("bucket check", "", self._has_bucket):
-            raise no_bucket(self.url)
+        if not found:
+            self._check_bucket()
         names = {
             str(d["name"]).rstrip("/").rsplit("/", 1)[-1]
             for d in found
             if d.get("type") == "directory"
         }
         return sorted(names)
+
+    def _check_bucket(self) -> None:
+        """An empty listing of a bucketed store: raise if the bucket itself is missing (s3fs
+        lists a missing bucket as empty; a typo'd URL is not an empty store)."""
+        if self._bucketed() and not self._call("bucket check", "", self._has_bucket):
+            raise no_bucket(self.url)
 
     def _bucketed(self) -> bool:
         fs = self._open()[0]
