@@ -260,7 +260,8 @@ def test_rerunning_pack_upgrades_an_index_without_checksums(tmp_path):
     assert open(os.path.join(root, name + ".idx"), "rb").read(8) == b"UBIDX\x02\x00\x00"
 
 
-# 5: the shard's first read goes through the index's views, later ones through its row table;
+# 5: the shard's first read goes through the index's views (up to 8 samples of a shard of 120:
+# reader._PLAN_AFTER), later ones through its row table;
 # 120: one read through the row table
 @pytest.mark.parametrize("group", [5, 120])
 def test_damage_found_in_small_and_large_groups_of_one_shard(tmp_path, group):

@@ -29,6 +29,12 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import numpy as np
+
+# torch's worker loop seeds numpy.random in every DataLoader worker, and numpy 2 imports it
+# lazily: a training process that has not imported it yet has each worker import it after its
+# fork (~10 ms per worker, on every start of the workers: a resume waits on it). Imported
+# here, the workers inherit it.
+import numpy.random
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 

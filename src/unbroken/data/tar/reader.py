@@ -59,7 +59,12 @@ _MAGIC_V1 = b"UBIDX\x01\x00\x00"
 _HEADER = struct.Struct("<8sQQQQ32s")
 _HASH = 8  # bytes of one xxh3_64 (member hashes, the index's own trailer)
 _BLOCK = 512
-_FEW = 8  # read_many: a shard's first read of up to this many samples skips the row table
+# read_many builds a shard's row table (~25-50 ns per sample of the shard) once the samples
+# read without it (~1.5-2.5 us more each) have cost about as much: more than 1/_PLAN_AFTER of
+# the shard's samples, and more than _FEW. A first batch touches many shards for a few samples
+# each (a resume; each worker's first batch after its fork): none of them is planned for it.
+_FEW = 8
+_PLAN_AFTER = 32
 # webdataset's rule: key = path prefix + basename up to its first dot, ext = the rest.
 _NAME_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 
@@ -593,7 +598,7 @@ class ShardReader:
         # start and end, then (verifying) each member's checksum; uint64: tolist() gives ints
         self._rows: np.ndarray | None = None
         self._planned = False
-        self._first_done = False  # a first small read goes without the table
+        self._unplanned = 0  # samples read before the table (see _PLAN_AFTER)
         self._fd = open_regular(path)
         try:
             self._check()
@@ -715,8 +720,8 @@ class ShardReader:
 
     def _plan_rows(self) -> None:
         """Decide the layout and build the row table (or, for any other layout, the index as
-        lists); ~0.3 ms for a 64 MB shard, so a shard read once for a few samples (the first
-        batch after a resume touches many shards) skips it."""
+        lists): 0.3-1 ms for a shard of 11k samples, made once the reads without it have cost
+        about as much (``_PLAN_AFTER``)."""
         self._planned = True
         idx = self.index
         ms = np.asarray(idx.member_start, dtype=np.int64)
@@ -764,10 +769,11 @@ class ShardReader:
         loop (a separate pass cost as much again as the hashing; measured in RESULTS.md)."""
         rows, exts = self._rows, self._exts
         if rows is None or exts is None:
-            if not self._planned and (self._first_done or len(local) > _FEW):
-                self._plan_rows()
-                return self.read_many(local, skip=skip)
-            self._first_done = True
+            if not self._planned:
+                self._unplanned += len(local)
+                if self._unplanned > max(_FEW, self.index.num_samples // _PLAN_AFTER):
+                    self._plan_rows()
+                    return self.read_many(local, skip=skip)
             return self._read_any(local.tolist(), skip)
         mm, text, h = self._map(), self._text, xxhash.xxh3_64_intdigest
         out: list[Any] = []
