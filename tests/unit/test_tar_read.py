@@ -29,19 +29,18 @@ def _samples(n: int, layout: str) -> list[dict[str, object]]:
     return out
 
 
+def _pack(samples: list[dict[str, object]], root: str, shard_size: int = 1 << 20) -> str:
+    """``samples`` packed into ``root`` (a mixed layout allowed); the first shard's path."""
+    pack(iter(samples), root, shard_size=shard_size, workers=1, fsync=False, progress=False,
+         allow_partial=True)  # fmt: skip
+    return os.path.join(root, "shard-000000.tar")
+
+
 @pytest.mark.parametrize("layout", ["one", "three", "mixed"])
 def test_dataset_reads_exactly_what_shard_reader_reads(tmp_path, layout):
     want = _samples(120, layout)
     root = str(tmp_path / layout)
-    pack(
-        iter(want),
-        root,
-        shard_size=1 << 20,
-        workers=1,
-        fsync=False,
-        progress=False,
-        allow_partial=layout == "mixed",
-    )
+    _pack(want, root)
     ds = StreamingDataset(root, seed=3, shuffle_window=50)
     got = ds.read(0, np.arange(ds.epoch_length))
     by_key = {s["__key__"]: s for s in want}
@@ -61,15 +60,7 @@ def test_a_shard_read_a_few_samples_at_a_time_is_planned_once_the_reads_have_pai
     row table for them (0.7-1.8 ms each in a fresh worker, measured) until the samples read
     without it pass 1/32 of the shard's samples; the bytes are the same either way."""
     root = str(tmp_path / "d")
-    pack(
-        iter(_samples(960, "three")),
-        root,
-        shard_size=1 << 30,
-        workers=1,
-        fsync=False,
-        progress=False,
-    )
-    shard = ShardReader(os.path.join(root, "shard-000000.tar"))
+    shard = ShardReader(_pack(_samples(960, "three"), root, shard_size=1 << 30))
     assert shard.index.num_samples == 960  # one shard: the table is due past 960 // 32 = 30
     want = ShardReader(shard.path)
     for k, local in enumerate(np.arange(40).reshape(5, 8)[:, ::-1]):
@@ -81,14 +72,7 @@ def test_a_shard_read_a_few_samples_at_a_time_is_planned_once_the_reads_have_pai
 
 def test_index_loads_as_numpy_and_round_trips(tmp_path):
     root = str(tmp_path / "d")
-    pack(
-        iter(_samples(40, "three")),
-        root,
-        shard_size=1 << 20,
-        workers=1,
-        fsync=False,
-        progress=False,
-    )
+    _pack(_samples(40, "three"), root)
     tar = next(f for f in sorted(os.listdir(root)) if f.endswith(".tar"))
     idx = ShardIndex.load(os.path.join(root, tar + ".idx"))
     assert isinstance(idx.data_offset, np.ndarray) and idx.data_offset.dtype == np.int64
@@ -153,10 +137,7 @@ def test_a_dropped_dataset_leaves_no_shard_open(stream_data):
 
 def test_a_dropped_shard_reader_closes_its_shard(tmp_path):
     root = str(tmp_path / "d")
-    pack(
-        iter(_samples(10, "one")), root, shard_size=1 << 20, workers=1, fsync=False, progress=False
-    )
-    shard = next(os.path.join(root, f) for f in os.listdir(root) if f.endswith(".tar"))
+    shard = _pack(_samples(10, "one"), root)
     r = ShardReader(shard)
     assert r[0]["__key__"] == "k0000" and _fds_on(shard) == 1
     del r
