@@ -58,10 +58,10 @@ def test_dataset_reads_exactly_what_shard_reader_reads(tmp_path, layout):
 def test_a_shard_read_a_few_samples_at_a_time_is_planned_once_the_reads_have_paid(tmp_path):
     """A worker's first batch after its fork reads ~10 samples from each of many shards: no
     row table for them (0.7-1.8 ms each in a fresh worker, measured) until the samples read
-    without it pass 1/32 of the shard's samples; the bytes are the same either way."""
+    without it pass 1/64 of the shard's samples; the bytes are the same either way."""
     root = str(tmp_path / "d")
-    shard = ShardReader(_pack(_samples(960, "three"), root, shard_size=1 << 30))
-    assert shard.index.num_samples == 960  # one shard: the table is due past 960 // 32 = 30
+    shard = ShardReader(_pack(_samples(1920, "three"), root, shard_size=1 << 30))
+    assert shard.index.num_samples == 1920  # one shard: the table is due past 1920 // 64 = 30
     want = ShardReader(shard.path)
     for k, local in enumerate(np.arange(40).reshape(5, 8)[:, ::-1]):
         got = shard.read_many(local)

@@ -64,7 +64,7 @@ _BLOCK = 512
 # the shard's samples, and more than _FEW. A first batch touches many shards for a few samples
 # each (a resume; each worker's first batch after its fork): none of them is planned for it.
 _FEW = 8
-_PLAN_AFTER = 32
+_PLAN_AFTER = 64
 # webdataset's rule: key = path prefix + basename up to its first dot, ext = the rest.
 _NAME_RE = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
 
