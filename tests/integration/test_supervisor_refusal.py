@@ -31,7 +31,9 @@ def test_a_refused_restore_stops_at_once_with_the_message(tmp_path):
         os.kill(beats[1].pid, signal.SIGKILL)
         assert job.wait(120) == faults.EXIT_CONFIGURATION, job.output()[-3000:]
 
-    first, second = job.events("failure")
+    failures = job.events("failure")
+    assert len(failures) == 2, (failures, job.events("launch"), job.output()[-3000:])
+    first, second = failures
     assert (first["fault"], first["action"]) == ("process", "restart"), first
     assert (second["fault"], second["rule"], second["action"]) == (
         "configuration",
