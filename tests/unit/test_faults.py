@@ -252,6 +252,19 @@ def test_table(tmp_path, exc, code, fault, rule):
         assert "saved by 2 ranks" in d.reason
 
 
+def test_a_refusal_by_any_rank_stops_the_job_whichever_rank_ended_first():
+    """Rank 0 refuses its restore and exits; rank 1, waiting on it in a collective, can end
+    first on a loaded box (rank 0 is still tearing down) with an error that does not read as
+    collateral. The refusal is still the cause: a restart would refuse again."""
+    peer = WorkerFailure(1, 1, 1, message="RuntimeError: [gloo] Write error: Broken pipe")
+    refused = WorkerFailure(0, 0, 1, message="RestoreRefused: step 5 saved by 2 ranks, job has 1")
+    c = classify(Evidence("exit", 1, (peer, refused), ""))
+    assert (c.fault, c.rule) == (FaultClass.CONFIGURATION, "restore_refused"), c
+    assert "saved by 2 ranks" in c.reason, c.reason
+    alone = classify(Evidence("exit", 1, (peer,), ""))
+    assert alone.fault is FaultClass.PROCESS, alone
+
+
 def test_structural_kinds_and_rendezvous():
     assert classify(Evidence("hang", detail="x")).signature == "hang"
     lost = classify(Evidence("agent_lost"))

@@ -501,10 +501,16 @@ def classify(ev: Evidence, rules: Sequence[Rule] = DEFAULT_RULES) -> Classificat
             "sigterm",
             f"workers stopped ({how}) by a signal from outside the supervisor",
         )
+    # A rank's deterministic refusal is the cause wherever it is in the list: the ranks
+    # waiting on it in a collective may have ended first (while it tore down), with errors
+    # that read as their own.
+    refusals = [r for r in rules if r.fault is FaultClass.CONFIGURATION]
+    primary = next(
+        (f for f in ev.failures if any(r.matches(_text_of(f), f.signal_name) for r in refusals)),
+        primary,
+    )
     sig = primary.signal_name if primary else None
-    text = ev.console_tail[-4000:]
-    if primary is not None:
-        text = "\n".join((primary.message, primary.traceback, primary.stderr_tail))
+    text = ev.console_tail[-4000:] if primary is None else _text_of(primary)
     for rule in rules:
         if rule.matches(text, sig):
             reason = _reason(primary, rule.name, rule.pattern, text)
@@ -526,6 +532,11 @@ def classify(ev: Evidence, rules: Sequence[Rule] = DEFAULT_RULES) -> Classificat
         reason,
         signature=signature_of(primary) if primary and not primary.collateral else None,
     )
+
+
+def _text_of(f: WorkerFailure) -> str:
+    """What the rules read of a failed worker: its message, call stack and stderr."""
+    return "\n".join((f.message, f.traceback, f.stderr_tail))
 
 
 def _reason(
