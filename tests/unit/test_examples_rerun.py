@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -57,10 +58,19 @@ def test_ddp_stock_writes_into_an_output_directory_it_creates(tmp_path):
     out = tmp_path / "run"
     script = os.path.join(EXAMPLES, "ddp_stock.py")
     args = ["--data", str(corpus), "--out", str(out), "--steps", "2"]
-    r = subprocess.run(
-        [sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=100
+    # CI once saw this 2-step run time out at 100 s with nothing said: a stuck run is sent
+    # SIGABRT, on which faulthandler prints every thread's stack (the failure shows where).
+    env["PYTHONFAULTHANDLER"] = "1"
+    p = subprocess.Popen(
+        [sys.executable, script, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    assert r.returncode == 0, r.stderr[-2000:]
+    try:
+        _, err = p.communicate(timeout=100)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGABRT)
+        _, err = p.communicate(timeout=10)
+    said = err.decode(errors="replace")[-6000:]
+    assert p.returncode == 0, f"exit status {p.returncode} (MASTER_PORT {port}):\n{said}"
     assert (out / "model.pt").is_file()
 
 
