@@ -566,7 +566,6 @@ def _tensor_at(
                 copy = torch.from_numpy(src.copy())
             _CTX.copies[offset, nbytes] = copy
         return copy.view(dtype).as_strided(size, stride, elem)
-    _CTX.used = True
     base = _CTX.base
     if base is None:
         base = _CTX.base = torch.from_numpy(slot)
@@ -691,12 +690,12 @@ class RingReceiver:
             ring = self._map(item)
         slot = np.frombuffer(ring.mm, np.uint8, item.size, item.offset)
         registered = self.pin and self._register(ring, item)
-        _CTX.slot, _CTX.base, _CTX.copies, _CTX.pin, _CTX.used = slot, None, {}, registered, False
+        _CTX.slot, _CTX.base, _CTX.copies, _CTX.pin = slot, None, {}, registered
         try:
             with memoryview(slot) as view, view[: item.nbytes] as src:  # type: ignore[arg-type]
                 batch = pickle.loads(src)
         finally:
-            used = _CTX.used
+            used = _CTX.base is not None  # a view of the slot was made
             _CTX.slot = _CTX.base = _CTX.views = _CTX.copies = None
         value = item.seq + 1
         if not used:
