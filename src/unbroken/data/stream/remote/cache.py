@@ -34,7 +34,7 @@ from unbroken.data.stream.config import CacheConfig, DatasetConfig
 from unbroken.data.stream.order import NEVER, DatasetOrder, EpochPlan
 from unbroken.data.stream.remote import fetch, fetcher, plan
 from unbroken.data.stream.remote.events import EventLog
-from unbroken.data.stream.remote.index import dir_id, dir_name, write_private
+from unbroken.data.stream.remote.index import INDEXED, dir_id, dir_name, write_private
 from unbroken.data.stream.remote.locks import Pin, PinnedShard, UnitLocks, try_flock
 from unbroken.data.stream.remote.pool import Pool
 from unbroken.data.stream.remote.probe import WaitSlot, sweep_stats
@@ -506,6 +506,12 @@ class RemoteCache:
         e0, p0 = min(regs)
         return e0, p0, max(e for e, _ in regs)
 
+    def _reached(self) -> int:
+        """The farthest absolute position this dataset's live readers on the node are at:
+        a unit first read there or before is needed now."""
+        regs = [(e, p) for e, p, _ in self.live_readers()] or [self._proc().pos]
+        return max(self._abs(max(e, 0), p) for e, p in regs)
+
     def demand(self, want: int, epoch: int, pos: int) -> None:
         """A reader at ``pos`` of ``epoch`` waits for unit ``want``: fetch it first (a unit
         already queued by the prefetch plan moves ahead; one downloading is left to finish)."""
@@ -563,8 +569,9 @@ class RemoteCache:
 
     def _fetch(self, uid: int, prio: int) -> str:
         """Bring one unit into the cache if nobody else is and the cache admits it: its
-        files found on disk are verified, else downloaded verified. Returns "present",
-        "busy" (another process has it), "noroom" or "done"."""
+        files found on disk are verified, else downloaded verified - its shard alone when
+        its index was kept at its eviction. Returns "present", "busy" (another process has
+        it), "noroom" or "done"."""
         st = self._proc()
         d, shard = self._unit(uid)
         fd = self.locks.open(d.name, shard)
@@ -577,28 +584,34 @@ class RemoteCache:
             files = self.units.files(d.id, shard) or []
             self.units.unlink([(p, 0) for p in self.units.temps(d.id, shard)])  # a dead download's
             key, need = (d.id, shard), int(self.unit_bytes[uid])
-            if not self.units.reserve(key, need, prio, self._next_use, st.pos[0]):
-                self.units.unlink(files)  # found there but not counted (no record): not kept
+            kept = self.units.kept_index(key, files)
+            get = files[:1] if kept else files  # what is not on disk verified
+            # read-ahead waits for room rather than take a kept index's: that index saves a
+            # GET for certain, the read-ahead only maybe a wait (issue 22)
+            now = prio <= self._reached()
+            if not self.units.reserve(key, need, prio, self._next_use, st.pos[0], now):
+                self.units.unlink(get)  # found there but not counted: not kept
                 st.retry_after[uid] = time.monotonic() + 0.02
                 return "noroom"
             t0 = time.monotonic()
-            found = self.units.complete(files) and self._verify_found(d, shard, files)
+            found = not kept and self.units.complete(files) and self._verify_found(d, shard, files)
             if not found:
                 try:
-                    self._download(st, fd, d, shard, files)
+                    self._download(st, fd, d, shard, get)
                 except BaseException:
                     self.units.unlink(files)
                     self.units.unreserve(key)
                     raise
-            self.units.commit(key, need, files)
+            self.units.commit(key, need, files, kept)
             self.events.write(
                 "verify" if found else "download",
                 dir=d.name,
                 shard=shard,
-                bytes=need,
+                bytes=need if found else sum(size for _, size in get),
                 epoch=st.pos[0],
                 for_epoch=(prio + 1) // (self.length + 1),
                 secs=round(time.monotonic() - t0, 4),
+                **({"kept_index": True} if kept else {}),
             )
             return "done"
         finally:
@@ -623,7 +636,9 @@ class RemoteCache:
         return False
 
     def _download(self, st: _Proc, fd: int, d: _Dir, shard: int, files: Files) -> None:
+        """Download ``files``: the unit's shard and index, or its shard alone."""
         info = d.manifest.shards[shard]
+        n = len(files)
 
         def on_bytes(n: int) -> None:
             if st.pool.stopping:
@@ -633,9 +648,9 @@ class RemoteCache:
         fetch.download_unit(
             self._store(d),
             d.url,
-            (info.name, info.index),
+            (info.name, info.index)[:n],
             files,
-            (info.checksum, info.index_checksum),
+            (info.checksum, info.index_checksum)[:n],
             self.config,
             on_bytes,
         )
@@ -643,9 +658,10 @@ class RemoteCache:
     # --- introspection --------------------------------------------------------------------
 
     def usage(self) -> tuple[int, int]:
-        """(bytes accounted in the cache, units in it)."""
+        """(bytes accounted in the cache, units in it: kept index files count in the bytes,
+        not as units)."""
         with self.units.index.locked() as (_, rec):
-            return int(rec[:, 2].sum()), int(rec.shape[0])
+            return int(rec[:, 2].sum()), int((rec[:, 3] != INDEXED).sum())
 
     def fetch(self, uids: Sequence[int], prio: int = 0) -> list[str]:
         """Download ``uids`` now with the pool (blocking); used by ``data bench``."""

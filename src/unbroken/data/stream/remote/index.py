@@ -4,10 +4,13 @@
 cached unit of int64: (dataset id, shard, bytes, state, stamp). State 1 = ready (verified;
 ``stamp`` says which files were verified: a hash of their device, inode, size and mtime),
 2 = reserved (a download in progress; its bytes count before they are written), 3 = found
-(files on disk not yet verified: counted, never read before :func:`~.fetch.check_files`).
+(files on disk not yet verified: counted, never read before :func:`~.fetch.check_files`),
+4 = indexed (the shard was evicted, its index file kept: verified, ``bytes`` and ``stamp``
+those of the index alone; not ready - fetching the unit again downloads only its shard).
 Every read-modify-write happens under ``flock(<cache_dir>/.lock)``; a missing or damaged
-index is rebuilt from the directories (every complete unit then "found"). Everything here is
-a fixed name in a private directory: opened without following a symlink, created 0600.
+index is rebuilt from the directories (every complete unit then "found", an index file
+alone deleted). Everything here is a fixed name in a private directory: opened without
+following a symlink, created 0600.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from unbroken.data.stream.remote.locks import flock_within
 
 __all__ = [
     "FOUND",
+    "INDEXED",
     "READY",
     "RECORD_BYTES",
     "RESERVED",
@@ -48,11 +52,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"UBCACHE2"  # 2: records carry a file stamp; a state "found" (issue 20)
+_MAGIC = b"UBCACHE3"  # 2: records carry a file stamp; a state "found" (issue 20); 3: "indexed"
+# Read as well: its records mean the same here. Written as 3 only: an older version would
+# take an indexed record for a whole unit and count too few bytes for it; it rebuilds instead.
+_OLDER = b"UBCACHE2"
 HEADER = 32  # magic, generation, count, xxh64 of the records
 _COLS = 5
 RECORD_BYTES = 8 * _COLS
-READY, RESERVED, FOUND = 1, 2, 3
+READY, RESERVED, FOUND, INDEXED = 1, 2, 3, 4
 
 
 def pack_index(gen: int, rec: np.ndarray) -> bytes:
@@ -63,7 +70,7 @@ def pack_index(gen: int, rec: np.ndarray) -> bytes:
 
 def unpack_index(data: bytes) -> tuple[int, np.ndarray] | None:
     """(generation, records), or None for anything but a whole, intact index."""
-    if len(data) < HEADER or data[:8] != _MAGIC:
+    if len(data) < HEADER or data[:8] not in (_MAGIC, _OLDER):
         return None
     gen, n, digest = np.frombuffer(data[8:HEADER], dtype=np.int64).tolist()
     body = data[HEADER:]

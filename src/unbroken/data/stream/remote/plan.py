@@ -56,7 +56,8 @@ def min_limit(
     manifest_bytes: int,
 ) -> tuple[int, str]:
     """Bytes the cache must hold at least, and how that figure is made up. ``units``:
-    {remote source index: bytes of each of its units}."""
+    {remote source index: bytes of each of its units}. The index files kept after their
+    shards' eviction are not in it: a read that needs their room takes it (``units.py``)."""
     held = count = 0
     parts = []
     largest = []

@@ -2,8 +2,10 @@
 the budget admits one (evicting others), commits it, or gives its room back.
 
 A unit is one shard and its index, ``<cache_dir>/<dir>/<name>`` where ``<dir>`` is the first
-16 hex digits of its dataset's fingerprint. Every change is a read-modify-write of the shared
-index (:class:`~unbroken.data.stream.remote.index.SharedIndex`) made while the unit's lock is
+16 hex digits of its dataset's fingerprint. Evicting a unit deletes its shard and keeps its
+index file (a few KB against MB: state "indexed", still counted), so that fetching the unit
+again is one GET; kept indexes go only when the shards alone cannot make the room a read
+needs now. Every change is a read-modify-write of the shared index (:class:`~unbroken.data.stream.remote.index.SharedIndex`) made while the unit's lock is
 held exclusively; what a dead process left (a reservation, partial files, temporaries) is
 cleaned up by the next one that finds its lock free: one reserving room, or one opening the
 cache or leaving it as a fetcher (:meth:`UnitStore.sweep`).
@@ -24,6 +26,7 @@ from unbroken.data.manifest import DatasetManifest
 from unbroken.data.stream.remote.events import EventLog
 from unbroken.data.stream.remote.index import (
     FOUND,
+    INDEXED,
     READY,
     RESERVED,
     SharedIndex,
@@ -41,6 +44,9 @@ Files = list[tuple[str, int]]
 """(local path, size dataset.json records) of a unit's shard and index."""
 NextUse = Callable[[np.ndarray, np.ndarray], np.ndarray]
 """(dataset ids, shards) of cached units -> the absolute position of each one's next read."""
+Victims = dict[int, tuple[int, int, int]]
+"""{record row: (descriptor holding the unit's lock, stamp of the index file it keeps or 0
+for none, that index's bytes)} of the units an eviction takes."""
 
 
 class UnitStore:
@@ -109,6 +115,26 @@ class UnitStore:
         want = self.index.ready_stamps().get((did, shard))
         return want is not None and want == stamp(files)
 
+    def kept_index(self, key: tuple[int, int], files: Files) -> int:
+        """The stamp of the unit's index file kept on disk when its shard was evicted, while
+        it is still the file that was verified; else 0. One changed since (written,
+        replaced, truncated) is deleted: it is downloaded again with its shard. Called with
+        the unit's lock held, so no eviction takes the record meanwhile."""
+        with self.index.locked() as (_, rec):
+            mine = (rec[:, 0] == key[0]) & (rec[:, 1] == key[1]) & (rec[:, 3] == INDEXED)
+            want = int(rec[mine, 4][0]) if mine.any() else 0
+        if want == 0 or stamp(files[1:]) == want:
+            return want
+        self.unlink(files[1:])  # its record still counts it until the reservation replaces it
+        self.events.write(
+            "discard",
+            dir=dir_name(key[0]),
+            shard=key[1],
+            file=os.path.basename(files[1][0]),
+            why="changed since it was verified",
+        )
+        return 0
+
     def temps(self, did: int, shard: int) -> list[str]:
         """Temporary files of a download of the unit (in flight, or left by a dead process)."""
         files = self.files(did, shard) or []
@@ -138,35 +164,47 @@ class UnitStore:
         return int(rec[:, 2].sum()) + own
 
     def reserve(
-        self, key: tuple[int, int], need: int, prio: int, next_use: NextUse, epoch: int = -1
+        self,
+        key: tuple[int, int],
+        need: int,
+        prio: int,
+        next_use: NextUse,
+        epoch: int = -1,
+        indexes: bool = True,
     ) -> bool:
-        """Hold ``need`` bytes for unit ``key``, evicting units needed later than ``prio``
-        (farthest first) if that makes room; False (nothing evicted) if it cannot. A unit
-        already counted (found on disk, or a ready record whose files changed) keeps its
-        room."""
+        """Hold ``need`` bytes for unit ``key``, evicting (:meth:`_choose`) what is needed
+        later than ``prio`` if that makes room (kept indexes too when ``indexes``: a reader
+        needs the unit now); False (nothing evicted) if it cannot. What
+        the unit's record counts already is part of its room: all of it for a unit found on
+        disk or a ready one whose files changed, its index's bytes for a kept index; only
+        the rest is made."""
         with self.index.locked() as (gen, rec):
             rec, changed = self._clean_reserved(rec, key)
             mine = (rec[:, 0] == key[0]) & (rec[:, 1] == key[1])
-            held = np.array([[*key, need, RESERVED, 0]], dtype=np.int64)
-            if mine.any():
-                self.index.write(gen + 1, np.concatenate([rec[~mine], held]))
-                return True
-            victims: list[tuple[int, int]] | None = []  # (record row, locked fd)
-            if self.limit is not None:
-                short = self.used(rec, extra=1) + need - self.limit
+            more = need - int(rec[mine, 2].sum())
+            victims: Victims | None = {}
+            if self.limit is not None and more > 0:
+                short = self.used(rec, extra=0 if mine.any() else 1) + more - self.limit
                 if short > 0:
-                    victims = self._choose(rec, prio, short, next_use)
+                    victims = self._choose(rec, prio, short, next_use, mine, indexes)
             if victims is None:
                 if changed:
                     self.index.write(gen + 1, rec)
                 return False
             rec = self._evict(rec, victims, epoch)
-            self.index.write(gen + 1, np.concatenate([rec, held]))
+            mine = (rec[:, 0] == key[0]) & (rec[:, 1] == key[1])
+            held = np.array([[*key, need, RESERVED, 0]], dtype=np.int64)
+            self.index.write(gen + 1, np.concatenate([rec[~mine], held]))
             return True
 
-    def commit(self, key: tuple[int, int], need: int, files: Files) -> None:
-        """The unit is verified: ready, with the stamp of the files that were verified."""
-        row = np.array([[*key, need, READY, stamp(files)]], dtype=np.int64)
+    def commit(self, key: tuple[int, int], need: int, files: Files, kept: int = 0) -> None:
+        """The unit is verified: ready, with the stamp of the files that were verified.
+        ``kept``: the stamp of its kept index (:meth:`kept_index`), only its shard
+        downloaded; an index changed since that check leaves the unit found (checked
+        against dataset.json before it is read)."""
+        both = stamp(files)  # before the index alone: a change in between shows in that one
+        ok = kept == 0 or stamp(files[1:]) == kept
+        row = np.array([[*key, need, READY if ok else FOUND, both if ok else 0]], dtype=np.int64)
         with self.index.locked() as (gen, rec):
             mine = (rec[:, 0] == key[0]) & (rec[:, 1] == key[1])
             # (no record: the index was rebuilt while this download ran)
@@ -189,54 +227,120 @@ class UnitStore:
                 self.index.write(gen + 1, self._evict(rec, victims, -1))
 
     def _choose(
-        self, rec: np.ndarray, prio: int, short: int, next_use: NextUse
-    ) -> list[tuple[int, int]] | None:
-        """Ready (or found) units, not open anywhere, needed later than ``prio``: the
-        farthest first until ``short`` bytes are free. Returns (row, fd holding LOCK_EX) or
-        None."""
-        ready = np.flatnonzero(rec[:, 3] != RESERVED)
-        if ready.size == 0:
+        self,
+        rec: np.ndarray,
+        prio: int,
+        short: int,
+        next_use: NextUse,
+        skip: np.ndarray | None = None,
+        indexes: bool = True,
+    ) -> Victims | None:
+        """Units not open anywhere (nor ``skip``), farthest next use first, until ``short``
+        bytes are free: first the shards of ready or found units needed later than
+        ``prio`` - a ready unit keeps its index, a found one's goes with it (never verified)
+        - then, only if that is not enough and ``indexes``, kept index files, at any next
+        use: read by nobody, a kept index then never takes room a cache without it would
+        have given, so the least limit (:func:`.plan.min_limit`) is what it was. Returns the
+        victims, their locks held, or None (none held)."""
+        cand = rec[:, 3] != RESERVED
+        if skip is not None:
+            cand &= ~skip
+        rows = np.flatnonzero(cand)
+        if rows.size == 0:
             return None
-        nu = next_use(rec[ready, 0], rec[ready, 1])
-        held: list[tuple[int, int]] = []
+        nu = next_use(rec[rows, 0], rec[rows, 1])
+        order = [(int(rows[j]), int(nu[j])) for j in np.argsort(-nu, kind="stable").tolist()]
+        held: Victims = {}
         freed = 0
-        for j in np.argsort(-nu, kind="stable").tolist():
-            if nu[j] <= prio:
+        for row, when in order:
+            if when <= prio:
                 break  # everything left is needed no later than the unit asking for room
-            row = int(ready[j])
-            fd = self.locks.open(dir_name(int(rec[row, 0])), int(rec[row, 1]))
-            if not try_flock(fd, fcntl.LOCK_EX):
-                close_lock_fd(fd)  # open by a reader (or being evicted): not a candidate
+            if rec[row, 3] == INDEXED or (fd := self._lock_unit(rec[row])) < 0:
                 continue
-            held.append((row, fd))
-            freed += int(rec[row, 2])
+            keep, index_bytes = self._index_to_keep(rec[row])
+            held[row] = (fd, keep, index_bytes)
+            freed += int(rec[row, 2]) - (index_bytes if keep else 0)
             if freed >= short:
                 return held
-        for _, fd in held:
+        for row, _ in order if indexes else ():
+            if row in held:
+                fd, keep, index_bytes = held[row]
+                if not keep:
+                    continue
+                held[row] = (fd, 0, index_bytes)
+                freed += index_bytes
+            elif rec[row, 3] == INDEXED and (fd := self._lock_unit(rec[row])) >= 0:
+                held[row] = (fd, 0, int(rec[row, 2]))
+                freed += int(rec[row, 2])
+            else:
+                continue
+            if freed >= short:
+                return held
+        for fd, _, _ in held.values():
             close_lock_fd(fd)
         return None
 
-    def _evict(self, rec: np.ndarray, victims: list[tuple[int, int]], epoch: int) -> np.ndarray:
-        """Delete the victims' files (their locks held) and drop their records (``epoch``:
-        where the reader that asked for room is, for the event log)."""
+    def _lock_unit(self, row: np.ndarray) -> int:
+        """The unit's lock taken (a descriptor holding LOCK_EX), or -1: open by a reader, or
+        being fetched or evicted."""
+        fd = self.locks.open(dir_name(int(row[0])), int(row[1]))
+        if try_flock(fd, fcntl.LOCK_EX):
+            return fd
+        close_lock_fd(fd)
+        return -1
+
+    def _index_to_keep(self, row: np.ndarray) -> tuple[int, int]:
+        """(stamp, bytes) of the index file a ready unit keeps when its shard is evicted;
+        (0, bytes) when it keeps none: found (never verified), or its files changed since
+        they were verified."""
+        files = self.files(int(row[0]), int(row[1]))
+        if files is None:
+            return 0, 0
+        index_bytes = files[1][1]
+        if row[3] != READY:
+            return 0, index_bytes
+        # the index alone first: a change before the two are stamped shows in those
+        kept = stamp(files[1:])
+        return (kept if kept and stamp(files) == row[4] else 0), index_bytes
+
+    def _evict(self, rec: np.ndarray, victims: Victims, epoch: int) -> np.ndarray:
+        """Delete the victims' shards, and their indexes unless kept (their locks held), and
+        drop or turn their records into kept indexes (``epoch``: where the reader that asked
+        for room is, for the event log)."""
+        rec = rec.copy()
         drop = np.zeros(rec.shape[0], dtype=bool)
-        for row, vfd in victims:
+        for row, (vfd, keep, index_bytes) in victims.items():
             did, shard = int(rec[row, 0]), int(rec[row, 1])
+            files = self.files(did, shard) or []
             try:
-                self.unlink(self.files(did, shard) or [])
+                self.unlink(files[:1] if keep else files)
             finally:
                 close_lock_fd(vfd)
-            drop[row] = True
-            self.events.write(
-                "evict", dir=dir_name(did), shard=shard, bytes=int(rec[row, 2]), epoch=epoch
-            )
+            nbytes = int(rec[row, 2])
+            where = {"dir": dir_name(did), "shard": shard, "epoch": epoch}
+            if rec[row, 3] == INDEXED:
+                self.events.write("evict_index", bytes=nbytes, **where)
+            else:
+                self.events.write(
+                    "evict",
+                    bytes=nbytes - index_bytes if keep else nbytes,
+                    kept_index=bool(keep),
+                    **where,
+                )
+            if keep:
+                rec[row, 2:] = (index_bytes, INDEXED, keep)
+            else:
+                drop[row] = True
         return rec[~drop]
 
     # --- what a dead process left --------------------------------------------------------
 
     def _rebuild(self) -> np.ndarray:
         """Records for the complete units found on disk (found: verified when first used);
-        partial files of units nobody holds are deleted."""
+        partial files of units nobody holds are deleted, an index file kept alone too (its
+        record, which vouched for it, is lost; this runs under the node's lock, which
+        checking each one against dataset.json here would hold for as long; and an index is
+        one GET to fetch again)."""
         rows = []
         for name in sorted(os.listdir(self.cache_dir)):
             local = os.path.join(self.cache_dir, name)
@@ -308,7 +412,8 @@ class UnitStore:
         self, rec: np.ndarray, skip: tuple[int, int] | None
     ) -> tuple[np.ndarray, bool]:
         """Reservations whose downloader died (its unit lock is free): a unit it completed
-        is found (verified when first used), anything partial is deleted."""
+        is found (verified when first used), anything partial is deleted - also the index a
+        unit had kept when its shard's download began (a reservation vouches for no file)."""
         changed = False
         keep = np.ones(rec.shape[0], dtype=bool)
         for k in np.flatnonzero(rec[:, 3] == RESERVED).tolist():
