@@ -306,9 +306,11 @@ class UnitStore:
     def _evict(self, rec: np.ndarray, victims: Victims, epoch: int) -> np.ndarray:
         """Delete the victims' shards, and their indexes unless kept (their locks held), and
         drop or turn their records into kept indexes (``epoch``: where the reader that asked
-        for room is, for the event log)."""
+        for room is, for the event log). The kept indexes one call drops are one event per
+        dataset (a shard's room can take dozens; the log is bounded)."""
         rec = rec.copy()
         drop = np.zeros(rec.shape[0], dtype=bool)
+        dropped: dict[int, list[int]] = {}  # dataset id -> rows of kept indexes dropped
         for row, (vfd, keep, index_bytes) in victims.items():
             did, shard = int(rec[row, 0]), int(rec[row, 1])
             files = self.files(did, shard) or []
@@ -316,21 +318,29 @@ class UnitStore:
                 self.unlink(files[:1] if keep else files)
             finally:
                 close_lock_fd(vfd)
-            nbytes = int(rec[row, 2])
-            where = {"dir": dir_name(did), "shard": shard, "epoch": epoch}
             if rec[row, 3] == INDEXED:
-                self.events.write("evict_index", bytes=nbytes, **where)
+                dropped.setdefault(did, []).append(row)
             else:
                 self.events.write(
                     "evict",
-                    bytes=nbytes - index_bytes if keep else nbytes,
-                    kept_index=bool(keep),
-                    **where,
+                    dir=dir_name(did),
+                    shard=shard,
+                    bytes=int(rec[row, 2]) - (index_bytes if keep else 0),
+                    epoch=epoch,
+                    **({"kept_index": True} if keep else {}),
                 )
             if keep:
                 rec[row, 2:] = (index_bytes, INDEXED, keep)
             else:
                 drop[row] = True
+        for did, rows in dropped.items():
+            self.events.write(
+                "evict_index",
+                dir=dir_name(did),
+                shards=[int(rec[r, 1]) for r in rows],
+                bytes=int(rec[rows, 2].sum()),
+                epoch=epoch,
+            )
         return rec[~drop]
 
     # --- what a dead process left --------------------------------------------------------
