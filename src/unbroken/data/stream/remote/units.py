@@ -174,10 +174,9 @@ class UnitStore:
     ) -> bool:
         """Hold ``need`` bytes for unit ``key``, evicting (:meth:`_choose`) what is needed
         later than ``prio`` if that makes room (kept indexes too when ``indexes``: a reader
-        needs the unit now); False (nothing evicted) if it cannot. What
-        the unit's record counts already is part of its room: all of it for a unit found on
-        disk or a ready one whose files changed, its index's bytes for a kept index; only
-        the rest is made."""
+        needs the unit now); False (nothing evicted) if it cannot. What the unit's record
+        counts already is part of its room: all of it for a unit found on disk or a ready
+        one whose files changed, its index's bytes for a kept index; only the rest is made."""
         with self.index.locked() as (gen, rec):
             rec, changed = self._clean_reserved(rec, key)
             mine = (rec[:, 0] == key[0]) & (rec[:, 1] == key[1])
