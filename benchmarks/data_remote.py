@@ -562,7 +562,8 @@ def downloads_by_cause(
 ) -> dict[str, Any]:
     """Where the downloads made during epoch ``e`` (between ``t0`` and ``t1``) went, from
     the cache's event log: for this epoch's reads, read-ahead for the next epoch, and
-    *re*-downloads (a shard fetched again for the same epoch: evicted before its use)."""
+    *re*-downloads (a shard fetched again for the same epoch: evicted before its use); and
+    the evictions of shards and of kept index files."""
     evs = sorted((x for x in events if x.get("ev") == "download"), key=lambda x: x["t"])
     done: set[tuple[Any, Any, Any]] = set()
     out = {"dl_units": 0, "dl_next_epoch_bytes": 0, "dl_again_bytes": 0, "dl_again_units": 0}
@@ -578,7 +579,10 @@ def downloads_by_cause(
         if again:
             out["dl_again_units"] += 1
             out["dl_again_bytes"] += int(x.get("bytes", 0))
-    out["evictions"] = sum(1 for x in events if x.get("ev") == "evict" and t0 < x["t"] <= t1)
+    here = [x for x in events if t0 < x["t"] <= t1]
+    out["evictions"] = sum(1 for x in here if x.get("ev") == "evict")
+    # an evicted shard keeps its index on the node; these are the kept indexes dropped later
+    out["index_drops"] = sum(len(x.get("shards", ())) for x in here if x.get("ev") == "evict_index")
     return out
 
 
@@ -739,7 +743,8 @@ def main() -> int:
                             f"; event log: {ep['dl_units']} units downloaded, "
                             f"{ep['dl_next_epoch_bytes'] / size:.3f}x read ahead for the next "
                             f"epoch, {ep['dl_again_units']} downloaded again "
-                            f"({ep['dl_again_bytes'] / size:.3f}x), {ep['evictions']} evictions"
+                            f"({ep['dl_again_bytes'] / size:.3f}x), {ep['evictions']} evictions, "
+                            f"{ep.get('index_drops', 0)} kept indexes dropped"
                             if "dl_units" in ep
                             else ""
                         ),
