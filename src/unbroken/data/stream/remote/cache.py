@@ -638,7 +638,7 @@ class RemoteCache:
     def _download(self, st: _Proc, fd: int, d: _Dir, shard: int, files: Files) -> None:
         """Download ``files``: the unit's shard and index, or its shard alone."""
         info = d.manifest.shards[shard]
-        n = len(files)
+        count = len(files)  # 1: the shard alone (its index kept)
 
         def on_bytes(n: int) -> None:
             if st.pool.stopping:
@@ -648,9 +648,9 @@ class RemoteCache:
         fetch.download_unit(
             self._store(d),
             d.url,
-            (info.name, info.index)[:n],
+            (info.name, info.index)[:count],
             files,
-            (info.checksum, info.index_checksum)[:n],
+            (info.checksum, info.index_checksum)[:count],
             self.config,
             on_bytes,
         )
