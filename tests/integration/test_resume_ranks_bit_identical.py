@@ -59,8 +59,8 @@ def _rank_main(rank: int, rdzv: str, root: str, out: str, die_at: int, async_sav
     from rankkit import join_group
     from unbroken.ckpt import Checkpointer, TrainState
 
-    # CI once saw a straight run's ranks never exit (the test timed out at 300 s with no word
-    # from them): a stuck rank prints every thread's stack, then ends, so the test says where
+    # A stuck rank prints every thread's stack, then ends, so the test says where. CI saw
+    # ranks of this test hang at exit in DDP's teardown (test_ddp_gloo_exit.py: the cause)
     faulthandler.dump_traceback_later(RANK_LIMIT_S, exit=True)
     join_group(rank, WORLD, rdzv)
     torch.manual_seed(0)  # the same initial weights on both ranks

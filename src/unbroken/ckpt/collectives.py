@@ -107,6 +107,9 @@ class Comm:
         # background save's collectives run on ``group`` from another thread, and two
         # threads issuing collectives on one group can pair up different calls across ranks.
         self.control: Any = dist.new_group(backend="gloo") if self.enabled else None
+        # The job's default group, held until :meth:`destroy` so that the script's DDP
+        # Reducer is never its last holder (see :meth:`destroy`).
+        self._default: Any = dist.group.WORLD if self.enabled else None
         if self.enabled:  # runs after the checkpointer's own flush at exit (LIFO)
             atexit.register(self.destroy)
 
@@ -186,6 +189,13 @@ class Comm:
                     pass
                 except Exception as e:  # noqa: BLE001 - teardown never changes how we exit
                     log.warning("destroying the checkpoint's process group failed: %s", e)
+        # Last, the job's default group (the script may have destroyed it already): freed
+        # from this Python reference, its gloo threads are joined with the GIL released.
+        # Freed by the script's DDP Reducer instead, they are joined with the GIL held, and
+        # a worker still freeing a backward's all-reduce needs the GIL to do so (torch 2.13
+        # puts a Python object in the state every backward hands to its collectives): the
+        # rank hangs at exit (tests/integration/test_ddp_gloo_exit.py).
+        self._default = None
 
     def leave(self) -> None:
         """Leave the job together: wait until every rank is here, then :meth:`destroy`.
