@@ -111,7 +111,8 @@ def test_a_ddp_rank_whose_last_all_reduce_ends_during_its_teardown_still_exits(t
                 p.kill()
                 p.wait()
     assert os.path.exists(leaving), errs
-    assert codes == [0, 0], f"exit codes {codes}; a rank stuck in its teardown:\n{errs[1][-3000:]}"
+    stuck = "\n".join(f"rank {r}:\n{errs[r][-3000:]}" for r, c in enumerate(codes) if c != 0)
+    assert codes == [0, 0], f"exit codes {codes}; a rank stuck in its teardown:\n{stuck}"
 
 
 if __name__ == "__main__":
