@@ -52,7 +52,7 @@ def _gloo_workers(pid: int) -> int:
     return count
 
 
-def _rank_main(rank: int, rdzv: str, root: str, leaving: str) -> None:
+def _rank_main(rank: int, rdzv: str, root: str, leaving: str, distributed: bool | None) -> None:
     import faulthandler
 
     import torch.distributed as dist
@@ -65,7 +65,11 @@ def _rank_main(rank: int, rdzv: str, root: str, leaving: str) -> None:
     join_group(rank, WORLD, rdzv)
     torch.manual_seed(0)
     ddp = DistributedDataParallel(torch.nn.Linear(4, 1))
-    ck = Checkpointer(root, TrainState(model=ddp), every_steps=1, quiet=True)
+    if distributed is False:  # each rank saves alone, in a directory of its own
+        root = f"{root}-{rank}"
+    ck = Checkpointer(
+        root, TrainState(model=ddp), every_steps=1, quiet=True, distributed=distributed
+    )
     ddp(torch.ones(2, 4)).sum().backward()  # one real DDP step on both ranks
     ck.maybe_save()
     ck.close()
@@ -89,13 +93,24 @@ def _rank_main(rank: int, rdzv: str, root: str, leaving: str) -> None:
     dist.destroy_process_group()
 
 
-def test_a_ddp_rank_whose_last_all_reduce_ends_during_its_teardown_still_exits(tmp_path) -> None:
+@pytest.mark.parametrize("distributed", [None, False])
+def test_a_ddp_rank_whose_last_all_reduce_ends_during_its_teardown_still_exits(
+    tmp_path, distributed: bool | None
+) -> None:
     rdzv = group_file(str(tmp_path))
     leaving = str(tmp_path / "rank-1-leaving")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, str(r), rdzv, str(tmp_path / "ck"), leaving],
+            [
+                sys.executable,
+                __file__,
+                str(r),
+                rdzv,
+                str(tmp_path / "ck"),
+                leaving,
+                str(distributed),
+            ],
             env=env,
             stderr=subprocess.PIPE,
             text=True,
@@ -116,4 +131,10 @@ def test_a_ddp_rank_whose_last_all_reduce_ends_during_its_teardown_still_exits(t
 
 
 if __name__ == "__main__":
-    _rank_main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
+    _rank_main(
+        int(sys.argv[1]),
+        sys.argv[2],
+        sys.argv[3],
+        sys.argv[4],
+        {"None": None, "False": False}[sys.argv[5]],
+    )

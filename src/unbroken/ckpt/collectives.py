@@ -108,9 +108,9 @@ class Comm:
         # threads issuing collectives on one group can pair up different calls across ranks.
         self.control: Any = dist.new_group(backend="gloo") if self.enabled else None
         # The job's default group, held until :meth:`destroy` so that the script's DDP
-        # Reducer is never its last holder (see :meth:`destroy`).
-        self._default: Any = dist.group.WORLD if self.enabled else None
-        if self.enabled:  # runs after the checkpointer's own flush at exit (LIFO)
+        # Reducer is never its last holder (see :meth:`destroy`); also when saving alone.
+        self._default: Any = dist.group.WORLD if is_dist() else None
+        if self._default is not None:  # runs after the checkpointer's own flush at exit (LIFO)
             atexit.register(self.destroy)
 
     @property
