@@ -117,9 +117,9 @@ def test_a_ddp_rank_whose_last_all_reduce_ends_during_its_teardown_still_exits(
         )
         for r in range(WORLD)
     ]
-    try:
-        codes = [p.wait(timeout=RANK_LIMIT_S + 30) for p in procs]
-        errs = [p.stderr.read() for p in procs if p.stderr is not None]
+    try:  # communicate: a rank's stderr never fills its pipe and blocks it
+        errs = [p.communicate(timeout=RANK_LIMIT_S + 30)[1] for p in procs]
+        codes = [p.returncode for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
