@@ -230,16 +230,21 @@ def test_two_ranks_two_workers_bounded_cache_kill_and_resume(
     procs: list[subprocess.Popen[bytes]] = []
     try:
         first = [str(tmp_path / f"rank{r}-a.jsonl") for r in range(world)]
-        procs = [
-            _launch({**base, "rank": r, "out": first[r]}, str(tmp_path / f"a{r}.json"))
-            for r in range(world)
-        ]
         steps = N // (world * BATCH)
         # kill the job in the middle of its second epoch: both ranks there (the prefetch
         # check below is about epoch 1; a rank still in epoch 0 at the kill, seen on a
-        # loaded box, needs all of epoch 1 and the check would not hold)
+        # loaded box, needs all of epoch 1 and the check would not hold). Each rank holds
+        # there until killed: on a loaded box one rank once finished both epochs before the
+        # other reached the middle of epoch 1 (a full suite run, 2026-12-05)
+        hold = steps + steps // 2
+        procs = [
+            _launch(
+                {**base, "rank": r, "out": first[r], "hold_at": hold}, str(tmp_path / f"a{r}.json")
+            )
+            for r in range(world)
+        ]
         _wait(
-            lambda: min(len(_lines(p)) for p in first) >= steps + steps // 2 or _ended(procs),
+            lambda: min(len(_lines(p)) for p in first) >= hold or _ended(procs),
             120,
             "both ranks to reach the middle of epoch 1",
         )

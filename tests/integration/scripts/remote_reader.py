@@ -4,13 +4,15 @@ Usage: ``python remote_reader.py CONFIG.json``. The config names the dataset URL
 endpoint, the cache, this rank, the loader layout and an output file. One JSON line per
 delivered batch: ``{"epoch": e, "keys": [...], "state": loader.state_dict()}`` (flushed, so a
 test can kill the process at any time and resume from the last line's state, given as
-``"resume"`` in the config).
+``"resume"`` in the config). ``"hold_at": n`` stops after the n-th line and waits to be
+killed (so a test kills every rank at a known point, however unevenly the box runs them).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 from unbroken.data import CacheConfig, StatefulLoader, StreamingDataset
@@ -47,6 +49,7 @@ def main() -> int:
     )
     if cfg.get("resume") is not None:
         loader.load_state_dict(cfg["resume"])
+    written = 0
     with open(cfg["out"], "a") as out:
         while loader.epoch < cfg["epochs"]:
             epoch = loader.epoch
@@ -56,6 +59,9 @@ def main() -> int:
                     json.dumps({"epoch": epoch, "keys": batch, "state": loader.state_dict()}) + "\n"
                 )
                 out.flush()
+                written += 1
+                while written == cfg.get("hold_at"):  # until the test kills this process
+                    signal.pause()
     os.close(os.open(cfg["out"] + ".done", os.O_CREAT | os.O_WRONLY, 0o644))
     return 0
 
