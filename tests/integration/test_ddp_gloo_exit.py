@@ -131,10 +131,5 @@ def test_a_ddp_rank_whose_last_all_reduce_ends_during_its_teardown_still_exits(
 
 
 if __name__ == "__main__":
-    _rank_main(
-        int(sys.argv[1]),
-        sys.argv[2],
-        sys.argv[3],
-        sys.argv[4],
-        {"None": None, "False": False}[sys.argv[5]],
-    )
+    rank, rdzv, root, leaving, distributed = sys.argv[1:]
+    _rank_main(int(rank), rdzv, root, leaving, {"None": None, "False": False}[distributed])
