@@ -190,6 +190,25 @@ def spawn_two(worker: Callable[..., None], job: dict[str, Any]) -> None:
     tmp_mp.start_processes(worker, args=(2, job), nprocs=2, start_method="spawn", join=True)
 
 
+class Pristine:
+    """A run a module fixture made once at ``place``, put back as it was for each test
+    (:meth:`fresh`): each test damages the files as it likes, and the ranks' spawn (~3
+    CPU-seconds each) is paid once per module. Put back at the same path, not copied
+    elsewhere: a memory-tier slot names the realpath of its checkpoint root, and a slot of
+    another root is rightly never used."""
+
+    def __init__(self, place: str) -> None:
+        self.place = place
+        self._copy = place.rstrip("/") + ".pristine"
+        shutil.copytree(place, self._copy, symlinks=True)
+
+    def fresh(self) -> str:
+        """``place`` as the fixture left it (file contents, modes and times)."""
+        shutil.rmtree(self.place)
+        shutil.copytree(self._copy, self.place, symlinks=True)
+        return self.place
+
+
 def report_and_exit(job: dict[str, Any], rank: int, out: dict[str, Any]) -> None:
     """A spawned rank's last act: ``out`` to ``<job out>/<mode>-<rank>.json``, a barrier,
     and an exit with no close() (the memory tier's slots stay, as after a crash)."""

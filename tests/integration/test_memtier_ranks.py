@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptkit import flip, report_and_exit, spawn_two
+from ckptkit import Pristine, flip, report_and_exit, spawn_two
 from rankkit import join_group
 
 pytestmark = pytest.mark.slow
@@ -69,11 +69,24 @@ def _run(job: dict[str, Any]) -> None:
     spawn_two(_worker, job)
 
 
+def _job(base: str, mode: str) -> dict[str, Any]:
+    tier = os.path.join(base, "unbroken-t", "job")
+    return {"mode": mode, "root": os.path.join(base, "ckpt"), "tier": tier, "out": base}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Pristine:
+    """Phase 1, once for the module; each test gets it back untouched."""
+    base = str(tmp_path_factory.mktemp("trained"))
+    _run(_job(base, "train"))
+    return Pristine(base)
+
+
 @pytest.mark.parametrize("damage", ["flip", "remove", "remove-all"])
-def test_ranks_agree_on_the_newest_step_every_rank_holds(tmp_path, damage: str) -> None:
-    root, tier, out = str(tmp_path / "ckpt"), str(tmp_path / "unbroken-t" / "job"), str(tmp_path)
-    _run({"mode": "train", "root": root, "tier": tier, "out": out})
-    trained = [json.load(open(os.path.join(out, f"train-{r}.json"))) for r in range(2)]
+def test_ranks_agree_on_the_newest_step_every_rank_holds(trained: Pristine, damage: str) -> None:
+    job = _job(trained.fresh(), "load")
+    tier, out = job["tier"], job["out"]
+    states = [json.load(open(os.path.join(out, f"train-{r}.json"))) for r in range(2)]
     rank1 = os.path.join(tier, "rank-1")
     slots = [os.path.join(rank1, f"slot-{i}") for i in range(2)]
     newest = max(slots, key=os.path.getmtime)  # step 7 (the slots alternate)
@@ -84,9 +97,9 @@ def test_ranks_agree_on_the_newest_step_every_rank_holds(tmp_path, damage: str) 
     else:
         for p in slots:
             os.unlink(p)
-    _run({"mode": "load", "root": root, "tier": tier, "out": out})
+    _run(job)
     want_step, want_tier = (5, "disk") if damage == "remove-all" else (6, "memory")
     for r in range(2):
         got = json.load(open(os.path.join(out, f"load-{r}.json")))
         assert (got["step"], got["tier"]) == (want_step, want_tier), (r, got)
-        assert got["state"] == trained[r][str(want_step)], (r, got, trained[r])
+        assert got["state"] == states[r][str(want_step)], (r, got, states[r])

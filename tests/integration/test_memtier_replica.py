@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp_mp
 
-from ckptkit import flip, report_and_exit, spawn_two
+from ckptkit import Pristine, flip, report_and_exit, spawn_two
 from rankkit import group_file, join_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -112,19 +112,36 @@ def _result(out: str, mode: str, r: int) -> dict[str, Any]:
         return json.load(f)
 
 
-def _train(tmp_path, steps: int = 7, **more: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    tiers = [str(tmp_path / f"unbroken-{n}" / "job") for n in "AB"]
-    job = {"root": str(tmp_path / "ckpt"), "tiers": tiers, "out": str(tmp_path), "steps": steps}
-    job.update(more)
+def _job(base: str, steps: int, **more: Any) -> dict[str, Any]:
+    tiers = [os.path.join(base, f"unbroken-{n}", "job") for n in "AB"]
+    return {"root": os.path.join(base, "ckpt"), "tiers": tiers, "out": base, "steps": steps, **more}
+
+
+def _train(tmp_path, steps: int, **more: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    job = _job(str(tmp_path), steps, **more)
     _run({**job, "mode": "train"})
     return job, [_result(str(tmp_path), "train", r) for r in range(2)]
 
 
-def test_node_loss_restores_from_the_peer_replica(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def seven(tmp_path_factory: pytest.TempPathFactory) -> Pristine:
+    """Phase 1 (7 steps), once for the module; each test below gets it back untouched."""
+    base = tmp_path_factory.mktemp("seven")
+    _train(base, 7)
+    return Pristine(str(base))
+
+
+def _seven(seven: Pristine) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The 7-step run as phase 1 left it: (job, each rank's training record)."""
+    base = seven.fresh()
+    return _job(base, 7), [_result(base, "train", r) for r in range(2)]
+
+
+def test_node_loss_restores_from_the_peer_replica(seven) -> None:
     """issue 25 peer replica item 1 and 2: each rank's newest slot is kept by the rank on
     the other node (0600 in its 0700 directory); when node B's memory is lost, its fresh
     rank gets step 7 from node A's replica, bit-exact, and the restore line names the tier."""
-    job, trained = _train(tmp_path)
+    job, trained = _seven(seven)
     tier_a, tier_b = job["tiers"]
     assert trained[0]["replica"] == 7 and trained[1]["replica"] == 7, trained
     for tier, src in ((tier_a, 1), (tier_b, 0)):
@@ -145,13 +162,13 @@ def test_node_loss_restores_from_the_peer_replica(tmp_path) -> None:
 
 
 def test_node_loss_with_ranks_renumbered_restores_from_the_copies_on_the_other_node(
-    tmp_path,
+    seven, tmp_path
 ) -> None:
     """issue 25 peer replica item 2: the new rendezvous numbers the nodes differently: the
     surviving node A now runs rank 1 and the replacement node (empty memory) rank 0. Node A
     holds both states: rank 1's in its replica (copied into rank 1's slots on the node) and
     rank 0's in the old rank-0 slots (sent to the new node). Both resume at step 7."""
-    job, trained = _train(tmp_path)
+    job, trained = _seven(seven)
     tier_a, tier_b = job["tiers"]
     shutil.rmtree(os.path.dirname(tier_b))
     fresh = str(tmp_path / "unbroken-C" / "job")
@@ -163,12 +180,12 @@ def test_node_loss_with_ranks_renumbered_restores_from_the_copies_on_the_other_n
 
 
 @pytest.mark.parametrize("attack", ["planted", "symlink", "truncated", "flip"])
-def test_a_damaged_or_planted_replica_falls_back_to_disk(tmp_path, attack: str) -> None:
+def test_a_damaged_or_planted_replica_falls_back_to_disk(seven, tmp_path, attack: str) -> None:
     """issue 25 peer replica item 2 (security): the replica of the lost rank is attacked on
     the surviving node: a planted file, a symlink to a valid copy, a truncated file, a bit
     flip in the payload. It is never loaded: both ranks restore disk step 5, bit-exact, and
     the restore line says why the newer memory steps were skipped."""
-    job, trained = _train(tmp_path)
+    job, trained = _seven(seven)
     tier_a, tier_b = job["tiers"]
     shutil.rmtree(os.path.dirname(tier_b))
     target = os.path.join(tier_a, "replica-of-1")
