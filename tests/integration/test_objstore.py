@@ -799,6 +799,9 @@ def test_every_route_retries_throttling_and_truncation_and_refuses_missing_and_l
                 "skip_instance_cache": True,
             }
             opts = StoreOptions(**{**OPTS.__dict__, "client": "fsspec"})
+            # s3fs retries 5 times with 1.9 s of sleeps under each of our attempts (its
+            # class attribute, no storage option): 15 s of this test's waits, none of them ours
+            monkeypatch.setattr("s3fs.S3FileSystem.retries", 1)
         store = open_store(url, so, opts)
         assert store.kind == ("fsspec" if route == "s3-fsspec" else "obstore")
         for i, fault in enumerate((Fault("503", 2), Fault("truncate", 1))):

@@ -148,14 +148,22 @@ def _same(a: Any, b: Any, where: str = "") -> None:
         assert a == b, where
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The straight run, once for the module, saving synchronously: a resumed run of either
+    save mode must end where it ends (an async save must not touch the trajectory either)."""
+    ref = tmp_path_factory.mktemp("straight")
+    (ref / "out").mkdir()
+    assert _run(str(ref), str(ref / "ck"), str(ref / "out"), 0, False) == [0, 0]
+    return ref
+
+
 @pytest.mark.parametrize(("die_at", "async_save"), [(7, False), (6, True)])
 def test_two_ranks_killed_and_resumed_end_bit_identical(
-    tmp_path, die_at: int, async_save: bool
+    straight, tmp_path, die_at: int, async_save: bool
 ) -> None:
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    for d in (ref, run):
-        (d / "out").mkdir(parents=True)
-    assert _run(str(tmp_path), str(ref / "ck"), str(ref / "out"), 0, async_save) == [0, 0]
+    ref, run = straight, tmp_path / "run"
+    (run / "out").mkdir(parents=True)
     got = _run(str(tmp_path), str(run / "ck"), str(run / "out"), die_at, async_save)
     assert got == [-signal.SIGKILL] * WORLD, got
     assert _run(str(tmp_path), str(run / "ck"), str(run / "out"), 0, async_save) == [0, 0]
