@@ -9,6 +9,7 @@ Real torchrun on 127.0.0.1, real gloo workers, real SIGKILL.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -33,48 +34,59 @@ def _comm(pid: int) -> str:
         return f.read().strip()
 
 
-def _launcher_of(job: h.Job, rank: int, worker: int) -> int:
+def _launcher_of(job: h.Job, rank: int, worker: int, attempt: int = 0) -> int:
     """The per-rank launcher: torchrun's child for ``rank`` (RANK set, not the worker)."""
     (pid,) = [
         p
-        for p in h.pids_of(job, attempt=0)
+        for p in h.pids_of(job, attempt=attempt)
         if p != worker and environ_of(p).get("RANK") == str(rank)
     ]
     return pid
 
 
 @pytest.mark.parametrize(
-    ("victim", "mode"),
+    ("victims", "mode"),
     [
-        ("worker", []),
-        ("launcher", []),
-        ("fork server", []),
+        # one job, each kind in turn: attempt 0 loses its worker, 1 its launcher, 2 its
+        # fork server (each restart forks the workers anew)
+        (("worker", "launcher", "fork server"), []),
         # its worker a fresh interpreter, not a fork (--no-prewarm forks since issue 23 item 2)
-        ("launcher", ["--no-standby"]),
+        (("launcher",), ["--no-standby"]),
     ],
+    ids=["worker-launcher-fork-server", "launcher-no-standby"],
 )
-def test_any_process_of_a_rank_killed_is_a_process_fault_that_restarts_it(tmp_path, victim, mode):
+def test_any_process_of_a_rank_killed_is_a_process_fault_that_restarts_it(tmp_path, victims, mode):
     """issue 21 item 7: SIGKILL of the worker, of the per-rank launcher or of the fork server
     of rank 1 is a process fault; the job restarts and ends bit-identical."""
-    steps = 30
+    steps = 15 * len(victims) + 15
     with h.jobs() as start:
         job = start(
             str(tmp_path / "run"),
             ["--nproc-per-node", "2", "--stop-grace", "5", *mode],
             h.script_args(tmp_path, steps, save_every=5),
         )
-        beats = h.wait_until(lambda: h.live_beats(job, 0, 8, ranks=2), 90, "step 8", job)
-        worker = beats[1].pid
-        launcher = _launcher_of(job, 1, worker)
-        pid = {"worker": worker, "launcher": launcher, "fork server": parent_of(worker)}[victim]
-        assert pid is not None and pid not in (launcher, worker) or victim != "fork server"
-        os.kill(pid, signal.SIGKILL)
+        for attempt, victim in enumerate(victims):
+            # 8 steps past the newest save the attempt can have restored (every 5)
+            at = 15 * attempt + 8
+            up = functools.partial(h.live_beats, job, attempt, at, ranks=2)
+            beats = h.wait_until(up, 90, f"step {at}", job)
+            worker = beats[1].pid
+            launcher = _launcher_of(job, 1, worker, attempt)
+            pid = {"worker": worker, "launcher": launcher, "fork server": parent_of(worker)}
+            assert (
+                pid[victim] is not None
+                and pid[victim] not in (launcher, worker)
+                or (victim != "fork server")
+            )
+            os.kill(pid[victim], signal.SIGKILL)
         assert job.wait(120) == 0, job.output()[-3000:]
 
-    (f,) = job.events("failure")
-    assert (f["fault"], f["action"]) == ("process", "restart"), f
-    assert "outside" not in f["reason"] and "preempt" not in f["reason"], f
-    assert "rank 1" in f["reason"] or victim == "fork server", f
+    fails = job.events("failure")
+    assert len(fails) == len(victims), fails
+    for f, victim in zip(fails, victims, strict=True):
+        assert (f["fault"], f["action"]) == ("process", "restart"), f
+        assert "outside" not in f["reason"] and "preempt" not in f["reason"], f
+        assert "rank 1" in f["reason"] or victim == "fork server", f
     h_steps = h.metric_steps(str(tmp_path / "metrics.jsonl"))
     assert h_steps == list(range(1, steps + 1)), h_steps
     losses = [r["loss"] for r in h.metrics(str(tmp_path / "metrics.jsonl"))]
