@@ -15,6 +15,8 @@ Here it is made certain rather than rare: rank 1 launches an all-reduce from ins
 and leaves; rank 0 joins that all-reduce only once rank 1 is destroying a process group (one
 of its gloo worker threads has ended), so the work finishes, and is freed, while rank 1's
 destructor joins the worker. The ranks are real processes (this file, run as a script).
+Also for a DDP on a group of its own (``process_group=``): the Checkpointer holds the groups
+of its TrainState's DDP wrappers as it holds the default group.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ def _gloo_workers(pid: int) -> int:
     return count
 
 
-def _rank_main(rank: int, rdzv: str, root: str, leaving: str, distributed: bool | None) -> None:
+def _rank_main(
+    rank: int, rdzv: str, root: str, leaving: str, distributed: bool | None, own_group: bool
+) -> None:
     import faulthandler
 
     import torch.distributed as dist
@@ -64,7 +68,12 @@ def _rank_main(rank: int, rdzv: str, root: str, leaving: str, distributed: bool 
     faulthandler.dump_traceback_later(RANK_LIMIT_S, exit=True)
     join_group(rank, WORLD, rdzv)
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(torch.nn.Linear(4, 1))
+    # own_group: the DDP on a group of its own; the job's groups are then all destroyed by
+    # the script, and only the DDP (its attribute, then its Reducer) still holds that one
+    ddp = DistributedDataParallel(
+        torch.nn.Linear(4, 1), process_group=dist.new_group(backend="gloo") if own_group else None
+    )
+    group = ddp.process_group
     if distributed is False:  # each rank saves alone, in a directory of its own
         root = f"{root}-{rank}"
     ck = Checkpointer(
@@ -76,12 +85,13 @@ def _rank_main(rank: int, rdzv: str, root: str, leaving: str, distributed: bool 
     if rank == 1:
         # an all-reduce launched inside a backward, as DDP's are, not waited for here
         x = torch.ones(3, requires_grad=True)
-        x.register_hook(lambda g: dist.all_reduce(g.clone(), async_op=True) and None)
+        x.register_hook(lambda g: dist.all_reduce(g.clone(), group=group, async_op=True) and None)
         x.sum().backward()
         with open(leaving + ".tmp", "w") as f:
             f.write(f"{os.getpid()} {_gloo_workers(os.getpid())}")
         os.rename(leaving + ".tmp", leaving)
         dist.destroy_process_group()
+        del group
         return  # ddp (and its Reducer) freed here, while the all-reduce is still open
     while not os.path.exists(leaving):
         time.sleep(0.01)
@@ -89,13 +99,17 @@ def _rank_main(rank: int, rdzv: str, root: str, leaving: str, distributed: bool 
         pid, workers = map(int, f.read().split())
     while _gloo_workers(pid) >= workers:  # rank 1 is in no group's destructor yet
         time.sleep(0.01)
-    dist.all_reduce(torch.ones(3))
+    dist.all_reduce(torch.ones(3), group=group)
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("distributed", [None, False])
+@pytest.mark.parametrize(
+    ("distributed", "own_group"),
+    [(None, False), (False, False), (None, True)],
+    ids=["saving-together", "saving-alone", "ddp-on-its-own-group"],
+)
 def test_a_ddp_rank_whose_last_all_reduce_ends_during_its_teardown_still_exits(
-    tmp_path, distributed: bool | None
+    tmp_path, distributed: bool | None, own_group: bool
 ) -> None:
     rdzv = group_file(str(tmp_path))
     leaving = str(tmp_path / "rank-1-leaving")
@@ -110,6 +124,7 @@ def test_a_ddp_rank_whose_last_all_reduce_ends_during_its_teardown_still_exits(
                 str(tmp_path / "ck"),
                 leaving,
                 str(distributed),
+                str(own_group),
             ],
             env=env,
             stderr=subprocess.PIPE,
@@ -131,5 +146,7 @@ def test_a_ddp_rank_whose_last_all_reduce_ends_during_its_teardown_still_exits(
 
 
 if __name__ == "__main__":
-    rank, rdzv, root, leaving, distributed = sys.argv[1:]
-    _rank_main(int(rank), rdzv, root, leaving, {"None": None, "False": False}[distributed])
+    rank, rdzv, root, leaving, distributed, own = sys.argv[1:]
+    _rank_main(
+        int(rank), rdzv, root, leaving, {"None": None, "False": False}[distributed], own == "True"
+    )

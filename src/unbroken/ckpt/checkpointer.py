@@ -117,7 +117,7 @@ class Checkpointer:
         self.state = state
         # Checkpoint collectives get their own group: a background save must never
         # interleave with the training loop's collectives on the default group.
-        self._comm = Comm(self.config.distributed)
+        self._comm = Comm(self.config.distributed, hold=state.process_groups)
         self._audit = state_audit(state, self._comm)  # `unbroken drill` only; else no-op
         self._saver = Saver(self.store, state, self._comm, self.config.io_threads, self._audit)
         self._loader = Loader(self.store, state, self._comm, self._audit, quiet=self.config.quiet)

@@ -95,7 +95,9 @@ class Comm:
     writing replicated state by itself).
     """
 
-    def __init__(self, collective: bool | None = None) -> None:
+    def __init__(self, collective: bool | None = None, hold: Iterable[Any] = ()) -> None:
+        """``hold``: more of the job's groups to keep until :meth:`destroy` (those of the
+        state's DDP wrappers), as the default group is."""
         self.enabled = is_dist() if collective is None else collective
         if self.enabled and not is_dist():
             raise ValueError(
@@ -107,10 +109,11 @@ class Comm:
         # background save's collectives run on ``group`` from another thread, and two
         # threads issuing collectives on one group can pair up different calls across ranks.
         self.control: Any = dist.new_group(backend="gloo") if self.enabled else None
-        # The job's default group, held until :meth:`destroy` so that the script's DDP
-        # Reducer is never its last holder (see :meth:`destroy`); also when saving alone.
-        self._default: Any = dist.group.WORLD if is_dist() else None
-        if self._default is not None:  # runs after the checkpointer's own flush at exit (LIFO)
+        # The job's default group and its DDP groups, held until :meth:`destroy` so that
+        # the script's DDP Reducer is never the last holder of one (see :meth:`destroy`);
+        # also when saving alone.
+        self._held: list[Any] = [dist.group.WORLD, *hold] if is_dist() else []
+        if self._held:  # runs after the checkpointer's own flush at exit (LIFO)
             atexit.register(self.destroy)
 
     @property
@@ -189,13 +192,13 @@ class Comm:
                     pass
                 except Exception as e:  # noqa: BLE001 - teardown never changes how we exit
                     log.warning("destroying the checkpoint's process group failed: %s", e)
-        # Last, the job's default group (the script may have destroyed it already): freed
-        # from this Python reference, its gloo threads are joined with the GIL released.
-        # Freed by the script's DDP Reducer instead, they are joined with the GIL held, and
-        # a worker still freeing a backward's all-reduce needs the GIL to do so (torch 2.13
-        # puts a Python object in the state every backward hands to its collectives): the
-        # rank hangs at exit (tests/integration/test_ddp_gloo_exit.py).
-        self._default = None
+        # Last, the job's default and DDP groups (the script may have destroyed them
+        # already): freed from these Python references, their gloo threads are joined with
+        # the GIL released. Freed by the script's DDP Reducer instead, they are joined with
+        # the GIL held, and a worker still freeing a backward's all-reduce needs the GIL to
+        # do so (torch 2.13 puts a Python object in the state every backward hands to its
+        # collectives): the rank hangs at exit (tests/integration/test_ddp_gloo_exit.py).
+        self._held = []
 
     def leave(self) -> None:
         """Leave the job together: wait until every rank is here, then :meth:`destroy`.

@@ -210,21 +210,24 @@ def _through_dcp(comps: dict[str, Any]) -> None:
         comps[name] = _ShardedModel(model)
 
 
-def _unwrap(obj: Any) -> tuple[Any, set[str]]:
-    """The module inside DDP / ``torch.compile`` wrappers, and the buffer names DDP
-    re-broadcasts from rank 0 at every forward (``broadcast_buffers=True``)."""
+def _unwrap(obj: Any) -> tuple[Any, set[str], list[Any]]:
+    """The module inside DDP / ``torch.compile`` wrappers, the buffer names DDP
+    re-broadcasts from rank 0 at every forward (``broadcast_buffers=True``), and the
+    process groups the DDP wrappers all-reduce on."""
     from torch.nn.parallel import DistributedDataParallel
 
     synced: set[str] = set()
+    groups: list[Any] = []
     while True:
         if isinstance(obj, DistributedDataParallel):
             if obj.broadcast_buffers:
                 synced |= {n for n, _ in obj.module.named_buffers()}
+            groups.append(obj.process_group)
             obj = obj.module
         elif type(obj).__name__ == "OptimizedModule" and hasattr(obj, "_orig_mod"):
             obj = obj._orig_mod  # torch.compile: keys without the "_orig_mod." prefix
         else:
-            return obj, synced
+            return obj, synced, groups
 
 
 class _Generator:
@@ -425,10 +428,14 @@ class TrainState:
         if values is not None:
             comps["values"] = self.values
         self.synced_buffers: dict[str, set[str]] = {}
+        self.process_groups: list[Any] = []
+        """The groups the state's DDP wrappers all-reduce on (the Checkpointer holds them
+        until exit: ``Comm.destroy``)."""
         for name, obj in comps.items():
-            comps[name], synced = _unwrap(obj)
+            comps[name], synced, groups = _unwrap(obj)
             if synced:
                 self.synced_buffers[name] = synced
+            self.process_groups += groups
         _through_dcp(comps)
         _check_components(comps, numpy_generators or {})
         self.components = comps
