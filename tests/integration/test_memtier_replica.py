@@ -112,13 +112,14 @@ def _result(out: str, mode: str, r: int) -> dict[str, Any]:
         return json.load(f)
 
 
-def _job(base: str, steps: int, **more: Any) -> dict[str, Any]:
+def _job(base: str, **more: Any) -> dict[str, Any]:
+    """The checkpoint root, the two nodes' memory directories and the output, under ``base``."""
     tiers = [os.path.join(base, f"unbroken-{n}", "job") for n in "AB"]
-    return {"root": os.path.join(base, "ckpt"), "tiers": tiers, "out": base, "steps": steps, **more}
+    return {"root": os.path.join(base, "ckpt"), "tiers": tiers, "out": base, **more}
 
 
 def _train(tmp_path, steps: int, **more: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    job = _job(str(tmp_path), steps, **more)
+    job = _job(str(tmp_path), steps=steps, **more)
     _run({**job, "mode": "train"})
     return job, [_result(str(tmp_path), "train", r) for r in range(2)]
 
@@ -134,7 +135,7 @@ def seven(tmp_path_factory: pytest.TempPathFactory) -> Pristine:
 def _seven(seven: Pristine) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The 7-step run as phase 1 left it: (job, each rank's training record)."""
     base = seven.fresh()
-    return _job(base, 7), [_result(base, "train", r) for r in range(2)]
+    return _job(base, steps=7), [_result(base, "train", r) for r in range(2)]
 
 
 def test_node_loss_restores_from_the_peer_replica(seven) -> None:
@@ -292,8 +293,7 @@ def test_when_the_peer_is_gone_the_sender_logs_once_and_stops(tmp_path) -> None:
     """issue 25 peer replica item 1: rank 1's process (its node) is gone; rank 0 keeps
     training and publishing to its own memory tier, its replica thread logs one WARNING and
     stops replicating (until the next rendezvous: a new process)."""
-    tiers = [str(tmp_path / f"unbroken-{n}" / "job") for n in "AB"]
-    job: dict[str, Any] = {"root": str(tmp_path / "ckpt"), "tiers": tiers, "out": str(tmp_path)}
+    job = _job(str(tmp_path))
     job["rdzv"] = group_file(job["out"])
     ctx = tmp_mp.start_processes(
         _gone_worker, args=(2, job), nprocs=2, start_method="spawn", join=False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import random
 import signal
 import subprocess
@@ -149,7 +150,7 @@ def _same(a: Any, b: Any, where: str = "") -> None:
 
 
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def straight(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """The straight run, once for the module, saving synchronously: a resumed run of either
     save mode must end where it ends (an async save must not touch the trajectory either)."""
     ref = tmp_path_factory.mktemp("straight")
