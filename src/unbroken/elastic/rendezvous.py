@@ -23,6 +23,7 @@ import ipaddress
 import logging
 import math
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -167,7 +168,15 @@ class Coordinator:
     A hosted store listens on the address ``host`` resolves to, and on no other interface.
     ``multi_node``: warn when that address is a loopback one (other machines cannot reach
     it). Raises ``RuntimeError`` when the store cannot be hosted or reached; afterwards
-    every method raises ``RuntimeError`` only when the store is lost.
+    every method raises ``RuntimeError`` only when the store is lost or silent.
+
+    Every call to a joined store has a deadline, ``call_timeout`` (and joining one,
+    ``connect_timeout`` plus a margin): torch's client waits for an answer without bound
+    once a host took the connection, so a frozen host (SIGSTOP, a stalled VM) or a program
+    that took the port and says nothing held the caller forever, deaf to SIGTERM. The call
+    runs on a helper thread; past its deadline it is left waiting there, and every call
+    until it ends fails at once (the connection carries one request at a time). Once the
+    host answers it, the store serves again.
     """
 
     def __init__(
@@ -178,11 +187,14 @@ class Coordinator:
         node: str,
         *,
         connect_timeout: float,
+        call_timeout: float = 10.0,
         multi_node: bool = False,
     ):
         self.host = host
         self.node = node
         self.hosting = False
+        self._call_timeout = call_timeout
+        self._unanswered: tuple[threading.Thread, str, float] | None = None
         self._prefix = f"unbroken/{run_id}/"
         self._gen = 0
         self._warned: set[tuple[str, bytes]] = set()
@@ -193,9 +205,9 @@ class Coordinator:
             store = self._join(host, port, connect_timeout)
         self._store = store
         self.port = int(store.port)
-        self._store.compare_set(self._k("gen"), "", "0")
+        self._call("compare_set", self._k("gen"), "", "0")
         self.tick()
-        self._store.append(self._k("nodes"), node + "\n")
+        self._call("append", self._k("nodes"), node + "\n")
 
     def _host(self, host: str, port: int, timeout: float, multi_node: bool) -> Any:
         """The store served from this process on ``host:port``; None when another process
@@ -233,14 +245,49 @@ class Coordinator:
     def _join(host: str, port: int, timeout: float) -> Any:
         from torch.distributed import TCPStore
 
+        fix = "start the supervisor on that host first or fix --rdzv-endpoint"
         try:
-            return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+            ok, got = _bounded(
+                TCPStore,
+                host,
+                port,
+                is_master=False,
+                timeout=timedelta(seconds=timeout),
+                deadline=timeout + _JOIN_MARGIN,
+            )
         except (RuntimeError, ValueError) as e:
             raise RuntimeError(
-                f"cannot reach the rendezvous store at {host}:{port} within "
-                f"{timeout:g} s: {e}; start the supervisor on that host first or "
-                "fix --rdzv-endpoint"
+                f"cannot reach the rendezvous store at {host}:{port} within {timeout:g} s: "
+                f"{e}; {fix}"
             ) from e
+        if not ok:
+            raise RuntimeError(
+                f"no answer from the rendezvous store at {host}:{port} within "
+                f"{timeout + _JOIN_MARGIN:g} s: something took the connection and never "
+                f"answered (another program on that port, or a frozen host); {fix}"
+            )
+        return got
+
+    def _call(self, method: str, *args: Any) -> Any:
+        """``self._store.<method>(*args)``, bounded by the call timeout (class docstring)."""
+        if self._unanswered is not None:
+            thread, what, since = self._unanswered
+            if thread.is_alive():
+                raise RuntimeError(
+                    f"the rendezvous store at {self.endpoint} still waits for an answer to "
+                    f"{what}, sent {time.monotonic() - since:.0f} s ago: its host is "
+                    "stopped, frozen or unreachable"
+                )
+            self._unanswered = None
+        since = time.monotonic()
+        ok, got = _bounded(getattr(self._store, method), *args, deadline=self._call_timeout)
+        if not ok:
+            self._unanswered = (got, method, since)
+            raise RuntimeError(
+                f"no answer from the rendezvous store at {self.endpoint} to {method} within "
+                f"{self._call_timeout:g} s: its host is stopped, frozen or unreachable"
+            )
+        return got
 
     def _k(self, name: str) -> str:
         return self._prefix + name
@@ -251,7 +298,7 @@ class Coordinator:
         the store can delete one. One ``compare_set`` that changes nothing: a missing key
         with a non-empty expected value answers that value and stays missing; a present
         one answers its own value (set to itself when it equals the marker)."""
-        raw = self._store.compare_set(self._k(name), _ABSENT, _ABSENT)
+        raw = self._call("compare_set", self._k(name), _ABSENT, _ABSENT)
         return None if raw == _ABSENT.encode() else raw
 
     @property
@@ -291,15 +338,15 @@ class Coordinator:
     def bump(self, from_gen: int) -> int:
         """Move to generation ``from_gen + 1`` unless another node already moved on."""
         want = str(from_gen + 1)
-        got = self._gen_value(self._store.compare_set(self._k("gen"), str(from_gen), want))
+        got = self._gen_value(self._call("compare_set", self._k("gen"), str(from_gen), want))
         if got is None or got <= from_gen:
-            self._store.set(self._k("gen"), want)  # overwrite what no node wrote
+            self._call("set", self._k("gen"), want)  # overwrite what no node wrote
             got = from_gen + 1
         self._gen = max(self._gen, got)
         return got
 
     def tick(self) -> None:
-        self._store.set(self._k(f"alive/{self.node}"), repr(time.time()))
+        self._call("set", self._k(f"alive/{self.node}"), repr(time.time()))
 
     def peers(self) -> dict[str, float]:
         """Other nodes and the Unix time of their supervisors' last tick."""
@@ -321,7 +368,7 @@ class Coordinator:
         return out
 
     def set_done(self, code: int) -> None:
-        self._store.set(self._k(f"done/{self.node}"), str(code))
+        self._call("set", self._k(f"done/{self.node}"), str(code))
 
     def wait_peers_done(self, timeout: float, silent_after: float) -> list[str]:
         """Block (at most ``timeout`` s) while a live peer has not said it is done: the store
@@ -340,7 +387,7 @@ class Coordinator:
             time.sleep(0.1)
 
     def set_stop(self, code: int, reason: str) -> None:
-        self._store.set(self._k("stop"), f"{code} {reason}")
+        self._call("set", self._k("stop"), f"{code} {reason}")
 
     def get_stop(self) -> tuple[int, str] | None:
         """``(exit code, reason)`` once a supervisor stopped the job; None before, and for a
@@ -355,6 +402,31 @@ class Coordinator:
         return int(code), printable(reason[:2000])
 
 
+def _bounded(fn: Any, *args: Any, deadline: float, **kwargs: Any) -> tuple[bool, Any]:
+    """``(True, fn(*args, **kwargs))``, or ``(False, the thread still running it)`` after
+    ``deadline`` seconds; its exception is raised here. A daemon thread of its own, not a
+    pool: a pool's exit handler would join a thread that never ends."""
+    done: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            done.append((True, fn(*args, **kwargs)))
+        except Exception as e:  # noqa: BLE001 (raised in the caller)
+            done.append((False, e))
+
+    thread = threading.Thread(target=run, name="unbroken-rdzv-call", daemon=True)
+    thread.start()
+    thread.join(deadline)
+    if not done:
+        return False, thread
+    ok, got = done[0]
+    if not ok:
+        raise got
+    return True, got
+
+
+_JOIN_MARGIN = 5.0
+"""Seconds past the connect timeout that joining a store may take before it counts as silent."""
 _ABSENT = "\0unbroken: no such key"
 """The expected value :meth:`Coordinator._read` compares with: no value unbroken writes."""
 _MAX_PEERS = 4096
