@@ -5,6 +5,7 @@ job writes is private. Real supervisors, torchrun agents and workers on 127.0.0.
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import subprocess
 import time
@@ -104,3 +105,28 @@ def _assert_private(run_dir: str, skip: set[str]) -> None:
             seen += 1
             assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600, f"{path} is not 0600"
     assert seen >= 5, "expected events, logs, beacons and reports in the run directory"
+
+
+def test_a_program_squatting_on_the_rendezvous_port_stops_the_start_within_the_join_timeout(
+    tmp_path,
+):
+    """A program on this node took the endpoint's port, accepts and never answers: torch's
+    store client waited for its first answer without bound, deaf to SIGTERM. The supervisor
+    gives up after --join-timeout (plus a margin) and names the endpoint; the first
+    attempt's agent, started ahead of the store, goes with it."""
+    with socket.socket() as squatter, h.jobs() as start:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(8)
+        endpoint = f"127.0.0.1:{squatter.getsockname()[1]}"
+        job = start(
+            str(tmp_path / "run"),
+            ["--rdzv-endpoint", endpoint, "--join-timeout", "3"],
+            _script_args(tmp_path, 5),
+        )
+        t0 = time.monotonic()
+        assert job.wait(60) == 1, job.output()[-3000:]
+        took = time.monotonic() - t0
+        assert f"no answer from the rendezvous store at {endpoint}" in job.output(), job.output()
+        assert took < 30.0, took
+        h.wait_gone(job, 10, "the agent started ahead of the store")
+        assert not job.events("launch")

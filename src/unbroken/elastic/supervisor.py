@@ -887,6 +887,11 @@ class Supervisor:
             old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             tier = self._own_memory_tier()
+            # The first attempt's agent starts now (it inherits the memory tier named above):
+            # its imports (torch, torchrun, the workers' preloads) run while this process
+            # imports torch for the store and runs the pre-flight checks. It waits for its
+            # order (`_launch`); a start that fails before it closes it (`finally`).
+            self._standby = self._new_standby(first)
             r = self.cfg.rdzv
             host, _, port = r.endpoint.rpartition(":")
             self._coord = Coordinator(
@@ -895,6 +900,9 @@ class Supervisor:
                 r.run_id,
                 self.node,
                 connect_timeout=r.join_timeout,
+                # a store silent this long is lost (the monitor tolerates a loss as long
+                # again before it gives up: `_store_news`)
+                call_timeout=2 * r.node_timeout,
                 multi_node=r.bounds[1] > 1,
             )
             self._event(
