@@ -42,9 +42,9 @@ threads), and its main thread's time running, waiting for a CPU (run queue) and 
 Memory once back where it was: the PSS of the job's processes up to the restarted attempt
 (no standby waiting for a later one), for every row (issue 23 item 2).
 
-``--first-step`` measures instead the job's start: seconds from ``unbroken run
---standby-start launch|beat`` (with and without ``--no-prewarm``) to the first step on every
-rank, interleaved (issue 23 item 1: what starting the standby with the attempt costs).
+``--first-step`` measures instead the job's start: seconds from ``unbroken run`` (defaults,
+``--standby-start launch``, ``--no-prewarm``, ``--no-standby``) and from torchrun to the
+first step on every rank, interleaved.
 
 regain = the sum = K -> back where it was. Modes run interleaved (order rotated per repeat),
 so machine load hits all alike; the table shows medians and each mode's regain over the
@@ -242,21 +242,21 @@ def _end(p: subprocess.Popen[bytes], run_dir: str, log: Any) -> None:
     log.close()
 
 
-def first_step(start: str, work: str, extra: list[str]) -> dict[str, float]:
-    """Issue 23 item 1: seconds from ``unbroken run --standby-start START`` to the job's
-    first step on every rank (the slower rank's ``startup`` mark), and to the next
+def first_step(mode: list[str], work: str) -> dict[str, float]:
+    """Seconds from starting the job under ``mode`` to its first step on every rank (the
+    slower rank's ``startup`` mark), and, for ``unbroken run`` with a standby, to the next
     attempt's standby being ready."""
+    standby = mode[0] == "unbroken" and "--no-standby" not in mode
     t0 = time.time()
-    p, run_dir, _log_path, log = _start(["unbroken", "--standby-start", start, *extra], work)
+    p, run_dir, _log_path, log = _start(mode, work)
     try:
         out: dict[str, float] = {}
         deadline = t0 + 120.0
-        while "ready" not in out:
+        while "first_step" not in out or ("ready" not in out and standby):
             ev = events.load_events(run_dir)
             ups = [e for e in ev if e["event"] == "startup" and e.get("attempt") == 0]
             if len(ups) >= 2 and "first_step" not in out:
                 out["first_step"] = max(e["first_step"] for e in ups) - t0
-                out["standby_up_at_first_step"] = float(_standby_ready(run_dir))
             ready = [e["t"] for e in ev if e["event"] == "standby" and e.get("attempt") == 1]
             if ready and "first_step" in out:
                 out["ready"] = ready[0] - t0
@@ -489,30 +489,40 @@ def report(res: dict[str, list[dict[str, float]]], failed: dict[str, list[str]])
     return {"anchor": anchor, "ratios": ratios}
 
 
+FIRST_STEP_MODES: dict[str, list[str]] = {
+    "unbroken run (defaults)": ["unbroken"],
+    "unbroken run --standby-start launch": ["unbroken", "--standby-start", "launch"],
+    "unbroken run --no-prewarm": ["unbroken", "--no-prewarm"],
+    "unbroken run --no-standby": ["unbroken", "--no-standby"],
+    ANCHOR: ["torchrun", "noshare"],
+}
+
+
 def first_steps(repeats: int, json_path: str | None) -> None:
-    """The job's start with its next standby started at launch vs after the first beats."""
+    """The job's start: ``unbroken run`` in its start-up modes vs torchrun, interleaved."""
     load0 = os.getloadavg()
     print(f"load average: {load0}", flush=True)
-    cases = {
-        f"{start}{' --no-prewarm' if extra else ''}": (start, extra)
-        for extra in ([], ["--no-prewarm"])
-        for start in ("launch", "beat")
-    }
-    res: dict[str, list[dict[str, float]]] = {k: [] for k in cases}
-    names = list(cases)
+    res: dict[str, list[dict[str, float]]] = {k: [] for k in FIRST_STEP_MODES}
+    names = list(FIRST_STEP_MODES)
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(repeats):
             for i, name in enumerate(names[r % len(names) :] + names[: r % len(names)]):
-                start, extra = cases[name]
-                got = first_step(start, os.path.join(tmp, f"{r}-{i}"), extra)
+                got = first_step(FIRST_STEP_MODES[name], os.path.join(tmp, f"{r}-{i}"))
                 res[name].append(got)
                 print(f"repeat {r} {name}: " + " ".join(f"{k} {v:.2f}" for k, v in got.items()))
     load1 = os.getloadavg()
-    print("\n| --standby-start | first step on every rank (median) | per repeat | standby ready |")
-    print("|---|---|---|---|")
+    anchor = res[ANCHOR]
+    print(
+        "\n| start | first step on every rank (median s) | per repeat | vs the anchor, same repeat | next standby ready (median s) |"
+    )
+    print("|---|---|---|---|---|")
     for name, xs in res.items():
         per = " / ".join(f"{x['first_step']:.2f}" for x in xs)
-        print(f"| {name} | {_med(xs, 'first_step'):.2f} | {per} | {_med(xs, 'ready'):.2f} |")
+        vs = " / ".join(
+            f"{x['first_step'] / a['first_step']:.2f}x" for x, a in zip(xs, anchor, strict=True)
+        )
+        ready = f"{_med(xs, 'ready'):.2f}" if "ready" in xs[0] else "-"
+        print(f"| {name} | {_med(xs, 'first_step'):.2f} | {per} | {vs} | {ready} |")
     print(f"\nload average before {load0}, after {load1}")
     if json_path:
         with open(json_path, "w") as f:
@@ -539,8 +549,8 @@ def main() -> None:
     ap.add_argument(
         "--first-step",
         action="store_true",
-        help="only issue 23 item 1: the job's first step with --standby-start launch vs beat "
-        "(default and --no-prewarm standbys), interleaved",
+        help="only the job's start: seconds to the first step on every rank, unbroken run's "
+        "start-up modes and torchrun, interleaved",
     )
     a = ap.parse_args()
     if a.first_step:
