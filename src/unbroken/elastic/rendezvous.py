@@ -170,7 +170,7 @@ class Coordinator:
     it). Raises ``RuntimeError`` when the store cannot be hosted or reached; afterwards
     every method raises ``RuntimeError`` only when the store is lost or silent.
 
-    Every call to a joined store has a deadline, ``call_timeout`` (and joining one,
+    Every store call has a deadline, ``call_timeout`` (joining a store,
     ``connect_timeout`` plus a margin): torch's client waits for an answer without bound
     once a host took the connection, so a frozen host (SIGSTOP, a stalled VM) or a program
     that took the port and says nothing held the caller forever, deaf to SIGTERM. The call
