@@ -17,17 +17,29 @@ import time
 
 import pytest
 
+from unbroken.common.procs import proc_state
 from unbroken.elastic.rendezvous import Coordinator
 
 pytestmark = pytest.mark.timeout(90)
 
 _HOST = """
 import sys, time
+from unbroken.common.procs import proc_state
 from unbroken.elastic.rendezvous import Coordinator
 c = Coordinator("127.0.0.1", 0, "job", "host", connect_timeout=30.0)
 print(c.port, flush=True)
 time.sleep(300)
 """
+
+
+def _freeze(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until every thread of it has stopped (the signal lands
+    later: on a busy box the store's thread answered one more call first)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30.0
+    while not all(proc_state(int(t)) == "T" for t in os.listdir(f"/proc/{pid}/task")):
+        assert time.monotonic() < deadline, f"process {pid} never stopped"
+        time.sleep(0.01)
 
 
 def test_joining_an_endpoint_that_never_answers_gives_up_within_the_join_timeout():
@@ -51,7 +63,7 @@ def test_a_joined_store_whose_host_freezes_fails_its_calls_and_serves_again_once
         coord = Coordinator("127.0.0.1", port, "job", "b", connect_timeout=30.0, call_timeout=1.0)
         coord.tick()
         assert "host" in coord.peers()
-        os.kill(host.pid, signal.SIGSTOP)
+        _freeze(host.pid)
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="no answer from the rendezvous store"):
             coord.gen()  # a read: a `set` is sent without waiting for its answer
