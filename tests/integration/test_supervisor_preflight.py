@@ -175,6 +175,7 @@ def test_run_never_starts_while_preflight_fails(tmp_path):
             ["--ckpt", str(blocked), "--metrics", str(tmp_path / "m.jsonl")],
         )
         assert job.wait(60) == 6, job.output()[-2000:]
+        assert not h.pids_of(job), h.described(h.pids_of(job))  # the early agent closed
     events = load_events(job.run_dir)
     checks = [e for e in events if e["event"] == "preflight"]
     assert len(checks) >= 2 and not any(e["ok"] for e in checks)
