@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from unbroken.common.fs import takes_direct_io
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "ckpt_save_load.py")
 
 
@@ -77,6 +79,8 @@ def test_smoke_run_reports_ceilings_anchors_and_the_regression_row(tmp_path) -> 
     want = {"ub_save", f"dcp_save_t{t}", "dcp_save", "ceil_write_1", "ub_cold", "ub_warm"}
     want |= {"dcp_load_cold", "dcp_load_warm", "ceil_read_1_cold"}
     want |= {"ceil_write_1_wb"}  # the ceiling gets unbroken's early write-back too (issue 23)
+    if takes_direct_io(str(tmp_path)):
+        want |= {"ceil_write_1_direct"}  # and O_DIRECT, as unbroken's writer goes
     assert all(want <= set(r) for r in res["rounds"])
     orders = res["orders"]
     assert orders[0] != orders[1] != orders[2]  # rotated, each round
@@ -116,7 +120,8 @@ def test_save_only_runs_the_save_its_ceilings_and_the_anchor_and_judges_paired(t
     else, and its verdict is the median of the per-round ratios."""
     proc, res = _run(tmp_path, "--warmup", "0", "--only", "save")
     t = res["threads"]
-    ceilings = {f"ceil_write_{s}{wb}" for s in sorted({1, t}) for wb in ("", "_wb")}
+    kinds = ("", "_wb", "_direct") if takes_direct_io(str(tmp_path)) else ("", "_wb")
+    ceilings = {f"ceil_write_{s}{v}" for s in sorted({1, t}) for v in kinds}
     for r in res["rounds"]:
         assert {k for k in r if not k.endswith("_cpu")} == {"ub_save", f"dcp_save_t{t}", *ceilings}
     assert set(res["ratios"]) == {

@@ -279,6 +279,7 @@ def _run_disk_full(
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(_fs.HashingWriter, "write", full)
+        monkeypatch.setattr(_fs.DirectWriter, "write", full)
     with pytest.raises(
         RuntimeError, match="disk full.*step 2.*previous checkpoints are intact"
     ) as e:

@@ -119,7 +119,14 @@ class Checkpointer:
         # interleave with the training loop's collectives on the default group.
         self._comm = Comm(self.config.distributed, hold=state.process_groups)
         self._audit = state_audit(state, self._comm)  # `unbroken drill` only; else no-op
-        self._saver = Saver(self.store, state, self._comm, self.config.io_threads, self._audit)
+        self._saver = Saver(
+            self.store,
+            state,
+            self._comm,
+            self.config.io_threads,
+            self._audit,
+            direct_io=self.config.direct_io,
+        )
         self._loader = Loader(self.store, state, self._comm, self._audit, quiet=self.config.quiet)
         self._archive, self._uploader = _open_archive(self.config.archive)
         self._lock = _WriterLock(self.store, self._comm)

@@ -97,6 +97,8 @@ class CheckpointConfig:
     """write in a background thread; ``save()`` blocks only for the copy into host buffers."""
     io_threads: int = 2
     """parallel writer threads per rank (count; DCP's ``thread_count``)."""
+    direct_io: bool = True
+    """write the data files with ``O_DIRECT``, past the page cache (page cache where the filesystem refuses it); False: through the page cache, a restore right after reads it warm."""
     save_on_sigterm: bool = False
     """on SIGTERM (preemption) the next ``maybe_save()`` saves synchronously and exits 143."""
     distributed: bool | None = None
@@ -131,6 +133,7 @@ class CheckpointConfig:
         for name in (
             "allow_fresh_start",
             "async_save",
+            "direct_io",
             "save_on_sigterm",
             "quiet",
             "memory_replica",
