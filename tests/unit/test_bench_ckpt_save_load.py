@@ -123,9 +123,15 @@ def test_save_only_runs_the_save_its_ceilings_and_the_anchor_and_judges_paired(t
     kinds = ("", "_wb", "_direct") if takes_direct_io(str(tmp_path)) else ("", "_wb")
     ceilings = {f"ceil_write_{s}{v}" for s in sorted({1, t}) for v in kinds}
     for r in res["rounds"]:
-        assert {k for k in r if not k.endswith("_cpu")} == {"ub_save", f"dcp_save_t{t}", *ceilings}
+        assert {k for k in r if not k.endswith("_cpu")} == {
+            "ub_save",
+            "ub_save_buffered",
+            f"dcp_save_t{t}",
+            *ceilings,
+        }
     assert set(res["ratios"]) == {
         "save_vs_write_ceiling",
+        "save_vs_save_buffered",
         "save_vs_dcp_save_equal_threads",
         "dcp_save_equal_threads_vs_write_ceiling",
     }
