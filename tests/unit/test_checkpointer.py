@@ -361,3 +361,36 @@ def test_a_checkpointer_made_outside_the_main_thread_says_why_sigterm_is_not_wat
     assert len(got) == 1 and isinstance(got[0], ValueError), got
     msg = str(got[0])
     assert "save_on_sigterm" in msg and "main thread" in msg, msg
+
+
+def test_a_pruned_step_leaves_the_committed_set_at_once_and_is_deleted_off_the_save(
+    tmp_path, monkeypatch
+) -> None:
+    """Retention's deletion is off the blocking save (as Orbax's and TorchTitan's are): the
+    pruned step leaves the committed set before ``save()`` returns (renamed aside, never
+    listed or restored), its files are deleted by another thread, and ``wait()`` returns
+    once they are gone, leaving no debris."""
+    import shutil
+
+    from unbroken.ckpt import store as store_mod
+
+    deleted_by: list[str] = []
+    real = shutil.rmtree
+
+    def rmtree(path, *a, **kw):
+        deleted_by.append(threading.current_thread().name)
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(store_mod.shutil, "rmtree", rmtree)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    st, m, opt = _state()
+    ck = Checkpointer(str(tmp_path), st, keep_last=1)
+    _train(st, m, opt, 1)
+    ck.save()
+    _train(st, m, opt, 1)
+    ck.save()
+    assert [c.step for c in ck.list()] == [2]
+    ck.wait()
+    assert sorted(os.listdir(tmp_path)) == [".lock", "step-00000002"]
+    assert deleted_by and threading.main_thread().name not in deleted_by
+    ck.close()

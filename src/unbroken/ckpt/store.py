@@ -323,10 +323,16 @@ class Store:
     # --- retention ----------------------------------------------------------------------------
 
     def prune(
-        self, keep_last: int | None, keep_every: int | None, protect: Iterable[int]
+        self,
+        keep_last: int | None,
+        keep_every: int | None,
+        protect: Iterable[int],
+        remove: Callable[[str], object] | None = None,
     ) -> list[int]:
         """Delete committed steps beyond ``keep_last`` except multiples of ``keep_every`` and
-        ``protect``. Only ``step-N`` directories are touched; foreign files never are."""
+        ``protect``. Only ``step-N`` directories are touched; foreign files never are. Each
+        leaves the committed set at once (renamed aside); ``remove(path)`` then deletes the
+        renamed directory (default: here and now; the Checkpointer's runs on a thread)."""
         if keep_last is None:
             return []
         steps = self.steps()
@@ -341,7 +347,10 @@ class Store:
                 self.root, f"{_TMP_PREFIX}{s:08d}.deleting.{uuid.uuid4().hex[:8]}"
             )
             os.rename(self.step_dir(s), doomed)
-            shutil.rmtree(doomed, ignore_errors=True)
+            if remove is None:
+                shutil.rmtree(doomed, ignore_errors=True)
+            else:
+                remove(doomed)
         if gone:
             fsync_dir(self.root)
         return gone
