@@ -262,12 +262,12 @@ class DirectWriter(HashingWriter):
         buffer: int = 16 << 20,
         ring: int = 4,
     ) -> None:
-        super().__init__(path, fsync=fsync, mode=mode)
         if buffer <= 0 or buffer % _DIRECT_ALIGN or ring < 2:
             raise ValueError(
                 f"DirectWriter({path!r}): buffer={buffer} must be a positive multiple of "
                 f"{_DIRECT_ALIGN} and ring={ring} at least 2"
             )
+        super().__init__(path, fsync=fsync, mode=mode)
         self.direct = _set_direct(self.fileno(), True)
         self._bufs: list[mmap.mmap] = []
         self._size, self._ring = buffer, ring
@@ -275,7 +275,8 @@ class DirectWriter(HashingWriter):
         self._slot = 0  # the buffer being filled: self._bufs[self._slot]
         self._fill = 0  # bytes in it
         self._at = 0  # its offset in the file
-        self._through: list[Future[None]] = []  # writes straight from the caller's memory
+        # writes straight from the caller's memory (write_through), oldest first
+        self._through: collections.deque[Future[None]] = collections.deque()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="unbroken-direct-write")
 
     def write(self, b: Any) -> int:
@@ -299,6 +300,8 @@ class DirectWriter(HashingWriter):
         self._copy_in(mv[:lead])
         if self._fill:  # the buffer now ends on an aligned file offset
             self._send(self._fill)
+        while self._through and self._through[0].done():  # an error surfaces here, early
+            self._through.popleft().result()
         self._through.append(self._io.submit(self._put, mv[lead : lead + body], self._at))
         self._at += body
         self._copy_in(mv[lead + body :])
@@ -352,6 +355,8 @@ class DirectWriter(HashingWriter):
                     raise
                 self.direct = _set_direct(fd, False)  # refused here: the page cache from now
                 continue
+            if n == 0:
+                raise OSError(errno.EIO, f"{self.path}: the write at offset {offset} wrote nothing")
             view, offset = view[n:], offset + n
 
     def _drain(self) -> None:
@@ -361,7 +366,7 @@ class DirectWriter(HashingWriter):
             self._bufs[self._slot][self._fill : padded] = bytes(padded - self._fill)
             self._send(padded)
         pending = [p for p in (*self._written, *self._through) if p is not None]
-        self._written, self._through = [None] * self._ring, []
+        self._written, self._through = [None] * self._ring, collections.deque()
         errors = [e for e in (p.exception() for p in pending) if e is not None]
         if errors:
             raise errors[0]
@@ -384,9 +389,12 @@ class DirectWriter(HashingWriter):
 
 def takes_direct_io(directory: str) -> bool:
     """Whether ``directory``'s filesystem takes an aligned ``O_DIRECT`` write (a real one,
-    to a probe file removed after)."""
+    to a probe file of a fresh name, removed after); False where nothing can be written."""
     path = os.path.join(directory, f".direct-io-probe.{uuid.uuid4().hex[:8]}")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return False
     try:
         if not _set_direct(fd, True):
             return False
