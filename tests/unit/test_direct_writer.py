@@ -78,7 +78,8 @@ def test_every_byte_lands_at_its_offset_whatever_the_sizes(tmp_path, size, piece
 def test_written_through_or_copied_every_byte_lands_at_its_offset(tmp_path, shift) -> None:
     """``write_through`` sends the aligned middle of a buffer from its own memory when the
     buffer's address and the file position agree modulo 4 KiB (``through_gap`` says how many
-    bytes to put first), and copies it otherwise: the file is exact in every mix."""
+    bytes to put first), and copies it otherwise: the file is exact in every mix, and
+    ``each`` sees every byte in order."""
     src = mmap.mmap(-1, 12 << 20)  # page-aligned
     src[:] = os.urandom(12 << 20)
     body = memoryview(src)[shift : shift + (5 << 20) + 777]
@@ -88,7 +89,9 @@ def test_written_through_or_copied_every_byte_lands_at_its_offset(tmp_path, shif
         gap = w.through_gap(fs._address(body), w.tell())
         w.write(bytes(gap))
         assert w.through_gap(fs._address(body), w.tell()) == 0
-        w.write_through(body)
+        seen: list[bytes] = []
+        w.write_through(body, each=lambda p: seen.append(bytes(p)))
+        assert b"".join(seen) == bytes(body)  # every byte handed on, in order
         w.write_through(body[1:])  # not congruent now: copied
         w.write(b"tail")
     want = b"head" * 25 + bytes(gap) + bytes(body) + bytes(body[1:]) + b"tail"

@@ -267,13 +267,15 @@ def _write_tensor(
         return tensor_checksum(t)
     head, tail = framing
     own = hasher()
-    put = w.write_through if isinstance(w, DirectWriter) else w.write
     w.write(head)
-    for i in range(0, len(data), _SLICE):
-        piece = data[i : i + _SLICE]
-        own.update(piece)  # while the piece is in the CPU cache
-        put(piece)
-        kick(w.tell())
+    if isinstance(w, DirectWriter):  # hashed piece by piece, written in long requests
+        w.write_through(data, each=own.update)
+    else:
+        for i in range(0, len(data), _SLICE):
+            piece = data[i : i + _SLICE]
+            own.update(piece)  # while the piece is in the CPU cache
+            w.write(piece)
+            kick(w.tell())
     w.write(tail)
     return str(own.hexdigest())
 

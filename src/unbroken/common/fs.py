@@ -16,7 +16,7 @@ import os
 import stat
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any, TypeVar, overload
 
@@ -42,6 +42,7 @@ __all__ = [
     "open_lock_fd",
     "open_private",
     "private_dir",
+    "pwrite_all",
     "takes_direct_io",
     "temp_sibling",
 ]
@@ -231,9 +232,27 @@ class HashingWriter:
         self.close()
 
 
+def pwrite_all(fd: int, buf: Any, offset: int) -> None:
+    """Write all of ``buf`` at ``offset`` (``os.pwrite`` may write less than asked)."""
+    view = memoryview(buf).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
 _DIRECT_ALIGN = 4096
 """File offsets and lengths of ``O_DIRECT`` writes are multiples of this: every logical
 block size in use (512 or 4096 bytes). The buffers are page-aligned (anonymous mappings)."""
+_DIRECT_SMALL = 1 << 20
+"""A :class:`DirectWriter` write shorter than this goes through the page cache."""
+_THROUGH_REQUEST = 64 << 20
+"""The largest request :meth:`DirectWriter.write_through` sends: from a trained model's
+tensors, 64 MiB requests wrote 2 GiB in 1.14 s against 1.30 s in 8 MiB ones (the pages of
+such memory are scattered, and a request carries at most a device's segment count of them)."""
+_HASH_PIECE = 8 << 20
+"""Bytes hashed per call by :meth:`DirectWriter.write_through` (each piece in the CPU cache
+for its second hasher)."""
 
 
 class DirectWriter(HashingWriter):
@@ -277,6 +296,8 @@ class DirectWriter(HashingWriter):
         self._at = 0  # its offset in the file
         # writes straight from the caller's memory (write_through), oldest first
         self._through: collections.deque[Future[None]] = collections.deque()
+        self._small_fd: int | None = None  # see _small
+        self._deferred: list[tuple[int, bytes]] = []  # (offset, bytes): short writes, at close
         self._io = ThreadPoolExecutor(1, thread_name_prefix="unbroken-direct-write")
 
     def write(self, b: Any) -> int:
@@ -286,24 +307,34 @@ class DirectWriter(HashingWriter):
         self.size += len(mv)
         return len(mv)
 
-    def write_through(self, b: Any) -> int:
+    def write_through(self, b: Any, each: Callable[[memoryview], object] | None = None) -> int:
         """:meth:`write`, but the aligned middle of ``b`` goes to the disk straight from the
-        caller's memory, with no copy, when its address and the file position agree modulo
-        :data:`_DIRECT_ALIGN` (:meth:`through_gap` says how to lay a file out so). ``b``
-        must then stay alive and unchanged until :meth:`close` returns."""
+        caller's memory, with no copy, in requests of up to :data:`_THROUGH_REQUEST`, when
+        its address and the file position agree modulo :data:`_DIRECT_ALIGN`
+        (:meth:`through_gap` says how to lay a file out so). ``b`` must then stay alive and
+        unchanged until :meth:`close` returns. ``b`` is hashed in :data:`_HASH_PIECE` pieces,
+        each also handed to ``each`` while it is in the CPU cache."""
         mv = memoryview(b).cast("B")
+        for i in range(0, len(mv), _HASH_PIECE):
+            piece = mv[i : i + _HASH_PIECE]
+            self._h.update(piece)
+            if each is not None:
+                each(piece)
         lead = -self.size % _DIRECT_ALIGN
         body = (len(mv) - lead) // _DIRECT_ALIGN * _DIRECT_ALIGN
         if not self.direct or body <= 0 or self.through_gap(_address(mv), self.size):
-            return self.write(mv)
-        self._h.update(mv)
+            self._copy_in(mv)
+            self.size += len(mv)
+            return len(mv)
         self._copy_in(mv[:lead])
         if self._fill:  # the buffer now ends on an aligned file offset
             self._send(self._fill)
         while self._through and self._through[0].done():  # an error surfaces here, early
             self._through.popleft().result()
-        self._through.append(self._io.submit(self._put, mv[lead : lead + body], self._at))
-        self._at += body
+        for i in range(lead, lead + body, _THROUGH_REQUEST):
+            span = mv[i : min(i + _THROUGH_REQUEST, lead + body)]
+            self._through.append(self._io.submit(self._put, span, self._at))
+            self._at += len(span)
         self._copy_in(mv[lead + body :])
         self.size += len(mv)
         return len(mv)
@@ -338,12 +369,34 @@ class DirectWriter(HashingWriter):
         return self._bufs[self._slot]
 
     def _send(self, length: int) -> None:
-        """Hand the first ``length`` bytes of the buffer being filled to the writing thread."""
+        """Hand the first ``length`` bytes of the buffer being filled to the writing thread;
+        a short one (the bytes between two spans written through, the tail) is kept, to go
+        through the page cache at close (:meth:`_small`)."""
         view = memoryview(self._bufs[self._slot])[:length]
-        self._written[self._slot] = self._io.submit(self._put, view, self._at)
+        if length < _DIRECT_SMALL and self._small() is not None:
+            self._deferred.append((self._at, bytes(view)))
+        else:
+            self._written[self._slot] = self._io.submit(self._put, view, self._at)
         self._at += self._fill
         self._slot = (self._slot + 1) % self._ring
         self._fill = 0
+
+    def _small(self) -> int | None:
+        """A second descriptor of the file, without ``O_DIRECT``, for the short writes:
+        queued between the long ones they waited 0.4-3.7 ms each for the device (0.1-0.45 s
+        per 1 GiB file of tensors), and written through the page cache while an ``O_DIRECT``
+        write extends the file they wait for its inode lock, stalling the caller. So they
+        are kept and written at close, after the last ``O_DIRECT`` write, in microseconds;
+        the closing fsync makes them durable. Whole pages or the file's tail only, so no
+        page is shared with an ``O_DIRECT`` range. None where the file cannot be reopened."""
+        if self._small_fd is None:
+            try:
+                self._small_fd = os.open(
+                    f"/proc/self/fd/{self.fileno()}", os.O_WRONLY | os.O_CLOEXEC
+                )
+            except OSError:
+                self._small_fd = -1
+        return self._small_fd if self._small_fd >= 0 else None
 
     def _put(self, view: memoryview, offset: int) -> None:
         fd = self.fileno()
@@ -362,7 +415,8 @@ class DirectWriter(HashingWriter):
     def _drain(self) -> None:
         """Write the tail (padded to the alignment, truncated back) and wait for every write."""
         if self._fill:  # the buffer being filled: its earlier write already waited for
-            padded = -(-self._fill // _DIRECT_ALIGN) * _DIRECT_ALIGN if self.direct else self._fill
+            aligned = self.direct and self._small() is None
+            padded = -(-self._fill // _DIRECT_ALIGN) * _DIRECT_ALIGN if aligned else self._fill
             self._bufs[self._slot][self._fill : padded] = bytes(padded - self._fill)
             self._send(padded)
         pending = [p for p in (*self._written, *self._through) if p is not None]
@@ -370,6 +424,10 @@ class DirectWriter(HashingWriter):
         errors = [e for e in (p.exception() for p in pending) if e is not None]
         if errors:
             raise errors[0]
+        small = self._small() if self._deferred else None
+        for offset, data in self._deferred:
+            pwrite_all(small, data, offset)  # type: ignore[arg-type]  # set when deferred
+        self._deferred.clear()
         if os.fstat(self.fileno()).st_size != self.size:
             os.ftruncate(self.fileno(), self.size)
 
@@ -383,6 +441,8 @@ class DirectWriter(HashingWriter):
             raise
         finally:
             self._io.shutdown(wait=True)
+            if self._small_fd is not None and self._small_fd >= 0:
+                os.close(self._small_fd)
             self._bufs.clear()  # unmapped once no view of them is left (an error's frame may hold one)
             super().close()
 

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from unbroken.common.errors import ObjectMismatch
-from unbroken.common.fs import hasher, open_private, temp_sibling
+from unbroken.common.fs import hasher, open_private, pwrite_all, temp_sibling
 from unbroken.common.objstore.options import StoreOptions
 
 __all__ = ["FileSpec", "ObjectStore", "PastEnd", "run_parallel", "share"]
@@ -54,15 +54,6 @@ class _Cancelled(Exception):
 
 def _noop(n: int) -> None:
     pass
-
-
-def pwrite_all(fd: int, buf: Any, offset: int) -> None:
-    """Write all of ``buf`` at ``offset`` (``os.pwrite`` may write less than asked)."""
-    view = memoryview(buf).cast("B")
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view = view[n:]
-        offset += n
 
 
 def parts(size: int, part: int) -> list[tuple[int, int]]:
