@@ -74,12 +74,17 @@ def test_every_byte_lands_at_its_offset_whatever_the_sizes(tmp_path, size, piece
         assert w.direct
 
 
+@pytest.mark.parametrize("kept", [64 << 20, 0], ids=["short-writes-at-close", "none-kept"])
 @pytest.mark.parametrize("shift", [0, 64, 4032])
-def test_written_through_or_copied_every_byte_lands_at_its_offset(tmp_path, shift) -> None:
+def test_written_through_or_copied_every_byte_lands_at_its_offset(
+    tmp_path, monkeypatch, shift, kept
+) -> None:
     """``write_through`` sends the aligned middle of a buffer from its own memory when the
     buffer's address and the file position agree modulo 4 KiB (``through_gap`` says how many
     bytes to put first), and copies it otherwise: the file is exact in every mix, and
-    ``each`` sees every byte in order."""
+    ``each`` sees every byte in order. Short writes are kept for close up to a bound
+    (``kept``), then sent by ``O_DIRECT`` like the rest."""
+    monkeypatch.setattr(fs, "_DEFERRED_MAX", kept)
     src = mmap.mmap(-1, 12 << 20)  # page-aligned
     src[:] = os.urandom(12 << 20)
     body = memoryview(src)[shift : shift + (5 << 20) + 777]
@@ -94,6 +99,8 @@ def test_written_through_or_copied_every_byte_lands_at_its_offset(tmp_path, shif
         assert b"".join(seen) == bytes(body)  # every byte handed on, in order
         w.write_through(body[1:])  # not congruent now: copied
         w.write(b"tail")
+        direct = w.direct
+    assert w.direct == direct  # the tail padded when not kept: no refusal, no fall-back
     want = b"head" * 25 + bytes(gap) + bytes(body) + bytes(body[1:]) + b"tail"
     with open(path, "rb") as f:
         assert f.read() == want
