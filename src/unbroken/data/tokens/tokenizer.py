@@ -237,8 +237,8 @@ def _ordered_map(
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = prev
-    with pool:
-        pending: collections.deque[tuple[Any, Any]] = collections.deque()
+    pending: collections.deque[tuple[Any, Any]] = collections.deque()
+    try:
         for it in items:
             pending.append((it, pool.apply_async(fn, (it[0],))))
             if len(pending) >= 2 * workers:
@@ -247,6 +247,28 @@ def _ordered_map(
         while pending:
             item, fut = pending.popleft()
             yield item, fut.get()
+    finally:
+        _end_pool(pool, [fut for _, fut in pending])
+
+
+_POOL_DRAIN_S = 60.0
+
+
+def _end_pool(pool: Any, in_flight: list[Any]) -> None:
+    """Close ``pool`` once the chunks ``in_flight`` have landed (at most 2 x workers, ~1 MiB
+    of text each), not with ``terminate()`` while they may be on their way: a worker killed
+    half-way through writing its result leaves a torn message in the result pipe, and the
+    pool's result thread then waits for the rest of it forever (a tokenize stopped by a bad
+    line hung so in a CI run, ``test_tokens.py``). Past :data:`_POOL_DRAIN_S` (a worker
+    that died) it terminates after all."""
+    deadline = time.monotonic() + _POOL_DRAIN_S
+    for fut in in_flight:
+        fut.wait(max(0.0, deadline - time.monotonic()))
+    if all(fut.ready() for fut in in_flight):
+        pool.close()
+    else:
+        pool.terminate()
+    pool.join()
 
 
 def _too_small(shard_size: int, dt: str) -> NoReturn:
