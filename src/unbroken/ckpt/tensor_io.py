@@ -6,9 +6,9 @@ writer of our own per file: each tensor's ``torch.save`` framing is learnt witho
 (xxh3, no second read) and written (no statistics since manifest version 4: issue 23 item 2);
 torch's zip writer, whose CRC-32 of every byte cost more CPU than the write itself, never
 sees them. Items start 64-byte aligned. The data files are written with ``O_DIRECT`` through
-a ring of aligned buffers (:class:`~unbroken.common.fs.DirectWriter`: about twice the
-buffered rate on the benchmark disk, a fiftieth of its CPU, and the page cache left to the
-data pipeline); with ``direct=False``, or where the filesystem refuses it, through the page
+a ring of aligned buffers, a large tensor's aligned middle straight from its memory
+(:class:`~unbroken.common.fs.DirectWriter`: 1.5x the page-cache save on the benchmark disk
+at a fourth of its CPU, and the page cache left to the data pipeline); with ``direct=False``, or where the filesystem refuses it, through the page
 cache with the kernel's write-back started as the bytes land, so the closing fsync waits for
 the tail only. The result is an ordinary DCP checkpoint: ``dcp.load``, ``torch.load`` and
 DCP's tools read it.
@@ -225,10 +225,6 @@ class _WriteBack:
 _KICK = 32 << 20
 
 
-def _no_kick(pos: int) -> None:
-    """No write-back to start: an ``O_DIRECT`` file leaves no dirty pages."""
-
-
 _THROUGH_MIN = 1 << 20
 """Tensors from this many bytes are laid out for :meth:`~unbroken.common.fs.DirectWriter.
 write_through` (up to 4 KiB of zeros before each, its bytes then written with no copy)."""
@@ -257,10 +253,11 @@ def _write_tensor(
     framing: tuple[bytes, bytes] | None,
 ) -> str:
     """``torch.save(t)``'s bytes into ``w`` (``framing``: :func:`_framing` of ``t``), the
-    storage written straight from ``t`` in :data:`_SLICE` pieces, each hashed into the
-    file's checksum and the tensor's own, then written (with no copy into an ``O_DIRECT``
-    writer's buffers where :func:`_gap` laid the file out for it); ``kick(bytes written)``
-    after each. Returns the tensor's checksum (:func:`tensor_checksum`)."""
+    storage hashed from ``t`` in :data:`_SLICE` pieces into the file's checksum and the
+    tensor's own. An ``O_DIRECT`` writer then sends it from ``t``'s memory in long requests
+    (:meth:`~unbroken.common.fs.DirectWriter.write_through`, no copy where :func:`_gap` laid
+    the file out for it); a page-cache one writes each piece, then calls
+    ``kick(bytes written)``. Returns the tensor's checksum (:func:`tensor_checksum`)."""
     data = tensor_bytes(t) if framing is not None else None
     if framing is None or data is None or len(data) != t.nbytes:
         torch.save(t, w)  # type: ignore[arg-type]  # HashingWriter is a binary file
@@ -326,7 +323,7 @@ class _Writer(FileSystemWriter):
     def _write_file(self, planner: Any, path: Any, name: str, items: list[Any]) -> list[Any]:
         out = []
         with self.fs.data_stream(path, self.direct) as w:
-            kick = _WriteBack(w.fileno()) if not getattr(w, "direct", False) else _no_kick
+            kick = _WriteBack(w.fileno())  # used by the page-cache path only
             for wi in items:
                 data = planner.resolve_data(wi)
                 t = data.detach().cpu() if wi.type != WriteItemType.BYTE_IO else None
