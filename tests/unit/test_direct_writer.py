@@ -4,9 +4,10 @@ Buffered writes on this box's virtual disk ran at 0.9-1.4 GB/s for 0.7-1.6 CPU-s
 GiB (the kernel's copy into the page cache and its write-back); the same bytes by
 ``O_DIRECT`` ran at 2.2-2.4 GB/s for 0.03 (``RESULTS.md``). :class:`DirectWriter` copies what
 it is given into page-aligned buffers and writes each full one past the page cache while the
-next fills; the file must come out byte for byte what was written, whatever the sizes, and
-must fall back to the page cache, losing nothing, where the filesystem refuses ``O_DIRECT``.
-Every case writes real files and reads them back.
+next fills, writes a large aligned span straight from the caller's memory
+(``write_through``), and keeps short pieces for close. The file must come out byte for byte
+what was written, whatever the sizes, and must fall back to the page cache, losing nothing,
+where the filesystem refuses ``O_DIRECT``. Every case writes real files and reads them back.
 """
 
 from __future__ import annotations
