@@ -17,7 +17,6 @@ import errno
 import mmap
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -40,7 +39,7 @@ def _resident(path: str) -> int:
         pages = -(-size // mmap.PAGESIZE)
         vec = (ctypes.c_ubyte * pages)()
         libc = ctypes.CDLL(None, use_errno=True)
-        addr = np.frombuffer(mm, np.uint8).ctypes.data
+        addr = fs.address_of(memoryview(mm))
         if libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) != 0:
             raise OSError(ctypes.get_errno(), "mincore")
         return min(sum(v & 1 for v in vec) * mmap.PAGESIZE, size)
@@ -92,9 +91,9 @@ def test_written_through_or_copied_every_byte_lands_at_its_offset(
     path = str(tmp_path / "f")
     with DirectWriter(path, buffer=1 << 20, ring=2) as w:
         w.write(b"head" * 25)
-        gap = w.through_gap(fs._address(body), w.tell())
+        gap = w.through_gap(fs.address_of(body), w.tell())
         w.write(bytes(gap))
-        assert w.through_gap(fs._address(body), w.tell()) == 0
+        assert w.through_gap(fs.address_of(body), w.tell()) == 0
         seen: list[bytes] = []
         w.write_through(body, each=lambda p: seen.append(bytes(p)))
         assert b"".join(seen) == bytes(body)  # every byte handed on, in order
@@ -188,3 +187,44 @@ def test_a_checkpoints_data_files_bypass_the_page_cache_and_restore_exactly(tmp_
         m2.register_buffer("big", torch.zeros(1 << 21))
         assert Checkpointer(str(tmp_path / name), live).restore() == 2
         assert identical(snapshot(live), saved)
+
+
+def test_a_name_swapped_under_the_writer_never_receives_its_bytes(tmp_path) -> None:
+    """T-SHARED-NODE: the short writes go through a second descriptor reopened from this
+    process's own one (``/proc/self/fd``), never by the file's name. Another process that
+    moves the file away mid-write and plants a symlink to a victim at its name gets nothing
+    written through it: the victim is untouched and every byte is in the file we opened."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    path = tmp_path / "f"
+    data = os.urandom((3 << 20) + 1234)
+    w = DirectWriter(str(path), buffer=1 << 20, ring=2)
+    w.write(data[:5000])  # short: kept for close
+    os.rename(path, tmp_path / "moved")
+    os.symlink(victim, path)
+    w.write(data[5000:])
+    w.close()
+    assert victim.read_bytes() == b"keep me"
+    assert (tmp_path / "moved").read_bytes() == data
+
+
+def test_the_direct_io_probe_never_follows_nor_removes_a_planted_name(
+    tmp_path, monkeypatch
+) -> None:
+    """T-SHARED-NODE: ``takes_direct_io`` creates its probe with ``O_EXCL | O_NOFOLLOW``,
+    mode 0600, under a fresh random name. A symlink planted at that name (the name made
+    predictable here, as an attacker would need it) is neither followed nor removed: the
+    probe answers False, and the link and its target stay as they were."""
+    import uuid
+
+    fixed = uuid.UUID(int=7)
+    monkeypatch.setattr(uuid, "uuid4", lambda: fixed)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    planted = tmp_path / f".direct-io-probe.{fixed.hex[:8]}"
+    os.symlink(victim, planted)
+    assert takes_direct_io(str(tmp_path)) is False
+    assert planted.is_symlink() and victim.read_bytes() == b"keep me"
+    monkeypatch.undo()
+    takes_direct_io(str(tmp_path))  # a real run leaves nothing behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == [planted.name, "victim"]

@@ -68,7 +68,7 @@ from unbroken.ckpt.bounds import TooCostly, pickle_cost
 from unbroken.ckpt.collectives import Comm
 from unbroken.ckpt.manifest import DTYPES, CheckpointManifest, Chunk, FileEntry, TensorEntry
 from unbroken.ckpt.stats import STATS_ALGO, Stats, tensor_bytes
-from unbroken.common.fs import DirectWriter, HashingWriter, checksum_bytes, hasher
+from unbroken.common.fs import DirectWriter, HashingWriter, address_of, checksum_bytes, hasher
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def _gap(w: HashingWriter, t: torch.Tensor | None, framing: tuple[bytes, bytes] 
     data = tensor_bytes(t)
     if data is None:
         return plain
-    gap = w.through_gap(np.frombuffer(data, np.uint8).ctypes.data, w.tell() + len(framing[0]))
+    gap = w.through_gap(address_of(data), w.tell() + len(framing[0]))
     return gap if (w.tell() + gap) % _ALIGN == 0 else plain
 
 

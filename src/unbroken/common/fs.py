@@ -28,6 +28,7 @@ __all__ = [
     "HashingWriter",
     "PrivateDirError",
     "atomic_write",
+    "address_of",
     "atomic_write_bytes",
     "checksum_bytes",
     "checksum_file",
@@ -325,7 +326,7 @@ class DirectWriter(HashingWriter):
                 each(piece)
         lead = -self.size % _DIRECT_ALIGN
         body = (len(mv) - lead) // _DIRECT_ALIGN * _DIRECT_ALIGN
-        if not self.direct or body <= 0 or self.through_gap(_address(mv), self.size):
+        if not self.direct or body <= 0 or self.through_gap(address_of(mv), self.size):
             self._copy_in(mv)
             self.size += len(mv)
             return len(mv)
@@ -461,7 +462,8 @@ class DirectWriter(HashingWriter):
 
 def takes_direct_io(directory: str) -> bool:
     """Whether ``directory``'s filesystem takes an aligned ``O_DIRECT`` write (a real one,
-    to a probe file of a fresh name, removed after); False where nothing can be written."""
+    to a probe file of a fresh name, ``O_EXCL | O_NOFOLLOW``, mode 0600, removed after only
+    while that name is still the probe); False where nothing can be written."""
     path = os.path.join(directory, f".direct-io-probe.{uuid.uuid4().hex[:8]}")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -475,11 +477,15 @@ def takes_direct_io(directory: str) -> bool:
     except OSError:
         return False
     finally:
+        mine = os.fstat(fd)
+        with contextlib.suppress(OSError):
+            there = os.lstat(path)
+            if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                os.unlink(path)
         os.close(fd)
-        os.unlink(path)
 
 
-def _address(mv: memoryview) -> int:
+def address_of(mv: memoryview) -> int:
     """The address of ``mv``'s first byte (read-only buffers too)."""
     import numpy as np
 
