@@ -202,6 +202,24 @@ def test_tokenize_with_workers_ends_in_a_process_that_handles_sigterm(tmp_path: 
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_tokenize_in_one_process_leaves_the_callers_sigterm_handler(tmp_path: str) -> None:
+    """With ``workers=1`` the workers' initializer ran in the caller's own process and set
+    SIGTERM back to the default there: a training process lost its preemption handler."""
+    import signal
+
+    src = _jsonl(os.path.join(tmp_path, "c.jsonl"), _docs(200))
+
+    def mine(*_: object) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        tokenize(src, os.path.join(tmp_path, "out"), train_bpe_vocab=300, workers=1, progress=False)
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_train_bpe_of_another_size_trains_again_and_never_overwrites_a_given_tokenizer(
     tmp_path: str,
 ) -> None:

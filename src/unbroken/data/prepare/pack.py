@@ -24,13 +24,12 @@ import collections
 import contextlib
 import json
 import logging
-import multiprocessing as mp
 import os
 import re
-import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +42,7 @@ from unbroken.common.fs import (
     path_str,
 )
 from unbroken.common.progress import Progress, progress_bar
+from unbroken.common.workpool import process_pool, worker_died
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
 from unbroken.data.prepare.plan import (
     BadInput,
@@ -220,19 +220,6 @@ def _cleanup(out: str, keep: set[str]) -> None:
                 os.unlink(os.path.join(out, name))
 
 
-def _mp_context() -> Any:
-    # fork: workers start in milliseconds and callers need no `if __name__ == "__main__"`
-    # guard (spawn/forkserver re-import the main script); workers only do file I/O.
-    return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-
-
-def _default_sigterm() -> None:
-    """Pool worker initializer: SIGTERM ends the worker. A caller's own handler (a training
-    process's preemption flag) is inherited through fork, and the pool's ``terminate()``
-    then stopped nothing: a failed pack hung in the join."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def _run_tasks(
     tasks: Iterable[_Task], workers: int, on_done: Callable[[int, ShardInfo, bool], None]
 ) -> None:
@@ -242,10 +229,11 @@ def _run_tasks(
     memory flat whatever the input size. ``workers == 1`` runs in this process
     with one helper thread: this thread builds each shard, the helper fsyncs and publishes
     the previous one (waiting on the disk without the GIL), so the flush overlaps CPU work.
+    More run in worker processes (:func:`~unbroken.common.workpool.process_pool`); on an
+    error the shards not started are cancelled and the ones being written finish or abort.
     """
-    submit: Callable[[_Task], Any]
     if workers <= 1:
-        ex: Any = ThreadPoolExecutor(1, thread_name_prefix="unbroken-pack")
+        ex = ThreadPoolExecutor(1, thread_name_prefix="unbroken-pack")
 
         def submit(t: _Task) -> Any:
             r = _build(t)
@@ -253,24 +241,36 @@ def _run_tasks(
                 return _Done((t.index, r, False))
             return ex.submit(_publish, t, r)
 
-        inflight, close = 2, ex.shutdown
-    else:
-        pool = _mp_context().Pool(workers, initializer=_default_sigterm)
-        submit = lambda t: _AsyncResult(pool.apply_async(_write_task, (t,)))  # noqa: E731
-        inflight, close = 2 * workers, pool.terminate
-    pending: collections.deque[Any] = collections.deque()
+        with ex:
+            _drive(tasks, submit, 2, on_done)
+        return
+    with process_pool(workers) as pool:
+        _drive(tasks, lambda t: pool.submit(_write_task, t), 2 * workers, on_done)
+
+
+def _drive(
+    tasks: Iterable[_Task],
+    submit: Callable[[_Task], Any],
+    inflight: int,
+    on_done: Callable[[int, ShardInfo, bool], None],
+) -> None:
+    """Submit ``tasks`` in order, at most ``inflight`` unrecorded, recording each in order."""
+    pending: collections.deque[tuple[_Task, Any]] = collections.deque()
     try:
         for t in tasks:
-            pending.append(submit(t))
-            while pending and (len(pending) >= inflight or pending[0].done()):
-                on_done(*pending.popleft().result())
+            pending.append((t, submit(t)))
+            while pending and (len(pending) >= inflight or pending[0][1].done()):
+                on_done(*pending[0][1].result())
+                pending.popleft()
         while pending:
-            on_done(*pending.popleft().result())
+            on_done(*pending[0][1].result())
+            pending.popleft()
+    except BrokenProcessPool as e:
+        raise worker_died(pending[0][0].path if pending else "pack", e) from None
     finally:
-        for f in pending:  # an error: let in-flight writers finish or abort before returning
+        for _, f in pending:  # an error: let in-flight writers finish or abort before returning
             with contextlib.suppress(BaseException):
                 f.result()
-        close()
 
 
 class _Done:
@@ -284,19 +284,6 @@ class _Done:
 
     def result(self) -> Any:
         return self._v
-
-
-class _AsyncResult:
-    """multiprocessing's AsyncResult with concurrent.futures' names."""
-
-    def __init__(self, r: Any) -> None:
-        self._r = r
-
-    def done(self) -> bool:
-        return bool(self._r.ready())
-
-    def result(self) -> Any:
-        return self._r.get()
 
 
 def _refuse_inside(src: str, out: str) -> None:
@@ -508,12 +495,15 @@ def index_directory(
                 shards.append(_index_one(p))
                 bar.update(shards[-1].bytes)
         else:
-            with _mp_context().Pool(workers, initializer=_default_sigterm) as pool:
-                # imap keeps the name order; the bar moves as each shard's turn comes
+            with process_pool(workers) as pool:
+                # map keeps the name order; the bar moves as each shard's turn comes
                 shards = []
-                for info in pool.imap(_index_one, paths):
-                    shards.append(info)
-                    bar.update(info.bytes)
+                try:
+                    for info in pool.map(_index_one, paths):
+                        shards.append(info)
+                        bar.update(info.bytes)
+                except BrokenProcessPool as e:
+                    raise worker_died(paths[len(shards)], e) from None
     manifest = DatasetManifest.create("tar", shards, extra={"tool": "unbroken index"})
     manifest.save(root)
     return PackResult(manifest, time.perf_counter() - t0, len(shards), 0)

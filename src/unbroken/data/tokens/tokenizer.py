@@ -19,11 +19,10 @@ import contextlib
 import dataclasses
 import json
 import logging
-import multiprocessing as mp
 import os
-import signal
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -38,6 +37,7 @@ from unbroken.common.fs import (
     path_str,
 )
 from unbroken.common.progress import progress_bar
+from unbroken.common.workpool import process_pool, worker_died
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo
 from unbroken.data.tar.reader import ShardReader, index_format
 from unbroken.data.tokens.shard import (
@@ -184,9 +184,6 @@ _worker_enc: WordCacheEncoder | None = None
 
 def _worker_init(path: str) -> None:
     global _worker_enc
-    # SIGTERM ends a worker: a caller's own handler (a training process's preemption flag)
-    # is inherited through fork, and the pool's terminate() then stopped nothing.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _worker_enc = WordCacheEncoder(load_tokenizer(path))
 
 
@@ -218,7 +215,8 @@ def _chunks(docs: Iterator[tuple[str, str]], skip: int) -> Iterator[tuple[list[s
 def _ordered_map(
     fn: Any, items: Iterator[Any], workers: int, init: Any, initargs: tuple[Any, ...]
 ) -> Iterator[tuple[Any, Any]]:
-    """``(item, fn(item))`` in input order with at most 2*workers chunks in flight."""
+    """``(item, fn(item[0]))`` in input order with at most 2*workers chunks in flight
+    (``item[1]``: where each document of the chunk came from, for errors)."""
     if workers <= 1:
         init(*initargs)
         for it in items:
@@ -227,48 +225,26 @@ def _ordered_map(
     # Workers are forked after this process may have used the tokenizer's thread pool;
     # TOKENIZERS_PARALLELISM=false in the forked env keeps each worker single-threaded
     # (one process per core) and silences the library's fork warning.
-    prev = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-        pool = ctx.Pool(workers, initializer=init, initargs=initargs)
-    finally:
-        if prev is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = prev
     pending: collections.deque[tuple[Any, Any]] = collections.deque()
-    try:
-        for it in items:
-            pending.append((it, pool.apply_async(fn, (it[0],))))
-            if len(pending) >= 2 * workers:
-                item, fut = pending.popleft()
-                yield item, fut.get()
-        while pending:
-            item, fut = pending.popleft()
-            yield item, fut.get()
-    finally:
-        _end_pool(pool, [fut for _, fut in pending])
+    with process_pool(workers, init, initargs, env={"TOKENIZERS_PARALLELISM": "false"}) as pool:
+        try:
+            for it in items:
+                pending.append((it, pool.submit(fn, it[0])))
+                if len(pending) >= 2 * workers:
+                    item, fut = pending[0]
+                    yield item, fut.result()
+                    pending.popleft()
+            while pending:
+                item, fut = pending[0]
+                yield item, fut.result()
+                pending.popleft()
+        except BrokenProcessPool as e:
+            raise worker_died(_span(pending[0][0][1]) if pending else "tokenize", e) from None
 
 
-_POOL_DRAIN_S = 60.0
-
-
-def _end_pool(pool: Any, in_flight: list[Any]) -> None:
-    """Close ``pool`` once the chunks ``in_flight`` have landed (at most 2 x workers, ~1 MiB
-    of text each), not with ``terminate()`` while they may be on their way: a worker killed
-    half-way through writing its result leaves a torn message in the result pipe, and the
-    pool's result thread then waits for the rest of it forever (a tokenize stopped by a bad
-    line hung so in a CI run, ``test_tokens.py``). Past :data:`_POOL_DRAIN_S` (a worker
-    that died) it terminates after all."""
-    deadline = time.monotonic() + _POOL_DRAIN_S
-    for fut in in_flight:
-        fut.wait(max(0.0, deadline - time.monotonic()))
-    if all(fut.ready() for fut in in_flight):
-        pool.close()
-    else:
-        pool.terminate()
-    pool.join()
+def _span(wheres: list[str]) -> str:
+    """The documents of a chunk, for an error: ``a.jsonl:1`` or ``a.jsonl:1 to a.jsonl:900``."""
+    return wheres[0] if len(wheres) == 1 else f"{wheres[0]} to {wheres[-1]}"
 
 
 def _too_small(shard_size: int, dt: str) -> NoReturn:
