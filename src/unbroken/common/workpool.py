@@ -4,9 +4,10 @@ A ``concurrent.futures.ProcessPoolExecutor``, not ``multiprocessing.Pool``: when
 dies (the kernel's out-of-memory killer, a SIGKILL), ``Pool`` forks a replacement and the
 task that worker held never completes, so the command waited for its result forever. The
 executor notices the dead process and fails every task in flight (``BrokenProcessPool``);
-callers raise :func:`worker_died` for it, naming what was lost and what to do. On the way out the pool is
-shut down with the tasks not yet started cancelled and the running ones finished, never
-terminated mid-write (a worker killed while writing its result leaves a torn message).
+callers raise :func:`worker_died` for it, naming what was lost and what to do. On the way
+out the pool is shut down with the tasks not yet started cancelled and the running ones
+finished, never terminated mid-write (a worker killed while writing its result leaves a
+torn message, and ``Pool``'s result thread then waited for the rest of it forever).
 
 Workers are forked (they start in milliseconds and the caller needs no ``if __name__ ==
 "__main__"`` guard) and get the default SIGTERM action: a caller's handler (a training
