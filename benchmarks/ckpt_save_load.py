@@ -37,6 +37,14 @@ Every contender writes the same state to the same disk. Like for like (issue 23)
   (verifies every checksum, then copies into the live model and optimizer) vs
   ``dcp.load`` into the live tensors (verifies nothing) vs ``torch.load``; warm restore: the
   same right after, the files in the page cache (as after a crash on the same node);
+* host memory warmed (``--host-warm``, on by default): before every timed operation, untimed,
+  1.5x the state's bytes of anonymous memory are touched and freed. On a VM whose balloon
+  reports free pages to the host (this box's), memory the kernel freed, such as the page
+  cache evicted before a cold read, goes back to the host, and whichever contender next
+  allocates it pays the host's faults. Measured, 8 cold restores each way, alternated
+  (``RESULTS.md`` 2026-12-05): without it 5 of 8 checksum passes cost 0.81-3.74 CPU-s, with it
+  none did (0.20-0.48). Every contender gets it; on a host without free page reporting it
+  changes nothing;
 * regression row: save >= 0.9x the write ceiling, cold restore >= 0.9x the cold read
   ceiling (ratios of bandwidths, same run): PASS / FAIL.
 
@@ -273,11 +281,25 @@ def ceiling_read(directory: str, streams: int) -> int:
 
 
 LAST_CPU = [0.0]  # CPU-seconds (user + system, every thread) of the last timed() call
+HOST_WARM = [0]  # bytes touched and freed before every timed() call (see --host-warm)
+
+
+def warm_host_memory(nbytes: int) -> None:
+    """Touch ``nbytes`` of fresh anonymous memory, one byte per page, and free it: the host
+    backs those pages again, and the kernel's next allocations take them (not timed)."""
+    if nbytes <= 0:
+        return
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        np.frombuffer(m, np.uint8)[:: mmap.PAGESIZE] = 1
+    finally:
+        m.close()
 
 
 def timed(fn: Callable[[], Any]) -> float:
     """Wall seconds of ``fn()``; its CPU-seconds land in ``LAST_CPU`` (a contender that
     needs more CPU than the box gives it is CPU-bound, not I/O-bound: the cause to report)."""
+    warm_host_memory(HOST_WARM[0])  # nobody pays for memory the host took back
     os.sync()  # issue 23: nobody pays for an earlier contender's write-back
     c = time.process_time()
     t = time.perf_counter()
@@ -751,6 +773,12 @@ def main() -> None:
         action="store_true",
         help="also the CPU of a save's per-byte extras (hash, stats)",
     )
+    ap.add_argument(
+        "--host-warm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="touch and free 1.5x the state's bytes before every timed operation (default: on)",
+    )
     ap.add_argument("--json", default=None, help="write every measurement here")
     ap.add_argument(
         "--only",
@@ -765,9 +793,11 @@ def main() -> None:
     root = a.dir or tempfile.mkdtemp(prefix="ub-bench-", dir=os.environ.get("TMPDIR", "/tmp"))
     load0 = os.getloadavg()
     b = Bench(a.gib, root, save_only=a.only == "save")
+    HOST_WARM[0] = int(1.5 * b.nbytes) if a.host_warm else 0
     print(
         f"state: {b.nbytes / 2**30:.2f} GiB, torch {torch.__version__}, torch threads "
-        f"{torch.get_num_threads()}, unbroken io_threads {b.threads}, dir {root}, load {load0}",
+        f"{torch.get_num_threads()}, unbroken io_threads {b.threads}, dir {root}, load {load0}, "
+        f"host memory warmed before each timed operation: {HOST_WARM[0] / 2**30:.2f} GiB",
         flush=True,
     )
     rounds = []
