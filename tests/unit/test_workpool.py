@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from unbroken.common.procs import children_of
+from unbroken.common import workpool
+from unbroken.common.procs import children_of, is_alive
 from unbroken.common.workpool import WorkerDied, process_pool
 from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest
 from unbroken.data.prepare.pack import index_directory, pack
@@ -50,6 +51,30 @@ def test_a_worker_killed_mid_task_fails_its_task_and_the_pool_still_ends() -> No
                 fut.result(timeout=60)
             with pytest.raises(BrokenProcessPool):
                 pool.submit(_what_it_runs_with, "X")
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _hold_then_fail(w: int, r: int) -> int:
+    """A pool whose task holds its worker while the caller raises; the worker's pid."""
+    pid = -1
+    with pytest.raises(ValueError, match="the caller's own"), process_pool(2) as pool:
+        pool.submit(_report_and_hold, w)
+        pid = int(os.read(r, 64).split()[0])
+        raise ValueError("the caller's own error")
+    return pid
+
+
+def test_after_an_error_a_hung_task_gets_a_deadline_then_its_worker_is_killed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker that never finishes its task must not hold the caller's error for good."""
+    monkeypatch.setattr(workpool, "_DRAIN_S", 0.5)
+    r, w = os.pipe()
+    try:
+        pid = _hold_then_fail(w, r)
+        assert not is_alive(pid)
     finally:
         os.close(r)
         os.close(w)

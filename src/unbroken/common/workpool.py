@@ -18,15 +18,20 @@ outlives the command.
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.connection import wait as wait_any
 from typing import Any
 
 __all__ = ["WorkerDied", "process_pool", "worker_died"]
+
+log = logging.getLogger(__name__)
 
 
 class WorkerDied(RuntimeError):
@@ -53,7 +58,8 @@ def process_pool(
 ) -> Iterator[ProcessPoolExecutor]:
     """``workers`` processes, each running ``init(*initargs)`` first, started before this
     returns with ``env`` set in their environment (and in this process only while they are
-    forked). Shut down on exit: tasks not started are cancelled, running ones finish."""
+    forked). Shut down on exit: tasks not started are cancelled, running ones finish (after
+    an error, within :data:`_DRAIN_S`)."""
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     pool = ProcessPoolExecutor(
         workers, mp_context=mp.get_context(method), initializer=_start, initargs=(init, initargs)
@@ -72,8 +78,44 @@ def process_pool(
                 else:
                     os.environ[k] = v
         yield pool
+    except BaseException:
+        # the executor's own table of its processes (private; shutdown() drops it)
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        _stop_workers(procs)
+        raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+_DRAIN_S = 60.0
+"""After an error, how long the tasks already running get to finish (a shard being written
+commits or aborts) before their workers are killed: a hung worker must not hold the error."""
+
+
+def _stop_workers(procs: list[Any]) -> None:
+    """Wait up to :data:`_DRAIN_S` for the workers ``procs`` of a pool being shut down to
+    exit, then SIGKILL those still running, and wait for them to be gone. Waits on each
+    process's sentinel, which never reaps it, so a pid killed here is still that worker.
+    (Without the executor's table, ``procs`` is empty and the caller's shutdown waits, as
+    before.)"""
+    running = _wait_exit(procs, _DRAIN_S)
+    for p in running:
+        log.warning(
+            "worker process %d still running %.3g s after the error; killed", p.pid, _DRAIN_S
+        )
+        p.kill()
+    _wait_exit(running, 5.0)  # a SIGKILL takes effect asynchronously
+
+
+def _wait_exit(procs: list[Any], seconds: float) -> list[Any]:
+    """Wait up to ``seconds`` for every process of ``procs`` to exit; those still running."""
+    pending = {p.sentinel: p for p in procs}
+    deadline = time.monotonic() + seconds
+    while pending and (left := deadline - time.monotonic()) > 0:
+        for ready in wait_any(list(pending), left):
+            pending.pop(ready)
+    return list(pending.values())
 
 
 def worker_died(what: str, broken: BaseException) -> WorkerDied:
