@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -74,6 +75,10 @@ def test_after_an_error_a_hung_task_gets_a_deadline_then_its_worker_is_killed(
     r, w = os.pipe()
     try:
         pid = _hold_then_fail(w, r)
+        # killed, its files closed (its sentinel); it leaves the process table a moment later
+        gone = time.monotonic() + 30
+        while is_alive(pid) and time.monotonic() < gone:
+            time.sleep(0.01)
         assert not is_alive(pid)
     finally:
         os.close(r)
