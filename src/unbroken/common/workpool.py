@@ -81,8 +81,9 @@ def process_pool(
     except BaseException:
         # the executor's own table of its processes (private; shutdown() drops it)
         procs = list((getattr(pool, "_processes", None) or {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        _stop_workers(procs)
+        if procs:  # without the table, the shutdown below waits for the running tasks
+            pool.shutdown(wait=False, cancel_futures=True)
+            _stop_workers(procs)
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -96,9 +97,7 @@ commits or aborts) before their workers are killed: a hung worker must not hold 
 def _stop_workers(procs: list[Any]) -> None:
     """Wait up to :data:`_DRAIN_S` for the workers ``procs`` of a pool being shut down to
     exit, then SIGKILL those still running, and wait for them to be gone. Waits on each
-    process's sentinel, which never reaps it, so a pid killed here is still that worker.
-    (Without the executor's table, ``procs`` is empty and the caller's shutdown waits, as
-    before.)"""
+    process's sentinel, which never reaps it, so a pid killed here is still that worker."""
     running = _wait_exit(procs, _DRAIN_S)
     for p in running:
         log.warning(
