@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from unbroken.common import workpool
-from unbroken.common.procs import children_of, is_alive
+from unbroken.common.procs import _stat, children_of, is_alive
 from unbroken.common.workpool import WorkerDied, process_pool
 from unbroken.data.manifest import MANIFEST_NAME
 from unbroken.data.prepare.pack import index_directory, pack
@@ -114,12 +114,8 @@ def test_workers_get_the_default_sigterm_and_the_env_which_the_caller_does_not_k
 
 
 def _cpu_ticks(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return -1
-    return int(fields[11]) + int(fields[12])  # utime + stime
+    fields = _stat(pid)  # /proc/<pid>/stat after the command name, as procs reads it
+    return -1 if fields is None or len(fields) < 13 else int(fields[11]) + int(fields[12])
 
 
 class _KillABusyWorker:
