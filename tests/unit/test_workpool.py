@@ -3,19 +3,17 @@
 A worker killed mid-run (the kernel's out-of-memory killer sends SIGKILL) must fail the
 command by name within seconds and lose nothing committed: ``multiprocessing.Pool`` forked a
 replacement and waited for the lost task's result forever (``unbroken tokenize`` hung so when
-one of its workers was SIGKILLed, 2026-12-05).
-
-Not proved here: a tokenize worker killed while it is *sending* a chunk's result (~1 MiB)
-leaves a torn message in the executor's one result pipe, and its manager thread then waits for
-the rest for good (seen once in CI, 2026-12-05): tokenize still hangs in that case. The pack and
-index workers' results are a few hundred bytes, one atomic pipe write, so those tests cannot
-meet it."""
+one of its workers was SIGKILLed, 2026-12-05), and ``ProcessPoolExecutor`` waited for the
+rest of a result torn in its one shared result pipe forever (a tokenize worker killed while
+sending a chunk's ~1 MiB of tokens, seen in CI, 2026-12-05)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
@@ -27,8 +25,9 @@ import pytest
 from unbroken.common import workpool
 from unbroken.common.procs import _stat, children_of, is_alive
 from unbroken.common.workpool import WorkerDied, process_pool
-from unbroken.data.manifest import MANIFEST_NAME
+from unbroken.data.manifest import MANIFEST_NAME, DatasetManifest
 from unbroken.data.prepare.pack import index_directory, pack
+from unbroken.data.tokens.tokenizer import tokenize
 
 pytestmark = pytest.mark.timeout(120)  # a hang is the defect these tests guard against
 
@@ -60,6 +59,78 @@ def test_a_worker_killed_mid_task_fails_its_task_and_the_pool_still_ends() -> No
     finally:
         os.close(r)
         os.close(w)
+
+
+def _bytes_read() -> int:
+    """What this process has read so far (every thread, /proc/self/io's ``rchar``)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def _report_then_return(fd: int, n: int) -> bytes:
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return bytes(n)
+
+
+def test_a_worker_killed_while_sending_its_result_fails_its_task_and_the_pool_still_ends() -> None:
+    """The torn message: a 256 MiB result, its worker killed once 16 MiB of it has been read.
+    ``ProcessPoolExecutor`` (shared result pipe) hung here: the task never failed and the
+    shutdown never returned (checked 2026-12-05 under a 90 s timeout)."""
+    r, w = os.pipe()
+    try:
+        with process_pool(2) as pool:
+            before = _bytes_read()
+            fut = pool.submit(_report_then_return, w, 256 << 20)
+            pid = int(os.read(r, 64).split()[0])
+            while _bytes_read() - before < (16 << 20) and not fut.done():
+                time.sleep(0.0005)  # polling a counter, not waiting for an event
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(
+                BrokenProcessPool, match=f"worker process {pid} was killed by SIGKILL"
+            ):
+                fut.result(timeout=60)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _fail(x: int) -> None:
+    raise KeyError(f"no key {x}")
+
+
+def test_a_tasks_own_error_reaches_its_caller_with_the_workers_traceback() -> None:
+    with process_pool(2) as pool:
+        fut = pool.submit(_fail, 7)
+        with pytest.raises(KeyError, match="no key 7") as e:
+            fut.result(timeout=60)
+        assert "_fail" in str(e.value.__cause__)  # the traceback as the worker saw it
+        assert list(pool.map(abs, [-1, -2, -3])) == [1, 2, 3]  # the pool is not broken
+
+
+_ORPHAN = """
+import os, signal, sys, time
+from unbroken.common.procs import children_of
+from unbroken.common.workpool import process_pool
+with process_pool(2) as pool:
+    assert pool.submit(abs, -1).result() == 1
+    print(*children_of(os.getpid()), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_workers_end_when_their_caller_is_killed() -> None:
+    """Each pipe's far end lives in one process only, so a worker reads end-of-file when
+    its caller is gone instead of waiting for a task for good."""
+    out = subprocess.run(
+        [sys.executable, "-c", _ORPHAN], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    workers = [int(p) for p in out.stdout.split()]
+    assert len(workers) == 2
+    gone = time.monotonic() + 30
+    while any(is_alive(p) for p in workers) and time.monotonic() < gone:
+        time.sleep(0.01)
+    assert not any(is_alive(p) for p in workers)
 
 
 def _hold_then_fail(w: int, r: int) -> int:
@@ -141,6 +212,38 @@ class _KillABusyWorker:
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         self.thread.join()
+
+
+_WORDS = np.array("the cat sat on a mat while dogs ran far away".split())
+
+
+def _corpus(path: str, n: int) -> str:
+    rng = np.random.default_rng(0)
+    with open(path, "w") as f:
+        for _ in range(n):
+            f.write(json.dumps({"text": " ".join(rng.choice(_WORDS, 60))}) + "\n")
+    return path
+
+
+def test_a_worker_killed_mid_tokenize_fails_the_run_by_name_and_a_rerun_completes(
+    tmp_path: str,
+) -> None:
+    small = _corpus(os.path.join(tmp_path, "small.jsonl"), 300)
+    tokenize(small, os.path.join(tmp_path, "bpe"), train_bpe_vocab=300, workers=1, progress=False)
+    tok = os.path.join(tmp_path, "bpe", "tokenizer.json")
+    big = _corpus(os.path.join(tmp_path, "big.jsonl"), 50_000)
+    out = os.path.join(tmp_path, "out")
+    with _KillABusyWorker() as killer, pytest.raises(WorkerDied) as e:
+        tokenize(big, out, tokenizer=tok, workers=2, progress=False)
+    assert killer.killed is not None
+    assert "big.jsonl:" in str(e.value) and "Run the command again" in str(e.value)
+    assert not os.path.exists(os.path.join(out, MANIFEST_NAME))
+    again = tokenize(big, out, tokenizer=tok, workers=2, progress=False)
+    clean = tokenize(big, os.path.join(tmp_path, "clean"), tokenizer=tok, workers=1, progress=False)
+    assert again.documents == clean.documents == 50_000
+    assert [s.checksum for s in DatasetManifest.load(out).shards] == [
+        s.checksum for s in DatasetManifest.load(os.path.join(tmp_path, "clean")).shards
+    ]
 
 
 def test_a_worker_killed_mid_pack_fails_the_run_by_name_and_a_rerun_completes(
