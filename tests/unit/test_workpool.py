@@ -161,6 +161,175 @@ def test_after_an_error_a_hung_task_gets_a_deadline_then_its_worker_is_killed(
         os.close(w)
 
 
+def _refuse() -> None:
+    raise ValueError("this argument does not unpickle in a worker")
+
+
+class _BadInWorker:
+    """Pickles in the caller; unpickling it raises (a ``__setstate__`` that refuses)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _refuse, ()
+
+
+def test_a_task_that_does_not_unpickle_in_its_worker_fails_alone() -> None:
+    """Before: the worker died of it, so every task failed and the error blamed the
+    out-of-memory killer."""
+    with process_pool(2) as pool:
+        bad = pool.submit(abs, _BadInWorker())
+        with pytest.raises(ValueError, match="does not unpickle"):
+            bad.result(timeout=60)
+        assert list(pool.map(abs, [-1, -2, -3, -4])) == [1, 2, 3, 4]
+
+
+def test_a_callback_of_a_task_cancelled_at_shutdown_may_call_the_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: ``shutdown`` cancelled the queued tasks under the pool's lock, and a done
+    callback that submits (keep-N-in-flight code) waited for that lock for good."""
+    monkeypatch.setattr(workpool, "_DRAIN_S", 0.5)  # the holding task is killed after it
+    said: list[str] = []
+    r, w = os.pipe()
+    try:
+        with pytest.raises(ValueError, match="the caller's own"), process_pool(1) as pool:
+            futs = [pool.submit(_report_and_hold, w)]  # holds the one worker
+            futs += [pool.submit(abs, -i) for i in range(3)]  # one more sent, two queued
+            os.read(r, 64)
+
+            def again(_: object) -> None:
+                try:
+                    pool.submit(abs, -1)
+                except RuntimeError as e:
+                    said.append(str(e))
+
+            futs[-1].add_done_callback(again)
+            raise ValueError("the caller's own error")
+    finally:
+        os.close(r)
+        os.close(w)
+    assert futs[-1].cancelled()
+    assert said == ["cannot submit a task to a worker pool being shut down"]
+
+
+class _Tick(Exception):
+    pass
+
+
+def _lines_of_submit() -> list[int]:
+    """The lines of ``workpool.py`` that ``submit`` runs in the caller's thread."""
+    seen: set[int] = set()
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != workpool.__file__:
+            return None
+        if event == "line":
+            seen.add(frame.f_lineno)
+        return trace
+
+    with process_pool(2) as pool:
+        sys.settrace(trace)
+        try:
+            futs = [pool.submit(abs, -i) for i in range(8)]
+        finally:
+            sys.settrace(None)
+        assert [f.result(timeout=60) for f in futs] == list(range(8))
+    return sorted(seen)
+
+
+def _raise_once_at(line: int, hit: list[bool]) -> Any:
+    """A trace function raising :class:`_Tick` the first time ``workpool.py:line`` runs."""
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != workpool.__file__:
+            return None
+        if event == "line" and frame.f_lineno == line and not hit[0]:
+            hit[0] = True
+            raise _Tick(line)
+        return trace
+
+    return trace
+
+
+def test_an_exception_at_any_line_of_submit_never_gives_a_task_another_ones_result() -> None:
+    """A signal handler that raises (Ctrl-C's) runs in the caller's thread, between any two
+    statements of ``submit``. Here an exception is raised at each line ``submit`` runs, in
+    turn (a trace function, in this thread only), from the 3rd of 8 submits on. Before, one
+    landing between recording a task as sent to a worker and sending it shifted that
+    worker's later results onto the futures before theirs, and one future never completed.
+    The caller's thread now only queues; the reader thread, where no handler runs, sends."""
+    lines = _lines_of_submit()
+    raised = []
+    for line in lines:
+        hit = [False]
+        trace = _raise_once_at(line, hit)
+        with process_pool(2) as pool:
+            futs = {}
+            for i in range(8):
+                if i >= 2 and not hit[0]:
+                    sys.settrace(trace)
+                try:
+                    futs[i] = pool.submit(abs, -i)
+                except _Tick:
+                    pass
+                finally:
+                    sys.settrace(None)
+            got = {i: f.result(timeout=30) for i, f in futs.items()}
+            assert got == {i: i for i in futs}, f"an exception at workpool.py:{line}"
+        if hit[0]:
+            raised.append(line)
+    assert len(raised) >= 5, (lines, raised)  # every statement of submit's one path
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_an_error_while_the_workers_start_leaves_none_running() -> None:
+    """Ctrl-C (here an alarm's handler) while the workers run a slow ``init``: before, they
+    outlived the error, and an interpreter exiting on it waited for them for good."""
+
+    def tick(*_: object) -> None:
+        raise _Tick
+
+    before = set(children_of(os.getpid()))
+    previous = signal.signal(signal.SIGUSR1, tick)
+    try:
+        timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.start()
+        with pytest.raises(_Tick), process_pool(2, _sleep, (60.0,)):
+            pass
+        timer.join()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    left = [p for p in children_of(os.getpid()) if p not in before and is_alive(p)]
+    assert left == []  # killed and reaped before the error left the pool
+
+
+def test_an_error_of_pack_with_a_task_hung_ends_within_the_pools_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``pack``'s driver waited, unbounded, for every shard in flight before the pool's
+    error path (``_DRAIN_S``, then SIGKILL) could run: a hung worker held the error for good."""
+    from unbroken.data.prepare.pack import _drive
+
+    monkeypatch.setattr(workpool, "_DRAIN_S", 0.5)
+
+    def on_done(i: int, info: object, kept: bool) -> None:
+        raise OSError(f"disk full while recording shard {i}")
+
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match="disk full"), process_pool(2) as pool:
+        # the second shard's task hangs; recording the first one's result fails
+        seconds: list[Any] = [0.01, 3600.0, 0.01]  # stand-ins for the shards' tasks
+        _drive(iter(seconds), lambda t: pool.submit(_hang_or_shard, t), 4, on_done)
+    assert time.monotonic() - t0 < 30
+
+
+def _hang_or_shard(seconds: float) -> tuple[int, None, bool]:
+    time.sleep(seconds)
+    return 0, None, False
+
+
 def test_a_worker_dead_while_starting_is_named_as_such() -> None:
     with (
         pytest.raises(WorkerDied, match=r"^starting the worker processes: a worker process"),

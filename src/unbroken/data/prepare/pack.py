@@ -267,10 +267,9 @@ def _drive(
             pending.popleft()
     except BrokenProcessPool as e:
         raise worker_died(pending[0][0].path if pending else "pack", e) from None
-    finally:
-        for _, f in pending:  # an error: let in-flight writers finish or abort before returning
-            with contextlib.suppress(BaseException):
-                f.result()
+    # On an error the shards in flight finish or abort in the pool's (or the thread
+    # executor's) shutdown, bounded there (workpool._DRAIN_S); waiting for them here, with
+    # no bound and every Ctrl-C swallowed, could hold the error for good behind a hung task.
 
 
 class _Done:
