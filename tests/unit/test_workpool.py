@@ -99,12 +99,15 @@ def _fail(x: int) -> None:
 
 
 def test_a_tasks_own_error_reaches_its_caller_with_the_workers_traceback() -> None:
+    before = set(children_of(os.getpid()))
     with process_pool(2) as pool:
         fut = pool.submit(_fail, 7)
         with pytest.raises(KeyError, match="no key 7") as e:
             fut.result(timeout=60)
         assert "_fail" in str(e.value.__cause__)  # the traceback as the worker saw it
         assert list(pool.map(abs, [-1, -2, -3])) == [1, 2, 3]  # the pool is not broken
+    # ended and reaped by the time the pool is left: no zombie waits for a later reaping
+    assert set(children_of(os.getpid())) - before == set()
 
 
 _ORPHAN = """
