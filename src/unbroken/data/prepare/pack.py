@@ -267,9 +267,10 @@ def _drive(
             pending.popleft()
     except BrokenProcessPool as e:
         raise worker_died(pending[0][0].path if pending else "pack", e) from None
-    # On an error the shards in flight finish or abort in the pool's (or the thread
-    # executor's) shutdown, bounded there (workpool._DRAIN_S); waiting for them here, with
-    # no bound and every Ctrl-C swallowed, could hold the error for good behind a hung task.
+    # On an error the shards in flight finish or abort in the shutdown of the process pool
+    # (bounded: workpool._DRAIN_S, then SIGKILL) or of the thread executor (its one publish);
+    # waiting for them here, unbounded and swallowing every Ctrl-C, held the error for good
+    # behind a hung worker.
 
 
 class _Done:
