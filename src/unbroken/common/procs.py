@@ -28,6 +28,7 @@ __all__ = [
     "maps_address",
     "parent_of",
     "pids_with_env",
+    "signal_name",
     "proc_state",
     "signal_if_tagged",
 ]
@@ -63,6 +64,14 @@ def proc_state(pid: int) -> str | None:
     """The one-letter state from ``/proc/<pid>/stat`` (R, S, D, T, Z, ...), None if gone."""
     fields = _stat(pid)
     return None if fields is None else fields[0][:1].decode("ascii", "replace")
+
+
+def signal_name(signum: int) -> str:
+    """``"SIGKILL"`` for 9; ``"signal 64"`` for a number without a name here."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def is_alive(pid: int) -> bool:

@@ -51,6 +51,8 @@ from multiprocessing.connection import wait as wait_any
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from unbroken.common.procs import signal_name
+
 __all__ = ["WorkerDied", "WorkerPool", "process_pool", "worker_died"]
 
 log = logging.getLogger(__name__)
@@ -425,9 +427,7 @@ def _ending(proc: Any) -> str:
     if code is None:
         return "ended"
     if code < 0:
-        with contextlib.suppress(ValueError):
-            return f"was killed by {signal.Signals(-code).name}"
-        return f"was killed by signal {-code}"
+        return f"was killed by {signal_name(-code)}"
     return f"exited with status {code}"
 
 

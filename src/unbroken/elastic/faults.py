@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from unbroken.common.procs import signal_name
 from unbroken.common.text import printable
 
 __all__ = [
@@ -244,12 +245,7 @@ class WorkerFailure:
 
     @property
     def signal_name(self) -> str | None:
-        if self.exitcode >= 0:
-            return None
-        try:
-            return signal.Signals(-self.exitcode).name
-        except ValueError:
-            return f"signal {-self.exitcode}"
+        return None if self.exitcode >= 0 else signal_name(-self.exitcode)
 
     @property
     def collateral(self) -> bool:
@@ -325,11 +321,7 @@ class WorkerExit:
         if self.exitcode is None:
             return f"{who} ended with an unknown status (its fork server died)"
         if self.exitcode < 0:
-            try:
-                name = signal.Signals(-self.exitcode).name
-            except ValueError:
-                name = f"signal {-self.exitcode}"
-            return f"{who} (pid {self.pid}) died of {name}"
+            return f"{who} (pid {self.pid}) died of {signal_name(-self.exitcode)}"
         return f"{who} (pid {self.pid}) exited with code {self.exitcode}"
 
 

@@ -36,7 +36,7 @@ from typing import Any
 from unbroken.common import events, memdir
 from unbroken.common.events import load_events
 from unbroken.common.fs import atomic_write_bytes, private_dir
-from unbroken.common.procs import is_alive, proc_state
+from unbroken.common.procs import is_alive, proc_state, signal_name
 from unbroken.elastic import faults, heartbeat, recovery
 from unbroken.elastic.faults import Action, Classification, Evidence, FaultClass, RestartPolicy
 from unbroken.elastic.launch.attempt import DEFAULT_PRELOAD, ENV_TOKEN, Attempt, worker_command
@@ -539,7 +539,7 @@ class Supervisor:
         if rc == 0:
             return _Outcome("success", 0)
         kind = "agent_lost" if rc < 0 else "exit"
-        detail = f"torchrun killed by {_signame(-rc)}" if rc < 0 else ""
+        detail = f"torchrun killed by {signal_name(-rc)}" if rc < 0 else ""
         first = att.failure()
         # The failure happened when the first rank failed; torchrun's teardown of the others
         # (and its exit) is already part of the relaunch.
@@ -724,12 +724,12 @@ class Supervisor:
         now = time.time()
         log.warning(
             "%s received: asking the job to save and stop (up to %g s)",
-            _signame(self._signal or signal.SIGTERM),
+            signal_name(self._signal or signal.SIGTERM),
             self.cfg.shutdown_timeout,
         )
         rc = att.terminate(self.cfg.shutdown_timeout + 5.0)
         att.kill()
-        return _Outcome("preempted", rc, now, now, f"{_signame(self._signal or 15)} received")
+        return _Outcome("preempted", rc, now, now, f"{signal_name(self._signal or 15)} received")
 
     # --- failures ------------------------------------------------------------------------
 
@@ -1037,13 +1037,6 @@ class Supervisor:
 _EXIT_BARRIER = 300.0
 """Seconds torchrun's agent waits for the other nodes' agents after its workers succeeded
 (``LocalElasticAgent``'s ``exit_barrier_timeout``)."""
-
-
-def _signame(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
 
 
 def run(command: Sequence[str], **kwargs: Any) -> int:
