@@ -404,8 +404,8 @@ def process_pool(
 ) -> Iterator[WorkerPool]:
     """``workers`` processes, each running ``init(*initargs)`` first, started before this
     returns with ``env`` set in their environment (and in this process only while they are
-    forked). Shut down on exit: tasks not started are cancelled, running ones finish (after
-    an error, within :data:`_DRAIN_S`)."""
+    forked). Shut down on exit: tasks not yet sent to a worker are cancelled, the ones sent
+    (at most :data:`_DEPTH` a worker) finish (after an error, within :data:`_DRAIN_S`)."""
     pool = WorkerPool(workers, init, initargs, env=env)
     try:
         yield pool
